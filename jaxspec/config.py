@@ -1,0 +1,187 @@
+"""Model configuration: one frozen, hashable dataclass, so it can be a static argument of `jax.jit`.
+
+It covers the Llama family (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) and is built
+from a Hugging Face `config.json` dict or from GGUF metadata (see `jaxspec.loaders`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxspec.errors import JaxspecError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE frequencies: `default`, `linear`, `llama3` or `yarn` (the names and formulas of HF)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 0  # llama3 / yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: scales cos/sin; None derives it from factor
+    truncate: bool = True  # yarn
+
+    def inverse_frequencies(self, head_dim: int) -> tuple[np.ndarray, float]:
+        """Returns (inv_freq [head_dim // 2] float64, cos/sin scale), computed once on the host."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+        inv_freq = 1.0 / self.theta**exponents
+        if self.kind == "default":
+            return inv_freq, 1.0
+        if self.kind == "linear":
+            return inv_freq / self.factor, 1.0
+        if self.kind == "llama3":
+            low_wavelen = self.original_max_position / self.low_freq_factor
+            high_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return np.where(medium, smoothed, scaled), 1.0
+        if self.kind == "yarn":
+            return self._yarn(inv_freq, head_dim)
+        raise JaxspecError(f"unsupported rope scaling type {self.kind!r}")
+
+    def _yarn(self, inv_freq: np.ndarray, head_dim: int) -> tuple[np.ndarray, float]:
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta)
+            )
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = inv_freq / self.factor * (1 - extrapolation) + inv_freq * extrapolation
+        scale = self.attention_factor
+        if scale is None:
+            scale = 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        return inv, float(scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder; `dtype` is the parameter and KV-cache dtype."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise JaxspecError(
+                f"unsupported architecture {self.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise JaxspecError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise JaxspecError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict, dtype: str = "bfloat16") -> ModelConfig:
+        """Builds the config from a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise JaxspecError(
+                f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        try:
+            heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                model_type=model_type,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                intermediate_size=int(hf["intermediate_size"]),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope=rope_from_hf(hf),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                dtype=dtype,
+            )
+        except KeyError as e:
+            raise JaxspecError(f"config.json is missing {e.args[0]!r}") from None
+
+
+def rope_from_hf(hf: dict) -> RopeConfig:
+    """Reads `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (transformers 4)."""
+    params = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        params = {**hf["rope_scaling"], **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind not in ("linear", "llama3", "yarn"):
+        raise JaxspecError(f"unsupported rope scaling type {kind!r}")
+    original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 0)
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if kind == "yarn" and attention_factor is None and mscale and mscale_all_dim:
+
+        def get_mscale(scale: float, m: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(factor),
+        original_max_position=int(original),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )

@@ -1,0 +1,46 @@
+"""Real local text for long-context prompts: the Python documentation that ships with CPython.
+
+`pydoc_data.topics` (about 490 KB of English reference text, 79 topics) exists wherever Python does,
+the GPU machine included, so tests and benchmarks build long prompts from real text without
+downloading anything. Prompts are documents plus a question or a continuation request.
+"""
+
+from __future__ import annotations
+
+from pydoc_data.topics import topics
+
+from jaxspec.tokenizer import Tokenizer
+
+TASKS = {
+    "question": "Using only the documentation above, explain what the section titled {title!r} describes, with an example.",
+    "summary": "Summarize the documentation above in five bullet points.",
+    "continue": "Continue the last section of the documentation above for a few more paragraphs, in the same style.",
+}
+
+
+def documents() -> list[str]:
+    """The documentation topics, largest first (a fixed order)."""
+    return [topics[name].strip() for name in sorted(topics, key=lambda name: (-len(topics[name]), name))]
+
+
+def long_prompt(tokenizer: Tokenizer, tokens: int, task: str = "question", offset: int = 0) -> str:
+    """A prompt text of at most `tokens` tokens: documents from `offset` on, cut at a line to fit, then
+    the task. (A chat template, applied by the caller, adds its own few tokens.)"""
+    docs = documents()
+    budget = tokens - len(tokenizer.encode(TASKS[task].format(title="x" * 40))) - 8
+    parts: list[str] = []
+    for i in range(len(docs)):
+        lines = docs[(offset + i) % len(docs)].splitlines()
+        fits = lambda n: len(tokenizer.encode("\n\n".join(parts + ["\n".join(lines[:n])]))) <= budget
+        if fits(len(lines)):
+            parts.append("\n".join(lines))
+            continue
+        low, high = 0, len(lines)  # the most lines of this document that still fit
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        if low:
+            parts.append("\n".join(lines[:low]))
+        break
+    title = parts[-1].splitlines()[0] if parts else "documentation"
+    return "\n\n".join(parts) + "\n\n" + TASKS[task].format(title=title)

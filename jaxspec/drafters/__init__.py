@@ -1,0 +1,27 @@
+"""KV-selection policies (and n-gram lookup), one file each, behind the interface of `base.Drafter`."""
+
+from __future__ import annotations
+
+from jaxspec.config import ModelConfig
+from jaxspec.drafters.base import Drafter
+from jaxspec.drafters.ngram import Ngram
+from jaxspec.drafters.quest import Quest
+from jaxspec.drafters.stream import Stream
+from jaxspec.drafters.vegas import AllRows, LastAccepted, Vegas
+from jaxspec.spec import SpecConfig
+
+DRAFTERS: dict[str, type[Drafter]] = {
+    "vegas": Vegas,
+    "all_rows": AllRows,
+    "last_accepted": LastAccepted,
+    "stream": Stream,
+    "quest": Quest,
+    "ngram": Ngram,
+}
+
+
+def make_drafter(spec: SpecConfig, cfg: ModelConfig, max_len: int) -> Drafter | None:
+    """The drafter of `spec.method` for contexts up to `max_len` (None for plain decoding)."""
+    if spec.method == "plain":
+        return None
+    return DRAFTERS[spec.method](spec, cfg, spec.capacity(max_len))

@@ -1,0 +1,93 @@
+"""Quest: query-aware page selection per KV head from per-page key bounds.
+
+Each 16-slot page keeps the elementwise min and max of its keys per KV head. A page's score for the
+current query is sum_d max(q_d * kmax_d, q_d * kmin_d), summed over the query heads of the group; the
+top pages per KV head are attended together with the query's own (last) page. The first two layers
+attend densely, as in the Quest paper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as kernels
+from jaxspec.drafters.base import Drafter
+from jaxspec.kvcache import KVCache
+from jaxspec.spec import PAGE
+
+DENSE_LAYERS = 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageBounds:
+    kmin: jax.Array  # [L, B, Hkv, S // PAGE, Dh]
+    kmax: jax.Array
+
+
+def _pages(k: jax.Array) -> jax.Array:
+    """[L, B, Hkv, S, Dh] -> [L, B, Hkv, S // PAGE, PAGE, Dh] (a free reshape)."""
+    L, B, H, S, D = k.shape
+    return k.reshape(L, B, H, S // PAGE, PAGE, D)
+
+
+class Quest(Drafter):
+    def init(self, cache, prompt_len):
+        pages = _pages(cache.k)
+        return PageBounds(pages.min(axis=4), pages.max(axis=4))
+
+    def after_verify(self, state, scores, cache, first_pos, num_accepted):
+        positions = first_pos[:, None] + jnp.arange(self.spec.gamma + 1, dtype=jnp.int32)
+        return self.refresh(state, cache, positions)
+
+    def after_draft_step(self, state, cache, q_pos):
+        return self.refresh(state, cache, q_pos[:, None])
+
+    def refresh(self, state: PageBounds, cache: KVCache, positions: jax.Array) -> PageBounds:
+        """Recomputes the bounds of the pages holding `positions` [B, m] (just written) in every layer."""
+        rows = jnp.arange(positions.shape[0])[:, None]
+        page = positions // PAGE
+        keys = _pages(cache.k)[:, rows, :, page]  # [B, m, L, Hkv, PAGE, Dh]
+        kmin = state.kmin.at[:, rows, :, page].set(keys.min(axis=4), mode="drop")
+        kmax = state.kmax.at[:, rows, :, page].set(keys.max(axis=4), mode="drop")
+        return PageBounds(kmin, kmax)
+
+    def attend(self, state, q_pos):
+        B = q_pos.shape[0]
+        H, G, D = self.cfg.num_kv_heads, self.cfg.group_size, self.cfg.head_dim
+        last_page = q_pos // PAGE
+        # Pages before the query's own page; the own page is the tail.
+        n_pages = jnp.minimum(-(-self.budget(q_pos + 1) // PAGE) - 1, last_page)
+        page_ids = jnp.arange(state.kmin.shape[3], dtype=jnp.int32)
+        offsets = jnp.arange(PAGE, dtype=jnp.int32)
+
+        def sparse(layer, q, cache, bounds):
+            kmin, kmax = (b.astype(jnp.float32) for b in bounds)  # [B, Hkv, P, Dh]
+            qg = q[:, 0].astype(jnp.float32).reshape(B, H, G, D)
+            # max(q*kmax, q*kmin) = q+ * kmax - q- * kmin since kmax >= kmin.
+            pos_q, neg_q = jnp.maximum(qg, 0).sum(2), jnp.maximum(-qg, 0).sum(2)
+            page_scores = jnp.einsum("bhd,bhpd->bhp", pos_q, kmax) - jnp.einsum("bhd,bhpd->bhp", neg_q, kmin)
+            page_scores = jnp.where(page_ids < last_page[:, None, None], page_scores, -jnp.inf)
+            top = kernels.select_topk(
+                page_scores, self.k_max // PAGE, jnp.maximum(n_pages, 1)[:, None], backend=self.spec.backend
+            )
+            idx = (top[..., None] * PAGE + offsets).reshape(B, H, -1)
+            return kernels.sparse_attention(
+                q[:, 0], cache.k, cache.v, layer, idx, n_pages * PAGE, last_page * PAGE, q_pos,
+                scale=self.scale, tail_capacity=PAGE, backend=self.spec.backend,
+            )[:, None]
+
+        def dense(layer, q, cache, bounds):
+            out, _, _ = kernels.verify_attention(
+                q, cache.k, cache.v, layer, q_pos[:, None], scale=self.scale, backend=self.spec.backend
+            )
+            return out
+
+        def attend(layer, q, cache, bounds):
+            out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, bounds)
+            return out, None
+
+        return attend, (state.kmin, state.kmax)

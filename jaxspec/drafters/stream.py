@@ -1,0 +1,28 @@
+"""StreamingLLM / MagicDec: 16 sink tokens plus the most recent page-aligned window.
+
+Recomputed at every draft step from the position alone; positions keep their original values.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxspec.drafters.base import Drafter
+from jaxspec.spec import PAGE
+
+SINKS = 16
+
+
+class Stream(Drafter):
+    def attend(self, state, q_pos):
+        context = q_pos + 1
+        k = self.budget(context)
+        dense = k >= context
+        # The window is whole pages plus the current partial page; it always holds the query itself.
+        window = jnp.maximum(k - SINKS, PAGE)
+        window_start = jnp.maximum(-(-(context - window) // PAGE) * PAGE, SINKS)
+        n_idx = jnp.where(dense, 0, SINKS)
+        tail_start = jnp.where(dense, 0, window_start)
+        L, B = self.cfg.num_layers, q_pos.shape[0]
+        idx = jnp.broadcast_to(jnp.arange(SINKS, dtype=jnp.int32), (L, B, 1, SINKS))
+        return self.sparse_attend(idx, n_idx, tail_start, q_pos, tail_capacity=self.k_max + PAGE)

@@ -1,0 +1,296 @@
+"""The decoding engine: prefill, then one `lax.while_loop` of draft -> verify -> accept -> update.
+
+Everything is pure and static-shaped (batch, cache length, gamma, selection capacity); lengths,
+positions and acceptance are traced, and there is no host round-trip per iteration. Rows finish
+independently (stop ids, max tokens) and finished rows stop changing.
+
+State invariant between iterations: row b has committed `length[b]` tokens; the KV cache holds every
+committed token but the last one (the pending token), whose keys the next pass writes. Plain decoding
+is the same loop with no drafts (gamma = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import model
+from jaxspec.config import ModelConfig
+from jaxspec.drafters import Drafter, make_drafter
+from jaxspec.kvcache import KVCache, init_cache
+from jaxspec.rejection import rejection_sample
+from jaxspec.sampling import SamplingConfig, sample
+from jaxspec.spec import MAX_GAMMA, SpecConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    """Per-row counters over decode iterations (the first token, sampled at prefill, is not one)."""
+
+    iterations: jax.Array  # [B]
+    drafted: jax.Array  # [B]
+    accepted: jax.Array  # [B] drafts accepted by verification
+    accepted_by_position: jax.Array  # [B, gamma]: iterations in which draft i was accepted
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    tokens: jax.Array  # [B, max_len + gamma + 1] prompt then generated tokens
+    length: jax.Array  # [B] committed tokens
+    prompt_len: jax.Array  # [B]
+    stop_len: jax.Array  # [B] length at which the row stops (prompt + max new tokens, <= max_len)
+    done: jax.Array  # [B] bool
+    stop_ids: jax.Array  # [n] token ids that end a row
+    cache: KVCache
+    drafter: Any
+    key: jax.Array
+    stats: SpecStats
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    tokens: jax.Array  # [B, max_len]: prompt, generated tokens, then padding
+    length: jax.Array  # [B]
+    prompt_len: jax.Array  # [B]
+    stats: SpecStats
+
+
+def prefill_cache(
+    params: model.Params,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    *,
+    cfg: ModelConfig,
+    max_len: int,
+    backend: str = "reference",
+    chunk: int = 256,
+) -> KVCache:
+    """A cache holding the KV of every prompt token but the last, filled `chunk` positions at a time.
+
+    prompts [B, P] are right-padded; prompt_len [B] in [1, max_len). The cache has room for max_len
+    plus any draft length, so one prefill serves every decoding method (tests and benchmarks reuse it).
+    """
+    B, P = prompts.shape
+    if P > max_len:
+        raise ValueError(f"prompts of {P} tokens do not fit max_len {max_len}")
+    cache = init_cache(cfg, B, max_len + MAX_GAMMA + 1)
+    chunk = min(chunk, P)
+    num_chunks = -(-(P - 1) // chunk)
+    padded = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (0, num_chunks * chunk - P + 1)))
+    last_slot = cache.num_slots - 1
+
+    def body(c, cache):
+        positions = jnp.broadcast_to(c * chunk + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        chunk_tokens = jax.lax.dynamic_slice_in_dim(padded, c * chunk, chunk, axis=1)
+        valid = positions < (prompt_len - 1)[:, None]
+        attend = model.dense_attend(cfg, jnp.minimum(positions, last_slot), backend)
+        _, cache, _ = model.forward(params, cfg, chunk_tokens, positions, valid, cache, attend)
+        return cache
+
+    return jax.lax.fori_loop(0, num_chunks, body, cache)
+
+
+def start(
+    params: model.Params,
+    cache: KVCache,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    key: jax.Array,
+    *,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    sampling: SamplingConfig,
+    max_len: int,
+    max_new_tokens: jax.Array | int,
+    stop_ids: jax.Array,
+) -> DecodeState:
+    """Samples each row's first token from its last prompt token, given the `prefill_cache` output.
+
+    The last prompt token runs as a one-row verification, whose attention scores seed the drafter's
+    first selection.
+    """
+    B, P = prompts.shape
+    gamma = spec.draft_len
+    drafter = make_drafter(spec, cfg, max_len)
+    tokens = jnp.zeros((B, max_len + gamma + 1), jnp.int32).at[:, :P].set(prompts.astype(jnp.int32))
+    zeros = jnp.zeros((B,), jnp.int32)
+    state = DecodeState(
+        tokens=tokens,
+        length=prompt_len.astype(jnp.int32),
+        prompt_len=prompt_len.astype(jnp.int32),
+        stop_len=jnp.minimum(prompt_len + max_new_tokens, max_len).astype(jnp.int32),
+        done=jnp.zeros((B,), bool),
+        stop_ids=jnp.asarray(stop_ids, jnp.int32).reshape(-1),
+        cache=cache,
+        drafter=drafter.init(cache, prompt_len) if drafter else (),
+        key=key,
+        stats=SpecStats(zeros, zeros, zeros, jnp.zeros((B, gamma), jnp.int32)),
+    )
+    first = _plain_step(params, cfg, spec, sampling, drafter, state)
+    return dataclasses.replace(first, stats=state.stats)
+
+
+def prefill(params, prompts, prompt_len, key, *, cfg, spec, sampling, max_len, max_new_tokens, stop_ids) -> DecodeState:
+    """`prefill_cache` then `start`."""
+    cache = prefill_cache(
+        params, prompts, prompt_len, cfg=cfg, max_len=max_len, backend=spec.backend, chunk=spec.prefill_chunk
+    )
+    return start(
+        params, cache, prompts, prompt_len, key, cfg=cfg, spec=spec, sampling=sampling,
+        max_len=max_len, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+    )
+
+
+def decode(
+    params: model.Params,
+    state: DecodeState,
+    *,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    sampling: SamplingConfig,
+    max_len: int,
+    max_iterations: jax.Array | int | None = None,
+) -> DecodeState:
+    """Iterates until every row is done (or `max_iterations` more iterations, to run in segments)."""
+    drafter = make_drafter(spec, cfg, max_len)
+    step = _plain_step if drafter is None else _spec_step
+    limit = jnp.iinfo(jnp.int32).max if max_iterations is None else max_iterations
+
+    def cond(carry):
+        state, i = carry
+        return jnp.any(~state.done) & (i < limit)
+
+    def body(carry):
+        state, i = carry
+        return step(params, cfg, spec, sampling, drafter, state), i + 1
+
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state
+
+
+def finish(state: DecodeState, max_len: int) -> GenerateOutput:
+    return GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, state.stats)
+
+
+def generate(
+    params: model.Params,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    key: jax.Array,
+    *,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    sampling: SamplingConfig,
+    max_len: int,
+    max_new_tokens: jax.Array | int,
+    stop_ids: jax.Array,
+) -> GenerateOutput:
+    """Prefill and decode in one traceable function (jit it, or call it inside your own jit)."""
+    state = prefill(
+        params, prompts, prompt_len, key, cfg=cfg, spec=spec, sampling=sampling,
+        max_len=max_len, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+    )
+    state = decode(params, state, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
+    return finish(state, max_len)
+
+
+def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: DecodeState) -> DecodeState:
+    """One token per row: a one-row verification of the pending token, then a draw from the target."""
+    logits, cache, scores = _verify(params, cfg, spec, drafter, state, None)
+    key, sub = jax.random.split(state.key)
+    token, _ = sample(sub, logits[:, 0], sampling)
+    num_accepted = jnp.zeros_like(state.length)
+    return _commit(state, cache, key, token[:, None], num_accepted, drafter, scores)
+
+
+def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState) -> DecodeState:
+    """Draft gamma tokens, verify them in one pass, accept exactly, update the selection."""
+    key, draft_key, accept_key = jax.random.split(state.key, 3)
+    if drafter.uses_model:
+        drafts, draft_probs, state = _draft(params, cfg, sampling, drafter, state, draft_key)
+    else:
+        drafts, draft_probs = drafter.propose(state.tokens, state.length), None
+    logits, cache, scores = _verify(params, cfg, spec, drafter, state, drafts)
+    num_accepted, tokens = rejection_sample(accept_key, drafts, draft_probs, logits, sampling)
+    return _commit(state, cache, key, tokens, num_accepted, drafter, scores)
+
+
+def _draft(params, cfg, sampling, drafter, state, key):
+    """gamma single-token steps of the target model with the drafter's sparse attention."""
+    B = state.length.shape[0]
+    first = state.length - 1
+    pending = _pending(state)
+
+    def step(carry, i):
+        token, cache, dstate, key = carry
+        q_pos = first + i
+        attend, layer_xs = drafter.attend(dstate, q_pos)
+        hidden, cache, _ = model.forward(
+            params, cfg, token[:, None], q_pos[:, None], jnp.ones((B, 1), bool), cache, attend, layer_xs
+        )
+        key, sub = jax.random.split(key)
+        token, probs = sample(sub, model.logits(params, cfg, hidden[:, 0]), sampling)
+        dstate = drafter.after_draft_step(dstate, cache, q_pos)
+        return (token, cache, dstate, key), (token, None if sampling.greedy else probs)
+
+    carry = (pending, state.cache, state.drafter, key)
+    (_, cache, dstate, _), (drafts, probs) = jax.lax.scan(step, carry, jnp.arange(drafter.spec.gamma))
+    probs = None if probs is None else jnp.swapaxes(probs, 0, 1)
+    return drafts.T, probs, dataclasses.replace(state, cache=cache, drafter=dstate)
+
+
+def _verify(params, cfg, spec, drafter, state, drafts):
+    """Full attention over the pending token and the drafts; float32 logits [B, T, V]."""
+    pending = _pending(state)[:, None]
+    rows = pending if drafts is None else jnp.concatenate([pending, drafts], axis=1)
+    T = rows.shape[1]
+    positions = (state.length - 1)[:, None] + jnp.arange(T, dtype=jnp.int32)
+    collect = None if drafter is None else drafter.collect(T)
+    attend = model.dense_attend(cfg, positions, spec.backend, collect)
+    hidden, cache, scores = model.forward(params, cfg, rows, positions, jnp.ones_like(rows, bool), state.cache, attend)
+    return model.logits(params, cfg, hidden), cache, scores
+
+
+def _pending(state: DecodeState) -> jax.Array:
+    return jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)[:, 0]
+
+
+def _commit(state, cache, key, tokens, num_accepted, drafter, scores) -> DecodeState:
+    """Appends the emitted tokens (accepted drafts + one target token), cut at a stop id or the row's limit."""
+    B, T = tokens.shape
+    n = state.length
+    i = jnp.arange(T, dtype=jnp.int32)
+    emitted = i[None, :] <= num_accepted[:, None]
+    is_stop = jnp.isin(tokens, state.stop_ids) & emitted
+    stop_at = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1), T)
+    active = ~state.done
+    count = jnp.minimum(jnp.minimum(num_accepted + 1, stop_at + 1), state.stop_len - n)
+    count = jnp.where(active, count, 0)
+    slots = jnp.where(i[None, :] < count[:, None], n[:, None] + i, state.tokens.shape[1])
+    rows = jnp.arange(B)[:, None]
+    new_tokens = state.tokens.at[rows, slots].set(tokens, mode="drop")
+    length = n + count
+    done = state.done | (active & ((stop_at < count) | (length >= state.stop_len)))
+
+    stats = state.stats
+    gamma = stats.accepted_by_position.shape[1]
+    add = active.astype(jnp.int32)
+    stats = SpecStats(
+        iterations=stats.iterations + add,
+        drafted=stats.drafted + add * gamma,
+        accepted=stats.accepted + add * num_accepted,
+        accepted_by_position=stats.accepted_by_position
+        + (active[:, None] & (jnp.arange(gamma)[None, :] < num_accepted[:, None])).astype(jnp.int32),
+    )
+    dstate = state.drafter
+    if drafter is not None:
+        dstate = drafter.after_verify(dstate, scores, cache, n - 1, num_accepted)
+    return dataclasses.replace(
+        state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
+    )

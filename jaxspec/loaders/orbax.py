@@ -1,0 +1,71 @@
+"""jaxspec checkpoints: an orbax PyTree checkpoint of the params plus the config and tokenizer files.
+
+Layout of a checkpoint directory (written by `python -m jaxspec.convert`):
+    params/               orbax StandardCheckpointer output (the params pytree, at the saved dtype)
+    jaxspec_config.json   the ModelConfig as JSON
+    tokenizer.json, tokenizer_config.json   see `Tokenizer.save`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from jaxspec.config import ModelConfig, RopeConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.model import Params, param_shapes
+from jaxspec.tokenizer import Tokenizer
+
+CONFIG_FILE = "jaxspec_config.json"
+PARAMS_DIR = "params"
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file()
+
+
+def config_to_json(cfg: ModelConfig) -> str:
+    return json.dumps(dataclasses.asdict(cfg), indent=1)
+
+
+def config_from_json(text: str) -> ModelConfig:
+    fields = json.loads(text)
+    fields["rope"] = RopeConfig(**fields["rope"])
+    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    return ModelConfig(**fields)
+
+
+def save(path: Path, cfg: ModelConfig, params: Params, tokenizer: Tokenizer) -> None:
+    """Writes a checkpoint into the existing, empty directory `path`."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path.absolute() / PARAMS_DIR, params)
+        checkpointer.wait_until_finished()
+    (path / CONFIG_FILE).write_text(config_to_json(cfg))
+    tokenizer.save(path)
+
+
+def load(path: Path, dtype: str) -> tuple[ModelConfig, Params, Tokenizer]:
+    """Restores the params onto the default device at the saved dtype, then casts to `dtype`."""
+    try:
+        saved = config_from_json((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise JaxspecError(f"cannot read {path / CONFIG_FILE}: {e}") from None
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(saved.dtype), sharding=device),
+        param_shapes(saved),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(path.absolute() / PARAMS_DIR, target)
+    except Exception as e:  # orbax/tensorstore raise many types for missing or damaged files
+        raise JaxspecError(f"cannot restore orbax checkpoint {path / PARAMS_DIR}: {str(e).splitlines()[0]}") from None
+    cfg = saved.replace(dtype=dtype)
+    params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
+    return cfg, params, Tokenizer.from_saved(path)

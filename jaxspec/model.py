@@ -1,0 +1,179 @@
+"""The decoder: pure functions over a params pytree, one `lax.scan` over stacked layers.
+
+Params layout (x @ W convention; L = num_layers, D = hidden, F = intermediate, Dh = head_dim):
+    embed [V, D], final_norm [D], lm_head [D, V] (absent when embeddings are tied),
+    layers: attn_norm [L, D], wq [L, D, Hq*Dh], wk/wv [L, D, Hkv*Dh], wo [L, Hq*Dh, D],
+            bq [L, Hq*Dh], bk/bv [L, Hkv*Dh] (qkv_bias only), q_norm/k_norm [L, Dh] (qk_norm only),
+            mlp_norm [L, D], w_gate/w_up [L, D, F], w_down [L, F, D].
+
+The forward writes the new tokens' keys and values into the KV cache and then calls an injected
+`attend` function, so prefill, plain decoding, verification (with score collection) and sparse
+drafting share one model and differ only in how attention reads the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as attention
+from jaxspec.config import ModelConfig
+from jaxspec.kvcache import KVCache, init_cache
+
+Params = dict[str, Any]
+# attend(layer, q [B,T,Hq,Dh], cache, layer_x) -> (out [B,T,Hq,Dh], layer_y)
+AttendFn = Callable[[jax.Array, jax.Array, KVCache, Any], tuple[jax.Array, Any]]
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The exact shapes of a params pytree for `cfg` (loaders and tests check against it)."""
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = {
+        "attn_norm": (L, D),
+        "wq": (L, D, q_dim),
+        "wk": (L, D, kv_dim),
+        "wv": (L, D, kv_dim),
+        "wo": (L, q_dim, D),
+        "mlp_norm": (L, D),
+        "w_gate": (L, D, F),
+        "w_up": (L, D, F),
+        "w_down": (L, F, D),
+    }
+    if cfg.qkv_bias:
+        layers.update(bq=(L, q_dim), bk=(L, kv_dim), bv=(L, kv_dim))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random weights (normal * scale, norms near 1) at the config's shapes, e.g. Qwen3-8B for latency."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(key, len(flat))
+    dtype = jnp.dtype(cfg.dtype)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def make(k, shape, is_norm):
+        noise = jax.random.normal(k, shape, jnp.float32)
+        return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
+
+    leaves = [make(k, shape, "norm" in jax.tree_util.keystr(path)) for (path, shape), k in zip(flat, keys)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as HF computes it: statistics in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    inv_freq, scale = cfg.rope.inverse_frequencies(cfg.head_dim)
+    return inv_freq.astype(np.float32), scale
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float) -> jax.Array:
+    """Rotate-half RoPE (HF layout) at absolute positions [B, T]; x is [B, T, H, Dh]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
+    cos = (jnp.cos(angles) * scale)[:, :, None, :]
+    sin = (jnp.sin(angles) * scale)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final norm and LM head; float32 logits [..., V]."""
+    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    cache: KVCache,
+    attend: AttendFn,
+    layer_xs: Any = None,
+) -> tuple[jax.Array, KVCache, Any]:
+    """Runs all layers on `tokens` [B, T] at `positions` [B, T].
+
+    Keys/values of tokens with `valid` [B, T] true are written into the cache at their positions
+    before `attend` reads it; invalid tokens (padding) write nothing. `layer_xs` is a pytree with a
+    leading layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back
+    stacked. Returns the last hidden states [B, T, D] (before the final norm), the cache, and those.
+    """
+    inv_freq, rope_scale = rope_tables(cfg)
+    B, T = tokens.shape
+    write_pos = jnp.where(valid, positions, cache.k.shape[3])  # out of range -> dropped
+
+    def layer(carry, xs):
+        x, cache = carry
+        p, index, lx = xs
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q = _project(h, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = _project(h, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = _project(h, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq, rope_scale)
+        k = apply_rope(k, positions, inv_freq, rope_scale)
+        cache = cache.write(index, write_pos, k, v)
+        out, ly = attend(index, q, cache, lx)
+        x = x + jnp.dot(out.reshape(B, T, -1), p["wo"]).astype(x.dtype)
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        mlp = jax.nn.silu(jnp.dot(h, p["w_gate"])) * jnp.dot(h, p["w_up"])
+        x = x + jnp.dot(mlp, p["w_down"]).astype(x.dtype)
+        return (x, cache), ly
+
+    x = embed(params, tokens)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, cache), layer_ys = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids, layer_xs))
+    return x, cache, layer_ys
+
+
+def _project(h: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    y = jnp.dot(h, w)
+    return y if b is None else y + b
+
+
+def dense_attend(cfg: ModelConfig, q_pos: jax.Array, backend: str, collect=None) -> AttendFn:
+    """Full causal attention over the cache for query rows at `q_pos` [B, T].
+
+    Per layer it yields the attention kernel's collected selection scores (None without `collect`).
+    """
+
+    def attend(layer, q, cache, _):
+        out, _, scores = attention.verify_attention(
+            q, cache.k, cache.v, layer, q_pos, scale=cfg.head_dim**-0.5, collect=collect, backend=backend
+        )
+        return out, scores
+
+    return attend
+
+
+def score(params: Params, cfg: ModelConfig, tokens: jax.Array, backend: str = "reference") -> jax.Array:
+    """Teacher-forced float32 logits [B, T, V] of a full forward over `tokens` [B, T] from position 0."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    cache = init_cache(cfg, B, T)
+    hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, dense_attend(cfg, positions, backend))
+    return logits(params, cfg, hidden)

@@ -1,0 +1,62 @@
+"""SpecConfig: the static description of a decoding method (hashable, a `jax.jit` static argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxspec.errors import JaxspecError
+
+METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
+SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
+MAX_GAMMA = 15  # verification handles gamma + 1 <= 16 rows in one kernel tile
+PAGE = 16  # page size of the page-granular policies (stream, quest)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """How to decode: the method, draft length `gamma` and the sparse budget.
+
+    Sparse drafters select K = clamp(ceil(ratio * context), min_tokens, k_max) KV entries, never more
+    than there are candidates (DESIGN.md section 4); `k_max` is the static capacity derived from the
+    longest context the run can reach.
+    """
+
+    method: str = "plain"
+    gamma: int = 6
+    ratio: float = 0.07
+    min_tokens: int = 256
+    metric: str = "weight"  # vegas / all_rows / last_accepted: "weight" (softmax weight) or "logit"
+    ngram_min: int = 1
+    ngram_max: int = 4
+    backend: str = "reference"  # attention kernels: "reference" (jnp) or "pallas"
+    prefill_chunk: int = 256
+
+    def validate(self) -> SpecConfig:
+        if self.method not in METHODS:
+            raise JaxspecError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.method != "plain" and not 1 <= self.gamma <= MAX_GAMMA:
+            raise JaxspecError(f"--gamma must be between 1 and {MAX_GAMMA}, got {self.gamma}")
+        if not (0 < self.ratio <= 1) or not math.isfinite(self.ratio):
+            raise JaxspecError(f"--ratio must be in (0, 1], got {self.ratio}")
+        if self.min_tokens < 1:
+            raise JaxspecError(f"--min-tokens must be at least 1, got {self.min_tokens}")
+        if self.metric not in ("weight", "logit"):
+            raise JaxspecError(f"--metric must be weight or logit, got {self.metric!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise JaxspecError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min} and {self.ngram_max}")
+        if self.backend not in ("reference", "pallas"):
+            raise JaxspecError(f"--backend must be reference or pallas, got {self.backend!r}")
+        if self.prefill_chunk < 1:
+            raise JaxspecError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+        return self
+
+    @property
+    def draft_len(self) -> int:
+        """Tokens drafted per iteration (0 for plain decoding)."""
+        return 0 if self.method == "plain" else self.gamma
+
+    def capacity(self, max_len: int) -> int:
+        """Static selection capacity k_max for contexts up to `max_len`, a multiple of PAGE."""
+        k = max(self.min_tokens, math.ceil(self.ratio * max_len))
+        return min(-(-k // PAGE) * PAGE, -(-max_len // PAGE) * PAGE)

