@@ -23,7 +23,7 @@ from jaxspec.drafters import Drafter, make_drafter
 from jaxspec.kvcache import KVCache, init_cache
 from jaxspec.rejection import rejection_sample
 from jaxspec.sampling import SamplingConfig, sample
-from jaxspec.spec import MAX_GAMMA, SpecConfig
+from jaxspec.spec import MAX_GAMMA, Budget, SpecConfig
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +46,7 @@ class DecodeState:
     stop_len: jax.Array  # [B] length at which the row stops (prompt + max new tokens, <= max_len)
     done: jax.Array  # [B] bool
     stop_ids: jax.Array  # [n] token ids that end a row
+    budget: Budget  # run-time sparse budget (ratio, min_tokens)
     cache: KVCache
     drafter: Any
     key: jax.Array
@@ -102,6 +103,7 @@ def start(
     prompts: jax.Array,
     prompt_len: jax.Array,
     key: jax.Array,
+    budget: Budget,
     *,
     cfg: ModelConfig,
     spec: SpecConfig,
@@ -113,7 +115,7 @@ def start(
     """Samples each row's first token from its last prompt token, given the `prefill_cache` output.
 
     The last prompt token runs as a one-row verification, whose attention scores seed the drafter's
-    first selection.
+    first selection. `budget` (traced: `SpecConfig.budget()`) is the sparse budget of this run.
     """
     B, P = prompts.shape
     gamma = spec.draft_len
@@ -127,6 +129,7 @@ def start(
         stop_len=jnp.minimum(prompt_len + max_new_tokens, max_len).astype(jnp.int32),
         done=jnp.zeros((B,), bool),
         stop_ids=jnp.asarray(stop_ids, jnp.int32).reshape(-1),
+        budget=budget,
         cache=cache,
         drafter=drafter.init(cache, prompt_len) if drafter else (),
         key=key,
@@ -142,7 +145,7 @@ def prefill(params, prompts, prompt_len, key, *, cfg, spec, sampling, max_len, m
         params, prompts, prompt_len, cfg=cfg, max_len=max_len, backend=spec.backend, chunk=spec.prefill_chunk
     )
     return start(
-        params, cache, prompts, prompt_len, key, cfg=cfg, spec=spec, sampling=sampling,
+        params, cache, prompts, prompt_len, key, spec.budget(), cfg=cfg, spec=spec, sampling=sampling,
         max_len=max_len, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
     )
 
@@ -230,7 +233,7 @@ def _draft(params, cfg, sampling, drafter, state, key):
     def step(carry, i):
         token, cache, dstate, key = carry
         q_pos = first + i
-        attend, layer_xs = drafter.attend(dstate, q_pos)
+        attend, layer_xs = drafter.attend(dstate, state.budget, q_pos)
         hidden, cache, _ = model.forward(
             params, cfg, token[:, None], q_pos[:, None], jnp.ones((B, 1), bool), cache, attend, layer_xs
         )
@@ -290,7 +293,7 @@ def _commit(state, cache, key, tokens, num_accepted, drafter, scores) -> DecodeS
     )
     dstate = state.drafter
     if drafter is not None:
-        dstate = drafter.after_verify(dstate, scores, cache, n - 1, num_accepted)
+        dstate = drafter.after_verify(dstate, state.budget, scores, cache, n - 1, num_accepted)
     return dataclasses.replace(
         state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
     )

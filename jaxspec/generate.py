@@ -84,11 +84,19 @@ def prefill_fn(cfg, max_len: int, backend: str, chunk: int):
     return jax.jit(functools.partial(engine.prefill_cache, cfg=cfg, max_len=max_len, backend=backend, chunk=chunk))
 
 
-@functools.lru_cache(maxsize=None)
 def decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
-    """jit-compiled (start, decode). `start` copies the prefilled cache it is given (so one prefill serves
-    many runs); decode donates its state, so the KV cache is updated in place."""
-    start = jax.jit(functools.partial(engine.start, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len))
+    """jit-compiled (start, decode) for the static part of `spec` (pass `spec.budget()` to start, so
+    runs that differ only in ratio or min_tokens share one compilation). Both donate the cache (start
+    its prefilled cache, decode its state), so the KV cache is updated in place: to reuse one prefill
+    for several runs, pass each a copy."""
+    return _decode_fns(cfg, spec.compiled(max_len), sampling, max_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
+    start = jax.jit(
+        functools.partial(engine.start, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
+    )
     decode = jax.jit(
         functools.partial(engine.decode, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
     )
@@ -111,7 +119,7 @@ def run_generation(
 ) -> Run:
     """Compiles (timed), prefills (timed) and decodes (timed) one batch.
 
-    `cache`, if given, is this batch's `prefill_fn` output, reused instead of prefilling again.
+    `cache`, if given, is this batch's `prefill_fn` output (donated), used instead of prefilling again.
     """
     start, decode = decode_fns(cfg, spec, sampling, max_len)
     ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
@@ -124,6 +132,7 @@ def run_generation(
         cache_info = cache
     start_args = dict(
         key=jax.random.key(seed),
+        budget=spec.budget(),
         max_new_tokens=jnp.int32(max_new_tokens),
         stop_ids=jnp.asarray(stop_ids or (-1,), jnp.int32),
     )
@@ -200,9 +209,16 @@ def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
     }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line like every other bad input."""
+
+    def error(self, message):
+        raise JaxspecError(message)
+
+
 def parse_args(argv):
     gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | path to a .gguf file | HF directory | orbax checkpoint")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", action="append", default=[], type=Path, help="a file holding one prompt (repeatable)")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
+
 from jaxspec.errors import JaxspecError
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
@@ -18,14 +21,16 @@ class SpecConfig:
     """How to decode: the method, draft length `gamma` and the sparse budget.
 
     Sparse drafters select K = clamp(ceil(ratio * context), min_tokens, k_max) KV entries, never more
-    than there are candidates (DESIGN.md section 4); `k_max` is the static capacity derived from the
-    longest context the run can reach.
+    than there are candidates (DESIGN.md section 4). `k_max` is the static selection capacity (by
+    default derived from ratio, min_tokens and the run's max_len); ratio and min_tokens are run-time
+    values, so `compiled` strips them and a sweep over ratios compiles once.
     """
 
     method: str = "plain"
     gamma: int = 6
-    ratio: float = 0.07
-    min_tokens: int = 256
+    ratio: float | None = 0.07
+    min_tokens: int | None = 256
+    k_max: int | None = None
     metric: str = "weight"  # vegas / all_rows / last_accepted: "weight" (softmax weight) or "logit"
     ngram_min: int = 1
     ngram_max: int = 4
@@ -37,10 +42,12 @@ class SpecConfig:
             raise JaxspecError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
         if self.method != "plain" and not 1 <= self.gamma <= MAX_GAMMA:
             raise JaxspecError(f"--gamma must be between 1 and {MAX_GAMMA}, got {self.gamma}")
-        if not (0 < self.ratio <= 1) or not math.isfinite(self.ratio):
+        if self.ratio is not None and not (0 < self.ratio <= 1 and math.isfinite(self.ratio)):
             raise JaxspecError(f"--ratio must be in (0, 1], got {self.ratio}")
-        if self.min_tokens < 1:
+        if self.min_tokens is not None and self.min_tokens < 1:
             raise JaxspecError(f"--min-tokens must be at least 1, got {self.min_tokens}")
+        if self.k_max is not None and (self.k_max < PAGE or self.k_max % PAGE):
+            raise JaxspecError(f"k_max must be a positive multiple of {PAGE}, got {self.k_max}")
         if self.metric not in ("weight", "logit"):
             raise JaxspecError(f"--metric must be weight or logit, got {self.metric!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -58,5 +65,28 @@ class SpecConfig:
 
     def capacity(self, max_len: int) -> int:
         """Static selection capacity k_max for contexts up to `max_len`, a multiple of PAGE."""
+        if self.k_max is not None:
+            return self.k_max
         k = max(self.min_tokens, math.ceil(self.ratio * max_len))
         return min(-(-k // PAGE) * PAGE, -(-max_len // PAGE) * PAGE)
+
+    def budget(self) -> Budget:
+        """The run-time budget values as traced scalars (a `start` argument)."""
+        return Budget.of(self.ratio, self.min_tokens)
+
+    def compiled(self, max_len: int) -> SpecConfig:
+        """The static part (the jit key): k_max fixed, the run-time budget values removed."""
+        return dataclasses.replace(self, k_max=self.capacity(max_len), ratio=None, min_tokens=None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The run-time budget values (traced scalars): ratio (float32) and min_tokens (int32)."""
+
+    ratio: jax.Array
+    min_tokens: jax.Array
+
+    @classmethod
+    def of(cls, ratio, min_tokens) -> Budget:
+        return cls(jnp.asarray(ratio, jnp.float32), jnp.asarray(min_tokens, jnp.int32))

@@ -31,7 +31,8 @@ def generate(params, cfg, batch: Batch, cache, spec: SpecConfig, max_len: int, m
     """Runs start + decode on a prefilled cache; returns (generated token lists, stats)."""
     start, decode = decode_fns(cfg, spec, sampling, max_len)
     state = start(
-        params, cache, jnp.asarray(batch.ids), jnp.asarray(batch.lengths), jax.random.key(seed),
+        params, jax.tree.map(jnp.copy, cache), jnp.asarray(batch.ids), jnp.asarray(batch.lengths), jax.random.key(seed),
+        spec.budget(),
         max_new_tokens=jnp.int32(max_new), stop_ids=jnp.asarray(stop_ids, jnp.int32),
     )
     state = decode(params, state, max_iterations=jnp.int32(1 << 30))

@@ -21,7 +21,8 @@ DRAFTERS: dict[str, type[Drafter]] = {
 
 
 def make_drafter(spec: SpecConfig, cfg: ModelConfig, max_len: int) -> Drafter | None:
-    """The drafter of `spec.method` for contexts up to `max_len` (None for plain decoding)."""
+    """The drafter of `spec.method` for contexts up to `max_len` (None for plain decoding); its
+    selection capacity is `spec.capacity(max_len)`."""
     if spec.method == "plain":
         return None
     return DRAFTERS[spec.method](spec, cfg, spec.capacity(max_len))

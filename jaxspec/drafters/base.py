@@ -3,13 +3,14 @@
 A policy is one file with one `Drafter` subclass. The engine calls, per generation:
     init(cache, prompt_len)                 after prefill, before the last prompt token's step
     collect(num_rows)                       which verify rows' attention scores to gather (or None)
-    after_verify(state, scores, cache, first_pos, num_accepted)
+    after_verify(state, budget, scores, cache, first_pos, num_accepted)
                                             after every verification (and after the last prompt token,
                                             with one row and num_accepted 0): recompute the selection
-    attend(state, q_pos) -> (attend, layer_xs)
+    attend(state, budget, q_pos) -> (attend, layer_xs)
                                             the attention of one draft step at positions q_pos [B]
     after_draft_step(state, cache, q_pos)   after each draft step (e.g. metadata of written pages)
-Model-free drafters (n-gram) set `uses_model = False` and implement `propose` instead.
+Model-free drafters (n-gram) set `uses_model = False` and implement `propose` instead. `budget` is
+the run-time `spec.Budget`; the capacity `k_max` is static.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pallas_kernels as kernels
 from jaxspec.config import ModelConfig
 from jaxspec.kvcache import KVCache
 from jaxspec.model import AttendFn
-from jaxspec.spec import SpecConfig
+from jaxspec.spec import Budget, SpecConfig
 
 State = Any
 
@@ -33,7 +34,7 @@ State = Any
 class Drafter:
     spec: SpecConfig
     cfg: ModelConfig
-    k_max: int  # static selection capacity, SpecConfig.capacity(max_len)
+    k_max: int  # static selection capacity
 
     uses_model = True
 
@@ -47,10 +48,12 @@ class Drafter:
     def collect(self, num_rows: int) -> kernels.Collect | None:
         return None
 
-    def after_verify(self, state: State, scores: Any, cache: KVCache, first_pos: jax.Array, num_accepted: jax.Array) -> State:
+    def after_verify(
+        self, state: State, budget: Budget, scores: Any, cache: KVCache, first_pos: jax.Array, num_accepted: jax.Array
+    ) -> State:
         return state
 
-    def attend(self, state: State, q_pos: jax.Array) -> tuple[AttendFn, Any]:
+    def attend(self, state: State, budget: Budget, q_pos: jax.Array) -> tuple[AttendFn, Any]:
         raise NotImplementedError
 
     def after_draft_step(self, state: State, cache: KVCache, q_pos: jax.Array) -> State:
@@ -59,10 +62,10 @@ class Drafter:
     def propose(self, tokens: jax.Array, length: jax.Array) -> jax.Array:
         raise NotImplementedError
 
-    def budget(self, context: jax.Array) -> jax.Array:
+    def count(self, budget: Budget, context: jax.Array) -> jax.Array:
         """K = clamp(ceil(ratio * context), min_tokens, k_max), never more than `context` candidates."""
-        k = jnp.ceil(self.spec.ratio * context.astype(jnp.float32)).astype(jnp.int32)
-        return jnp.minimum(jnp.clip(k, self.spec.min_tokens, self.k_max), context)
+        k = jnp.ceil(budget.ratio * context.astype(jnp.float32)).astype(jnp.int32)
+        return jnp.minimum(jnp.clip(k, budget.min_tokens, self.k_max), context)
 
     def sparse_attend(self, idx_layers: jax.Array, n_idx: jax.Array, tail_start: jax.Array, q_pos: jax.Array, tail_capacity: int) -> tuple[AttendFn, Any]:
         """Draft attention over per-layer gathered slots `idx_layers` [L, B, Hs, K] plus the tail [tail_start, q_pos]."""

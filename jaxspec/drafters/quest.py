@@ -39,7 +39,7 @@ class Quest(Drafter):
         pages = _pages(cache.k)
         return PageBounds(pages.min(axis=4), pages.max(axis=4))
 
-    def after_verify(self, state, scores, cache, first_pos, num_accepted):
+    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted):
         positions = first_pos[:, None] + jnp.arange(self.spec.gamma + 1, dtype=jnp.int32)
         return self.refresh(state, cache, positions)
 
@@ -55,12 +55,12 @@ class Quest(Drafter):
         kmax = state.kmax.at[:, rows, :, page].set(keys.max(axis=4), mode="drop")
         return PageBounds(kmin, kmax)
 
-    def attend(self, state, q_pos):
+    def attend(self, state, budget, q_pos):
         B = q_pos.shape[0]
         H, G, D = self.cfg.num_kv_heads, self.cfg.group_size, self.cfg.head_dim
         last_page = q_pos // PAGE
         # Pages before the query's own page; the own page is the tail.
-        n_pages = jnp.minimum(-(-self.budget(q_pos + 1) // PAGE) - 1, last_page)
+        n_pages = jnp.minimum(-(-self.count(budget, q_pos + 1) // PAGE) - 1, last_page)
         page_ids = jnp.arange(state.kmin.shape[3], dtype=jnp.int32)
         offsets = jnp.arange(PAGE, dtype=jnp.int32)
 

@@ -14,9 +14,9 @@ SINKS = 16
 
 
 class Stream(Drafter):
-    def attend(self, state, q_pos):
+    def attend(self, state, budget, q_pos):
         context = q_pos + 1
-        k = self.budget(context)
+        k = self.count(budget, context)
         dense = k >= context
         # The window is whole pages plus the current partial page; it always holds the query itself.
         window = jnp.maximum(k - SINKS, PAGE)

@@ -41,16 +41,16 @@ class Vegas(Drafter):
         zeros = jnp.zeros((B,), jnp.int32)
         return Selection(jnp.zeros((L, B, 1, self.k_max), jnp.int32), zeros, zeros)
 
-    def after_verify(self, state, scores, cache, first_pos, num_accepted):
-        return self.select(scores, first_pos)
+    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted):
+        return self.select(budget, scores, first_pos)
 
-    def select(self, scores: jax.Array, last: jax.Array) -> Selection:
+    def select(self, budget, scores: jax.Array, last: jax.Array) -> Selection:
         """Top-K of `scores` [L, B, S] over candidate slots [0, last]; later slots are -inf already."""
-        k = self.budget(last + 1)
+        k = self.count(budget, last + 1)
         idx = kernels.select_topk(scores, self.k_max, k[None, :], backend=self.spec.backend)
         return Selection(idx[:, :, None, :], k, last + 1)
 
-    def attend(self, state, q_pos):
+    def attend(self, state, budget, q_pos):
         # After a verification at row-0 position p the tail starts at p + 1; the next iteration drafts
         # up to p + 2 * gamma, so the tail never holds more than 2 * gamma slots.
         return self.sparse_attend(state.idx, state.n_idx, state.tail_start, q_pos, tail_capacity=2 * self.spec.gamma)
@@ -71,6 +71,6 @@ class LastAccepted(Vegas):
     def rows(self, num_rows: int) -> tuple[int, ...]:
         return tuple(range(num_rows))
 
-    def after_verify(self, state, scores, cache, first_pos, num_accepted):
+    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted):
         row = jnp.broadcast_to(num_accepted[None, :, None, None], (scores.shape[0], scores.shape[1], 1, 1))
-        return self.select(jnp.take_along_axis(scores, row, axis=2)[:, :, 0], first_pos + num_accepted)
+        return self.select(budget, jnp.take_along_axis(scores, row, axis=2)[:, :, 0], first_pos + num_accepted)

@@ -1,0 +1,113 @@
+"""Shared benchmark plumbing: device rates, timing, synthetic long-context states, floors, result files.
+
+Benchmarks run on the GPU machine as `PYTHONPATH=. python3 bench/<name>.py`; each measures the copy
+bandwidth and the bf16 matmul rate in the same run (DESIGN.md section 6) and states times against them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig, RopeConfig
+from jaxspec.kvcache import KVCache
+
+RESULTS = Path(__file__).parent / "results"
+
+QWEN3_8B = ModelConfig(
+    model_type="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+    head_dim=128, intermediate_size=12288, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6),
+    max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
+)
+
+
+def seconds_per_call(f, *args, min_run_s: float = 0.05) -> float:
+    """Median over 3 runs of back-to-back asynchronous calls, each run at least `min_run_s` long."""
+    jax.block_until_ready(f(*args))
+
+    def run(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    n = max(1, min(1000, math.ceil(min_run_s / run(1))))
+    return statistics.median(run(n) for _ in range(3))
+
+
+def measure_rates(tiny: bool = False) -> dict:
+    """Device copy bandwidth (bytes read + written per second) and bf16 matmul rate, on random data."""
+    n = 1 << (20 if tiny else 29)  # bf16 elements: 1 GiB on a GPU, well past L2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    copy = seconds_per_call(jax.jit(lambda x: x * 2), x)
+    m = 512 if tiny else 8192
+    a, b = (jax.random.normal(jax.random.key(i), (m, m), jnp.bfloat16) for i in (1, 2))
+    mm = seconds_per_call(jax.jit(lambda a, b: a @ b), a, b)
+    rates = {"copy_GBps": 2 * x.nbytes / copy / 1e9, "matmul_TFLOPs": 2 * m**3 / mm / 1e12}
+    print(f"copy bandwidth {rates['copy_GBps']:.0f} GB/s (read + write), bf16 matmul {rates['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    return rates
+
+
+def run_info() -> dict:
+    return {
+        "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["python3"] + sys.argv),
+    }
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=float))
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
+    """Bytes of keys and values one full-attention pass over `context` tokens reads, all layers."""
+    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float) -> float:
+    """DESIGN.md 6: (weights + KV read + float32 logits written) / measured bandwidth."""
+    logits = batch * cfg.vocab_size * 4
+    return (weight_bytes + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
+
+
+def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array) -> KVCache:
+    """A cache full of random keys/values, standing in for a long prefill in latency benchmarks."""
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, num_slots, cfg.head_dim)
+    fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.dtype(cfg.dtype)))
+    kk, kv = jax.random.split(key)
+    return KVCache(fill(kk), fill(kv))
+
+
+def random_prompts(cfg: ModelConfig, batch: int, context: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.vocab_size, (batch, context), dtype=np.int32), np.full((batch,), context, np.int32)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (header, key, format)."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for _, key, fmt in columns:
+            value = row.get(key)
+            cells.append("-" if value is None else format(value, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""`python -m jaxspec.generate` as a user runs it: human and --json output, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], capture_output=True, text=True, env=ENV, timeout=600)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert fragment in lines[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_human_output_smollm2():
+    result = generate("--prompt", "Name three colors.", "--max-new-tokens", "12", "--method", "vegas", "--gamma", "3")
+    assert result.returncode == 0, result.stderr
+    text, _, stats = result.stdout.partition("--- stats ---")
+    assert text.strip()
+    for label in ("prompt tokens", "generated tokens", "prefill", "decode", "compile", "memory", "iterations", "acceptance"):
+        assert label in stats
+    assert "Traceback" not in result.stderr
+
+
+def test_json_batch_is_lossless_across_methods(tmp_path):
+    """Two prompts (one from a file) as a batch; greedy vegas and ngram emit plain decoding's tokens."""
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("Write one sentence about rivers.")
+    common = ["--prompt", "What is 2 + 2?", "--prompt-file", str(prompt_file), "--max-new-tokens", "16", "--json"]
+    outputs = {}
+    for method in ("plain", "vegas", "ngram"):
+        result = generate(*common, "--method", method, "--gamma", "4")
+        assert result.returncode == 0, result.stderr
+        outputs[method] = json.loads(result.stdout)
+    out = outputs["vegas"]
+    assert out["model"] == "smollm2" and len(out["results"]) == 2
+    for row in out["results"]:
+        assert row["prompt_tokens"] > 0 and 0 < len(row["tokens"]) <= 16 and isinstance(row["text"], str)
+        assert all(isinstance(t, int) for t in row["tokens"])
+    stats = out["stats"]
+    for key in ("decode_tokens_per_s", "prefill_tokens_per_s", "compile_s", "iterations", "tokens_per_iteration",
+                "draft_tokens", "accepted_tokens"):
+        assert isinstance(stats[key], (int, float)) and stats[key] >= 0
+    assert stats["method"] == "vegas" and stats["gamma"] == 4 and len(stats["acceptance_by_position"]) == 4
+    assert stats["draft_tokens"] == 4 * stats["iterations"]
+    plain_tokens = [r["tokens"] for r in outputs["plain"]["results"]]
+    assert [r["tokens"] for r in outputs["vegas"]["results"]] == plain_tokens
+    assert [r["tokens"] for r in outputs["ngram"]["results"]] == plain_tokens
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-k", "-3"], "top_k"),
+        (["--min-p", "2"], "min_p"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--method", "vegas", "--gamma", "0"], "--gamma"),
+        (["--method", "vegas", "--gamma", "16"], "--gamma"),
+        (["--ratio", "0"], "--ratio"),
+        (["--ratio", "1.5"], "--ratio"),
+        (["--ngram-min", "3", "--ngram-max", "2"], "--ngram-min"),
+        (["--method", "medusa"], "medusa"),
+        (["--max-new-tokens", "many"], "many"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file"),
+        (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    ],
+)
+def test_bad_arguments(args, fragment):
+    assert_one_line_error(generate(*args), fragment)
+
+
+def test_bad_model_files(tmp_path, hf_checkpoints):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(os.urandom(4096))
+    assert_one_line_error(generate("--model", str(garbage)), "garbage.gguf")
+
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    config = json.loads((hf_checkpoints["llama"] / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    assert_one_line_error(generate("--model", str(mistral)), "mistral")
+
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for f in hf_checkpoints["llama"].iterdir():
+        data = f.read_bytes()
+        (truncated / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    assert_one_line_error(generate("--model", str(truncated), "--prompt", "hi"), "safetensors")
+
+
+def test_prompt_errors(hf_checkpoints):
+    model = str(hf_checkpoints["llama"])
+    assert_one_line_error(generate("--model", model, "--prompt", "  "), "empty prompt")
+    long_prompt = " ".join(["word"] * 50)
+    assert_one_line_error(generate("--model", model, "--no-chat", "--prompt", long_prompt, "--max-len", "8"), "--max-len")
