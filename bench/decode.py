@@ -24,7 +24,7 @@ import numpy as np
 from bench import common
 from jaxspec import model
 from jaxspec.config import ModelConfig
-from jaxspec.generate import decode_fns, encode_prompts, run_generation
+from jaxspec.runner import decode_fns, encode_prompts, run_generation
 from jaxspec.kvcache import cache_slots
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import MAX_GAMMA, SpecConfig

@@ -7,7 +7,8 @@ reference at real sizes (PASS/FAIL); 3. times them at Qwen3-8B attention shapes 
 Dh 128, bf16) with the floors (bytes / bandwidth, flops / matmul rate); 4. times peers on the same
 shapes; 5. writes DIR/kernels.json (default bench/results) and prints a markdown table last.
 
---quick: one shape (4 x 32K) and the main configurations. --long: adds 4 x 128K (needs an H200).
+--quick: one shape (4 x 32K) and the main configurations. --long: adds 4 x 128K (about 25 GB of
+GPU memory: fits an H100).
 --tiny: small shapes, a smoke test of this script itself (runs on CPU, kernels in interpret mode).
 Every item runs in its own try/except; the JSON is rewritten after every item, so a run cut short
 still leaves its results. Items are skipped once --budget seconds have passed.
@@ -34,11 +35,15 @@ from jax import lax  # noqa: E402
 
 from pallas_kernels import Collect  # noqa: E402
 from pallas_kernels._common import interpret_default  # noqa: E402
-from pallas_kernels.sparse_attention import (sparse_attention_pallas,  # noqa: E402
-                                             sparse_attention_reference)
+from pallas_kernels.sparse_attention import (  # noqa: E402
+    sparse_attention_pallas,
+    sparse_attention_reference,
+)
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference  # noqa: E402
-from pallas_kernels.verify_attention import (verify_attention_pallas,  # noqa: E402
-                                             verify_attention_reference)
+from pallas_kernels.verify_attention import (  # noqa: E402
+    verify_attention_pallas,
+    verify_attention_reference,
+)
 
 HQ, HKV, DH = 32, 8, 128
 G = HQ // HKV
@@ -67,27 +72,28 @@ class Bench:
         self.start = time.perf_counter()
         self.out = Path(args.out) / "kernels.json"
         self.interpret = interpret_default()
-        self.result = dict(
-            device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-            jax=jax.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
-            command=" ".join([Path(sys.executable).name] + sys.argv), copy_GBps=None,
-            matmul_TFLOPs=None, checks=[], timings=[], errors=[], skipped=[])
+        self.result = {
+            "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+            "jax": jax.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.executable).name] + sys.argv), "copy_GBps": None,
+            "matmul_TFLOPs": None, "checks": [], "timings": [], "errors": [], "skipped": []}
 
     def elapsed(self):
         return time.perf_counter() - self.start
 
-    def run(self, what, fn):
-        """Runs fn(); on failure records and prints the error's first lines and returns None."""
+    def run(self, what, fn, *args, **kwargs):
+        """Returns fn(*args, **kwargs); on failure records and prints the error's first lines and
+        returns None."""
         if self.elapsed() > self.args.budget:
             self.result["skipped"].append(what)
             print(f"[{self.elapsed():6.1f}s] SKIP {what} (budget)", flush=True)
             return None
         try:
-            value = fn()
+            value = fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 -- one failure must not end the run
             lines = "".join(traceback.format_exception_only(e)).strip().splitlines()
             message = "\n".join(lines[:6])
-            self.result["errors"].append(dict(item=what, error=message))
+            self.result["errors"].append({"item": what, "error": message})
             print(f"[{self.elapsed():6.1f}s] ERROR {what}: {message}", flush=True)
             value = None
         self.save()
@@ -156,16 +162,33 @@ def normal(key, shape, dtype=DTYPE):
 # ---------------------------------------------------------------- 1. device rates
 
 def measure_rates(bench, tiny):
+    """Copy bandwidth: the best of three large copies (bf16 x*2, memcpy, f32 x+1), bytes read plus
+    written; bf16 matmul rate: 8192^3 on random data. Run after the checks, on a warm GPU."""
     n = 1 << (20 if tiny else 29)                       # bf16 elements: 1 GiB on a GPU
     x = normal(jax.random.key(0), (n,))
-    copy = seconds_per_call(jax.jit(lambda x: x * 2), x)
-    bench.result["copy_GBps"] = 2 * x.nbytes / copy / 1e9
+    x32 = jax.random.normal(jax.random.key(1), (n // 2,))
+    copies = {"bf16 x*2": (lambda x: x * 2, x), "memcpy": (jnp.copy, x),
+              "f32 x+1": (lambda x: x + 1, x32)}
+    rates = {name: 2 * arg.nbytes / seconds_per_call(jax.jit(f), arg) / 1e9
+             for name, (f, arg) in copies.items()}
+    bench.result["copy_GBps_by_method"] = rates
+    bench.result["copy_GBps"] = max(rates.values())
     m = 512 if tiny else 8192
-    a, b = normal(jax.random.key(1), (m, m)), normal(jax.random.key(2), (m, m))
+    a, b = normal(jax.random.key(2), (m, m)), normal(jax.random.key(3), (m, m))
     mm = seconds_per_call(jax.jit(lambda a, b: a @ b), a, b)
     bench.result["matmul_TFLOPs"] = 2 * m ** 3 / mm / 1e12
-    print(f"copy bandwidth {bench.result['copy_GBps']:.0f} GB/s (read + write), "
-          f"bf16 matmul {bench.result['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    print(f"copy bandwidth {bench.result['copy_GBps']:.0f} GB/s (read + write; "
+          + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+          + f"), bf16 matmul {bench.result['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+
+
+def measure_harness(bench):
+    """Per-call cost of time_steps around a trivial step (launches, slicing, dispatch): a floor
+    under every timed call; small kernels (sparse at 1 x 32K) sit on it."""
+    st = {"q": normal(jax.random.key(4), (STEPS, LAYERS, 4, HQ, DH))}
+    bench.result["harness_us"] = time_steps(lambda s, i, layer: s["q"][i, layer] * 2, st)
+    print(f"timing harness: {bench.result['harness_us']:.1f} us per call of a trivial step",
+          flush=True)
 
 
 # ---------------------------------------------------------------- 2. correctness at real sizes
@@ -206,7 +229,7 @@ def check_sparse(bench, B, S, Hs):
                                                      interpret=bench.interpret))(*args)
     want = jax.jit(lambda *a: sparse_attention_reference(*a, scale=SCALE, tail_capacity=TAIL))(
         *args)
-    return record_check(bench, f"sparse B={B} S={S} Hs={Hs}", dict(out=rel_error(got, want)))
+    return record_check(bench, f"sparse B={B} S={S} Hs={Hs}", {"out": rel_error(got, want)})
 
 
 def check_topk(bench, B, S):
@@ -223,13 +246,13 @@ def check_topk(bench, B, S):
     for row in np.ndindex(x.shape[:-1]):
         chosen = np.sort(x[row][got[row][:n[row]]])
         bad += not np.array_equal(chosen, np.sort(x[row][want[row][:n[row]]]))
-    return record_check(bench, f"topk [{TOPK_LAYERS},{B},{S}] k={K}", dict(rows_wrong=bad),
+    return record_check(bench, f"topk [{TOPK_LAYERS},{B},{S}] k={K}", {"rows_wrong": bad},
                         limit=0)
 
 
 def record_check(bench, what, errors, limit=CHECK_TOL):
     ok = all(e <= limit for e in errors.values())
-    bench.result["checks"].append(dict(item=what, errors=errors, passed=ok))
+    bench.result["checks"].append({"item": what, "errors": errors, "passed": ok})
     print(f"[{bench.elapsed():6.1f}s] {'PASS' if ok else 'FAIL'} {what}: "
           + ", ".join(f"{k}={v:.2e}" for k, v in errors.items()), flush=True)
     return ok
@@ -255,9 +278,9 @@ def attention_flops(B, T, keys):
 
 def verify_state(B, S, T):
     ks = jax.random.split(jax.random.key(B * S + T), 3)
-    return dict(q=normal(ks[0], (STEPS, LAYERS, B, T, HQ, DH)),
-                k=normal(ks[1], (LAYERS, B, HKV, S, DH)), v=normal(ks[2], (LAYERS, B, HKV, S, DH)),
-                pos=jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T)))
+    return {"q": normal(ks[0], (STEPS, LAYERS, B, T, HQ, DH)),
+                "k": normal(ks[1], (LAYERS, B, HKV, S, DH)), "v": normal(ks[2], (LAYERS, B, HKV, S, DH)),
+                "pos": jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))}
 
 
 def collect_modes(T):
@@ -288,10 +311,10 @@ def time_sparse(bench, B, S, Hs):
     ks = jax.random.split(jax.random.key(B * S + Hs), 3)
     rng = np.random.default_rng(B + Hs)
     idx = np.stack([[rng.permutation(S - TAIL)[:K] for _ in range(Hs)] for _ in range(B)])
-    st = dict(q=normal(ks[0], (STEPS, LAYERS, B, HQ, DH)),
-              k=normal(ks[1], (LAYERS, B, HKV, S, DH)), v=normal(ks[2], (LAYERS, B, HKV, S, DH)),
-              idx=jnp.asarray(idx, jnp.int32), n_idx=jnp.full((B,), K, jnp.int32),
-              tail_start=jnp.full((B,), S - TAIL, jnp.int32), pos=jnp.full((B,), S - 1, jnp.int32))
+    st = {"q": normal(ks[0], (STEPS, LAYERS, B, HQ, DH)),
+              "k": normal(ks[1], (LAYERS, B, HKV, S, DH)), "v": normal(ks[2], (LAYERS, B, HKV, S, DH)),
+              "idx": jnp.asarray(idx, jnp.int32), "n_idx": jnp.full((B,), K, jnp.int32),
+              "tail_start": jnp.full((B,), S - TAIL, jnp.int32), "pos": jnp.full((B,), S - 1, jnp.int32)}
 
     def step(s, i, layer):
         return sparse_attention_pallas(s["q"][i, layer], s["k"], s["v"], layer, s["idx"],
@@ -306,13 +329,13 @@ def time_sparse(bench, B, S, Hs):
 
 def time_topk(bench, B, S):
     K = math.ceil(RATIO * S)
-    st = dict(scores=jax.random.normal(jax.random.key(B + S), (STEPS, LAYERS, TOPK_LAYERS, B, S)),
-              k=jnp.full((TOPK_LAYERS, B), K, jnp.int32))
-    for impl, select in (("pallas radix", lambda s, k: select_topk_pallas(
-                             s, K, k, interpret=bench.interpret)),
-                         ("lax.top_k", lambda s, k: select_topk_reference(s, K, k))):
-        us = bench.run(f"topk {impl} B={B} S={S}", lambda select=select: time_steps(
-            lambda s, i, layer: select(s["scores"][i, layer], s["k"]), st))
+    st = {"scores": jax.random.normal(jax.random.key(B + S), (STEPS, LAYERS, TOPK_LAYERS, B, S)),
+              "k": jnp.full((TOPK_LAYERS, B), K, jnp.int32)}
+    pallas = lambda s, i, layer: select_topk_pallas(s["scores"][i, layer], K, s["k"],
+                                                    interpret=bench.interpret)
+    reference = lambda s, i, layer: select_topk_reference(s["scores"][i, layer], K, s["k"])
+    for impl, step in (("pallas radix", pallas), ("lax.top_k", reference)):
+        us = bench.run(f"topk {impl} B={B} S={S}", time_steps, step, st)
         if us is not None:
             bench.timing(kernel="topk", impl=impl, B=B, S=S, collect=f"[{TOPK_LAYERS},{B},{S}]"
                          f" k={K}", us=us, bytes=TOPK_LAYERS * B * (S + K) * 4, flops=0)
@@ -385,10 +408,7 @@ def peer_torch_sdpa(bench, st, B, S, T):
         return (time.perf_counter() - start) / n
 
     n = max(10, math.ceil(MIN_RUN_S / timed(10)))
-    us = statistics.median(timed(n) for _ in range(3)) * 1e6
-    del q, kv
-    torch.cuda.empty_cache()
-    return us
+    return statistics.median(timed(n) for _ in range(3)) * 1e6
 
 
 PEERS = [("pallas decode_attention", peer_decode_attention, (1, 10)),
@@ -399,22 +419,51 @@ PEERS = [("pallas decode_attention", peer_decode_attention, (1, 10)),
 
 # ---------------------------------------------------------------- driver
 
-def with_state(bench, B, S, T, items):
-    """Builds the timing inputs for one shape and runs items(state); frees them afterwards."""
-    st = bench.run(f"inputs B={B} S={S} T={T}", lambda: verify_state(B, S, T))
+def with_state(bench, B, S, T, items, *args):
+    """Builds the timing inputs for one shape, runs items(bench, state, B, S, T, *args), frees them."""
+    st = bench.run(f"inputs B={B} S={S} T={T}", verify_state, B, S, T)
     if st is not None:
-        items(st)
+        items(bench, st, B, S, T, *args)
     del st
     gc.collect()
+
+
+def verify_plain(bench, st, B, S, T):
+    bench.run(f"verify pallas B={B} S={S} T={T}", time_verify, bench, st, B, S, T, None)
+
+
+def verify_collecting(bench, st, B, S, T, modes):
+    for collect in collect_modes(T)[1:modes + 1]:
+        bench.run(f"verify pallas B={B} S={S} T={T} {describe(collect)}", time_verify, bench, st,
+                  B, S, T, collect)
+
+
+def verify_peers(bench, st, B, S, T):
+    bench.run(f"verify reference B={B} S={S} T={T}", time_verify, bench, st, B, S, T, None,
+              impl="reference (XLA)")
+    for name, peer, peer_Ts in PEERS:
+        if T not in peer_Ts or bench.interpret:
+            continue
+        us = bench.run(f"{name} B={B} S={S} T={T}", peer, bench, st, B, S, T)
+        if us is not None:
+            bench.timing(kernel="verify", impl=name, B=B, S=S, T=T, collect="peer", us=us,
+                         bytes=kv_bytes(B, S), flops=attention_flops(B, T, S))
+
+
+def verify_tuning(bench, st, B, S, T):
+    """Block size and split count around the defaults."""
+    for block_k in (32, 64, 128):
+        for n_splits in (8, 16, 32):
+            bench.run(f"tune verify block_k={block_k} n_splits={n_splits}", time_verify, bench,
+                      st, B, S, T, None, block_k=block_k, n_splits=n_splits)
 
 
 def phase_core(bench, shapes, Ts):
     """Verify without collection, sparse with a shared index set, top-k: every shape first."""
     for B, S in shapes:
         for T in Ts:
-            with_state(bench, B, S, T, lambda st: bench.run(
-                f"verify pallas B={B} S={S} T={T}", lambda: time_verify(bench, st, B, S, T, None)))
-        bench.run(f"sparse B={B} S={S} Hs=1", lambda: time_sparse(bench, B, S, 1))
+            with_state(bench, B, S, T, verify_plain)
+        bench.run(f"sparse B={B} S={S} Hs=1", time_sparse, bench, B, S, 1)
         time_topk(bench, B, S)
 
 
@@ -422,46 +471,24 @@ def phase_collect(bench, shapes, Ts, modes):
     """The collection modes (their cost over plain verify) and per-KV-head sparse index sets."""
     for B, S in shapes:
         for T in Ts:
-            def items(st):
-                for collect in collect_modes(T)[1:modes + 1]:
-                    bench.run(f"verify pallas B={B} S={S} T={T} {describe(collect)}",
-                              lambda: time_verify(bench, st, B, S, T, collect))
-            if T > 1:
-                with_state(bench, B, S, T, items)
-        bench.run(f"sparse B={B} S={S} Hs={HKV}", lambda: time_sparse(bench, B, S, HKV))
+            with_state(bench, B, S, T, verify_collecting, modes)
+        bench.run(f"sparse B={B} S={S} Hs={HKV}", time_sparse, bench, B, S, HKV)
 
 
 def phase_peers(bench, shapes, Ts):
-    """Our XLA reference and the peers, decode (T=1) and verification shapes."""
-    for B, S in shapes:
+    """Our XLA reference and the peers, decode (T=1) and verification shapes; 4 x 32K first, as
+    each peer takes up to ~40 s to build and time and the budget may not reach the others."""
+    for B, S in sorted(shapes, key=lambda shape: shape != (4, 32768)):
         for T in Ts:
-            def items(st):
-                bench.run(f"verify reference B={B} S={S} T={T}",
-                          lambda: time_verify(bench, st, B, S, T, None, impl="reference (XLA)"))
-                for name, peer, peer_Ts in PEERS:
-                    if T not in peer_Ts or bench.interpret:
-                        continue
-                    us = bench.run(f"{name} B={B} S={S} T={T}", lambda: peer(bench, st, B, S, T))
-                    if us is not None:
-                        bench.timing(kernel="verify", impl=name, B=B, S=S, T=T, collect="peer",
-                                     us=us, bytes=kv_bytes(B, S), flops=attention_flops(B, T, S))
-            with_state(bench, B, S, T, items)
-
-
-def phase_tune(bench, B, S, T):
-    """Block size and split count around the defaults, at the shape where splits matter most."""
-    def items(st):
-        for block_k in (64, 128):
-            for n_splits in (8, 16, 32, 64):
-                bench.run(f"tune verify block_k={block_k} n_splits={n_splits}",
-                          lambda: time_verify(bench, st, B, S, T, None, block_k=block_k,
-                                              n_splits=n_splits))
-    with_state(bench, B, S, T, items)
+            with_state(bench, B, S, T, verify_peers)
 
 
 def markdown(result):
-    lines = ["| kernel | impl | B x S | T | collect | us | GB/s | % copy BW | floor BW us "
-             "| floor flops us |", "|" + " --- |" * 10]
+    lines = [(f"{result['device']}: copy {result['copy_GBps'] or 0:.0f} GB/s, bf16 matmul "
+              f"{result['matmul_TFLOPs'] or 0:.0f} TFLOP/s, harness "
+              f"{result.get('harness_us', 0):.1f} us/call"), "",
+             ("| kernel | impl | B x S | T | collect | us | GB/s | % copy BW | floor BW us "
+              "| floor flops us |"), "|" + " --- |" * 10]
     for r in result["timings"]:
         lines.append(f"| {r['kernel']} | {r['impl']} | {r['B']} x {r['S']} | {r.get('T', '-')} "
                      f"| {r.get('collect', '-')} | {r['us']:.1f} | {r['GBps']:.0f} "
@@ -474,7 +501,7 @@ def markdown(result):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--long", action="store_true", help="add 4 x 128K (H200)")
+    parser.add_argument("--long", action="store_true", help="add 4 x 128K")
     parser.add_argument("--tiny", action="store_true", help="smoke test of this script (CPU ok)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--budget", type=float, default=330.0,
@@ -483,15 +510,14 @@ def main():
     bench = Bench(args)
     print(f"{bench.result['device']} ({bench.result['backend']}), jax {jax.__version__}",
           flush=True)
-    bench.run("device rates", lambda: measure_rates(bench, args.tiny))
-
     B, S = TINY_SHAPES[0] if args.tiny else (4, 32768)
     for T, collect in [(1, None), (10, None)] + [(10, c) for c in collect_modes(10)[1:]]:
-        bench.run(f"check verify T={T} {describe(collect)}",
-                  lambda: check_verify(bench, B, S, T, collect))
+        bench.run(f"check verify T={T} {describe(collect)}", check_verify, bench, B, S, T, collect)
     for Hs in (1, HKV):
-        bench.run(f"check sparse Hs={Hs}", lambda: check_sparse(bench, B, S, Hs))
-    bench.run("check topk", lambda: check_topk(bench, B, S))
+        bench.run(f"check sparse Hs={Hs}", check_sparse, bench, B, S, Hs)
+    bench.run("check topk", check_topk, bench, B, S)
+    bench.run("device rates", measure_rates, bench, args.tiny)
+    bench.run("harness", measure_harness, bench)
 
     small = args.quick or args.tiny
     shapes = TINY_SHAPES if args.tiny else QUICK_SHAPES if args.quick else SHAPES
@@ -500,7 +526,7 @@ def main():
     phase_collect(bench, shapes, (10,) if small else (7, 10), 2 if small else 4)
     phase_peers(bench, shapes, (1, 10))
     if not small:
-        phase_tune(bench, 1, 32768, 10)
+        with_state(bench, 1, 32768, 10, verify_tuning)   # B=1: where the split count matters
 
     bench.result["total_s"] = bench.elapsed()
     bench.save()

@@ -205,7 +205,7 @@ def generate(
 
 def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: DecodeState) -> DecodeState:
     """One token per row: a one-row verification of the pending token, then a draw from the target."""
-    logits, cache, scores = _verify(params, cfg, spec, drafter, state, None)
+    logits, cache, scores = verify(params, cfg, spec, drafter, state, None)
     key, sub = jax.random.split(state.key)
     token, _ = sample(sub, logits[:, 0], sampling)
     num_accepted = jnp.zeros_like(state.length)
@@ -216,16 +216,20 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     """Draft gamma tokens, verify them in one pass, accept exactly, update the selection."""
     key, draft_key, accept_key = jax.random.split(state.key, 3)
     if drafter.uses_model:
-        drafts, draft_probs, state = _draft(params, cfg, sampling, drafter, state, draft_key)
+        drafts, draft_probs, state = draft(params, cfg, sampling, drafter, state, draft_key)
     else:
         drafts, draft_probs = drafter.propose(state.tokens, state.length), None
-    logits, cache, scores = _verify(params, cfg, spec, drafter, state, drafts)
+    logits, cache, scores = verify(params, cfg, spec, drafter, state, drafts)
     num_accepted, tokens = rejection_sample(accept_key, drafts, draft_probs, logits, sampling)
     return _commit(state, cache, key, tokens, num_accepted, drafter, scores)
 
 
-def _draft(params, cfg, sampling, drafter, state, key):
-    """gamma single-token steps of the target model with the drafter's sparse attention."""
+def draft(params, cfg, sampling, drafter, state, key):
+    """gamma single-token steps of the target model with the drafter's sparse attention.
+
+    Returns (drafts [B, gamma], their distributions [B, gamma, V] or None when greedy, the state with
+    the drafts' KV written and the drafter's per-step state updated).
+    """
     B = state.length.shape[0]
     first = state.length - 1
     pending = _pending(state)
@@ -248,8 +252,12 @@ def _draft(params, cfg, sampling, drafter, state, key):
     return drafts.T, probs, dataclasses.replace(state, cache=cache, drafter=dstate)
 
 
-def _verify(params, cfg, spec, drafter, state, drafts):
-    """Full attention over the pending token and the drafts; float32 logits [B, T, V]."""
+def verify(params, cfg, spec, drafter, state, drafts):
+    """Full attention over the pending token and the drafts (None: plain decoding).
+
+    Returns float32 logits [B, T, V], the cache with the T rows' exact KV, and the selection scores
+    the drafter collects (per layer), or None.
+    """
     pending = _pending(state)[:, None]
     rows = pending if drafts is None else jnp.concatenate([pending, drafts], axis=1)
     T = rows.shape[1]

@@ -1,212 +1,21 @@
-"""`python -m jaxspec.generate`: batched generation from the command line, with speed and acceptance stats.
-
-Prefill and decode are compiled ahead of time (compile time is reported apart) and timed separately:
-decode tokens/s counts the tokens produced by the decode loop (every generated token but the first,
-which prefill samples) over the decode loop's wall time.
-"""
+"""`python -m jaxspec.generate`: batched generation from the command line, with speed and acceptance stats."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
-import resource
 import sys
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxspec import engine
 from jaxspec.errors import JaxspecError, cli_main
+from jaxspec.runner import encode_prompts, resolve_max_len, run_generation, summarize
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import METHODS, SPARSE_METHODS, SpecConfig
-from jaxspec.tokenizer import Tokenizer
+from jaxspec.spec import METHODS, SpecConfig
+from jaxspec.tune import load_tuned
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
-PROGRESS_SEGMENT = 16  # decode iterations between progress updates
-
-
-@dataclasses.dataclass
-class Batch:
-    ids: np.ndarray  # [B, P] right-padded
-    lengths: np.ndarray  # [B]
-
-
-@dataclasses.dataclass
-class Run:
-    """What one generation produced and how long each phase took."""
-
-    output: engine.GenerateOutput
-    compile_s: float
-    prefill_s: float
-    decode_s: float
-
-    def generated(self) -> list[np.ndarray]:
-        tokens, length, prompt_len = (np.asarray(x) for x in (self.output.tokens, self.output.length, self.output.prompt_len))
-        return [tokens[b, prompt_len[b] : length[b]] for b in range(len(length))]
-
-
-def encode_prompts(tokenizer: Tokenizer, prompts: list[str], chat: bool) -> Batch:
-    """Token ids of each prompt (through the chat template when `chat`), right-padded into one batch."""
-    ids = []
-    for text in prompts:
-        if not text.strip():
-            raise JaxspecError("empty prompt")
-        if chat:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            ids.append(tokenizer.encode(rendered))
-        else:
-            ids.append(tokenizer.encode(text, add_special_tokens=True))
-    lengths = np.array([len(x) for x in ids], np.int32)
-    batch = np.zeros((len(ids), lengths.max()), np.int32)
-    for b, x in enumerate(ids):
-        batch[b, : len(x)] = x
-    return Batch(batch, lengths)
-
-
-def resolve_max_len(batch: Batch, max_new_tokens: int, max_len: int | None, model_max: int) -> int:
-    """Total length cap (prompt + generated) of the run; the prompts must leave room for one token."""
-    longest = int(batch.lengths.max())
-    if max_len is None:
-        max_len = min(longest + max_new_tokens, max(model_max, longest + 1))
-    if longest >= max_len:
-        raise JaxspecError(f"prompt of {longest} tokens does not fit --max-len {max_len} (it needs room to generate)")
-    return max_len
-
-
-@functools.lru_cache(maxsize=None)
-def prefill_fn(cfg, max_len: int, backend: str, chunk: int):
-    """jit-compiled `engine.prefill_cache`; it does not depend on the method, so runs can share its cache."""
-    return jax.jit(functools.partial(engine.prefill_cache, cfg=cfg, max_len=max_len, backend=backend, chunk=chunk))
-
-
-def decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
-    """jit-compiled (start, decode) for the static part of `spec` (pass `spec.budget()` to start, so
-    runs that differ only in ratio or min_tokens share one compilation). Both donate the cache (start
-    its prefilled cache, decode its state), so the KV cache is updated in place: to reuse one prefill
-    for several runs, pass each a copy."""
-    return _decode_fns(cfg, spec.compiled(max_len), sampling, max_len)
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
-    start = jax.jit(
-        functools.partial(engine.start, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
-    )
-    decode = jax.jit(
-        functools.partial(engine.decode, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
-    )
-    return start, decode
-
-
-def run_generation(
-    params,
-    cfg,
-    batch: Batch,
-    *,
-    spec: SpecConfig,
-    sampling: SamplingConfig,
-    max_len: int,
-    max_new_tokens: int,
-    stop_ids: tuple[int, ...],
-    seed: int = 0,
-    progress: bool = False,
-    cache=None,
-) -> Run:
-    """Compiles (timed), prefills (timed) and decodes (timed) one batch.
-
-    `cache`, if given, is this batch's `prefill_fn` output (donated), used instead of prefilling again.
-    """
-    start, decode = decode_fns(cfg, spec, sampling, max_len)
-    ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
-    compile_start = time.perf_counter()
-    prefill_exe = None
-    if cache is None:
-        prefill_exe = prefill_fn(cfg, max_len, spec.backend, spec.prefill_chunk).lower(params, ids, lengths).compile()
-        cache_info = prefill_exe.out_info
-    else:
-        cache_info = cache
-    start_args = dict(
-        key=jax.random.key(seed),
-        budget=spec.budget(),
-        max_new_tokens=jnp.int32(max_new_tokens),
-        stop_ids=jnp.asarray(stop_ids or (-1,), jnp.int32),
-    )
-    start_exe = start.lower(params, cache_info, ids, lengths, **start_args).compile()
-    decode_exe = decode.lower(params, start_exe.out_info, max_iterations=jnp.int32(0)).compile()
-    compile_s = time.perf_counter() - compile_start
-
-    prefill_start = time.perf_counter()
-    if prefill_exe is not None:
-        cache = prefill_exe(params, ids, lengths)
-    state = jax.block_until_ready(start_exe(params, cache, ids, lengths, **start_args))
-    prefill_s = time.perf_counter() - prefill_start
-
-    decode_start = time.perf_counter()
-    if progress:
-        state = _decode_with_progress(decode_exe, params, state, max_new_tokens)
-    else:
-        state = jax.block_until_ready(decode_exe(params, state, max_iterations=jnp.int32(np.iinfo(np.int32).max)))
-    decode_s = time.perf_counter() - decode_start
-    return Run(engine.finish(state, max_len), compile_s, prefill_s, decode_s)
-
-
-def _decode_with_progress(decode_exe, params, state, max_new_tokens: int):
-    """Decodes in segments of PROGRESS_SEGMENT iterations, drawing a bar on stderr between them."""
-    total = max_new_tokens * state.length.shape[0]
-    while True:
-        state = decode_exe(params, state, max_iterations=jnp.int32(PROGRESS_SEGMENT))
-        done, generated = jax.device_get((state.done, state.length - state.prompt_len))
-        fraction = min(1.0, int(generated.sum()) / total)
-        print(f"\r[{'#' * int(30 * fraction):<30}] {int(generated.sum())}/{total} tokens", end="", file=sys.stderr)
-        if done.all():
-            print(file=sys.stderr)
-            return state
-
-
-def peak_memory() -> tuple[str, int]:
-    """Peak device memory in bytes where the backend reports it, else the process's peak RSS."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        return "device", int(stats["peak_bytes_in_use"])
-    return "host_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
-    """The stats object of the --json output (and the human stats block)."""
-    stats = jax.device_get(run.output.stats)
-    generated = int(sum(len(g) for g in run.generated()))
-    decode_tokens = generated - len(batch.lengths)
-    iterations = int(stats.iterations.sum())
-    accepted = int(stats.accepted.sum())
-    by_position = stats.accepted_by_position.sum(axis=0)
-    memory_kind, memory = peak_memory()
-    return {
-        "method": spec.method,
-        "gamma": spec.draft_len,
-        "ratio": spec.ratio if spec.method in SPARSE_METHODS else None,
-        "backend": spec.backend,
-        "batch": len(batch.lengths),
-        "prompt_tokens": int(batch.lengths.sum()),
-        "generated_tokens": generated,
-        "compile_s": run.compile_s,
-        "prefill_s": run.prefill_s,
-        "decode_s": run.decode_s,
-        "prefill_tokens_per_s": float(batch.lengths.sum()) / run.prefill_s,
-        "decode_tokens_per_s": decode_tokens / run.decode_s if run.decode_s > 0 else 0.0,
-        "iterations": iterations,
-        "tokens_per_iteration": (accepted + iterations) / iterations if iterations else 0.0,
-        "draft_tokens": int(stats.drafted.sum()),
-        "accepted_tokens": accepted,
-        "acceptance_by_position": [int(x) for x in by_position],
-        "acceptance_rate_by_position": [float(x) / iterations if iterations else 0.0 for x in by_position],
-        f"peak_{memory_kind}_memory_bytes": memory,
-        "device": jax.devices()[0].device_kind,
-    }
 
 
 class _Parser(argparse.ArgumentParser):
@@ -232,8 +41,9 @@ def parse_args(argv):
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
     p.add_argument("--method", choices=METHODS, default="plain")
-    p.add_argument("--gamma", type=int, default=6, help="draft length")
-    p.add_argument("--ratio", type=float, default=0.07, help="fraction of the context a sparse drafter keeps")
+    p.add_argument("--gamma", type=int, default=None, help="draft length (default 6, or the --tuned choice)")
+    p.add_argument("--ratio", type=float, default=None, help="fraction of the context a sparse drafter keeps (default 0.07, or the --tuned choice)")
+    p.add_argument("--tuned", type=Path, default=None, help="a file from `python -m jaxspec.tune`: its gamma and ratio for --method")
     p.add_argument("--min-tokens", type=int, default=256, help="least KV entries a sparse drafter keeps")
     p.add_argument("--metric", choices=("weight", "logit"), default="weight")
     p.add_argument("--ngram-min", type=int, default=1)
@@ -250,8 +60,11 @@ def main(argv=None):
     if args.max_new_tokens < 1:
         raise JaxspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    tuned = load_tuned(args.tuned, args.method) if args.tuned else {}
+    gamma = args.gamma if args.gamma is not None else tuned.get("gamma") or 6
+    ratio = args.ratio if args.ratio is not None else tuned.get("ratio") or 0.07
     spec = SpecConfig(
-        method=args.method, gamma=args.gamma, ratio=args.ratio, min_tokens=args.min_tokens, metric=args.metric,
+        method=args.method, gamma=gamma, ratio=ratio, min_tokens=args.min_tokens, metric=args.metric,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, backend=args.backend,
     ).validate()
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]

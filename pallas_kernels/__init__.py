@@ -3,14 +3,20 @@ kernel ("pallas"). On a CPU default backend the Pallas kernels run in interpret 
 exercise the kernel code without a GPU.
 """
 from pallas_kernels._common import interpret_default
-from pallas_kernels.sparse_attention import sparse_attention_pallas, sparse_attention_reference
+from pallas_kernels.sparse_attention import (
+    sparse_attention_pallas,
+    sparse_attention_reference,
+)
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
-from pallas_kernels.verify_attention import (Collect, verify_attention_pallas,
-                                             verify_attention_reference)
+from pallas_kernels.verify_attention import (
+    Collect,
+    verify_attention_pallas,
+    verify_attention_reference,
+)
 
 BACKENDS = ("reference", "pallas")
 
-__all__ = ["BACKENDS", "Collect", "verify_attention", "sparse_attention", "select_topk"]
+__all__ = ["BACKENDS", "Collect", "select_topk", "sparse_attention", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:

@@ -10,8 +10,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Enough (batch x kv head x split) programs to fill an H100 (132 SMs) about twice over.
+# Enough (batch x kv head x split) programs to fill an H100 (132 SMs) about twice over, with at
+# most 16 splits: at B=1 x 32K, 16 splits beat 32 (57 vs 63 us, T=10), at B=4 8 beat 16.
 TARGET_PROGRAMS = 256
+MAX_SPLITS = 16
 # Triton dots need every operand dimension >= 16; all loaded tensors need power-of-two shapes.
 MIN_TILE = 16
 
@@ -21,8 +23,8 @@ def next_pow2(n: int) -> int:
 
 
 def num_splits(programs: int, max_blocks: int) -> int:
-    """Split-K factor so that `programs * splits` is about TARGET_PROGRAMS, one block per split at least."""
-    return max(1, min(-(-TARGET_PROGRAMS // programs), max_blocks))
+    """Split-K factor: `programs * splits` about TARGET_PROGRAMS, one block per split at least."""
+    return max(1, min(-(-TARGET_PROGRAMS // programs), MAX_SPLITS, max_blocks))
 
 
 def split_range(split, n_splits: int, n_blocks):
@@ -32,10 +34,17 @@ def split_range(split, n_splits: int, n_blocks):
     return lo, jnp.minimum(lo + per, n_blocks)
 
 
-def compiler_params(rows: int):
-    """Four warps for tiles of <= 32 rows; a 64-row tile needs all 255 registers with four warps
-    (ptxas for sm_90), eight warps keep it at ~140 without spills."""
-    return plgpu.CompilerParams(num_warps=4 if rows <= 32 else 8, num_stages=2)
+def pad_rows(x):
+    """Pads axis 2 of [B, Hkv, N, Dh] with zero rows up to a Triton tile: a power of two >= 16."""
+    n = x.shape[2]
+    return jnp.pad(x, ((0, 0), (0, 0), (0, next_pow2(max(n, MIN_TILE)) - n), (0, 0)))
+
+
+def compiler_params():
+    """Measured on an H100 (bench/NOTES.md): four warps beat eight even for 64-row tiles (193 vs
+    241 us, 4 x 32K, T=10), and three pipeline stages of 64-key blocks keep enough loads in flight
+    while the largest collecting tile still fits in shared memory."""
+    return plgpu.CompilerParams(num_warps=4, num_stages=3)
 
 
 def matmul_precision(dtype):

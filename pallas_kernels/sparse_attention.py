@@ -12,16 +12,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (MIN_TILE, compiler_params, init_carry, matmul_precision,
-                                    merge_splits, next_pow2, num_splits, softmax_step,
-                                    split_range, store_split)
+from pallas_kernels._common import (
+    MIN_TILE,
+    compiler_params,
+    init_carry,
+    matmul_precision,
+    merge_splits,
+    next_pow2,
+    num_splits,
+    pad_rows,
+    softmax_step,
+    split_range,
+    store_split,
+)
 
 BLOCK_K = 64
 
 
 def _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_pos):
     B, Hq, Dh = q.shape
-    L, Bk, Hkv, S, Dk = k_cache.shape
+    _, Bk, Hkv, _, Dk = k_cache.shape
     if (Bk, Dk) != (B, Dh) or v_cache.shape != k_cache.shape or Hq % Hkv:
         raise ValueError(f"shapes do not match: q {q.shape}, k_cache {k_cache.shape}, "
                          f"v_cache {v_cache.shape}")
@@ -110,23 +120,22 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
     G = Hq // Hkv
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
         raise ValueError(f"the Pallas sparse kernel needs a power-of-two head dim >= 16, got {Dh}")
-    tile = next_pow2(max(G, MIN_TILE))
     max_blocks = pl.cdiv(idx.shape[2], block_k) + pl.cdiv(tail_capacity, block_k)
     n_splits = n_splits or num_splits(B * Hkv, max_blocks)
-    q_tile = jnp.pad(q.reshape(B, Hkv, G, Dh), ((0, 0), (0, 0), (0, tile - G), (0, 0)))
+    q_tile = pad_rows(q.reshape(B, Hkv, G, Dh))
     ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_pos, idx)]
     kernel = functools.partial(_sparse_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
                                groups=G)
     o_part, lse_part = pl.pallas_call(
         kernel, grid=(B, Hkv, n_splits),
         in_specs=[pl.no_block_spec] * 5
-        + [pl.BlockSpec((None, None, tile, Dh), lambda b, h, s: (b, h, 0, 0)),
+        + [pl.BlockSpec((None, None, q_tile.shape[2], Dh), lambda b, h, s: (b, h, 0, 0)),
            pl.no_block_spec, pl.no_block_spec],
         out_specs=[pl.BlockSpec((None, None, None, G, Dh), lambda b, h, s: (b, h, s, 0, 0)),
                    pl.BlockSpec((None, None, None, G), lambda b, h, s: (b, h, s, 0))],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, n_splits, G, Dh), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, n_splits, G), jnp.float32)],
-        compiler_params=compiler_params(tile), interpret=interpret, name="sparse_attention",
+        compiler_params=compiler_params(), interpret=interpret, name="sparse_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), *ints, q_tile, k_cache, v_cache)
     out, _ = merge_splits(o_part, lse_part)
     return out.reshape(B, Hq, Dh).astype(q.dtype)

@@ -3,11 +3,14 @@
 The first min(k, #finite scores) entries of a row are the slots of its largest scores, in any order;
 the rest are arbitrary slots in [0, S). -inf marks invalid slots; scores must not be NaN.
 
-Fast path: radix select. Float scores map to int32 keys with the same order; four passes of an
-8-bit histogram over the key bits (restricted to keys that match the digits found so far) pin down
-the k-th largest key tau exactly; a compaction pass then writes the slots with key > tau and as
-many slots with key == tau as still fit. One Pallas program per row; the row is re-read from L2 by
-each pass.
+Fast path: radix select. Float scores map to int32 keys with the same order. The k-th largest key
+tau is found 4 bits at a time, from the top: with the higher bits of tau known, a pass counts the
+keys >= each of the 16 candidates for the next 4 bits, and tau takes the largest candidate that
+still has k keys at or above it (8 passes, one compare per key and candidate, no histogram
+scatter). A counting pass and a compaction pass then write the slots with key > tau and as many
+slots with key == tau as still fit. Every pass is one Pallas program per (row, chunk of the row),
+so a pass fills the GPU whatever the batch; the per-row steps between passes (sum the chunk
+counts, pick the digit, chunk offsets) are tiny XLA ops on [rows, 16] or [rows, chunks].
 """
 import functools
 
@@ -19,9 +22,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import next_pow2
 
-# 1024 scores per step with eight warps: no register spills (ptxas, sm_90); 2048 spill heavily.
-CHUNK = 1024
-DIGIT_BITS = 8
+# Scores per program. H100, [36, 4, 32K]: 1024 -> 169 us, 2048 -> 157 us, 4096 -> 155 us
+# (bench/NOTES.md); 2048 keeps more programs in flight for short rows.
+CHUNK = 2048
+DIGIT_BITS = 4
+RADIX = 1 << DIGIT_BITS
 _INT32_MIN = -(2 ** 31)
 
 
@@ -37,99 +42,92 @@ def select_topk_reference(scores, k_max: int, k):
     return lax.top_k(scores, k_max)[1].astype(jnp.int32)
 
 
-def _sortable(x):
-    """float32 -> int32 with the same order (negative floats: flip the magnitude bits)."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def _histogram(digit, active):
-    """256-bin histogram of 8-bit digits as a [16, 16] one-hot product (on the tensor cores)."""
-    hi = jnp.where(active, digit >> 4, 16)
-    bins = jnp.arange(16)
-    one_hi = (hi[:, None] == bins[None, :]).astype(jnp.bfloat16)
-    one_lo = ((digit & 15)[:, None] == bins[None, :]).astype(jnp.bfloat16)
-    counts = lax.dot_general(one_hi, one_lo, (((0,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    return counts.reshape(256)
-
-
-def _topk_kernel(k_ref, scores_ref, idx_ref, *, k_max, chunk):
-    """Program = one row: four histogram passes find tau, one pass compacts, one pass fills."""
-    row = pl.program_id(0)
+def _load_keys(scores_ref, row, chunk_id, chunk):
+    """Slots, validity and order-preserving int32 keys of one chunk of a row (-inf past the end)."""
     S = scores_ref.shape[1]
-    k = jnp.clip(k_ref[row], 1, k_max)
-    n_chunks = pl.cdiv(S, chunk)
+    slots = chunk_id * chunk + jnp.arange(chunk)
+    valid = slots < S
+    x = plgpu.load(scores_ref.at[row, pl.ds(chunk_id * chunk, chunk)], mask=valid,
+                   other=-jnp.inf)
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return slots, valid, jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
-    def load_keys(c):
-        slots = c * chunk + jnp.arange(chunk)
-        valid = slots < S
-        x = plgpu.load(scores_ref.at[row, pl.ds(c * chunk, chunk)], mask=valid, other=-jnp.inf)
-        return slots, valid, _sortable(x)
 
-    # prefix: the high digits of tau (as unsigned bits) found so far; need: how many keys equal to
-    # that prefix are still to be taken.
-    prefix, need = jnp.int32(0), k
-    for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
-        def count(c, hist, shift=shift, prefix=prefix):
-            _, valid, key = load_keys(c)
-            bits = key ^ _INT32_MIN
-            active = valid
-            if shift + DIGIT_BITS < 32:
-                active &= lax.shift_right_logical(bits, shift + DIGIT_BITS) == prefix
-            digit = lax.shift_right_logical(bits, shift) & 255
-            return hist + _histogram(digit, active)
+def _candidates_kernel(prefix_ref, scores_ref, count_ref, *, shift, chunk):
+    """count[c] = number of the chunk's keys >= the candidate whose bits above `shift` are the
+    row's prefix, whose next DIGIT_BITS bits are c and whose lower bits are 0 (unsigned pattern)."""
+    row, chunk_id = pl.program_id(0), pl.program_id(1)
+    _, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
+    candidates = (prefix_ref[row] | (jnp.arange(RADIX) << shift)) ^ _INT32_MIN
+    at_least = valid[:, None] & (key[:, None] >= candidates[None, :])
+    count_ref[...] = at_least.astype(jnp.int32).sum(axis=0)
 
-        hist = lax.fori_loop(0, n_chunks, count, jnp.zeros((256,), jnp.float32))
-        hist = hist.astype(jnp.int32)
-        at_least = hist.sum() - jnp.cumsum(hist) + hist        # keys with digit >= d
-        digit = jnp.sum((at_least >= need).astype(jnp.int32)) - 1
-        need -= jnp.sum(jnp.where(jnp.arange(256) > digit, hist, 0))
-        prefix = (prefix << DIGIT_BITS) | digit
-    tau = prefix ^ _INT32_MIN
-    n_above = k - need
 
-    # Masked-off lanes scatter to column k_max, which the caller slices away.
-    def compact(c, seen):
-        above_seen, tie_seen = seen
-        slots, valid, key = load_keys(c)
-        above = valid & (key > tau)
-        tie = valid & (key == tau)
-        above_rank = above_seen + jnp.cumsum(above.astype(jnp.int32))
-        tie_rank = tie_seen + jnp.cumsum(tie.astype(jnp.int32))
-        take_tie = tie & (tie_rank <= need)
-        pos = jnp.where(above, above_rank - 1, n_above + tie_rank - 1)
-        pos = jnp.where(above | take_tie, pos, k_max)
-        plgpu.store(idx_ref.at[row, pos], slots, mask=above | take_tie)
-        return above_seen + above.sum(dtype=jnp.int32), tie_seen + tie.sum(dtype=jnp.int32)
+def _count_kernel(tau_ref, scores_ref, count_ref, *, chunk):
+    """Per chunk: how many keys are above tau, and how many equal it."""
+    row, chunk_id = pl.program_id(0), pl.program_id(1)
+    _, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
+    tau = tau_ref[row]
+    above = (valid & (key > tau)).astype(jnp.int32).sum()
+    tie = (valid & (key == tau)).astype(jnp.int32).sum()
+    count_ref[...] = jnp.where(jnp.arange(2) == 0, above, tie)
 
-    lax.fori_loop(0, n_chunks, compact, (jnp.int32(0), jnp.int32(0)))
 
-    fill = min(chunk, next_pow2(k_max))
+def _compact_kernel(tau_ref, n_above_ref, need_ref, offset_ref, scores_ref, idx_ref, *, chunk,
+                    k_max):
+    """Writes the chunk's slots above tau at their ranks, then its ties while fewer than need.
 
-    def pad(c, carry):
-        cols = c * fill + jnp.arange(fill)
-        plgpu.store(idx_ref.at[row, pl.ds(c * fill, fill)], jnp.zeros((fill,), jnp.int32),
-                    mask=(cols >= k) & (cols < k_max))
-        return carry
-
-    lax.fori_loop(k // fill, pl.cdiv(k_max, fill), pad, 0)
+    Masked-off lanes point at column k_max, which the caller slices away.
+    """
+    row, chunk_id = pl.program_id(0), pl.program_id(1)
+    slots, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
+    offsets = offset_ref[row, chunk_id, :]
+    above_seen = jnp.sum(jnp.where(jnp.arange(2) == 0, offsets, 0))
+    tie_seen = jnp.sum(jnp.where(jnp.arange(2) == 1, offsets, 0))
+    tau = tau_ref[row]
+    above = valid & (key > tau)
+    tie = valid & (key == tau)
+    above_rank = above_seen + jnp.cumsum(above.astype(jnp.int32))
+    tie_rank = tie_seen + jnp.cumsum(tie.astype(jnp.int32))
+    write = above | (tie & (tie_rank <= need_ref[row]))
+    pos = jnp.where(above, above_rank - 1, n_above_ref[row] + tie_rank - 1)
+    plgpu.store(idx_ref.at[row, jnp.where(write, pos, k_max)], slots, mask=write)
 
 
 def select_topk_pallas(scores, k_max: int, k, *, interpret: bool = False, chunk: int = CHUNK):
-    """Radix select in one Pallas-Triton program per row; set-equal to lax.top_k up to ties."""
+    """Radix select; set-equal to lax.top_k up to ties. scores [..., S] float32."""
     _check(scores, k_max)
     lead, S = scores.shape[:-1], scores.shape[-1]
     rows = scores.reshape(-1, S).astype(jnp.float32)
-    k_rows = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(-1)
+    R = rows.shape[0]
+    k_rows = jnp.clip(jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(-1), 1, k_max)
     chunk = min(chunk, next_pow2(S))
-    idx = pl.pallas_call(
-        functools.partial(_topk_kernel, k_max=k_max, chunk=chunk),
-        grid=(rows.shape[0],),
-        in_specs=[pl.no_block_spec, pl.no_block_spec],
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((rows.shape[0], k_max + 1), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
-        interpret=interpret, name="select_topk",
-    )(k_rows, rows)
-    return idx[:, :k_max].reshape(*lead, k_max)
+    grid = (R, pl.cdiv(S, chunk))
+    params = plgpu.CompilerParams(num_warps=8, num_stages=1)
+    call = functools.partial(pl.pallas_call, grid=grid, compiler_params=params,
+                             interpret=interpret)
+    row_specs = [pl.no_block_spec, pl.no_block_spec]
+
+    prefix = jnp.zeros((R,), jnp.int32)          # known high bits of tau, unsigned pattern
+    for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
+        counts = call(functools.partial(_candidates_kernel, shift=shift, chunk=chunk),
+                      in_specs=row_specs,
+                      out_specs=pl.BlockSpec((None, None, RADIX), lambda r, c: (r, c, 0)),
+                      out_shape=jax.ShapeDtypeStruct((*grid, RADIX), jnp.int32),
+                      name="topk_candidates")(prefix, rows)
+        digit = jnp.sum(counts.sum(axis=1) >= k_rows[:, None], axis=1, dtype=jnp.int32) - 1
+        prefix |= digit << shift
+    tau = prefix ^ _INT32_MIN
+
+    counts = call(functools.partial(_count_kernel, chunk=chunk), in_specs=row_specs,
+                  out_specs=pl.BlockSpec((None, None, 2), lambda r, c: (r, c, 0)),
+                  out_shape=jax.ShapeDtypeStruct((*grid, 2), jnp.int32),
+                  name="topk_count")(tau, rows)
+    offsets = jnp.cumsum(counts, axis=1) - counts                      # exclusive, per chunk
+    n_above = counts[:, :, 0].sum(axis=1)
+    idx = call(functools.partial(_compact_kernel, chunk=chunk, k_max=k_max),
+               in_specs=[pl.no_block_spec] * 5, out_specs=pl.no_block_spec,
+               out_shape=jax.ShapeDtypeStruct((R, k_max + 1), jnp.int32),
+               name="topk_compact")(tau, n_above, k_rows - n_above, offsets, rows)
+    idx = jnp.where(jnp.arange(k_max) < k_rows[:, None], idx[:, :k_max], 0)
+    return idx.reshape(*lead, k_max)

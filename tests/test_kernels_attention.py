@@ -11,9 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attention import sparse_attention_pallas, sparse_attention_reference
-from pallas_kernels.verify_attention import (Collect, verify_attention_pallas,
-                                             verify_attention_reference)
+from pallas_kernels.sparse_attention import (
+    sparse_attention_pallas,
+    sparse_attention_reference,
+)
+from pallas_kernels.verify_attention import (
+    Collect,
+    verify_attention_pallas,
+    verify_attention_reference,
+)
 
 LAYERS, LAYER = 3, 1
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -68,9 +74,11 @@ def verify_oracle(q, k_cache, v_cache, q_pos, scale, collect):
     if collect is not None:
         rows = list(collect.rows)
         pos = q_pos[:, rows]
-        metric = np.exp(logits[:, rows] - lse[:, rows]) if collect.metric == "weight" \
-            else logits[:, rows]
-        per_row = np.where(np.arange(S) <= pos[:, :, None, None], metric, 0.0).mean(axis=2)
+        metric = logits[:, rows]
+        if collect.metric == "weight":
+            visible = np.arange(S) <= pos[:, :, None, None]
+            metric = np.where(visible, np.exp(metric - lse[:, rows]), 0.0)
+        per_row = metric.mean(axis=2)
         if collect.reduce_rows:
             scores = np.where(np.arange(S) <= pos[:, :1], per_row.mean(axis=1), -np.inf)
         else:
@@ -150,7 +158,7 @@ def sparse_inputs(seed, B, Hs, K, S, n_idx, tail_start):
 
 def sparse_oracle(q, k_cache, v_cache, idx, n_idx, tail_start, q_pos, scale):
     q, k, v = f64(q), f64(k_cache[LAYER]), f64(v_cache[LAYER])
-    B, Hq, Dh = q.shape
+    B, Hq, _ = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     out = np.zeros_like(q)

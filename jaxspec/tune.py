@@ -1,0 +1,147 @@
+"""`python -m jaxspec.tune`: choose (gamma, ratio) per method for a model and a prompt set, on this device.
+
+The three steps of DESIGN.md section 6 (those of the Vegas paper):
+  1. sweep the ratio at a large gamma until tokens per iteration stabilise (the smallest ratio within
+     `--tolerance` of the best tokens per iteration);
+  2. sweep gamma at that ratio for decode throughput;
+  3. re-adjust the ratio at that gamma for decode throughput.
+n-gram lookup has no ratio (step 2 only). The choice is printed and saved as JSON, which
+`python -m jaxspec.generate --method M --tuned FILE` reads. Ratios share one compilation per gamma.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import corpus
+from jaxspec.errors import JaxspecError, cli_main
+from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
+from jaxspec.sampling import SamplingConfig
+from jaxspec.spec import SPARSE_METHODS, SpecConfig
+
+RATIOS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.15)
+GAMMAS = (2, 4, 6, 8, 10)
+
+
+class Tuner:
+    """Measures one batch under many (method, gamma, ratio), from one shared prefill."""
+
+    def __init__(self, params, cfg, batch: Batch, max_new_tokens: int, backend: str, sampling: SamplingConfig, k_max: int):
+        self.params, self.cfg, self.batch, self.max_new = params, cfg, batch, max_new_tokens
+        self.backend, self.sampling, self.k_max = backend, sampling, k_max
+        self.max_len = int(batch.lengths.max()) + max_new_tokens
+        prefill = prefill_fn(cfg, self.max_len, backend, 256)
+        self.cache = prefill(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
+        self.log: list[dict] = []
+
+    def measure(self, method: str, gamma: int, ratio: float | None) -> dict:
+        spec = SpecConfig(method=method, gamma=gamma, ratio=ratio or 0.07, k_max=self.k_max, backend=self.backend)
+        run = run_generation(
+            self.params, self.cfg, self.batch, spec=spec.validate(), sampling=self.sampling, max_len=self.max_len,
+            max_new_tokens=self.max_new, stop_ids=(), cache=jax.tree.map(jnp.copy, self.cache),
+        )
+        stats = jax.device_get(run.output.stats)
+        iterations = max(int(stats.iterations.sum()), 1)
+        decode_tokens = int((run.output.length - run.output.prompt_len).sum()) - len(self.batch.lengths)
+        row = {
+            "method": method, "gamma": spec.draft_len, "ratio": ratio,
+            "tokens_per_iteration": (int(stats.accepted.sum()) + iterations) / iterations,
+            "tokens_per_s": decode_tokens / run.decode_s,
+        }
+        print(json.dumps(row), flush=True)
+        self.log.append(row)
+        return row
+
+
+def tune_method(tuner: Tuner, method: str, ratios, gammas, large_gamma: int, tolerance: float) -> dict:
+    if method == "plain":
+        return tuner.measure("plain", 1, None)
+    if method == "ngram":
+        return max((tuner.measure(method, g, None) for g in gammas), key=lambda r: r["tokens_per_s"])
+    sweep = [tuner.measure(method, large_gamma, r) for r in ratios]
+    best_tpi = max(r["tokens_per_iteration"] for r in sweep)
+    ratio = min(r["ratio"] for r in sweep if r["tokens_per_iteration"] >= (1 - tolerance) * best_tpi)
+    by_gamma = [tuner.measure(method, g, ratio) for g in gammas]
+    gamma = max(by_gamma, key=lambda r: r["tokens_per_s"])["gamma"]
+    at_gamma = [r for r in by_gamma if r["gamma"] == gamma] + [tuner.measure(method, gamma, r) for r in ratios]
+    return max(at_gamma, key=lambda r: r["tokens_per_s"])
+
+
+def load_tuned(path: Path, method: str) -> dict:
+    """The (gamma, ratio) chosen for `method` in a file written by this tool."""
+    try:
+        methods = json.loads(path.read_text())["methods"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise JaxspecError(f"cannot read tuned file {path}: {e}") from None
+    if method not in methods:
+        raise JaxspecError(f"tuned file {path} has no entry for method {method!r} (it has {', '.join(methods)})")
+    return methods[method]
+
+
+def parse_args(argv):
+    floats = lambda s: tuple(float(x) for x in s.split(","))
+    ints = lambda s: tuple(int(x) for x in s.split(","))
+    gpu = jax.default_backend() == "gpu"
+    p = argparse.ArgumentParser(prog="python -m jaxspec.tune", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompt", action="append", default=[])
+    p.add_argument("--prompt-file", action="append", default=[], type=Path)
+    p.add_argument("--corpus", type=int, nargs=2, metavar=("N", "TOKENS"), default=None,
+                   help="N prompts of about TOKENS tokens from jaxspec.corpus (default when no prompt is given: 4 x 2000)")
+    p.add_argument("--methods", default=",".join(("plain", *SPARSE_METHODS, "ngram")), type=lambda s: s.split(","))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ratios", type=floats, default=RATIOS)
+    p.add_argument("--gammas", type=ints, default=GAMMAS)
+    p.add_argument("--large-gamma", type=int, default=None, help="gamma of step 1 (default: the largest of --gammas)")
+    p.add_argument("--tolerance", type=float, default=0.03)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
+    p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
+    p.add_argument("--out", type=Path, default=Path("tuned.json"))
+    return p.parse_args(argv)
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    for method in args.methods:
+        SpecConfig(method=method).validate()
+    for value in (*args.gammas, args.large_gamma or 1):
+        SpecConfig(method="vegas", gamma=value).validate()
+    for value in args.ratios:
+        SpecConfig(ratio=value).validate()
+    sampling = SamplingConfig(temperature=args.temperature)
+
+    from jaxspec.loaders import load_model
+
+    cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
+    prompts = list(args.prompt) + [p.read_text() for p in args.prompt_file]
+    if not prompts:
+        n, tokens = args.corpus or (4, 2000)
+        prompts = [corpus.long_prompt(tokenizer, tokens, offset=9 * i) for i in range(n)]
+    batch = encode_prompts(tokenizer, prompts, chat=tokenizer.has_chat_template)
+    resolve_max_len(batch, args.max_new_tokens, None, cfg.max_position_embeddings)
+    k_max = SpecConfig(ratio=max(args.ratios), min_tokens=256).capacity(int(batch.lengths.max()) + args.max_new_tokens)
+    tuner = Tuner(params, cfg, batch, args.max_new_tokens, args.backend, sampling, k_max)
+    large_gamma = args.large_gamma or max(args.gammas)
+    chosen = {m: tune_method(tuner, m, args.ratios, args.gammas, large_gamma, args.tolerance) for m in args.methods}
+    result = {
+        "model": args.model, "device": jax.devices()[0].device_kind, "backend": args.backend, "dtype": args.dtype,
+        "prompt_tokens": batch.lengths.tolist(), "max_new_tokens": args.max_new_tokens, "sampling": vars(sampling),
+        "methods": chosen, "measurements": tuner.log,
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'method':14} {'gamma':>5} {'ratio':>6} {'tok/iter':>8} {'tok/s':>8}")
+    for method, row in chosen.items():
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        print(f"{method:14} {row['gamma']:5d} {ratio:>6} {row['tokens_per_iteration']:8.2f} {row['tokens_per_s']:8.1f}")
+    print(f"saved to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Each drafter's selection on hand-made cases where the right answer is known (DESIGN.md section 4).
+
+The attended set of a draft step is read off the attention itself: with every key zero the softmax is
+uniform over the attended slots, and with value[slot] = one-hot(slot) the output is their indicator
+divided by their number.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import ModelConfig
+from jaxspec.drafters import make_drafter
+from jaxspec.drafters.quest import PageBounds
+from jaxspec.drafters.stream import SINKS
+from jaxspec.kvcache import KVCache
+from jaxspec.spec import PAGE, Budget, SpecConfig
+
+S = 256  # cache slots; head_dim = S so that a value can be the one-hot of its slot
+CFG = ModelConfig(
+    model_type="llama", vocab_size=32, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=S,
+    intermediate_size=32, dtype="float32",
+)
+
+
+def drafter(method: str, k_max: int = 64, gamma: int = 4, **kw):
+    return make_drafter(SpecConfig(method=method, gamma=gamma, k_max=k_max, **kw), CFG, max_len=S - 32)
+
+
+def probe_cache(batch: int) -> KVCache:
+    L, H = CFG.num_layers, CFG.num_kv_heads
+    k = jnp.zeros((L, batch, H, S, S), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (L, batch, H, S, S))
+    return KVCache(k, v)
+
+
+def attended(d, state, budget: Budget, q_pos: np.ndarray, layer: int, q=None) -> list[list[set[int]]]:
+    """Slots attended by each (row, KV head) at draft positions q_pos [B], read off the output."""
+    B = len(q_pos)
+    attend, layer_xs = d.attend(state, budget, jnp.asarray(q_pos, jnp.int32))
+    x = jax.tree.map(lambda a: a[layer], layer_xs)
+    if q is None:
+        q = jnp.ones((B, 1, CFG.num_heads, S), jnp.float32)
+    out, _ = attend(jnp.int32(layer), q, probe_cache(B), x)
+    out = np.asarray(out)[:, 0]  # [B, Hq, S]
+    sets = []
+    for b in range(B):
+        heads = []
+        for h in range(CFG.num_kv_heads):
+            row = out[b, h * CFG.group_size]
+            slots = set(np.flatnonzero(row > 1e-6).tolist())
+            np.testing.assert_allclose(row[sorted(slots)], 1.0 / len(slots), rtol=1e-5)
+            heads.append(slots)
+        sets.append(heads)
+    return sets
+
+
+def test_budget_rule():
+    d = drafter("vegas", k_max=128)
+    budget = Budget.of(0.1, 16)
+    context = jnp.array([1, 10, 100, 160, 500, 1280, 5000])
+    # ceil(0.1 * c) clamped to [16, 128], never more than c
+    assert d.count(budget, context).tolist() == [1, 10, 16, 16, 50, 128, 128]
+    assert d.count(Budget.of(0.5, 1), jnp.array([3, 7])).tolist() == [2, 4]
+
+
+def test_capacity():
+    assert SpecConfig(ratio=0.07, min_tokens=256).capacity(8192) == 576  # ceil(573.44) -> multiple of 16
+    assert SpecConfig(ratio=0.07, min_tokens=256).capacity(1000) == 256
+    assert SpecConfig(ratio=0.5, min_tokens=16).capacity(100) == 64  # 50 rounded up to a page
+    assert SpecConfig(k_max=48).capacity(10**6) == 48
+
+
+def test_vegas_selects_top_scores_then_attends_selection_and_tail():
+    d = drafter("vegas", k_max=32)
+    rng = np.random.default_rng(0)
+    L, B = CFG.num_layers, 2
+    last = np.array([150, 40])
+    scores = np.where(np.arange(S) <= last[None, :, None], rng.normal(size=(L, B, S)), -np.inf).astype(np.float32)
+    budget = Budget.of(0.1, 8)
+    state = d.after_verify(d.init(probe_cache(B), None), budget, jnp.asarray(scores), None, jnp.asarray(last), None)
+    k = np.array([16, 8])  # ceil(0.1 * 151) = 16; ceil(0.1 * 41) = 5 -> min_tokens 8
+    assert np.asarray(state.n_idx).tolist() == k.tolist()
+    assert np.asarray(state.tail_start).tolist() == (last + 1).tolist()
+    q_pos = last + 5
+    for layer in range(L):
+        sets = attended(d, state, budget, q_pos, layer)
+        for b in range(B):
+            top = set(np.argsort(-scores[layer, b])[: k[b]].tolist())
+            expected = top | set(range(last[b] + 1, q_pos[b] + 1))
+            assert sets[b][0] == sets[b][1] == expected  # one selection shared by the KV heads
+
+
+def test_vegas_short_context_selects_everything():
+    d = drafter("vegas", k_max=64)
+    last = np.array([20])
+    scores = np.where(np.arange(S) <= 20, 1.0, -np.inf).astype(np.float32)[None, None].repeat(CFG.num_layers, 0)
+    budget = Budget.of(0.07, 32)
+    state = d.after_verify(d.init(probe_cache(1), None), budget, jnp.asarray(scores), None, jnp.asarray(last), None)
+    assert int(state.n_idx[0]) == 21
+    assert attended(d, state, budget, np.array([23]), layer=1)[0][0] == set(range(24))
+
+
+@pytest.mark.parametrize("method, rows", [("vegas", (0, 6)), ("all_rows", tuple(range(7)))])
+def test_collected_rows(method, rows):
+    collect = drafter(method, gamma=6).collect(7)
+    assert collect.rows == rows and collect.reduce_rows
+    assert drafter(method, metric="logit").collect(5).metric == "logit"
+    assert drafter(method).collect(1).rows == (0,)  # the last prompt token after prefill
+
+
+def test_last_accepted_uses_the_row_of_the_last_accepted_token():
+    d = drafter("last_accepted", k_max=16)
+    collect = d.collect(5)
+    assert collect.rows == tuple(range(5)) and not collect.reduce_rows
+    L, B, R = CFG.num_layers, 2, 5
+    first = np.array([100, 30])
+    accepted = np.array([3, 0])
+    rng = np.random.default_rng(1)
+    scores = rng.normal(size=(L, B, R, S)).astype(np.float32)
+    scores = np.where(np.arange(S) <= (first[None, :, None, None] + np.arange(R)[None, None, :, None]), scores, -np.inf)
+    budget = Budget.of(0.05, 16)
+    state = d.after_verify(d.init(probe_cache(B), None), budget, jnp.asarray(scores, jnp.float32), None,
+                           jnp.asarray(first), jnp.asarray(accepted))
+    last = first + accepted
+    assert np.asarray(state.tail_start).tolist() == (last + 1).tolist()
+    for b in range(B):
+        expected = set(np.argsort(-scores[2, b, accepted[b]])[:16].tolist())
+        assert set(np.asarray(state.idx)[2, b, 0, :16].tolist()) == expected
+
+
+def test_stream_sinks_and_page_aligned_window():
+    d = drafter("stream", k_max=96)
+    budget = Budget.of(0.25, 48)
+    q_pos = np.array([200, 40, 70])
+    sets = attended(d, None, budget, q_pos, layer=0)
+    # context 201: K = ceil(50.25) = 51 -> 16 sinks + a window of <= 35 slots starting on a page: [176, 200]
+    assert sets[0][0] == set(range(SINKS)) | set(range(176, 201))
+    # context 41 <= K = 48: dense
+    assert sets[1][0] == set(range(41))
+    # context 71: K = 48 -> window of <= 32 from a page boundary: [48, 70]
+    assert sets[2][0] == set(range(SINKS)) | set(range(48, 71))
+    assert sets[0][0] == sets[0][1]
+
+
+def test_quest_picks_top_pages_per_kv_head_plus_own_page_and_dense_first_layers():
+    d = drafter("quest", k_max=64)
+    L, B, H, P = CFG.num_layers, 1, CFG.num_kv_heads, S // PAGE
+    rng = np.random.default_rng(2)
+    page_value = rng.permutation(P * H).reshape(H, P).astype(np.float32)  # distinct scores per head
+    # With q = ones, a page's score is (group size) * sum_d kmax_d: a page's value spread over head_dim.
+    kmax = np.broadcast_to(page_value[None, None, :, :, None] / S, (L, B, H, P, S))
+    state = PageBounds(jnp.asarray(kmax, jnp.float32), jnp.asarray(kmax, jnp.float32) - 1.0)
+    q_pos = np.array([150])  # own page 9 = slots [144, 150]
+    budget = Budget.of(0.3, 16)  # K = ceil(45.3) = 46 -> ceil(46 / 16) - 1 = 2 earlier pages + own page
+    sparse = attended(d, state, budget, q_pos, layer=2)
+    for h in range(H):
+        top = np.argsort(-page_value[h, :9])[:2]
+        expected = {int(p) * PAGE + i for p in top for i in range(PAGE)} | set(range(144, 151))
+        assert sparse[0][h] == expected
+    assert sparse[0][0] != sparse[0][1]
+    assert attended(d, state, budget, q_pos, layer=1)[0][0] == set(range(151))  # dense layers
+
+
+def test_quest_page_bounds_follow_the_cache():
+    d = drafter("quest", k_max=64)
+    rng = np.random.default_rng(3)
+    shape = (CFG.num_layers, 2, CFG.num_kv_heads, S, 8)
+    cache = KVCache(jnp.asarray(rng.normal(size=shape), jnp.float32), jnp.zeros(shape, jnp.float32))
+    state = d.init(cache, None)
+    pages = np.asarray(cache.k).reshape(*shape[:3], S // PAGE, PAGE, 8)
+    np.testing.assert_array_equal(np.asarray(state.kmax), pages.max(axis=4))
+    new_k = np.asarray(cache.k).copy()
+    new_k[:, 0, :, 37] += 5.0
+    new_k[:, 1, :, 200] -= 5.0
+    cache = KVCache(jnp.asarray(new_k), cache.v)
+    state = d.after_draft_step(state, cache, jnp.array([37, 200]))
+    pages = new_k.reshape(*shape[:3], S // PAGE, PAGE, 8)
+    np.testing.assert_array_equal(np.asarray(state.kmax), pages.max(axis=4))
+    np.testing.assert_array_equal(np.asarray(state.kmin), pages.min(axis=4))
+
+
+def test_ngram_continues_the_longest_most_recent_match():
+    d = drafter("ngram", gamma=3, ngram_min=1, ngram_max=3)
+    tokens = np.zeros((4, 16), np.int32)
+    rows = [
+        ([5, 6, 7, 8, 9, 5, 6, 7], [8, 9, 5]),  # "5 6 7" seen before: continue with what followed
+        ([1, 2, 9, 1, 3, 4, 1, 2], [9, 1, 3]),  # longest match "1 2" beats the later "1"
+        ([4, 2, 5, 4, 3, 6, 7, 4], [3, 6, 7]),  # only "4" matches: its most recent occurrence
+        ([1, 2, 3, 4], [4, 4, 4]),  # no match: repeat the last token
+    ]
+    lengths = []
+    for b, (seq, _) in enumerate(rows):
+        tokens[b, : len(seq)] = seq
+        tokens[b, len(seq) :] = 99  # beyond the length: never proposed
+        lengths.append(len(seq))
+    drafts = np.asarray(d.propose(jnp.asarray(tokens), jnp.asarray(lengths)))
+    assert drafts.tolist() == [expected for _, expected in rows]
