@@ -57,7 +57,7 @@ def time_decode(params, cfg, spec: SpecConfig, batch: int, context: int, max_len
     return float(np.median(times)), state.cache
 
 
-def qwen3_rows(args, rates: dict) -> list[dict]:
+def qwen3_rows(args, rates: dict, save) -> list[dict]:
     cfg = TINY_CFG if args.tiny else common.QWEN3_8B
     params = model.init_params(cfg, jax.random.key(0))
     weight_bytes = common.tree_bytes(params)
@@ -85,6 +85,7 @@ def qwen3_rows(args, rates: dict) -> list[dict]:
                     cache = common.random_cache(cfg, batch, slots, jax.random.key(batch))  # it may have been donated
                 print(row, flush=True)
                 rows.append(row)
+                save(rows)
             del cache
     return rows
 
@@ -132,11 +133,12 @@ def parse_args():
 def main():
     args = parse_args()
     result = common.run_info() | {"rates": common.measure_rates(args.tiny)}
-    rows = qwen3_rows(args, result["rates"])
+    path = Path(args.out) / "decode.json"
+    rows = qwen3_rows(args, result["rates"], lambda rows: common.write_json(path, result | {"rows": rows}))
     if args.smollm2_model:
         rows += smollm2_rows(args, result["rates"])
     result["rows"] = rows
-    common.write_json(Path(args.out) / "decode.json", result)
+    common.write_json(path, result)
     print(f"\n{result['device']}, copy {result['rates']['copy_GBps']:.0f} GB/s, {result['date']}")
     print(common.markdown_table(rows, [
         ("model", "model", "s"), ("backend", "backend", "s"), ("B", "batch", "d"), ("context", "context", "d"),
