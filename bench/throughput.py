@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import functools
 import time
 import traceback
@@ -198,12 +199,13 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
                 cache = common.random_cache(cfg, batch_size, slots, jax.random.key(1))
             result["rows"].append(row)
             common.write_json(args.out / "throughput.json", result)
-    project(result)
+    earlier = json.loads(args.project_from.read_text())["rows"] if args.project_from else []
+    project(result, earlier)
 
 
-def project(result: dict) -> None:
+def project(result: dict, smollm2_rows: list[dict]) -> None:
     """Qwen3-8B throughput = batch x (tokens per iteration on SmolLM2 workload b, batch 1) / iteration time."""
-    measured = {r["method"]: r["tokens_per_iteration"] for r in result["rows"]
+    measured = {r["method"]: r["tokens_per_iteration"] for r in result["rows"] + smollm2_rows
                 if r["model"] == "smollm2-135m" and r["workload"] == "b" and r["batch"] == 1 and "tokens_per_iteration" in r}
     for row in result["rows"]:
         if row["workload"] == "latency" and "iteration_ms" in row and row["method"] in measured:
@@ -324,6 +326,7 @@ def parse_args():
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), type=lambda s: tuple(int(x) for x in s.split(",")))
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file (default: gamma 6, ratio 0.07)")
     p.add_argument("--model", default="smollm2", help="SmolLM2: 'smollm2' or a path to its GGUF")
+    p.add_argument("--project-from", type=Path, default=None, help="a throughput.json whose SmolLM2 rows give the tokens per iteration of the projection")
     p.add_argument("--backend", default="pallas" if jax.default_backend() == "gpu" else "reference")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a CPU smoke test of this script")
     p.add_argument("--out", type=Path, default=common.RESULTS)
@@ -331,8 +334,6 @@ def parse_args():
 
 
 def main():
-    import json
-
     args = parse_args()
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else DEFAULT_TUNING
     result = common.run_info() | {"rates": common.measure_rates(args.tiny), "tuning": tuning, "rows": []}
