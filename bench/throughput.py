@@ -226,7 +226,7 @@ def peer_part(args, result: dict) -> None:
     path = Path(args.model) if args.model != "smollm2" else smollm2_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
     _, _, tokenizer = load_model(args.model, dtype="bfloat16")
-    for workload in (Workload("a", (16,), 2048), Workload("b", (1,), 512)):
+    for workload in [w for w in (Workload("a", (16,), 2048), Workload("b", (1,), 512)) if w.name in args.peer_workloads]:
         batch_size = workload.batches[0]
         batch = encode_prompts(tokenizer, workload.prompts(tokenizer, batch_size), chat=True)
         row = {"model": "smollm2-135m", "workload": workload.name, "batch": batch_size, "method": "transformers (peer)",
@@ -248,7 +248,9 @@ def peer_part(args, result: dict) -> None:
                 torch.cuda.synchronize()
                 return time.perf_counter() - start
 
-            gen(8)  # warm-up (and compilation, if transformers compiles the static-cache forward)
+            # The static cache is sized prompt + max_new_tokens, so each length is its own compiled graph:
+            # warm both up before timing (a first run of 2026-11-22 timed a compilation: 9.6 tok/s).
+            gen(1), gen(workload.new_tokens)
             first, full = gen(1), gen(workload.new_tokens)
             row.update(decode_tokens_per_s=batch_size * (workload.new_tokens - 1) / (full - first))
 
@@ -324,6 +326,7 @@ def parse_args():
     p.add_argument("--parts", default="smollm2,qwen3,peer", type=lambda s: s.split(","))
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), type=lambda s: tuple(int(x) for x in s.split(",")))
+    p.add_argument("--peer-workloads", default="a,b", type=lambda s: s.split(","))
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file (default: gamma 6, ratio 0.07)")
     p.add_argument("--model", default="smollm2", help="SmolLM2: 'smollm2' or a path to its GGUF")
     p.add_argument("--project-from", type=Path, default=None, help="a throughput.json whose SmolLM2 rows give the tokens per iteration of the projection")
