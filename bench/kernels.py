@@ -33,6 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
+from bench import common  # noqa: E402
+from bench.common import seconds_per_call  # noqa: E402
 from pallas_kernels import Collect  # noqa: E402
 from pallas_kernels._common import interpret_default  # noqa: E402
 from pallas_kernels.sparse_attention import (  # noqa: E402
@@ -118,21 +120,6 @@ class Bench:
               f"{row.get('pct_copy_bw', 0):5.1f}% of copy", flush=True)
 
 
-def seconds_per_call(f, *args):
-    """Median over 3 runs of back-to-back asynchronous calls, each run >= MIN_RUN_S."""
-    jax.block_until_ready(f(*args))
-
-    def run(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n
-
-    n = max(1, min(1000, math.ceil(MIN_RUN_S / run(1))))
-    return statistics.median(run(n) for _ in range(3))
-
-
 def time_steps(step, state):
     """Microseconds per kernel call: step(state, i, layer) runs STEPS x LAYERS times in one scan.
 
@@ -162,24 +149,8 @@ def normal(key, shape, dtype=DTYPE):
 # ---------------------------------------------------------------- 1. device rates
 
 def measure_rates(bench, tiny):
-    """Copy bandwidth: the best of three large copies (bf16 x*2, memcpy, f32 x+1), bytes read plus
-    written; bf16 matmul rate: 8192^3 on random data. Run after the checks, on a warm GPU."""
-    n = 1 << (20 if tiny else 29)                       # bf16 elements: 1 GiB on a GPU
-    x = normal(jax.random.key(0), (n,))
-    x32 = jax.random.normal(jax.random.key(1), (n // 2,))
-    copies = {"bf16 x*2": (lambda x: x * 2, x), "memcpy": (jnp.copy, x),
-              "f32 x+1": (lambda x: x + 1, x32)}
-    rates = {name: 2 * arg.nbytes / seconds_per_call(jax.jit(f), arg) / 1e9
-             for name, (f, arg) in copies.items()}
-    bench.result["copy_GBps_by_method"] = rates
-    bench.result["copy_GBps"] = max(rates.values())
-    m = 512 if tiny else 8192
-    a, b = normal(jax.random.key(2), (m, m)), normal(jax.random.key(3), (m, m))
-    mm = seconds_per_call(jax.jit(lambda a, b: a @ b), a, b)
-    bench.result["matmul_TFLOPs"] = 2 * m ** 3 / mm / 1e12
-    print(f"copy bandwidth {bench.result['copy_GBps']:.0f} GB/s (read + write; "
-          + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
-          + f"), bf16 matmul {bench.result['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    """Device ceilings (bench/common.py), taken after the checks, on a warm GPU."""
+    bench.result.update(common.measure_rates(tiny))
 
 
 def measure_harness(bench):
