@@ -90,7 +90,7 @@ def stage_times(params, cfg, spec: SpecConfig, max_len: int, state: engine.Decod
 
     # One decode call of STAGE_REPEATS iterations: the loop as it runs, without per-call dispatch.
     state = timed(lambda s: decode(params, s, max_iterations=jnp.int32(STAGE_REPEATS)), state, "iteration_ms", 1, STAGE_REPEATS)
-    drafts = jnp.broadcast_to(engine._pending(state)[:, None], (state.length.shape[0], static.draft_len))
+    drafts = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], static.draft_len))
     if drafter is not None and drafter.uses_model:
         draft = jax.jit(lambda p, s: engine.draft(p, cfg, GREEDY, drafter, s, s.key)[2], donate_argnums=1)
         state = timed(functools.partial(draft, params), state, "draft_ms")

@@ -7,14 +7,13 @@ it was. `--force` replaces an existing DST (moved aside, then deleted once the n
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import uuid
 from pathlib import Path
 
 import jax
 
-from jaxspec.errors import JaxspecError, cli_main
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.loaders import load_model, orbax
 
 
@@ -64,7 +63,7 @@ def _replace(tmp: Path, dst: Path) -> None:
 
 @cli_main
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxspec.convert", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m jaxspec.convert", description=__doc__.splitlines()[0])
     parser.add_argument("src", help="smollm2, a .gguf file, an HF directory or a jaxspec checkpoint")
     parser.add_argument("dst", type=Path, help="checkpoint directory to create")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")

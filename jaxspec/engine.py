@@ -1,8 +1,9 @@
 """The decoding engine: prefill, then one `lax.while_loop` of draft -> verify -> accept -> update.
 
 Everything is pure and static-shaped (batch, cache length, gamma, selection capacity); lengths,
-positions and acceptance are traced, and there is no host round-trip per iteration. Rows finish
-independently (stop ids, max tokens) and finished rows stop changing.
+positions and acceptance are traced, and no Python runs per iteration (on a GPU, XLA still reads the
+loop's condition each iteration: bench/NOTES.md, "Decode step"). Rows finish independently (stop
+ids, max tokens) and finished rows stop changing.
 
 State invariant between iterations: row b has committed `length[b]` tokens; the KV cache holds every
 committed token but the last one (the pending token), whose keys the next pass writes. Plain decoding
@@ -232,7 +233,7 @@ def draft(params, cfg, sampling, drafter, state, key):
     """
     B = state.length.shape[0]
     first = state.length - 1
-    pending = _pending(state)
+    pending = pending_tokens(state)
 
     def step(carry, i):
         token, cache, dstate, key = carry
@@ -258,7 +259,7 @@ def verify(params, cfg, spec, drafter, state, drafts):
     Returns float32 logits [B, T, V], the cache with the T rows' exact KV, and the selection scores
     the drafter collects (per layer), or None.
     """
-    pending = _pending(state)[:, None]
+    pending = pending_tokens(state)[:, None]
     rows = pending if drafts is None else jnp.concatenate([pending, drafts], axis=1)
     T = rows.shape[1]
     positions = (state.length - 1)[:, None] + jnp.arange(T, dtype=jnp.int32)
@@ -268,7 +269,8 @@ def verify(params, cfg, spec, drafter, state, drafts):
     return model.logits(params, cfg, hidden), cache, scores
 
 
-def _pending(state: DecodeState) -> jax.Array:
+def pending_tokens(state: DecodeState) -> jax.Array:
+    """Each row's last committed token [B], whose keys the next pass writes."""
     return jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)[:, 0]
 
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
 
 class JaxspecError(Exception):
     """A user-facing error: bad model file, bad arguments, unsupported architecture, too-long prompt."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are a JaxspecError, so they print as one line like any bad input."""
+
+    def error(self, message):
+        raise JaxspecError(message)
 
 
 def cli_main(main):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax
 
-from jaxspec.errors import JaxspecError, cli_main
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation, summarize
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import METHODS, SpecConfig
@@ -18,16 +18,9 @@ from jaxspec.tune import load_tuned
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its usage errors as one line like every other bad input."""
-
-    def error(self, message):
-        raise JaxspecError(message)
-
-
 def parse_args(argv):
     gpu = jax.default_backend() == "gpu"
-    p = _Parser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | path to a .gguf file | HF directory | orbax checkpoint")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", action="append", default=[], type=Path, help="a file holding one prompt (repeatable)")
@@ -40,7 +33,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
-    p.add_argument("--method", choices=METHODS, default="plain")
+    p.add_argument("--method", choices=METHODS, default="vegas")
     p.add_argument("--gamma", type=int, default=None, help="draft length (default 6, or the --tuned choice)")
     p.add_argument("--ratio", type=float, default=None, help="fraction of the context a sparse drafter keeps (default 0.07, or the --tuned choice)")
     p.add_argument("--tuned", type=Path, default=None, help="a file from `python -m jaxspec.tune`: its gamma and ratio for --method")

@@ -11,7 +11,6 @@ n-gram lookup has no ratio (step 2 only). The choice is printed and saved as JSO
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import corpus
-from jaxspec.errors import JaxspecError, cli_main
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SPARSE_METHODS, SpecConfig
@@ -87,7 +86,7 @@ def parse_args(argv):
     floats = lambda s: tuple(float(x) for x in s.split(","))
     ints = lambda s: tuple(int(x) for x in s.split(","))
     gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(prog="python -m jaxspec.tune", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m jaxspec.tune", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompt", action="append", default=[])
     p.add_argument("--prompt-file", action="append", default=[], type=Path)

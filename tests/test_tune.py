@@ -1,0 +1,53 @@
+"""`python -m jaxspec.tune` runs the three tuning steps and `generate --tuned` uses what it chose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxspec import generate, tune
+
+
+@pytest.fixture(scope="module")
+def tuned_file(hf_checkpoints, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tune") / "tuned.json"
+    tune.main([
+        "--model", str(hf_checkpoints["llama"]), "--corpus", "2", "120", "--max-new-tokens", "6",
+        "--methods", "plain,vegas,ngram", "--ratios", "0.05,0.3", "--gammas", "2,3", "--out", str(path),
+    ])
+    return path
+
+
+def test_tune_writes_one_choice_per_method(tuned_file):
+    result = json.loads(tuned_file.read_text())
+    assert set(result["methods"]) == {"plain", "vegas", "ngram"}
+    vegas = result["methods"]["vegas"]
+    assert vegas["gamma"] in (2, 3) and vegas["ratio"] in (0.05, 0.3)
+    assert result["methods"]["ngram"]["ratio"] is None
+    steps = [m for m in result["measurements"] if m["method"] == "vegas"]
+    # step 1: both ratios at the large gamma; step 2: both gammas; step 3: both ratios at the chosen gamma
+    assert [m["gamma"] for m in steps[:2]] == [3, 3] and {m["gamma"] for m in steps[2:4]} == {2, 3}
+    assert len(steps) == 6 and all(m["tokens_per_s"] > 0 and m["tokens_per_iteration"] >= 1 for m in steps)
+
+
+def test_generate_uses_the_tuned_choice(tuned_file, hf_checkpoints, capsys):
+    choice = json.loads(tuned_file.read_text())["methods"]["vegas"]
+    generate.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hello there", "--max-new-tokens", "4",
+                   "--method", "vegas", "--tuned", str(tuned_file), "--json"])
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["gamma"] == choice["gamma"] and stats["ratio"] == choice["ratio"]
+    generate.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hello there", "--max-new-tokens", "4",
+                   "--method", "vegas", "--tuned", str(tuned_file), "--gamma", "5", "--json"])
+    assert json.loads(capsys.readouterr().out)["stats"]["gamma"] == 5  # an explicit flag wins
+
+
+def test_tuned_file_errors(tuned_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--method", "quest", "--tuned", str(tuned_file)])
+    assert exit_info.value.code == 2 and "no entry for method 'quest'" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(SystemExit):
+        generate.main(["--method", "vegas", "--tuned", str(bad)])
+    assert "cannot read tuned file" in capsys.readouterr().err
