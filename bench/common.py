@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig, RopeConfig
-from jaxspec.kvcache import KVCache
+from jaxspec.kvcache import KVCache, cache_shape
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -93,7 +93,7 @@ def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, 
 
 def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array) -> KVCache:
     """A cache full of random keys/values, standing in for a long prefill in latency benchmarks."""
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, num_slots, cfg.head_dim)
+    shape = cache_shape(cfg, batch, num_slots)
     fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.dtype(cfg.dtype)))
     kk, kv = jax.random.split(key)
     return KVCache(fill(kk), fill(kv))

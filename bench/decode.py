@@ -25,7 +25,7 @@ from bench import common
 from jaxspec import model
 from jaxspec.config import ModelConfig
 from jaxspec.runner import decode_fns, encode_prompts, run_generation
-from jaxspec.kvcache import cache_slots
+from jaxspec.kvcache import cache_bytes, cache_slots
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import MAX_GAMMA, SpecConfig
 
@@ -69,8 +69,7 @@ def qwen3_rows(args, rates: dict, save) -> list[dict]:
             contexts = sorted(c for b, c in args.grid if b == batch)
             max_len = contexts[-1] + 4 * STEPS + 8
             slots = cache_slots(max_len + MAX_GAMMA + 1)
-            kv = common.kv_bytes_read(cfg, batch, slots)
-            if weight_bytes + kv > MEMORY_FRACTION * device_bytes:
+            if weight_bytes + cache_bytes(cfg, batch, slots) > MEMORY_FRACTION * device_bytes:
                 rows += [dict(model=cfg.model_type, backend=backend, batch=batch, context=c, skipped="memory") for c in contexts]
                 continue
             cache = common.random_cache(cfg, batch, slots, jax.random.key(batch))

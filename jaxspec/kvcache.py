@@ -8,6 +8,7 @@ clean-up: verification overwrites them, or they fall beyond the row's length.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,17 @@ def cache_slots(length: int) -> int:
     return -(-length // SLOT_ALIGN) * SLOT_ALIGN
 
 
+def cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
+    return (cfg.num_layers, batch, cfg.num_kv_heads, cache_slots(length), cfg.head_dim)
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+    """Device bytes of `init_cache(cfg, batch, length)` (keys and values)."""
+    return 2 * math.prod(cache_shape(cfg, batch, length)) * jnp.dtype(cfg.dtype).itemsize
+
+
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> KVCache:
     """An empty cache with room for `length` positions (rounded up to SLOT_ALIGN)."""
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, cache_slots(length), cfg.head_dim)
+    shape = cache_shape(cfg, batch, length)
     dtype = jnp.dtype(cfg.dtype)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

@@ -20,8 +20,9 @@ import numpy as np
 
 from jaxspec import engine
 from jaxspec.errors import JaxspecError
+from jaxspec.kvcache import cache_bytes
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import SPARSE_METHODS, SpecConfig
+from jaxspec.spec import MAX_GAMMA, SPARSE_METHODS, SpecConfig
 from jaxspec.tokenizer import Tokenizer
 
 PROGRESS_SEGMENT = 16  # decode iterations between progress updates
@@ -66,10 +67,15 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], chat: bool) -> Batc
 
 
 def resolve_max_len(batch: Batch, max_new_tokens: int, max_len: int | None, model_max: int) -> int:
-    """Total length cap (prompt + generated) of the run; the prompts must leave room for one token."""
+    """Total length cap (prompt + generated) of the run: the model's context unless `max_len` says
+    otherwise; the prompts must leave room for one token."""
     longest = int(batch.lengths.max())
     if max_len is None:
-        max_len = min(longest + max_new_tokens, max(model_max, longest + 1))
+        if longest >= model_max:
+            raise JaxspecError(
+                f"prompt of {longest} tokens does not fit the model's context of {model_max} tokens (--max-len overrides it)"
+            )
+        return min(longest + max_new_tokens, model_max)
     if longest >= max_len:
         raise JaxspecError(f"prompt of {longest} tokens does not fit --max-len {max_len} (it needs room to generate)")
     return max_len
@@ -114,10 +120,24 @@ def run_generation(
     progress: bool = False,
     cache=None,
 ) -> Run:
-    """Compiles (timed), prefills (timed) and decodes (timed) one batch.
+    """Compiles (timed), prefills (timed) and decodes (timed) one batch; running out of device memory
+    is a JaxspecError naming the KV cache size.
 
     `cache`, if given, is this batch's `prefill_fn` output (donated), used instead of prefilling again.
     """
+    try:
+        return _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        kv = cache_bytes(cfg, len(batch.lengths), max_len + MAX_GAMMA + 1)
+        raise JaxspecError(
+            f"out of device memory: batch {len(batch.lengths)} x {max_len} tokens needs {kv / 2**30:.1f} GiB of KV cache "
+            "on top of the weights; lower --max-len or the batch"
+        ) from None
+
+
+def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache) -> Run:
     start, decode = decode_fns(cfg, spec, sampling, max_len)
     ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
     compile_start = time.perf_counter()

@@ -107,3 +107,26 @@ def test_prompt_errors(hf_checkpoints):
     assert_one_line_error(generate("--model", model, "--prompt", "  "), "empty prompt")
     long_prompt = " ".join(["word"] * 50)
     assert_one_line_error(generate("--model", model, "--no-chat", "--prompt", long_prompt, "--max-len", "8"), "--max-len")
+
+
+def test_prompt_longer_than_the_model_context(hf_checkpoints):
+    long_prompt = " ".join(["word"] * 400)  # the test checkpoints have 256 positions
+    assert_one_line_error(generate("--model", str(hf_checkpoints["llama"]), "--no-chat", "--prompt", long_prompt), "model's context")
+
+
+def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys):
+    """XLA's RESOURCE_EXHAUSTED becomes one line that names the KV cache size."""
+    import jax
+
+    from jaxspec import generate as cli
+    from jaxspec import runner
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.")
+
+    monkeypatch.setattr(runner, "_run", out_of_memory)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hi", "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert err[0].startswith("error: out of device memory") and "GiB of KV cache" in err[0]
