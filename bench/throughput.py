@@ -7,7 +7,7 @@ for every method at its tuned (gamma, ratio): (a) short chat prompts + 2048 new 
 (b) long prompts of real text (2K-7.5K tokens) + 512 new tokens at batch 1 and 4. Per method: decode
 tokens/s, tokens per iteration, acceptance by draft position and, for plain, the ratio to the floor.
 qwen3 (Qwen3-8B shapes, random bf16 weights: latency only): a random KV cache stands in for the
-prompt; per method and context (4K-32K, batch 1) the time of one iteration, its split into draft /
+prompt; per method and context (4K-32K, batch 1 or --qwen3-batch) the time of one iteration, its split into draft /
 verify / select (each stage timed alone on the same state) and the selection overhead; then the
 throughput each method WOULD reach with the tokens per iteration measured on SmolLM2 workload (b)
 (a projection, labelled so). peer: transformers generate (torch, static cache, SDPA, bf16) with the
@@ -170,7 +170,7 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
     params = model.init_params(cfg, jax.random.key(0))
     weight_bytes = common.tree_bytes(params)
     contexts = (512, 1024) if args.tiny else args.contexts
-    batch_size = 1
+    batch_size = args.qwen3_batch
     max_len = max(contexts) + 256
     slots = cache_slots(max_len + MAX_GAMMA + 1)
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
@@ -305,7 +305,7 @@ def plots(result: dict, out: Path) -> None:
         points = sorted((r["context"], r["projected_tokens_per_s"]) for r in qwen if r["method"] == method)
         if points:
             ax.plot(*zip(*points), marker="o", label=method)
-    ax.set(xscale="log", xlabel="context (tokens)", ylabel="projected decode tokens/s (batch 1)",
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel=f"projected decode tokens/s (batch {qwen[0]['batch'] if qwen else 1})",
            title=f"Qwen3-8B shapes on {result['device']} (projection)")
     ax.legend()
     fig.tight_layout()
@@ -326,6 +326,7 @@ def parse_args():
     p.add_argument("--parts", default="smollm2,qwen3,peer", type=lambda s: s.split(","))
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), type=lambda s: tuple(int(x) for x in s.split(",")))
+    p.add_argument("--qwen3-batch", type=int, default=1, help="batch of the Qwen3-8B latency part (8 x 32K fits an H100)")
     p.add_argument("--peer-workloads", default="a,b", type=lambda s: s.split(","))
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file (default: gamma 6, ratio 0.07)")
     p.add_argument("--model", default="smollm2", help="SmolLM2: 'smollm2' or a path to its GGUF")
