@@ -71,47 +71,54 @@ def spec_for(method: str, tuning: dict, backend: str, k_max: int | None = None) 
 # ---------------------------------------------------------------- stage timing
 
 
-def stage_times(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeState) -> tuple[dict, engine.DecodeState]:
-    """Milliseconds of one iteration and of its draft / verify / select stages, each timed alone on
-    `state` (which they donate and hand back, so no stage pays for copying the cache); and the state."""
+def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeState) -> tuple[dict, engine.DecodeState]:
+    """The loop iteration and its draft / verify / select stages as functions that donate and return
+    the state (so no stage pays for copying the cache): {name: (fn, iterations per call)}; and the
+    state, through one verification when the method selects (its scores feed the select stage)."""
     static = spec.compiled(max_len)
     drafter = make_drafter(static, cfg, max_len)
     _, decode = decode_fns(cfg, spec, GREEDY, max_len)
-    times = {}
+    # One decode call of STAGE_REPEATS iterations: the loop as it runs, without per-call dispatch.
+    stages = {"iteration_ms": (lambda s: decode(params, s, max_iterations=jnp.int32(STAGE_REPEATS)), STAGE_REPEATS)}
+    drafts = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], static.draft_len))
+    if drafter is not None and drafter.uses_model:
+        draft = jax.jit(lambda p, s: engine.draft(p, cfg, GREEDY, drafter, s, s.key)[2], donate_argnums=1)
+        stages["draft_ms"] = (functools.partial(draft, params), 1)
+    if drafter is not None and not drafter.uses_model:
+        propose = jax.jit(lambda s: (drafter.propose(s.tokens, s.length), s), donate_argnums=0)
+        stages["draft_ms"] = (lambda s: propose(s)[1], 1)
 
-    def timed(fn, state, name, calls=STAGE_REPEATS, per_call=1):
+    @functools.partial(jax.jit, donate_argnums=1)
+    def verify(p, s):
+        # The logits are returned so that the LM head is not compiled away.
+        logits, cache, scores = engine.verify(p, cfg, static, drafter, s, None if drafter is None else drafts)
+        return dataclasses.replace(s, cache=cache), scores, logits
+
+    stages["verify_ms"] = (lambda s: verify(params, s)[0], 1)
+    if drafter is not None and type(drafter).after_verify is not Drafter.after_verify:  # it selects
+        state, scores, _ = verify(params, state)
+        zeros = jnp.zeros_like(state.length)
+        select = jax.jit(
+            lambda s, scores: dataclasses.replace(s, drafter=drafter.after_verify(s.drafter, s.budget, scores, s.cache, s.length - 1, zeros)),
+            donate_argnums=0,
+        )
+        stages["select_ms"] = (lambda s: select(s, scores), 1)
+    return stages, state
+
+
+def stage_times(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeState) -> tuple[dict, engine.DecodeState]:
+    """Milliseconds of one iteration and of its stages (`stage_fns`), each timed alone on `state`."""
+    stages, state = stage_fns(params, cfg, spec, max_len, state)
+    times = {}
+    for name, (fn, per_call) in stages.items():
+        calls = 1 if per_call > 1 else STAGE_REPEATS
         state = jax.block_until_ready(fn(state))  # compile and warm up
         start = time.perf_counter()
         for _ in range(calls):
             state = fn(state)
         jax.block_until_ready(state)
         times[name] = (time.perf_counter() - start) / (calls * per_call) * 1e3
-        return state
-
-    # One decode call of STAGE_REPEATS iterations: the loop as it runs, without per-call dispatch.
-    state = timed(lambda s: decode(params, s, max_iterations=jnp.int32(STAGE_REPEATS)), state, "iteration_ms", 1, STAGE_REPEATS)
-    drafts = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], static.draft_len))
-    if drafter is not None and drafter.uses_model:
-        draft = jax.jit(lambda p, s: engine.draft(p, cfg, GREEDY, drafter, s, s.key)[2], donate_argnums=1)
-        state = timed(functools.partial(draft, params), state, "draft_ms")
-    if drafter is not None and not drafter.uses_model:
-        propose = jax.jit(lambda s: (drafter.propose(s.tokens, s.length), s), donate_argnums=0)
-        state = timed(lambda s: propose(s)[1], state, "draft_ms")
-
-    @functools.partial(jax.jit, donate_argnums=1)
-    def verify(p, s):
-        _, cache, scores = engine.verify(p, cfg, static, drafter, s, None if drafter is None else drafts)
-        return dataclasses.replace(s, cache=cache), scores
-
-    state = timed(lambda s: verify(params, s)[0], state, "verify_ms")
-    if drafter is not None and type(drafter).after_verify is not Drafter.after_verify:  # it selects
-        state, scores = verify(params, state)
-        zeros = jnp.zeros_like(state.length)
-        select = jax.jit(
-            lambda s, scores: dataclasses.replace(s, drafter=drafter.after_verify(s.drafter, s.budget, scores, s.cache, s.length - 1, zeros)),
-            donate_argnums=0,
-        )
-        state = timed(lambda s: select(s, scores), state, "select_ms")
+    if "select_ms" in times:
         times["select_pct"] = 100 * times["select_ms"] / times["iteration_ms"]
     return times, state
 

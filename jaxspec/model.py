@@ -2,9 +2,12 @@
 
 Params layout (x @ W convention; L = num_layers, D = hidden, F = intermediate, Dh = head_dim):
     embed [V, D], final_norm [D], lm_head [D, V] (absent when embeddings are tied),
-    layers: attn_norm [L, D], wq [L, D, Hq*Dh], wk/wv [L, D, Hkv*Dh], wo [L, Hq*Dh, D],
-            bq [L, Hq*Dh], bk/bv [L, Hkv*Dh] (qkv_bias only), q_norm/k_norm [L, Dh] (qk_norm only),
-            mlp_norm [L, D], w_gate/w_up [L, D, F], w_down [L, F, D].
+    layers: attn_norm [L, D], wqkv [L, D, (Hq + 2 Hkv) Dh] (q, k, v side by side), wo [L, Hq*Dh, D],
+            bqkv [L, (Hq + 2 Hkv) Dh] (qkv_bias only), q_norm/k_norm [L, Dh] (qk_norm only),
+            mlp_norm [L, D], w_gate_up [L, D, 2F] (gate then up), w_down [L, F, D].
+The q/k/v and gate/up projections are fused because a decode step multiplies one or a few rows by
+each matrix: one product per layer reads the weights at about twice the bandwidth of three small
+ones (bench/NOTES.md, "Decode step").
 
 The forward writes the new tokens' keys and values into the KV cache and then calls an injected
 `attend` function, so prefill, plain decoding, verification (with score collection) and sparse
@@ -35,17 +38,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layers = {
         "attn_norm": (L, D),
-        "wq": (L, D, q_dim),
-        "wk": (L, D, kv_dim),
-        "wv": (L, D, kv_dim),
+        "wqkv": (L, D, q_dim + 2 * kv_dim),
         "wo": (L, q_dim, D),
         "mlp_norm": (L, D),
-        "w_gate": (L, D, F),
-        "w_up": (L, D, F),
+        "w_gate_up": (L, D, 2 * F),
         "w_down": (L, F, D),
     }
     if cfg.qkv_bias:
-        layers.update(bq=(L, q_dim), bk=(L, kv_dim), bv=(L, kv_dim))
+        layers.update(bqkv=(L, q_dim + 2 * kv_dim))
     if cfg.qk_norm:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
@@ -97,9 +97,18 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """Final norm and LM head; float32 logits [..., V]."""
+    """Final norm and LM head; float32 logits [..., V].
+
+    XLA on a GPU runs a one-row product with float32 output as a float32 matrix-vector product after
+    converting the whole head to float32 (2.1 ms instead of 0.42 at Qwen3-8B shapes); with two rows it
+    is a gemm that reads the head in place, so a single row is computed as two.
+    """
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    rows = h.reshape(-1, h.shape[-1])
+    if rows.shape[0] == 1:
+        out = jnp.dot(jnp.concatenate([rows, rows]), head, preferred_element_type=jnp.float32)[:1]
+        return out.reshape(*h.shape[:-1], -1)
     return jnp.dot(h, head, preferred_element_type=jnp.float32)
 
 
@@ -122,15 +131,20 @@ def forward(
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     write_pos = jnp.where(valid, positions, cache.k.shape[3])  # out of range -> dropped
 
     def layer(carry, xs):
         x, cache = carry
         p, index, lx = xs
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = _project(h, p["wq"], p.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = _project(h, p["wk"], p.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = _project(h, p["wv"], p.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        qkv = jnp.dot(h, p["wqkv"])
+        if "bqkv" in p:
+            qkv = qkv + p["bqkv"]
+        q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -140,7 +154,8 @@ def forward(
         out, ly = attend(index, q, cache, lx)
         x = x + jnp.dot(out.reshape(B, T, -1), p["wo"]).astype(x.dtype)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        mlp = jax.nn.silu(jnp.dot(h, p["w_gate"])) * jnp.dot(h, p["w_up"])
+        gate, up = jnp.split(jnp.dot(h, p["w_gate_up"]), 2, axis=-1)
+        mlp = jax.nn.silu(gate) * up
         x = x + jnp.dot(mlp, p["w_down"]).astype(x.dtype)
         return (x, cache), ly
 
@@ -148,11 +163,6 @@ def forward(
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), layer_ys = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids, layer_xs))
     return x, cache, layer_ys
-
-
-def _project(h: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    y = jnp.dot(h, w)
-    return y if b is None else y + b
 
 
 def dense_attend(cfg: ModelConfig, q_pos: jax.Array, backend: str, collect=None) -> AttendFn:

@@ -72,14 +72,15 @@ def test_smollm2_config(smollm2_loaded):
 
 def test_smollm2_dequantized_weights_match_transformers(smollm2_loaded, smollm2_torch_model):
     """Q8_0 embedding, Q4_1 projections (q/k un-permuted) and F32 norms equal transformers' tensors."""
-    _, params, _ = smollm2_loaded
+    cfg, params, _ = smollm2_loaded
     model = smollm2_torch_model.model
     layer = model.layers[7]
+    wq, wk, wv = np.split(np.asarray(params["layers"]["wqkv"][7]), [cfg.num_heads * 64, (cfg.num_heads + cfg.num_kv_heads) * 64], axis=1)
     pairs = [
         (params["embed"], model.embed_tokens.weight),  # Q8_0
-        (params["layers"]["wq"][7].T, layer.self_attn.q_proj.weight),  # Q4_1, permuted in the file
-        (params["layers"]["wk"][7].T, layer.self_attn.k_proj.weight),  # Q4_1, permuted with kv heads
-        (params["layers"]["wv"][7].T, layer.self_attn.v_proj.weight),
+        (wq.T, layer.self_attn.q_proj.weight),  # Q4_1, permuted in the file
+        (wk.T, layer.self_attn.k_proj.weight),  # Q4_1, permuted with kv heads
+        (wv.T, layer.self_attn.v_proj.weight),
         (params["layers"]["w_down"][7].T, layer.mlp.down_proj.weight),
         (params["layers"]["attn_norm"][7], layer.input_layernorm.weight),  # F32
         (params["final_norm"], model.norm.weight),
@@ -158,14 +159,18 @@ def test_missing_tensor(hf_checkpoints, tmp_path):
     expect_error(str(path), "no tensor model.layers.1.self_attn.k_proj.bias")
 
 
-def test_wrong_shape(hf_checkpoints, tmp_path):
+@pytest.mark.parametrize("name, message", [
+    ("model.norm.weight", "model.norm.weight has shape (63,), expected (64,)"),
+    ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.k_proj.weight has shape (32, 63)"),  # fused into wqkv
+])
+def test_wrong_shape(hf_checkpoints, tmp_path, name, message):
     from safetensors.numpy import load_file, save_file
 
     path = copy_checkpoint(hf_checkpoints["llama"], tmp_path / "ckpt")
     weights = load_file(path / "model.safetensors")
-    weights["model.norm.weight"] = weights["model.norm.weight"][:-1]
+    weights[name] = weights[name][..., :-1]
     save_file(weights, path / "model.safetensors")
-    expect_error(str(path), "model.norm.weight has shape (63,), expected (64,)")
+    expect_error(str(path), message)
 
 
 def test_unsupported_hf_architecture(hf_checkpoints, tmp_path):

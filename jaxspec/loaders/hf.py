@@ -1,7 +1,8 @@
 """Hugging Face checkpoints: config.json plus one or sharded safetensors files.
 
 HF stores Linear weights as [out, in]; jaxspec multiplies x @ W, so projections are transposed here,
-and per-layer tensors are stacked along a leading layer axis (see `jaxspec.model`).
+q/k/v and gate/up are concatenated into one matrix each, and per-layer tensors are stacked along a
+leading layer axis (see `jaxspec.model`).
 """
 
 from __future__ import annotations
@@ -17,22 +18,17 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.model import Params, param_shapes
 
-# jaxspec layer key -> (HF name inside model.layers.{i}., transpose)
+# jaxspec layer key -> (HF names inside model.layers.{i}., concatenated along the last axis; transpose)
 LAYER_TENSORS = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
+    "attn_norm": (("input_layernorm.weight",), False),
+    "wqkv": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), True),
+    "wo": (("self_attn.o_proj.weight",), True),
+    "bqkv": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), False),
+    "q_norm": (("self_attn.q_norm.weight",), False),
+    "k_norm": (("self_attn.k_norm.weight",), False),
+    "mlp_norm": (("post_attention_layernorm.weight",), False),
+    "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
+    "w_down": (("mlp.down_proj.weight",), True),
 }
 TOP_TENSORS = {
     "embed": ("model.embed_tokens.weight", False),
@@ -57,19 +53,24 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
     shapes = param_shapes(cfg)
     dtype = jnp.dtype(cfg.dtype)
 
-    def tensor(name: str, transpose: bool, shape: tuple[int, ...]) -> jnp.ndarray:
-        w = jnp.asarray(get(name))
-        w = w.T if transpose else w
-        if w.shape != shape:
-            raise JaxspecError(f"tensor {name} has shape {tuple(w.shape)}, expected {shape}")
-        return w.astype(dtype)
+    def tensor(names: tuple[str, ...], transpose: bool, shape: tuple[int, ...]) -> jnp.ndarray:
+        """The named tensors (HF layout), transposed if asked and concatenated along the last axis."""
+        parts = [jnp.asarray(get(name)) for name in names]
+        parts = [w.T if transpose else w for w in parts]
+        if any(w.shape[:-1] != shape[:-1] for w in parts) or sum(w.shape[-1] for w in parts) != shape[-1]:
+            file_shape = lambda s: tuple(s[::-1]) if transpose else tuple(s)
+            got = " + ".join(f"{n} has shape {file_shape(w.shape)}" for n, w in zip(names, parts))
+            raise JaxspecError(f"tensor {got}, expected {file_shape(shape)}{' together' if len(names) > 1 else ''}")
+        return jnp.concatenate(parts, axis=-1).astype(dtype) if len(parts) > 1 else parts[0].astype(dtype)
 
     params: Params = {
-        key: tensor(*TOP_TENSORS[key], shapes[key]) for key in ("embed", "final_norm", "lm_head") if key in shapes
+        key: tensor((TOP_TENSORS[key][0],), TOP_TENSORS[key][1], shapes[key])
+        for key in ("embed", "final_norm", "lm_head")
+        if key in shapes
     }
     params["layers"] = {
         key: jnp.stack(
-            [tensor(f"model.layers.{i}.{LAYER_TENSORS[key][0]}", LAYER_TENSORS[key][1], shape[1:]) for i in range(shape[0])]
+            [tensor(tuple(f"model.layers.{i}.{n}" for n in LAYER_TENSORS[key][0]), LAYER_TENSORS[key][1], shape[1:]) for i in range(shape[0])]
         )
         for key, shape in shapes["layers"].items()
     }

@@ -1,0 +1,151 @@
+"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B shapes.
+
+    PYTHONPATH=. python3 bench/profile_step.py [--methods plain,vegas] [--batch 1] [--context 4096]
+                                               [--tiny] [--out DIR]
+
+For each method it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
+select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
+wall time per call, GPU busy time (the union of kernel intervals), the number of kernels, and the top
+kernels by device time. A stage whose wall time exceeds its busy time loses it to launch gaps or host
+round trips; one whose kernels cost more than their bytes shows which (XLA names fusion kernels as in
+the optimized HLO: `--xla_dump_to` to read them). Writes DIR/NAME.json; prints a summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from bench import common
+from bench.throughput import GREEDY, spec_for, stage_fns
+from jaxspec import model
+from jaxspec.kvcache import cache_slots
+from jaxspec.runner import decode_fns
+from jaxspec.spec import MAX_GAMMA, SpecConfig
+
+CALLS = 4  # profiled calls per stage (after one warm-up call)
+TOP = 12
+
+
+def device_events(trace_dir: str) -> dict[str, list]:
+    """{line name: [(name, start_ns, duration_ns)]} of the first GPU plane in the trace (CPU: host)."""
+    path = sorted(Path(trace_dir).rglob("*.xplane.pb"))[-1]
+    data = jax.profiler.ProfileData.from_file(str(path))
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")] or [p for p in data.planes if p.name == "/host:CPU"]
+    lines = collections.defaultdict(list)
+    for line in planes[0].lines:
+        for e in line.events:
+            if e.duration_ns > 0:
+                lines[line.name].append((e.name, e.start_ns, e.duration_ns))
+    return lines
+
+
+def busy_ns(events: list) -> float:
+    """Length of the union of the events' intervals."""
+    total, end = 0.0, -1.0
+    for _, start, duration in sorted(events, key=lambda e: e[1]):
+        stop = start + duration
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def top(events: list, calls: int) -> list[tuple[str, float, int]]:
+    """(name, microseconds per call, count per call), most time first."""
+    time_ns, count = collections.Counter(), collections.Counter()
+    for name, _, duration in events:
+        time_ns[name] += duration
+        count[name] += 1
+    return [(n, t / calls / 1e3, count[n] // calls) for n, t in time_ns.most_common(TOP)]
+
+
+def profile_stage(fn, state, calls: int):
+    """Times, then profiles, `calls` back-to-back calls of fn (after a warm-up); returns (summary, state).
+
+    The profiler changes what it measures (XLA runs without command buffers under it), so the wall
+    time without it comes first."""
+    state = jax.block_until_ready(fn(state))
+    start = time.perf_counter()
+    for _ in range(calls):
+        state = fn(state)
+    jax.block_until_ready(state)
+    unprofiled = (time.perf_counter() - start) / calls
+    with tempfile.TemporaryDirectory() as trace_dir:
+        start = time.perf_counter()
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                state = fn(state)
+            jax.block_until_ready(state)
+        wall = (time.perf_counter() - start) / calls
+        lines = device_events(trace_dir)
+    kernels = [e for name, events in lines.items() if name.startswith(("Stream", "tf_XLA")) for e in events]  # GPU streams; CPU threads
+    summary = {
+        "wall_ms": unprofiled * 1e3,
+        "wall_ms_profiled": wall * 1e3,
+        "kernels_per_call": len(kernels) // calls,
+        "busy_ms": busy_ns(kernels) / calls / 1e6,
+        "top_kernels": top(kernels, calls),
+        "lines": sorted(lines),
+    }
+    return summary, state
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--backend", default="pallas" if jax.default_backend() == "gpu" else "reference")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: a CPU smoke test of this script")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--name", default="profile", help="the JSON is DIR/NAME.json")
+    args = p.parse_args()
+
+    from bench.decode import TINY_CFG
+
+    cfg = TINY_CFG if args.tiny else common.QWEN3_8B
+    context = 256 if args.tiny else args.context
+    params = model.init_params(cfg, jax.random.key(0))
+    max_len = context + 256
+    slots = cache_slots(max_len + MAX_GAMMA + 1)
+    k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
+    ids, lengths = common.random_prompts(cfg, args.batch, context)
+    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
+    tuning = {m: {"gamma": args.gamma, "ratio": args.ratio} for m in args.methods}
+    for method in args.methods:
+        spec = spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None)
+        start, _ = decode_fns(cfg, spec, GREEDY, max_len)
+        cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
+        state = start(params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
+                      max_new_tokens=jnp.int32(256), stop_ids=jnp.asarray([-1], jnp.int32))
+        stages, state = stage_fns(params, cfg, spec, max_len, state)
+        for name, (fn, per_call) in stages.items():
+            summary, state = profile_stage(fn, state, CALLS)
+            row = {"method": method, "stage": name.removesuffix("_ms"), "iterations_per_call": per_call} | summary
+            result["stages"].append(row)
+            print(f"\n{method} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall ({summary['wall_ms_profiled']:.2f} profiled), "
+                  f"GPU busy {summary['busy_ms']:.2f} ms, {summary['kernels_per_call']} kernels/call; lines {summary['lines']}")
+            for n, us, count in summary["top_kernels"]:
+                print(f"  {us:9.1f} us  x{count:<5d} {n[:110]}")
+        common.write_json(args.out / f"{args.name}.json", result)
+        del state
+    print(f"\nXLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+    print("| method | stage | iterations/call | wall ms/call | profiled ms/call | GPU busy ms/call | kernels/call |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["stages"]:
+        print(f"| {r['method']} | {r['stage']} | {r['iterations_per_call']} | {r['wall_ms']:.2f} | {r['wall_ms_profiled']:.2f} | "
+              f"{r['busy_ms']:.2f} | {r['kernels_per_call']} |")
+
+
+if __name__ == "__main__":
+    main()
