@@ -35,7 +35,7 @@ from jaxspec.drafters import Drafter, make_drafter
 from jaxspec.kvcache import cache_slots
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn, run_generation
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import MAX_GAMMA, SpecConfig
+from jaxspec.spec import MAX_GAMMA, SPARSE_METHODS, SpecConfig
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 DEFAULT_TUNING = {m: {"gamma": 6, "ratio": 0.07} for m in METHODS}
@@ -65,7 +65,8 @@ class Workload:
 
 def spec_for(method: str, tuning: dict, backend: str, k_max: int | None = None) -> SpecConfig:
     choice = tuning.get(method, DEFAULT_TUNING[method])
-    return SpecConfig(method=method, gamma=choice["gamma"] or 1, ratio=choice.get("ratio") or 0.07, backend=backend, k_max=k_max).validate()
+    return SpecConfig(method=method, gamma=choice["gamma"] or 1, ratio=choice.get("ratio") or 0.07, backend=backend, k_max=k_max,
+                      metric=choice.get("metric", "weight")).validate()
 
 
 # ---------------------------------------------------------------- stage timing
@@ -187,7 +188,8 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
         start, _ = decode_fns(cfg, spec, GREEDY, max_len)
         for context in contexts:
             row = {"model": "qwen3-8b-shapes (random weights: latency only)", "workload": "latency", "batch": batch_size,
-                   "context": context, "method": method, "gamma": spec.draft_len}
+                   "context": context, "method": method, "gamma": spec.draft_len, "ratio": spec.ratio if method in SPARSE_METHODS else None,
+                   "metric": spec.metric if method in ("vegas", "all_rows", "last_accepted") else None}
             ids, lengths = common.random_prompts(cfg, batch_size, context)
 
             def measure():
@@ -207,17 +209,26 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
             result["rows"].append(row)
             common.write_json(args.out / "throughput.json", result)
     earlier = json.loads(args.project_from.read_text())["rows"] if args.project_from else []
-    project(result, earlier)
+    sweep = json.loads(args.acceptance.read_text())["rows"] if args.acceptance else None
+    project(result, earlier, sweep)
 
 
-def project(result: dict, smollm2_rows: list[dict]) -> None:
-    """Qwen3-8B throughput = batch x (tokens per iteration on SmolLM2 workload b, batch 1) / iteration time."""
-    measured = {r["method"]: r["tokens_per_iteration"] for r in result["rows"] + smollm2_rows
-                if r["model"] == "smollm2-135m" and r["workload"] == "b" and r["batch"] == 1 and "tokens_per_iteration" in r}
+def project(result: dict, smollm2_rows: list[dict], sweep: list[dict] | None = None) -> None:
+    """Qwen3-8B throughput = batch x tokens per iteration / iteration time, the tokens per iteration
+    taken from SmolLM2 workload b at batch 1 (the method's tuned pair), or, given `sweep` (the rows of
+    bench/acceptance.py), from its greedy row at the same (method, gamma, ratio); plain counts 1."""
+    if sweep is None:
+        measured = {r["method"]: r["tokens_per_iteration"] for r in result["rows"] + smollm2_rows
+                    if r["model"] == "smollm2-135m" and r["workload"] == "b" and r["batch"] == 1 and "tokens_per_iteration" in r}
+        lookup = lambda row: measured.get(row["method"])
+    else:
+        measured = {(r["method"], r["gamma"], r["ratio"]): r["tokens_per_iteration"] for r in sweep if r["sampling"] == "greedy"}
+        lookup = lambda row: 1.0 if row["method"] == "plain" else measured.get((row["method"], row["gamma"], row["ratio"]))
     for row in result["rows"]:
-        if row["workload"] == "latency" and "iteration_ms" in row and row["method"] in measured:
-            row["projected_tokens_per_iteration"] = measured[row["method"]]
-            row["projected_tokens_per_s"] = row["batch"] * measured[row["method"]] / row["iteration_ms"] * 1e3
+        tokens = lookup(row) if row["workload"] == "latency" and "iteration_ms" in row else None
+        if tokens is not None:
+            row["projected_tokens_per_iteration"] = tokens
+            row["projected_tokens_per_s"] = row["batch"] * tokens / row["iteration_ms"] * 1e3
 
 
 # ---------------------------------------------------------------- peer: transformers
@@ -290,12 +301,15 @@ def tables(result: dict) -> str:
             ("γ", "gamma", "d"), ("ratio", "ratio", ".3f"), ("decode tok/s", "decode_tokens_per_s", ".0f"),
             ("tok/iter", "tokens_per_iteration", ".2f"), ("x floor", "ratio_to_floor", ".2f"), ("error", "error", "s"),
         ]),
-        "Qwen3-8B shapes, random weights (latency; projected tok/s uses SmolLM2's tokens/iteration):",
+        f"Qwen3-8B shapes, random weights (latency; projected tok/s = batch x the tokens/iteration of "
+        f"{'the acceptance sweep' if result.get('acceptance') else 'SmolLM2 workload b'} / iteration time):",
         common.markdown_table(qwen, [
-            ("context", "context", "d"), ("method", "method", "s"), ("γ", "gamma", "d"), ("iter ms", "iteration_ms", ".2f"),
+            ("B", "batch", "d"), ("context", "context", "d"), ("method", "method", "s"), ("γ", "gamma", "d"), ("ratio", "ratio", ".2f"),
+            ("metric", "metric", "s"), ("iter ms", "iteration_ms", ".2f"),
             ("draft ms", "draft_ms", ".2f"), ("verify ms", "verify_ms", ".2f"), ("select ms", "select_ms", ".3f"),
             ("select %", "select_pct", ".1f"), ("x floor", "ratio_to_floor", ".2f"),
-            ("projected tok/s", "projected_tokens_per_s", ".0f"), ("error", "error", "s"),
+            ("tok/iter (projection)", "projected_tokens_per_iteration", ".2f"), ("projected tok/s", "projected_tokens_per_s", ".0f"),
+            ("error", "error", "s"),
         ]),
     ])
 
@@ -338,6 +352,8 @@ def parse_args():
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file (default: gamma 6, ratio 0.07)")
     p.add_argument("--model", default="smollm2", help="SmolLM2: 'smollm2' or a path to its GGUF")
     p.add_argument("--project-from", type=Path, default=None, help="a throughput.json whose SmolLM2 rows give the tokens per iteration of the projection")
+    p.add_argument("--acceptance", type=Path, default=None,
+                   help="a bench/acceptance.py JSON: project with its greedy tokens per iteration at each method's (gamma, ratio)")
     p.add_argument("--backend", default="pallas" if jax.default_backend() == "gpu" else "reference")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a CPU smoke test of this script")
     p.add_argument("--out", type=Path, default=common.RESULTS)
@@ -347,7 +363,8 @@ def parse_args():
 def main():
     args = parse_args()
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else DEFAULT_TUNING
-    result = common.run_info() | {"rates": common.measure_rates(args.tiny), "tuning": tuning, "rows": []}
+    result = common.run_info() | {"rates": common.measure_rates(args.tiny), "tuning": tuning, "rows": [],
+                                  "acceptance": str(args.acceptance) if args.acceptance else None}
     for part, fn in (("smollm2", smollm2_part), ("qwen3", qwen3_part)):
         if part in args.parts:
             fn(args, result["rates"], tuning, result)
