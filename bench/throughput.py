@@ -35,7 +35,7 @@ from jaxspec.drafters import Drafter, make_drafter
 from jaxspec.kvcache import cache_slots
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn, run_generation
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import MAX_GAMMA, SPARSE_METHODS, SpecConfig
+from jaxspec.spec import MAX_GAMMA, SCORE_METHODS, SPARSE_METHODS, SpecConfig
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 DEFAULT_TUNING = {m: {"gamma": 6, "ratio": 0.07} for m in METHODS}
@@ -189,7 +189,7 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
         for context in contexts:
             row = {"model": "qwen3-8b-shapes (random weights: latency only)", "workload": "latency", "batch": batch_size,
                    "context": context, "method": method, "gamma": spec.draft_len, "ratio": spec.ratio if method in SPARSE_METHODS else None,
-                   "metric": spec.metric if method in ("vegas", "all_rows", "last_accepted") else None}
+                   "metric": spec.metric if method in SCORE_METHODS else None}
             ids, lengths = common.random_prompts(cfg, batch_size, context)
 
             def measure():

@@ -36,9 +36,10 @@ def parse_args(argv):
     p.add_argument("--method", choices=METHODS, default="vegas")
     p.add_argument("--gamma", type=int, default=None, help="draft length (default 6, or the --tuned choice)")
     p.add_argument("--ratio", type=float, default=None, help="fraction of the context a sparse drafter keeps (default 0.07, or the --tuned choice)")
-    p.add_argument("--tuned", type=Path, default=None, help="a file from `python -m jaxspec.tune`: its gamma and ratio for --method")
+    p.add_argument("--tuned", type=Path, default=None,
+                   help="a file from `python -m jaxspec.tune` (or bench/kv_bound.json): its gamma, ratio and metric for --method")
     p.add_argument("--min-tokens", type=int, default=256, help="least KV entries a sparse drafter keeps")
-    p.add_argument("--metric", choices=("weight", "logit"), default="weight")
+    p.add_argument("--metric", choices=("weight", "logit"), default=None, help="score of vegas/all_rows/last_accepted (default weight, or the --tuned choice)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
@@ -56,8 +57,9 @@ def main(argv=None):
     tuned = load_tuned(args.tuned, args.method) if args.tuned else {}
     gamma = args.gamma if args.gamma is not None else tuned.get("gamma") or 6
     ratio = args.ratio if args.ratio is not None else tuned.get("ratio") or 0.07
+    metric = args.metric or tuned.get("metric") or "weight"
     spec = SpecConfig(
-        method=args.method, gamma=gamma, ratio=ratio, min_tokens=args.min_tokens, metric=args.metric,
+        method=args.method, gamma=gamma, ratio=ratio, min_tokens=args.min_tokens, metric=metric,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, backend=args.backend,
     ).validate()
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
@@ -109,7 +111,8 @@ def _print_human(results: list[dict], stats: dict) -> None:
     print(f"{memory.removesuffix('_bytes').replace('_', ' '):16} {stats[memory] / 2**20:.0f} MiB")
     print(f"method           {stats['method']} (backend {stats['backend']}, device {stats['device']})")
     if stats["gamma"]:
-        print(f"gamma            {stats['gamma']}" + (f", ratio {stats['ratio']}" if stats["ratio"] else ""))
+        print(f"gamma            {stats['gamma']}" + (f", ratio {stats['ratio']}" if stats["ratio"] else "")
+              + (f", metric {stats['metric']}" if stats["metric"] else ""))
         print(f"iterations       {stats['iterations']}, {stats['tokens_per_iteration']:.2f} tokens/iteration")
         rates = " ".join(f"{r:.2f}" for r in stats["acceptance_rate_by_position"])
         print(f"acceptance       {stats['accepted_tokens']}/{stats['draft_tokens']} drafts; by position {rates}")

@@ -12,6 +12,7 @@ from jaxspec.errors import JaxspecError
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
+SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
 MAX_GAMMA = 15  # verification handles gamma + 1 <= 16 rows in one kernel tile
 PAGE = 16  # page size of the page-granular policies (stream, quest)
 

@@ -42,6 +42,19 @@ def test_generate_uses_the_tuned_choice(tuned_file, hf_checkpoints, capsys):
     assert json.loads(capsys.readouterr().out)["stats"]["gamma"] == 5  # an explicit flag wins
 
 
+def test_generate_takes_the_metric_of_a_hand_written_choice(hf_checkpoints, tmp_path, capsys):
+    """bench/kv_bound.json's format: gamma, ratio and metric per method; an explicit --metric wins."""
+    choice = tmp_path / "choice.json"
+    choice.write_text(json.dumps({"methods": {"vegas": {"gamma": 3, "ratio": 0.5, "metric": "logit"}}}))
+    run = ["--model", str(hf_checkpoints["llama"]), "--prompt", "hello there", "--max-new-tokens", "4", "--method", "vegas",
+           "--tuned", str(choice), "--json"]
+    generate.main(run)
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert (stats["gamma"], stats["ratio"], stats["metric"]) == (3, 0.5, "logit")
+    generate.main(run + ["--metric", "weight"])
+    assert json.loads(capsys.readouterr().out)["stats"]["metric"] == "weight"
+
+
 def test_tuned_file_errors(tuned_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         generate.main(["--method", "quest", "--tuned", str(tuned_file)])
