@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec import corpus, model
+from jaxspec import corpus, engine, model
 from jaxspec.config import ModelConfig
 from jaxspec.kvcache import init_cache
 from jaxspec.loaders import load_model
@@ -153,6 +153,22 @@ def test_stop_ids_and_max_tokens(smollm2_batch):
         for row, ref in zip(out, plain):
             expected = ref[: ref.index(stop) + 1] if stop in ref else ref
             assert row == expected
+
+
+def test_generate_inside_a_users_jit(qwen3_case):
+    """The README's library use: `engine.generate` under the caller's own jax.jit, prefill included."""
+    case = qwen3_case
+    spec = SpecConfig(method="vegas", gamma=4, min_tokens=32)
+
+    @jax.jit
+    def run(params, ids, lengths, key):
+        return engine.generate(params, ids, lengths, key, cfg=case.cfg, spec=spec, sampling=GREEDY, max_len=case.max_len,
+                               max_new_tokens=case.max_new, stop_ids=jnp.array([-1], jnp.int32))
+
+    out = run(case.params, jnp.asarray(case.batch.ids), jnp.asarray(case.batch.lengths), jax.random.key(0))
+    tokens, length = jax.device_get((out.tokens, out.length))
+    assert [tokens[b, n : length[b]].tolist() for b, n in enumerate(case.batch.lengths)] == case.plain
+    assert int(out.stats.accepted.sum()) > 0
 
 
 def test_batched_rows_equal_rows_alone(smollm2_batch):
