@@ -19,7 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig, RopeConfig
+from jaxspec.engine import DecodeState
 from jaxspec.kvcache import KVCache, cache_shape
+from jaxspec.runner import decode_fns
+from jaxspec.sampling import SamplingConfig
+from jaxspec.spec import SpecConfig
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -102,6 +106,15 @@ def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array) -
 def random_prompts(cfg: ModelConfig, batch: int, context: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, cfg.vocab_size, (batch, context), dtype=np.int32), np.full((batch,), context, np.int32)
+
+
+def random_state(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, context: int, max_len: int) -> DecodeState:
+    """A greedy decode state whose rows hold `context` random prompt tokens over `cache` (donated): a
+    random cache stands in for their prefill in latency benchmarks. Rows never stop before max_len."""
+    ids, lengths = random_prompts(cfg, cache.k.shape[1], context)
+    start, _ = decode_fns(cfg, spec, SamplingConfig(), max_len)
+    return start(params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
+                 max_new_tokens=jnp.int32(max_len - context), stop_ids=jnp.asarray([-1], jnp.int32))
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -41,12 +41,8 @@ MEMORY_FRACTION = 0.85  # of the device's memory a configuration may plan to use
 def time_decode(params, cfg, spec: SpecConfig, batch: int, context: int, max_len: int, cache):
     """(seconds per plain decode step at `context`, the cache back), from a random cache standing in
     for the prompt; the cache is donated through the run and handed back for the next context."""
-    start, decode = decode_fns(cfg, spec, SamplingConfig(), max_len)
-    ids, lengths = common.random_prompts(cfg, batch, context)
-    state = start(
-        params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
-        max_new_tokens=jnp.int32(max_len - context), stop_ids=jnp.asarray([-1], jnp.int32),
-    )
+    _, decode = decode_fns(cfg, spec, SamplingConfig(), max_len)
+    state = common.random_state(params, cfg, spec, cache, context, max_len)
     state = jax.block_until_ready(decode(params, state, max_iterations=jnp.int32(STEPS)))  # compile + warm up
     times = []
     for _ in range(3):

@@ -21,13 +21,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from bench import common
-from bench.throughput import GREEDY, spec_for, stage_fns
+from bench.throughput import spec_for, stage_fns
 from jaxspec import model
 from jaxspec.kvcache import cache_slots
-from jaxspec.runner import decode_fns
 from jaxspec.spec import MAX_GAMMA, SpecConfig
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
@@ -119,15 +117,12 @@ def main():
     max_len = context + 256
     slots = cache_slots(max_len + MAX_GAMMA + 1)
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
-    ids, lengths = common.random_prompts(cfg, args.batch, context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio} for m in args.methods}
     for method in args.methods:
         spec = spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None)
-        start, _ = decode_fns(cfg, spec, GREEDY, max_len)
         cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
-        state = start(params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
-                      max_new_tokens=jnp.int32(256), stop_ids=jnp.asarray([-1], jnp.int32))
+        state = common.random_state(params, cfg, spec, cache, context, max_len)
         stages, state = stage_fns(params, cfg, spec, max_len, state)
         for name, (fn, per_call) in stages.items():
             summary, state = profile_stage(fn, state, CALLS)

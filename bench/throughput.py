@@ -35,7 +35,7 @@ from jaxspec.drafters import Drafter, make_drafter
 from jaxspec.kvcache import cache_slots
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn, run_generation
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import MAX_GAMMA, SCORE_METHODS, SPARSE_METHODS, SpecConfig
+from jaxspec.spec import MAX_GAMMA, SpecConfig
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 DEFAULT_TUNING = {m: {"gamma": 6, "ratio": 0.07} for m in METHODS}
@@ -154,7 +154,7 @@ def smollm2_run(params, cfg, batch: Batch, cache, spec: SpecConfig, max_len: int
     iterations = int(stats.iterations.sum())
     generated = np.asarray(run.output.length - run.output.prompt_len)
     out = {
-        "gamma": spec.draft_len, "ratio": spec.ratio if spec.draft_len and spec.method != "ngram" else None,
+        **spec.describe(),
         "decode_tokens_per_s": float(generated.sum() - len(generated)) / run.decode_s,
         "tokens_per_iteration": (int(stats.accepted.sum()) + iterations) / iterations,
         "acceptance_by_position": (stats.accepted_by_position.sum(0) / iterations).tolist(),
@@ -185,17 +185,13 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
     cache = common.random_cache(cfg, batch_size, slots, jax.random.key(1))
     for method in args.methods:
         spec = spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None)
-        start, _ = decode_fns(cfg, spec, GREEDY, max_len)
         for context in contexts:
             row = {"model": "qwen3-8b-shapes (random weights: latency only)", "workload": "latency", "batch": batch_size,
-                   "context": context, "method": method, "gamma": spec.draft_len, "ratio": spec.ratio if method in SPARSE_METHODS else None,
-                   "metric": spec.metric if method in SCORE_METHODS else None}
-            ids, lengths = common.random_prompts(cfg, batch_size, context)
+                   "context": context, **spec.describe()}
 
             def measure():
                 nonlocal cache
-                state = start(params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
-                              max_new_tokens=jnp.int32(max_len - context), stop_ids=jnp.asarray([-1], jnp.int32))
+                state = common.random_state(params, cfg, spec, cache, context, max_len)
                 times, state = stage_times(params, cfg, spec, max_len, state)
                 cache = state.cache  # the cache travelled through the stages (donated); reuse it
                 row.update(times)

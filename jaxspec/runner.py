@@ -22,7 +22,7 @@ from jaxspec import engine
 from jaxspec.errors import JaxspecError
 from jaxspec.kvcache import cache_bytes
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import MAX_GAMMA, SCORE_METHODS, SPARSE_METHODS, SpecConfig
+from jaxspec.spec import MAX_GAMMA, SpecConfig
 from jaxspec.tokenizer import Tokenizer
 
 PROGRESS_SEGMENT = 16  # decode iterations between progress updates
@@ -203,10 +203,7 @@ def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
     by_position = stats.accepted_by_position.sum(axis=0)
     memory_kind, memory = peak_memory()
     return {
-        "method": spec.method,
-        "gamma": spec.draft_len,
-        "ratio": spec.ratio if spec.method in SPARSE_METHODS else None,
-        "metric": spec.metric if spec.method in SCORE_METHODS else None,
+        **spec.describe(),
         "backend": spec.backend,
         "batch": len(batch.lengths),
         "prompt_tokens": int(batch.lengths.sum()),

@@ -64,6 +64,15 @@ class SpecConfig:
         """Tokens drafted per iteration (0 for plain decoding)."""
         return 0 if self.method == "plain" else self.gamma
 
+    def describe(self) -> dict:
+        """method, gamma, ratio and metric as stats and benchmark rows report them (None where unused)."""
+        return {
+            "method": self.method,
+            "gamma": self.draft_len,
+            "ratio": self.ratio if self.method in SPARSE_METHODS else None,
+            "metric": self.metric if self.method in SCORE_METHODS else None,
+        }
+
     def capacity(self, max_len: int) -> int:
         """Static selection capacity k_max for contexts up to `max_len`, a multiple of PAGE."""
         if self.k_max is not None:
