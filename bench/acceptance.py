@@ -27,8 +27,8 @@ from bench import common
 from jaxspec import corpus
 from jaxspec.runner import encode_prompts, prefill_fn, run_generation
 from jaxspec.loaders import load_model
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
 
 PROMPTS = [(2000, "question", 0), (3000, "continue", 9), (4000, "summary", 18), (5000, "question", 27), (6000, "continue", 36), (7000, "question", 45)]
 SAMPLINGS = {"greedy": SamplingConfig(), "t0.6": SamplingConfig(temperature=0.6, top_p=0.95, top_k=20)}

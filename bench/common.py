@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import ModelConfig, RopeConfig
-from jaxspec.engine import DecodeState
-from jaxspec.kvcache import KVCache, cache_shape
+from jaxspec.models.config import ModelConfig, RopeConfig
+from jaxspec.decoding.engine import DecodeState
+from jaxspec.models.kvcache import KVCache, cache_shape
 from jaxspec.runner import decode_fns
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from jaxspec import model
-from jaxspec.config import ModelConfig
+from jaxspec.models import decoder
+from jaxspec.models.config import ModelConfig
 from jaxspec.runner import decode_fns, encode_prompts, run_generation
-from jaxspec.kvcache import cache_bytes, cache_slots
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import MAX_GAMMA, SpecConfig
+from jaxspec.models.kvcache import cache_bytes, cache_slots
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
 
 GRID = [(1, 4096), (4, 4096), (16, 4096), (1, 32768), (4, 32768), (16, 32768), (1, 131072)]
 TINY_CFG = ModelConfig(
@@ -55,7 +55,7 @@ def time_decode(params, cfg, spec: SpecConfig, batch: int, context: int, max_len
 
 def qwen3_rows(args, rates: dict, save) -> list[dict]:
     cfg = TINY_CFG if args.tiny else common.QWEN3_8B
-    params = model.init_params(cfg, jax.random.key(0))
+    params = decoder.init_params(cfg, jax.random.key(0))
     weight_bytes = common.tree_bytes(params)
     device_bytes = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 1 << 62)
     rows = []

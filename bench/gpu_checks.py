@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from jaxspec import corpus, model
+from jaxspec import corpus
+from jaxspec.models import decoder
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import METHODS, SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import METHODS, SpecConfig
 
 NEAR_TIE = 0.05  # bf16 logits: the emitted token may trail the argmax by this much (relative)
 
@@ -31,7 +32,7 @@ def teacher_forced(params, cfg, batch: Batch, generated: list[np.ndarray]) -> di
     exact, within, total = 0, True, 0
     for b, out in enumerate(generated):
         full = np.concatenate([batch.ids[b, : batch.lengths[b]], out])
-        logits = np.asarray(model.score(params, cfg, jnp.asarray(full[None])), np.float32)[0]
+        logits = np.asarray(decoder.score(params, cfg, jnp.asarray(full[None])), np.float32)[0]
         predicted = logits[batch.lengths[b] - 1 : -1]
         top = predicted.max(-1)
         chosen = predicted[np.arange(len(out)), out]
@@ -55,7 +56,7 @@ def main():
         from bench.decode import TINY_CFG
 
         cfg = TINY_CFG if args.tiny else common.QWEN3_8B
-        params = model.init_params(cfg, jax.random.key(0), scale=0.05)
+        params = decoder.init_params(cfg, jax.random.key(0), scale=0.05)
         ids, lengths = common.random_prompts(cfg, 2, args.context)
         lengths[1] = args.context - 1000 if args.context > 2000 else args.context // 2
         batch = Batch(ids, lengths)

@@ -24,9 +24,9 @@ import jax
 
 from bench import common
 from bench.throughput import spec_for, stage_fns
-from jaxspec import model
-from jaxspec.kvcache import cache_slots
-from jaxspec.spec import MAX_GAMMA, SpecConfig
+from jaxspec.models import decoder
+from jaxspec.models.kvcache import cache_slots
+from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
 TOP = 12
@@ -113,7 +113,7 @@ def main():
 
     cfg = TINY_CFG if args.tiny else common.QWEN3_8B
     context = 256 if args.tiny else args.context
-    params = model.init_params(cfg, jax.random.key(0))
+    params = decoder.init_params(cfg, jax.random.key(0))
     max_len = context + 256
     slots = cache_slots(max_len + MAX_GAMMA + 1)
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)

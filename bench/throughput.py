@@ -30,12 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from jaxspec import corpus, engine, model
-from jaxspec.drafters import Drafter, make_drafter
-from jaxspec.kvcache import cache_slots
+from jaxspec import corpus
+from jaxspec.decoding import engine
+from jaxspec.models import decoder
+from jaxspec.decoding.drafters import Drafter, make_drafter
+from jaxspec.models.kvcache import cache_slots
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn, run_generation
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import MAX_GAMMA, SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 DEFAULT_TUNING = {m: {"gamma": 6, "ratio": 0.07} for m in METHODS}
@@ -175,7 +177,7 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
     from bench.decode import TINY_CFG
 
     cfg = TINY_CFG if args.tiny else common.QWEN3_8B
-    params = model.init_params(cfg, jax.random.key(0))
+    params = decoder.init_params(cfg, jax.random.key(0))
     weight_bytes = common.tree_bytes(params)
     contexts = (512, 1024) if args.tiny else args.contexts
     batch_size = args.qwen3_batch

@@ -11,8 +11,8 @@ import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation, summarize
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import METHODS, SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import METHODS, SpecConfig
 from jaxspec.tune import load_tuned
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."

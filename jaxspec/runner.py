@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import engine
+from jaxspec.decoding import engine
 from jaxspec.errors import JaxspecError
-from jaxspec.kvcache import cache_bytes
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import MAX_GAMMA, SpecConfig
+from jaxspec.models.kvcache import cache_bytes
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
 from jaxspec.tokenizer import Tokenizer
 
 PROGRESS_SEGMENT = 16  # decode iterations between progress updates

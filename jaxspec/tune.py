@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jaxspec import corpus
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import SPARSE_METHODS, SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig
 
 RATIOS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.15)
 GAMMAS = (2, 4, 6, 8, 10)

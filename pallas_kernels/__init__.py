@@ -2,7 +2,16 @@
 kernel ("pallas"). On a CPU default backend the Pallas kernels run in interpret mode, so tests
 exercise the kernel code without a GPU.
 """
+import functools
+
 from pallas_kernels._common import interpret_default
+from pallas_kernels.nsa_compressed import (
+    nsa_compressed_pallas,
+    nsa_compressed_reference,
+    radix_topk,
+    select_blocks,
+)
+from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
 from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
@@ -16,7 +25,8 @@ from pallas_kernels.verify_attention import (
 
 BACKENDS = ("reference", "pallas")
 
-__all__ = ["BACKENDS", "Collect", "select_topk", "sparse_attention", "verify_attention"]
+__all__ = ["BACKENDS", "Collect", "nsa_compressed_attention", "nsa_selected_attention", "select_topk",
+           "sparse_attention", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -56,3 +66,33 @@ def select_topk(scores, k_max: int, k, *, backend: str = "reference"):
     if _is_pallas(backend):
         return select_topk_pallas(scores, k_max, k, interpret=interpret_default())
     return select_topk_reference(scores, k_max, k)
+
+
+def nsa_compressed_attention(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, block_counts: int, rule: str,
+                             scale: float, backend: str = "reference"):
+    """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp
+    [L, B, Hkv, NB, Dh]. Returns o_cmp [B, T, Hq, Dh] (q.dtype), the block importance weights
+    [B, T, Hkv, NB] float32 (0 where not visible) and the selected blocks [B, T, Hkv, block_counts]
+    int32 (-1: none). The Pallas kernels cover T <= 16 (larger T run the reference); the Pallas
+    backend ranks the blocks with the radix select."""
+    topk = None
+    if _is_pallas(backend):
+        o, weights = nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale,
+                                           interpret=interpret_default())
+        topk = functools.partial(radix_topk, interpret=interpret_default())
+    else:
+        o, weights = nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale)
+    idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule, topk=topk)
+    return o, weights, idx
+
+
+def nsa_selected_attention(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, *, block_size: int,
+                           window: int, scale: float, backend: str = "reference"):
+    """NSA's selected-block and window branches, gated together with o_cmp: the layer's attention
+    output [B, T, Hq, Dh] (q.dtype). idx [B, T, Hkv, S] from `nsa_compressed_attention`, gates
+    [B, T, Hq, 3] after the sigmoid. The Pallas kernel covers T <= 16; larger T run the reference."""
+    if _is_pallas(backend):
+        return nsa_selected_pallas(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, block_size=block_size,
+                                   window=window, scale=scale, interpret=interpret_default())
+    return nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,
+                                  block_size=block_size, window=window, scale=scale)

@@ -19,6 +19,14 @@
 - `smollm2_loaded` (session): jaxspec's `load_model(smollm2, "float32")` -> (cfg, params, tokenizer).
 - `smollm2_torch_model` / `smollm2_hf_tokenizer` (session): transformers' float32 model and tokenizer
   loaded from that GGUF (`gguf_file=`), the references for parity tests (slow: 10-25 s each).
+- `nsa_checkpoints` (session): {name: Path} of tiny random NSA-Llama checkpoints in the format of
+  NSA-1B: a transformers Llama saved with `save_pretrained` (2 layers, head_dim 16, 1024 positions,
+  the llama tokenizer of `hf_checkpoints`), plus a random `model.layers.{i}.self_attn.g_proj.weight`
+  [3 * heads, hidden] per layer, and config.json rewritten with model_type `llama-nsa`, architectures
+  `LlamaNSAForCausalLM`, `block_size` 16, `block_counts`, `window_size` 32 (and `nsa_topk_rule`).
+  Names (`NSA_SPECS`): `nsa` (4 heads / 2 KV heads, 4 blocks, nsa1b rule), `nsa_g4` (8 / 2, 12
+  blocks, nsa1b), `nsa_exact` (`nsa_g4`'s weights, exact rule), `nsa_tied` (6 / 2, G = 3, tied
+  embeddings), `nsa_sharded` (several safetensors shards + index.json), `nsa_bf16` (bfloat16 file).
 """
 
 from __future__ import annotations
@@ -286,3 +294,92 @@ def _rewrite_gguf(src: Path, dst: Path, arch=None, fields=None, drop=(), tensors
 @pytest.fixture
 def rewrite_gguf():
     return _rewrite_gguf
+
+
+# NSA checkpoints (the format of NSA-1B): name -> (model shape, NSA keys, how it is saved). `nsa_exact`
+# shares `nsa_g4`'s weights (same seed and shape) with the other top-S rule; both select 12 blocks of
+# 16 (> block_size / 2), where the two rules differ. `nsa_tied` has G = 3 (not a power of two).
+NSA_SPECS = {
+    "nsa": dict(heads=4, kv_heads=2, nsa=dict(block_size=16, block_counts=4, window_size=32), seed=20),
+    "nsa_g4": dict(heads=8, kv_heads=2, hidden=128, nsa=dict(block_size=16, block_counts=12, window_size=32), seed=21),
+    "nsa_exact": dict(heads=8, kv_heads=2, hidden=128, seed=21,
+                      nsa=dict(block_size=16, block_counts=12, window_size=32, nsa_topk_rule="exact")),
+    "nsa_tied": dict(heads=6, kv_heads=2, hidden=96, tie=True, nsa=dict(block_size=16, block_counts=4, window_size=32), seed=22),
+    "nsa_sharded": dict(heads=4, kv_heads=2, shard="40KB", nsa=dict(block_size=16, block_counts=4, window_size=32), seed=23),
+    "nsa_bf16": dict(heads=4, kv_heads=2, dtype="bfloat16", nsa=dict(block_size=16, block_counts=4, window_size=32), seed=24),
+}
+
+
+def _nsa_model(heads: int, kv_heads: int, hidden: int = 64, tie: bool = False):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=96,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=0,
+        rope_theta=10000.0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _add_nsa_weights(path: Path, nsa: dict, seed: int) -> None:
+    """Adds random `model.layers.{i}.self_attn.g_proj.weight` [3 * heads, hidden] beside each layer's
+    q_proj (same shard, same dtype) and rewrites config.json as an NSA-1B config."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else None
+    gen = torch.Generator().manual_seed(1000 + seed)
+    shape = (3 * config["num_attention_heads"], config["hidden_size"])
+    by_file: dict[str, dict] = {}
+    for i in range(config["num_hidden_layers"]):
+        q_name = f"model.layers.{i}.self_attn.q_proj.weight"
+        file = "model.safetensors" if index is None else index["weight_map"][q_name]
+        tensors = by_file.setdefault(file, load_file(path / file))
+        name = f"model.layers.{i}.self_attn.g_proj.weight"
+        tensors[name] = (0.25 * torch.randn(shape, generator=gen)).to(tensors[q_name].dtype)
+        if index is not None:
+            index["weight_map"][name] = file
+    for file, tensors in by_file.items():
+        save_file(tensors, path / file, metadata={"format": "pt"})
+    if index is not None:
+        index_file.write_text(json.dumps(index, indent=2))
+    config.update(model_type="llama-nsa", architectures=["LlamaNSAForCausalLM"], **nsa)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.fixture(scope="session")
+def nsa_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    backend = _train_tokenizer(False)
+    root = tmp_path_factory.mktemp("nsa_checkpoints")
+    paths = {}
+    for name, spec in NSA_SPECS.items():
+        path = root / name
+        model = _nsa_model(spec["heads"], spec["kv_heads"], spec.get("hidden", 64), spec.get("tie", False))
+        _randomize(model, spec["seed"])
+        if spec.get("dtype") == "bfloat16":
+            model = model.to(torch.bfloat16)
+        model.save_pretrained(path, max_shard_size=spec.get("shard", "1GB"))
+        _add_nsa_weights(path, spec["nsa"], spec["seed"])
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=backend, eos_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+        )
+        tokenizer.save_pretrained(path)
+        paths[name] = path
+    return paths

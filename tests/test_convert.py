@@ -18,7 +18,7 @@ from jaxspec import convert as convert_module
 from jaxspec.convert import convert
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import load_model, orbax
-from jaxspec.model import score
+from jaxspec.models.decoder import score
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.config import ModelConfig
-from jaxspec.drafters import make_drafter
-from jaxspec.drafters.quest import PageBounds
-from jaxspec.drafters.stream import SINKS
-from jaxspec.kvcache import KVCache
-from jaxspec.spec import PAGE, Budget, SpecConfig
+from jaxspec.models.config import ModelConfig
+from jaxspec.decoding.drafters import make_drafter
+from jaxspec.decoding.drafters.quest import PageBounds
+from jaxspec.decoding.drafters.stream import SINKS
+from jaxspec.models.kvcache import KVCache
+from jaxspec.decoding.spec import PAGE, Budget, SpecConfig
 
 S = 256  # cache slots; head_dim = S so that a value can be the one-hot of its slot
 CFG = ModelConfig(
@@ -44,7 +44,7 @@ def attended(d, state, budget: Budget, q_pos: np.ndarray, layer: int, q=None) ->
     x = jax.tree.map(lambda a: a[layer], layer_xs)
     if q is None:
         q = jnp.ones((B, 1, CFG.num_heads, S), jnp.float32)
-    out, _ = attend(jnp.int32(layer), q, probe_cache(B), x)
+    out, _ = attend(jnp.int32(layer), q, probe_cache(B), x, None)
     out = np.asarray(out)[:, 0]  # [B, Hq, S]
     sets = []
     for b in range(B):

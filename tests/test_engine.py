@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec import corpus, engine, model
-from jaxspec.config import ModelConfig
-from jaxspec.kvcache import init_cache
+from jaxspec import corpus
+from jaxspec.decoding import engine
+from jaxspec.models import decoder
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.kvcache import init_cache
 from jaxspec.loaders import load_model
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn
-from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import METHODS, SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import METHODS, SpecConfig
 
 SPEC_METHODS = [m for m in METHODS if m != "plain"]
 GAMMAS = (1, 4, 7)
@@ -87,7 +89,7 @@ def qwen3_case():
         model_type="qwen3", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
         head_dim=32, intermediate_size=256, qk_norm=True, dtype="float32",
     )
-    params = model.init_params(cfg, jax.random.key(3), scale=0.08)
+    params = decoder.init_params(cfg, jax.random.key(3), scale=0.08)
     rng = np.random.default_rng(11)
     lengths = np.array([700, 37, 300], np.int32)
     ids = np.zeros((3, lengths.max()), np.int32)
@@ -135,7 +137,7 @@ def test_teacher_forced_argmax_bf16(smollm2_bf16):
     cache = prefilled(params, cfg, batch, max_len)
     out, _ = generate(params, cfg, batch, cache, SpecConfig(method="vegas", gamma=4, min_tokens=64), max_len, 24)
     full = np.concatenate([batch.ids[0, : batch.lengths[0]], out[0]])
-    logits = np.asarray(model.score(params, cfg, jnp.asarray(full[None])))[0]
+    logits = np.asarray(decoder.score(params, cfg, jnp.asarray(full[None])))[0]
     predicted = logits[batch.lengths[0] - 1 : -1]
     top2 = np.sort(predicted, axis=-1)[:, -2:]
     chosen = predicted[np.arange(len(out[0])), out[0]]
@@ -186,14 +188,14 @@ def test_cached_decoding_equals_full_forward(qwen3_case):
     case = qwen3_case
     cfg, params = case.cfg, case.params
     tokens = jnp.asarray(case.batch.ids[:1, :40])
-    full = np.asarray(model.score(params, cfg, tokens))[0]
+    full = np.asarray(decoder.score(params, cfg, tokens))[0]
     cache = init_cache(cfg, 1, 40)
 
     @jax.jit
     def step(cache, token, pos):
-        attend = model.dense_attend(cfg, pos, "reference")
-        hidden, cache, _ = model.forward(params, cfg, token, pos, jnp.ones((1, 1), bool), cache, attend)
-        return model.logits(params, cfg, hidden)[0, 0], cache
+        attend = decoder.dense_attend(cfg, pos, "reference")
+        hidden, cache, _ = decoder.forward(params, cfg, token, pos, jnp.ones((1, 1), bool), cache, attend)
+        return decoder.logits(params, cfg, hidden)[0, 0], cache
 
     for t in range(40):
         got, cache = step(cache, tokens[:, t : t + 1], jnp.array([[t]], jnp.int32))
@@ -221,7 +223,7 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
     """p(x1, x2 | prompt) at temperature 1 from teacher-forced full forwards, [V, V], float64."""
     V = TINY.vocab_size
     seqs = np.concatenate([np.tile(prompt, (V, 1)), np.arange(V)[:, None]], axis=1)
-    logits = np.asarray(model.score(params, TINY, jnp.asarray(seqs)), np.float64)
+    logits = np.asarray(decoder.score(params, TINY, jnp.asarray(seqs)), np.float64)
     p1 = np.exp(logits[0, -2] - np.logaddexp.reduce(logits[0, -2]))
     p2 = np.exp(logits[:, -1] - np.logaddexp.reduce(logits[:, -1], axis=-1, keepdims=True))
     return p1[:, None] * p2
@@ -234,7 +236,7 @@ def test_first_two_tokens_follow_the_target(method):
     The drafters here really differ from the target (3 of 10 context slots), so the recovered-token
     path is exercised; ngram exercises one-hot q. One batch of identical rows gives independent draws.
     """
-    params = model.init_params(TINY, jax.random.key(7), scale=0.6)
+    params = decoder.init_params(TINY, jax.random.key(7), scale=0.6)
     prompt = np.array([1, 5, 2, 7, 1, 5, 2, 3, 6, 4], np.int32)
     rows = 12000
     batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))

@@ -122,3 +122,38 @@ def test_backend_switch():
     ref = pallas_kernels.select_topk(scores, 8, 8)
     got = pallas_kernels.select_topk(scores, 8, 8, backend="pallas")   # interpret mode on CPU
     np.testing.assert_array_equal(np.sort(np.asarray(got)), np.sort(np.asarray(ref)))
+
+
+# NSA: NSA-1B (G 16, block 16, 128K context: 8192 compressed blocks; T 16: a 256-row tile on eight
+# warps), an 8B shape (Dh 128, block 64; T 10 and 16: two row blocks per KV head), SmolLM2-NSA (G 3),
+# and float32 caches (half the keys per step), up to the largest block (128).
+NSA_SHAPES = [
+    # (Hq, Hkv, Dh, block_size, slots, T, dtype)
+    (32, 2, 64, 16, 131072, 1, jnp.bfloat16),
+    (32, 2, 64, 16, 131072, 16, jnp.bfloat16),
+    (32, 2, 128, 64, 131072, 10, jnp.bfloat16),
+    (32, 2, 128, 64, 131072, 16, jnp.bfloat16),
+    (32, 2, 128, 128, 131072, 16, jnp.bfloat16),
+    (9, 3, 64, 16, 32768, 16, jnp.bfloat16),
+    (9, 3, 64, 16, 32768, 1, jnp.bfloat16),
+    (32, 2, 64, 16, 131072, 16, jnp.float32),
+    (32, 2, 128, 128, 131072, 10, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", NSA_SHAPES)
+def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
+    from pallas_kernels.nsa_compressed import nsa_compressed_pallas
+    cmp = spec((24, 1, Hkv, slots // bs, Dh), dtype)
+    check_cuda(lambda *a: nsa_compressed_pallas(*a, block_size=bs, scale=Dh ** -0.5),
+               spec((1, T, Hq, Dh), dtype), cmp, cmp, spec(()), spec((1, T)))
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", NSA_SHAPES)
+def test_nsa_selected_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
+    from pallas_kernels.nsa_selected import nsa_selected_pallas
+    cache = spec((24, 1, Hkv, slots, Dh), dtype)
+    rows = spec((1, T, Hq, Dh), dtype)
+    check_cuda(lambda *a: nsa_selected_pallas(*a, block_size=bs, window=512, scale=Dh ** -0.5),
+               rows, cache, cache, spec(()), spec((1, T)), spec((1, T, Hkv, 16)), rows,
+               spec((1, T, Hq, 3), dtype))

@@ -13,7 +13,7 @@ import pytest
 
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import load_model
-from jaxspec.model import score
+from jaxspec.models.decoder import score
 
 SENTENCE = (
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk, lighting the lamp "

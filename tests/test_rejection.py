@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxspec.rejection import rejection_sample
-from jaxspec.sampling import SamplingConfig, process_logits, sample
+from jaxspec.decoding.rejection import rejection_sample
+from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
 from test_sampling import assert_follows
 
 V = 8

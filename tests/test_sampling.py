@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingConfig, process_logits, sample
+from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
 
 
 def softmax_over(x, keep):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from jaxspec.config import ModelConfig
+from jaxspec.models.config import ModelConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import gguf, hf, orbax
-from jaxspec.model import Params
+from jaxspec.models.decoder import Params
 from jaxspec.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

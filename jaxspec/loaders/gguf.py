@@ -15,10 +15,10 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from jaxspec.config import ModelConfig, RopeConfig
+from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders.hf import build_params
-from jaxspec.model import Params
+from jaxspec.models.decoder import Params
 from jaxspec.tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture names = jaxspec model types

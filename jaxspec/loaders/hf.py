@@ -2,7 +2,7 @@
 
 HF stores Linear weights as [out, in]; jaxspec multiplies x @ W, so projections are transposed here,
 q/k/v and gate/up are concatenated into one matrix each, and per-layer tensors are stacked along a
-leading layer axis (see `jaxspec.model`).
+leading layer axis (see `jaxspec.models.decoder`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import ModelConfig
+from jaxspec.models.config import ModelConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.model import Params, param_shapes
+from jaxspec.models.decoder import Params, param_shapes
 
 # jaxspec layer key -> (HF names inside model.layers.{i}., concatenated along the last axis; transpose)
 LAYER_TENSORS = {
@@ -30,6 +30,8 @@ LAYER_TENSORS = {
     "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
     "w_down": (("mlp.down_proj.weight",), True),
 }
+# NSA models (llama-nsa) append the gate projection to the fused q/k/v matrix (and bias)
+NSA_GATE = {"wqkv": "self_attn.g_proj.weight", "bqkv": "self_attn.g_proj.bias"}
 TOP_TENSORS = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
@@ -68,9 +70,13 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
         for key in ("embed", "final_norm", "lm_head")
         if key in shapes
     }
+
+    def names(key: str) -> tuple[str, ...]:
+        return LAYER_TENSORS[key][0] + ((NSA_GATE[key],) if cfg.nsa and key in NSA_GATE else ())
+
     params["layers"] = {
         key: jnp.stack(
-            [tensor(tuple(f"model.layers.{i}.{n}" for n in LAYER_TENSORS[key][0]), LAYER_TENSORS[key][1], shape[1:]) for i in range(shape[0])]
+            [tensor(tuple(f"model.layers.{i}.{n}" for n in names(key)), LAYER_TENSORS[key][1], shape[1:]) for i in range(shape[0])]
         )
         for key, shape in shapes["layers"].items()
     }

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxspec.config import ModelConfig, RopeConfig
+from jaxspec.models.config import ModelConfig, NSAConfig, RopeConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.model import Params, param_shapes
+from jaxspec.models.decoder import Params, param_shapes
 from jaxspec.tokenizer import Tokenizer
 
 CONFIG_FILE = "jaxspec_config.json"
@@ -37,6 +37,7 @@ def config_from_json(text: str) -> ModelConfig:
     fields = json.loads(text)
     fields["rope"] = RopeConfig(**fields["rope"])
     fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    fields["nsa"] = NSAConfig(**fields["nsa"]) if fields.get("nsa") else None
     return ModelConfig(**fields)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.drafters.base import Drafter
+from jaxspec.decoding.drafters.base import Drafter
 
 
 @jax.tree_util.register_dataclass

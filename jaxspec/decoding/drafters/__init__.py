@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import Drafter
-from jaxspec.drafters.ngram import Ngram
-from jaxspec.drafters.quest import Quest
-from jaxspec.drafters.stream import Stream
-from jaxspec.drafters.vegas import AllRows, LastAccepted, Vegas
-from jaxspec.spec import SpecConfig
+from jaxspec.models.config import ModelConfig
+from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.decoding.drafters.ngram import Ngram
+from jaxspec.decoding.drafters.quest import Quest
+from jaxspec.decoding.drafters.stream import Stream
+from jaxspec.decoding.drafters.vegas import AllRows, LastAccepted, Vegas
+from jaxspec.decoding.spec import SpecConfig
 
 DRAFTERS: dict[str, type[Drafter]] = {
     "vegas": Vegas,

@@ -1,6 +1,7 @@
 """Model configuration: one frozen, hashable dataclass, so it can be a static argument of `jax.jit`.
 
-It covers the Llama family (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) and is built
+It covers the Llama family (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) and NSA-Llama
+(`llama-nsa`, the format of NSA-1B: Llama plus Native Sparse Attention, `NSAConfig`), and is built
 from a Hugging Face `config.json` dict or from GGUF metadata (see `jaxspec.loaders`).
 """
 
@@ -13,7 +14,9 @@ import numpy as np
 
 from jaxspec.errors import JaxspecError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "llama-nsa")
+NSA_TOPK_RULES = ("nsa1b", "exact")
+MAX_NSA_BLOCK = 128  # compressed blocks tile the cache slots (kvcache.SLOT_ALIGN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,36 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class NSAConfig:
+    """Native Sparse Attention (DESIGN.md section 2): compressed blocks of `block_size` tokens, the top
+    `block_counts` blocks per query, a sliding window of `window_size` keys, gated per query head.
+
+    `topk_rule` "nsa1b" is the rule of fla's `parallel_nsa_topk` kernel that NSA-1B was trained with:
+    candidates are streamed in chunks of `block_size` compressed blocks and a running list keeps the
+    top half of the earlier chunks plus the top half of the current chunk, so the result is the top-S
+    of (exact top block_size/2 of the earlier chunks) + (top block_size/2 of the query's own chunk).
+    "exact" is the exact top-S over all blocks. The query's own block is always selected; with
+    S <= block_size/2 the two rules agree.
+    """
+
+    block_size: int = 64
+    block_counts: int = 16
+    window_size: int = 512
+    topk_rule: str = "nsa1b"
+
+    def __post_init__(self):
+        bs = self.block_size
+        if not (1 <= bs <= MAX_NSA_BLOCK and bs & (bs - 1) == 0):
+            raise JaxspecError(f"NSA block_size must be a power of two <= {MAX_NSA_BLOCK}, got {bs}")
+        if self.block_counts < 1:
+            raise JaxspecError(f"NSA block_counts must be at least 1, got {self.block_counts}")
+        if self.window_size < 0:
+            raise JaxspecError(f"NSA window_size must be >= 0, got {self.window_size}")
+        if self.topk_rule not in NSA_TOPK_RULES:
+            raise JaxspecError(f"nsa_topk_rule must be one of {', '.join(NSA_TOPK_RULES)}, got {self.topk_rule!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a decoder; `dtype` is the parameter and KV-cache dtype."""
 
@@ -96,6 +129,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
+    nsa: NSAConfig | None = None  # set for llama-nsa models only
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -106,6 +140,12 @@ class ModelConfig:
             raise JaxspecError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.dtype not in ("bfloat16", "float32"):
             raise JaxspecError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if (self.model_type == "llama-nsa") != (self.nsa is not None):
+            raise JaxspecError(f"model type {self.model_type!r} {'needs' if self.nsa is None else 'takes no'} NSA settings")
+        if self.nsa is not None and self.nsa.window_size > self.max_position_embeddings:
+            raise JaxspecError(
+                f"NSA window_size {self.nsa.window_size} is larger than the context ({self.max_position_embeddings})"
+            )
 
     @property
     def group_size(self) -> int:
@@ -145,9 +185,20 @@ class ModelConfig:
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 dtype=dtype,
+                nsa=nsa_from_hf(hf) if model_type == "llama-nsa" else None,
             )
         except KeyError as e:
             raise JaxspecError(f"config.json is missing {e.args[0]!r}") from None
+
+
+def nsa_from_hf(hf: dict) -> NSAConfig:
+    """NSA-1B's keys: `block_size`, `block_counts`, `window_size`; optional `nsa_topk_rule`."""
+    return NSAConfig(
+        block_size=int(hf["block_size"]),
+        block_counts=int(hf["block_counts"]),
+        window_size=int(hf["window_size"]),
+        topk_rule=hf.get("nsa_topk_rule", "nsa1b"),
+    )
 
 
 def rope_from_hf(hf: dict) -> RopeConfig:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafters.base import Drafter
+from jaxspec.decoding.drafters.base import Drafter
 
 
 class Ngram(Drafter):

@@ -19,13 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec import model
-from jaxspec.config import ModelConfig
-from jaxspec.drafters import Drafter, make_drafter
-from jaxspec.kvcache import KVCache, init_cache
-from jaxspec.rejection import rejection_sample
-from jaxspec.sampling import SamplingConfig, sample
-from jaxspec.spec import MAX_GAMMA, Budget, SpecConfig
+from jaxspec.models import decoder
+from jaxspec.models.config import ModelConfig
+from jaxspec.decoding.drafters import Drafter, make_drafter
+from jaxspec.models.kvcache import KVCache, init_cache
+from jaxspec.decoding.rejection import rejection_sample
+from jaxspec.decoding.sampling import SamplingConfig, sample
+from jaxspec.decoding.spec import MAX_GAMMA, Budget, SpecConfig
 
 
 @jax.tree_util.register_dataclass
@@ -65,7 +65,7 @@ class GenerateOutput:
 
 
 def prefill_cache(
-    params: model.Params,
+    params: decoder.Params,
     prompts: jax.Array,
     prompt_len: jax.Array,
     *,
@@ -92,15 +92,15 @@ def prefill_cache(
         positions = jnp.broadcast_to(c * chunk + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         chunk_tokens = jax.lax.dynamic_slice_in_dim(padded, c * chunk, chunk, axis=1)
         valid = positions < (prompt_len - 1)[:, None]
-        attend = model.dense_attend(cfg, jnp.minimum(positions, last_slot), backend)
-        _, cache, _ = model.forward(params, cfg, chunk_tokens, positions, valid, cache, attend)
+        attend = decoder.attention(cfg, jnp.minimum(positions, last_slot), backend)
+        _, cache, _ = decoder.forward(params, cfg, chunk_tokens, positions, valid, cache, attend)
         return cache
 
     return jax.lax.fori_loop(0, num_chunks, body, cache)
 
 
 def start(
-    params: model.Params,
+    params: decoder.Params,
     cache: KVCache,
     prompts: jax.Array,
     prompt_len: jax.Array,
@@ -153,7 +153,7 @@ def prefill(params, prompts, prompt_len, key, *, cfg, spec, sampling, max_len, m
 
 
 def decode(
-    params: model.Params,
+    params: decoder.Params,
     state: DecodeState,
     *,
     cfg: ModelConfig,
@@ -184,7 +184,7 @@ def finish(state: DecodeState, max_len: int) -> GenerateOutput:
 
 
 def generate(
-    params: model.Params,
+    params: decoder.Params,
     prompts: jax.Array,
     prompt_len: jax.Array,
     key: jax.Array,
@@ -240,11 +240,11 @@ def draft(params, cfg, sampling, drafter, state, key):
         token, cache, dstate, key = carry
         q_pos = first + i
         attend, layer_xs = drafter.attend(dstate, state.budget, q_pos)
-        hidden, cache, _ = model.forward(
+        hidden, cache, _ = decoder.forward(
             params, cfg, token[:, None], q_pos[:, None], jnp.ones((B, 1), bool), cache, attend, layer_xs
         )
         key, sub = jax.random.split(key)
-        token, probs = sample(sub, model.logits(params, cfg, hidden[:, 0]), sampling)
+        token, probs = sample(sub, decoder.logits(params, cfg, hidden[:, 0]), sampling)
         dstate = drafter.after_draft_step(dstate, cache, q_pos)
         return (token, cache, dstate, key), (token, None if sampling.greedy else probs)
 
@@ -265,9 +265,9 @@ def verify(params, cfg, spec, drafter, state, drafts):
     T = rows.shape[1]
     positions = (state.length - 1)[:, None] + jnp.arange(T, dtype=jnp.int32)
     collect = None if drafter is None else drafter.collect(T)
-    attend = model.dense_attend(cfg, positions, spec.backend, collect)
-    hidden, cache, scores = model.forward(params, cfg, rows, positions, jnp.ones_like(rows, bool), state.cache, attend)
-    return model.logits(params, cfg, hidden), cache, scores
+    attend = decoder.attention(cfg, positions, spec.backend, collect)
+    hidden, cache, scores = decoder.forward(params, cfg, rows, positions, jnp.ones_like(rows, bool), state.cache, attend)
+    return decoder.logits(params, cfg, hidden), cache, scores
 
 
 def pending_tokens(state: DecodeState) -> jax.Array:

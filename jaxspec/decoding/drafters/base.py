@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.config import ModelConfig
-from jaxspec.kvcache import KVCache
-from jaxspec.model import AttendFn
-from jaxspec.spec import Budget, SpecConfig
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.kvcache import KVCache
+from jaxspec.models.decoder import AttendFn
+from jaxspec.decoding.spec import Budget, SpecConfig
 
 State = Any
 
@@ -70,7 +70,7 @@ class Drafter:
     def sparse_attend(self, idx_layers: jax.Array, n_idx: jax.Array, tail_start: jax.Array, q_pos: jax.Array, tail_capacity: int) -> tuple[AttendFn, Any]:
         """Draft attention over per-layer gathered slots `idx_layers` [L, B, Hs, K] plus the tail [tail_start, q_pos]."""
 
-        def attend(layer, q, cache, idx):
+        def attend(layer, q, cache, idx, _gates):
             out = kernels.sparse_attention(
                 q[:, 0], cache.k, cache.v, layer, idx, n_idx, tail_start, q_pos,
                 scale=self.scale, tail_capacity=tail_capacity, backend=self.spec.backend,

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import SamplingConfig, cutoff, draw, probs_from_cutoff
+from jaxspec.decoding.sampling import SamplingConfig, cutoff, draw, probs_from_cutoff
 
 
 def _accepted_prefix(accept: jax.Array) -> jax.Array:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxspec.drafters.base import Drafter
-from jaxspec.spec import PAGE
+from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.decoding.spec import PAGE
 
 SINKS = 16
 

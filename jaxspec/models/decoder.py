@@ -2,7 +2,8 @@
 
 Params layout (x @ W convention; L = num_layers, D = hidden, F = intermediate, Dh = head_dim):
     embed [V, D], final_norm [D], lm_head [D, V] (absent when embeddings are tied),
-    layers: attn_norm [L, D], wqkv [L, D, (Hq + 2 Hkv) Dh] (q, k, v side by side), wo [L, Hq*Dh, D],
+    layers: attn_norm [L, D], wqkv [L, D, (Hq + 2 Hkv) Dh (+ 3 Hq)] (q, k, v side by side, then for NSA
+            models the gate logits, (compressed, selected, window) per query head), wo [L, Hq*Dh, D],
             bqkv [L, (Hq + 2 Hkv) Dh] (qkv_bias only), q_norm/k_norm [L, Dh] (qk_norm only),
             mlp_norm [L, D], w_gate_up [L, D, 2F] (gate then up), w_down [L, F, D].
 The q/k/v and gate/up projections are fused because a decode step multiplies one or a few rows by
@@ -11,7 +12,8 @@ ones (bench/NOTES.md, "Decode step").
 
 The forward writes the new tokens' keys and values into the KV cache and then calls an injected
 `attend` function, so prefill, plain decoding, verification (with score collection) and sparse
-drafting share one model and differ only in how attention reads the cache.
+drafting share one model and differ only in how attention reads the cache. `attention` picks the
+model's own attention (full causal, or NSA's three gated branches: `jaxspec.models.nsa`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as attention
-from jaxspec.config import ModelConfig
-from jaxspec.kvcache import KVCache, init_cache
+import pallas_kernels as kernels
+from jaxspec.models import nsa
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.kvcache import KVCache, init_cache
 
 Params = dict[str, Any]
-# attend(layer, q [B,T,Hq,Dh], cache, layer_x) -> (out [B,T,Hq,Dh], layer_y)
-AttendFn = Callable[[jax.Array, jax.Array, KVCache, Any], tuple[jax.Array, Any]]
+# attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates) -> (out [B,T,Hq,Dh], layer_y); gates
+# [B,T,Hq,3] are NSA's sigmoid gates (None for dense models; attention that is not NSA's ignores them)
+AttendFn = Callable[[jax.Array, jax.Array, KVCache, Any, Any], tuple[jax.Array, Any]]
+
+
+def gate_dim(cfg: ModelConfig) -> int:
+    """Columns of the NSA gate projection inside wqkv (0 for dense models)."""
+    return 3 * cfg.num_heads if cfg.nsa else 0
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -38,14 +47,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layers = {
         "attn_norm": (L, D),
-        "wqkv": (L, D, q_dim + 2 * kv_dim),
+        "wqkv": (L, D, q_dim + 2 * kv_dim + gate_dim(cfg)),
         "wo": (L, q_dim, D),
         "mlp_norm": (L, D),
         "w_gate_up": (L, D, 2 * F),
         "w_down": (L, F, D),
     }
     if cfg.qkv_bias:
-        layers.update(bqkv=(L, q_dim + 2 * kv_dim))
+        layers.update(bqkv=(L, q_dim + 2 * kv_dim + gate_dim(cfg)))
     if cfg.qk_norm:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
@@ -141,7 +150,8 @@ def forward(
         qkv = jnp.dot(h, p["wqkv"])
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
-        q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
+        q, k, v, g = jnp.split(qkv, [q_dim, q_dim + kv_dim, q_dim + 2 * kv_dim], axis=-1)
+        gates = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, T, cfg.num_heads, 3) if cfg.nsa else None
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -151,7 +161,7 @@ def forward(
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
         cache = cache.write(index, write_pos, k, v)
-        out, ly = attend(index, q, cache, lx)
+        out, ly = attend(index, q, cache, lx, gates)
         x = x + jnp.dot(out.reshape(B, T, -1), p["wo"]).astype(x.dtype)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gate, up = jnp.split(jnp.dot(h, p["w_gate_up"]), 2, axis=-1)
@@ -165,14 +175,23 @@ def forward(
     return x, cache, layer_ys
 
 
+def attention(cfg: ModelConfig, q_pos: jax.Array, backend: str, collect=None) -> AttendFn:
+    """The model's own attention for query rows at `q_pos` [B, T]: full causal attention over the
+    cache, or NSA for NSA models. Per layer it yields the selection scores asked for by `collect`
+    (None without it)."""
+    if cfg.nsa:
+        return nsa.attend_fn(cfg, q_pos, backend, collect)
+    return dense_attend(cfg, q_pos, backend, collect)
+
+
 def dense_attend(cfg: ModelConfig, q_pos: jax.Array, backend: str, collect=None) -> AttendFn:
     """Full causal attention over the cache for query rows at `q_pos` [B, T].
 
     Per layer it yields the attention kernel's collected selection scores (None without `collect`).
     """
 
-    def attend(layer, q, cache, _):
-        out, _, scores = attention.verify_attention(
+    def attend(layer, q, cache, _, _gates):
+        out, _, scores = kernels.verify_attention(
             q, cache.k, cache.v, layer, q_pos, scale=cfg.head_dim**-0.5, collect=collect, backend=backend
         )
         return out, scores
@@ -185,5 +204,5 @@ def score(params: Params, cfg: ModelConfig, tokens: jax.Array, backend: str = "r
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cache = init_cache(cfg, B, T)
-    hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, dense_attend(cfg, positions, backend))
+    hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attention(cfg, positions, backend))
     return logits(params, cfg, hidden)

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.drafters.base import Drafter
-from jaxspec.kvcache import KVCache
-from jaxspec.spec import PAGE
+from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.models.kvcache import KVCache
+from jaxspec.decoding.spec import PAGE
 
 DENSE_LAYERS = 2
 
@@ -86,7 +86,7 @@ class Quest(Drafter):
             )
             return out
 
-        def attend(layer, q, cache, bounds):
+        def attend(layer, q, cache, bounds, _gates):
             out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, bounds)
             return out, None
 

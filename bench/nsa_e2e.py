@@ -1,0 +1,121 @@
+"""The real-weights NSA model end to end: plain NSA decoding against dense SmolLM2, and every drafter's
+tokens per iteration and decode speed on the NSA target, all in one process on the same prompts.
+
+    PYTHONPATH=. python3 bench/nsa_e2e.py --nsa checkpoints/nsa-smollm2 [--dense smollm2] [--batches 1,8]
+        [--prompt-tokens 7000] [--new 512] [--repeats 3] [--tiny] [--out DIR]
+
+Prompts: real local text (pydoc topics, a different document per row) + a continuation request, chat
+template. Sampling (T 0.7, top-p 0.95) is the headline; greedy stands beside it. Degeneration = the
+share of repeated 4-grams in the generated tokens (greedy SmolLM2 loops at long context, which inflates
+acceptance). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice), bf16, pallas backend
+on a GPU. Writes DIR/nsa_e2e_<device>.json; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from jaxspec import corpus
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.loaders import load_model
+from jaxspec.runner import encode_prompts, prefill_fn, run_generation
+
+SAMPLINGS = {"sample": SamplingConfig(temperature=0.7, top_p=0.95), "greedy": SamplingConfig()}
+METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
+
+
+def repeated_4gram_share(rows: list[list[int]]) -> float:
+    """Share of 4-grams in the outputs that already occurred earlier in the same output."""
+    seen_total = repeats = 0
+    for row in rows:
+        seen = set()
+        for i in range(len(row) - 3):
+            gram = tuple(row[i : i + 4])
+            repeats += gram in seen
+            seen.add(gram)
+            seen_total += 1
+    return repeats / max(seen_total, 1)
+
+
+def run_model(name, path, methods, args, rows_out, rates):
+    cfg, params, tokenizer = load_model(path, dtype="float32" if args.tiny else "bfloat16")
+    backend = "reference" if args.tiny else "pallas"
+    weight_bytes = common.tree_bytes(params)
+    for batch_size in args.batches:
+        prompts = [corpus.long_prompt(tokenizer, args.prompt_tokens, task="continue", offset=3 * i) for i in range(batch_size)]
+        batch = encode_prompts(tokenizer, prompts, chat=True)
+        max_len = int(batch.lengths.max()) + args.new
+        prefill = prefill_fn(cfg, max_len, backend, 256)
+        cache = prefill(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
+        for sampling_name, sampling in SAMPLINGS.items():
+            for method in methods:
+                spec = SpecConfig(method=method, gamma=6, ratio=0.07, backend=backend).validate()
+                runs = []
+                for repeat in range(args.repeats):
+                    run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
+                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache))
+                    out = jax.device_get(run.output)
+                    generated = out.length - out.prompt_len
+                    iterations = int(out.stats.iterations.sum())
+                    runs.append({
+                        "decode_tokens_per_s": float(generated.sum() - len(generated)) / run.decode_s,
+                        "tokens_per_iteration": (int(out.stats.accepted.sum()) + iterations) / max(iterations, 1),
+                        "degeneration": repeated_4gram_share(
+                            [out.tokens[b, out.prompt_len[b] : out.length[b]].tolist() for b in range(len(generated))]),
+                        "steps": int(generated.max()) - 1,
+                        "decode_s": run.decode_s,
+                    })
+                tps = [r["decode_tokens_per_s"] for r in runs]
+                row = {"model": name, "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
+                       "sampling": sampling_name, **spec.describe(), "runs": runs,
+                       "decode_tokens_per_s": statistics.median(tps), "spread_tokens_per_s": max(tps) - min(tps),
+                       "tokens_per_iteration": statistics.median(r["tokens_per_iteration"] for r in runs),
+                       "degeneration": statistics.median(r["degeneration"] for r in runs)}
+                if method == "plain":
+                    step = statistics.median(r["decode_s"] / r["steps"] for r in runs)
+                    floor = common.step_floor_s(cfg, weight_bytes, batch_size, int(batch.lengths.mean()) + args.new // 2, rates["copy_GBps"])
+                    row |= {"step_ms": step * 1e3, "floor_ms": floor * 1e3, "ratio_to_floor": step / floor}
+                rows_out.append(row)
+                print(f"{name} B={batch_size} {sampling_name} {method}: {row['decode_tokens_per_s']:.0f} tok/s "
+                      f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
+                      f"degeneration {row['degeneration']:.2f}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nsa", required=True, help="the NSA checkpoint (python -m jaxspec.convert smollm2 DST --to-nsa)")
+    p.add_argument("--dense", default="smollm2")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--prompt-tokens", type=int, default=7000)
+    p.add_argument("--new", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: float32, reference backend")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = p.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    methods = args.methods.split(",")
+    rates = common.measure_rates(args.tiny)
+    result = common.run_info() | {"rates": rates, "rows": []}
+    run_model("smollm2-dense", args.dense, ["plain"], args, result["rows"], rates)
+    run_model("smollm2-nsa", args.nsa, methods, args, result["rows"], rates)
+    device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
+    common.write_json(args.out / f"nsa_e2e_{device}.json", result)
+    print(common.markdown_table(result["rows"], [
+        ("model", "model", "s"), ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"),
+        ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
+        ("tokens/iter", "tokens_per_iteration", ".2f"), ("degeneration", "degeneration", ".2f"),
+        ("step ms", "step_ms", ".2f"), ("x floor", "ratio_to_floor", ".2f"),
+    ]))
+
+
+if __name__ == "__main__":
+    main()

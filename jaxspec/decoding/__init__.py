@@ -1,0 +1,1 @@
+"""Decoding: method config, sampling, exact rejection sampling, drafters and the engine loop."""

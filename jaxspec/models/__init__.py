@@ -1,0 +1,1 @@
+"""Models: config, the decoder (dense and NSA attention), the KV cache."""

@@ -1,0 +1,56 @@
+"""NSA attention in the decoder: the three gated branches over the KV cache and its compressed blocks.
+
+The layer's q/k/v (post-RoPE) and gates come from the shared decoder (`decoder.forward`); the cache
+write already refreshed the compressed blocks (`kvcache.KVCache.write`). Each query row is exact on
+its own: its own compressed view, selection and window, so verifying T rows equals T decode steps.
+
+Score-collecting drafters (vegas, all_rows, last_accepted) on an NSA target collect what NSA's own
+pass computes instead of a full attention row: a slot's score is the compressed softmax weight of its
+block (averaged over query heads, and over the collected rows as on dense models); slots of the
+query's not yet complete block score 1 (above any weight), so the most recent tokens are kept first.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as kernels
+from pallas_kernels.nsa_compressed import visible_blocks
+from pallas_kernels.verify_attention import mask_scores
+from jaxspec.models.config import ModelConfig
+
+
+def attend_fn(cfg: ModelConfig, q_pos, backend: str, collect: kernels.Collect | None = None):
+    """The decoder's `attend` for NSA layers at query positions q_pos [B, T] (see decoder.AttendFn)."""
+    nsa = cfg.nsa
+    scale = cfg.head_dim**-0.5
+
+    def attend(layer, q, cache, _, gates):
+        o_cmp, weights, idx = kernels.nsa_compressed_attention(
+            q, cache.k_cmp, cache.v_cmp, layer, q_pos, block_size=nsa.block_size, block_counts=nsa.block_counts,
+            rule=nsa.topk_rule, scale=scale, backend=backend,
+        )
+        out = kernels.nsa_selected_attention(
+            q, cache.k, cache.v, layer, q_pos, idx, o_cmp, gates, block_size=nsa.block_size,
+            window=nsa.window_size, scale=scale, backend=backend,
+        )
+        scores = None if collect is None else collected_scores(weights, q_pos, collect, cfg.group_size, cache.num_slots)
+        return out, scores
+
+    return attend
+
+
+def collected_scores(weights, q_pos, collect: kernels.Collect, group: int, num_slots: int):
+    """Per-slot selection scores ([B, S], or [B, R, S] without reduce_rows) in the format of the dense
+    verify kernel's collection, from the rows' block weights [B, T, Hkv, NB]."""
+    rows = np.asarray(collect.rows)
+    w, pos = weights[:, rows], q_pos[:, rows]  # [B, R, Hkv, NB], [B, R]
+    NB = w.shape[-1]
+    block_size = num_slots // NB
+    per_block = w.mean(axis=2) / group  # mean over query heads of each head's softmax weight
+    per_slot = jnp.repeat(jnp.where(visible_blocks(NB, block_size, pos), per_block, 1.0), block_size, axis=-1)
+    per_slot = jnp.where(jnp.arange(num_slots) <= pos[..., None], per_slot, 0.0)
+    if collect.reduce_rows:
+        return mask_scores(per_slot.mean(axis=1), pos[:, 0])
+    return mask_scores(per_slot, pos)

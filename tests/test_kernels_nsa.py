@@ -1,0 +1,337 @@
+"""NSA kernels: the Pallas kernels (interpret mode on CPU) against the jnp references, and the
+references against NumPy loops written from the formulas (DESIGN.md 2).
+
+Inputs are fresh normal draws (np.random.default_rng, one seed per case). Positions per row mix 0,
+block boundaries (c*bs - 1: block c-1 just complete; c*bs: the next one not yet), the last slot and
+random ones. The kernels get poisoned caches: NaN in every other layer and past each sequence's
+last position (compressed: in the blocks no row of the sequence sees), which a kernel may only mask
+or skip; interpret mode also fills unwritten outputs (and out-of-bounds reads) with NaN.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pallas_kernels
+from pallas_kernels.nsa_compressed import (
+    nsa_compressed_pallas,
+    nsa_compressed_reference,
+    radix_topk,
+    select_blocks,
+)
+from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
+
+LAYERS, LAYER = 3, 1
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_close(got, want, tol, what):
+    """No NaN, max error relative to the largest magnitude below tol."""
+    got, want = f64(got), f64(want)
+    assert got.shape == want.shape, what
+    assert not np.isnan(got).any(), f"{what}: NaN"
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
+
+
+def positions(rng, B, T, slots, bs):
+    """[B, T] int32: each row draws from 0, block boundaries, the last slot and random slots; the
+    first row always holds the last slot, the last row position 0."""
+    special = [0, bs - 1, bs, 2 * bs - 1, 2 * bs, 3 * bs - 1, slots - bs - 1, slots - bs, slots - 1]
+    pool = np.concatenate([special, rng.integers(0, slots, 8)])
+    pos = rng.choice(pool, (B, T))
+    pos[0, -1], pos[-1, 0] = slots - 1, 0
+    return jnp.asarray(pos, jnp.int32)
+
+
+def normal(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def poisoned(cache, last):
+    """NaN in every layer but LAYER and at axis-3 entries > last[b] of [L, B, Hkv, N, Dh]."""
+    beyond = np.arange(cache.shape[3]) > np.asarray(last)[:, None]                    # [B, N]
+    bad = (np.arange(LAYERS) != LAYER)[:, None, None] | beyond[None]               # [L, B, N]
+    return jnp.where(bad[:, :, None, :, None], jnp.nan, cache)
+
+
+# ---------------------------------------------------------------- NumPy oracles
+
+def compressed_oracle(q, k_cmp, v_cmp, q_pos, bs, scale):
+    q, k, v, q_pos = f64(q), f64(k_cmp[LAYER]), f64(v_cmp[LAYER]), np.asarray(q_pos)
+    B, T, Hq, Dh = q.shape
+    Hkv, NB = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    o, w = np.zeros_like(q), np.zeros((B, T, Hkv, NB))
+    for b in range(B):
+        for t in range(T):
+            seen = [c for c in range(NB) if (c + 1) * bs - 1 <= q_pos[b, t]]
+            for h in range(Hq):
+                if not seen:
+                    continue
+                logits = k[b, h // G, seen] @ q[b, t, h] * scale
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                o[b, t, h] = p @ v[b, h // G, seen]
+                w[b, t, h // G, seen] += p
+    return o, w
+
+
+def softmax_attend(q, k, v, scale):
+    """One query head q [Dh] over k, v [n, Dh]; 0 for no key."""
+    if not len(k):
+        return np.zeros_like(q)
+    logits = k @ q * scale
+    p = np.exp(logits - logits.max())
+    return p @ v / p.sum()
+
+
+def selected_oracle(q, k_cache, v_cache, q_pos, idx, o_cmp, gates, bs, window, scale):
+    q, k, v, o_cmp, gates = (f64(x) for x in (q, k_cache[LAYER], v_cache[LAYER], o_cmp, gates))
+    q_pos, idx = np.asarray(q_pos), np.asarray(idx)
+    B, T, Hq, _ = q.shape
+    G = Hq // k.shape[1]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for t in range(T):
+            p = q_pos[b, t]
+            for h in range(Hq):
+                kh, vh = k[b, h // G], v[b, h // G]
+                sel = [s for c in idx[b, t, h // G] if c >= 0 for s in range(c * bs, (c + 1) * bs) if s <= p]
+                win = list(range(max(p - window + 1, 0), p + 1)) if window else []
+                g = gates[b, t, h]
+                out[b, t, h] = (g[0] * o_cmp[b, t, h] + g[1] * softmax_attend(q[b, t, h], kh[sel], vh[sel], scale)
+                                + g[2] * softmax_attend(q[b, t, h], kh[win], vh[win], scale))
+    return out
+
+
+def select_oracle(weights, p, bs, S, rule):
+    """The set of blocks one (row, KV head) selects: sorted, -1 padded to S. weights [NB]."""
+    own = p // bs
+    earlier = sorted(range(own), key=lambda c: -weights[c])
+    if rule == "exact":
+        picked = [own] + earlier[:S - 1]
+    else:
+        start = own // bs * bs                                     # first block of the own chunk
+        history = [c for c in earlier if c < start][:bs // 2]
+        current = [own] + [c for c in earlier if c >= start]
+        candidates = history + (current if start == 0 else current[:bs // 2])
+        picked = sorted(candidates, key=lambda c: -np.inf if c == own else -weights[c])[:S]
+    return sorted(picked) + [-1] * (S - len(picked))
+
+
+def sorted_idx(idx):
+    """Per-row sorted block indices, -1 last: selections compare as sets."""
+    idx = np.asarray(idx)
+    return np.sort(np.where(idx < 0, np.iinfo(np.int32).max, idx), axis=-1)
+
+
+# ---------------------------------------------------------------- references against NumPy
+
+@pytest.mark.parametrize("B, T, Hq, Hkv, Dh, bs, slots, seed", [
+    (2, 3, 4, 2, 16, 4, 32, 0),
+    (1, 5, 6, 2, 8, 8, 40, 1),
+])
+def test_compressed_reference(B, T, Hq, Hkv, Dh, bs, slots, seed):
+    rng = np.random.default_rng(seed)
+    NB = slots // bs
+    q = normal(rng, (B, T, Hq, Dh), jnp.float32)
+    k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, NB, Dh), jnp.float32) for _ in range(2))
+    q_pos = positions(rng, B, T, slots, bs)
+    scale = Dh ** -0.5
+    o, w = jax.jit(functools.partial(nsa_compressed_reference, block_size=bs, scale=scale))(
+        q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos)
+    want_o, want_w = compressed_oracle(q, k_cmp, v_cmp, q_pos, bs, scale)
+    assert_close(o, want_o, 1e-5, "o_cmp")
+    assert_close(w, want_w, 1e-5, "weights")
+    assert (np.asarray(o)[np.asarray(q_pos) < bs - 1] == 0).all()
+
+
+@pytest.mark.parametrize("B, T, Hq, Hkv, Dh, bs, slots, NS, window, seed", [
+    (2, 3, 4, 2, 16, 4, 32, 3, 5, 10),
+    (1, 4, 3, 1, 8, 8, 48, 2, 0, 11),
+    (2, 2, 2, 2, 8, 4, 24, 6, 30, 12),     # window longer than the cache
+])
+def test_selected_reference(B, T, Hq, Hkv, Dh, bs, slots, NS, window, seed):
+    rng = np.random.default_rng(seed)
+    q, o_cmp = (normal(rng, (B, T, Hq, Dh), jnp.float32) for _ in range(2))
+    k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), jnp.float32) for _ in range(2))
+    gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), jnp.float32)
+    q_pos = positions(rng, B, T, slots, bs)
+    idx = block_indices(rng, q_pos, Hkv, slots // bs, NS, bs)
+    scale = Dh ** -0.5
+    got = jax.jit(functools.partial(nsa_selected_reference, block_size=bs, window=window, scale=scale))(
+        q, k_cache, v_cache, jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
+    want = selected_oracle(q, k_cache, v_cache, q_pos, idx, o_cmp, gates, bs, window, scale)
+    assert_close(got, want, 1e-5, "nsa output")
+
+
+def random_weights(rng, B, T, Hkv, NB):
+    """Distinct positive importance weights (ties would make the selection ambiguous)."""
+    return jnp.asarray(rng.permutation(B * T * Hkv * NB).reshape(B, T, Hkv, NB) + 1.0, jnp.float32)
+
+
+@pytest.mark.parametrize("rule", ["exact", "nsa1b"])
+@pytest.mark.parametrize("bs, NB, S", [(4, 23, 3), (4, 23, 2), (8, 40, 6), (4, 6, 5)])
+def test_select_blocks_reference(rule, bs, NB, S):
+    rng = np.random.default_rng(20 + NB + S)
+    B, T, Hkv = 2, 6, 2
+    weights = random_weights(rng, B, T, Hkv, NB)
+    q_pos = positions(rng, B, T, NB * bs, bs)
+    idx = select_blocks(weights, q_pos, block_size=bs, block_counts=S, rule=rule)
+    assert idx.shape == (B, T, Hkv, S) and idx.dtype == jnp.int32
+    w, pos = np.asarray(weights), np.asarray(q_pos)
+    want = [[[select_oracle(w[b, t, h], pos[b, t], bs, S, rule) for h in range(Hkv)]
+             for t in range(T)] for b in range(B)]
+    np.testing.assert_array_equal(sorted_idx(idx), sorted_idx(want))
+
+
+@pytest.mark.parametrize("bs, NB, S", [(8, 70, 4), (16, 100, 8), (4, 30, 1)])
+def test_select_rules_agree_for_small_counts(bs, NB, S):
+    """With S <= block_size/2 the nsa1b rule is the exact top-S."""
+    rng = np.random.default_rng(30 + S)
+    weights = random_weights(rng, 2, 5, 2, NB)
+    q_pos = positions(rng, 2, 5, NB * bs, bs)
+    exact, nsa1b = (select_blocks(weights, q_pos, block_size=bs, block_counts=S, rule=rule)
+                    for rule in ("exact", "nsa1b"))
+    np.testing.assert_array_equal(sorted_idx(exact), sorted_idx(nsa1b))
+
+
+# ---------------------------------------------------------------- Pallas against the references
+
+COMPRESSED_CASES = [
+    # (B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile)
+    (2, 5, 4, 2, 32, 16, 512, jnp.float32, 16, None, None),
+    (1, 16, 3, 1, 16, 16, 320, jnp.float32, 16, 3, 512),            # NB 20, two row blocks of 8
+    (3, 1, 32, 2, 64, 16, 256, jnp.bfloat16, 64, None, None),       # NSA-1B heads
+    (2, 5, 32, 2, 16, 32, 640, jnp.bfloat16, 16, 2, 1024),          # G 16, row blocks of 3 + 2
+    (2, 16, 2, 2, 16, 32, 1280, jnp.float32, 64, None, None),       # G 1, NB 40 < block_n
+]
+
+
+@pytest.mark.parametrize("case", range(len(COMPRESSED_CASES)))
+def test_nsa_compressed_pallas(case):
+    B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile = COMPRESSED_CASES[case]
+    rng = np.random.default_rng(100 + case)
+    NB = slots // bs
+    q = normal(rng, (B, T, Hq, Dh), dtype)
+    k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, NB, Dh), dtype) for _ in range(2))
+    q_pos = positions(rng, B, T, slots, bs)
+    scale = Dh ** -0.5
+    ref = nsa_compressed_reference(q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, block_size=bs, scale=scale)
+    seen = (np.asarray(q_pos).max(axis=1) + 1) // bs - 1                   # last block any row sees
+    extra = {} if max_tile is None else {"max_tile": max_tile}
+    kernel = jax.jit(functools.partial(nsa_compressed_pallas, block_size=bs, scale=scale, interpret=True,
+                                       block_n=block_n, n_splits=n_splits, **extra))
+    o, w = kernel(q, poisoned(k_cmp, seen), poisoned(v_cmp, seen), jnp.int32(LAYER), q_pos)
+    assert o.dtype == dtype and w.dtype == jnp.float32
+    assert_close(o, ref[0], TOL[dtype], "o_cmp")
+    assert_close(w, ref[1], TOL[dtype], "weights")
+    invisible = (np.arange(NB) + 1) * bs - 1 > np.asarray(q_pos)[:, :, None, None]
+    assert (np.asarray(w)[np.broadcast_to(invisible, w.shape)] == 0).all()
+
+
+def block_indices(rng, q_pos, Hkv, NB, NS, bs):
+    """[B, T, Hkv, NS]: distinct blocks, mostly at or before the row's own block, some past it (fully
+    masked), about a quarter -1; one row selects nothing."""
+    B, T = q_pos.shape
+    idx = np.empty((B, T, Hkv, NS), np.int32)
+    for b, t, h in np.ndindex(B, T, Hkv):
+        own = int(q_pos[b, t]) // bs
+        pool = rng.permutation(np.arange(own + 1))[:NS]
+        later = rng.permutation(np.arange(own + 1, NB))
+        picks = np.concatenate([pool, later])[:NS] if len(pool) < NS else pool
+        picks = np.pad(picks, (0, NS - len(picks)), constant_values=-1)
+        idx[b, t, h] = np.where(rng.uniform(size=NS) < 0.25, -1, picks)
+    idx[-1, -1, 0] = -1
+    return jnp.asarray(idx)
+
+
+SELECTED_CASES = [
+    # (B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype)
+    (2, 5, 4, 2, 32, 16, 256, 4, 40, jnp.float32),
+    (3, 1, 32, 2, 64, 32, 512, 3, 0, jnp.bfloat16),                  # NSA-1B heads
+    (1, 16, 3, 1, 16, 16, 320, 5, 100, jnp.float32),                # G 3, window > block_w
+    (2, 5, 2, 2, 32, 64, 512, 2, 16, jnp.bfloat16),                 # G 1
+]
+
+
+@pytest.mark.parametrize("case", range(len(SELECTED_CASES)))
+def test_nsa_selected_pallas(case):
+    B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype = SELECTED_CASES[case]
+    rng = np.random.default_rng(200 + case)
+    q, o_cmp = (normal(rng, (B, T, Hq, Dh), dtype) for _ in range(2))
+    k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), dtype) for _ in range(2))
+    gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), dtype)
+    q_pos = positions(rng, B, T, slots, bs)
+    idx = block_indices(rng, np.asarray(q_pos), Hkv, slots // bs, NS, bs)
+    scale = Dh ** -0.5
+    args = dict(block_size=bs, window=window, scale=scale)
+    ref = nsa_selected_reference(q, k_cache, v_cache, jnp.int32(LAYER), q_pos, idx, o_cmp, gates, **args)
+    last = np.asarray(q_pos).max(axis=1)
+    kernel = jax.jit(functools.partial(nsa_selected_pallas, interpret=True, **args))
+    got = kernel(q, poisoned(k_cache, last), poisoned(v_cache, last), jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
+    assert got.dtype == dtype
+    assert_close(got, ref, TOL[dtype], "nsa output")
+
+
+@pytest.mark.parametrize("rule, bs, NB, S", [("exact", 16, 40, 6), ("nsa1b", 8, 40, 6), ("nsa1b", 4, 64, 3)])
+def test_select_blocks_radix_topk(rule, bs, NB, S):
+    """The Pallas path's radix select picks the same blocks as lax.top_k (order aside)."""
+    rng = np.random.default_rng(300 + NB + S)
+    weights = random_weights(rng, 2, 5, 2, NB)
+    q_pos = positions(rng, 2, 5, NB * bs, bs)
+    select = functools.partial(select_blocks, block_size=bs, block_counts=S, rule=rule)
+    want = select(weights, q_pos, topk=lax.top_k)
+    got = jax.jit(lambda w, p: select(w, p, topk=functools.partial(radix_topk, interpret=True)))(weights, q_pos)
+    np.testing.assert_array_equal(sorted_idx(got), sorted_idx(want))
+
+
+def test_radix_topk_values():
+    rng = np.random.default_rng(310)
+    scores = jnp.asarray(rng.standard_normal((3, 50)), jnp.float32).at[0, 7].set(jnp.inf).at[1].set(-jnp.inf)
+    vals, idx = jax.jit(lambda s: radix_topk(s, 5, interpret=True))(scores)
+    np.testing.assert_array_equal(vals, jnp.take_along_axis(scores, idx, axis=-1))
+    np.testing.assert_array_equal(np.sort(vals, axis=-1), np.sort(lax.top_k(scores, 5)[0], axis=-1))
+
+
+# ---------------------------------------------------------------- the backend switch
+
+def test_backend_switch_nsa():
+    """backend "pallas" runs the kernels and the radix select (interpret mode here); T > 16 rows
+    take the reference (bit-equal). Both backends' selected branch gets the same block list."""
+    rng = np.random.default_rng(400)
+    B, Hq, Hkv, Dh, bs, slots = 2, 4, 2, 16, 16, 256
+    k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), jnp.float32) for _ in range(2))
+    k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, slots // bs, Dh), jnp.float32) for _ in range(2))
+
+    @functools.partial(jax.jit, static_argnames="backend")
+    def nsa(q, q_pos, gates, idx, backend):
+        o_cmp, w, own_idx = pallas_kernels.nsa_compressed_attention(
+            q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, block_counts=4, rule="nsa1b", scale=0.25,
+            backend=backend)
+        out = pallas_kernels.nsa_selected_attention(q, k_cache, v_cache, LAYER, q_pos, idx, o_cmp, gates,
+                                                    block_size=bs, window=32, scale=0.25, backend=backend)
+        return o_cmp, w, own_idx, out
+
+    for T in (3, 20):
+        q = normal(rng, (B, T, Hq, Dh), jnp.float32)
+        gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), jnp.float32)
+        q_pos = positions(rng, B, T, slots, bs)
+        idx = select_blocks(nsa_compressed_reference(q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, scale=0.25)[1],
+                            q_pos, block_size=bs, block_counts=4, rule="nsa1b")
+        want = nsa(q, q_pos, gates, idx, "reference")
+        got = nsa(q, q_pos, gates, idx, "pallas")
+        np.testing.assert_array_equal(sorted_idx(got[2]), sorted_idx(want[2]), err_msg=f"T={T} idx")
+        for name, g, w in zip(("o_cmp", "weights", "out"), got[:2] + got[3:], want[:2] + want[3:]):
+            if T > 16:
+                np.testing.assert_array_equal(g, w, err_msg=f"T={T} {name}")
+            else:
+                assert_close(g, w, 1e-5, f"T={T} {name}")

@@ -1,0 +1,143 @@
+"""NSA targets in the engine (DESIGN.md sections 2-4): cached decoding equals a full forward, verifying
+T rows equals T decode steps (blocks completing inside the window, rejected rows overwritten), batched
+rows equal rows alone, and every method's greedy output equals plain greedy decoding.
+
+A random NSA model with blocks of 16 tokens, 4 selected blocks and a 32-token window over prompts of
+up to 700 tokens (44 blocks): selection drops most blocks, and the nsa1b rule differs from exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decoding.spec import METHODS, SpecConfig
+import pallas_kernels as kernels
+from jaxspec.models import decoder, nsa
+from jaxspec.models.config import ModelConfig, NSAConfig
+from jaxspec.models.kvcache import init_cache
+from jaxspec.runner import Batch
+from test_engine import Case, generate, prefilled
+
+SPEC_METHODS = [m for m in METHODS if m != "plain"]
+
+
+def nsa_config(rule: str = "nsa1b") -> ModelConfig:
+    return ModelConfig(
+        model_type="llama-nsa", vocab_size=512, hidden_size=128, num_layers=3, num_heads=8, num_kv_heads=2,
+        head_dim=32, intermediate_size=256, max_position_embeddings=2048, dtype="float32",
+        nsa=NSAConfig(block_size=16, block_counts=4, window_size=32, topk_rule=rule),
+    )
+
+
+def random_ids(lengths, vocab, seed):
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(0, vocab, n)
+    return Batch(ids, np.asarray(lengths, np.int32))
+
+
+@pytest.fixture(scope="module")
+def nsa_case():
+    cfg = nsa_config()
+    params = decoder.init_params(cfg, jax.random.key(5), scale=0.08)
+    return Case(cfg, params, random_ids([700, 37, 300], cfg.vocab_size, 12), max_new=40)
+
+
+def step_fn(params, cfg):
+    """One jitted forward of the rows `tokens` [1, T] at `pos` [1, T]: (logits [T, V], cache)."""
+
+    @jax.jit
+    def step(cache, tokens, pos):
+        attend = decoder.attention(cfg, pos, "reference")
+        hidden, cache, _ = decoder.forward(params, cfg, tokens, pos, jnp.ones(tokens.shape, bool), cache, attend)
+        return decoder.logits(params, cfg, hidden)[0], cache
+
+    return step
+
+
+@pytest.mark.parametrize("rule", ["nsa1b", "exact"])
+def test_cached_decoding_equals_full_forward(rule):
+    """One-token cached steps reproduce a full forward at every position (each its own selection)."""
+    cfg = nsa_config(rule)
+    params = decoder.init_params(cfg, jax.random.key(1), scale=0.08)
+    n = 300
+    tokens = jnp.asarray(random_ids([n], cfg.vocab_size, 2).ids)
+    full = np.asarray(decoder.score(params, cfg, tokens))[0]
+    step, cache = step_fn(params, cfg), init_cache(cfg, 1, n)
+    for t in range(n):
+        got, cache = step(cache, tokens[:, t : t + 1], jnp.array([[t]], jnp.int32))
+        np.testing.assert_allclose(np.asarray(got)[0], full[t], rtol=1e-4, atol=1e-4 * np.abs(full[t]).max())
+
+
+def test_verification_equals_decode_steps_across_a_block_end():
+    """T = 9 rows from position 251 (block 15 completes at row 4) equal 9 one-token steps, after a
+    pass whose last rows were rejected drafts (different tokens written at the same positions)."""
+    cfg = nsa_config()
+    params = decoder.init_params(cfg, jax.random.key(3), scale=0.08)
+    start, T = 251, 9
+    tokens = jnp.asarray(random_ids([start + T], cfg.vocab_size, 4).ids)
+    step = step_fn(params, cfg)
+    cache = init_cache(cfg, 1, 512)
+    _, cache = step(cache, tokens[:, :start], jnp.arange(start, dtype=jnp.int32)[None])
+    # A rejected verification: rows 251..259 with other tokens, then only 251 and 252 committed.
+    wrong = (tokens[:, start : start + T] + 7) % cfg.vocab_size
+    _, rejected = step(cache, wrong, start + jnp.arange(T, dtype=jnp.int32)[None])
+    _, rejected = step(rejected, tokens[:, start : start + 2], start + jnp.arange(2, dtype=jnp.int32)[None])
+    pos = start + jnp.arange(T, dtype=jnp.int32)[None]
+    verified, after = step(rejected, tokens[:, start + 2 :][:, : T - 2], pos[:, 2:])
+
+    single = cache
+    for t in range(T):
+        logits, single = step(single, tokens[:, start + t : start + t + 1], pos[:, t : t + 1])
+        if t >= 2:
+            np.testing.assert_allclose(np.asarray(verified[t - 2]), np.asarray(logits[0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(after.k_cmp), np.asarray(single.k_cmp), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma", (1, 5))
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_greedy_lossless_nsa(nsa_case, method, gamma):
+    out, stats = nsa_case.run(SpecConfig(method=method, gamma=gamma, min_tokens=32))
+    assert out == nsa_case.plain
+    assert stats.iterations.sum() > 0
+
+
+@pytest.mark.parametrize("reduce_rows", [True, False])
+def test_collected_scores_are_block_weights(reduce_rows):
+    """Score drafters on NSA read the verify rows' compressed block weights, per slot: the block's
+    weight (mean over query heads) for complete visible blocks, 1 for the own unfinished block's
+    slots up to the row, nothing (-inf after the reduction) past the row."""
+    rng = np.random.default_rng(int(reduce_rows))
+    B, T, Hkv, G, bs, NB = 2, 5, 2, 3, 16, 8
+    weights = jnp.asarray(rng.random((B, T, Hkv, NB)), jnp.float32)
+    q_pos = jnp.asarray([[37, 38, 39, 40, 41], [47, 48, 49, 50, 51]], jnp.int32)
+    collect = kernels.Collect(rows=(0, 4), metric="weight", reduce_rows=reduce_rows)
+    got = np.asarray(nsa.collected_scores(weights, q_pos, collect, G, NB * bs))
+    expected = np.zeros((B, 2, NB * bs))
+    for b in range(B):
+        for r, t in enumerate(collect.rows):
+            p = int(q_pos[b, t])
+            for j in range(p + 1):
+                c = j // bs
+                complete = (c + 1) * bs - 1 <= p
+                expected[b, r, j] = float(weights[b, t, :, c].mean()) / G if complete else 1.0
+    if reduce_rows:
+        expected = expected.mean(axis=1)
+        expected[np.arange(NB * bs)[None, :] > np.asarray(q_pos[:, :1])] = -np.inf
+    else:
+        expected[np.arange(NB * bs)[None, None, :] > np.asarray(q_pos[:, [0, 4]])[..., None]] = -np.inf
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_batched_rows_equal_rows_alone(nsa_case):
+    case = nsa_case
+    for b in range(len(case.batch.lengths)):
+        n = case.batch.lengths[b]
+        single = Batch(case.batch.ids[b : b + 1, :n], case.batch.lengths[b : b + 1])
+        cache = prefilled(case.params, case.cfg, single, case.max_len)
+        out, _ = generate(case.params, case.cfg, single, cache, SpecConfig(), case.max_len, case.max_new)
+        assert out[0] == case.plain[b]
