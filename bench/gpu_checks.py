@@ -1,11 +1,11 @@
 """Engine losslessness with the Pallas backend on the GPU (teacher-forced, bf16).
 
-    PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|smollm2|PATH] [--context N] [--new N] [--tiny] [--out DIR]
+    PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|smollm2|PATH] [--context N] [--new N] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
-to bf16 near-ties between the top two logits (DESIGN.md section 3). Qwen3-8B shapes use random
-weights and a prompt of random tokens; SmolLM2 uses a real long prompt. Writes DIR/gpu_checks_<model>.json.
+to bf16 near-ties between the top two logits (DESIGN.md section 3). Qwen3-8B and NSA-1B shapes
+(bench/nsa.py's, NSA kernels included) use random weights and a prompt of random tokens; SmolLM2 uses a real long prompt. Writes DIR/gpu_checks_<model>.json.
 """
 
 from __future__ import annotations
@@ -48,14 +48,16 @@ def main():
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
+    p.add_argument("--backend", default="pallas", help="pallas, or reference to tell kernel errors from bf16 effects")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
-    backend = "pallas"
-    if args.model == "qwen3-8b":
+    backend = args.backend
+    if args.model in ("qwen3-8b", "nsa-1b"):
         from bench.decode import TINY_CFG
+        from bench.nsa import NSA_1B, TINY_1B
 
-        cfg = TINY_CFG if args.tiny else common.QWEN3_8B
+        cfg = {"qwen3-8b": (common.QWEN3_8B, TINY_CFG), "nsa-1b": (NSA_1B, TINY_1B)}[args.model][args.tiny]
         params = decoder.init_params(cfg, jax.random.key(0), scale=0.05)
         ids, lengths = common.random_prompts(cfg, 2, args.context)
         lengths[1] = args.context - 1000 if args.context > 2000 else args.context // 2
@@ -68,7 +70,7 @@ def main():
         batch = encode_prompts(tokenizer, prompts, chat=True)
     max_len = int(batch.lengths.max()) + args.new
     cache = prefill_fn(cfg, max_len, backend, 256)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
-    result = common.run_info() | {"model": args.model, "prompt_tokens": batch.lengths.tolist(), "rows": []}
+    result = common.run_info() | {"model": args.model, "backend": backend, "prompt_tokens": batch.lengths.tolist(), "rows": []}
     for method in args.methods:
         spec = SpecConfig(method=method, gamma=6, ratio=0.07, min_tokens=64, backend=backend)
         run = run_generation(params, cfg, batch, spec=spec, sampling=SamplingConfig(), max_len=max_len,
@@ -80,7 +82,7 @@ def main():
         result["rows"].append(row)
     common.write_json(args.out / f"gpu_checks_{Path(args.model).stem}.json", result)
     ok = all(r["all_within_near_tie"] for r in result["rows"])
-    print(("PASS" if ok else "FAIL") + f": teacher-forced check, {args.model}, pallas backend")
+    print(("PASS" if ok else "FAIL") + f": teacher-forced check, {args.model}, {backend} backend")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,13 @@ def select_topk(scores, k_max: int, k, *, backend: str = "reference"):
     return select_topk_reference(scores, k_max, k)
 
 
+def _nsa_pallas(backend: str, head_dim: int, block_size: int) -> bool:
+    """The NSA Pallas kernels tile head_dim and block_size (powers of two >= 16, as NSA-1B's and
+    every NSA shape here); other shapes run the reference on any backend."""
+    fits = all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_size))
+    return _is_pallas(backend) and fits
+
+
 def nsa_compressed_attention(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, block_counts: int, rule: str,
                              scale: float, backend: str = "reference"):
     """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp
@@ -76,7 +83,7 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, 
     int32 (-1: none). The Pallas kernels cover T <= 16 (larger T run the reference); the Pallas
     backend ranks the blocks with the radix select."""
     topk = None
-    if _is_pallas(backend):
+    if _nsa_pallas(backend, q.shape[-1], block_size):
         o, weights = nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale,
                                            interpret=interpret_default())
         topk = functools.partial(radix_topk, interpret=interpret_default())
@@ -91,7 +98,7 @@ def nsa_selected_attention(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,
     """NSA's selected-block and window branches, gated together with o_cmp: the layer's attention
     output [B, T, Hq, Dh] (q.dtype). idx [B, T, Hkv, S] from `nsa_compressed_attention`, gates
     [B, T, Hq, 3] after the sigmoid. The Pallas kernel covers T <= 16; larger T run the reference."""
-    if _is_pallas(backend):
+    if _nsa_pallas(backend, q.shape[-1], block_size):
         return nsa_selected_pallas(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, block_size=block_size,
                                    window=window, scale=scale, interpret=interpret_default())
     return nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,

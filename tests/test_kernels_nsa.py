@@ -335,3 +335,21 @@ def test_backend_switch_nsa():
                 np.testing.assert_array_equal(g, w, err_msg=f"T={T} {name}")
             else:
                 assert_close(g, w, 1e-5, f"T={T} {name}")
+
+
+def test_small_blocks_run_the_reference_on_the_pallas_backend():
+    """block_size 8 (allowed by the config, below the kernels' tile) gives the reference's result."""
+    rng = np.random.default_rng(401)
+    B, T, Hq, Hkv, Dh, bs, slots = 1, 2, 4, 2, 16, 8, 128
+    k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), jnp.float32) for _ in range(2))
+    k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, slots // bs, Dh), jnp.float32) for _ in range(2))
+    q = normal(rng, (B, T, Hq, Dh), jnp.float32)
+    gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), jnp.float32)
+    q_pos = jnp.asarray([[100, 101]], jnp.int32)
+    outs = {}
+    for backend in ("reference", "pallas"):
+        o_cmp, _, idx = pallas_kernels.nsa_compressed_attention(
+            q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, block_counts=3, rule="exact", scale=0.25, backend=backend)
+        outs[backend] = pallas_kernels.nsa_selected_attention(
+            q, k_cache, v_cache, LAYER, q_pos, idx, o_cmp, gates, block_size=bs, window=16, scale=0.25, backend=backend)
+    np.testing.assert_array_equal(outs["pallas"], outs["reference"])
