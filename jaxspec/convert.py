@@ -38,16 +38,7 @@ def convert(src: str, dst: Path, dtype: str = "bfloat16", force: bool = False) -
     if not dst.parent.is_dir():
         raise JaxspecError(f"parent directory {dst.parent} does not exist")
     cfg, params, tokenizer = load_model(src, dtype)
-    tmp = _sibling(dst, "tmp")
-    try:
-        try:
-            orbax.save(tmp, cfg, params, tokenizer)
-        except OSError as e:
-            raise JaxspecError(f"cannot write {dst}: {e}") from None
-        _replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_atomically(dst, lambda tmp: orbax.save(tmp, cfg, params, tokenizer))
     count = sum(x.size for x in jax.tree.leaves(params))
     return f"wrote {dst} ({cfg.model_type}, {count / 1e6:.1f}M params, {dtype}) from {src}"
 
@@ -120,17 +111,12 @@ def convert_to_nsa(
     nsa_cfg_model, nsa_params = nsa_convert.to_nsa(cfg, params, nsa_cfg, g_proj)
     nsa_cfg_model = nsa_cfg_model.replace(dtype=dtype)
     nsa_params = jax.tree.map(lambda x: x.astype(dtype), nsa_params)
-    tmp = _sibling(dst, "tmp")
-    try:
-        try:
-            nsa_convert.write_hf(tmp, nsa_cfg_model, nsa_params, tokenizer)
-            nsa_convert.save_gates(tmp / nsa_convert.GATES_FILE, g_proj, info)
-        except OSError as e:
-            raise JaxspecError(f"cannot write {dst}: {e}") from None
-        _replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    def write(tmp: Path) -> None:
+        nsa_convert.write_hf(tmp, nsa_cfg_model, nsa_params, tokenizer)
+        nsa_convert.save_gates(tmp / nsa_convert.GATES_FILE, g_proj, info)
+
+    _write_atomically(dst, write)
     count = sum(x.size for x in jax.tree.leaves(nsa_params))
     how = f"gates fitted in {fit_steps} steps" if fit_steps else f"gates from {path}"
     return f"wrote {dst} (llama-nsa, {count / 1e6:.1f}M params, {dtype}, {how}) from {src}"
@@ -179,6 +165,21 @@ def _fit(cfg, params, tokenizer, src, nsa_cfg, steps, tokens, batch, micro_batch
         },
     }
     return g_proj, info
+
+
+def _write_atomically(dst: Path, write) -> None:
+    """Runs write(tmp) on a new directory beside dst, then renames it to dst; on any failure the
+    temporary directory is removed and dst is left as it was."""
+    tmp = _sibling(dst, "tmp")
+    try:
+        try:
+            write(tmp)
+        except OSError as e:
+            raise JaxspecError(f"cannot write {dst}: {e}") from None
+        _replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _sibling(dst: Path, kind: str) -> Path:

@@ -174,7 +174,11 @@ def test_generate_inside_a_users_jit(qwen3_case):
 
 
 def test_batched_rows_equal_rows_alone(smollm2_batch):
-    case = smollm2_batch
+    assert_rows_alone_equal_batched(smollm2_batch)
+
+
+def assert_rows_alone_equal_batched(case: Case) -> None:
+    """Each row generated alone (own prefill, plain greedy) equals its row of the batched run."""
     for b in range(len(case.batch.lengths)):
         n = case.batch.lengths[b]
         single = Batch(case.batch.ids[b : b + 1, :n], case.batch.lengths[b : b + 1])

@@ -19,7 +19,7 @@ from jaxspec.models import decoder, nsa
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.models.kvcache import init_cache
 from jaxspec.runner import Batch
-from test_engine import Case, generate, prefilled
+from test_engine import Case, assert_rows_alone_equal_batched, generate, prefilled
 
 SPEC_METHODS = [m for m in METHODS if m != "plain"]
 
@@ -134,13 +134,7 @@ def test_collected_scores_are_block_weights(reduce_rows):
 
 
 def test_batched_rows_equal_rows_alone(nsa_case):
-    case = nsa_case
-    for b in range(len(case.batch.lengths)):
-        n = case.batch.lengths[b]
-        single = Batch(case.batch.ids[b : b + 1, :n], case.batch.lengths[b : b + 1])
-        cache = prefilled(case.params, case.cfg, single, case.max_len)
-        out, _ = generate(case.params, case.cfg, single, cache, SpecConfig(), case.max_len, case.max_new)
-        assert out[0] == case.plain[b]
+    assert_rows_alone_equal_batched(nsa_case)
 
 
 def test_real_nsa_smollm2_teacher_forced_bf16():
