@@ -1,0 +1,217 @@
+"""Static draft trees and their exact acceptance (DESIGN.md section 4b).
+
+A tree's shape is its branching per depth, b_1..b_D: the root (the pending token, verify row 0) has b_1
+children, each of those b_2, and so on; a chain of gamma drafts is the tree (1, ..., 1). Nodes are
+flattened in BFS or DFS order after the root, and parent, depth, children and the ancestor mask are
+NumPy constants (the shape is a static jit key; the tokens that fill it are traced).
+
+Acceptance walks the tree from the root. Greedy: move to the child whose token is the target argmax,
+else emit the argmax and stop. Sampling: recursive rejection sampling over the node's children in
+their order (Jeon et al. 2024; SpecInfer's multi-step speculative sampling): with residual r = p and
+q_i the distribution the i-th child was drawn from (the drafter's q with the earlier siblings removed
+and renormalised: children are drawn without replacement; one-hot for model-free drafters), accept
+child i with probability min(1, r(x_i) / q_i(x_i)), else r <- norm(max(r - q_i, 0)) and try the next;
+when every child is rejected, emit a draw from r and stop; at a leaf, emit a draw from p (the bonus).
+Each emitted token is then distributed exactly as the target's p given its prefix; with one child
+per node this is the chain's speculative sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decoding.sampling import SamplingConfig, draw, process_logits
+from jaxspec.errors import JaxspecError
+
+MAX_TREE_ROWS = 64  # verified rows per sequence: the pending token + every node
+ORDERS = ("bfs", "dfs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """branching (b_1, ..., b_D) and the flattening order; row 0 is the root, rows 1..N the nodes."""
+
+    branching: tuple[int, ...]
+    order: str = "bfs"
+
+    def __post_init__(self):
+        object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
+        if not self.branching or min(self.branching) < 1:
+            raise JaxspecError(f"a tree needs at least one depth and every branching >= 1, got {self.branching}")
+        if self.order not in ORDERS:
+            raise JaxspecError(f"--traversal must be bfs or dfs, got {self.order!r}")
+        if self.rows > MAX_TREE_ROWS:
+            raise JaxspecError(
+                f"tree {','.join(map(str, self.branching))} verifies {self.rows} rows; at most {MAX_TREE_ROWS}"
+            )
+
+    @classmethod
+    def parse(cls, text: str, order: str = "bfs") -> TreeShape:
+        """'4,2,1,1' -> TreeShape((4, 2, 1, 1))."""
+        try:
+            branching = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            raise JaxspecError(f"--tree must be comma-separated integers such as 4,2,1,1, got {text!r}") from None
+        return cls(branching, order)
+
+    @classmethod
+    def chain(cls, gamma: int) -> TreeShape:
+        return cls((1,) * gamma)
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching)
+
+    @property
+    def rows(self) -> int:
+        """Verified rows: the root plus sum over depths of the product of the branchings so far."""
+        return 1 + int(sum(np.cumprod(self.branching)))
+
+    @property
+    def max_branching(self) -> int:
+        return max(self.branching)
+
+    @functools.cached_property
+    def parent(self) -> np.ndarray:
+        """[rows] int32: each row's parent row (-1 for the root)."""
+        return self._layout[0]
+
+    @functools.cached_property
+    def node_depth(self) -> np.ndarray:
+        """[rows] int32: 0 for the root, d for the drafts of depth d."""
+        return self._layout[1]
+
+    @functools.cached_property
+    def children(self) -> np.ndarray:
+        """[rows, max_branching] int32: each row's child rows in sibling order (-1: none)."""
+        kids = np.full((self.rows, self.max_branching), -1, np.int32)
+        count = np.zeros(self.rows, np.int32)
+        for row in range(1, self.rows):
+            p = self.parent[row]
+            kids[p, count[p]] = row
+            count[p] += 1
+        return kids
+
+    @functools.cached_property
+    def ancestors(self) -> np.ndarray:
+        """[rows, rows] bool: row i may attend row j iff j is i or one of its ancestors."""
+        mask = np.eye(self.rows, dtype=bool)
+        for row in range(1, self.rows):
+            mask[row] |= mask[self.parent[row]]
+        return mask
+
+    @functools.cached_property
+    def _layout(self) -> tuple[np.ndarray, np.ndarray]:
+        """(parent, depth) of every row in the chosen order; siblings keep their rank order."""
+        if self.order == "bfs":
+            parent, depth, level = [-1], [0], [0]
+            for d, b in enumerate(self.branching, start=1):
+                nxt = []
+                for p in level:
+                    for _ in range(b):
+                        nxt.append(len(parent))
+                        parent.append(p)
+                        depth.append(d)
+                level = nxt
+        else:
+            parent, depth = [-1], [0]
+
+            def visit(row: int, d: int) -> None:
+                if d == self.depth:
+                    return
+                for _ in range(self.branching[d]):
+                    child = len(parent)
+                    parent.append(row)
+                    depth.append(d + 1)
+                    visit(child, d + 1)
+
+            visit(0, 0)
+        return np.asarray(parent, np.int32), np.asarray(depth, np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("tree", "cfg"))
+def tree_accept(
+    key: jax.Array,
+    tree: TreeShape,
+    tokens: jax.Array,
+    draft_probs: jax.Array | None,
+    target_logits: jax.Array,
+    cfg: SamplingConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Verifies a drafted tree against the target.
+
+    tokens [B, rows] int32: each row's draft token (row 0, the pending token, is not read);
+    draft_probs [B, rows, V] float32: at each row, the processed draft distribution its children were
+    drawn from (None: one-hot candidates, as for model-free drafters; ignored when greedy);
+    target_logits [B, rows, V]: raw target logits at every row.
+    Returns (num_accepted [B] int32 in [0, D], path [B, D + 1] int32: the rows of the accepted path,
+    root first (entries past num_accepted are the root and unspecified), emitted [B, D + 1] int32: the
+    accepted drafts then the recovered or bonus token; entries past num_accepted are unspecified).
+    """
+    B = tokens.shape[0]
+    D, K = tree.depth, tree.max_branching
+    children = jnp.asarray(tree.children)
+    rows = jnp.arange(B)
+    at = lambda x, r: x[rows, r]  # [B, rows, ...] at row r [B]
+    cur = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)  # every node so far accepted
+    num_accepted = jnp.zeros((B,), jnp.int32)
+    path = jnp.zeros((B, D + 1), jnp.int32)
+    emitted = jnp.zeros((B, D + 1), jnp.int32)
+    if cfg.greedy:
+        for d in range(D):
+            target = jnp.argmax(at(target_logits, cur), axis=-1).astype(jnp.int32)
+            kids = children[cur]  # [B, K]
+            match = (kids >= 0) & (tokens[rows[:, None], jnp.maximum(kids, 0)] == target[:, None])
+            emitted = emitted.at[:, d].set(jnp.where(alive, target, emitted[:, d]))
+            step = alive & match.any(axis=1)
+            cur = jnp.where(step, kids[rows, jnp.argmax(match, axis=1)], cur)
+            path = path.at[:, d + 1].set(cur)
+            num_accepted += step
+            alive = step
+        bonus = jnp.argmax(at(target_logits, cur), axis=-1).astype(jnp.int32)
+        emitted = emitted.at[:, D].set(jnp.where(alive, bonus, emitted[:, D]))
+        return num_accepted, path, emitted
+
+    keys = jax.random.split(key, D * K + 1)
+    final = jnp.zeros(target_logits.shape[::2], jnp.float32)  # [B, V]: the last token's distribution
+    for d in range(D):
+        resid = process_logits(at(target_logits, cur), cfg)
+        q = None if draft_probs is None else at(draft_probs, cur)
+        kids = children[cur]
+        chosen = jnp.full((B,), -1, jnp.int32)
+        for i in range(K):
+            kid = kids[:, i]
+            trying = alive & (chosen < 0) & (kid >= 0)
+            x = at(tokens, jnp.maximum(kid, 0))
+            q_i = jax.nn.one_hot(x, resid.shape[-1], dtype=jnp.float32) if q is None else q / jnp.maximum(
+                jnp.sum(q, axis=-1, keepdims=True), 1e-30)
+            p_x, q_x = resid[rows, x], q_i[rows, x]
+            u = jax.random.uniform(keys[d * K + i], (B,))
+            accept = trying & (u * q_x < p_x)  # u < p/q without dividing: q(x) = 0 accepts iff p(x) > 0
+            chosen = jnp.where(accept, kid, chosen)
+            rejected = trying & ~accept
+            new_resid = jnp.maximum(resid - q_i, 0.0)
+            mass = jnp.sum(new_resid, axis=-1, keepdims=True)
+            # Zero residual mass has probability 0 in exact arithmetic; keep r rather than drawing token 0.
+            new_resid = jnp.where(mass > 0, new_resid / jnp.where(mass > 0, mass, 1.0), resid)
+            resid = jnp.where(rejected[:, None], new_resid, resid)
+            if q is not None:  # the next sibling was drawn without replacement: x is out of its q
+                q = jnp.where(rejected[:, None] & (jnp.arange(q.shape[-1]) == x[:, None]), 0.0, q)
+        stop = alive & (chosen < 0)
+        final = jnp.where(stop[:, None], resid, final)
+        step = alive & (chosen >= 0)
+        emitted = emitted.at[:, d].set(jnp.where(step, at(tokens, jnp.maximum(chosen, 0)), emitted[:, d]))
+        cur = jnp.where(step, chosen, cur)
+        path = path.at[:, d + 1].set(cur)
+        num_accepted += step
+        alive = step
+    final = jnp.where(alive[:, None], process_logits(at(target_logits, cur), cfg), final)
+    last = draw(keys[-1], final)
+    emitted = jnp.where(jnp.arange(D + 1) == num_accepted[:, None], last[:, None], emitted)
+    return num_accepted, path, emitted

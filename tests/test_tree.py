@@ -1,0 +1,160 @@
+"""Draft trees (DESIGN.md section 4b): static layouts, and tree acceptance that keeps the target's
+distribution exactly (chi-square of the first three emitted tokens against the exact joint, with
+drafted and one-hot candidates, BFS and DFS), follows the argmax when greedy, and is the chain's
+speculative sampling for one child per node.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec.decoding.rejection import rejection_sample
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.tree import TreeShape, tree_accept
+from jaxspec.errors import JaxspecError
+
+SAMPLE = SamplingConfig(temperature=1.0)
+GREEDY = SamplingConfig()
+
+
+def test_layouts():
+    bfs, dfs = TreeShape((2, 2)), TreeShape((2, 2), "dfs")
+    assert bfs.rows == dfs.rows == 7 and TreeShape.parse("4,2,1,1").rows == 1 + 4 + 8 + 8 + 8
+    np.testing.assert_array_equal(bfs.parent, [-1, 0, 0, 1, 1, 2, 2])
+    np.testing.assert_array_equal(bfs.node_depth, [0, 1, 1, 2, 2, 2, 2])
+    np.testing.assert_array_equal(dfs.parent, [-1, 0, 1, 1, 0, 4, 4])
+    np.testing.assert_array_equal(dfs.node_depth, [0, 1, 2, 2, 1, 2, 2])
+    np.testing.assert_array_equal(dfs.children[:2], [[1, 4], [2, 3]])
+    assert dfs.ancestors[6].tolist() == [True, False, False, False, True, False, True]
+    for tree in (bfs, dfs, TreeShape((3, 1, 2), "dfs")):
+        for row in range(tree.rows):  # ancestors = the parent chain, each row's depth = its chain length
+            chain, r = {row}, row
+            while tree.parent[r] >= 0:
+                r = tree.parent[r]
+                chain.add(r)
+            assert set(np.flatnonzero(tree.ancestors[row])) == chain
+            assert tree.node_depth[row] == len(chain) - 1
+
+
+@pytest.mark.parametrize("text", ["4,0", "a,b", "8,8", ""])
+def test_bad_shapes_are_one_line_errors(text):
+    with pytest.raises(JaxspecError):
+        TreeShape.parse(text)
+
+
+def random_problem(rng, tree: TreeShape, batch: int, V: int, one_hot: bool):
+    """Targets and draft distributions that depend only on each row's token path (as a model's do),
+    children drawn without replacement from the parent's q (Gumbel top-k), or deterministic distinct
+    candidates when one_hot. Returns tokens, draft probs (or None), target logits and the path tables."""
+    D = tree.depth
+    target_tables = [rng.normal(size=(V,) * (d + 1)) * 1.5 for d in range(D + 1)]  # logits given a path of d tokens
+    draft_tables = [np.exp(t) / np.exp(t).sum(-1, keepdims=True) for t in
+                    (rng.normal(size=(V,) * (d + 1)) * 1.5 for d in range(D))]
+    tokens = np.zeros((batch, tree.rows), np.int32)
+    paths = [np.zeros((batch, 0), np.int32)] + [None] * (tree.rows - 1)
+    logits = np.zeros((batch, tree.rows, V), np.float32)
+    probs = np.zeros((batch, tree.rows, V), np.float32)
+    for row in range(tree.rows):  # parents precede children in either order
+        path = paths[row]
+        logits[:, row] = at_paths(target_tables, path)
+        kids = tree.children[row][tree.children[row] >= 0]
+        if not len(kids):
+            continue
+        q = at_paths(draft_tables, path)
+        probs[:, row] = q
+        scores = np.log(q) + (0.0 if one_hot else rng.gumbel(size=q.shape))
+        order = np.argsort(-scores, axis=1)[:, : len(kids)]
+        for i, kid in enumerate(kids):
+            tokens[:, kid] = order[:, i]
+            paths[kid] = np.concatenate([path, order[:, i : i + 1]], axis=1)
+    return tokens, (None if one_hot else probs), logits, target_tables
+
+
+def at_paths(tables, paths):
+    """tables[d][path] for paths [n, d] of d tokens: [n, V]."""
+    return np.broadcast_to(tables[paths.shape[1]][tuple(paths.T)], (paths.shape[0], tables[0].shape[-1]))
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("shape,order,one_hot", [
+    ((3, 2), "bfs", False), ((2, 2), "dfs", False), ((1, 1), "bfs", False), ((3, 2), "dfs", True),
+])
+def test_emitted_tokens_follow_the_target(shape, order, one_hot):
+    """The first three tokens (completed by direct draws from the target where the tree stopped)
+    follow p(x1) p(x2 | x1) p(x3 | x1 x2): chi-square over V^3 = 64 cells, 30,000 rows."""
+    rng = np.random.default_rng(sum(shape) + len(order) + one_hot)
+    tree, V, rows = TreeShape(shape, order), 4, 30000
+    tokens, probs, logits, tables = random_problem(rng, tree, rows, V, one_hot)
+    num, path, emitted = jax.device_get(tree_accept(
+        jax.random.key(int(rng.integers(1 << 30))), tree, jnp.asarray(tokens),
+        None if probs is None else jnp.asarray(probs), jnp.asarray(logits), SAMPLE))
+    assert num.max() == tree.depth and num.min() == 0
+    # The accepted path's rows hold the emitted drafts.
+    assert all((tokens[np.arange(rows), path[:, d + 1]] == emitted[:, d])[num > d].all() for d in range(tree.depth))
+    seq = np.zeros((rows, 3), np.int64)
+    for j in range(3):
+        have = num >= j if j <= tree.depth else np.zeros(rows, bool)
+        seq[have, j] = emitted[have, j]
+        p = softmax(at_paths(tables, seq[~have, :j]))
+        seq[~have, j] = (p.cumsum(-1) > rng.random((p.shape[0], 1))).argmax(-1)
+    counts = np.bincount(seq @ np.array([V * V, V, 1]), minlength=V**3)
+    p1 = softmax(tables[0])
+    p2 = softmax(tables[1])
+    p3 = softmax(tables[2])
+    expected = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1) * rows
+    keep = expected >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_chain_tree_is_speculative_sampling():
+    """One child per node: the acceptance probabilities and the emitted distribution of today's chain
+    (rejection_sample) — same number accepted on average, same first-token histogram."""
+    rng = np.random.default_rng(5)
+    tree, V, rows = TreeShape.chain(3), 6, 40000
+    tokens, probs, logits, _ = random_problem(rng, tree, rows, V, one_hot=False)
+    key = jax.random.key(1)
+    num_t, _, emitted_t = jax.device_get(tree_accept(key, tree, jnp.asarray(tokens), jnp.asarray(probs),
+                                                     jnp.asarray(logits), SAMPLE))
+    num_c, emitted_c = jax.device_get(rejection_sample(key, jnp.asarray(tokens[:, 1:]), jnp.asarray(probs[:, :3]),
+                                                       jnp.asarray(logits), SAMPLE))
+    table = np.stack([np.bincount(num_t, minlength=4), np.bincount(num_c, minlength=4)])
+    assert stats.chi2_contingency(table).pvalue > 1e-3
+    table = np.stack([np.bincount(emitted_t[:, 0], minlength=V), np.bincount(emitted_c[:, 0], minlength=V)])
+    assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("order", ["bfs", "dfs"])
+def test_greedy_follows_the_argmax(order):
+    """Greedy: the emitted tokens are the target argmax along the path; the path goes through the
+    child holding it; a chain gives exactly the chain's greedy result."""
+    rng = np.random.default_rng(7)
+    tree, V, rows = TreeShape((3, 2, 1), order), 5, 2000
+    tokens, _, logits, _ = random_problem(rng, tree, rows, V, one_hot=True)
+    num, path, emitted = jax.device_get(tree_accept(jax.random.key(0), tree, jnp.asarray(tokens), None,
+                                                    jnp.asarray(logits), GREEDY))
+    argmax = logits.argmax(-1)
+    for b in range(rows):
+        for d in range(num[b] + 1):
+            assert emitted[b, d] == argmax[b, path[b, d]]
+        node = path[b, num[b]]
+        kids = tree.children[node][tree.children[node] >= 0]
+        assert num[b] == tree.depth or argmax[b, node] not in tokens[b, kids]
+    assert 0 < num.mean() < tree.depth
+
+    chain = TreeShape.chain(4)
+    tokens, _, logits, _ = random_problem(rng, chain, rows, V, one_hot=True)
+    num_t, _, emitted_t = tree_accept(jax.random.key(0), chain, jnp.asarray(tokens), None, jnp.asarray(logits), GREEDY)
+    num_c, emitted_c = rejection_sample(jax.random.key(0), jnp.asarray(tokens[:, 1:]), None, jnp.asarray(logits), GREEDY)
+    np.testing.assert_array_equal(num_t, num_c)
+    np.testing.assert_array_equal(np.where(np.arange(5) <= np.asarray(num_c)[:, None], emitted_t, 0),
+                                  np.where(np.arange(5) <= np.asarray(num_c)[:, None], emitted_c, 0))
