@@ -19,13 +19,14 @@ from pallas_kernels.sparse_attention import (
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
 from pallas_kernels.verify_attention import (
     Collect,
+    TreeMask,
     verify_attention_pallas,
     verify_attention_reference,
 )
 
 BACKENDS = ("reference", "pallas")
 
-__all__ = ["BACKENDS", "Collect", "nsa_compressed_attention", "nsa_selected_attention", "select_topk",
+__all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention", "select_topk",
            "sparse_attention", "verify_attention"]
 
 
@@ -36,16 +37,16 @@ def _is_pallas(backend: str) -> bool:
 
 
 def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
-                     collect: Collect | None = None, backend: str = "reference"):
+                     collect: Collect | None = None, tree: TreeMask | None = None, backend: str = "reference"):
     """q [B, T, Hq, Dh] against layer `layer` of the cache [L, B, Hkv, S, Dh]; row (b, t) sees slots
-    <= q_pos[b, t]. Returns out [B, T, Hq, Dh] (q.dtype), lse [B, T, Hq] fp32, and the selection
-    scores asked for by `collect` (None without it). The Pallas kernel covers T <= 16; larger T
-    run the reference."""
+    <= q_pos[b, t] (and, with a draft tree's mask, of the tree's rows only its ancestors). Returns
+    out [B, T, Hq, Dh] (q.dtype), lse [B, T, Hq] fp32, and the selection scores asked for by
+    `collect` (None without it). The Pallas kernel covers T <= 16; larger T run the reference."""
     if _is_pallas(backend):
         return verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, scale=scale,
-                                       collect=collect, interpret=interpret_default())
+                                       collect=collect, tree=tree, interpret=interpret_default())
     return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, scale=scale,
-                                      collect=collect)
+                                      collect=collect, tree=tree)
 
 
 def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_pos, *, scale: float,

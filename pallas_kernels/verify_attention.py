@@ -4,7 +4,9 @@ Returns the attention output, the per-row log-sum-exp, and (optionally) the per-
 that the KV-selection drafters need, collected in the same pass over the cache (DESIGN.md 4, 5.1).
 
 Query (b, t) sees cache slots j <= q_pos[b, t]; the new rows' keys are already in the cache, so this
-is also the causal mask among the new rows.
+is also the causal mask among the new rows. A draft tree (`TreeMask`) narrows that: its rows sit at
+slots first[b] + t, and row t sees a slot j >= first[b] only if row j - first[b] is t or one of its
+ancestors. With a chain's mask (every earlier row an ancestor) that is the causal mask again.
 """
 import dataclasses
 import functools
@@ -61,6 +63,24 @@ class Collect:
         object.__setattr__(self, "rows", rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeMask:
+    """first [B] int32: the slot of row 0 (the root); ancestors [T, T] bool (static, NumPy): row t may
+    see row j iff ancestors[t, j]. Rows are in the tree's flattened order (parents first)."""
+    first: jax.Array
+    ancestors: np.ndarray
+
+    def visible(self, slots, t):
+        """slots [..., S] seen by rows t [...] (the ancestor part only; slots before first: True)."""
+        rel = slots - self.first.reshape(self.first.shape + (1,) * (slots.ndim - 1))
+        anc = jnp.asarray(self.ancestors)[t[..., None], jnp.clip(rel, 0, self.ancestors.shape[1] - 1)]
+        return (rel < 0) | ((rel < self.ancestors.shape[1]) & anc)
+
+    def row_bits(self) -> np.ndarray:
+        """[T] int32: bit j of row t set iff ancestors[t, j] (the kernel's form; T <= 31)."""
+        return (self.ancestors.astype(np.int64) << np.arange(self.ancestors.shape[1])).sum(axis=1).astype(np.int32)
+
+
 def _check(q, k_cache, v_cache, q_pos, collect):
     B, T, Hq, Dh = q.shape
     _, Bk, Hkv, _, Dk = k_cache.shape
@@ -93,7 +113,7 @@ def collected_scores(logits, lse, pos, collect: Collect):
 
 
 def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: float,
-                               collect: Collect | None = None):
+                               collect: Collect | None = None, tree: TreeMask | None = None):
     """Plain jnp: any T. Materialises [B, Hq, T, S] fp32 logits (fine for tests and prefill chunks)."""
     _check(q, k_cache, v_cache, q_pos, collect)
     B, T, Hq, Dh = q.shape
@@ -106,6 +126,10 @@ def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: floa
     logits = jnp.einsum("bktgd,bksd->bktgs", q5, k, precision=precision,
                         preferred_element_type=jnp.float32) * scale
     visible = jnp.arange(S) <= q_pos[:, None, :, None, None]
+    if tree is not None:
+        slots = jnp.broadcast_to(jnp.arange(S), (B, T, S))
+        seen = tree.visible(slots, jnp.broadcast_to(jnp.arange(T), (B, T)))  # [B, T, S]
+        visible = visible & seen[:, None, :, None, :]
     masked = jnp.where(visible, logits, -jnp.inf)
     lse = jax.nn.logsumexp(masked, axis=-1)
     p = jnp.exp(masked - lse[..., None]).astype(v.dtype)
@@ -119,8 +143,8 @@ def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: floa
     return out, jnp.moveaxis(lse, 1, 2).reshape(B, T, Hq), scores
 
 
-def _verify_kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_splits,
-                   rows, n_collect):
+def _verify_kernel(layer_ref, pos_ref, first_ref, bits_ref, q_ref, k_ref, v_ref, *refs, scale, block_k,
+                   n_splits, rows, n_collect, tree):
     """Program (b, kv head h, split): the split's share of the key blocks that any row can see.
 
     With collection, a second small tile of query rows (qc) is multiplied with every key block and
@@ -147,7 +171,12 @@ def _verify_kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, *refs, scale, block_
             plgpu.store(scores_ref.at[b, h, pl.ds(0, qc.shape[0]), pl.ds(start, block_k)],
                         collected.astype(scores_ref.dtype),
                         mask=(jnp.arange(qc.shape[0]) < n_collect)[:, None])
-        visible = start + jnp.arange(block_k)[None, :] <= pos[:, None]
+        slots = start + jnp.arange(block_k)[None, :]
+        visible = slots <= pos[:, None]
+        if tree:  # ancestor bits of each row over the slots from the root on
+            rel = slots - first_ref[...][:, None]
+            bit = (bits_ref[...][:, None] >> jnp.clip(rel, 0, 31)) & 1
+            visible = visible & ((rel < 0) | ((rel < 32) & (bit == 1)))
         return softmax_step(carry, logits, visible, v)
 
     carry = lax.fori_loop(lo, hi, body, init_carry(q.shape[0], q.shape[1]))
@@ -171,8 +200,8 @@ def _collect_tile(q5, collect: Collect):
 
 
 def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
-                            collect: Collect | None = None, interpret: bool = False,
-                            block_k: int = BLOCK_K, n_splits: int | None = None):
+                            collect: Collect | None = None, tree: TreeMask | None = None,
+                            interpret: bool = False, block_k: int = BLOCK_K, n_splits: int | None = None):
     """Pallas-Triton kernel for T <= 16 (decode and verification); larger T use the reference.
 
     Grid (B, Hkv, n_splits): GQA-packed rows of one KV head per tile, split-K over the visible keys
@@ -183,7 +212,7 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     B, T, Hq, Dh = q.shape
     if T > MAX_PALLAS_ROWS:
         return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, scale=scale,
-                                          collect=collect)
+                                          collect=collect, tree=tree)
     Hkv, S = k_cache.shape[2], k_cache.shape[3]
     G = Hq // Hkv
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
@@ -199,16 +228,23 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     row_pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), G, axis=1), ((0, 0), (0, tile - n_rows)),
                       constant_values=-1)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    row_spec = pl.BlockSpec((None, tile), lambda b, h, s: (b, 0))
+    if tree is None:
+        row_first = jnp.zeros((B, tile), jnp.int32)
+        row_bits = jnp.zeros((B, tile), jnp.int32)
+    else:
+        row_first = jnp.broadcast_to(tree.first.astype(jnp.int32)[:, None], (B, tile))
+        bits = np.pad(np.repeat(tree.row_bits(), G), (0, tile - n_rows))
+        row_bits = jnp.broadcast_to(jnp.asarray(bits), (B, tile))
 
-    in_specs = [pl.no_block_spec,
-                pl.BlockSpec((None, tile), lambda b, h, s: (b, 0)),
+    in_specs = [pl.no_block_spec, row_spec, row_spec, row_spec,
                 pl.BlockSpec((None, None, tile, Dh), lambda b, h, s: (b, h, 0, 0)),
                 pl.no_block_spec, pl.no_block_spec]
     out_specs = [pl.BlockSpec((None, None, None, n_rows, Dh), lambda b, h, s: (b, h, s, 0, 0)),
                  pl.BlockSpec((None, None, None, n_rows), lambda b, h, s: (b, h, s, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, n_splits, n_rows, Dh), jnp.float32),
                  jax.ShapeDtypeStruct((B, Hkv, n_splits, n_rows), jnp.float32)]
-    args = [layer, row_pos, q_tile, k_cache, v_cache]
+    args = [layer, row_pos, row_first, row_bits, q_tile, k_cache, v_cache]
     n_collect = 0
     if collect is not None:
         qc, n_collect = _collect_tile(q5, collect)
@@ -219,7 +255,7 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, n_collect, S), dtype))
 
     kernel = functools.partial(_verify_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=n_rows, n_collect=n_collect)
+                               rows=n_rows, n_collect=n_collect, tree=tree is not None)
     outs = pl.pallas_call(kernel, grid=(B, Hkv, n_splits), in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape,
                           compiler_params=compiler_params(), interpret=interpret,

@@ -201,3 +201,37 @@ def test_sparse_attention(case):
     assert got.dtype == dtype
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
+
+
+@pytest.mark.parametrize("shape,order", [((2, 2), "bfs"), ((3, 1, 2), "dfs"), ((1, 1, 1), "bfs")])
+@pytest.mark.parametrize("pallas", [False, True])
+def test_tree_verify_equals_each_path_as_a_chain(shape, order, pallas):
+    """Tree rows at slots first + t, each seeing the committed cache and its ancestors: row t's output
+    equals a chain verification of its root-to-node path laid out at consecutive slots."""
+    from jaxspec.decoding.tree import TreeShape
+    from pallas_kernels.verify_attention import TreeMask
+
+    tree = TreeShape(shape, order)
+    B, Hq, Hkv, Dh, S, T = 2, 4, 2, 32, 256, tree.rows
+    q, k_cache, v_cache = random_inputs(70 + T, (B, T, Hq, Dh), B, Hkv, S, Dh, jnp.float32)
+    first = jnp.asarray([100, 37], jnp.int32)
+    q_pos = first[:, None] + jnp.arange(T, dtype=jnp.int32)
+    mask = TreeMask(first, tree.ancestors)
+    run = verify_attention_pallas if pallas else verify_attention_reference
+    kw = dict(interpret=True) if pallas else {}
+    out, lse, _ = run(q, k_cache, v_cache, LAYER, q_pos, scale=Dh**-0.5, tree=mask, **kw)
+    for t in range(T):
+        path = np.flatnonzero(tree.ancestors[t])  # root .. t, parents first
+        k_chain, v_chain = k_cache, v_cache
+        for b in range(B):
+            src = int(first[b]) + path
+            dst = int(first[b]) + np.arange(len(path))
+            k_chain = k_chain.at[LAYER, b, :, dst].set(k_cache[LAYER, b, :, src])
+            v_chain = v_chain.at[LAYER, b, :, dst].set(v_cache[LAYER, b, :, src])
+        want, want_lse, _ = verify_attention_reference(q[:, t : t + 1], k_chain, v_chain, LAYER,
+                                                       first[:, None] + len(path) - 1, scale=Dh**-0.5)
+        assert_close(out[:, t : t + 1], want, 1e-5, f"row {t}")
+        assert_close(lse[:, t : t + 1], want_lse, 1e-5, f"lse row {t}")
+    if max(shape) > 1:  # siblings exist: without the mask some row would see them
+        unmasked, _, _ = run(q, k_cache, v_cache, LAYER, q_pos, scale=Dh**-0.5, **kw)
+        assert not np.allclose(unmasked, out, atol=1e-3)

@@ -100,6 +100,19 @@ def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
                    spec((B, T, Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, T)))
 
 
+def test_tree_verify_attention_lowers(check_cuda):
+    """The ancestor-bit mask of a (3, 2, 1) tree: 1 + 3 + 6 + 6 = 16 rows, the kernel's largest tile."""
+    from jaxspec.decoding.tree import TreeShape
+    from pallas_kernels.verify_attention import TreeMask
+
+    tree = TreeShape((3, 2, 1), "dfs")
+    cache = spec((L, B, 8, S, 128), jnp.bfloat16)
+    check_cuda(lambda q, k, v, layer, pos, first: verify_attention_pallas(
+                   q, k, v, layer, pos, scale=128 ** -0.5, collect=Collect((0, 15), "weight", True),
+                   tree=TreeMask(first, tree.ancestors)),
+               spec((B, tree.rows, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, tree.rows)), spec((B,)))
+
+
 @pytest.mark.parametrize("Hs", [1, 8])
 def test_sparse_attention_lowers(check_cuda, Hs):
     cache = spec((L, B, 8, S, 128), jnp.bfloat16)
