@@ -7,6 +7,7 @@ bandwidth and the bf16 matmul rate in the same run (DESIGN.md section 6) and sta
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -95,12 +96,37 @@ def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, 
     return (weight_bytes + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
 
 
-def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array) -> KVCache:
-    """A cache full of random keys/values, standing in for a long prefill in latency benchmarks."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def random_layers(key, shape, dtype):
+    """Standard-normal [L, ...] filled one layer at a time (no full-size float32 temporary)."""
+    def body(layer, x):
+        return x.at[layer].set(jax.random.normal(jax.random.fold_in(key, layer), shape[1:], dtype))
+    return jax.lax.fori_loop(0, shape[0], body, jnp.zeros(shape, dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def block_means(x, block_size: int):
+    """[L, B, H, S, D] -> [L, B, H, S / block_size, D]: the mean of each block's slots, one layer at a
+    time (what KVCache.write keeps in k_cmp/v_cmp)."""
+    L, B, H, S, D = x.shape
+    def body(layer, out):
+        blocks = x[layer].reshape(B, H, S // block_size, block_size, D).astype(jnp.float32)
+        return out.at[layer].set(blocks.mean(axis=3).astype(x.dtype))
+    return jax.lax.fori_loop(0, L, body, jnp.zeros((L, B, H, S // block_size, D), x.dtype))
+
+
+def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array, layers: int | None = None) -> KVCache:
+    """A cache full of random keys/values, standing in for a long prefill in latency benchmarks (only
+    `layers` layers if given); for NSA configs k_cmp/v_cmp hold the block means of those keys/values,
+    as the engine's cache writes keep them."""
     shape = cache_shape(cfg, batch, num_slots)
-    fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.dtype(cfg.dtype)))
+    if layers is not None:
+        shape = (layers,) + shape[1:]
     kk, kv = jax.random.split(key)
-    return KVCache(fill(kk), fill(kv))
+    k, v = random_layers(kk, shape, jnp.dtype(cfg.dtype)), random_layers(kv, shape, jnp.dtype(cfg.dtype))
+    if cfg.nsa is None:
+        return KVCache(k, v)
+    return KVCache(k, v, block_means(k, cfg.nsa.block_size), block_means(v, cfg.nsa.block_size))
 
 
 def random_prompts(cfg: ModelConfig, batch: int, context: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

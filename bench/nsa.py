@@ -74,7 +74,7 @@ from bench import common  # noqa: E402
 import pallas_kernels as kernels  # noqa: E402
 from jaxspec.models import decoder, nsa  # noqa: E402
 from jaxspec.models.config import ModelConfig, NSAConfig, RopeConfig  # noqa: E402
-from jaxspec.models.kvcache import KVCache, cache_bytes, cache_shape, cache_slots, compressed_shape  # noqa: E402
+from jaxspec.models.kvcache import KVCache, cache_bytes, cache_slots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAI_DIR = ROOT / ".peers" / "native-sparse-attention-triton"
@@ -218,38 +218,6 @@ def step_floor(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, T:
 
 # ---------------------------------------------------------------- random caches
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def random_layers(key, shape, dtype):
-    """Standard-normal [L, ...] filled one layer at a time (no full-size float32 temporary)."""
-    def body(layer, x):
-        return x.at[layer].set(jax.random.normal(jax.random.fold_in(key, layer), shape[1:], dtype))
-    return lax.fori_loop(0, shape[0], body, jnp.zeros(shape, dtype))
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def block_means(x, block_size: int):
-    """[L, B, H, S, D] -> [L, B, H, S / block_size, D]: the mean of each block's slots, one layer at a
-    time (what KVCache.write keeps in k_cmp/v_cmp)."""
-    L, B, H, S, D = x.shape
-    def body(layer, out):
-        blocks = x[layer].reshape(B, H, S // block_size, block_size, D).astype(jnp.float32)
-        return out.at[layer].set(blocks.mean(axis=3).astype(x.dtype))
-    return lax.fori_loop(0, L, body, jnp.zeros((L, B, H, S // block_size, D), x.dtype))
-
-
-def random_cache(cfg: ModelConfig, batch: int, slots: int, key, layers: int | None = None) -> KVCache:
-    """A cache of random keys/values standing in for a long prefill; for NSA configs k_cmp/v_cmp hold
-    the block means of those keys/values, as the engine's cache writes keep them."""
-    shape = cache_shape(cfg, batch, slots)
-    if layers is not None:
-        shape = (layers,) + shape[1:]
-    kk, kv = jax.random.split(key)
-    k, v = random_layers(kk, shape, jnp.dtype(cfg.dtype)), random_layers(kv, shape, jnp.dtype(cfg.dtype))
-    if cfg.nsa is None:
-        return KVCache(k, v)
-    return KVCache(k, v, block_means(k, cfg.nsa.block_size), block_means(v, cfg.nsa.block_size))
-
-
 # ---------------------------------------------------------------- part 1: steps
 
 @functools.lru_cache(maxsize=None)
@@ -290,10 +258,10 @@ def time_passes(params, cfg, backend, cache, batch, context, T):
 
 def dense_params(params, cfg: ModelConfig):
     """The NSA params without the gate columns of wqkv: the dense model's params (other leaves shared)."""
-    cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    layers = dict(params["layers"]) | {"wqkv": params["layers"]["wqkv"][..., :cols]}
+    gates = decoder.gate_dim(cfg)
+    layers = dict(params["layers"]) | {"wqkv": params["layers"]["wqkv"][..., :-gates]}
     if "bqkv" in layers:
-        layers["bqkv"] = layers["bqkv"][..., :cols]
+        layers["bqkv"] = layers["bqkv"][..., :-gates]
     return dict(params) | {"layers": layers}
 
 
@@ -319,7 +287,7 @@ def steps_part(bench: Bench, name: str, cfg: ModelConfig, grid, rows, backend: s
             continue
         if bench.over_budget(f"steps {name} B={batch} C={context}"):
             continue
-        cache = bench.run(f"{name} cache B={batch} C={context}", random_cache, cfg, batch, slots,
+        cache = bench.run(f"{name} cache B={batch} C={context}", common.random_cache, cfg, batch, slots,
                           jax.random.key(batch * 7 + context))
         if cache is None:
             continue
@@ -331,7 +299,7 @@ def steps_part(bench: Bench, name: str, cfg: ModelConfig, grid, rows, backend: s
                 row = by_T[T]
                 label = f"{name} {kind} B={batch} C={context} T={T}"
                 if cache.k.is_deleted():  # donated by a call that failed
-                    cache = random_cache(kcfg, batch, slots, jax.random.key(batch * 7 + context))
+                    cache = common.random_cache(kcfg, batch, slots, jax.random.key(batch * 7 + context))
                 got = bench.run(label, time_passes, kparams, kcfg, backend, cache, batch, context, T)
                 if got is None:
                     row.setdefault("error", f"{kind} failed (see errors)")
@@ -372,7 +340,7 @@ def layer_state(cfg: ModelConfig, batch: int, context: int, T_max: int):
     queries of every call, the gates (after the sigmoid) and the rows' positions."""
     key = jax.random.key(batch * 131 + context)
     ks = jax.random.split(key, 3)
-    cache = random_cache(cfg, batch, cache_slots(context + T_max), ks[0], layers=LAYERS)
+    cache = common.random_cache(cfg, batch, cache_slots(context + T_max), ks[0], layers=LAYERS)
     q = jax.random.normal(ks[1], (LAYER_STEPS, LAYERS, batch, T_max, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
     gates = jax.nn.sigmoid(jax.random.normal(ks[2], (batch, T_max, cfg.num_heads, 3), jnp.float32))
     pos = jnp.broadcast_to(context - 1 + jnp.arange(T_max, dtype=jnp.int32), (batch, T_max))
@@ -698,8 +666,10 @@ def layers_part(bench: Bench, name: str, cfg: ModelConfig, grid, rows, backend: 
 
 # ---------------------------------------------------------------- report
 
-def fmt(value, spec):
-    return "-" if value is None else format(value, spec)
+STEP_COLUMNS = [("NSA ms", "nsa_ms", ".3f"), ("floor ms", "nsa_floor_ms", ".3f"), ("x floor", "nsa_x_floor", ".2f"),
+                ("dense ms", "dense_ms", ".3f"), ("NSA/dense speed", "nsa_over_dense_speed", ".2f")]
+LAYER_COLUMNS = [("layer jaxspec us", "jaxspec_us", ".1f"), ("layer floor us", "floor_us", ".1f"), ("Lai us", "lai_us", ".1f"),
+                 ("Lai/jaxspec", "lai_over_jaxspec", ".2f"), ("fla us", "fla_us", ".1f")]
 
 
 def markdown(result) -> str:
@@ -710,22 +680,17 @@ def markdown(result) -> str:
     steps = {(r["model"], r["batch"], r["context"], r["T"]): r for r in result["steps"]}
     layers = {(r["model"], r["batch"], r["context"], r.get("T", 1)): r for r in result["layers"]}
     keys = sorted(set(steps) | set(layers), key=lambda k: (k[0], k[3], k[1], k[2]))
-    lines = [head, "",
-             "| model | B | context | T | NSA ms | floor ms | x floor | dense ms | NSA/dense speed "
-             "| layer jaxspec us | layer floor us | Lai us | Lai/jaxspec | fla us | note |",
-             "|" + "---|" * 15]
+    rows = []
     for key in keys:
         s, l = steps.get(key, {}), layers.get(key, {})
         note = s.get("skipped") or s.get("error") or l.get("skipped") or l.get("fla_note") or ""
         if l.get("lai_select_agree") is not None:
             note = (note + "; " if note else "") + f"Lai selection {100 * l['lai_select_agree']:.0f}% same"
-        lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {fmt(s.get('nsa_ms'), '.3f')} "
-            f"| {fmt(s.get('nsa_floor_ms'), '.3f')} | {fmt(s.get('nsa_x_floor'), '.2f')} | {fmt(s.get('dense_ms'), '.3f')} "
-            f"| {fmt(s.get('nsa_over_dense_speed'), '.2f')} | {fmt(l.get('jaxspec_us'), '.1f')} "
-            f"| {fmt(l.get('floor_us'), '.1f')} | {fmt(l.get('lai_us'), '.1f')} | {fmt(l.get('lai_over_jaxspec'), '.2f')} "
-            f"| {fmt(l.get('fla_us'), '.1f')} | {note} |")
-    return "\n".join(lines)
+        rows.append(dict(zip(("model", "batch", "context", "T"), key), note=note,
+                         **{k: s.get(k) for _, k, _ in STEP_COLUMNS}, **{k: l.get(k) for _, k, _ in LAYER_COLUMNS}))
+    columns = [("model", "model", "s"), ("B", "batch", "d"), ("context", "context", "d"), ("T", "T", "d"),
+               *STEP_COLUMNS, *LAYER_COLUMNS, ("note", "note", "s")]
+    return "\n".join([head, "", common.markdown_table(rows, columns)])
 
 
 def parse_args():

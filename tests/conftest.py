@@ -101,7 +101,8 @@ def _randomize(model, seed: int):
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
 
 
-def _model(kind: str, tie: bool = False):
+def _model(kind: str, tie: bool = False, rope_theta: float = 50000.0, **sizes):
+    """A tiny transformers model; `sizes` override the config's shape keys (hidden_size, heads, ...)."""
     import transformers
 
     common = dict(
@@ -116,9 +117,9 @@ def _model(kind: str, tie: bool = False):
         tie_word_embeddings=tie,
         bos_token_id=None,
         eos_token_id=0,
-    )
+    ) | sizes
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=50000.0))
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=rope_theta))
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1e6))
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6))
@@ -311,23 +312,8 @@ NSA_SPECS = {
 
 
 def _nsa_model(heads: int, kv_heads: int, hidden: int = 64, tie: bool = False):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=HF_VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=96,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        bos_token_id=None,
-        eos_token_id=0,
-        rope_theta=10000.0,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return _model("llama", tie, rope_theta=10000.0, hidden_size=hidden, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=1024)
 
 
 def _add_nsa_weights(path: Path, nsa: dict, seed: int) -> None:

@@ -23,22 +23,10 @@ from pallas_kernels.nsa_compressed import (
     select_blocks,
 )
 from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
+from test_kernels_attention import assert_close, f64
 
 LAYERS, LAYER = 3, 1
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def f64(x):
-    return np.asarray(x).astype(np.float64)
-
-
-def assert_close(got, want, tol, what):
-    """No NaN, max error relative to the largest magnitude below tol."""
-    got, want = f64(got), f64(want)
-    assert got.shape == want.shape, what
-    assert not np.isnan(got).any(), f"{what}: NaN"
-    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
 
 
 def positions(rng, B, T, slots, bs):

@@ -39,6 +39,11 @@ TOP_TENSORS = {
 }
 
 
+def layer_tensor_names(cfg: ModelConfig, key: str) -> tuple[str, ...]:
+    """The HF names (inside model.layers.{i}.) that make up the jaxspec layer tensor `key`, in order."""
+    return LAYER_TENSORS[key][0] + ((NSA_GATE[key],) if cfg.nsa and key in NSA_GATE else ())
+
+
 def read_config(path: Path, dtype: str) -> ModelConfig:
     try:
         hf = json.loads((path / "config.json").read_text())
@@ -70,13 +75,10 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
         for key in ("embed", "final_norm", "lm_head")
         if key in shapes
     }
-
-    def names(key: str) -> tuple[str, ...]:
-        return LAYER_TENSORS[key][0] + ((NSA_GATE[key],) if cfg.nsa and key in NSA_GATE else ())
-
     params["layers"] = {
         key: jnp.stack(
-            [tensor(tuple(f"model.layers.{i}.{n}" for n in names(key)), LAYER_TENSORS[key][1], shape[1:]) for i in range(shape[0])]
+            [tensor(tuple(f"model.layers.{i}.{n}" for n in layer_tensor_names(cfg, key)), LAYER_TENSORS[key][1], shape[1:])
+             for i in range(shape[0])]
         )
         for key, shape in shapes["layers"].items()
     }

@@ -65,7 +65,7 @@ class KVCache:
         rows = jnp.arange(first.shape[0])[:, None, None]
 
         def pooled(cache):  # [L, B, Hkv, S, Dh] -> [B, n, Hkv, Dh]: means of the blocks' slots
-            x = cache[layer][rows, :, slots]  # [B, n, bs, Hkv, Dh]
+            x = cache[layer, rows, :, slots]  # one gather: [B, n, bs, Hkv, Dh]
             return jnp.mean(x.astype(jnp.float32), axis=2)
 
         at = (layer, jnp.arange(first.shape[0])[:, None], slice(None), blocks)

@@ -479,7 +479,7 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 def hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, jax.Array]:
     """The params under their HF names and layouts ([out, in] projections, one tensor per layer)."""
-    from jaxspec.loaders.hf import LAYER_TENSORS, NSA_GATE, TOP_TENSORS  # the loader's own name map
+    from jaxspec.loaders.hf import LAYER_TENSORS, TOP_TENSORS, layer_tensor_names  # the loader's own name map
 
     shapes = decoder.param_shapes(cfg)
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -494,9 +494,7 @@ def hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, jax.Array]:
             name, transpose = TOP_TENSORS[key]
             out[name] = params[key].T if transpose else params[key]
     for key in shapes["layers"]:
-        names, transpose = LAYER_TENSORS[key]
-        if cfg.nsa and key in NSA_GATE:
-            names = names + (NSA_GATE[key],)
+        names, transpose = layer_tensor_names(cfg, key), LAYER_TENSORS[key][1]
         stacked = params["layers"][key]
         bounds = np.cumsum(split_sizes.get(key, [stacked.shape[-1]]))[:-1]
         for i in range(cfg.num_layers):
