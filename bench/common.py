@@ -85,9 +85,24 @@ def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def layer_attention_bytes(cfg: ModelConfig, batch: int, context: int, T: int = 1) -> dict:
+    """K+V bytes one layer's attention reads for T rows whose last row is at position context + T - 2,
+    by part. Dense: every key up to that row. NSA: the compressed blocks visible to it, S selected
+    blocks (a lower bound of the rows' union) and the rows' window (w + T - 1 keys)."""
+    per_key = batch * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(cfg.dtype).itemsize  # k and v of one key
+    last = context + T - 1  # keys up to and including the last row
+    n = cfg.nsa
+    if n is None:
+        return {"kv": per_key * last}
+    return {"compressed": per_key * (last // n.block_size),
+            "selected": per_key * min(n.block_counts * n.block_size, last),
+            "window": per_key * min(n.window_size + T - 1, last)}
+
+
 def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
-    """Bytes of keys and values one full-attention pass over `context` tokens reads, all layers."""
-    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    """Bytes of keys and values one decode step over `context` tokens reads, all layers (NSA models:
+    their three branches)."""
+    return cfg.num_layers * sum(layer_attention_bytes(cfg, batch, context).values())
 
 
 def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float) -> float:

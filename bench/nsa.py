@@ -185,32 +185,9 @@ def describe(cfg: ModelConfig) -> dict:
 
 # ---------------------------------------------------------------- bytes and floors
 
-def itemsize(cfg) -> int:
-    return jnp.dtype(cfg.dtype).itemsize
-
-
-def nsa_layer_bytes(cfg: ModelConfig, batch: int, context: int, T: int = 1) -> dict:
-    """K+V bytes one NSA layer reads for T rows whose last row is at position context + T - 2:
-    the compressed blocks visible to that row, S selected blocks (a lower bound of the rows' union)
-    and the window of the rows (w + T - 1 keys)."""
-    n = cfg.nsa
-    per_key = batch * cfg.num_kv_heads * cfg.head_dim * 2 * itemsize(cfg)  # k and v of one key, all rows
-    last = context + T - 1  # keys up to and including the last row
-    return {"compressed": per_key * (last // n.block_size),
-            "selected": per_key * min(n.block_counts * n.block_size, last),
-            "window": per_key * min(n.window_size + T - 1, last)}
-
-
-def dense_layer_bytes(cfg: ModelConfig, batch: int, context: int, T: int = 1) -> int:
-    return batch * cfg.num_kv_heads * cfg.head_dim * 2 * itemsize(cfg) * (context + T - 1)
-
-
 def step_floor(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, T: int, bandwidth_GBps: float) -> dict:
     """DESIGN.md 6: (weights + attention reads + float32 logits) / measured copy bandwidth."""
-    if cfg.nsa:
-        parts = {k: cfg.num_layers * v for k, v in nsa_layer_bytes(cfg, batch, context, T).items()}
-    else:
-        parts = {"kv": cfg.num_layers * dense_layer_bytes(cfg, batch, context, T)}
+    parts = {k: cfg.num_layers * v for k, v in common.layer_attention_bytes(cfg, batch, context, T).items()}
     parts |= {"weights": weight_bytes, "logits": batch * T * cfg.vocab_size * 4}
     total = sum(parts.values())
     return {"bytes": total, "bytes_by_part": parts, "floor_ms": total / (bandwidth_GBps * 1e9) * 1e3}
@@ -637,9 +614,9 @@ def layers_part(bench: Bench, name: str, cfg: ModelConfig, grid, rows, backend: 
             continue
         for T in rows:
             row = dict(model=name, batch=batch, context=context, T=T)
-            parts_bytes = nsa_layer_bytes(cfg, batch, context, T)
+            parts_bytes = common.layer_attention_bytes(cfg, batch, context, T)
             row["floor_us"] = sum(parts_bytes.values()) / (bw * 1e9) * 1e6
-            row["dense_floor_us"] = dense_layer_bytes(cfg, batch, context, T) / (bw * 1e9) * 1e6
+            row["dense_floor_us"] = common.layer_attention_bytes(dense_of(cfg), batch, context, T)["kv"] / (bw * 1e9) * 1e6
             if "layers" in parts:
                 us = bench.run(f"{what} T={T} jaxspec nsa", time_jaxspec_nsa, st, cfg, T, backend)
                 if us is not None:
