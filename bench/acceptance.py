@@ -44,7 +44,7 @@ def measure(params, cfg, batch, cache, spec, sampling, max_len, new) -> dict:
     iterations = int(stats.iterations.sum())
     return {
         "tokens_per_iteration": (int(stats.accepted.sum()) + iterations) / iterations,
-        "acceptance_by_position": (stats.accepted_by_position.sum(0) / iterations).tolist(),
+        "acceptance_by_depth": (stats.accepted_by_depth.sum(0) / iterations).tolist(),
         "iterations": iterations,
         "decode_s": run.decode_s,
         "compile_s": run.compile_s,

@@ -22,7 +22,8 @@ import numpy as np
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
 from jaxspec.models.kvcache import KVCache, cache_shape
-from jaxspec.runner import decode_fns
+from jaxspec import corpus
+from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 
@@ -156,6 +157,58 @@ def random_state(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, con
     start, _ = decode_fns(cfg, spec, SamplingConfig(), max_len)
     return start(params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
                  max_new_tokens=jnp.int32(max_len - context), stop_ids=jnp.asarray([-1], jnp.int32))
+
+
+# Headline benchmarks sample (greedy SmolLM2 loops at long context, inflating acceptance); greedy beside.
+SAMPLINGS = {"sample": SamplingConfig(temperature=0.7, top_p=0.95), "greedy": SamplingConfig()}
+
+
+def real_text_batch(cfg, params, tokenizer, batch_size: int, prompt_tokens: int, new: int, backend: str):
+    """(batch, max_len, prefilled cache) of `batch_size` real-text continuation prompts of about
+    `prompt_tokens` tokens (a different document per row, chat template) with room for `new` tokens."""
+    prompts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i) for i in range(batch_size)]
+    batch = encode_prompts(tokenizer, prompts, chat=True)
+    max_len = int(batch.lengths.max()) + new
+    cache = prefill_fn(cfg, max_len, backend, 256)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
+    return batch, max_len, cache
+
+
+def run_measures(run) -> tuple[dict, list[list[int]]]:
+    """Decode tokens/s, tokens per iteration, degeneration and decode time of one `run_generation`,
+    and its generated tokens per row."""
+    out = jax.device_get(run.output)
+    generated = out.length - out.prompt_len
+    iterations = max(int(out.stats.iterations.sum()), 1)
+    rows = [out.tokens[b, out.prompt_len[b] : out.length[b]].tolist() for b in range(len(generated))]
+    return {
+        "decode_tokens_per_s": float(generated.sum() - len(generated)) / run.decode_s,
+        "tokens_per_iteration": (int(out.stats.accepted.sum()) + iterations) / iterations,
+        "acceptance_rate_by_depth": (out.stats.accepted_by_depth.sum(0) / iterations).tolist(),
+        "iteration_ms": run.decode_s / max(int(out.stats.iterations.max()), 1) * 1e3,
+        "steps": int(generated.max()) - 1,
+        "decode_s": run.decode_s,
+        "degeneration": repeated_4gram_share(rows),
+    }, rows
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """Median decode tokens/s with its spread (max - min), and the medians of the other measures."""
+    tps = [r["decode_tokens_per_s"] for r in runs]
+    medians = {k: statistics.median(r[k] for r in runs) for k in ("tokens_per_iteration", "iteration_ms", "degeneration")}
+    return {"decode_tokens_per_s": statistics.median(tps), "spread_tokens_per_s": max(tps) - min(tps), **medians}
+
+
+def repeated_4gram_share(rows: list[list[int]]) -> float:
+    """Degeneration: the share of 4-grams in the outputs that already occurred earlier in the same output."""
+    seen_total = repeats = 0
+    for row in rows:
+        seen = set()
+        for i in range(len(row) - 3):
+            gram = tuple(row[i : i + 4])
+            repeats += gram in seen
+            seen.add(gram)
+            seen_total += 1
+    return repeats / max(seen_total, 1)
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

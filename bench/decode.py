@@ -27,7 +27,8 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.runner import decode_fns, encode_prompts, run_generation
 from jaxspec.models.kvcache import cache_bytes, cache_slots
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 
 GRID = [(1, 4096), (4, 4096), (16, 4096), (1, 32768), (4, 32768), (16, 32768), (1, 131072)]
 TINY_CFG = ModelConfig(
@@ -64,7 +65,7 @@ def qwen3_rows(args, rates: dict, save) -> list[dict]:
         for batch in sorted({b for b, _ in args.grid}):
             contexts = sorted(c for b, c in args.grid if b == batch)
             max_len = contexts[-1] + 4 * STEPS + 8
-            slots = cache_slots(max_len + MAX_GAMMA + 1)
+            slots = cache_slots(max_len + MAX_TREE_ROWS)
             if weight_bytes + cache_bytes(cfg, batch, slots) > MEMORY_FRACTION * device_bytes:
                 rows += [dict(model=cfg.model_type, backend=backend, batch=batch, context=c, skipped="memory") for c in contexts]
                 continue

@@ -1,11 +1,13 @@
 """Engine losslessness with the Pallas backend on the GPU (teacher-forced, bf16).
 
-    PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|smollm2|PATH] [--context N] [--new N] [--tiny] [--out DIR]
+    PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|smollm2|PATH] [--context N] [--new N]
+        [--tree 3,2,1 [--traversal dfs]] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
 to bf16 near-ties between the top two logits (DESIGN.md section 3). Qwen3-8B and NSA-1B shapes
-(bench/nsa.py's, NSA kernels included) use random weights and a prompt of random tokens; SmolLM2 uses a real long prompt. Writes DIR/gpu_checks_<model>.json.
+(bench/nsa.py's, NSA kernels included) use random weights and a prompt of random tokens; SmolLM2 uses a real long prompt.
+Methods draft chains of 6, or the draft tree of --tree. Writes DIR/gpu_checks_<model>[_tree].json.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jaxspec.models import decoder
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, SpecConfig
+from jaxspec.decoding.tree import TreeShape
 
 NEAR_TIE = 0.05  # bf16 logits: the emitted token may trail the argmax by this much (relative)
 
@@ -49,6 +52,8 @@ def main():
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
     p.add_argument("--backend", default="pallas", help="pallas, or reference to tell kernel errors from bf16 effects")
+    p.add_argument("--tree", default=None, help="draft this tree (e.g. 3,2,1) instead of a chain of 6")
+    p.add_argument("--traversal", default="bfs")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
@@ -71,16 +76,19 @@ def main():
     max_len = int(batch.lengths.max()) + args.new
     cache = prefill_fn(cfg, max_len, backend, 256)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
     result = common.run_info() | {"model": args.model, "backend": backend, "prompt_tokens": batch.lengths.tolist(), "rows": []}
+    tree = None if args.tree is None else TreeShape.parse(args.tree).branching
     for method in args.methods:
-        spec = SpecConfig(method=method, gamma=6, ratio=0.07, min_tokens=64, backend=backend)
+        spec = SpecConfig(method=method, gamma=6, tree=tree if method != "plain" else None, traversal=args.traversal, ratio=0.07, min_tokens=64,
+                          backend=backend).validate()
         run = run_generation(params, cfg, batch, spec=spec, sampling=SamplingConfig(), max_len=max_len,
                              max_new_tokens=args.new, stop_ids=(), cache=jax.tree.map(jnp.copy, cache))
         stats = jax.device_get(run.output.stats)
-        row = {"method": method, **teacher_forced(params, cfg, batch, run.generated()),
+        row = {"method": method, "tree": spec.describe()["tree"], "traversal": spec.describe()["traversal"], **teacher_forced(params, cfg, batch, run.generated()),
                "tokens_per_iteration": float((stats.accepted.sum() + stats.iterations.sum()) / max(stats.iterations.sum(), 1))}
         print(row, flush=True)
         result["rows"].append(row)
-    common.write_json(args.out / f"gpu_checks_{Path(args.model).stem}.json", result)
+    tag = "" if tree is None else f"_tree{args.traversal}{args.tree.replace(',', '')}"
+    common.write_json(args.out / f"gpu_checks_{Path(args.model).stem}{tag}.json", result)
     ok = all(r["all_within_near_tie"] for r in result["rows"])
     print(("PASS" if ok else "FAIL") + f": teacher-forced check, {args.model}, {backend} backend")
 

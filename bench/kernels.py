@@ -186,7 +186,7 @@ def check_verify(bench, B, S, T, collect):
 
 def check_sparse(bench, B, S, Hs):
     ks = jax.random.split(jax.random.key(20 + Hs), 3)
-    q = normal(ks[0], (B, HQ, DH))
+    q = normal(ks[0], (B, 1, HQ, DH))
     k, v = normal(ks[1], (LAYERS, B, HKV, S, DH)), normal(ks[2], (LAYERS, B, HKV, S, DH))
     K = math.ceil(RATIO * S)
     rng = np.random.default_rng(Hs)
@@ -195,7 +195,7 @@ def check_sparse(bench, B, S, Hs):
     n_idx = np.array([K, K // 2, 1, K - 7])[np.arange(B) % 4]
     idx = np.stack([[rng.permutation(tail_start[b])[:K] for _ in range(Hs)] for b in range(B)])
     args = (q, k, v, 1, jnp.asarray(idx, jnp.int32), *(jnp.asarray(x, jnp.int32)
-                                                      for x in (n_idx, tail_start, q_pos)))
+                                                      for x in (n_idx, tail_start, q_pos[:, None])))
     got = jax.jit(lambda *a: sparse_attention_pallas(*a, scale=SCALE, tail_capacity=TAIL,
                                                      interpret=bench.interpret))(*args)
     want = jax.jit(lambda *a: sparse_attention_reference(*a, scale=SCALE, tail_capacity=TAIL))(
@@ -282,10 +282,10 @@ def time_sparse(bench, B, S, Hs):
     ks = jax.random.split(jax.random.key(B * S + Hs), 3)
     rng = np.random.default_rng(B + Hs)
     idx = np.stack([[rng.permutation(S - TAIL)[:K] for _ in range(Hs)] for _ in range(B)])
-    st = {"q": normal(ks[0], (STEPS, LAYERS, B, HQ, DH)),
+    st = {"q": normal(ks[0], (STEPS, LAYERS, B, 1, HQ, DH)),
               "k": normal(ks[1], (LAYERS, B, HKV, S, DH)), "v": normal(ks[2], (LAYERS, B, HKV, S, DH)),
               "idx": jnp.asarray(idx, jnp.int32), "n_idx": jnp.full((B,), K, jnp.int32),
-              "tail_start": jnp.full((B,), S - TAIL, jnp.int32), "pos": jnp.full((B,), S - 1, jnp.int32)}
+              "tail_start": jnp.full((B,), S - TAIL, jnp.int32), "pos": jnp.full((B, 1), S - 1, jnp.int32)}
 
     def step(s, i, layer):
         return sparse_attention_pallas(s["q"][i, layer], s["k"], s["v"], layer, s["idx"],

@@ -331,7 +331,7 @@ def time_jaxspec_nsa(st, cfg: ModelConfig, T: int, backend: str) -> float:
 
 
 def time_jaxspec_dense(st, cfg: ModelConfig, T: int, backend: str) -> float:
-    attend = decoder.dense_attend(dense_of(cfg), st["pos"][:, :T], backend)
+    attend = decoder.attention(dense_of(cfg), st["pos"][:, :T], backend)
     dense = {"q": st["q"], "cache": KVCache(st["cache"].k, st["cache"].v)}
     return time_layer_calls(lambda s, i, layer: attend(layer, s["q"][i, layer, :, :T], s["cache"], None, None)[0],
                             dense)

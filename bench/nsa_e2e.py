@@ -19,30 +19,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench import common
-from jaxspec import corpus
-from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.loaders import load_model
-from jaxspec.runner import encode_prompts, prefill_fn, run_generation
+from jaxspec.runner import run_generation
 
-SAMPLINGS = {"sample": SamplingConfig(temperature=0.7, top_p=0.95), "greedy": SamplingConfig()}
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
-
-
-def repeated_4gram_share(rows: list[list[int]]) -> float:
-    """Share of 4-grams in the outputs that already occurred earlier in the same output."""
-    seen_total = repeats = 0
-    for row in rows:
-        seen = set()
-        for i in range(len(row) - 3):
-            gram = tuple(row[i : i + 4])
-            repeats += gram in seen
-            seen.add(gram)
-            seen_total += 1
-    return repeats / max(seen_total, 1)
 
 
 def run_model(name, path, methods, args, rows_out, rates):
@@ -50,35 +33,18 @@ def run_model(name, path, methods, args, rows_out, rates):
     backend = "reference" if args.tiny else "pallas"
     weight_bytes = common.tree_bytes(params)
     for batch_size in args.batches:
-        prompts = [corpus.long_prompt(tokenizer, args.prompt_tokens, task="continue", offset=3 * i) for i in range(batch_size)]
-        batch = encode_prompts(tokenizer, prompts, chat=True)
-        max_len = int(batch.lengths.max()) + args.new
-        prefill = prefill_fn(cfg, max_len, backend, 256)
-        cache = prefill(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
-        for sampling_name, sampling in SAMPLINGS.items():
+        batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new, backend)
+        for sampling_name, sampling in common.SAMPLINGS.items():
             for method in methods:
                 spec = SpecConfig(method=method, gamma=6, ratio=0.07, backend=backend).validate()
                 runs = []
                 for repeat in range(args.repeats):
                     run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
                                          max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache))
-                    out = jax.device_get(run.output)
-                    generated = out.length - out.prompt_len
-                    iterations = int(out.stats.iterations.sum())
-                    runs.append({
-                        "decode_tokens_per_s": float(generated.sum() - len(generated)) / run.decode_s,
-                        "tokens_per_iteration": (int(out.stats.accepted.sum()) + iterations) / max(iterations, 1),
-                        "degeneration": repeated_4gram_share(
-                            [out.tokens[b, out.prompt_len[b] : out.length[b]].tolist() for b in range(len(generated))]),
-                        "steps": int(generated.max()) - 1,
-                        "decode_s": run.decode_s,
-                    })
-                tps = [r["decode_tokens_per_s"] for r in runs]
+                    runs.append(common.run_measures(run)[0])
                 row = {"model": name, "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **spec.describe(), "runs": runs,
-                       "decode_tokens_per_s": statistics.median(tps), "spread_tokens_per_s": max(tps) - min(tps),
-                       "tokens_per_iteration": statistics.median(r["tokens_per_iteration"] for r in runs),
-                       "degeneration": statistics.median(r["degeneration"] for r in runs)}
+                       **common.median_of_runs(runs)}
                 if method == "plain":
                     step = statistics.median(r["decode_s"] / r["steps"] for r in runs)
                     floor = common.step_floor_s(cfg, weight_bytes, batch_size, int(batch.lengths.mean()) + args.new // 2, rates["copy_GBps"])

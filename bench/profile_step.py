@@ -26,7 +26,8 @@ from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder
 from jaxspec.models.kvcache import cache_slots
-from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
 TOP = 12
@@ -115,7 +116,7 @@ def main():
     context = 256 if args.tiny else args.context
     params = decoder.init_params(cfg, jax.random.key(0))
     max_len = context + 256
-    slots = cache_slots(max_len + MAX_GAMMA + 1)
+    slots = cache_slots(max_len + MAX_TREE_ROWS)
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio} for m in args.methods}

@@ -37,7 +37,8 @@ from jaxspec.decoding.drafters import Drafter, make_drafter
 from jaxspec.models.kvcache import cache_slots
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 DEFAULT_TUNING = {m: {"gamma": 6, "ratio": 0.07} for m in METHODS}
@@ -83,26 +84,30 @@ def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeS
     _, decode = decode_fns(cfg, spec, GREEDY, max_len)
     # One decode call of STAGE_REPEATS iterations: the loop as it runs, without per-call dispatch.
     stages = {"iteration_ms": (lambda s: decode(params, s, max_iterations=jnp.int32(STAGE_REPEATS)), STAGE_REPEATS)}
-    drafts = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], static.draft_len))
+    tree = static.shape
+    rows = 1 if tree is None else tree.rows
+    tokens = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], rows))
     if drafter is not None and drafter.uses_model:
-        draft = jax.jit(lambda p, s: engine.draft(p, cfg, GREEDY, drafter, s, s.key)[2], donate_argnums=1)
+        draft = jax.jit(lambda p, s: engine.draft(p, cfg, GREEDY, drafter, tree, s, s.key)[2], donate_argnums=1)
         stages["draft_ms"] = (functools.partial(draft, params), 1)
     if drafter is not None and not drafter.uses_model:
-        propose = jax.jit(lambda s: (drafter.propose(s.tokens, s.length), s), donate_argnums=0)
+        propose = jax.jit(lambda s: (drafter.propose(s.tokens, s.length, tree), s), donate_argnums=0)
         stages["draft_ms"] = (lambda s: propose(s)[1], 1)
 
     @functools.partial(jax.jit, donate_argnums=1)
     def verify(p, s):
         # The logits are returned so that the LM head is not compiled away.
-        logits, cache, scores = engine.verify(p, cfg, static, drafter, s, None if drafter is None else drafts)
+        logits, cache, scores = engine.verify(p, cfg, static, drafter, s, tokens, tree)
         return dataclasses.replace(s, cache=cache), scores, logits
 
     stages["verify_ms"] = (lambda s: verify(params, s)[0], 1)
     if drafter is not None and type(drafter).after_verify is not Drafter.after_verify:  # it selects
         state, scores, _ = verify(params, state)
         zeros = jnp.zeros_like(state.length)
+        path = jnp.zeros((state.length.shape[0], tree.depth + 1), jnp.int32)
         select = jax.jit(
-            lambda s, scores: dataclasses.replace(s, drafter=drafter.after_verify(s.drafter, s.budget, scores, s.cache, s.length - 1, zeros)),
+            lambda s, scores: dataclasses.replace(
+                s, drafter=drafter.after_verify(s.drafter, s.budget, scores, s.cache, s.length - 1, zeros, path)),
             donate_argnums=0,
         )
         stages["select_ms"] = (lambda s: select(s, scores), 1)
@@ -159,7 +164,7 @@ def smollm2_run(params, cfg, batch: Batch, cache, spec: SpecConfig, max_len: int
         **spec.describe(),
         "decode_tokens_per_s": float(generated.sum() - len(generated)) / run.decode_s,
         "tokens_per_iteration": (int(stats.accepted.sum()) + iterations) / iterations,
-        "acceptance_by_position": (stats.accepted_by_position.sum(0) / iterations).tolist(),
+        "acceptance_by_depth": (stats.accepted_by_depth.sum(0) / iterations).tolist(),
         "compile_s": run.compile_s,
     }
     if spec.method == "plain":
@@ -182,7 +187,7 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
     contexts = (512, 1024) if args.tiny else args.contexts
     batch_size = args.qwen3_batch
     max_len = max(contexts) + 256
-    slots = cache_slots(max_len + MAX_GAMMA + 1)
+    slots = cache_slots(max_len + MAX_TREE_ROWS)
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
     cache = common.random_cache(cfg, batch_size, slots, jax.random.key(1))
     for method in args.methods:
@@ -330,10 +335,10 @@ def plots(result: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "throughput_vs_context.png", dpi=120)
 
-    smol = [r for r in result["rows"] if r["model"] == "smollm2-135m" and r["workload"] == "b" and r["batch"] == 1 and r.get("acceptance_by_position")]
+    smol = [r for r in result["rows"] if r["model"] == "smollm2-135m" and r["workload"] == "b" and r["batch"] == 1 and r.get("acceptance_by_depth")]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in smol:
-        ax.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"], marker="o", label=f"{r['method']} (γ={r['gamma']})")
+        ax.plot(range(1, len(r["acceptance_by_depth"]) + 1), r["acceptance_by_position"], marker="o", label=f"{r['method']} (γ={r['gamma']})")
     ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), title="SmolLM2-135M, long prompts (workload b)")
     ax.legend()
     fig.tight_layout()

@@ -13,6 +13,7 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation, summarize
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, SpecConfig
+from jaxspec.decoding.tree import TreeShape
 from jaxspec.tune import load_tuned
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
@@ -34,7 +35,10 @@ def parse_args(argv):
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
     p.add_argument("--method", choices=METHODS, default="vegas")
-    p.add_argument("--gamma", type=int, default=None, help="draft length (default 6, or the --tuned choice)")
+    p.add_argument("--gamma", type=int, default=None, help="draft length of a chain (default 6, or the --tuned choice)")
+    p.add_argument("--tree", default=None,
+                   help="draft a tree instead of a chain: branching per depth, e.g. 4,2,1,1 (at most 64 verified rows)")
+    p.add_argument("--traversal", choices=("bfs", "dfs"), default="bfs", help="flattening order of the --tree nodes")
     p.add_argument("--ratio", type=float, default=None, help="fraction of the context a sparse drafter keeps (default 0.07, or the --tuned choice)")
     p.add_argument("--tuned", type=Path, default=None,
                    help="a file from `python -m jaxspec.tune` (or bench/kv_bound.json): its gamma, ratio and metric for --method")
@@ -58,9 +62,10 @@ def main(argv=None):
     gamma = args.gamma if args.gamma is not None else tuned.get("gamma") or 6
     ratio = args.ratio if args.ratio is not None else tuned.get("ratio") or 0.07
     metric = args.metric or tuned.get("metric") or "weight"
+    tree = TreeShape.parse(args.tree).branching if args.tree is not None else None
     spec = SpecConfig(
-        method=args.method, gamma=gamma, ratio=ratio, min_tokens=args.min_tokens, metric=metric,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, backend=args.backend,
+        method=args.method, gamma=gamma, tree=tree, traversal=args.traversal, ratio=ratio, min_tokens=args.min_tokens,
+        metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max, backend=args.backend,
     ).validate()
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
     prompts = prompts or [DEFAULT_PROMPT]
@@ -111,11 +116,12 @@ def _print_human(results: list[dict], stats: dict) -> None:
     print(f"{memory.removesuffix('_bytes').replace('_', ' '):16} {stats[memory] / 2**20:.0f} MiB")
     print(f"method           {stats['method']} (backend {stats['backend']}, device {stats['device']})")
     if stats["gamma"]:
-        print(f"gamma            {stats['gamma']}" + (f", ratio {stats['ratio']}" if stats["ratio"] else "")
+        drafts = f"tree {stats['tree']} ({stats['traversal']})" if stats["tree"] else f"gamma {stats['gamma']}"
+        print(f"drafts           {drafts}, {stats['nodes']} nodes" + (f", ratio {stats['ratio']}" if stats["ratio"] else "")
               + (f", metric {stats['metric']}" if stats["metric"] else ""))
         print(f"iterations       {stats['iterations']}, {stats['tokens_per_iteration']:.2f} tokens/iteration")
-        rates = " ".join(f"{r:.2f}" for r in stats["acceptance_rate_by_position"])
-        print(f"acceptance       {stats['accepted_tokens']}/{stats['draft_tokens']} drafts; by position {rates}")
+        rates = " ".join(f"{r:.2f}" for r in stats["acceptance_rate_by_depth"])
+        print(f"acceptance       {stats['accepted_tokens']} of {stats['draft_tokens']} nodes verified; by depth {rates}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from jaxspec.decoding import engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models.kvcache import cache_bytes
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import MAX_GAMMA, SpecConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.tokenizer import Tokenizer
 
 PROGRESS_SEGMENT = 16  # decode iterations between progress updates
@@ -130,7 +131,7 @@ def run_generation(
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        kv = cache_bytes(cfg, len(batch.lengths), max_len + MAX_GAMMA + 1)
+        kv = cache_bytes(cfg, len(batch.lengths), max_len + MAX_TREE_ROWS)
         raise JaxspecError(
             f"out of device memory: batch {len(batch.lengths)} x {max_len} tokens needs {kv / 2**30:.1f} GiB of KV cache "
             "on top of the weights; lower --max-len or the batch"
@@ -200,7 +201,7 @@ def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
     decode_tokens = generated - len(batch.lengths)
     iterations = int(stats.iterations.sum())
     accepted = int(stats.accepted.sum())
-    by_position = stats.accepted_by_position.sum(axis=0)
+    by_depth = stats.accepted_by_depth.sum(axis=0)
     memory_kind, memory = peak_memory()
     return {
         **spec.describe(),
@@ -215,10 +216,12 @@ def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
         "decode_tokens_per_s": decode_tokens / run.decode_s if run.decode_s > 0 else 0.0,
         "iterations": iterations,
         "tokens_per_iteration": (accepted + iterations) / iterations if iterations else 0.0,
+        "accepted_per_iteration": accepted / iterations if iterations else 0.0,
+        "nodes_verified_per_iteration": int(stats.drafted.sum()) / iterations if iterations else 0.0,
         "draft_tokens": int(stats.drafted.sum()),
         "accepted_tokens": accepted,
-        "acceptance_by_position": [int(x) for x in by_position],
-        "acceptance_rate_by_position": [float(x) / iterations if iterations else 0.0 for x in by_position],
+        "acceptance_by_depth": [int(x) for x in by_depth],
+        "acceptance_rate_by_depth": [float(x) / iterations if iterations else 0.0 for x in by_depth],
         f"peak_{memory_kind}_memory_bytes": memory,
         "device": jax.devices()[0].device_kind,
     }

@@ -41,7 +41,7 @@ def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     """q [B, T, Hq, Dh] against layer `layer` of the cache [L, B, Hkv, S, Dh]; row (b, t) sees slots
     <= q_pos[b, t] (and, with a draft tree's mask, of the tree's rows only its ancestors). Returns
     out [B, T, Hq, Dh] (q.dtype), lse [B, T, Hq] fp32, and the selection scores asked for by
-    `collect` (None without it). The Pallas kernel covers T <= 16; larger T run the reference."""
+    `collect` (None without it). The Pallas kernel covers T <= 64; larger T run the reference."""
     if _is_pallas(backend):
         return verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, scale=scale,
                                        collect=collect, tree=tree, interpret=interpret_default())
@@ -49,16 +49,17 @@ def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
                                       collect=collect, tree=tree)
 
 
-def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_pos, *, scale: float,
-                     tail_capacity: int, backend: str = "reference"):
-    """q [B, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K]) plus the tail
-    tail_start[b] .. q_pos[b] of layer `layer` of the cache. Returns out [B, Hq, Dh] (q.dtype)."""
+def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *, scale: float,
+                     tail_capacity: int, tree: TreeMask | None = None, backend: str = "reference"):
+    """q [B, T, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], shared by the rows)
+    plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the cache (with a draft tree's
+    mask, of the tree's slots only the row's ancestors). Returns out [B, T, Hq, Dh] (q.dtype)."""
     if _is_pallas(backend):
-        return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_pos,
-                                       scale=scale, tail_capacity=tail_capacity,
+        return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
+                                       scale=scale, tail_capacity=tail_capacity, tree=tree,
                                        interpret=interpret_default())
-    return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_pos,
-                                      scale=scale, tail_capacity=tail_capacity)
+    return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
+                                      scale=scale, tail_capacity=tail_capacity, tree=tree)
 
 
 def select_topk(scores, k_max: int, k, *, backend: str = "reference"):

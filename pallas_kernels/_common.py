@@ -1,8 +1,9 @@
 """Helpers shared by the attention kernels: online softmax, split-K merge, tiling choices.
 
-Both attention kernels run flash-decoding style: a grid of (batch, kv head, split) programs, each
-streams blocks of keys through an online softmax and writes a normalised partial output plus its
-log-sum-exp; `merge_splits` combines the splits in XLA.
+Both attention kernels run flash-decoding style: a grid of (batch, kv head, row block, split)
+programs, each streams blocks of keys through an online softmax for its tile of GQA-packed query
+rows and writes a normalised partial output plus its log-sum-exp; `merge_splits` combines the
+splits in XLA.
 """
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,14 @@ TARGET_PROGRAMS = 256
 MAX_SPLITS = 16
 # Triton dots need every operand dimension >= 16; all loaded tensors need power-of-two shapes.
 MIN_TILE = 16
+
+
+# Query rows of one KV head go into one tile as packed row t*G + g. A tile holds at least 16 query
+# rows (so T <= 16 stays the one tile that was measured) and otherwise at most 64 packed rows: at
+# Dh 128 a 128-row tile spills registers on four warps (tests/test_kernels_lowering.py); more rows
+# go to more row blocks, a grid dimension.
+MIN_BLOCK_ROWS = 16
+TILE_ROWS = 64
 
 
 def next_pow2(n: int) -> int:
@@ -34,10 +43,29 @@ def split_range(split, n_splits: int, n_blocks):
     return lo, jnp.minimum(lo + per, n_blocks)
 
 
-def pad_rows(x):
-    """Pads axis 2 of [B, Hkv, N, Dh] with zero rows up to a Triton tile: a power of two >= 16."""
-    n = x.shape[2]
-    return jnp.pad(x, ((0, 0), (0, 0), (0, next_pow2(max(n, MIN_TILE)) - n), (0, 0)))
+def row_blocks(T: int, G: int) -> tuple[int, int, int]:
+    """(n_blocks, rows, tile): T query rows as n_blocks blocks of `rows` query rows (the last one
+    padded), each packed with its G heads into a tile of `tile` rows (a power of two >= 16)."""
+    n_blocks = -(-T // max(TILE_ROWS // G, MIN_BLOCK_ROWS))
+    rows = -(-T // n_blocks)
+    return n_blocks, rows, next_pow2(max(rows * G, MIN_TILE))
+
+
+def pack_rows(x, n_blocks: int, rows: int, tile: int, fill=0):
+    """x [N, T, G, ...] -> [N, n_blocks, tile, ...]: block i holds rows t in [i*rows, (i+1)*rows)
+    as packed row (t - i*rows)*G + g; rows past T and the tile's padding rows are `fill`."""
+    N, T, G = x.shape[:3]
+    rest = [(0, 0)] * (x.ndim - 3)
+    x = jnp.pad(x, [(0, 0), (0, n_blocks * rows - T), (0, 0)] + rest, constant_values=fill)
+    x = x.reshape(N, n_blocks, rows * G, *x.shape[3:])
+    return jnp.pad(x, [(0, 0), (0, 0), (0, tile - rows * G)] + rest, constant_values=fill)
+
+
+def unpack_rows(x, T: int, G: int):
+    """Kernel rows back to heads: [B, Hkv, n_blocks, rows*G, ...] -> [B, T, Hkv*G, ...]."""
+    (B, Hkv, n_blocks, packed), rest = x.shape[:4], x.shape[4:]
+    x = x.reshape(B, Hkv, n_blocks * packed // G, G, *rest)[:, :, :T]
+    return jnp.moveaxis(x, 1, 2).reshape(B, T, Hkv * G, *rest)
 
 
 def compiler_params():

@@ -42,10 +42,12 @@ def _attend(q, k, v, ok, scale, precision):
 
 
 def nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, *, block_size: int,
-                           window: int, scale: float):
+                           window: int, scale: float, slot_of=None):
     """q [B, T, Hq, Dh], cache [L, B, Hkv, S, Dh], q_pos [B, T], idx [B, T, Hkv, NS] block indices
     (-1: none), o_cmp [B, T, Hq, Dh], gates [B, T, Hq, 3] (after the sigmoid). Returns the NSA output
-    [B, T, Hq, Dh] (q.dtype). Plain jnp with gathers, any T; float32 math."""
+    [B, T, Hq, Dh] (q.dtype). Plain jnp with gathers, any T; float32 math. `slot_of` maps the key
+    positions [B, T, Hkv, N] each row reads to cache slots (a draft tree's rows read their own path:
+    `nsa_tree`); by default a key's slot is its position."""
     B, T, Hq, Dh = q.shape
     Hkv, num_slots = k_cache.shape[2], k_cache.shape[3]
     G = Hq // Hkv
@@ -57,8 +59,8 @@ def nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,
     h = jnp.arange(Hkv)[None, None, :, None]
     pos = q_pos[:, :, None, None]
 
-    def branch(slots, ok):  # slots [B, T, Hkv, N]
-        slots = jnp.clip(slots, 0, num_slots - 1)
+    def branch(positions, ok):  # positions [B, T, Hkv, N]
+        slots = jnp.clip(positions if slot_of is None else slot_of(positions), 0, num_slots - 1)
         ks, vs = k[b, h, slots].astype(jnp.float32), v[b, h, slots].astype(jnp.float32)
         return _attend(qg, ks, vs, ok, scale, precision)
 

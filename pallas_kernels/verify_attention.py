@@ -7,6 +7,9 @@ Query (b, t) sees cache slots j <= q_pos[b, t]; the new rows' keys are already i
 is also the causal mask among the new rows. A draft tree (`TreeMask`) narrows that: its rows sit at
 slots first[b] + t, and row t sees a slot j >= first[b] only if row j - first[b] is t or one of its
 ancestors. With a chain's mask (every earlier row an ancestor) that is the causal mask again.
+
+The Pallas kernel covers T <= 64 (a draft tree's largest verify) in row blocks of GQA-packed rows
+(`_common.row_blocks`: T <= 16 is one block); larger T (prefill chunks) run the reference.
 """
 import dataclasses
 import functools
@@ -26,15 +29,16 @@ from pallas_kernels._common import (
     merge_splits,
     next_pow2,
     num_splits,
-    pad_rows,
+    pack_rows,
+    row_blocks,
     softmax_step,
     split_range,
     store_split,
+    unpack_rows,
 )
 
-# The Pallas kernel packs all G*T rows of a KV head in one tile; larger T (prefill chunks) use the
-# reference.
-MAX_PALLAS_ROWS = 16
+MAX_PALLAS_ROWS = 64
+MAX_TREE_ROWS = 64  # two 32-bit words of ancestor bits per row
 BLOCK_K = 64
 METRICS = ("weight", "logit")
 
@@ -65,23 +69,56 @@ class Collect:
 
 @dataclasses.dataclass(frozen=True)
 class TreeMask:
-    """first [B] int32: the slot of row 0 (the root); ancestors [T, T] bool (static, NumPy): row t may
-    see row j iff ancestors[t, j]. Rows are in the tree's flattened order (parents first)."""
+    """A draft tree's attention mask over its own slots.
+
+    first [B] int32: the slot of tree row 0 (the root); tree row j sits at slot first + j.
+    ancestors [T, R] bool, NumPy or traced: query row t may see tree row j iff ancestors[t, j]. R is
+    every row of the tree (<= 64, parents first); T = R when verifying the whole tree, fewer when
+    drafting the rows of one depth.
+    """
     first: jax.Array
-    ancestors: np.ndarray
+    ancestors: np.ndarray | jax.Array
+
+    def __post_init__(self):
+        if self.ancestors.ndim != 2 or self.ancestors.shape[1] > MAX_TREE_ROWS:
+            raise ValueError(f"ancestors must be [T, R <= {MAX_TREE_ROWS}], "
+                             f"got {self.ancestors.shape}")
 
     def visible(self, slots, t):
         """slots [..., S] seen by rows t [...] (the ancestor part only; slots before first: True)."""
+        R = self.ancestors.shape[1]
         rel = slots - self.first.reshape(self.first.shape + (1,) * (slots.ndim - 1))
-        anc = jnp.asarray(self.ancestors)[t[..., None], jnp.clip(rel, 0, self.ancestors.shape[1] - 1)]
-        return (rel < 0) | ((rel < self.ancestors.shape[1]) & anc)
+        anc = jnp.asarray(self.ancestors)[t[..., None], jnp.clip(rel, 0, R - 1)]
+        return (rel < 0) | ((rel < R) & anc)
 
-    def row_bits(self) -> np.ndarray:
-        """[T] int32: bit j of row t set iff ancestors[t, j] (the kernel's form; T <= 31)."""
-        return (self.ancestors.astype(np.int64) << np.arange(self.ancestors.shape[1])).sum(axis=1).astype(np.int32)
+    def row_bits(self):
+        """[T, 2] int32, the kernels' form: bit k of word w of row t is ancestors[t, 32*w + k]
+        (bit 31 is the sign bit: the sum of distinct powers of two wraps to the same bits)."""
+        bits = jnp.pad(jnp.asarray(self.ancestors, jnp.int32),
+                       ((0, 0), (0, MAX_TREE_ROWS - self.ancestors.shape[1])))
+        bits = bits.reshape(-1, 2, 32) << jnp.arange(32, dtype=jnp.int32)
+        return bits.sum(axis=2, dtype=jnp.int32)
 
 
-def _check(q, k_cache, v_cache, q_pos, collect):
+def ancestor_visible(rel, lo, hi):
+    """`TreeMask.visible` in a kernel: rel [rows, block] slot - first; lo, hi [rows]: the rows' two
+    words of `TreeMask.row_bits`."""
+    word = jnp.where(rel < 32, lo[:, None], hi[:, None])
+    bit = (word >> (jnp.clip(rel, 0, MAX_TREE_ROWS - 1) & 31)) & 1
+    return (rel < 0) | ((rel < MAX_TREE_ROWS) & (bit == 1))
+
+
+def tree_words(tree: TreeMask | None, B: int, G: int, n_blocks: int, rows: int, tile: int):
+    """The kernels' per-row tree inputs: first [B] and packed ancestor words [2, n_blocks, tile]
+    (zeros without a tree; the kernels then ignore them)."""
+    if tree is None:
+        return jnp.zeros((B,), jnp.int32), jnp.zeros((2, n_blocks, tile), jnp.int32)
+    words = tree.row_bits().T  # [2, T]
+    words = jnp.broadcast_to(words[:, :, None], words.shape + (G,))
+    return tree.first.astype(jnp.int32), pack_rows(words, n_blocks, rows, tile)
+
+
+def _check(q, k_cache, v_cache, q_pos, collect, tree):
     B, T, Hq, Dh = q.shape
     _, Bk, Hkv, _, Dk = k_cache.shape
     if (Bk, Dk) != (B, Dh) or v_cache.shape != k_cache.shape or Hq % Hkv:
@@ -91,6 +128,8 @@ def _check(q, k_cache, v_cache, q_pos, collect):
         raise ValueError(f"q_pos must be [B, T] = {(B, T)}, got {q_pos.shape}")
     if collect is not None and collect.rows[-1] >= T:
         raise ValueError(f"Collect.rows {collect.rows} out of range for T={T}")
+    if tree is not None and tree.ancestors.shape[0] != T:
+        raise ValueError(f"TreeMask.ancestors must have T={T} rows, got {tree.ancestors.shape}")
 
 
 def mask_scores(scores, pos):
@@ -115,7 +154,7 @@ def collected_scores(logits, lse, pos, collect: Collect):
 def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: float,
                                collect: Collect | None = None, tree: TreeMask | None = None):
     """Plain jnp: any T. Materialises [B, Hq, T, S] fp32 logits (fine for tests and prefill chunks)."""
-    _check(q, k_cache, v_cache, q_pos, collect)
+    _check(q, k_cache, v_cache, q_pos, collect, tree)
     B, T, Hq, Dh = q.shape
     Hkv, S = k_cache.shape[2], k_cache.shape[3]
     G = Hq // Hkv
@@ -143,22 +182,29 @@ def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: floa
     return out, jnp.moveaxis(lse, 1, 2).reshape(B, T, Hq), scores
 
 
-def _verify_kernel(layer_ref, pos_ref, first_ref, bits_ref, q_ref, k_ref, v_ref, *refs, scale, block_k,
-                   n_splits, rows, n_collect, tree):
-    """Program (b, kv head h, split): the split's share of the key blocks that any row can see.
+def _verify_kernel(layer_ref, end_ref, first_ref, pos_ref, words_ref, q_ref, k_ref, v_ref, *refs,
+                   scale, block_k, n_splits, rows, n_collect, collect_rows, tree):
+    """Program (b, kv head h, row block r, split): the split's share of the key blocks up to
+    end[b, r], the last slot any row of the block (or any collected row) can see.
 
-    With collection, a second small tile of query rows (qc) is multiplied with every key block and
-    its first n_collect rows of scaled logits are stored: no masking, no reduction in the loop.
+    With collection, a second small tile of query rows (qc: the row block's share of the collected
+    rows, `collect_rows` of them) is multiplied with every key block and its scaled logits are
+    stored: no masking, no reduction in the loop.
     """
+    b, h, r, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     if n_collect:
         qc_ref, o_ref, lse_ref, scores_ref = refs
         qc = qc_ref[...]
+        c_rows = jnp.arange(qc.shape[0])
+        c_first = r * collect_rows
+        c_real = ((c_rows < collect_rows) & (c_first + c_rows < n_collect))[:, None]
     else:
         o_ref, lse_ref = refs
-    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     pos, q = pos_ref[...], q_ref[...]
-    n_blocks = (jnp.max(pos) + block_k) // block_k
+    if tree:
+        first, lo_word, hi_word = first_ref[b], words_ref[0], words_ref[1]
+    n_blocks = (end_ref[b, r] + block_k) // block_k
     lo, hi = split_range(split, n_splits, n_blocks)
 
     def body(i, carry):
@@ -168,15 +214,12 @@ def _verify_kernel(layer_ref, pos_ref, first_ref, bits_ref, q_ref, k_ref, v_ref,
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
         if n_collect:
             collected = jnp.dot(qc, k.T, preferred_element_type=jnp.float32) * scale
-            plgpu.store(scores_ref.at[b, h, pl.ds(0, qc.shape[0]), pl.ds(start, block_k)],
-                        collected.astype(scores_ref.dtype),
-                        mask=(jnp.arange(qc.shape[0]) < n_collect)[:, None])
+            plgpu.store(scores_ref.at[b, h, pl.ds(c_first, qc.shape[0]), pl.ds(start, block_k)],
+                        collected.astype(scores_ref.dtype), mask=c_real)
         slots = start + jnp.arange(block_k)[None, :]
         visible = slots <= pos[:, None]
-        if tree:  # ancestor bits of each row over the slots from the root on
-            rel = slots - first_ref[...][:, None]
-            bit = (bits_ref[...][:, None] >> jnp.clip(rel, 0, 31)) & 1
-            visible = visible & ((rel < 0) | ((rel < 32) & (bit == 1)))
+        if tree:
+            visible = visible & ancestor_visible(slots - first, lo_word, hi_word)
         return softmax_step(carry, logits, visible, v)
 
     carry = lax.fori_loop(lo, hi, body, init_carry(q.shape[0], q.shape[1]))
@@ -184,7 +227,7 @@ def _verify_kernel(layer_ref, pos_ref, first_ref, bits_ref, q_ref, k_ref, v_ref,
 
 
 def _collect_tile(q5, collect: Collect):
-    """The query rows whose logits the kernel stores, [B, Hkv, rows_p, Dh] with rows_p >= 16.
+    """The query rows whose logits the kernel stores, [B, Hkv, n, Dh].
 
     weight: every collected (row, head) as row r*G + g. logit: the rows' queries summed over the
     heads of the KV head (and over the rows when reduce_rows), as the kernel's dot is linear.
@@ -192,23 +235,24 @@ def _collect_tile(q5, collect: Collect):
     B, _, Hkv, _, Dh = q5.shape
     qc = jnp.moveaxis(q5[:, np.asarray(collect.rows)], 2, 1)         # [B, Hkv, R, G, Dh]
     if collect.metric == "weight":
-        qc = qc.reshape(B, Hkv, -1, Dh)
-    else:
-        qc = qc.astype(jnp.float32).sum(axis=(2, 3) if collect.reduce_rows else 3)
-        qc = qc.reshape(B, Hkv, -1, Dh).astype(q5.dtype)
-    return pad_rows(qc), qc.shape[2]
+        return qc.reshape(B, Hkv, -1, Dh)
+    qc = qc.astype(jnp.float32).sum(axis=(2, 3) if collect.reduce_rows else 3)
+    return qc.reshape(B, Hkv, -1, Dh).astype(q5.dtype)
 
 
 def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
                             collect: Collect | None = None, tree: TreeMask | None = None,
                             interpret: bool = False, block_k: int = BLOCK_K, n_splits: int | None = None):
-    """Pallas-Triton kernel for T <= 16 (decode and verification); larger T use the reference.
+    """Pallas-Triton kernel for T <= 64 (decode, chain and tree verification); larger T use the
+    reference.
 
-    Grid (B, Hkv, n_splits): GQA-packed rows of one KV head per tile, split-K over the visible keys
-    (blocks past the tile's max(q_pos) are never read), log-sum-exp merge of the splits in XLA.
-    Head dim must be a power of two >= 16.
+    Grid (B, Hkv, row blocks, n_splits): a row block is up to 16 query rows (more when G < 4) with
+    the G heads of one KV head, packed as row t*G + g; split-K over the keys the block can see
+    (blocks past its max q_pos are never read), log-sum-exp merge of the splits in XLA. Collected
+    rows are shared out evenly over the row blocks, and each block then reads keys up to the
+    largest collected q_pos too. Head dim must be a power of two >= 16.
     """
-    _check(q, k_cache, v_cache, q_pos, collect)
+    _check(q, k_cache, v_cache, q_pos, collect, tree)
     B, T, Hq, Dh = q.shape
     if T > MAX_PALLAS_ROWS:
         return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, scale=scale,
@@ -220,58 +264,63 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     block_k = min(block_k, S)
     if S % block_k:
         raise ValueError(f"cache length {S} must be a multiple of block_k={block_k}")
-    n_rows = T * G
-    n_splits = n_splits or num_splits(B * Hkv, S // block_k)
+    n_blocks, rows, tile = row_blocks(T, G)
+    n_splits = n_splits or num_splits(B * Hkv * n_blocks, S // block_k)
     q5 = q.reshape(B, T, Hkv, G, Dh)
-    q_tile = pad_rows(jnp.moveaxis(q5, 2, 1).reshape(B, Hkv, n_rows, Dh))   # row t*G + g
-    tile = q_tile.shape[2]
-    row_pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), G, axis=1), ((0, 0), (0, tile - n_rows)),
-                      constant_values=-1)
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    row_spec = pl.BlockSpec((None, tile), lambda b, h, s: (b, 0))
-    if tree is None:
-        row_first = jnp.zeros((B, tile), jnp.int32)
-        row_bits = jnp.zeros((B, tile), jnp.int32)
-    else:
-        row_first = jnp.broadcast_to(tree.first.astype(jnp.int32)[:, None], (B, tile))
-        bits = np.pad(np.repeat(tree.row_bits(), G), (0, tile - n_rows))
-        row_bits = jnp.broadcast_to(jnp.asarray(bits), (B, tile))
-
-    in_specs = [pl.no_block_spec, row_spec, row_spec, row_spec,
-                pl.BlockSpec((None, None, tile, Dh), lambda b, h, s: (b, h, 0, 0)),
-                pl.no_block_spec, pl.no_block_spec]
-    out_specs = [pl.BlockSpec((None, None, None, n_rows, Dh), lambda b, h, s: (b, h, s, 0, 0)),
-                 pl.BlockSpec((None, None, None, n_rows), lambda b, h, s: (b, h, s, 0))]
-    out_shape = [jax.ShapeDtypeStruct((B, Hkv, n_splits, n_rows, Dh), jnp.float32),
-                 jax.ShapeDtypeStruct((B, Hkv, n_splits, n_rows), jnp.float32)]
-    args = [layer, row_pos, row_first, row_bits, q_tile, k_cache, v_cache]
-    n_collect = 0
+    q_tile = pack_rows(jnp.moveaxis(q5, 2, 1).reshape(B * Hkv, T, G, Dh), n_blocks, rows, tile)
+    q_tile = q_tile.reshape(B, Hkv, n_blocks, tile, Dh)
+    q_pos = q_pos.astype(jnp.int32)
+    row_pos = pack_rows(jnp.broadcast_to(q_pos[:, :, None], (B, T, G)), n_blocks, rows, tile, -1)
+    end = row_pos.max(axis=2)                                           # [B, n_blocks]
     if collect is not None:
-        qc, n_collect = _collect_tile(q5, collect)
-        in_specs.append(pl.BlockSpec((None, None, qc.shape[2], Dh), lambda b, h, s: (b, h, 0, 0)))
-        args.append(qc)
+        end = jnp.maximum(end, q_pos[:, np.asarray(collect.rows)].max(axis=1, keepdims=True))
+    first, words = tree_words(tree, B, G, n_blocks, rows, tile)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    n_rows = rows * G
+    in_specs = [pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,
+                pl.BlockSpec((None, None, tile), lambda b, h, r, s: (b, r, 0)),
+                pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0)),
+                pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0)),
+                pl.no_block_spec, pl.no_block_spec]
+    out_specs = [pl.BlockSpec((None,) * 4 + (n_rows, Dh), lambda b, h, r, s: (b, h, r, s, 0, 0)),
+                 pl.BlockSpec((None,) * 4 + (n_rows,), lambda b, h, r, s: (b, h, r, s, 0))]
+    out_shape = [jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows, Dh), jnp.float32),
+                 jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows), jnp.float32)]
+    args = [layer, end, first, row_pos, words, q_tile, k_cache, v_cache]
+    n_collect = collect_rows = 0
+    if collect is not None:
+        qc = _collect_tile(q5, collect)
+        n_collect = qc.shape[2]
+        collect_rows = -(-n_collect // n_blocks)
+        qc_tile = next_pow2(max(collect_rows, MIN_TILE))
+        qc = pack_rows(qc.reshape(B * Hkv, n_collect, 1, Dh), n_blocks, collect_rows, qc_tile)
+        in_specs.append(pl.BlockSpec((None, None, None, qc_tile, Dh),
+                                     lambda b, h, r, s: (b, h, r, 0, 0)))
+        args.append(qc.reshape(B, Hkv, n_blocks, qc_tile, Dh))
         out_specs.append(pl.no_block_spec)
         dtype = q.dtype if collect.metric == "weight" else jnp.float32
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, n_collect, S), dtype))
 
     kernel = functools.partial(_verify_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=n_rows, n_collect=n_collect, tree=tree is not None)
-    outs = pl.pallas_call(kernel, grid=(B, Hkv, n_splits), in_specs=in_specs,
+                               rows=n_rows, n_collect=n_collect, collect_rows=collect_rows,
+                               tree=tree is not None)
+    outs = pl.pallas_call(kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape,
                           compiler_params=compiler_params(), interpret=interpret,
                           name="verify_attention")(*args)
     out, lse = merge_splits(outs[0], outs[1])
+    out, lse = unpack_rows(out, T, G), unpack_rows(lse, T, G)         # [B, T, Hq, Dh], [B, T, Hq]
     scores = None
     if collect is not None:
-        rows = np.asarray(collect.rows)
-        pos_c = q_pos[:, rows]
+        picked = np.asarray(collect.rows)
+        pos_c = q_pos[:, picked]
         if collect.metric == "weight":
-            raw = outs[2].reshape(B, Hkv, len(rows), G, S).astype(jnp.float32)
-            scores = collected_scores(raw, lse.reshape(B, Hkv, T, G)[:, :, rows], pos_c, collect)
+            raw = outs[2].reshape(B, Hkv, len(picked), G, S).astype(jnp.float32)
+            lse_c = jnp.moveaxis(lse.reshape(B, T, Hkv, G)[:, picked], 2, 1)
+            scores = collected_scores(raw, lse_c, pos_c, collect)
         else:
-            mean = outs[2].sum(axis=1) / (Hq * (len(rows) if collect.reduce_rows else 1))
+            mean = outs[2].sum(axis=1) / (Hq * (len(picked) if collect.reduce_rows else 1))
             scores = mask_scores(mean[:, 0] if collect.reduce_rows else mean,
                                  pos_c[:, 0] if collect.reduce_rows else pos_c)
-    out = jnp.moveaxis(out.reshape(B, Hkv, T, G, Dh), 1, 2).reshape(B, T, Hq, Dh)
-    lse = jnp.moveaxis(lse.reshape(B, Hkv, T, G), 1, 2).reshape(B, T, Hq)
     return out.astype(q.dtype), lse, scores

@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import jax
 import pytest
 
 HF_VOCAB = 400
@@ -123,6 +124,16 @@ def _model(kind: str, tie: bool = False, rope_theta: float = 50000.0, **sizes):
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1e6))
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops each test module's compiled programs when it ends: a full run compiles hundreds of engine
+    variants, each holding thousands of memory maps of JIT code, and keeping them all ran the process
+    into the kernel's limit of 65,530 maps (an abort inside an XLA compile after about 330 tests; the
+    largest module, test_engine, peaks near 48,000)."""
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

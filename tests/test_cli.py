@@ -35,7 +35,8 @@ def test_human_output_smollm2():
 
 
 def test_json_batch_is_lossless_across_methods(tmp_path):
-    """Two prompts (one from a file) as a batch; greedy vegas and ngram emit plain decoding's tokens."""
+    """Two prompts (one from a file) as a batch; greedy vegas and ngram, chains and trees, emit plain
+    decoding's tokens."""
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("Write one sentence about rivers.")
     common = ["--prompt", "What is 2 + 2?", "--prompt-file", str(prompt_file), "--max-new-tokens", "16", "--json"]
@@ -44,6 +45,9 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
         result = generate(*common, "--method", method, "--gamma", "4")
         assert result.returncode == 0, result.stderr
         outputs[method] = json.loads(result.stdout)
+    result = generate(*common, "--method", "vegas", "--tree", "3,2,1", "--traversal", "dfs")
+    assert result.returncode == 0, result.stderr
+    outputs["tree"] = json.loads(result.stdout)
     out = outputs["vegas"]
     assert out["model"] == "smollm2" and len(out["results"]) == 2
     for row in out["results"]:
@@ -53,11 +57,15 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
     for key in ("decode_tokens_per_s", "prefill_tokens_per_s", "compile_s", "iterations", "tokens_per_iteration",
                 "draft_tokens", "accepted_tokens"):
         assert isinstance(stats[key], (int, float)) and stats[key] >= 0
-    assert stats["method"] == "vegas" and stats["gamma"] == 4 and len(stats["acceptance_by_position"]) == 4
-    assert stats["draft_tokens"] == 4 * stats["iterations"]
+    assert stats["method"] == "vegas" and stats["gamma"] == 4 and len(stats["acceptance_by_depth"]) == 4
+    assert stats["draft_tokens"] == 4 * stats["iterations"] and stats["tree"] is None
+    tree = outputs["tree"]["stats"]
+    assert (tree["tree"], tree["traversal"], tree["gamma"], tree["nodes"]) == ("3,2,1", "dfs", 3, 15)
+    assert tree["nodes_verified_per_iteration"] == 15 and len(tree["acceptance_rate_by_depth"]) == 3
+    assert tree["tokens_per_iteration"] == pytest.approx(1 + tree["accepted_per_iteration"])
     plain_tokens = [r["tokens"] for r in outputs["plain"]["results"]]
-    assert [r["tokens"] for r in outputs["vegas"]["results"]] == plain_tokens
-    assert [r["tokens"] for r in outputs["ngram"]["results"]] == plain_tokens
+    for method in ("vegas", "ngram", "tree"):
+        assert [r["tokens"] for r in outputs[method]["results"]] == plain_tokens
 
 
 @pytest.mark.parametrize(
@@ -69,7 +77,12 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
         (["--min-p", "2"], "min_p"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
         (["--method", "vegas", "--gamma", "0"], "--gamma"),
-        (["--method", "vegas", "--gamma", "16"], "--gamma"),
+        (["--method", "vegas", "--gamma", "64"], "--gamma"),
+        (["--method", "vegas", "--tree", "4,x"], "--tree"),
+        (["--method", "vegas", "--tree", "8,8"], "64"),
+        (["--method", "vegas", "--tree", "2,0"], "branching"),
+        (["--method", "plain", "--tree", "2,2"], "--tree"),
+        (["--method", "vegas", "--tree", "2,2", "--traversal", "zigzag"], "--traversal"),
         (["--ratio", "0"], "--ratio"),
         (["--ratio", "1.5"], "--ratio"),
         (["--ngram-min", "3", "--ngram-max", "2"], "--ngram-min"),

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.decoding.drafters import make_drafter
+from jaxspec.decoding.drafters import DraftRows, make_drafter
+from jaxspec.decoding.tree import TreeShape
 from jaxspec.decoding.drafters.quest import PageBounds
 from jaxspec.decoding.drafters.stream import SINKS
 from jaxspec.models.kvcache import KVCache
@@ -37,24 +38,42 @@ def probe_cache(batch: int) -> KVCache:
     return KVCache(k, v)
 
 
-def attended(d, state, budget: Budget, q_pos: np.ndarray, layer: int, q=None) -> list[list[set[int]]]:
-    """Slots attended by each (row, KV head) at draft positions q_pos [B], read off the output."""
-    B = len(q_pos)
-    attend, layer_xs = d.attend(state, budget, jnp.asarray(q_pos, jnp.int32))
+def chain_row(q_pos) -> DraftRows:
+    """One draft row per sequence at positions (= slots) q_pos [B]."""
+    return DraftRows(jnp.asarray(q_pos, jnp.int32), jnp.int32(0), jnp.zeros((1,), jnp.int32),
+                     jnp.ones((1, 1), bool), chain=True)
+
+
+def tree_rows(tree: TreeShape, first, depth: int) -> DraftRows:
+    """The nodes of `depth` of `tree` rooted at slots first [B]."""
+    rows = tree.rows_at(depth)
+    return DraftRows(jnp.asarray(first, jnp.int32), jnp.int32(depth), jnp.asarray(rows),
+                     jnp.asarray(tree.ancestors[rows]), chain=tree.is_chain)
+
+
+def attended(d, state, budget: Budget, rows, layer: int, q=None) -> list[list[set[int]]]:
+    """Slots attended by each (sequence, KV head) of draft row 0, read off the output; `rows` are
+    the DraftRows, or positions [B] of one chain row each. With DraftRows, a list per row."""
+    if not isinstance(rows, DraftRows):
+        return [per_row[0] for per_row in attended(d, state, budget, chain_row(rows), layer, q)]
+    B, T = rows.slots.shape
+    attend, layer_xs = d.attend(state, budget, rows)
     x = jax.tree.map(lambda a: a[layer], layer_xs)
     if q is None:
-        q = jnp.ones((B, 1, CFG.num_heads, S), jnp.float32)
-    out, _ = attend(jnp.int32(layer), q, probe_cache(B), x, None)
-    out = np.asarray(out)[:, 0]  # [B, Hq, S]
+        q = jnp.ones((B, T, CFG.num_heads, S), jnp.float32)
+    out = np.asarray(attend(jnp.int32(layer), q, probe_cache(B), x, None)[0])  # [B, T, Hq, S]
     sets = []
     for b in range(B):
-        heads = []
-        for h in range(CFG.num_kv_heads):
-            row = out[b, h * CFG.group_size]
-            slots = set(np.flatnonzero(row > 1e-6).tolist())
-            np.testing.assert_allclose(row[sorted(slots)], 1.0 / len(slots), rtol=1e-5)
-            heads.append(slots)
-        sets.append(heads)
+        per_row = []
+        for t in range(T):
+            heads = []
+            for h in range(CFG.num_kv_heads):
+                row = out[b, t, h * CFG.group_size]
+                slots = set(np.flatnonzero(row > 1e-6).tolist())
+                np.testing.assert_allclose(row[sorted(slots)], 1.0 / len(slots), rtol=1e-5)
+                heads.append(slots)
+            per_row.append(heads)
+        sets.append(per_row)
     return sets
 
 
@@ -81,7 +100,7 @@ def test_vegas_selects_top_scores_then_attends_selection_and_tail():
     last = np.array([150, 40])
     scores = np.where(np.arange(S) <= last[None, :, None], rng.normal(size=(L, B, S)), -np.inf).astype(np.float32)
     budget = Budget.of(0.1, 8)
-    state = d.after_verify(d.init(probe_cache(B), None), budget, jnp.asarray(scores), None, jnp.asarray(last), None)
+    state = d.after_verify(d.init(probe_cache(B), None), budget, jnp.asarray(scores), None, jnp.asarray(last), None, None)
     k = np.array([16, 8])  # ceil(0.1 * 151) = 16; ceil(0.1 * 41) = 5 -> min_tokens 8
     assert np.asarray(state.n_idx).tolist() == k.tolist()
     assert np.asarray(state.tail_start).tolist() == (last + 1).tolist()
@@ -99,7 +118,7 @@ def test_vegas_short_context_selects_everything():
     last = np.array([20])
     scores = np.where(np.arange(S) <= 20, 1.0, -np.inf).astype(np.float32)[None, None].repeat(CFG.num_layers, 0)
     budget = Budget.of(0.07, 32)
-    state = d.after_verify(d.init(probe_cache(1), None), budget, jnp.asarray(scores), None, jnp.asarray(last), None)
+    state = d.after_verify(d.init(probe_cache(1), None), budget, jnp.asarray(scores), None, jnp.asarray(last), None, None)
     assert int(state.n_idx[0]) == 21
     assert attended(d, state, budget, np.array([23]), layer=1)[0][0] == set(range(24))
 
@@ -123,8 +142,9 @@ def test_last_accepted_uses_the_row_of_the_last_accepted_token():
     scores = rng.normal(size=(L, B, R, S)).astype(np.float32)
     scores = np.where(np.arange(S) <= (first[None, :, None, None] + np.arange(R)[None, None, :, None]), scores, -np.inf)
     budget = Budget.of(0.05, 16)
+    chain = jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32), (B, R))
     state = d.after_verify(d.init(probe_cache(B), None), budget, jnp.asarray(scores, jnp.float32), None,
-                           jnp.asarray(first), jnp.asarray(accepted))
+                           jnp.asarray(first), jnp.asarray(accepted), chain)
     last = first + accepted
     assert np.asarray(state.tail_start).tolist() == (last + 1).tolist()
     for b in range(B):
@@ -177,7 +197,7 @@ def test_quest_page_bounds_follow_the_cache():
     new_k[:, 0, :, 37] += 5.0
     new_k[:, 1, :, 200] -= 5.0
     cache = KVCache(jnp.asarray(new_k), cache.v)
-    state = d.after_draft_step(state, cache, jnp.array([37, 200]))
+    state = d.after_draft_step(state, cache, jnp.array([[37], [200]]))
     pages = new_k.reshape(*shape[:3], S // PAGE, PAGE, 8)
     np.testing.assert_array_equal(np.asarray(state.kmax), pages.max(axis=4))
     np.testing.assert_array_equal(np.asarray(state.kmin), pages.min(axis=4))
@@ -197,5 +217,68 @@ def test_ngram_continues_the_longest_most_recent_match():
         tokens[b, : len(seq)] = seq
         tokens[b, len(seq) :] = 99  # beyond the length: never proposed
         lengths.append(len(seq))
-    drafts = np.asarray(d.propose(jnp.asarray(tokens), jnp.asarray(lengths)))
-    assert drafts.tolist() == [expected for _, expected in rows]
+    drafts = np.asarray(d.propose(jnp.asarray(tokens), jnp.asarray(lengths), TreeShape.chain(3)))
+    assert drafts[:, 1:].tolist() == [expected for _, expected in rows]
+    assert drafts[:, 0].tolist() == [seq[-1] for seq, _ in rows]  # row 0: the pending token
+
+
+# --- draft trees: the nodes of one depth draft together, each seeing its own ancestors -------------
+
+TREE = TreeShape((2, 2), "dfs")  # rows: 0 root; 1 (kids 2, 3); 4 (kids 5, 6)
+
+
+def ancestor_slots(first: int, row: int) -> set[int]:
+    return {first + int(r) for r in np.flatnonzero(TREE.ancestors[row])}
+
+
+@pytest.mark.parametrize("method", ["vegas", "stream", "quest"])
+def test_tree_nodes_attend_the_selection_the_committed_tail_and_their_ancestors(method):
+    """The 4 nodes of depth 2 (rows 2, 3, 5, 6 at slots first + row) share the policy's selection and
+    committed tail, and of the tree's slots each sees only itself, its parent and the root."""
+    d = drafter(method, k_max=32, tree=(2, 2), traversal="dfs")
+    L, B, last = CFG.num_layers, 2, np.array([150, 100])
+    first = last + np.array([3, 1])  # roots after 2 and 0 accepted drafts
+    budget = Budget.of(0.1, 8)
+    rng = np.random.default_rng(4)
+    scores = np.where(np.arange(S) <= last[None, :, None], rng.normal(size=(L, B, S)), -np.inf).astype(np.float32)
+    state = None
+    if method == "vegas":
+        state = d.after_verify(d.init(probe_cache(B), None), budget, jnp.asarray(scores), None, jnp.asarray(last), None, None)
+    if method == "quest":
+        state = d.init(probe_cache(B), None)
+    rows = tree_rows(TREE, first, depth=2)
+    chain = attended(d, state, budget, first + 2, layer=2)  # a chain row at the same position
+    sets = attended(d, state, budget, rows, layer=2)
+    for b in range(B):
+        committed = {s for s in chain[b][0] if s < first[b]}
+        assert len(committed) < first[b]  # sparse
+        for t, row in enumerate(TREE.rows_at(2)):
+            assert sets[b][t][0] == committed | ancestor_slots(first[b], row)
+
+
+def test_last_accepted_moves_its_scores_with_the_accepted_path():
+    """Tree (2, 1) BFS: rows 1, 2 (depth 1), 3 under 1, 4 under 2. Path 0 -> 2 -> 4 accepted: the
+    scores of row 4 at slots first + 2 and first + 4 move to first + 1 and first + 2 with their keys."""
+    d = drafter("last_accepted", k_max=16, tree=(2, 1))
+    L, B, R, first = CFG.num_layers, 1, 5, 60
+    scores = np.random.default_rng(5).normal(size=(L, B, R, S)).astype(np.float32)
+    scores[:, :, 4, first + 2], scores[:, :, 4, first + 4] = 100.0, 99.0
+    scores = np.where(np.arange(S) <= first + np.arange(R)[None, None, :, None], scores, -np.inf)
+    path = jnp.asarray([[0, 2, 4]], jnp.int32)
+    state = d.after_verify(d.init(probe_cache(B), None), Budget.of(0.05, 16), jnp.asarray(scores), None,
+                           jnp.asarray([first]), jnp.asarray([2]), path)
+    moved = scores[2, 0, 4, : first + 3].copy()
+    moved[first + 1], moved[first + 2] = 100.0, 99.0
+    assert set(np.asarray(state.idx)[2, 0, 0].tolist()) == set(np.argsort(-moved)[:16].tolist())
+    assert int(state.tail_start[0]) == first + 3
+
+
+def test_ngram_tree_branches_over_distinct_earlier_continuations():
+    """Suffix "1 2" occurred three times, followed by 3 4 (latest), 5 6 and 3 7. Tree (2, 2) BFS: the
+    root's children are 3 and 5; under 3 come 4 and 7; under 5 only 6, repeated."""
+    d = drafter("ngram", tree=(2, 2), ngram_min=1, ngram_max=3)
+    seq = [1, 2, 3, 7, 9, 1, 2, 5, 6, 8, 1, 2, 3, 4, 0, 1, 2]
+    tokens = np.full((1, 24), 99, np.int32)
+    tokens[0, : len(seq)] = seq
+    drafts = np.asarray(d.propose(jnp.asarray(tokens), jnp.asarray([len(seq)]), TreeShape((2, 2))))
+    assert drafts.tolist() == [[2, 3, 5, 4, 7, 6, 6]]

@@ -1,9 +1,10 @@
 """The engine's promise: every method's output is the target model's own (DESIGN.md section 3).
 
-Greedy outputs of every method and draft length equal plain greedy decoding token for token (float32,
-SmolLM2 and a random Qwen3), on a batch of different lengths and on a long prompt of real text;
-sampled outputs follow the target's distribution (chi-square against exact teacher-forced
-probabilities); and plain cached decoding equals full forwards.
+Greedy outputs of every method, draft length and draft-tree shape (both traversal orders) equal plain
+greedy decoding token for token (float32, SmolLM2 and a random Qwen3), on a batch of different lengths
+and on a long prompt of real text; sampled outputs, chains and trees, follow the target's distribution
+(chi-square against exact teacher-forced probabilities); a chain is exactly the tree of widths 1; and
+plain cached decoding equals full forwards.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jaxspec.decoding.spec import METHODS, SpecConfig
 
 SPEC_METHODS = [m for m in METHODS if m != "plain"]
 GAMMAS = (1, 4, 7)
+TREES = [((3, 2, 1), "bfs"), ((2, 2, 2), "dfs")]  # 16 and 15 verified rows
 GREEDY = SamplingConfig()
 
 
@@ -114,11 +116,42 @@ def test_greedy_lossless_qwen3(qwen3_case, method, gamma):
     assert out == qwen3_case.plain
 
 
+@pytest.mark.parametrize("method,tree,order", [(m, *TREES[i % 2]) for i, m in enumerate(SPEC_METHODS)])
+def test_tree_greedy_lossless_smollm2(smollm2_batch, method, tree, order):
+    """Every method on the real model with a tree, the two shapes and orders alternating (the random
+    Qwen3 below runs every method with both)."""
+    spec = SpecConfig(method=method, tree=tree, traversal=order).validate()
+    out, stats = smollm2_batch.run(spec)
+    assert out == smollm2_batch.plain
+    assert stats.drafted.sum() == (spec.shape.rows - 1) * stats.iterations.sum() > 0
+
+
+@pytest.mark.parametrize("tree,order", TREES)
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_tree_greedy_lossless_qwen3(qwen3_case, method, tree, order):
+    out, _ = qwen3_case.run(SpecConfig(method=method, tree=tree, traversal=order, min_tokens=32).validate())
+    assert out == qwen3_case.plain
+
+
+def test_chain_is_the_width_one_tree(smollm2_batch):
+    """gamma 4 and the tree 1,1,1,1 are one configuration: the same tokens and statistics, greedy and sampled."""
+    chain, tree = SpecConfig(method="vegas", gamma=4), SpecConfig(method="vegas", tree=(1, 1, 1, 1)).validate()
+    for sampling in (GREEDY, SamplingConfig(temperature=0.8, top_p=0.95)):
+        a, stats_a = smollm2_batch.run(chain, sampling=sampling, seed=3)
+        b, stats_b = smollm2_batch.run(tree, sampling=sampling, seed=3)
+        assert a == b
+        jax.tree.map(np.testing.assert_array_equal, stats_a, stats_b)
+
+
 @pytest.mark.parametrize("method", ["vegas", "all_rows", "last_accepted", "stream", "quest"])
 def test_dense_budget_accepts_every_draft(qwen3_case, method):
-    """A budget covering the whole context makes the draft the target itself: all drafts accepted."""
+    """A budget covering the whole context makes the draft the target itself: all drafts accepted,
+    and with a tree the greedy path runs through first children (top-1 drafts) to full depth."""
     _, stats = qwen3_case.run(SpecConfig(method=method, gamma=4, ratio=1.0, min_tokens=32))
     assert stats.accepted.sum() == stats.drafted.sum() > 0
+    spec = SpecConfig(method=method, tree=(2, 2, 1), ratio=1.0, min_tokens=32).validate()
+    _, stats = qwen3_case.run(spec)
+    assert stats.accepted.sum() == 3 * stats.iterations.sum() > 0
 
 
 def test_selection_is_what_the_draft_sees(smollm2_batch):
@@ -197,7 +230,7 @@ def test_cached_decoding_equals_full_forward(qwen3_case):
 
     @jax.jit
     def step(cache, token, pos):
-        attend = decoder.dense_attend(cfg, pos, "reference")
+        attend = decoder.attention(cfg, pos, "reference")
         hidden, cache, _ = decoder.forward(params, cfg, token, pos, jnp.ones((1, 1), bool), cache, attend)
         return decoder.logits(params, cfg, hidden)[0, 0], cache
 
@@ -233,23 +266,31 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("method", ["plain", "vegas", "stream", "ngram"])
-def test_first_two_tokens_follow_the_target(method):
+@pytest.mark.parametrize("method,tree,order", [
+    ("plain", None, "bfs"), ("vegas", None, "bfs"), ("stream", None, "bfs"), ("ngram", None, "bfs"),
+    ("vegas", (3, 2), "bfs"), ("stream", (2, 1, 2), "dfs"), ("ngram", (2, 2), "bfs"),
+])
+def test_first_two_tokens_follow_the_target(method, tree, order):
     """Chi-square of the first two sampled tokens (V^2 = 64 cells, 12,000 rows) against the exact joint.
 
-    The drafters here really differ from the target (3 of 10 context slots), so the recovered-token
-    path is exercised; ngram exercises one-hot q. One batch of identical rows gives independent draws.
+    The drafters here really differ from the target (16 of 50 context slots), so the recovered-token
+    path is exercised; ngram exercises one-hot q (its trees: several earlier matches of the suffix);
+    trees exercise sampling children without replacement and recursive rejection. One batch of
+    identical rows gives independent draws.
     """
     params = decoder.init_params(TINY, jax.random.key(7), scale=0.6)
-    prompt = np.array([1, 5, 2, 7, 1, 5, 2, 3, 6, 4], np.int32)
+    prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
     rows = 12000
     batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))
     max_len = len(prompt) + 2
     cache = prefilled(params, TINY, batch, max_len)
-    spec = SpecConfig(method=method, gamma=3, ratio=0.3, min_tokens=1, ngram_min=1, ngram_max=2)
-    out, _ = generate(params, TINY, batch, cache, spec, max_len, 2, sampling=SamplingConfig(temperature=1.0), seed=1)
+    spec = SpecConfig(method=method, gamma=3, tree=tree, traversal=order, ratio=0.3, min_tokens=1, ngram_min=1,
+                      ngram_max=2).validate()
+    out, stats_ = generate(params, TINY, batch, cache, spec, max_len, 2, sampling=SamplingConfig(temperature=1.0), seed=1)
     pairs = np.array(out)
     assert pairs.shape == (rows, 2)
+    if method != "plain":  # drafts are both accepted and rejected
+        assert 0 < stats_.accepted.sum() < stats_.iterations.sum() * spec.draft_len
     counts = np.bincount(pairs[:, 0] * TINY.vocab_size + pairs[:, 1], minlength=TINY.vocab_size**2)
     expected = _exact_joint(params, prompt).reshape(-1) * rows
     keep = expected >= 5  # pool sparse cells so the chi-square approximation holds

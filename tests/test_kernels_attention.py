@@ -2,9 +2,10 @@
 and the references against float64 NumPy.
 
 Inputs are fresh normal draws (fixed seed per case). Interpret mode fills unwritten kernel outputs
-with NaN, so comparing every element also catches blocks or splits the kernel forgot to write.
-Positions cover 0, S-1, lengths that are not multiples of the block size, and a garbage row with
-non-monotone positions (a finished sequence).
+with NaN, so comparing every element also catches blocks, row blocks or splits the kernel forgot to
+write. Positions cover 0, S-1, lengths that are not multiples of the block size, and a garbage row
+with non-monotone positions (a finished sequence). Draft trees: verification of up to 64 rows, and
+sparse drafting of the rows of one depth (a non-square ancestor mask).
 """
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,10 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
+from jaxspec.decoding.tree import TreeShape
 from pallas_kernels.verify_attention import (
     Collect,
+    TreeMask,
     verify_attention_pallas,
     verify_attention_reference,
 )
@@ -96,6 +99,12 @@ VERIFY_CASES = [
     (4, 16, 8, 2, 64, 256, jnp.float32, Collect(tuple(range(16)), "weight", False), 32, 5),
     (4, 5, 6, 2, 64, 256, jnp.bfloat16, Collect((0, 2, 4), "logit", True), 32, None),
     (2, 10, 8, 2, 64, 256, jnp.bfloat16, Collect((1, 9), "logit", False), 128, None),
+    # row blocks (T > 16): 3 blocks of 14 rows; collected rows shared out over the blocks
+    (3, 41, 8, 2, 64, 256, jnp.bfloat16, Collect((0, 20, 40), "weight", False), 32, None),
+    # G=3: 4 blocks of 16 rows (48 of a 64-row tile); one collected row, read past block 0's keys
+    (4, 64, 6, 2, 64, 256, jnp.float32, Collect((0, 63), "logit", True), 32, 3),
+    # G=1: one block of 33 rows
+    (2, 33, 2, 2, 64, 384, jnp.float32, Collect(tuple(range(33)), "weight", True), 64, None),
 ]
 
 
@@ -122,9 +131,9 @@ def test_verify_attention(case):
 
 
 def test_verify_long_rows_fall_back_to_reference():
-    q, k_cache, v_cache = random_inputs(7, (1, 20, 4, 64), 1, 2, 128, 64, jnp.float32)
-    q_pos = jnp.arange(100, 120, dtype=jnp.int32)[None]
-    collect = Collect((0, 19), "weight", True)
+    q, k_cache, v_cache = random_inputs(7, (1, 65, 4, 64), 1, 2, 128, 64, jnp.float32)
+    q_pos = jnp.arange(60, 125, dtype=jnp.int32)[None]
+    collect = Collect((0, 64), "weight", True)
     ref = verify_attention_reference(q, k_cache, v_cache, LAYER, q_pos, scale=0.125,
                                      collect=collect)
     got = verify_attention_pallas(q, k_cache, v_cache, LAYER, q_pos, scale=0.125,
@@ -156,19 +165,28 @@ def sparse_inputs(seed, B, Hs, K, S, n_idx, tail_start):
     return jnp.asarray(idx, jnp.int32)
 
 
-def sparse_oracle(q, k_cache, v_cache, idx, n_idx, tail_start, q_pos, scale):
+def sparse_oracle(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, scale, first=None,
+                  ancestors=None):
+    """Row (b, t) attends idx[b, s, :n_idx[b]] and the tail tail_start[b] .. q_slot[b, t]; with a
+    tree, the tail's committed slots [tail_start, first) and the row's ancestors' slots instead."""
     q, k, v = f64(q), f64(k_cache[LAYER]), f64(v_cache[LAYER])
-    B, Hq, _ = q.shape
+    B, T, Hq, _ = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     out = np.zeros_like(q)
     for b in range(B):
-        for h in range(Hq):
-            s = 0 if idx.shape[1] == 1 else h // G
-            slots = np.concatenate([idx[b, s, :n_idx[b]], np.arange(tail_start[b], q_pos[b] + 1)])
-            logits = k[b, h // G, slots] @ q[b, h] * scale
-            p = np.exp(logits - logits.max())
-            out[b, h] = p @ v[b, h // G, slots] / p.sum()
+        for t in range(T):
+            if ancestors is None:
+                tail = np.arange(tail_start[b], q_slot[b, t] + 1)
+            else:
+                tail = np.concatenate([np.arange(tail_start[b], first[b]),
+                                       first[b] + np.flatnonzero(ancestors[t])])
+            for h in range(Hq):
+                s = 0 if idx.shape[1] == 1 else h // G
+                slots = np.concatenate([idx[b, s, :n_idx[b]], tail])
+                logits = k[b, h // G, slots] @ q[b, t, h] * scale
+                p = np.exp(logits - logits.max())
+                out[b, t, h] = p @ v[b, h // G, slots] / p.sum()
     return out
 
 
@@ -182,37 +200,106 @@ SPARSE_CASES = [
 ]
 
 
+def run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, tree, block_k, n_splits):
+    """(reference, pallas) outputs, each under jit."""
+    args = (q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
+    ref = jax.jit(lambda *a: sparse_attention_reference(*a, scale=scale, tail_capacity=capacity,
+                                                        tree=tree))(*args)
+    got = jax.jit(lambda *a: sparse_attention_pallas(
+        *a, scale=scale, tail_capacity=capacity, tree=tree, interpret=True, block_k=block_k,
+        n_splits=n_splits))(*args)
+    return ref, got
+
+
 @pytest.mark.parametrize("case", range(len(SPARSE_CASES)))
 def test_sparse_attention(case):
+    """One row per sequence (a chain's draft step)."""
     Hq, Hkv, Hs, Dh, S, K, n_idx, tail_start, q_pos, dtype, block_k, n_splits = SPARSE_CASES[case]
     B = len(n_idx)
-    q, k_cache, v_cache = random_inputs(200 + case, (B, Hq, Dh), B, Hkv, S, Dh, dtype)
+    q, k_cache, v_cache = random_inputs(200 + case, (B, 1, Hq, Dh), B, Hkv, S, Dh, dtype)
     idx = sparse_inputs(200 + case, B, Hs, K, S, n_idx, tail_start)
-    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_pos)]
+    q_slot = np.asarray(q_pos)[:, None]
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_slot)]
     capacity = max(max(p - t + 1 for p, t in zip(q_pos, tail_start)), 1)
     scale = Dh ** -0.5
-    want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_pos, scale)
-    ref = jax.jit(lambda *a: sparse_attention_reference(*a, scale=scale, tail_capacity=capacity))(
-        q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
-    kernel = jax.jit(lambda *a: sparse_attention_pallas(
-        *a, scale=scale, tail_capacity=capacity, interpret=True, block_k=block_k,
-        n_splits=n_splits))
-    got = kernel(q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
+    want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale)
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, block_k, n_splits)
     assert got.dtype == dtype
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
 
 
-@pytest.mark.parametrize("shape,order", [((2, 2), "bfs"), ((3, 1, 2), "dfs"), ((1, 1, 1), "bfs")])
+def test_sparse_attention_rows():
+    """T = 20 rows per sequence without a tree (two row blocks at G=4): each row sees the tail up to
+    its own q_slot; the last sequence has arbitrary q_slots, some before tail_start (no tail)."""
+    B, T, Hq, Hkv, Dh, S, K = 3, 20, 8, 2, 64, 256, 30
+    n_idx, tail_start = (30, 5, 17), np.array([101, 60, 200])
+    q_slot = np.stack([101 + np.arange(T), 70 + np.arange(T),
+                       np.random.default_rng(9).integers(199, 250, T)])
+    q, k_cache, v_cache = random_inputs(290, (B, T, Hq, Dh), B, Hkv, S, Dh, jnp.bfloat16)
+    idx = sparse_inputs(290, B, Hkv, K, S, n_idx, tail_start)
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_slot)]
+    capacity = int((q_slot.max(axis=1) - tail_start).max()) + 1
+    scale = Dh ** -0.5
+    want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale)
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, 16, None)
+    assert_close(ref, want, TOL[jnp.bfloat16], "reference")
+    assert_close(got, ref, 2 * TOL[jnp.bfloat16], "pallas")
+
+
+SPARSE_TREE_CASES = [
+    # (tree shape, order, depth, Hq, Hkv, Hs, dtype, block_k, n_splits)
+    ((2, 2, 2, 2, 2), "bfs", 5, 8, 2, 1, jnp.bfloat16, 16, None),  # 32 rows, G=4: two row blocks
+    ((2, 2, 2, 2, 2), "dfs", 4, 6, 2, 2, jnp.float32, 32, 3),      # 16 rows spread out, G=3
+    ((4, 8), "dfs", 2, 6, 2, 1, jnp.float32, 16, None),             # 32 rows, G=3: two row blocks
+    ((3, 3, 2), "dfs", 3, 4, 1, 1, jnp.bfloat16, 16, 2),            # 18 rows, G=4
+    ((3, 2), "bfs", 1, 8, 2, 2, jnp.float32, 16, None),             # 3 rows, one tile
+]
+
+
+@pytest.mark.parametrize("case", range(len(SPARSE_TREE_CASES)))
+def test_sparse_attention_tree_depth(case):
+    """The rows of one depth of a draft tree: each sees the gathered slots, the committed tail before
+    the root, and its own ancestors' slots (no sibling, cousin or deeper node)."""
+    shape, order, depth, Hq, Hkv, Hs, dtype, block_k, n_splits = SPARSE_TREE_CASES[case]
+    tree = TreeShape(shape, order)
+    rows = np.flatnonzero(tree.node_depth == depth)
+    ancestors = tree.ancestors[rows]                          # [T, R]: non-square
+    B, T, Dh, S, K = 3, len(rows), 64, 384, 41
+    first = np.array([301, 45, 131])
+    tail_start = np.array([290, 45, 100])                     # committed tail: 11, 0, 31 slots
+    n_idx = (37, 0, 41)
+    q_slot = first[:, None] + rows
+    q, k_cache, v_cache = random_inputs(300 + case, (B, T, Hq, Dh), B, Hkv, S, Dh, dtype)
+    idx = sparse_inputs(300 + case, B, Hs, K, S, n_idx, tail_start)
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_slot)]
+    capacity = int((q_slot.max(axis=1) - tail_start).max()) + 1
+    scale = Dh ** -0.5
+    want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale,
+                         first, ancestors)
+    mask = TreeMask(jnp.asarray(first, jnp.int32), ancestors)
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, mask, block_k, n_splits)
+    assert got.dtype == dtype
+    assert_close(ref, want, TOL[dtype], "reference")
+    assert_close(got, ref, 2 * TOL[dtype], "pallas")
+    # a traced mask (the drafter's case) gives the same kernel output
+    traced = jax.jit(lambda a, *x: sparse_attention_pallas(
+        *x, scale=scale, tail_capacity=capacity, interpret=True, block_k=block_k, n_splits=n_splits,
+        tree=TreeMask(jnp.asarray(first, jnp.int32), a)))
+    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(ancestors), q, k_cache, v_cache,
+                                                    jnp.int32(LAYER), idx, *ints)), np.asarray(got))
+
+
+@pytest.mark.parametrize("shape,order", [((2, 2), "bfs"), ((3, 1, 2), "dfs"), ((1, 1, 1), "bfs"),
+                                         ((2, 2, 2, 2, 2), "bfs"), ((2, 2, 2, 2, 2), "dfs"),
+                                         ((3, 3, 2), "dfs")])
 @pytest.mark.parametrize("pallas", [False, True])
 def test_tree_verify_equals_each_path_as_a_chain(shape, order, pallas):
     """Tree rows at slots first + t, each seeing the committed cache and its ancestors: row t's output
-    equals a chain verification of its root-to-node path laid out at consecutive slots."""
-    from jaxspec.decoding.tree import TreeShape
-    from pallas_kernels.verify_attention import TreeMask
-
+    equals a chain verification of its root-to-node path laid out at consecutive slots. 63 rows (two
+    5-deep binary trees) and 31 rows (3, 3, 2) take several row blocks in the kernel."""
     tree = TreeShape(shape, order)
-    B, Hq, Hkv, Dh, S, T = 2, 4, 2, 32, 256, tree.rows
+    B, Hq, Hkv, Dh, S, T = 2, 8, 2, 32, 256, tree.rows
     q, k_cache, v_cache = random_inputs(70 + T, (B, T, Hq, Dh), B, Hkv, S, Dh, jnp.float32)
     first = jnp.asarray([100, 37], jnp.int32)
     q_pos = first[:, None] + jnp.arange(T, dtype=jnp.int32)

@@ -21,7 +21,8 @@ from jax._src.pallas.triton import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_kernels
-from pallas_kernels import Collect
+from jaxspec.decoding.tree import TreeShape
+from pallas_kernels import Collect, TreeMask
 from pallas_kernels.sparse_attention import sparse_attention_pallas
 from pallas_kernels.topk import select_topk_pallas
 from pallas_kernels.verify_attention import verify_attention_pallas
@@ -93,6 +94,9 @@ def spec(shape, dtype=jnp.int32):
     (32, 8, 128, 16, Collect(tuple(range(16)), "logit", False)),
     (32, 8, 128, 7, Collect(tuple(range(7)), "weight", False)),
     (40, 8, 64, 16, Collect((0, 15), "weight", True)),    # G=5: 80 rows -> 128-row tile
+    (32, 8, 128, 64, Collect(tuple(range(64)), "weight", False)),  # 4 row blocks, 64 collected each
+    (32, 8, 128, 64, Collect((0, 63), "logit", False)),
+    (9, 3, 64, 64, Collect((0, 63), "weight", True)),     # SmolLM2, G=3: 48 rows of a 64-row tile
 ])
 def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
     cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
@@ -100,16 +104,15 @@ def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
                    spec((B, T, Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, T)))
 
 
-def test_tree_verify_attention_lowers(check_cuda):
-    """The ancestor-bit mask of a (3, 2, 1) tree: 1 + 3 + 6 + 6 = 16 rows, the kernel's largest tile."""
-    from jaxspec.decoding.tree import TreeShape
-    from pallas_kernels.verify_attention import TreeMask
-
-    tree = TreeShape((3, 2, 1), "dfs")
+@pytest.mark.parametrize("shape", [(3, 2, 1), (2, 2, 2, 2, 2)])
+def test_tree_verify_attention_lowers(check_cuda, shape):
+    """The two-word ancestor-bit mask: a (3, 2, 1) tree (16 rows, one 64-row tile) and a 5-deep
+    binary tree (63 rows, 4 row blocks)."""
+    tree = TreeShape(shape, "dfs")
     cache = spec((L, B, 8, S, 128), jnp.bfloat16)
     check_cuda(lambda q, k, v, layer, pos, first: verify_attention_pallas(
-                   q, k, v, layer, pos, scale=128 ** -0.5, collect=Collect((0, 15), "weight", True),
-                   tree=TreeMask(first, tree.ancestors)),
+                   q, k, v, layer, pos, scale=128 ** -0.5,
+                   collect=Collect((0, tree.rows - 1), "weight", True), tree=TreeMask(first, tree.ancestors)),
                spec((B, tree.rows, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, tree.rows)), spec((B,)))
 
 
@@ -117,8 +120,22 @@ def test_tree_verify_attention_lowers(check_cuda):
 def test_sparse_attention_lowers(check_cuda, Hs):
     cache = spec((L, B, 8, S, 128), jnp.bfloat16)
     check_cuda(lambda *a: sparse_attention_pallas(*a, scale=128 ** -0.5, tail_capacity=16),
-                   spec((B, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
-                   spec((B,)), spec((B,)), spec((B,)))
+                   spec((B, 1, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
+                   spec((B,)), spec((B,)), spec((B, 1)))
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, Hs", [(32, 8, 128, 1), (32, 8, 128, 8), (9, 3, 64, 1)])
+def test_tree_sparse_attention_lowers(check_cuda, Hq, Hkv, Dh, Hs):
+    """The deepest 32 rows of a 5-deep binary tree drafted in one step (ancestors [32, 63]): two row
+    blocks for Qwen3-8B (G=4) and SmolLM2 (G=3)."""
+    tree = TreeShape((2, 2, 2, 2, 2), "bfs")
+    rows = np.flatnonzero(tree.node_depth == 5)
+    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
+    check_cuda(lambda q, k, v, layer, idx, n_idx, tail_start, q_slot, first: sparse_attention_pallas(
+                   q, k, v, layer, idx, n_idx, tail_start, q_slot, scale=Dh ** -0.5, tail_capacity=80,
+                   tree=TreeMask(first, tree.ancestors[rows])),
+               spec((B, len(rows), Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
+               spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)))
 
 
 @pytest.mark.parametrize("S_", [S, 4000])   # 4000: a masked last chunk

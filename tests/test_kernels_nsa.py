@@ -341,3 +341,42 @@ def test_small_blocks_run_the_reference_on_the_pallas_backend():
         outs[backend] = pallas_kernels.nsa_selected_attention(
             q, k_cache, v_cache, LAYER, q_pos, idx, o_cmp, gates, block_size=bs, window=16, scale=0.25, backend=backend)
     np.testing.assert_array_equal(outs["pallas"], outs["reference"])
+
+
+# ---------------------------------------------------------------- draft trees
+
+
+@pytest.mark.parametrize("shape,order,offset", [((2, 2), "dfs", 14), ((3, 2, 1), "bfs", 13), ((1, 1, 1), "bfs", 15)])
+def test_tree_rows_equal_their_paths_as_chains(shape, order, offset):
+    """Each tree row (slot first + t, position first + depth) gets the output and block weights of a
+    single row at that position over the cache where its root-to-node path sits at consecutive
+    slots, compressed blocks recomputed. The root sits `offset` slots into a block, so the tree
+    completes a block for its deeper rows."""
+    from jaxspec.decoding.tree import TreeShape
+    from pallas_kernels.nsa_tree import nsa_tree_reference
+
+    tree = TreeShape(shape, order)
+    rng = np.random.default_rng(sum(shape) + offset)
+    B, Hq, Hkv, Dh, S, bs, T = 2, 4, 2, 16, 256, 16, tree.rows
+    k, v = (normal(rng, (LAYERS, B, Hkv, S, Dh), jnp.float32) for _ in range(2))
+    q, gates = normal(rng, (B, T, Hq, Dh), jnp.float32), jax.nn.sigmoid(normal(rng, (B, T, Hq, 3), jnp.float32))
+    first = jnp.asarray([5 * bs + offset, 9 * bs + offset], jnp.int32)
+    means = lambda x: x.reshape(LAYERS, B, Hkv, S // bs, bs, Dh).mean(axis=4)
+    kw = dict(block_size=bs, window=24, scale=Dh**-0.5)
+    out, weights, q_pos = nsa_tree_reference(q, k, v, means(k), means(v), LAYER, first, tree.ancestors, gates,
+                                             block_counts=3, rule="exact", **kw)
+    for t in range(T):
+        path = np.flatnonzero(tree.ancestors[t])
+        k_chain, v_chain = k, v
+        for b in range(B):
+            src, dst = int(first[b]) + path, int(first[b]) + np.arange(len(path))
+            k_chain = k_chain.at[:, b, :, dst].set(k[:, b, :, src])
+            v_chain = v_chain.at[:, b, :, dst].set(v[:, b, :, src])
+        pos = (first + len(path) - 1)[:, None]
+        np.testing.assert_array_equal(q_pos[:, t], pos[:, 0])
+        o_cmp, w = nsa_compressed_reference(q[:, t : t + 1], means(k_chain), means(v_chain), LAYER, pos,
+                                            block_size=bs, scale=kw["scale"])
+        idx = select_blocks(w, pos, block_size=bs, block_counts=3, rule="exact")
+        want = nsa_selected_reference(q[:, t : t + 1], k_chain, v_chain, LAYER, pos, idx, o_cmp, gates[:, t : t + 1], **kw)
+        assert_close(out[:, t : t + 1], want, 1e-5, f"row {t}")
+        assert_close(weights[:, t : t + 1], w, 1e-5, f"row {t} weights")

@@ -162,3 +162,15 @@ def test_real_nsa_smollm2_teacher_forced_bf16():
         chosen = predicted[np.arange(len(out[0])), out[0]]
         assert np.all(chosen >= top - 0.05 * np.maximum(1.0, np.abs(top)))
         assert np.mean(chosen == top) >= 0.9
+
+
+
+@pytest.mark.parametrize("method,tree,order", [
+    ("vegas", (3, 2, 1), "bfs"), ("last_accepted", (2, 2, 2), "dfs"), ("stream", (2, 1, 2), "bfs"), ("ngram", (3, 1), "dfs"),
+])
+def test_tree_greedy_lossless_nsa(nsa_case, method, tree, order):
+    """Draft trees on an NSA target: every row verified as its own path (compressed view, selection,
+    window), the accepted path moved into place with its compressed blocks; greedy equals plain."""
+    out, stats = nsa_case.run(SpecConfig(method=method, tree=tree, traversal=order, min_tokens=32).validate())
+    assert out == nsa_case.plain
+    assert stats.accepted.sum() > 0

@@ -1,5 +1,8 @@
-"""The verifier's contract: every emitted token follows the target's processed p, whatever the drafter's q.
+"""The verifier's contract on a chain of drafts (speculative sampling: Leviathan et al. 2023, Chen et
+al. 2023): every emitted token follows the target's processed p, whatever the drafter's q.
 
+The engine accepts every draft shape with `tree.tree_accept`; a chain is the tree (1, ..., 1), and these
+tests pin down its speculative-sampling behaviour (acceptance rate, recovered and bonus tokens).
 Sampling tests draw N rows at once with fixed seeds and run chi-square / binomial tests at p-value
 1e-3. Target distributions are given as logits log p at temperature 1, so process_logits gives back p.
 """
@@ -10,13 +13,24 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
+from jaxspec.decoding.tree import TreeShape, tree_accept
 from test_sampling import assert_follows
 
 V = 8
 N = 200_000
 UNIT = SamplingConfig(temperature=1.0)
+
+
+def rejection_sample(key, drafts, draft_probs, target_logits, cfg):
+    """tree_accept on the chain of drafts [B, γ] drawn from draft_probs [B, γ, V] (None: one-hot):
+    (num_accepted [B], emitted tokens [B, γ + 1])."""
+    B, gamma = drafts.shape
+    tokens = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), drafts], axis=1)
+    if draft_probs is not None:  # row r holds the distribution its child, draft r + 1, was drawn from
+        draft_probs = jnp.pad(draft_probs, ((0, 0), (0, 1), (0, 0)))
+    num_accepted, _, emitted = tree_accept(key, TreeShape.chain(gamma), tokens, draft_probs, target_logits, cfg)
+    return num_accepted, emitted
 
 
 def distribution(rng, zeros=()):

@@ -1,6 +1,6 @@
 """The decoding engine: prefill, then one `lax.while_loop` of draft -> verify -> accept -> update.
 
-Everything is pure and static-shaped (batch, cache length, gamma, selection capacity); lengths,
+Everything is pure and static-shaped (batch, cache length, draft tree, selection capacity); lengths,
 positions and acceptance are traced, and no Python runs per iteration (on a GPU the host still reads
 the loop's condition each iteration; at Qwen3-8B shapes the GPU idles ~0.4 ms per step in all:
 bench/NOTES.md, "Decode step"). Rows finish independently (stop ids, max tokens) and finished rows
@@ -8,7 +8,13 @@ stop changing.
 
 State invariant between iterations: row b has committed `length[b]` tokens; the KV cache holds every
 committed token but the last one (the pending token), whose keys the next pass writes. Plain decoding
-is the same loop with no drafts (gamma = 0).
+is the same loop with no drafts.
+
+Every drafting method drafts a tree (`decoding.tree`; a chain of gamma drafts is the tree of widths
+1, ..., 1). Its rows (row 0 the pending token, then the nodes in flattened order) sit at cache slots
+first + row, where first is the pending token's slot, and at positions first + depth (RoPE); each row
+attends the committed cache and its own ancestors. After acceptance the accepted path's keys are moved
+to consecutive slots (a no-op for chains), so the invariant above holds again.
 """
 
 from __future__ import annotations
@@ -19,13 +25,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
+import pallas_kernels as kernels
 from jaxspec.models import decoder
 from jaxspec.models.config import ModelConfig
-from jaxspec.decoding.drafters import Drafter, make_drafter
+from jaxspec.decoding.drafters import Drafter, DraftRows, make_drafter
 from jaxspec.models.kvcache import KVCache, init_cache
-from jaxspec.decoding.rejection import rejection_sample
-from jaxspec.decoding.sampling import SamplingConfig, sample
-from jaxspec.decoding.spec import MAX_GAMMA, Budget, SpecConfig
+from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
+from jaxspec.decoding.spec import Budget, SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS, TreeShape, tree_accept
 
 
 @jax.tree_util.register_dataclass
@@ -34,9 +43,9 @@ class SpecStats:
     """Per-row counters over decode iterations (the first token, sampled at prefill, is not one)."""
 
     iterations: jax.Array  # [B]
-    drafted: jax.Array  # [B]
+    drafted: jax.Array  # [B] draft nodes verified
     accepted: jax.Array  # [B] drafts accepted by verification
-    accepted_by_position: jax.Array  # [B, gamma]: iterations in which draft i was accepted
+    accepted_by_depth: jax.Array  # [B, depth]: iterations in which a draft of depth d + 1 was accepted
 
 
 @jax.tree_util.register_dataclass
@@ -77,12 +86,12 @@ def prefill_cache(
     """A cache holding the KV of every prompt token but the last, filled `chunk` positions at a time.
 
     prompts [B, P] are right-padded; prompt_len [B] in [1, max_len). The cache has room for max_len
-    plus any draft length, so one prefill serves every decoding method (tests and benchmarks reuse it).
+    plus any draft tree, so one prefill serves every decoding method (tests and benchmarks reuse it).
     """
     B, P = prompts.shape
     if P > max_len:
         raise ValueError(f"prompts of {P} tokens do not fit max_len {max_len}")
-    cache = init_cache(cfg, B, max_len + MAX_GAMMA + 1)
+    cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS)
     chunk = min(chunk, P)
     num_chunks = -(-(P - 1) // chunk)
     padded = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (0, num_chunks * chunk - P + 1)))
@@ -207,67 +216,108 @@ def generate(
 
 def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: DecodeState) -> DecodeState:
     """One token per row: a one-row verification of the pending token, then a draw from the target."""
-    logits, cache, scores = verify(params, cfg, spec, drafter, state, None)
+    logits, cache, scores = verify(params, cfg, spec, drafter, state, pending_tokens(state)[:, None], None)
     key, sub = jax.random.split(state.key)
     token, _ = sample(sub, logits[:, 0], sampling)
     num_accepted = jnp.zeros_like(state.length)
-    return _commit(state, cache, key, token[:, None], num_accepted, drafter, scores)
+    path = jnp.zeros((token.shape[0], 1), jnp.int32)
+    return _commit(state, cache, key, token[:, None], num_accepted, path, drafter, scores, nodes=0)
 
 
 def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState) -> DecodeState:
-    """Draft gamma tokens, verify them in one pass, accept exactly, update the selection."""
+    """Draft a tree, verify it in one pass, accept exactly, move the accepted path's keys into place,
+    update the selection."""
+    tree = spec.shape
     key, draft_key, accept_key = jax.random.split(state.key, 3)
     if drafter.uses_model:
-        drafts, draft_probs, state = draft(params, cfg, sampling, drafter, state, draft_key)
+        tokens, draft_probs, state = draft(params, cfg, sampling, drafter, tree, state, draft_key)
     else:
-        drafts, draft_probs = drafter.propose(state.tokens, state.length), None
-    logits, cache, scores = verify(params, cfg, spec, drafter, state, drafts)
-    num_accepted, tokens = rejection_sample(accept_key, drafts, draft_probs, logits, sampling)
-    return _commit(state, cache, key, tokens, num_accepted, drafter, scores)
+        tokens, draft_probs = drafter.propose(state.tokens, state.length, tree), None
+    logits, cache, scores = verify(params, cfg, spec, drafter, state, tokens, tree)
+    num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, sampling)
+    cache = compact(cache, state.length - 1, path, tree)
+    return _commit(state, cache, key, emitted, num_accepted, path, drafter, scores, nodes=tree.rows - 1)
 
 
-def draft(params, cfg, sampling, drafter, state, key):
-    """gamma single-token steps of the target model with the drafter's sparse attention.
+def draft(params, cfg, sampling, drafter, tree: TreeShape, state, key):
+    """Drafts `tree` with the target model over the drafter's KV subset: one forward per depth, whose
+    rows are that depth's nodes; each node's children are its top-b draft tokens (greedy) or b tokens
+    drawn from its draft distribution without replacement (Gumbel top-b).
 
-    Returns (drafts [B, gamma], their distributions [B, gamma, V] or None when greedy, the state with
-    the drafts' KV written and the drafter's per-step state updated).
+    Returns (tokens [B, rows]: row 0 the pending token, then every node's draft; their distributions
+    [B, rows, V], row r the one r's children were drawn from, or None when greedy; the state with the
+    drafted rows' KV written and the drafter's per-step state updated).
     """
     B = state.length.shape[0]
     first = state.length - 1
-    pending = pending_tokens(state)
+    tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))
+    probs = None if sampling.greedy else jnp.zeros((B, tree.rows, cfg.vocab_size), jnp.float32)
+    carry = (tokens, probs, state.cache, state.drafter, key)
+    for depths in tree.draft_segments():  # runs of equal (nodes, branching): one scan each
+        rows = np.stack([tree.rows_at(d) for d in depths])  # [steps, n]
+        xs = (jnp.asarray(depths, jnp.int32), jnp.asarray(rows), jnp.asarray(tree.children[rows][..., :tree.branching[depths[0]]]),
+              jnp.asarray(tree.ancestors[rows]))
 
-    def step(carry, i):
-        token, cache, dstate, key = carry
-        q_pos = first + i
-        attend, layer_xs = drafter.attend(dstate, state.budget, q_pos)
-        hidden, cache, _ = decoder.forward(
-            params, cfg, token[:, None], q_pos[:, None], jnp.ones((B, 1), bool), cache, attend, layer_xs
-        )
-        key, sub = jax.random.split(key)
-        token, probs = sample(sub, decoder.logits(params, cfg, hidden[:, 0]), sampling)
-        dstate = drafter.after_draft_step(dstate, cache, q_pos)
-        return (token, cache, dstate, key), (token, None if sampling.greedy else probs)
+        def step(carry, x):
+            tokens, probs, cache, dstate, key = carry
+            depth, rows, kids, ancestors = x
+            at = DraftRows(first, depth, rows, ancestors, tree.is_chain)
+            attend, layer_xs = drafter.attend(dstate, state.budget, at)
+            n = rows.shape[0]
+            hidden, cache, _ = decoder.forward(
+                params, cfg, tokens[:, rows], jnp.broadcast_to(at.position[:, None], (B, n)), jnp.ones((B, n), bool),
+                cache, attend, layer_xs, slots=at.slots,
+            )
+            key, sub = jax.random.split(key)
+            children, q = expand(sub, decoder.logits(params, cfg, hidden), kids.shape[1], sampling)
+            tokens = tokens.at[:, kids].set(children)
+            probs = None if q is None else probs.at[:, rows].set(q)
+            dstate = drafter.after_draft_step(dstate, cache, at.slots)
+            return (tokens, probs, cache, dstate, key), None
 
-    carry = (pending, state.cache, state.drafter, key)
-    (_, cache, dstate, _), (drafts, probs) = jax.lax.scan(step, carry, jnp.arange(drafter.spec.gamma))
-    probs = None if probs is None else jnp.swapaxes(probs, 0, 1)
-    return drafts.T, probs, dataclasses.replace(state, cache=cache, drafter=dstate)
+        carry, _ = jax.lax.scan(step, carry, xs)
+    tokens, probs, cache, dstate, _ = carry
+    return tokens, probs, dataclasses.replace(state, cache=cache, drafter=dstate)
 
 
-def verify(params, cfg, spec, drafter, state, drafts):
-    """Full attention over the pending token and the drafts (None: plain decoding).
+def expand(key, logits, b: int, sampling: SamplingConfig):
+    """A node's b children from its draft logits [B, n, V]: (tokens [B, n, b], q [B, n, V] or None when
+    greedy). Sampling draws without replacement by Gumbel top-b, in draw order (b = 1: a plain draw)."""
+    if sampling.greedy:
+        return jax.lax.top_k(logits, b)[1].astype(jnp.int32), None
+    q = process_logits(logits, sampling)
+    perturbed = jnp.log(q) + jax.random.gumbel(key, q.shape, jnp.float32)
+    return jax.lax.top_k(perturbed, b)[1].astype(jnp.int32), q
 
-    Returns float32 logits [B, T, V], the cache with the T rows' exact KV, and the selection scores
+
+def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
+    """Target attention over the pending token and a drafted tree (tokens [B, rows]; tree None: the
+    pending token alone, plain decoding): row t at slot first + t and position first + depth(t),
+    attending the committed cache and its ancestors.
+
+    Returns float32 logits [B, rows, V], the cache with the rows' exact KV, and the selection scores
     the drafter collects (per layer), or None.
     """
-    pending = pending_tokens(state)[:, None]
-    rows = pending if drafts is None else jnp.concatenate([pending, drafts], axis=1)
-    T = rows.shape[1]
-    positions = (state.length - 1)[:, None] + jnp.arange(T, dtype=jnp.int32)
+    T = tokens.shape[1]
+    first = state.length - 1
+    slots = first[:, None] + jnp.arange(T, dtype=jnp.int32)
+    positions = slots if tree is None else first[:, None] + jnp.asarray(tree.node_depth)
+    mask = None if tree is None or tree.is_chain else kernels.TreeMask(first, tree.ancestors)
     collect = None if drafter is None else drafter.collect(T)
-    attend = decoder.attention(cfg, positions, spec.backend, collect)
-    hidden, cache, scores = decoder.forward(params, cfg, rows, positions, jnp.ones_like(rows, bool), state.cache, attend)
+    attend = decoder.attention(cfg, slots, spec.backend, collect, tree=mask)
+    hidden, cache, scores = decoder.forward(
+        params, cfg, tokens, positions, jnp.ones_like(tokens, bool), state.cache, attend, slots=slots
+    )
     return decoder.logits(params, cfg, hidden), cache, scores
+
+
+def compact(cache: KVCache, first: jax.Array, path: jax.Array, tree: TreeShape) -> KVCache:
+    """Moves the accepted path's keys and values (slots first + path[d]) to slots first + d; a
+    chain's path is already in place. Entries past the accepted length are left for the next pass to
+    overwrite."""
+    if tree.is_chain:
+        return cache
+    return cache.move(first[:, None] + path, first[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32))
 
 
 def pending_tokens(state: DecodeState) -> jax.Array:
@@ -275,7 +325,7 @@ def pending_tokens(state: DecodeState) -> jax.Array:
     return jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)[:, 0]
 
 
-def _commit(state, cache, key, tokens, num_accepted, drafter, scores) -> DecodeState:
+def _commit(state, cache, key, tokens, num_accepted, path, drafter, scores, nodes: int) -> DecodeState:
     """Appends the emitted tokens (accepted drafts + one target token), cut at a stop id or the row's limit."""
     B, T = tokens.shape
     n = state.length
@@ -293,18 +343,18 @@ def _commit(state, cache, key, tokens, num_accepted, drafter, scores) -> DecodeS
     done = state.done | (active & ((stop_at < count) | (length >= state.stop_len)))
 
     stats = state.stats
-    gamma = stats.accepted_by_position.shape[1]
+    depth = stats.accepted_by_depth.shape[1]
     add = active.astype(jnp.int32)
     stats = SpecStats(
         iterations=stats.iterations + add,
-        drafted=stats.drafted + add * gamma,
+        drafted=stats.drafted + add * nodes,
         accepted=stats.accepted + add * num_accepted,
-        accepted_by_position=stats.accepted_by_position
-        + (active[:, None] & (jnp.arange(gamma)[None, :] < num_accepted[:, None])).astype(jnp.int32),
+        accepted_by_depth=stats.accepted_by_depth
+        + (active[:, None] & (jnp.arange(depth)[None, :] < num_accepted[:, None])).astype(jnp.int32),
     )
     dstate = state.drafter
     if drafter is not None:
-        dstate = drafter.after_verify(dstate, state.budget, scores, cache, n - 1, num_accepted)
+        dstate = drafter.after_verify(dstate, state.budget, scores, cache, n - 1, num_accepted, path)
     return dataclasses.replace(
         state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
     )

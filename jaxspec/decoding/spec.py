@@ -8,18 +8,22 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape
 from jaxspec.errors import JaxspecError
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
-MAX_GAMMA = 15  # verification handles gamma + 1 <= 16 rows in one kernel tile
+MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
 PAGE = 16  # page size of the page-granular policies (stream, quest)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """How to decode: the method, draft length `gamma` and the sparse budget.
+    """How to decode: the method, the draft tree and the sparse budget.
+
+    Drafts form a tree (`tree`: branching per depth, flattened in `traversal` order); without one,
+    a chain of `gamma` drafts, the tree (1, ..., 1). With a tree, gamma is its depth.
 
     Sparse drafters select K = clamp(ceil(ratio * context), min_tokens, k_max) KV entries, never more
     than there are candidates (DESIGN.md section 4). `k_max` is the static selection capacity (by
@@ -29,6 +33,8 @@ class SpecConfig:
 
     method: str = "plain"
     gamma: int = 6
+    tree: tuple[int, ...] | None = None
+    traversal: str = "bfs"
     ratio: float | None = 0.07
     min_tokens: int | None = 256
     k_max: int | None = None
@@ -39,9 +45,17 @@ class SpecConfig:
     prefill_chunk: int = 256
 
     def validate(self) -> SpecConfig:
+        """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
+        gamma set to its depth."""
         if self.method not in METHODS:
             raise JaxspecError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
-        if self.method != "plain" and not 1 <= self.gamma <= MAX_GAMMA:
+        if self.traversal not in ORDERS:
+            raise JaxspecError(f"--traversal must be bfs or dfs, got {self.traversal!r}")
+        if self.tree is not None:
+            if self.method == "plain":
+                raise JaxspecError("--tree needs a drafting method, not plain")
+            self = dataclasses.replace(self, gamma=TreeShape(self.tree, self.traversal).depth)
+        elif self.method != "plain" and not 1 <= self.gamma <= MAX_GAMMA:
             raise JaxspecError(f"--gamma must be between 1 and {MAX_GAMMA}, got {self.gamma}")
         if self.ratio is not None and not (0 < self.ratio <= 1 and math.isfinite(self.ratio)):
             raise JaxspecError(f"--ratio must be in (0, 1], got {self.ratio}")
@@ -61,14 +75,24 @@ class SpecConfig:
 
     @property
     def draft_len(self) -> int:
-        """Tokens drafted per iteration (0 for plain decoding)."""
+        """Most drafts accepted per iteration: the tree's depth (0 for plain decoding)."""
         return 0 if self.method == "plain" else self.gamma
 
+    @property
+    def shape(self) -> TreeShape | None:
+        """The draft tree (a chain of gamma drafts without `tree`); None for plain decoding."""
+        if self.method == "plain":
+            return None
+        return TreeShape(self.tree or (1,) * self.gamma, self.traversal)
+
     def describe(self) -> dict:
-        """method, gamma, ratio and metric as stats and benchmark rows report them (None where unused)."""
+        """method, gamma, tree, ratio and metric as stats and benchmark rows report them (None where unused)."""
         return {
             "method": self.method,
             "gamma": self.draft_len,
+            "tree": ",".join(map(str, self.tree)) if self.tree and self.method != "plain" else None,
+            "traversal": self.traversal if self.tree and self.method != "plain" else None,
+            "nodes": self.shape.rows - 1 if self.shape else 0,
             "ratio": self.ratio if self.method in SPARSE_METHODS else None,
             "metric": self.metric if self.method in SCORE_METHODS else None,
         }

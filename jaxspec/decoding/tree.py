@@ -76,6 +76,27 @@ class TreeShape:
     def max_branching(self) -> int:
         return max(self.branching)
 
+    @property
+    def is_chain(self) -> bool:
+        """One child per node: every earlier row is an ancestor, so masks are plain causal ones."""
+        return self.max_branching == 1
+
+    def rows_at(self, depth: int) -> np.ndarray:
+        """[n] int32: the rows of the nodes at `depth`, in flattened order."""
+        return np.flatnonzero(self.node_depth == depth).astype(np.int32)
+
+    def draft_segments(self) -> list[list[int]]:
+        """The depths 0 .. D-1 whose nodes draft children, grouped into runs of equal (nodes, branching):
+        a run is one `lax.scan` of draft forwards with static shapes (a chain is a single run)."""
+        runs: list[list[int]] = []
+        key = lambda d: (len(self.rows_at(d)), self.branching[d])
+        for d in range(self.depth):
+            if runs and key(runs[-1][-1]) == key(d):
+                runs[-1].append(d)
+            else:
+                runs.append([d])
+        return runs
+
     @functools.cached_property
     def parent(self) -> np.ndarray:
         """[rows] int32: each row's parent row (-1 for the root)."""
@@ -189,8 +210,12 @@ def tree_accept(
             kid = kids[:, i]
             trying = alive & (chosen < 0) & (kid >= 0)
             x = at(tokens, jnp.maximum(kid, 0))
-            q_i = jax.nn.one_hot(x, resid.shape[-1], dtype=jnp.float32) if q is None else q / jnp.maximum(
-                jnp.sum(q, axis=-1, keepdims=True), 1e-30)
+            if q is None:
+                q_i = jax.nn.one_hot(x, resid.shape[-1], dtype=jnp.float32)
+            else:  # a sibling drawn after q's support ran out is no candidate (Gumbel top-b pads with them)
+                q_mass = jnp.sum(q, axis=-1, keepdims=True)
+                trying &= q_mass[:, 0] > 0
+                q_i = q / jnp.maximum(q_mass, 1e-30)
             p_x, q_x = resid[rows, x], q_i[rows, x]
             u = jax.random.uniform(keys[d * K + i], (B,))
             accept = trying & (u * q_x < p_x)  # u < p/q without dividing: q(x) = 0 accepts iff p(x) > 0

@@ -130,18 +130,20 @@ def forward(
     cache: KVCache,
     attend: AttendFn,
     layer_xs: Any = None,
+    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, Any]:
-    """Runs all layers on `tokens` [B, T] at `positions` [B, T].
+    """Runs all layers on `tokens` [B, T] at `positions` [B, T] (RoPE).
 
-    Keys/values of tokens with `valid` [B, T] true are written into the cache at their positions
-    before `attend` reads it; invalid tokens (padding) write nothing. `layer_xs` is a pytree with a
-    leading layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back
-    stacked. Returns the last hidden states [B, T, D] (before the final norm), the cache, and those.
+    Keys/values of tokens with `valid` [B, T] true are written into the cache at `slots` [B, T]
+    (default: their positions; a draft tree's nodes share positions and differ in slots) before
+    `attend` reads it; invalid tokens (padding) write nothing. `layer_xs` is a pytree with a leading
+    layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked.
+    Returns the last hidden states [B, T, D] (before the final norm), the cache, and those.
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    write_pos = jnp.where(valid, positions, cache.k.shape[3])  # out of range -> dropped
+    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # out of range -> dropped
 
     def layer(carry, xs):
         x, cache = carry
@@ -175,24 +177,17 @@ def forward(
     return x, cache, layer_ys
 
 
-def attention(cfg: ModelConfig, q_pos: jax.Array, backend: str, collect=None) -> AttendFn:
-    """The model's own attention for query rows at `q_pos` [B, T]: full causal attention over the
-    cache, or NSA for NSA models. Per layer it yields the selection scores asked for by `collect`
-    (None without it)."""
+def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, tree=None) -> AttendFn:
+    """The model's own attention for query rows at slots `q_slot` [B, T]: full causal attention over
+    the cache (a draft tree's rows see only their ancestors among its slots: `tree`, a
+    kernels.TreeMask), or NSA for NSA models. Per layer it yields the selection scores asked for by
+    `collect` (None without it)."""
     if cfg.nsa:
-        return nsa.attend_fn(cfg, q_pos, backend, collect)
-    return dense_attend(cfg, q_pos, backend, collect)
-
-
-def dense_attend(cfg: ModelConfig, q_pos: jax.Array, backend: str, collect=None) -> AttendFn:
-    """Full causal attention over the cache for query rows at `q_pos` [B, T].
-
-    Per layer it yields the attention kernel's collected selection scores (None without `collect`).
-    """
+        return nsa.attend_fn(cfg, q_slot, backend, collect, tree)
 
     def attend(layer, q, cache, _, _gates):
         out, _, scores = kernels.verify_attention(
-            q, cache.k, cache.v, layer, q_pos, scale=cfg.head_dim**-0.5, collect=collect, backend=backend
+            q, cache.k, cache.v, layer, q_slot, scale=cfg.head_dim**-0.5, collect=collect, tree=tree, backend=backend
         )
         return out, scores
 

@@ -47,7 +47,9 @@ class KVCache:
         """Writes k, v [B, T, Hkv, Dh] of `layer` at slots `positions` [B, T]; out-of-range slots are dropped.
 
         Positions of a row are consecutive (padding, if any, at the end); an NSA cache then recomputes
-        the compressed blocks those slots fall in.
+        the compressed blocks those slots fall in. (The nodes of one depth of a DFS draft tree are not
+        consecutive: their blocks are recomputed by the verification pass, which writes every tree
+        slot, before any NSA attention reads them; draft forwards read no compressed blocks.)
         """
         B = positions.shape[0]
         rows = jnp.arange(B)[:, None]
@@ -55,6 +57,17 @@ class KVCache:
         new_v = self.v.at[layer, rows, :, positions].set(v.astype(self.v.dtype), mode="drop")
         cache = dataclasses.replace(self, k=new_k, v=new_v)
         return cache if self.k_cmp is None else cache._refresh_blocks(layer, positions[:, 0], positions.shape[1])
+
+    def move(self, src: jax.Array, dst: jax.Array) -> KVCache:
+        """Copies slots src [B, n] to slots dst [B, n] (consecutive) in every layer; an NSA cache then
+        recomputes the compressed blocks of dst (a draft tree's accepted path moving into place)."""
+        rows = jnp.arange(src.shape[0])[:, None]
+        moved = lambda x: x.at[:, rows, :, dst].set(x[:, rows, :, src])
+        cache = dataclasses.replace(self, k=moved(self.k), v=moved(self.v))
+        if self.k_cmp is None:
+            return cache
+        refresh = lambda layer, c: c._refresh_blocks(layer, dst[:, 0], dst.shape[1])
+        return jax.lax.fori_loop(0, self.k.shape[0], refresh, cache)
 
     def _refresh_blocks(self, layer: jax.Array, first: jax.Array, num_rows: int) -> KVCache:
         """Recomputes the compressed entries of the blocks holding slots first[b] .. first[b] + num_rows - 1."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.decoding.drafters.base import Drafter, DraftRows
 from jaxspec.decoding.drafters.ngram import Ngram
 from jaxspec.decoding.drafters.quest import Quest
 from jaxspec.decoding.drafters.stream import Stream

@@ -3,12 +3,16 @@
 A policy is one file with one `Drafter` subclass. The engine calls, per generation:
     init(cache, prompt_len)                 after prefill, before the last prompt token's step
     collect(num_rows)                       which verify rows' attention scores to gather (or None)
-    after_verify(state, budget, scores, cache, first_pos, num_accepted)
+    after_verify(state, budget, scores, cache, first_pos, num_accepted, path)
                                             after every verification (and after the last prompt token,
-                                            with one row and num_accepted 0): recompute the selection
-    attend(state, budget, q_pos) -> (attend, layer_xs)
-                                            the attention of one draft step at positions q_pos [B]
-    after_draft_step(state, cache, q_pos)   after each draft step (e.g. metadata of written pages)
+                                            with one row and num_accepted 0) and after the accepted
+                                            path's keys moved to slots first_pos + d: recompute the
+                                            selection; `path` [B, depth + 1] are the accepted rows
+    attend(state, budget, rows) -> (attend, layer_xs)
+                                            the attention of one draft forward over `rows` (DraftRows:
+                                            the tree nodes of one depth; one row for a chain)
+    after_draft_step(state, cache, slots)   after each draft forward, slots [B, n] just written (e.g.
+                                            metadata of written pages)
 Model-free drafters (n-gram) set `uses_model = False` and implement `propose` instead. `budget` is
 the run-time `spec.Budget`; the capacity `k_max` is static.
 """
@@ -26,8 +30,35 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache
 from jaxspec.models.decoder import AttendFn
 from jaxspec.decoding.spec import Budget, SpecConfig
+from jaxspec.decoding.tree import TreeShape
 
 State = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRows:
+    """The query rows of one draft forward: the nodes of one tree depth, all at position first + depth,
+    node row r at slot first + r (traced inside the engine's scan over depths)."""
+
+    first: jax.Array  # [B] slot (and position) of the root, the pending token
+    depth: jax.Array  # [] int32
+    rows: jax.Array  # [n] int32: the nodes' rows in the flattened tree
+    ancestors: jax.Array  # [n, rows] bool: which tree rows each node sees (itself and its ancestors)
+    chain: bool  # static: every earlier row is an ancestor (no mask needed)
+
+    @property
+    def position(self) -> jax.Array:
+        """[B] the rows' common position."""
+        return self.first + self.depth
+
+    @property
+    def slots(self) -> jax.Array:
+        """[B, n] the rows' cache slots."""
+        return self.first[:, None] + self.rows
+
+    @property
+    def mask(self) -> kernels.TreeMask | None:
+        return None if self.chain else kernels.TreeMask(self.first, self.ancestors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +80,18 @@ class Drafter:
         return None
 
     def after_verify(
-        self, state: State, budget: Budget, scores: Any, cache: KVCache, first_pos: jax.Array, num_accepted: jax.Array
+        self, state: State, budget: Budget, scores: Any, cache: KVCache, first_pos: jax.Array,
+        num_accepted: jax.Array, path: jax.Array,
     ) -> State:
         return state
 
-    def attend(self, state: State, budget: Budget, q_pos: jax.Array) -> tuple[AttendFn, Any]:
+    def attend(self, state: State, budget: Budget, rows: DraftRows) -> tuple[AttendFn, Any]:
         raise NotImplementedError
 
-    def after_draft_step(self, state: State, cache: KVCache, q_pos: jax.Array) -> State:
+    def after_draft_step(self, state: State, cache: KVCache, slots: jax.Array) -> State:
         return state
 
-    def propose(self, tokens: jax.Array, length: jax.Array) -> jax.Array:
+    def propose(self, tokens: jax.Array, length: jax.Array, tree: TreeShape) -> jax.Array:
         raise NotImplementedError
 
     def count(self, budget: Budget, context: jax.Array) -> jax.Array:
@@ -67,14 +99,16 @@ class Drafter:
         k = jnp.ceil(budget.ratio * context.astype(jnp.float32)).astype(jnp.int32)
         return jnp.minimum(jnp.clip(k, budget.min_tokens, self.k_max), context)
 
-    def sparse_attend(self, idx_layers: jax.Array, n_idx: jax.Array, tail_start: jax.Array, q_pos: jax.Array, tail_capacity: int) -> tuple[AttendFn, Any]:
-        """Draft attention over per-layer gathered slots `idx_layers` [L, B, Hs, K] plus the tail [tail_start, q_pos]."""
+    def sparse_attend(self, idx_layers: jax.Array, n_idx: jax.Array, tail_start: jax.Array, rows: DraftRows,
+                      tail_capacity: int) -> tuple[AttendFn, Any]:
+        """Draft attention over per-layer gathered slots `idx_layers` [L, B, Hs, K] plus the tail from
+        tail_start to each row's slot, of the tree's slots only the row's ancestors."""
 
         def attend(layer, q, cache, idx, _gates):
             out = kernels.sparse_attention(
-                q[:, 0], cache.k, cache.v, layer, idx, n_idx, tail_start, q_pos,
-                scale=self.scale, tail_capacity=tail_capacity, backend=self.spec.backend,
+                q, cache.k, cache.v, layer, idx, n_idx, tail_start, rows.slots,
+                scale=self.scale, tail_capacity=tail_capacity, tree=rows.mask, backend=self.spec.backend,
             )
-            return out[:, None], None
+            return out, None
 
         return attend, idx_layers

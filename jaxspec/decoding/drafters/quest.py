@@ -3,7 +3,9 @@
 Each 16-slot page keeps the elementwise min and max of its keys per KV head. A page's score for the
 current query is sum_d max(q_d * kmax_d, q_d * kmin_d), summed over the query heads of the group; the
 top pages per KV head are attended together with the query's own (last) page. The first two layers
-attend densely, as in the Quest paper.
+attend densely, as in the Quest paper. The nodes of one draft-tree depth share one page choice,
+scored with all their queries (summed as the heads of a group are); their tail starts at the root's
+page.
 """
 
 from __future__ import annotations
@@ -39,36 +41,36 @@ class Quest(Drafter):
         pages = _pages(cache.k)
         return PageBounds(pages.min(axis=4), pages.max(axis=4))
 
-    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted):
-        positions = first_pos[:, None] + jnp.arange(self.spec.gamma + 1, dtype=jnp.int32)
-        return self.refresh(state, cache, positions)
+    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted, path):
+        slots = first_pos[:, None] + jnp.arange(self.spec.shape.rows, dtype=jnp.int32)
+        return self.refresh(state, cache, slots)
 
-    def after_draft_step(self, state, cache, q_pos):
-        return self.refresh(state, cache, q_pos[:, None])
+    def after_draft_step(self, state, cache, slots):
+        return self.refresh(state, cache, slots)
 
-    def refresh(self, state: PageBounds, cache: KVCache, positions: jax.Array) -> PageBounds:
-        """Recomputes the bounds of the pages holding `positions` [B, m] (just written) in every layer."""
-        rows = jnp.arange(positions.shape[0])[:, None]
-        page = positions // PAGE
+    def refresh(self, state: PageBounds, cache: KVCache, slots: jax.Array) -> PageBounds:
+        """Recomputes the bounds of the pages holding `slots` [B, m] (just written) in every layer."""
+        rows = jnp.arange(slots.shape[0])[:, None]
+        page = slots // PAGE
         keys = _pages(cache.k)[:, rows, :, page]  # [B, m, L, Hkv, PAGE, Dh]
         kmin = state.kmin.at[:, rows, :, page].set(keys.min(axis=4), mode="drop")
         kmax = state.kmax.at[:, rows, :, page].set(keys.max(axis=4), mode="drop")
         return PageBounds(kmin, kmax)
 
-    def attend(self, state, budget, q_pos):
-        B = q_pos.shape[0]
+    def attend(self, state, budget, rows):
+        B, T = rows.slots.shape
         H, G, D = self.cfg.num_kv_heads, self.cfg.group_size, self.cfg.head_dim
-        last_page = q_pos // PAGE
-        # Pages before the query's own page; the own page is the tail.
-        n_pages = jnp.minimum(-(-self.count(budget, q_pos + 1) // PAGE) - 1, last_page)
+        last_page = rows.first // PAGE
+        # Pages before the root's page; the root's page onwards is the tail.
+        n_pages = jnp.minimum(-(-self.count(budget, rows.position + 1) // PAGE) - 1, last_page)
         page_ids = jnp.arange(state.kmin.shape[3], dtype=jnp.int32)
         offsets = jnp.arange(PAGE, dtype=jnp.int32)
 
         def sparse(layer, q, cache, bounds):
             kmin, kmax = (b.astype(jnp.float32) for b in bounds)  # [B, Hkv, P, Dh]
-            qg = q[:, 0].astype(jnp.float32).reshape(B, H, G, D)
+            qg = q.astype(jnp.float32).reshape(B, T, H, G, D)
             # max(q*kmax, q*kmin) = q+ * kmax - q- * kmin since kmax >= kmin.
-            pos_q, neg_q = jnp.maximum(qg, 0).sum(2), jnp.maximum(-qg, 0).sum(2)
+            pos_q, neg_q = jnp.maximum(qg, 0).sum((1, 3)), jnp.maximum(-qg, 0).sum((1, 3))
             page_scores = jnp.einsum("bhd,bhpd->bhp", pos_q, kmax) - jnp.einsum("bhd,bhpd->bhp", neg_q, kmin)
             page_scores = jnp.where(page_ids < last_page[:, None, None], page_scores, -jnp.inf)
             top = kernels.select_topk(
@@ -76,13 +78,13 @@ class Quest(Drafter):
             )
             idx = (top[..., None] * PAGE + offsets).reshape(B, H, -1)
             return kernels.sparse_attention(
-                q[:, 0], cache.k, cache.v, layer, idx, n_pages * PAGE, last_page * PAGE, q_pos,
-                scale=self.scale, tail_capacity=PAGE, backend=self.spec.backend,
-            )[:, None]
+                q, cache.k, cache.v, layer, idx, n_pages * PAGE, last_page * PAGE, rows.slots,
+                scale=self.scale, tail_capacity=PAGE + self.spec.shape.rows, tree=rows.mask, backend=self.spec.backend,
+            )
 
         def dense(layer, q, cache, bounds):
             out, _, _ = kernels.verify_attention(
-                q, cache.k, cache.v, layer, q_pos[:, None], scale=self.scale, backend=self.spec.backend
+                q, cache.k, cache.v, layer, rows.slots, scale=self.scale, tree=rows.mask, backend=self.spec.backend
             )
             return out
 

@@ -14,15 +14,17 @@ SINKS = 16
 
 
 class Stream(Drafter):
-    def attend(self, state, budget, q_pos):
-        context = q_pos + 1
+    def attend(self, state, budget, rows):
+        context = rows.position + 1
         k = self.count(budget, context)
-        dense = k >= context
-        # The window is whole pages plus the current partial page; it always holds the query itself.
+        # The window is whole pages plus the current partial page; it always holds the query itself,
+        # and it reaches back to the root, so every tree node sees its ancestors (dense while the root
+        # is among the sinks).
+        dense = (k >= context) | (rows.first < SINKS)
         window = jnp.maximum(k - SINKS, PAGE)
-        window_start = jnp.maximum(-(-(context - window) // PAGE) * PAGE, SINKS)
+        window_start = jnp.minimum(jnp.maximum(-(-(context - window) // PAGE) * PAGE, SINKS), rows.first)
         n_idx = jnp.where(dense, 0, SINKS)
         tail_start = jnp.where(dense, 0, window_start)
-        L, B = self.cfg.num_layers, q_pos.shape[0]
+        L, B = self.cfg.num_layers, rows.first.shape[0]
         idx = jnp.broadcast_to(jnp.arange(SINKS, dtype=jnp.int32), (L, B, 1, SINKS))
-        return self.sparse_attend(idx, n_idx, tail_start, q_pos, tail_capacity=self.k_max + PAGE)
+        return self.sparse_attend(idx, n_idx, tail_start, rows, tail_capacity=self.k_max + PAGE + self.spec.shape.rows)

@@ -4,6 +4,13 @@ The verification pass already computes every key's attention score. These polici
 of some verify rows (inside the attention kernel), average them over query heads (and rows), and pick
 the top-K slots per layer, shared by all KV heads. Drafting attends those slots plus every slot after
 the selection's prefix (the tail).
+
+With a draft tree, Vegas's second row is the last row of the flattened tree: in BFS and DFS order a
+node of the greatest depth, so it sees the committed cache through the longest drafted context, as
+row gamma does in a chain. Its scores are gathered inside the verify pass, before acceptance is known;
+choosing the deepest node on the accepted path instead would mean keeping every row's scores, which
+is what last_accepted pays for. Vegas and all_rows rank the slots up to the root; last_accepted ranks
+up to its accepted row, whose scores move with the path's keys.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as kernels
 from jaxspec.decoding.drafters.base import Drafter
+from pallas_kernels.verify_attention import mask_scores
 
 
 @jax.tree_util.register_dataclass
@@ -41,7 +49,7 @@ class Vegas(Drafter):
         zeros = jnp.zeros((B,), jnp.int32)
         return Selection(jnp.zeros((L, B, 1, self.k_max), jnp.int32), zeros, zeros)
 
-    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted):
+    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted, path):
         return self.select(budget, scores, first_pos)
 
     def select(self, budget, scores: jax.Array, last: jax.Array) -> Selection:
@@ -50,10 +58,11 @@ class Vegas(Drafter):
         idx = kernels.select_topk(scores, self.k_max, k[None, :], backend=self.spec.backend)
         return Selection(idx[:, :, None, :], k, last + 1)
 
-    def attend(self, state, budget, q_pos):
-        # After a verification at row-0 position p the tail starts at p + 1; the next iteration drafts
-        # up to p + 2 * gamma, so the tail never holds more than 2 * gamma slots.
-        return self.sparse_attend(state.idx, state.n_idx, state.tail_start, q_pos, tail_capacity=2 * self.spec.gamma)
+    def attend(self, state, budget, rows):
+        # After a verification with root slot p the tail starts at p + 1 (at most); the next root is at
+        # most p + depth + 1, and the tree's rows follow it.
+        tree = self.spec.shape
+        return self.sparse_attend(state.idx, state.n_idx, state.tail_start, rows, tree.depth + tree.rows)
 
 
 class AllRows(Vegas):
@@ -71,6 +80,15 @@ class LastAccepted(Vegas):
     def rows(self, num_rows: int) -> tuple[int, ...]:
         return tuple(range(num_rows))
 
-    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted):
-        row = jnp.broadcast_to(num_accepted[None, :, None, None], (scores.shape[0], scores.shape[1], 1, 1))
-        return self.select(budget, jnp.take_along_axis(scores, row, axis=2)[:, :, 0], first_pos + num_accepted)
+    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted, path):
+        """Scores of the accepted path's last row, moved with the path's keys: slot first_pos + d takes
+        the score of slot first_pos + path[d] (a no-op for chains)."""
+        last = first_pos + num_accepted
+        L, B = scores.shape[:2]
+        row = jnp.take_along_axis(path, num_accepted[:, None], axis=1)[:, 0]
+        s = jnp.take_along_axis(scores, jnp.broadcast_to(row[None, :, None, None], (L, B, 1, 1)), axis=2)[:, :, 0]
+        if not self.spec.shape.is_chain:
+            b = jnp.arange(B)[:, None]
+            dst = first_pos[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)
+            s = mask_scores(s.at[:, b, dst].set(s[:, b, first_pos[:, None] + path]), last)
+        return self.select(budget, s, last)

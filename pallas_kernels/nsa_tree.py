@@ -1,0 +1,78 @@
+"""NSA attention for the rows of a draft tree: each row attends exactly as if its root-to-node path
+were the next tokens after the committed cache (reference, any T; the SSV issue's grouped kernel is
+the fast path).
+
+Tree row t sits at slot first + t and at position first + depth(t); on its path the key at position
+first + j (j <= depth(t)) is that of its ancestor of depth j. NSA's blocks, selection and window are
+positional, so every key read goes through the row's position -> slot map, and the compressed blocks
+holding tree positions are recomputed per row from its path (the cache's entries there mix siblings).
+"""
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.nsa_compressed import nsa_compressed_reference, select_blocks
+from pallas_kernels.nsa_selected import nsa_selected_reference
+
+
+def tree_paths(ancestors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(depth [T], paths [T, D + 1]): each row's depth and its ancestor row at every depth (rows past
+    its depth repeat itself; they are never read). Parents precede children in the rows' order."""
+    ancestors = np.asarray(ancestors, bool)
+    depth = ancestors.sum(axis=1) - 1
+    paths = np.zeros((len(depth), depth.max() + 1), np.int32)
+    for t in range(len(depth)):
+        rows = np.flatnonzero(ancestors[t])
+        paths[t] = np.concatenate([rows, np.full(paths.shape[1] - len(rows), t)])
+    return depth.astype(np.int32), paths
+
+
+def path_slot_map(first, paths: np.ndarray):
+    """positions [B, T, ...] -> the slots holding them on each row's path."""
+    D = paths.shape[1] - 1
+
+    def slot_of(pos):
+        shape = (pos.shape[0], pos.shape[1]) + (1,) * (pos.ndim - 2)
+        start = first.reshape((-1,) + (1,) * (pos.ndim - 1))
+        rel = pos - start
+        rows = jnp.arange(pos.shape[1]).reshape((1, -1) + (1,) * (pos.ndim - 2))
+        on_path = start + jnp.asarray(paths)[jnp.broadcast_to(rows, shape), jnp.clip(rel, 0, D)]
+        return jnp.where(rel < 0, pos, on_path)
+
+    return slot_of
+
+
+def nsa_tree_reference(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, gates, *, block_size: int,
+                       block_counts: int, window: int, rule: str, scale: float):
+    """q [B, T, Hq, Dh] of the tree rows (slots first + t), the cache [L, B, Hkv, S, Dh] holding their
+    keys, k_cmp/v_cmp [L, B, Hkv, NB, Dh], ancestors [T, T] (static), gates [B, T, Hq, 3]. Returns
+    (out [B, T, Hq, Dh], importance weights [B, T, Hkv, NB], positions [B, T])."""
+    B, T, Hq, Dh = q.shape
+    Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
+    depth, paths = tree_paths(ancestors)
+    q_pos = first[:, None] + jnp.asarray(depth)
+    slot_of = path_slot_map(first, paths)
+
+    # Each row's compressed view: the blocks from the root's block on hold path keys.
+    m = min((paths.shape[1] - 1) // block_size + 2, NB)
+    blocks = jnp.minimum(first[:, None] // block_size + jnp.arange(m), NB - 1)  # [B, m]
+    pos = blocks[:, None, :, None] * block_size + jnp.arange(block_size)  # [B, 1, m, bs]
+    slots = slot_of(jnp.broadcast_to(pos, (B, T, m, block_size)))
+    b = jnp.arange(B)[:, None, None, None]
+
+    def view(cache, cmp):  # [B * T, Hkv, NB, Dh]: the shared blocks, the path's blocks recomputed
+        x = lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)  # [B, Hkv, S, Dh]
+        means = jnp.mean(jnp.moveaxis(x, 1, 2)[b, slots].astype(jnp.float32), axis=3)  # [B, T, m, Hkv, Dh]
+        shared = jnp.broadcast_to(lax.dynamic_index_in_dim(cmp, layer, 0, keepdims=False)[:, None],
+                                  (B, T, Hkv, NB, Dh))
+        rows = jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], slice(None), blocks[:, None, :]
+        return shared.at[rows].set(means.astype(cmp.dtype)).reshape(B * T, Hkv, NB, Dh)
+
+    o_cmp, weights = nsa_compressed_reference(
+        q.reshape(B * T, 1, Hq, Dh), view(k_cache, k_cmp)[None], view(v_cache, v_cmp)[None], 0,
+        q_pos.reshape(B * T, 1), block_size=block_size, scale=scale)
+    o_cmp, weights = o_cmp.reshape(B, T, Hq, Dh), weights.reshape(B, T, Hkv, NB)
+    idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule)
+    out = nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, block_size=block_size,
+                                 window=window, scale=scale, slot_of=slot_of)
+    return out, weights, q_pos
