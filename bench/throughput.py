@@ -338,7 +338,7 @@ def plots(result: dict, out: Path) -> None:
     smol = [r for r in result["rows"] if r["model"] == "smollm2-135m" and r["workload"] == "b" and r["batch"] == 1 and r.get("acceptance_by_depth")]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in smol:
-        ax.plot(range(1, len(r["acceptance_by_depth"]) + 1), r["acceptance_by_position"], marker="o", label=f"{r['method']} (γ={r['gamma']})")
+        ax.plot(range(1, len(r["acceptance_by_depth"]) + 1), r["acceptance_by_depth"], marker="o", label=f"{r['method']} (γ={r['gamma']})")
     ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), title="SmolLM2-135M, long prompts (workload b)")
     ax.legend()
     fig.tight_layout()

@@ -120,7 +120,7 @@ def draw(key: jax.Array, weights: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames="cfg")
 def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array | None]:
     """(tokens int32 [...], probs float32 [..., V] they were drawn from). Greedy returns the first
-    argmax of the raw logits and probs None, which `rejection_sample` reads as one-hot q."""
+    argmax of the raw logits and probs None, which `tree.tree_accept` reads as one-hot q."""
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = process_logits(logits, cfg)
