@@ -41,7 +41,7 @@ def parse_args(argv):
     p.add_argument("--traversal", choices=("bfs", "dfs"), default="bfs", help="flattening order of the --tree nodes")
     p.add_argument("--ratio", type=float, default=None, help="fraction of the context a sparse drafter keeps (default 0.07, or the --tuned choice)")
     p.add_argument("--tuned", type=Path, default=None,
-                   help="a file from `python -m jaxspec.tune` (or bench/kv_bound.json): its gamma, ratio and metric for --method")
+                   help="a file from `python -m jaxspec.tune` (or bench/kv_bound.json): its gamma or tree, ratio and metric for --method")
     p.add_argument("--min-tokens", type=int, default=256, help="least KV entries a sparse drafter keeps")
     p.add_argument("--metric", choices=("weight", "logit"), default=None, help="score of vegas/all_rows/last_accepted (default weight, or the --tuned choice)")
     p.add_argument("--ngram-min", type=int, default=1)
@@ -62,9 +62,13 @@ def main(argv=None):
     gamma = args.gamma if args.gamma is not None else tuned.get("gamma") or 6
     ratio = args.ratio if args.ratio is not None else tuned.get("ratio") or 0.07
     metric = args.metric or tuned.get("metric") or "weight"
-    tree = TreeShape.parse(args.tree).branching if args.tree is not None else None
+    tree, traversal = None, args.traversal
+    if args.tree is not None:
+        tree = TreeShape.parse(args.tree).branching
+    elif args.gamma is None and tuned.get("tree"):  # the tuned tree, unless the flags ask for a chain
+        tree, traversal = TreeShape.parse(tuned["tree"]).branching, tuned.get("traversal") or "bfs"
     spec = SpecConfig(
-        method=args.method, gamma=gamma, tree=tree, traversal=args.traversal, ratio=ratio, min_tokens=args.min_tokens,
+        method=args.method, gamma=gamma, tree=tree, traversal=traversal, ratio=ratio, min_tokens=args.min_tokens,
         metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max, backend=args.backend,
     ).validate()
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]

@@ -4,8 +4,9 @@ The three steps of DESIGN.md section 6 (those of the Vegas paper):
   1. sweep the ratio at a large gamma until tokens per iteration stabilise (the smallest ratio within
      `--tolerance` of the best tokens per iteration);
   2. sweep gamma at that ratio for decode throughput;
-  3. re-adjust the ratio at that gamma for decode throughput.
-n-gram lookup has no ratio (step 2 only). The choice is printed and saved as JSON, which
+  3. re-adjust the ratio at that gamma for decode throughput;
+  4. with `--trees`, measure each draft-tree shape at that ratio and keep it if it beats the chain.
+n-gram lookup has no ratio (steps 2 and 4 only). The choice is printed and saved as JSON, which
 `python -m jaxspec.generate --method M --tuned FILE` reads. Ratios share one compilation per gamma.
 """
 
@@ -22,6 +23,7 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig
+from jaxspec.decoding.tree import TreeShape
 
 RATIOS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.15)
 GAMMAS = (2, 4, 6, 8, 10)
@@ -38,8 +40,9 @@ class Tuner:
         self.cache = prefill(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
         self.log: list[dict] = []
 
-    def measure(self, method: str, gamma: int, ratio: float | None) -> dict:
-        spec = SpecConfig(method=method, gamma=gamma, ratio=ratio or 0.07, k_max=self.k_max, backend=self.backend)
+    def measure(self, method: str, gamma: int, ratio: float | None, tree: TreeShape | None = None) -> dict:
+        spec = SpecConfig(method=method, gamma=gamma, ratio=ratio or 0.07, k_max=self.k_max, backend=self.backend,
+                          tree=tree and tree.branching, traversal=tree.order if tree else "bfs")
         run = run_generation(
             self.params, self.cfg, self.batch, spec=spec.validate(), sampling=self.sampling, max_len=self.max_len,
             max_new_tokens=self.max_new, stop_ids=(), cache=jax.tree.map(jnp.copy, self.cache),
@@ -49,6 +52,7 @@ class Tuner:
         decode_tokens = int((run.output.length - run.output.prompt_len).sum()) - len(self.batch.lengths)
         row = {
             "method": method, "gamma": spec.draft_len, "ratio": ratio,
+            "tree": spec.describe()["tree"], "traversal": spec.describe()["traversal"],
             "tokens_per_iteration": (int(stats.accepted.sum()) + iterations) / iterations,
             "tokens_per_s": decode_tokens / run.decode_s,
         }
@@ -57,22 +61,24 @@ class Tuner:
         return row
 
 
-def tune_method(tuner: Tuner, method: str, ratios, gammas, large_gamma: int, tolerance: float) -> dict:
+def tune_method(tuner: Tuner, method: str, ratios, gammas, large_gamma: int, tolerance: float, trees=()) -> dict:
+    fastest = lambda rows: max(rows, key=lambda r: r["tokens_per_s"])
     if method == "plain":
         return tuner.measure("plain", 1, None)
     if method == "ngram":
-        return max((tuner.measure(method, g, None) for g in gammas), key=lambda r: r["tokens_per_s"])
-    sweep = [tuner.measure(method, large_gamma, r) for r in ratios]
-    best_tpi = max(r["tokens_per_iteration"] for r in sweep)
-    ratio = min(r["ratio"] for r in sweep if r["tokens_per_iteration"] >= (1 - tolerance) * best_tpi)
-    by_gamma = [tuner.measure(method, g, ratio) for g in gammas]
-    gamma = max(by_gamma, key=lambda r: r["tokens_per_s"])["gamma"]
-    at_gamma = [r for r in by_gamma if r["gamma"] == gamma] + [tuner.measure(method, gamma, r) for r in ratios]
-    return max(at_gamma, key=lambda r: r["tokens_per_s"])
+        chain = fastest([tuner.measure(method, g, None) for g in gammas])
+    else:
+        sweep = [tuner.measure(method, large_gamma, r) for r in ratios]
+        best_tpi = max(r["tokens_per_iteration"] for r in sweep)
+        ratio = min(r["ratio"] for r in sweep if r["tokens_per_iteration"] >= (1 - tolerance) * best_tpi)
+        by_gamma = [tuner.measure(method, g, ratio) for g in gammas]
+        gamma = fastest(by_gamma)["gamma"]
+        chain = fastest([r for r in by_gamma if r["gamma"] == gamma] + [tuner.measure(method, gamma, r) for r in ratios])
+    return fastest([chain] + [tuner.measure(method, tree.depth, chain["ratio"], tree) for tree in trees])
 
 
 def load_tuned(path: Path, method: str) -> dict:
-    """The (gamma, ratio) chosen for `method` in a file written by this tool."""
+    """The (gamma, ratio, and tree if one won) chosen for `method` in a file written by this tool."""
     try:
         methods = json.loads(path.read_text())["methods"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -80,6 +86,12 @@ def load_tuned(path: Path, method: str) -> dict:
     if method not in methods:
         raise JaxspecError(f"tuned file {path} has no entry for method {method!r} (it has {', '.join(methods)})")
     return methods[method]
+
+
+def parse_tree(text: str) -> TreeShape:
+    """'3,2,1' (BFS) or 'dfs:2,2,2'."""
+    order, _, shape = text.rpartition(":")
+    return TreeShape.parse(shape, order or "bfs")
 
 
 def parse_args(argv):
@@ -98,6 +110,8 @@ def parse_args(argv):
     p.add_argument("--gammas", type=ints, default=GAMMAS)
     p.add_argument("--large-gamma", type=int, default=None, help="gamma of step 1 (default: the largest of --gammas)")
     p.add_argument("--tolerance", type=float, default=0.03)
+    p.add_argument("--trees", nargs="*", default=[], metavar="SHAPE",
+                   help="draft-tree shapes to try after the chain (step 4), e.g. 3,2,1 dfs:2,2,2 (traversal: bfs unless prefixed)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
     p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
@@ -114,6 +128,7 @@ def main(argv=None):
         SpecConfig(method="vegas", gamma=value).validate()
     for value in args.ratios:
         SpecConfig(ratio=value).validate()
+    trees = [parse_tree(text) for text in args.trees]
     sampling = SamplingConfig(temperature=args.temperature)
 
     from jaxspec.loaders import load_model
@@ -128,17 +143,18 @@ def main(argv=None):
     k_max = SpecConfig(ratio=max(args.ratios), min_tokens=256).capacity(int(batch.lengths.max()) + args.max_new_tokens)
     tuner = Tuner(params, cfg, batch, args.max_new_tokens, args.backend, sampling, k_max)
     large_gamma = args.large_gamma or max(args.gammas)
-    chosen = {m: tune_method(tuner, m, args.ratios, args.gammas, large_gamma, args.tolerance) for m in args.methods}
+    chosen = {m: tune_method(tuner, m, args.ratios, args.gammas, large_gamma, args.tolerance, trees) for m in args.methods}
     result = {
         "model": args.model, "device": jax.devices()[0].device_kind, "backend": args.backend, "dtype": args.dtype,
         "prompt_tokens": batch.lengths.tolist(), "max_new_tokens": args.max_new_tokens, "sampling": vars(sampling),
         "methods": chosen, "measurements": tuner.log,
     }
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"\n{'method':14} {'gamma':>5} {'ratio':>6} {'tok/iter':>8} {'tok/s':>8}")
+    print(f"\n{'method':14} {'gamma':>5} {'tree':>12} {'ratio':>6} {'tok/iter':>8} {'tok/s':>8}")
     for method, row in chosen.items():
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
-        print(f"{method:14} {row['gamma']:5d} {ratio:>6} {row['tokens_per_iteration']:8.2f} {row['tokens_per_s']:8.1f}")
+        tree = "-" if row["tree"] is None else f"{row['traversal']}:{row['tree']}"
+        print(f"{method:14} {row['gamma']:5d} {tree:>12} {ratio:>6} {row['tokens_per_iteration']:8.2f} {row['tokens_per_s']:8.1f}")
     print(f"saved to {args.out}")
 
 

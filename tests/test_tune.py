@@ -1,4 +1,4 @@
-"""`python -m jaxspec.tune` runs the three tuning steps and `generate --tuned` uses what it chose."""
+"""`python -m jaxspec.tune` runs the tuning steps (draft trees included) and `generate --tuned` uses what it chose."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def tuned_file(hf_checkpoints, tmp_path_factory):
     path = tmp_path_factory.mktemp("tune") / "tuned.json"
     tune.main([
         "--model", str(hf_checkpoints["llama"]), "--corpus", "2", "120", "--max-new-tokens", "6",
-        "--methods", "plain,vegas,ngram", "--ratios", "0.05,0.3", "--gammas", "2,3", "--out", str(path),
+        "--methods", "plain,vegas,ngram", "--ratios", "0.05,0.3", "--gammas", "2,3", "--trees", "dfs:2,1",
+        "--out", str(path),
     ])
     return path
 
@@ -28,7 +29,14 @@ def test_tune_writes_one_choice_per_method(tuned_file):
     steps = [m for m in result["measurements"] if m["method"] == "vegas"]
     # step 1: both ratios at the large gamma; step 2: both gammas; step 3: both ratios at the chosen gamma
     assert [m["gamma"] for m in steps[:2]] == [3, 3] and {m["gamma"] for m in steps[2:4]} == {2, 3}
-    assert len(steps) == 6 and all(m["tokens_per_s"] > 0 and m["tokens_per_iteration"] >= 1 for m in steps)
+    assert len(steps) == 7 and all(m["tokens_per_s"] > 0 and m["tokens_per_iteration"] >= 1 for m in steps)
+    # step 4: the tree at the chain's ratio; the chosen row is the faster of the chain's choice and it
+    tree_row = steps[6]
+    assert (tree_row["tree"], tree_row["traversal"], tree_row["gamma"]) == ("2,1", "dfs", 2)
+    assert vegas in steps and vegas["tokens_per_s"] >= tree_row["tokens_per_s"]
+    ngram = [m for m in result["measurements"] if m["method"] == "ngram"]
+    assert [m["tree"] for m in ngram] == [None, None, "2,1"]
+    assert result["methods"]["ngram"] == max(ngram, key=lambda m: m["tokens_per_s"])
 
 
 def test_generate_uses_the_tuned_choice(tuned_file, hf_checkpoints, capsys):
@@ -53,6 +61,23 @@ def test_generate_takes_the_metric_of_a_hand_written_choice(hf_checkpoints, tmp_
     assert (stats["gamma"], stats["ratio"], stats["metric"]) == (3, 0.5, "logit")
     generate.main(run + ["--metric", "weight"])
     assert json.loads(capsys.readouterr().out)["stats"]["metric"] == "weight"
+
+
+def test_generate_takes_a_tuned_tree(hf_checkpoints, tmp_path, capsys):
+    """A tuned tree is drafted unless --gamma asks for a chain; --tree wins over both."""
+    choice = tmp_path / "choice.json"
+    choice.write_text(json.dumps({"methods": {"vegas": {"gamma": 3, "ratio": 0.5, "tree": "2,2", "traversal": "dfs"}}}))
+    run = ["--model", str(hf_checkpoints["llama"]), "--prompt", "hello there", "--max-new-tokens", "4", "--method", "vegas",
+           "--tuned", str(choice), "--json"]
+    generate.main(run)
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert (stats["tree"], stats["traversal"], stats["gamma"], stats["ratio"]) == ("2,2", "dfs", 2, 0.5)
+    generate.main(run + ["--gamma", "3"])
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert (stats["tree"], stats["gamma"]) == (None, 3)
+    generate.main(run + ["--tree", "3,1"])
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert (stats["tree"], stats["traversal"]) == ("3,1", "bfs")
 
 
 def test_tuned_file_errors(tuned_file, tmp_path, capsys):
