@@ -133,6 +133,19 @@ def test_tree_greedy_lossless_qwen3(qwen3_case, method, tree, order):
     assert out == qwen3_case.plain
 
 
+@pytest.mark.parametrize("method,tree,order", [("vegas", (3, 2, 1), "bfs"), ("quest", (2, 2), "dfs")])
+def test_tree_greedy_lossless_pallas_kernels(method, tree, order):
+    """The engine on the Pallas kernels (interpret mode): multi-row sparse drafting with ancestor bits,
+    tree verification with collection, Quest's dense layers with the mask; greedy equals plain."""
+    cfg = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
+                      head_dim=32, intermediate_size=256, qk_norm=True, dtype="float32")
+    params = decoder.init_params(cfg, jax.random.key(3), scale=0.08)
+    ids = np.random.default_rng(11).integers(0, cfg.vocab_size, (2, 300)).astype(np.int32)
+    case = Case(cfg, params, Batch(ids, np.array([300, 37], np.int32)), max_new=16)
+    out, stats = case.run(SpecConfig(method=method, tree=tree, traversal=order, min_tokens=32, backend="pallas").validate())
+    assert out == case.plain and stats.accepted.sum() > 0
+
+
 def test_chain_is_the_width_one_tree(smollm2_batch):
     """gamma 4 and the tree 1,1,1,1 are one configuration: the same tokens and statistics, greedy and sampled."""
     chain, tree = SpecConfig(method="vegas", gamma=4), SpecConfig(method="vegas", tree=(1, 1, 1, 1)).validate()
