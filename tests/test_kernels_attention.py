@@ -290,6 +290,15 @@ def test_sparse_attention_tree_depth(case):
                                                     jnp.int32(LAYER), idx, *ints)), np.asarray(got))
 
 
+def path_as_chain(cache, first, path):
+    """cache [L, B, Hkv, S, Dh] with slots first[b] + path (a tree row's root-to-node path) copied to
+    the consecutive slots first[b] + 0, 1, ...: the path laid out as a chain."""
+    for b in range(cache.shape[1]):
+        start = int(first[b])
+        cache = cache.at[:, b, :, start + np.arange(len(path))].set(cache[:, b, :, start + path])
+    return cache
+
+
 @pytest.mark.parametrize("shape,order", [((2, 2), "bfs"), ((3, 1, 2), "dfs"), ((1, 1, 1), "bfs"),
                                          ((2, 2, 2, 2, 2), "bfs"), ((2, 2, 2, 2, 2), "dfs"),
                                          ((3, 3, 2), "dfs")])
@@ -309,12 +318,7 @@ def test_tree_verify_equals_each_path_as_a_chain(shape, order, pallas):
     out, lse, _ = run(q, k_cache, v_cache, LAYER, q_pos, scale=Dh**-0.5, tree=mask, **kw)
     for t in range(T):
         path = np.flatnonzero(tree.ancestors[t])  # root .. t, parents first
-        k_chain, v_chain = k_cache, v_cache
-        for b in range(B):
-            src = int(first[b]) + path
-            dst = int(first[b]) + np.arange(len(path))
-            k_chain = k_chain.at[LAYER, b, :, dst].set(k_cache[LAYER, b, :, src])
-            v_chain = v_chain.at[LAYER, b, :, dst].set(v_cache[LAYER, b, :, src])
+        k_chain, v_chain = (path_as_chain(x, first, path) for x in (k_cache, v_cache))
         want, want_lse, _ = verify_attention_reference(q[:, t : t + 1], k_chain, v_chain, LAYER,
                                                        first[:, None] + len(path) - 1, scale=Dh**-0.5)
         assert_close(out[:, t : t + 1], want, 1e-5, f"row {t}")

@@ -23,7 +23,7 @@ from pallas_kernels.nsa_compressed import (
     select_blocks,
 )
 from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
-from test_kernels_attention import assert_close, f64
+from test_kernels_attention import assert_close, f64, path_as_chain
 
 LAYERS, LAYER = 3, 1
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -367,11 +367,7 @@ def test_tree_rows_equal_their_paths_as_chains(shape, order, offset):
                                              block_counts=3, rule="exact", **kw)
     for t in range(T):
         path = np.flatnonzero(tree.ancestors[t])
-        k_chain, v_chain = k, v
-        for b in range(B):
-            src, dst = int(first[b]) + path, int(first[b]) + np.arange(len(path))
-            k_chain = k_chain.at[:, b, :, dst].set(k[:, b, :, src])
-            v_chain = v_chain.at[:, b, :, dst].set(v[:, b, :, src])
+        k_chain, v_chain = path_as_chain(k, first, path), path_as_chain(v, first, path)
         pos = (first + len(path) - 1)[:, None]
         np.testing.assert_array_equal(q_pos[:, t], pos[:, 0])
         o_cmp, w = nsa_compressed_reference(q[:, t : t + 1], means(k_chain), means(v_chain), LAYER, pos,

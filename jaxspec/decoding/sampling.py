@@ -66,8 +66,7 @@ def cutoff(logits: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array
     """(threshold, log_norm), each [..., 1], for a sampling config: token v is kept iff
     tempered(logits)[v] >= threshold, and then log p(v) = tempered(logits)[v] - log_norm.
 
-    These two small statistics let the verifier evaluate p at a few tokens without materialising
-    float32 probabilities over [B, γ+1, V]. With top_k, top-p looks only at the k candidates of
+    With top_k, top-p looks only at the k candidates of
     `lax.top_k`; the full vocabulary is sorted only for top-p without top-k. Both act on the raw
     logits, whose order the positive temperature preserves.
     """

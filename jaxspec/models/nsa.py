@@ -24,7 +24,7 @@ import numpy as np
 
 import pallas_kernels as kernels
 from pallas_kernels.nsa_compressed import visible_blocks
-from pallas_kernels.nsa_tree import nsa_tree_reference, tree_paths
+from pallas_kernels.nsa_tree import nsa_tree_reference
 from pallas_kernels.verify_attention import mask_scores
 from jaxspec.models.config import ModelConfig
 
@@ -54,7 +54,6 @@ def attend_fn(cfg: ModelConfig, q_pos, backend: str, collect: kernels.Collect | 
 
 def _tree_attend_fn(cfg: ModelConfig, tree: kernels.TreeMask, collect: kernels.Collect | None):
     nsa = cfg.nsa
-    depth, paths = tree_paths(tree.ancestors)
 
     def attend(layer, q, cache, _, gates):
         out, weights, q_pos = nsa_tree_reference(
@@ -64,14 +63,14 @@ def _tree_attend_fn(cfg: ModelConfig, tree: kernels.TreeMask, collect: kernels.C
         )
         if collect is None:
             return out, None
-        # Position-indexed scores -> slot-indexed: tree slot first + r holds position first + depth(r),
+        # Position-indexed scores -> slot-indexed: tree slot first + r holds row r's position,
         # visible to row t iff r is on t's path.
         T, S = q.shape[1], cache.num_slots
         slots = jnp.arange(S)
         rel = slots - tree.first[:, None]  # [B, S]
         in_tree = (rel >= 0) & (rel < T)
         r = jnp.clip(rel, 0, T - 1)
-        position = jnp.where(in_tree, tree.first[:, None] + jnp.asarray(depth)[r], slots)
+        position = jnp.where(in_tree, jnp.take_along_axis(q_pos, r, axis=1), slots)
         rows = np.asarray(collect.rows)
         seen = jnp.where(in_tree[:, None], jnp.asarray(tree.ancestors)[rows][:, r].transpose(1, 0, 2), True)  # [B, R, S]
         by_position = collected_scores(weights, q_pos, dataclasses.replace(collect, reduce_rows=False), cfg.group_size, S)
