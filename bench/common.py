@@ -21,6 +21,8 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
+# The step floor (DESIGN.md section 6) is the planner's cost-model base; benchmarks use the same one.
+from jaxspec.decoding.planner import kv_bytes_read, layer_attention_bytes, step_floor_s, tree_bytes  # noqa: F401
 from jaxspec.models.kvcache import KVCache, cache_shape
 from jaxspec import corpus
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
@@ -80,36 +82,6 @@ def run_info() -> dict:
 def write_json(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=float))
-
-
-def tree_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def layer_attention_bytes(cfg: ModelConfig, batch: int, context: int, T: int = 1) -> dict:
-    """K+V bytes one layer's attention reads for T rows whose last row is at position context + T - 2,
-    by part. Dense: every key up to that row. NSA: the compressed blocks visible to it, S selected
-    blocks (a lower bound of the rows' union) and the rows' window (w + T - 1 keys)."""
-    per_key = batch * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(cfg.dtype).itemsize  # k and v of one key
-    last = context + T - 1  # keys up to and including the last row
-    n = cfg.nsa
-    if n is None:
-        return {"kv": per_key * last}
-    return {"compressed": per_key * (last // n.block_size),
-            "selected": per_key * min(n.block_counts * n.block_size, last),
-            "window": per_key * min(n.window_size + T - 1, last)}
-
-
-def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
-    """Bytes of keys and values one decode step over `context` tokens reads, all layers (NSA models:
-    their three branches)."""
-    return cfg.num_layers * sum(layer_attention_bytes(cfg, batch, context).values())
-
-
-def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float) -> float:
-    """DESIGN.md 6: (weights + KV read + float32 logits written) / measured bandwidth."""
-    logits = batch * cfg.vocab_size * 4
-    return (weight_bytes + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

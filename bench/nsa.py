@@ -327,13 +327,13 @@ def layer_state(cfg: ModelConfig, batch: int, context: int, T_max: int):
 def time_jaxspec_nsa(st, cfg: ModelConfig, T: int, backend: str) -> float:
     attend = nsa.attend_fn(cfg, st["pos"][:, :T], backend)
     return time_layer_calls(lambda s, i, layer: attend(layer, s["q"][i, layer, :, :T], s["cache"], None,
-                                                       s["gates"][:, :T])[0], st)
+                                                       s["gates"][:, :T], ())[0], st)
 
 
 def time_jaxspec_dense(st, cfg: ModelConfig, T: int, backend: str) -> float:
     attend = decoder.attention(dense_of(cfg), st["pos"][:, :T], backend)
     dense = {"q": st["q"], "cache": KVCache(st["cache"].k, st["cache"].v)}
-    return time_layer_calls(lambda s, i, layer: attend(layer, s["q"][i, layer, :, :T], s["cache"], None, None)[0],
+    return time_layer_calls(lambda s, i, layer: attend(layer, s["q"][i, layer, :, :T], s["cache"], None, None, ())[0],
                             dense)
 
 

@@ -2,7 +2,7 @@
 
     python -m jaxspec.convert SRC DST --to-nsa [--gates PATH | --fit-steps N [--fit-tokens T]
         [--fit-batch B] [--fit-micro-batch M] [--lr LR] [--seed S] [--gates-out PATH]] [--block-size 16]
-        [--block-counts 16] [--window-size 128] [--topk-rule exact]
+        [--block-counts 16] [--window-size 128] [--topk-rule exact] [--calibrate-reuse KL [--calibrate-tokens T]]
 
 The first form writes a jaxspec (orbax) checkpoint. `--to-nsa` instead writes an HF directory in
 NSA-1B's format (model_type llama-nsa) from a dense Llama model: every weight of SRC plus the NSA gate
@@ -10,6 +10,9 @@ projections, by default the fitted SmolLM2 gates shipped in checkpoints/nsa_smol
 or gates fitted now (`--fit-steps`, see `jaxspec.models.nsa_convert`; one line per 25 steps). DST also
 holds the gates it used (nsa_gates.safetensors); `--gates-out` writes a freshly fitted gate file there
 too, as soon as the fit ends. `--to-nsa` writes float32 unless `--dtype` says otherwise.
+`--calibrate-reuse KL` also calibrates the refresh/reuse schedule of SSV's reuse precision classes
+(`jaxspec.models.nsa_reuse`, on two training windows of T tokens) and saves it in config.json
+(`nsa_refresh_layers`), with the calibration's report in nsa_reuse_calibration.json.
 
 The checkpoint is written into a temporary directory beside DST and renamed into place, so DST is
 either absent or complete: a failure at any point removes the temporary directory and leaves DST as
@@ -18,6 +21,8 @@ it was. `--force` replaces an existing DST (moved aside, then deleted once the n
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import sys
 import uuid
@@ -27,7 +32,7 @@ import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.loaders import load_model, orbax
-from jaxspec.models import nsa_convert
+from jaxspec.models import nsa_convert, nsa_reuse
 from jaxspec.models.config import NSAConfig
 
 
@@ -58,6 +63,8 @@ def convert_to_nsa(
     lr: float = 3e-3,
     gates_out: Path | None = None,
     seed: int = 0,
+    calibrate_reuse: float | None = None,
+    calibrate_tokens: int = 2048,
     log=print,
 ) -> str:
     """Dense Llama SRC -> NSA HF directory DST (see the module docstring); returns the summary line.
@@ -83,6 +90,8 @@ def convert_to_nsa(
         )
     if fit_steps and not (lr > 0):
         raise JaxspecError(f"--lr must be positive, got {lr}")
+    if calibrate_reuse is not None and not calibrate_reuse >= 0:
+        raise JaxspecError(f"--calibrate-reuse must be a KL bound >= 0, got {calibrate_reuse}")
     path = nsa_convert.SHIPPED_GATES if gates is None else gates
     if not fit_steps and not path.is_file():
         if gates is None:
@@ -111,10 +120,24 @@ def convert_to_nsa(
     nsa_cfg_model, nsa_params = nsa_convert.to_nsa(cfg, params, nsa_cfg, g_proj)
     nsa_cfg_model = nsa_cfg_model.replace(dtype=dtype)
     nsa_params = jax.tree.map(lambda x: x.astype(dtype), nsa_params)
+    calibration = None
+    if calibrate_reuse is not None:
+        if not nsa_cfg.block_size <= calibrate_tokens <= cfg.max_position_embeddings:
+            raise JaxspecError(f"--calibrate-tokens must be between {nsa_cfg.block_size} and the context "
+                               f"{cfg.max_position_embeddings}, got {calibrate_tokens}")
+        tokens = next(nsa_convert.training_batches(tokenizer, calibrate_tokens, 2, seed))
+        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+        log(f"calibrating the refresh/reuse schedule: KL bound {calibrate_reuse}, {tokens.shape[0]} x "
+            f"{tokens.shape[1]} tokens, {backend} kernels")
+        layers, calibration = nsa_reuse.calibrate(nsa_params, nsa_cfg_model, tokens, calibrate_reuse, backend, log)
+        nsa_cfg_model = nsa_cfg_model.replace(nsa=dataclasses.replace(nsa_cfg_model.nsa, refresh_layers=layers))
+        log(f"refresh layers {list(layers)} ({calibration['reuse_layers']} reuse layers, KL {calibration['kl']:.4f})")
 
     def write(tmp: Path) -> None:
         nsa_convert.write_hf(tmp, nsa_cfg_model, nsa_params, tokenizer)
         nsa_convert.save_gates(tmp / nsa_convert.GATES_FILE, g_proj, info)
+        if calibration is not None:
+            (tmp / "nsa_reuse_calibration.json").write_text(json.dumps(calibration, indent=1))
 
     _write_atomically(dst, write)
     count = sum(x.size for x in jax.tree.leaves(nsa_params))
@@ -230,6 +253,9 @@ def main(argv=None) -> None:
     nsa.add_argument("--block-counts", type=int, default=default.block_counts)
     nsa.add_argument("--window-size", type=int, default=default.window_size)
     nsa.add_argument("--topk-rule", default=default.topk_rule, help="exact or nsa1b")
+    nsa.add_argument("--calibrate-reuse", type=float, default=None, metavar="KL",
+                     help="calibrate SSV's refresh/reuse schedule within this KL of the all-refresh model")
+    nsa.add_argument("--calibrate-tokens", type=int, default=2048, help="tokens per calibration window")
     args = parser.parse_args(argv)
     nsa_flags = [flag for flag, value, unset in (
         ("--gates", args.gates, None), ("--fit-steps", args.fit_steps, 0), ("--gates-out", args.gates_out, None),
@@ -238,6 +264,7 @@ def main(argv=None) -> None:
         ("--block-size", args.block_size, default.block_size),
         ("--block-counts", args.block_counts, default.block_counts),
         ("--window-size", args.window_size, default.window_size), ("--topk-rule", args.topk_rule, default.topk_rule),
+        ("--calibrate-reuse", args.calibrate_reuse, None), ("--calibrate-tokens", args.calibrate_tokens, 2048),
     ) if value != unset]
     if not args.to_nsa:
         if nsa_flags:
@@ -250,7 +277,8 @@ def main(argv=None) -> None:
     print(convert_to_nsa(
         args.src, args.dst, args.dtype or "float32", args.force, nsa_cfg=nsa_cfg, gates=args.gates,
         fit_steps=args.fit_steps, fit_tokens=args.fit_tokens, fit_batch=args.fit_batch,
-        fit_micro_batch=args.fit_micro_batch, lr=args.lr, gates_out=args.gates_out, seed=args.seed, log=log,
+        fit_micro_batch=args.fit_micro_batch, lr=args.lr, gates_out=args.gates_out, seed=args.seed,
+        calibrate_reuse=args.calibrate_reuse, calibrate_tokens=args.calibrate_tokens, log=log,
     ))
 
 

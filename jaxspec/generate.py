@@ -1,8 +1,16 @@
-"""`python -m jaxspec.generate`: batched generation from the command line, with speed and acceptance stats."""
+"""`python -m jaxspec.generate`: batched generation from the command line, with speed and acceptance stats.
+
+The default `--method auto` asks the planner (`decoding.planner`) which strategy pays for this model,
+device, context and batch (plain decoding unless speculation is measured or predicted to be faster),
+refines that choice over the first iterations and reports it. It chooses gamma, tree, ratio and
+group itself, so those flags (and --tuned) need a fixed --method. `--precision` other than strict
+allows approximate NSA verification, which is not lossless: it is announced on stderr and in the stats.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -10,9 +18,10 @@ from pathlib import Path
 import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.runner import encode_prompts, resolve_max_len, run_generation, summarize
+from jaxspec.decoding import planner
+from jaxspec.runner import encode_prompts, resolve_max_len, run_auto, run_generation, summarize
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import METHODS, SpecConfig
+from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.tune import load_tuned
 
@@ -34,7 +43,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
-    p.add_argument("--method", choices=METHODS, default="vegas")
+    p.add_argument("--method", choices=("auto", *METHODS), default="auto",
+                   help="auto (default): the planner's choice for this model, device, context and batch")
     p.add_argument("--gamma", type=int, default=None, help="draft length of a chain (default 6, or the --tuned choice)")
     p.add_argument("--tree", default=None,
                    help="draft a tree instead of a chain: branching per depth, e.g. 4,2,1,1 (at most 64 verified rows)")
@@ -47,6 +57,11 @@ def parse_args(argv):
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
+    p.add_argument("--precision", choices=PRECISIONS, default="strict",
+                   help="NSA verification precision class (only strict is lossless); with --method auto, the classes auto may use")
+    p.add_argument("--group", type=int, default=None, help="NSA models: adjacent draft rows verified per program (default 8)")
+    p.add_argument("--planner-table", type=Path, default=None,
+                   help="--method auto: a table from `python -m jaxspec.profile` (default: the shipped one for this model and device)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar on stderr (default: when stderr is a terminal)")
     return p.parse_args(argv)
@@ -58,6 +73,14 @@ def main(argv=None):
     if args.max_new_tokens < 1:
         raise JaxspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    auto = args.method == "auto"
+    if auto:
+        fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
+                                          ("--group", args.group), ("--tuned", args.tuned)) if value is not None]
+        if fixed:
+            raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
+    elif args.planner_table:
+        raise JaxspecError("--planner-table is for --method auto")
     tuned = load_tuned(args.tuned, args.method) if args.tuned else {}
     gamma = args.gamma if args.gamma is not None else tuned.get("gamma") or 6
     ratio = args.ratio if args.ratio is not None else tuned.get("ratio") or 0.07
@@ -68,8 +91,9 @@ def main(argv=None):
     elif args.gamma is None and tuned.get("tree"):  # the tuned tree, unless the flags ask for a chain
         tree, traversal = TreeShape.parse(tuned["tree"]).branching, tuned.get("traversal") or "bfs"
     spec = SpecConfig(
-        method=args.method, gamma=gamma, tree=tree, traversal=traversal, ratio=ratio, min_tokens=args.min_tokens,
-        metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max, backend=args.backend,
+        method="plain" if auto else args.method, gamma=gamma, tree=tree, traversal=traversal, ratio=ratio,
+        min_tokens=args.min_tokens, metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        backend=args.backend, precision="strict" if auto else args.precision, group=8 if args.group is None else args.group,
     ).validate()
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
     prompts = prompts or [DEFAULT_PROMPT]
@@ -77,16 +101,30 @@ def main(argv=None):
     from jaxspec.loaders import load_model
 
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
+    dataclasses.replace(spec, precision=args.precision).check_model(cfg)  # auto: the classes it may use
+    if args.precision != "strict" and auto:
+        print(f"precision {args.precision} allowed: auto may choose strategies that are NOT lossless; the output "
+              "distribution may differ from the model's (the stats say which ran)", file=sys.stderr)
+    elif args.precision != "strict":
+        print(f"precision {args.precision}: NOT lossless; the output distribution differs from the model's", file=sys.stderr)
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not tokenizer.has_chat_template:
         raise JaxspecError(f"--chat: model {args.model} has no chat template")
     batch = encode_prompts(tokenizer, prompts, chat)
     max_len = resolve_max_len(batch, args.max_new_tokens, args.max_len, cfg.max_position_embeddings)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    run = run_generation(
-        params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,
-        stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress,
-    )
+    common = dict(sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,
+                  stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress)
+    if auto:
+        plan = planner.make_plan(
+            cfg, planner.tree_bytes(params), batch=len(batch.lengths), prompt_tokens=int(batch.lengths.max()),
+            new_tokens=min(args.max_new_tokens, max_len - int(batch.lengths.max())), sampling=sampling,
+            precisions=planner.allowed_precisions(args.precision), table=args.planner_table, min_tokens=args.min_tokens,
+        )
+        run = run_auto(params, cfg, batch, plan=plan, base=spec, **common)
+        spec = run.auto.spec
+    else:
+        run = run_generation(params, cfg, batch, spec=spec, **common)
     stats = summarize(run, batch, spec)
     results = [
         {"prompt_tokens": int(n), "tokens": [int(t) for t in g], "text": tokenizer.decode(g, skip_special_tokens=True)}
@@ -119,6 +157,14 @@ def _print_human(results: list[dict], stats: dict) -> None:
     memory = next(k for k in stats if k.startswith("peak_"))
     print(f"{memory.removesuffix('_bytes').replace('_', ' '):16} {stats[memory] / 2**20:.0f} MiB")
     print(f"method           {stats['method']} (backend {stats['backend']}, device {stats['device']})")
+    if stats["method_requested"] == "auto":
+        planned = stats["planned"]
+        print(f"strategy         {stats['strategy']['name']} (auto; planned {planned['strategy']} from {planned['source']}, "
+              f"bucket {planned['bucket']})")
+        for s in stats["switches"]:
+            print(f"switch           at iteration {s['iteration']}: {s['from']} -> {s['to']} ({s['reason']})")
+    if not stats["lossless"]:
+        print(f"precision        {stats['precision']}: NOT lossless")
     if stats["gamma"]:
         drafts = f"tree {stats['tree']} ({stats['traversal']})" if stats["tree"] else f"gamma {stats['gamma']}"
         print(f"drafts           {drafts}, {stats['nodes']} nodes" + (f", ratio {stats['ratio']}" if stats["ratio"] else "")

@@ -4,6 +4,10 @@ Shared by the CLIs (`generate`, `tune`), the tests and the benchmarks. Prefill a
 ahead of time (compile time is reported apart) and timed separately: decode tokens/s counts the tokens
 produced by the decode loop (every generated token but the first, which prefill samples) over the
 decode loop's wall time.
+
+`run_auto` is `--method auto`: it decodes with the planner's choice, refines it over the first
+segments (`decoding.planner.decide`) and switches strategy in place (`engine.switch`); executables are
+compiled when first needed, and their compile time is counted apart from decode time too.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ import functools
 import resource
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding import engine
+from jaxspec.decoding import engine, planner
 from jaxspec.errors import JaxspecError
 from jaxspec.models.kvcache import cache_bytes
 from jaxspec.decoding.sampling import SamplingConfig
@@ -36,6 +41,17 @@ class Batch:
 
 
 @dataclasses.dataclass
+class Auto:
+    """A `run_auto` run: the final strategy's spec, the plan, the switches and the refinement segments."""
+
+    spec: SpecConfig
+    plan: planner.Plan
+    switches: list[dict]
+    segments: list[dict]
+    lossless: bool  # every strategy that ran was lossless
+
+
+@dataclasses.dataclass
 class Run:
     """What one generation produced and how long each phase took."""
 
@@ -43,6 +59,7 @@ class Run:
     compile_s: float
     prefill_s: float
     decode_s: float
+    auto: Auto | None = None  # what `run_auto` chose and switched
 
     def generated(self) -> list[np.ndarray]:
         tokens, length, prompt_len = (np.asarray(x) for x in (self.output.tokens, self.output.length, self.output.prompt_len))
@@ -126,8 +143,16 @@ def run_generation(
 
     `cache`, if given, is this batch's `prefill_fn` output (donated), used instead of prefilling again.
     """
+    return _memory_checked(
+        cfg, batch, max_len,
+        lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache),
+    )
+
+
+def _memory_checked(cfg, batch: Batch, max_len: int, run):
+    """run(), with XLA's RESOURCE_EXHAUSTED turned into a JaxspecError naming the KV cache size."""
     try:
-        return _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache)
+        return run()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -173,6 +198,133 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
     return Run(engine.finish(state, max_len), compile_s, prefill_s, decode_s)
 
 
+def run_auto(
+    params,
+    cfg,
+    batch: Batch,
+    *,
+    plan: planner.Plan,
+    base: SpecConfig,
+    sampling: SamplingConfig,
+    max_len: int,
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...],
+    seed: int = 0,
+    progress: bool = False,
+) -> Run:
+    """`--method auto`: decodes with `plan.first` (on `base`'s backend and settings), observes it for
+    a segment of planner.SEGMENT iterations, and while `planner.decide` names a faster candidate
+    (at most planner.MAX_SWITCHES times) switches to it with `engine.switch` and observes again;
+    then runs to completion (a table's plain choice runs to completion at once). Decode time counts segments, switches and the rest; compiles (when a
+    strategy or switch is first needed) count apart. The output's stats are sums over strategies
+    (acceptance by depth padded to the deepest)."""
+    return _memory_checked(
+        cfg, batch, max_len,
+        lambda: _run_auto(params, cfg, batch, plan, base, sampling, max_len, max_new_tokens, stop_ids, seed, progress),
+    )
+
+
+def _run_auto(params, cfg, batch, plan, base, sampling, max_len, max_new_tokens, stop_ids, seed, progress) -> Run:
+    ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
+    executables, compile_s = {}, 0.0
+
+    def compiled(name, fn, *args, **kwargs):
+        nonlocal compile_s
+        if name not in executables:
+            start_time = time.perf_counter()
+            executables[name] = fn.lower(*args, **kwargs).compile()
+            compile_s += time.perf_counter() - start_time
+        return executables[name]
+
+    def timed(f, *args, **kwargs):
+        start_time = time.perf_counter()
+        out = jax.block_until_ready(f(*args, **kwargs))
+        return out, time.perf_counter() - start_time
+
+    current = plan.first
+    spec = current.spec(base)
+    prefill = compiled("prefill", prefill_fn(cfg, max_len, spec.backend, spec.prefill_chunk), params, ids, lengths)
+    start_args = dict(key=jax.random.key(seed), budget=spec.budget(), max_new_tokens=jnp.int32(max_new_tokens),
+                      stop_ids=jnp.asarray(stop_ids or (-1,), jnp.int32))
+    start = compiled("start", decode_fns(cfg, spec, sampling, max_len)[0], params, prefill.out_info, ids, lengths, **start_args)
+    state, prefill_s = timed(lambda: start(params, prefill(params, ids, lengths), ids, lengths, **start_args))
+
+    def decode_exe(strategy, state):
+        fn = decode_fns(cfg, strategy.spec(base), sampling, max_len)[1]
+        return compiled(("decode", strategy), fn, params, state, max_iterations=jnp.int32(0))
+
+    decode_s, iterations, totals = 0.0, 0, None
+    observations, switches, segments, ran = {}, [], [], {current}
+    # A measured table's plain choice has nothing to refine (no drafts to observe): it runs as plain does.
+    refine = not (current.plain and plan.source != "cost-model")
+    while refine:
+        exe = decode_exe(current, state)
+        state, seconds = timed(exe, params, state, max_iterations=jnp.int32(0))  # loads it: not observed
+        decode_s += seconds
+        before = jax.device_get((state.length, state.stats))
+        state, seconds = timed(exe, params, state, max_iterations=jnp.int32(planner.SEGMENT))
+        decode_s += seconds
+        after = jax.device_get((state.length, state.stats))
+        seen = _observation(before, after, seconds)
+        iterations += seen.iterations
+        observations[current] = observations[current].merge(seen) if current in observations else seen
+        segments.append({"strategy": current.name, "iterations": seen.iterations, "tokens_per_s": seen.tokens_per_s,
+                         "tokens_per_iteration": seen.tokens_per_iteration, "iteration_s": seen.iteration_s})
+        if bool(jax.device_get(state.done).all()) or len(switches) == planner.MAX_SWITCHES:
+            break
+        target, reason = planner.decide(plan.candidates, observations, current, probe_plain=plan.source == "cost-model")
+        if target == current:
+            break
+        totals = _add_stats(totals, after[1])
+        spec = target.spec(base)
+        fn = _switch_fn(cfg, spec.compiled(max_len), sampling, max_len)
+        with warnings.catch_warnings():  # the old tokens buffer is donated but has the old width: expected
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            exe = compiled(("switch", current, target), fn, params, state, spec.budget())
+        state, seconds = timed(exe, params, state, spec.budget())
+        decode_s += seconds
+        switches.append({"iteration": iterations, "from": current.name, "to": target.name, "reason": reason,
+                         "observed_tokens_per_s": seen.tokens_per_s})
+        current = target
+        ran.add(current)
+
+    exe = decode_exe(current, state)
+    if progress:
+        state, seconds = timed(_decode_with_progress, exe, params, state, max_new_tokens)
+    else:
+        state, seconds = timed(exe, params, state, max_iterations=jnp.int32(np.iinfo(np.int32).max))
+    decode_s += seconds
+    totals = _add_stats(totals, jax.device_get(state.stats))
+    output = engine.GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, totals)
+    auto = Auto(current.spec(base), plan, switches, segments, all(s.precision == "strict" for s in ran))
+    return Run(output, compile_s, prefill_s, decode_s, auto)
+
+
+@functools.lru_cache(maxsize=None)
+def _switch_fn(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
+    """jit-compiled `engine.switch` to the static `spec` (donates the state)."""
+    return jax.jit(functools.partial(engine.switch, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1)
+
+
+def _observation(before, after, seconds: float) -> planner.Observation:
+    """A segment's observation from (length, stats) before and after it (host copies)."""
+    (length0, stats0), (length1, stats1) = before, after
+    row_iterations = stats1.iterations - stats0.iterations
+    accepted = int((stats1.accepted - stats0.accepted).sum())
+    total = max(int(row_iterations.sum()), 1)
+    return planner.Observation(int(row_iterations.max()), int((length1 - length0).sum()), seconds, (accepted + total) / total)
+
+
+def _add_stats(total: engine.SpecStats | None, stats: engine.SpecStats) -> engine.SpecStats:
+    """Sums per-row counters (host copies); acceptance by depth padded to the deeper of the two."""
+    if total is None:
+        return stats
+    depth = max(total.accepted_by_depth.shape[1], stats.accepted_by_depth.shape[1])
+    pad = lambda x: np.pad(x, ((0, 0), (0, depth - x.shape[1])))
+    return engine.SpecStats(total.iterations + stats.iterations, total.drafted + stats.drafted,
+                            total.accepted + stats.accepted, pad(total.accepted_by_depth) + pad(stats.accepted_by_depth))
+
+
 def _decode_with_progress(decode_exe, params, state, max_new_tokens: int):
     """Decodes in segments of PROGRESS_SEGMENT iterations, drawing a bar on stderr between them."""
     total = max_new_tokens * state.length.shape[0]
@@ -195,7 +347,8 @@ def peak_memory() -> tuple[str, int]:
 
 
 def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
-    """The stats object of the --json output (and the human stats block)."""
+    """The stats object of the --json output (and the human stats block); `spec` is the run's (for
+    `run_auto`, the final strategy's: `run.auto.spec`)."""
     stats = jax.device_get(run.output.stats)
     generated = int(sum(len(g) for g in run.generated()))
     decode_tokens = generated - len(batch.lengths)
@@ -203,8 +356,15 @@ def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
     accepted = int(stats.accepted.sum())
     by_depth = stats.accepted_by_depth.sum(axis=0)
     memory_kind, memory = peak_memory()
+    auto = {}
+    if run.auto:
+        auto = {"method_requested": "auto", "strategy": {"name": planner.Strategy.of(spec).name, **spec.describe()},
+                "planned": run.auto.plan.describe(), "switches": run.auto.switches, "segments": run.auto.segments,
+                "lossless": run.auto.lossless}
     return {
         **spec.describe(),
+        "method_requested": spec.method,
+        **auto,
         "backend": spec.backend,
         "batch": len(batch.lengths),
         "prompt_tokens": int(batch.lengths.sum()),

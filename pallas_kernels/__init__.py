@@ -4,6 +4,8 @@ exercise the kernel code without a GPU.
 """
 import functools
 
+import jax.numpy as jnp
+
 from pallas_kernels._common import interpret_default
 from pallas_kernels.nsa_compressed import (
     nsa_compressed_pallas,
@@ -11,7 +13,9 @@ from pallas_kernels.nsa_compressed import (
     radix_topk,
     select_blocks,
 )
+from pallas_kernels.nsa_grouped import nsa_grouped_pallas, nsa_grouped_reference, nsa_tree_compressed
 from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
+from pallas_kernels.nsa_tree import tree_paths
 from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
@@ -26,8 +30,8 @@ from pallas_kernels.verify_attention import (
 
 BACKENDS = ("reference", "pallas")
 
-__all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention", "select_topk",
-           "sparse_attention", "verify_attention"]
+__all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
+           "nsa_tree_attention", "select_topk", "sparse_attention", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -105,3 +109,32 @@ def nsa_selected_attention(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,
                                    window=window, scale=scale, interpret=interpret_default())
     return nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,
                                   block_size=block_size, window=window, scale=scale)
+
+
+def nsa_tree_attention(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, gates, idx=None, *, group: int,
+                       shared: bool, block_size: int, block_counts: int, window: int, rule: str, scale: float,
+                       backend: str = "reference"):
+    """NSA attention of a draft tree's rows (slot first + t, position first + depth(t); ancestors
+    [T, T] static), each over its root-to-node path, in groups of `group` adjacent rows (SSV;
+    `shared`: one representative row's blocks per group). Returns (out [B, T, Hq, Dh], importance
+    weights [B, T, Hkv, NB] or None, positions [B, T], selected blocks [B, T, Hkv, S]).
+
+    idx None (a refresh layer): the compressed branch, then the selection (the radix select on the
+    Pallas backend); idx given (a reuse layer): no compressed branch, weights None. The Pallas
+    kernel covers T <= 64; other shapes run the reference."""
+    pallas = _nsa_pallas(backend, q.shape[-1], block_size)
+    o_cmp = weights = None
+    if idx is None:
+        o_cmp, weights, q_pos = nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors,
+                                                    block_size=block_size, scale=scale)
+        topk = functools.partial(radix_topk, interpret=interpret_default()) if pallas else None
+        idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule, topk=topk)
+    else:
+        q_pos = (first[:, None] + jnp.asarray(tree_paths(ancestors)[0])).astype(jnp.int32)
+    options = dict(group=group, shared=shared, block_size=block_size, window=window, scale=scale)
+    if pallas:
+        out = nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates,
+                                 interpret=interpret_default(), **options)
+    else:
+        out = nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates, **options)
+    return out, weights, q_pos, idx

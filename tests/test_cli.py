@@ -35,8 +35,8 @@ def test_human_output_smollm2():
 
 
 def test_json_batch_is_lossless_across_methods(tmp_path):
-    """Two prompts (one from a file) as a batch; greedy vegas and ngram, chains and trees, emit plain
-    decoding's tokens."""
+    """Two prompts (one from a file) as a batch; greedy vegas and ngram, chains and trees, and the
+    default (auto) emit plain decoding's tokens."""
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("Write one sentence about rivers.")
     common = ["--prompt", "What is 2 + 2?", "--prompt-file", str(prompt_file), "--max-new-tokens", "16", "--json"]
@@ -48,6 +48,9 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
     result = generate(*common, "--method", "vegas", "--tree", "3,2,1", "--traversal", "dfs")
     assert result.returncode == 0, result.stderr
     outputs["tree"] = json.loads(result.stdout)
+    result = generate(*common)  # the default: --method auto
+    assert result.returncode == 0, result.stderr
+    outputs["auto"] = json.loads(result.stdout)
     out = outputs["vegas"]
     assert out["model"] == "smollm2" and len(out["results"]) == 2
     for row in out["results"]:
@@ -64,8 +67,10 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
     assert tree["nodes_verified_per_iteration"] == 15 and len(tree["acceptance_rate_by_depth"]) == 3
     assert tree["tokens_per_iteration"] == pytest.approx(1 + tree["accepted_per_iteration"])
     plain_tokens = [r["tokens"] for r in outputs["plain"]["results"]]
-    for method in ("vegas", "ngram", "tree"):
+    for method in ("vegas", "ngram", "tree", "auto"):
         assert [r["tokens"] for r in outputs[method]["results"]] == plain_tokens
+    auto = outputs["auto"]["stats"]
+    assert auto["method_requested"] == "auto" and auto["lossless"] and auto["planned"]["source"].startswith(("table:", "cost-model"))
 
 
 @pytest.mark.parametrize(
@@ -83,8 +88,10 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
         (["--method", "vegas", "--tree", "2,0"], "branching"),
         (["--method", "plain", "--tree", "2,2"], "--tree"),
         (["--method", "vegas", "--tree", "2,2", "--traversal", "zigzag"], "--traversal"),
-        (["--ratio", "0"], "--ratio"),
-        (["--ratio", "1.5"], "--ratio"),
+        (["--method", "vegas", "--ratio", "0"], "--ratio"),
+        (["--method", "vegas", "--ratio", "1.5"], "--ratio"),
+        (["--ratio", "0.1"], "--method auto chooses --ratio"),
+        (["--method", "plain", "--precision", "approx"], "needs an NSA model"),
         (["--ngram-min", "3", "--ngram-max", "2"], "--ngram-min"),
         (["--method", "medusa"], "medusa"),
         (["--max-new-tokens", "many"], "many"),
@@ -127,7 +134,8 @@ def test_prompt_longer_than_the_model_context(hf_checkpoints):
     assert_one_line_error(generate("--model", str(hf_checkpoints["llama"]), "--no-chat", "--prompt", long_prompt), "model's context")
 
 
-def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys):
+@pytest.mark.parametrize("method, inner", [("plain", "_run"), ("auto", "_run_auto")])
+def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys, method, inner):
     """XLA's RESOURCE_EXHAUSTED becomes one line that names the KV cache size."""
     import jax
 
@@ -137,9 +145,9 @@ def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys):
     def out_of_memory(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.")
 
-    monkeypatch.setattr(runner, "_run", out_of_memory)
+    monkeypatch.setattr(runner, inner, out_of_memory)
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hi", "--max-new-tokens", "4"])
+        cli.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hi", "--max-new-tokens", "4", "--method", method])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1
     assert err[0].startswith("error: out of device memory") and "GiB of KV cache" in err[0]

@@ -61,7 +61,7 @@ def attended(d, state, budget: Budget, rows, layer: int, q=None) -> list[list[se
     x = jax.tree.map(lambda a: a[layer], layer_xs)
     if q is None:
         q = jnp.ones((B, T, CFG.num_heads, S), jnp.float32)
-    out = np.asarray(attend(jnp.int32(layer), q, probe_cache(B), x, None)[0])  # [B, T, Hq, S]
+    out = np.asarray(attend(jnp.int32(layer), q, probe_cache(B), x, None, ())[0])  # [B, T, Hq, S]
     sets = []
     for b in range(B):
         per_row = []

@@ -238,6 +238,25 @@ def test_convert_with_fit_and_gate_files(dense, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_convert_calibrates_the_reuse_schedule(dense, tmp_path):
+    """--calibrate-reuse: the schedule lands in config.json (loaded back into NSAConfig) with its report;
+    an unbounded KL leaves layer 0 as the only refresh layer."""
+    cfg, params, src = dense
+    gates = tmp_path / "g.safetensors"
+    nc.save_gates(gates, random_gates(cfg), {"nsa": nc.nsa_dict(TINY_NSA)})
+    lines = []
+    convert_to_nsa(str(src), tmp_path / "nsa", nsa_cfg=TINY_NSA, gates=gates, calibrate_reuse=float("inf"),
+                   calibrate_tokens=64, log=lines.append)
+    cfg, _, _ = load_model(str(tmp_path / "nsa"), "float32")
+    assert cfg.nsa.refresh_layers == (0,)
+    report = json.loads((tmp_path / "nsa" / "nsa_reuse_calibration.json").read_text())
+    assert report["refresh_layers"] == [0] and len(report["trials"]) == cfg.num_layers - 1
+    assert any(line.startswith("refresh layers [0]") for line in lines)
+    with pytest.raises(JaxspecError, match="--calibrate-reuse"):
+        convert_to_nsa(str(src), tmp_path / "bad", nsa_cfg=TINY_NSA, gates=gates, calibrate_reuse=-1.0)
+    assert leftovers(tmp_path) == []
+
+
 def test_gates_of_other_weights_warn(dense, tokenizer, tmp_path, capsys):
     cfg, params, src = dense
     gates = tmp_path / "g.safetensors"

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as kernels
-from jaxspec.models import decoder
+from jaxspec.models import decoder, nsa
 from jaxspec.models.config import ModelConfig
 from jaxspec.decoding.drafters import Drafter, DraftRows, make_drafter
 from jaxspec.models.kvcache import KVCache, init_cache
@@ -293,7 +293,8 @@ def expand(key, logits, b: int, sampling: SamplingConfig):
 def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     """Target attention over the pending token and a drafted tree (tokens [B, rows]; tree None: the
     pending token alone, plain decoding): row t at slot first + t and position first + depth(t),
-    attending the committed cache and its ancestors.
+    attending the committed cache and its ancestors. NSA targets verify as `spec`'s precision class
+    and group say (SSV: `models.nsa.Verification`); dense targets ignore them.
 
     Returns float32 logits [B, rows, V], the cache with the rows' exact KV, and the selection scores
     the drafter collects (per layer), or None.
@@ -304,9 +305,11 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     positions = slots if tree is None else first[:, None] + jnp.asarray(tree.node_depth)
     mask = None if tree is None or tree.is_chain else kernels.TreeMask(first, tree.ancestors)
     collect = None if drafter is None else drafter.collect(T)
-    attend = decoder.attention(cfg, slots, spec.backend, collect, tree=mask)
+    verification = nsa.Verification(spec.group, spec.shared_index, spec.reuse_layers)
+    attend = decoder.attention(cfg, slots, spec.backend, collect, tree=mask, verification=verification)
     hidden, cache, scores = decoder.forward(
-        params, cfg, tokens, positions, jnp.ones_like(tokens, bool), state.cache, attend, slots=slots
+        params, cfg, tokens, positions, jnp.ones_like(tokens, bool), state.cache, attend, slots=slots,
+        carry=decoder.attention_carry(cfg, slots, state.cache.num_slots, verification),
     )
     return decoder.logits(params, cfg, hidden), cache, scores
 
@@ -358,3 +361,35 @@ def _commit(state, cache, key, tokens, num_accepted, path, drafter, scores, node
     return dataclasses.replace(
         state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
     )
+
+
+def switch(
+    params: decoder.Params,
+    state: DecodeState,
+    budget: Budget,
+    *,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    sampling: SamplingConfig,
+    max_len: int,
+) -> DecodeState:
+    """Continues a running decode under another strategy `spec` (the planner's switch, `--method auto`).
+
+    Keeps the committed tokens, lengths, KV cache, key, done flags and stop rules; `tokens` takes the
+    new draft length's width. The cache layout does not depend on the strategy and holds every
+    committed token but the pending one, as after prefill, so the new drafter starts from `init` and
+    is seeded as `start` seeds it: one plain step, a one-row verification of the pending token whose
+    scores give the drafter its first selection and whose token is drawn from the target, so the
+    output distribution is unchanged. `budget` is the new spec's (traced, as in `start`). Stats start
+    again at zero (the caller sums them over strategies).
+    """
+    B = state.length.shape[0]
+    drafter = make_drafter(spec, cfg, max_len)
+    tokens = jnp.zeros((B, max_len + spec.draft_len + 1), jnp.int32).at[:, :max_len].set(state.tokens[:, :max_len])
+    zeros = jnp.zeros((B,), jnp.int32)
+    stats = SpecStats(zeros, zeros, zeros, jnp.zeros((B, spec.draft_len), jnp.int32))
+    state = dataclasses.replace(
+        state, tokens=tokens, budget=budget, stats=stats,
+        drafter=drafter.init(state.cache, state.length) if drafter else (),
+    )
+    return dataclasses.replace(_plain_step(params, cfg, spec, sampling, drafter, state), stats=stats)

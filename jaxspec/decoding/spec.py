@@ -16,6 +16,8 @@ SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
 PAGE = 16  # page size of the page-granular policies (stream, quest)
+# SSV precision classes of NSA verification (DESIGN.md section 4c): only "strict" is lossless.
+PRECISIONS = ("strict", "reuse", "approx", "approx+reuse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,8 @@ class SpecConfig:
     ngram_max: int = 4
     backend: str = "reference"  # attention kernels: "reference" (jnp) or "pallas"
     prefill_chunk: int = 256
+    precision: str = "strict"  # NSA targets: SSV precision class of the target passes (PRECISIONS)
+    group: int = 8  # NSA targets: adjacent draft rows verified per program (1: each row its own)
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -71,7 +75,38 @@ class SpecConfig:
             raise JaxspecError(f"--backend must be reference or pallas, got {self.backend!r}")
         if self.prefill_chunk < 1:
             raise JaxspecError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+        if self.precision not in PRECISIONS:
+            raise JaxspecError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not 1 <= self.group <= MAX_TREE_ROWS:
+            raise JaxspecError(f"--group must be between 1 and {MAX_TREE_ROWS}, got {self.group}")
         return self
+
+    def check_model(self, cfg) -> SpecConfig:
+        """Raises JaxspecError if the model cannot run this config: approximate precision classes
+        need an NSA model, `reuse` one with a calibrated refresh/reuse schedule."""
+        if self.precision != "strict" and cfg.nsa is None:
+            raise JaxspecError(f"--precision {self.precision} needs an NSA model (dense models verify exactly)")
+        if self.reuse_layers and not cfg.nsa.refresh_layers:
+            raise JaxspecError(
+                f"--precision {self.precision} needs a calibrated refresh/reuse schedule in the model's config "
+                "(python -m jaxspec.convert --calibrate-reuse)"
+            )
+        return self
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output distribution is exactly the target model's (the strict class)."""
+        return self.precision == "strict"
+
+    @property
+    def shared_index(self) -> bool:
+        """NSA verification groups share one representative row's blocks (approx classes)."""
+        return self.precision.startswith("approx")
+
+    @property
+    def reuse_layers(self) -> bool:
+        """NSA reuse layers take the nearest preceding refresh layer's blocks (reuse classes)."""
+        return self.precision.endswith("reuse")
 
     @property
     def draft_len(self) -> int:
@@ -95,6 +130,9 @@ class SpecConfig:
             "nodes": self.shape.rows - 1 if self.shape else 0,
             "ratio": self.ratio if self.method in SPARSE_METHODS else None,
             "metric": self.metric if self.method in SCORE_METHODS else None,
+            "precision": self.precision,
+            "lossless": self.lossless,
+            "group": self.group,
         }
 
     def capacity(self, max_len: int) -> int:

@@ -89,12 +89,17 @@ class NSAConfig:
     of (exact top block_size/2 of the earlier chunks) + (top block_size/2 of the query's own chunk).
     "exact" is the exact top-S over all blocks. The query's own block is always selected; with
     S <= block_size/2 the two rules agree.
+
+    `refresh_layers` is the calibrated refresh/reuse schedule of SSV's reuse precision classes (empty:
+    none calibrated): the layers that compute their own selection; every other layer reuses the block
+    indices of the nearest refresh layer before it and skips the compressed branch. Layer 0 refreshes.
     """
 
     block_size: int = 64
     block_counts: int = 16
     window_size: int = 512
     topk_rule: str = "nsa1b"
+    refresh_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         bs = self.block_size
@@ -106,6 +111,16 @@ class NSAConfig:
             raise JaxspecError(f"NSA window_size must be >= 0, got {self.window_size}")
         if self.topk_rule not in NSA_TOPK_RULES:
             raise JaxspecError(f"nsa_topk_rule must be one of {', '.join(NSA_TOPK_RULES)}, got {self.topk_rule!r}")
+        object.__setattr__(self, "refresh_layers", tuple(int(i) for i in self.refresh_layers))  # JSON lists too
+        layers = self.refresh_layers
+        if layers and (layers[0] != 0 or list(layers) != sorted(set(layers))):
+            raise JaxspecError(f"nsa_refresh_layers must be increasing layer indices starting at 0, got {list(layers)}")
+
+    def reuse_source(self, num_layers: int) -> np.ndarray:
+        """[num_layers] int32: the layer whose selection each layer uses (itself for a refresh layer)."""
+        refresh = np.zeros(num_layers, bool)
+        refresh[list(self.refresh_layers) or slice(None)] = True
+        return np.maximum.accumulate(np.where(refresh, np.arange(num_layers), 0)).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,12 +207,14 @@ class ModelConfig:
 
 
 def nsa_from_hf(hf: dict) -> NSAConfig:
-    """NSA-1B's keys: `block_size`, `block_counts`, `window_size`; optional `nsa_topk_rule`."""
+    """NSA-1B's keys: `block_size`, `block_counts`, `window_size`; optional `nsa_topk_rule` and
+    `nsa_refresh_layers` (jaxspec's calibrated refresh/reuse schedule)."""
     return NSAConfig(
         block_size=int(hf["block_size"]),
         block_counts=int(hf["block_counts"]),
         window_size=int(hf["window_size"]),
         topk_rule=hf.get("nsa_topk_rule", "nsa1b"),
+        refresh_layers=hf.get("nsa_refresh_layers") or (),
     )
 
 

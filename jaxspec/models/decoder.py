@@ -31,9 +31,10 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
 
 Params = dict[str, Any]
-# attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates) -> (out [B,T,Hq,Dh], layer_y); gates
-# [B,T,Hq,3] are NSA's sigmoid gates (None for dense models; attention that is not NSA's ignores them)
-AttendFn = Callable[[jax.Array, jax.Array, KVCache, Any, Any], tuple[jax.Array, Any]]
+# attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates, carry) -> (out [B,T,Hq,Dh], layer_y, carry);
+# gates [B,T,Hq,3] are NSA's sigmoid gates (None for dense models; attention that is not NSA's ignores
+# them); carry goes from layer to layer (NSA reuse layers take an earlier layer's selection from it)
+AttendFn = Callable[[jax.Array, jax.Array, KVCache, Any, Any, Any], tuple[jax.Array, Any, Any]]
 
 
 def gate_dim(cfg: ModelConfig) -> int:
@@ -131,22 +132,23 @@ def forward(
     attend: AttendFn,
     layer_xs: Any = None,
     slots: jax.Array | None = None,
+    carry: Any = (),
 ) -> tuple[jax.Array, KVCache, Any]:
     """Runs all layers on `tokens` [B, T] at `positions` [B, T] (RoPE).
 
     Keys/values of tokens with `valid` [B, T] true are written into the cache at `slots` [B, T]
     (default: their positions; a draft tree's nodes share positions and differ in slots) before
     `attend` reads it; invalid tokens (padding) write nothing. `layer_xs` is a pytree with a leading
-    layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked.
-    Returns the last hidden states [B, T, D] (before the final norm), the cache, and those.
+    layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked;
+    `carry` is `attend`'s initial layer-to-layer state. Returns the last hidden states [B, T, D] (before the final norm), the cache, and those.
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # out of range -> dropped
 
-    def layer(carry, xs):
-        x, cache = carry
+    def layer(state, xs):
+        x, cache, carry = state
         p, index, lx = xs
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         qkv = jnp.dot(h, p["wqkv"])
@@ -163,35 +165,43 @@ def forward(
         q = apply_rope(q, positions, inv_freq, rope_scale)
         k = apply_rope(k, positions, inv_freq, rope_scale)
         cache = cache.write(index, write_pos, k, v)
-        out, ly = attend(index, q, cache, lx, gates)
+        out, ly, carry = attend(index, q, cache, lx, gates, carry)
         x = x + jnp.dot(out.reshape(B, T, -1), p["wo"]).astype(x.dtype)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gate, up = jnp.split(jnp.dot(h, p["w_gate_up"]), 2, axis=-1)
         mlp = jax.nn.silu(gate) * up
         x = x + jnp.dot(mlp, p["w_down"]).astype(x.dtype)
-        return (x, cache), ly
+        return (x, cache, carry), ly
 
     x = embed(params, tokens)
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, cache), layer_ys = jax.lax.scan(layer, (x, cache), (params["layers"], layer_ids, layer_xs))
+    (x, cache, _), layer_ys = jax.lax.scan(layer, (x, cache, carry), (params["layers"], layer_ids, layer_xs))
     return x, cache, layer_ys
 
 
-def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, tree=None) -> AttendFn:
+def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, tree=None,
+              verification: nsa.Verification | None = None) -> AttendFn:
     """The model's own attention for query rows at slots `q_slot` [B, T]: full causal attention over
     the cache (a draft tree's rows see only their ancestors among its slots: `tree`, a
-    kernels.TreeMask), or NSA for NSA models. Per layer it yields the selection scores asked for by
+    kernels.TreeMask), or NSA for NSA models (`verification`: how a target pass verifies draft rows;
+    its carry is `attention_carry`'s). Per layer it yields the selection scores asked for by
     `collect` (None without it)."""
     if cfg.nsa:
-        return nsa.attend_fn(cfg, q_slot, backend, collect, tree)
+        return nsa.attend_fn(cfg, q_slot, backend, collect, tree, verification)
 
-    def attend(layer, q, cache, _, _gates):
+    def attend(layer, q, cache, _, _gates, carry):
         out, _, scores = kernels.verify_attention(
             q, cache.k, cache.v, layer, q_slot, scale=cfg.head_dim**-0.5, collect=collect, tree=tree, backend=backend
         )
-        return out, scores
+        return out, scores, carry
 
     return attend
+
+
+def attention_carry(cfg: ModelConfig, q_slot: jax.Array, num_slots: int, verification: nsa.Verification | None):
+    """The initial layer-to-layer carry of `attention(cfg, q_slot, ..., verification=verification)`."""
+    reuse = cfg.nsa is not None and verification is not None and verification.reuse
+    return nsa.initial_carry(cfg, q_slot, num_slots, reuse)
 
 
 def score(params: Params, cfg: ModelConfig, tokens: jax.Array, backend: str = "reference") -> jax.Array:

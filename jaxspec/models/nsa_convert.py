@@ -474,6 +474,8 @@ def hf_config(cfg: ModelConfig) -> dict:
                               "original_max_position_embeddings": rope.original_max_position, "truncate": rope.truncate}
     if cfg.nsa:
         hf.update(nsa_dict(cfg.nsa))
+        if cfg.nsa.refresh_layers:
+            hf["nsa_refresh_layers"] = list(cfg.nsa.refresh_layers)
     return hf
 
 

@@ -104,11 +104,11 @@ class Drafter:
         """Draft attention over per-layer gathered slots `idx_layers` [L, B, Hs, K] plus the tail from
         tail_start to each row's slot, of the tree's slots only the row's ancestors."""
 
-        def attend(layer, q, cache, idx, _gates):
+        def attend(layer, q, cache, idx, _gates, carry):
             out = kernels.sparse_attention(
                 q, cache.k, cache.v, layer, idx, n_idx, tail_start, rows.slots,
                 scale=self.scale, tail_capacity=tail_capacity, tree=rows.mask, backend=self.spec.backend,
             )
-            return out, None
+            return out, None, carry
 
         return attend, idx_layers

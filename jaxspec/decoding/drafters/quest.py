@@ -88,8 +88,8 @@ class Quest(Drafter):
             )
             return out
 
-        def attend(layer, q, cache, bounds, _gates):
+        def attend(layer, q, cache, bounds, _gates, carry):
             out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, bounds)
-            return out, None
+            return out, None, carry
 
         return attend, (state.kmin, state.kmax)

@@ -1,0 +1,549 @@
+"""The planner behind `--method auto`: which strategy to decode with (DESIGN.md section 4c).
+
+Why: whether speculation pays depends on the regime, and nothing in a method's config knows the
+regime. On SmolLM2-135M at batch 1 every step is launch-bound, a sparse draft forward costs as much
+as a full one, and the old default (vegas) ran slower than plain decoding (789 vs 908 tok/s on an
+H100); at Qwen3-8B shapes and 4 x 128K the KV read dominates and vegas runs 2.2x plain
+(bench/NOTES.md). So a run asks the planner, which answers from three sources, best first:
+
+1. A lookup table, measured by `python -m jaxspec.profile` for one model on one device kind: per
+   batch size, sampling mode (greedy / sampled: acceptance differs), context bucket and precision
+   class, the strategies ranked by measured decode tokens/s. Tables ship in `decoding/tables/`,
+   named by the model's fingerprint and the device kind, and are found automatically.
+2. Without a table, a cost model from the measured copy bandwidth (`cost_model`): bytes over
+   bandwidth plus a per-layer launch overhead for every forward, and an assumed acceptance.
+3. Refinement at run time (SSV's Algorithm 1 as designed here; the paper's text was not at hand):
+   the run starts with the plan's choice, measures its accepted tokens per iteration and iteration
+   time over a segment of SEGMENT iterations, corrects every candidate's prediction by what it saw
+   (`corrected`), and switches (`engine.switch`, which keeps the output distribution exact) to a
+   candidate predicted faster by MARGIN, or to plain when plain is unmeasured and not predicted
+   PROBE_MARGIN slower (`decide`); it measures that one for a segment and decides again, at most
+   MAX_SWITCHES times, then runs to completion.
+
+A strategy is the part of a SpecConfig the planner chooses (`Strategy`); plain decoding is one, and
+it is the fallback: a speculative strategy is chosen only when it is predicted (or measured) at
+least MARGIN faster. Precision classes other than `strict` change the output distribution, so they
+are candidates only when the user allows them (`allowed_precisions`).
+
+Context buckets: a run belongs to the smallest bucket (upper bound in tokens, BUCKETS) that holds its
+longest prompt plus its new tokens, i.e. the longest context it reaches; the profile measures each
+bucket at its top (prompts of bucket - new tokens). A table without that bucket answers from the
+nearest profiled one (by log distance), and from the nearest profiled batch size.
+
+The bytes floor of a step (DESIGN.md section 6) lives here too, as the cost model's base; bench/
+uses the same functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import PRECISIONS, SPARSE_METHODS, SpecConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.models.config import ModelConfig
+
+BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+TABLES = Path(__file__).parent / "tables"  # shipped tables: <fingerprint>_<device>.json
+TABLE_FORMAT = 1
+SEGMENT = 8  # decode iterations per refinement segment
+MAX_SWITCHES = 3
+MARGIN = 0.1  # a switch, or a speculative choice over plain, needs a predicted gain of 10%
+PROBE_MARGIN = 0.25  # plain is measured unless the running strategy beats its corrected prediction by 25%
+CANDIDATES = 3  # speculative strategies kept beside plain for refinement (each may need a compile)
+
+# Cost model assumptions (documented in cost_model).
+LAYER_OVERHEAD_S = 35e-6  # per layer and forward: launches and small kernels
+NSA_LAYER_OVERHEAD_S = 60e-6  # per layer, on top, for a forward that runs NSA attention
+ITERATION_OVERHEAD_S = 0.4e-3  # per speculative iteration: proposal, acceptance, commit
+PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5}  # geometric: draft i accepted with probability alpha^i
+COST_MODEL_RATIO = 0.07
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """What the planner chooses: method, draft shape (a chain of gamma, or a tree and its traversal),
+    sparse ratio and, for NSA targets, the precision class and verification group. Canonical: fields
+    a method does not use are None (so equal strategies compare and hash equal)."""
+
+    method: str = "plain"
+    gamma: int | None = None
+    tree: tuple[int, ...] | None = None
+    traversal: str | None = None
+    ratio: float | None = None
+    precision: str = "strict"
+    group: int = 8
+
+    @classmethod
+    def of(cls, spec: SpecConfig) -> Strategy:
+        plain = spec.method == "plain"
+        tree = None if plain or spec.tree is None else tuple(spec.tree)
+        return cls(
+            method=spec.method,
+            gamma=None if plain or tree else spec.gamma,
+            tree=tree,
+            traversal=spec.traversal if tree else None,
+            ratio=spec.ratio if spec.method in SPARSE_METHODS else None,
+            precision=spec.precision,
+            group=spec.group,
+        )
+
+    def spec(self, base: SpecConfig) -> SpecConfig:
+        """`base` (backend, min_tokens, metric, n-gram sizes) decoding with this strategy; validated."""
+        return dataclasses.replace(
+            base, method=self.method, gamma=base.gamma if self.gamma is None else self.gamma, tree=self.tree,
+            traversal=self.traversal or "bfs", ratio=self.ratio if self.ratio is not None else base.ratio,
+            precision=self.precision, group=self.group,
+        ).validate()
+
+    @property
+    def plain(self) -> bool:
+        return self.method == "plain"
+
+    @property
+    def depth(self) -> int:
+        """Most drafts accepted per iteration."""
+        return 0 if self.plain else len(self.tree) if self.tree else self.gamma
+
+    @property
+    def kind(self) -> str:
+        """Whose acceptance this strategy shares: "model" (the target drafting over a KV subset),
+        "ngram", or "none" (plain)."""
+        return "none" if self.plain else "ngram" if self.method == "ngram" else "model"
+
+    @property
+    def name(self) -> str:
+        """e.g. 'plain', 'vegas g6 r0.07', 'vegas bfs:3,2,1 r0.07', 'ngram g8', '... approx group 4' (the
+        group when it is not the default 8)."""
+        parts = [self.method]
+        if self.tree:
+            parts.append(f"{self.traversal}:{','.join(map(str, self.tree))}")
+        elif self.gamma:
+            parts.append(f"g{self.gamma}")
+        if self.ratio is not None:
+            parts.append(f"r{self.ratio:g}")
+        if self.precision != "strict":
+            parts.append(self.precision)
+        if self.group != 8:
+            parts.append(f"group {self.group}")
+        return " ".join(parts)
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "tree": list(self.tree) if self.tree else None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Strategy:
+        """Raises JaxspecError for unknown keys or invalid values."""
+        if not isinstance(d, dict) or set(d) - {f.name for f in dataclasses.fields(cls)}:
+            raise JaxspecError(f"bad strategy {d!r}")
+        tree = d.get("tree")
+        return cls.of(cls(**{**d, "tree": tuple(tree) if tree else None}).spec(SpecConfig()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A strategy's expected decode throughput (batch total), tokens per iteration (per row) and
+    iteration time, from a table or the cost model."""
+
+    strategy: Strategy
+    tokens_per_s: float
+    tokens_per_iteration: float
+    iteration_s: float
+    spread: float = 0.0  # of tokens_per_s over a table's repeats (max - min); 0 for the cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What a strategy did over refinement segments: loop iterations, tokens committed (all rows),
+    host-synced seconds, and accepted + 1 tokens per row iteration."""
+
+    iterations: int
+    tokens: int
+    seconds: float
+    tokens_per_iteration: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def iteration_s(self) -> float:
+        return self.seconds / max(self.iterations, 1)
+
+    def merge(self, other: Observation) -> Observation:
+        n = self.iterations + other.iterations
+        tpi = (self.tokens_per_iteration * self.iterations + other.tokens_per_iteration * other.iterations) / max(n, 1)
+        return Observation(n, self.tokens + other.tokens, self.seconds + other.seconds, tpi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The candidates (ranked by prediction, plain always among them), the first choice, where the
+    predictions came from ("table:<file>" or "cost-model") and the context bucket."""
+
+    candidates: tuple[Prediction, ...]
+    first: Strategy
+    source: str
+    bucket: int
+
+    def describe(self) -> dict:
+        first = next(c for c in self.candidates if c.strategy == self.first)
+        return {
+            "strategy": self.first.name,
+            "source": self.source,
+            "bucket": self.bucket,
+            "predicted_tokens_per_s": first.tokens_per_s,
+            "candidates": [{"strategy": c.strategy.name, "predicted_tokens_per_s": c.tokens_per_s} for c in self.candidates],
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# Buckets, precision classes, sampling modes
+
+
+def bucket_of(context: int, buckets=BUCKETS) -> int:
+    """The smallest bucket holding `context` tokens (the largest one past it)."""
+    return next((b for b in sorted(buckets) if context <= b), max(buckets))
+
+
+def nearest(value: int, options) -> int:
+    """The option nearest to `value` by log distance (ties: the smaller)."""
+    return min(sorted(options), key=lambda o: abs(math.log(o / value)))
+
+
+def allowed_precisions(precision: str) -> tuple[str, ...]:
+    """The classes `--precision P` allows: strict always, plus P and the classes it combines
+    (approx+reuse allows all four)."""
+    if precision not in PRECISIONS:
+        raise JaxspecError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return tuple(p for p in PRECISIONS if p == "strict" or set(p.split("+")) <= set(precision.split("+")))
+
+
+def sampling_mode(sampling: SamplingConfig) -> str:
+    return "greedy" if sampling.greedy else "sample"
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables
+
+
+def fingerprint(cfg: ModelConfig) -> str:
+    """A readable, stable model id: '<type>-<layers>x<hidden>-<dtype>-<hash>' where the hash covers
+    every shape, NSA and dtype field of the config (not the token ids)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("bos_token_id", "eos_token_ids")}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"{cfg.model_type}-{cfg.num_layers}x{cfg.hidden_size}-{cfg.dtype}-{digest}"
+
+
+def device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
+def table_path(cfg: ModelConfig, device: str, directory: Path = TABLES) -> Path:
+    """Where the table of this model on this device kind lives: <fingerprint>_<device slug>.json."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return directory / f"{fingerprint(cfg)}_{slug}.json"
+
+
+def new_table(cfg: ModelConfig, model_name: str, device: str, backend: str, profile: dict) -> dict:
+    return {
+        "format": TABLE_FORMAT,
+        "model": {"name": model_name, "fingerprint": fingerprint(cfg)},
+        "device": device,
+        "backend": backend,
+        "profile": profile,
+        "cells": [],
+    }
+
+
+def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str, entries: list[dict], **info) -> None:
+    """Adds (or replaces) one cell, its entries ranked by tokens_per_s. An entry is {"strategy":
+    Strategy.to_json(), "tokens_per_s", "tokens_per_iteration", "iteration_s", ...}."""
+    key = (batch, sampling, bucket, precision)
+    table["cells"] = [c for c in table["cells"] if _cell_key(c) != key]
+    ranked = sorted(entries, key=lambda e: -e["tokens_per_s"])
+    table["cells"].append({"batch": batch, "sampling": sampling, "bucket": bucket, "precision": precision, **info,
+                           "ranked": ranked})
+
+
+def _cell_key(cell: dict) -> tuple:
+    return cell["batch"], cell["sampling"], cell["bucket"], cell["precision"]
+
+
+def save_table(path: Path, table: dict) -> None:
+    """Writes the table atomically (a temporary file beside it, then renamed): never half-written."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(table, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise JaxspecError(f"cannot write planner table {path}: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_table(path: Path) -> dict:
+    """Reads and checks a table; any problem is one JaxspecError naming the file."""
+    try:
+        table = json.loads(Path(path).read_text())
+        if table.get("format") != TABLE_FORMAT:
+            raise ValueError(f"format {table.get('format')!r} is not {TABLE_FORMAT}")
+        table["model"]["fingerprint"], table["device"]
+        if not table["cells"]:
+            raise ValueError("no cells")
+        for cell in table["cells"]:
+            if cell["sampling"] not in ("greedy", "sample") or cell["precision"] not in PRECISIONS:
+                raise ValueError(f"bad cell {_cell_key(cell)}")
+            if int(cell["batch"]) < 1 or int(cell["bucket"]) < 1:
+                raise ValueError(f"bad cell {_cell_key(cell)}")
+            strategies = [Strategy.from_json(e["strategy"]) for e in cell["ranked"]]
+            if not any(s.plain for s in strategies):
+                raise ValueError(f"cell {_cell_key(cell)} has no plain entry")
+            for e in cell["ranked"]:
+                if not all(float(e[k]) > 0 for k in ("tokens_per_s", "tokens_per_iteration", "iteration_s")):
+                    raise ValueError(f"cell {_cell_key(cell)}: non-positive measurement")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, JaxspecError) as e:
+        raise JaxspecError(f"cannot read planner table {path}: {e}") from None
+    return table
+
+
+def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",)) -> tuple[int, list[Prediction]]:
+    """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
+    if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one;
+    the entries of every allowed precision class. Empty when no cell has an allowed class."""
+    cells = [c for c in table["cells"] if c["precision"] in precisions]
+    if not cells:
+        return bucket_of(context), []
+    if any(c["sampling"] == sampling for c in cells):
+        cells = [c for c in cells if c["sampling"] == sampling]
+    b = nearest(batch, {c["batch"] for c in cells})
+    cells = [c for c in cells if c["batch"] == b]
+    bucket = bucket_of(context)
+    bucket = nearest(bucket, {c["bucket"] for c in cells})
+    entries = [e for c in cells if c["bucket"] == bucket for e in c["ranked"]]
+    predictions = [
+        Prediction(Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
+                   float(e["iteration_s"]), float(e.get("spread_tokens_per_s", 0.0)))
+        for e in entries
+    ]
+    return bucket, sorted(predictions, key=lambda p: -p.tokens_per_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost model: bytes floors (DESIGN.md section 6) plus launch overhead, and an assumed acceptance
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def key_bytes(cfg: ModelConfig, batch: int) -> int:
+    """K and V bytes of one key position, one layer, `batch` sequences."""
+    return batch * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(cfg.dtype).itemsize
+
+
+def layer_attention_bytes(cfg: ModelConfig, batch: int, context: int, T: int = 1) -> dict:
+    """K+V bytes one layer's attention reads for T rows whose last row is at position context + T - 2,
+    by part. Dense: every key up to that row. NSA: the compressed blocks visible to it, S selected
+    blocks (a lower bound of the rows' union) and the rows' window (w + T - 1 keys)."""
+    per_key = key_bytes(cfg, batch)
+    last = context + T - 1  # keys up to and including the last row
+    n = cfg.nsa
+    if n is None:
+        return {"kv": per_key * last}
+    return {"compressed": per_key * (last // n.block_size),
+            "selected": per_key * min(n.block_counts * n.block_size, last),
+            "window": per_key * min(n.window_size + T - 1, last)}
+
+
+def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
+    """Bytes of keys and values one decode step over `context` tokens reads, all layers (NSA models:
+    their three branches)."""
+    return cfg.num_layers * sum(layer_attention_bytes(cfg, batch, context).values())
+
+
+def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float) -> float:
+    """DESIGN.md 6: (weights + KV read + float32 logits written) / measured bandwidth."""
+    logits = batch * cfg.vocab_size * 4
+    return (weight_bytes + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
+
+
+@functools.cache
+def measure_bandwidth() -> float:
+    """Copy bandwidth in GB/s (bytes read + written, as bench/common.measure_rates counts it): the
+    median of 5 jitted x + 1 over 256 MiB of float32 on an accelerator (past any L2), 16 MiB on the
+    CPU. Measured once per process (well under a second)."""
+    n = (1 << 26) if jax.default_backend() != "cpu" else (1 << 22)
+    x = jnp.ones((n,), jnp.float32)
+    add = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(add(x))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(add(x))
+        times.append(time.perf_counter() - start)
+    return 2 * x.nbytes / statistics.median(times) / 1e9
+
+
+def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
+            min_tokens: int = 256) -> Prediction:
+    """The cost model's prediction for a chain strategy (plain, a sparse drafter or ngram):
+
+      forward(keys, rows, nsa) = layers x (LAYER_OVERHEAD_S + NSA_LAYER_OVERHEAD_S if nsa)
+                                 + (weights + K/V bytes of `keys` + rows x batch x vocab x 4) / bandwidth
+      plain step  = forward(context, 1, NSA attention on NSA models)
+      iteration   = depth x draft + verify + ITERATION_OVERHEAD_S, draft = forward(K + depth + 1 keys
+                    (selection + tail), 1, dense attention) with K = clamp(ceil(ratio x context),
+                    min_tokens, context), 0 for ngram (no model); verify = forward(context, depth + 1,
+                    NSA on NSA models)
+      tokens/iteration = 1 + sum_{i=1..depth} alpha^i (geometric acceptance, PRIOR_ACCEPTANCE)
+      tokens/s = batch x tokens/iteration / iteration
+
+    The bytes term is DESIGN.md's step floor; the overhead term is calibrated on bench/NOTES.md: a
+    SmolLM2 step (30 layers) took ~1.3 ms against a 0.15 ms floor on the H100 (38 us per layer over
+    the floor; its steps run 6-16x their floors at batch 1) and a Qwen3-8B step 6.75 ms against 5.69
+    (29 us per layer); NSA attention adds 55-82 us per layer and pass; an ngram iteration, which
+    drafts nothing, took 0.4-0.7 ms more than a plain step (SmolLM2 chain 6: 1.69 vs 1.31 ms;
+    Qwen3-8B gamma 8 at 1 x 4K: 7.42 vs 6.75 ms), the iteration overhead. Priors: alpha 0.8 for the
+    target drafting over a sparse KV subset (below SmolLM2's measured 0.86-0.94 per draft position
+    at ratio 0.07, bench/NOTES "Acceptance", as harder text and larger models accept less), 0.5 for
+    ngram (reproduces its measured 2.1-2.5 tokens per iteration at gamma 4-8). Refinement replaces
+    both the acceptance and the time scale with what the run observes.
+    """
+    if strategy.tree is not None:
+        raise ValueError("the cost model predicts chains only; trees need a measured table")
+
+    bandwidth = bandwidth_GBps * 1e9
+
+    def forward(rows: int, draft_keys: int | None = None) -> float:
+        """`rows` rows through the target's own attention over the context, or (draft_keys) one row
+        through dense attention over draft_keys keys."""
+        if draft_keys is None:
+            floor = step_floor_s(cfg, weight_bytes, batch, context, bandwidth_GBps)
+            overhead = LAYER_OVERHEAD_S + (NSA_LAYER_OVERHEAD_S if cfg.nsa else 0.0)
+        else:
+            floor = step_floor_s(cfg, weight_bytes, batch, 0, bandwidth_GBps)
+            floor += cfg.num_layers * key_bytes(cfg, batch) * draft_keys / bandwidth
+            overhead = LAYER_OVERHEAD_S
+        return cfg.num_layers * overhead + floor + (rows - 1) * batch * cfg.vocab_size * 4 / bandwidth
+
+    depth = strategy.depth
+    verify = forward(depth + 1)
+    if strategy.plain:
+        return Prediction(strategy, batch / verify, 1.0, verify)
+    draft = 0.0
+    if strategy.kind == "model":
+        k = min(max(math.ceil(strategy.ratio * context), min_tokens), context)
+        draft = forward(1, draft_keys=k + depth + 1)
+    alpha = PRIOR_ACCEPTANCE[strategy.kind]
+    tpi = 1 + sum(alpha**i for i in range(1, depth + 1))
+    iteration = depth * draft + verify + ITERATION_OVERHEAD_S
+    return Prediction(strategy, batch * tpi / iteration, tpi, iteration)
+
+
+def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
+               min_tokens: int = 256) -> list[Prediction]:
+    """Predictions, best first, for plain, vegas at gamma 2, 4 and 6 (ratio 0.07, the KV-bound choice
+    of bench/kv_bound.json) and ngram at gamma 4 and 8, all strict (approximate precision classes and
+    draft trees are chosen from measured tables only)."""
+    strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
+    strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]
+    predictions = [predict(s, cfg, weight_bytes, batch, context, bandwidth_GBps, min_tokens) for s in strategies]
+    return sorted(predictions, key=lambda p: -p.tokens_per_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# Choosing and refining
+
+
+def choose(candidates) -> Strategy:
+    """The speculative candidate with the best pessimistic rate (median - spread / 2: a table's
+    noisy win is no win) if that beats the best plain one by MARGIN, else that plain."""
+    plain = max((p for p in candidates if p.strategy.plain), key=lambda p: p.tokens_per_s)
+    speculative = [p for p in candidates if not p.strategy.plain]
+    if not speculative:
+        return plain.strategy
+    best = max(speculative, key=lambda p: p.tokens_per_s - p.spread / 2)
+    return best.strategy if best.tokens_per_s - best.spread / 2 > plain.tokens_per_s * (1 + MARGIN) else plain.strategy
+
+
+def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens: int, new_tokens: int,
+              sampling: SamplingConfig, precisions=("strict",), table: Path | None = None,
+              min_tokens: int = 256) -> Plan:
+    """The plan of a run: candidates from `table` (or the shipped table of this model and device
+    kind), else from the cost model at the run's middle context (prompt + new / 2); the CANDIDATES
+    best speculative ones and the best plain one are kept. A given table must be of this model."""
+    context = prompt_tokens + new_tokens
+    path = table or table_path(cfg, device_kind())
+    predictions: list[Prediction] = []
+    if table is not None or path.is_file():
+        data = load_table(path)
+        if data["model"]["fingerprint"] != fingerprint(cfg):
+            raise JaxspecError(
+                f"planner table {path} is for model {data['model']['fingerprint']}, not this one ({fingerprint(cfg)})")
+        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions)
+        source = f"table:{path}"
+    if not predictions:
+        bucket, source = bucket_of(context), "cost-model"
+        middle = prompt_tokens + new_tokens // 2
+        predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens)
+    speculative = [p for p in predictions if not p.strategy.plain][:CANDIDATES]
+    plain = max((p for p in predictions if p.strategy.plain), key=lambda p: p.tokens_per_s)
+    candidates = tuple(sorted(speculative + [plain], key=lambda p: -p.tokens_per_s))
+    return Plan(candidates, choose(candidates), source, bucket)
+
+
+def corrected(candidates, observations: dict) -> dict:
+    """Each candidate's expected tokens/s given the observations so far ({Strategy: Observation}):
+    an observed strategy's observed rate; any other one's prediction with its accepted drafts per
+    iteration scaled by a_k = (observed accepted per iteration) / (predicted), pooled over the
+    observed strategies of the same drafter kind (model drafters share one a, ngram its own; 1
+    while none of the kind ran; tokens per iteration kept within [1, depth + 1]), and its time by
+    tau = (observed iteration time) / (predicted), pooled over every observed strategy."""
+    by_strategy = {c.strategy: c for c in candidates}
+    seen = [(by_strategy[s], o) for s, o in observations.items()]
+    tau = sum(o.iteration_s for _, o in seen) / sum(p.iteration_s for p, _ in seen) if seen else 1.0
+    expected = {}
+    for c in candidates:
+        if c.strategy in observations:
+            expected[c.strategy] = observations[c.strategy].tokens_per_s
+            continue
+        same = [(p, o) for p, o in seen if p.strategy.kind == c.strategy.kind and p.tokens_per_iteration > 1]
+        a = sum(o.tokens_per_iteration - 1 for _, o in same) / sum(p.tokens_per_iteration - 1 for p, _ in same) if same else 1.0
+        tpi = min(max(1 + a * (c.tokens_per_iteration - 1), 1.0), 1.0 + c.strategy.depth)
+        expected[c.strategy] = c.tokens_per_s * tpi / c.tokens_per_iteration / tau
+    return expected
+
+
+def decide(candidates, observations: dict, current: Strategy, probe_plain: bool = True) -> tuple[Strategy, str]:
+    """(strategy to run next, why): the candidate with the best corrected rate if it beats the
+    current strategy's observed rate by MARGIN; else, with `probe_plain` (cost-model plans), plain,
+    while it is unmeasured and the current speculative strategy does not beat plain's corrected
+    prediction by PROBE_MARGIN (predicted relative step times can be off by that much, e.g. on a
+    CPU, where rows cost compute: measured, a speculative strategy then has to beat plain by MARGIN
+    to be switched back to); else the current one. A table's plain rate is measured on this device,
+    so table plans do not probe it."""
+    expected = corrected(candidates, observations)
+    best = max(expected, key=expected.get)
+    now = observations[current].tokens_per_s
+    if best != current and expected[best] > now * (1 + MARGIN):
+        how = "observed" if best in observations else "predicted"
+        return best, f"{best.name} {how} {expected[best]:.0f} tok/s > {current.name} observed {now:.0f} tok/s"
+    plain = max((c.strategy for c in candidates if c.strategy.plain), key=expected.get)
+    if probe_plain and not current.plain and plain not in observations and expected[plain] * (1 + PROBE_MARGIN) >= now:
+        return plain, f"plain predicted {expected[plain]:.0f} tok/s, {current.name} observed {now:.0f} tok/s: measuring plain"
+    return current, f"{current.name} observed {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"

@@ -1,0 +1,249 @@
+"""`python -m jaxspec.profile`: measure the planner's lookup table for a model on this device.
+
+Why: the planner (`decoding.planner`) picks a strategy from measurements where it has them, because
+what pays depends on the model, the device, the context, the batch and the sampling mode far more
+than a cost model can say (bench/NOTES.md: SmolLM2's steps run 6-16x their bytes floors). This runs
+the real decode loop over the strategy space and writes the ranked table that `--method auto` reads.
+
+    python -m jaxspec.profile --model smollm2 [--buckets 1024,2048,4096,8000] [--batch 1]
+        [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
+        [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
+        [--new 48] [--repeats 3] [--budget SECONDS] [--out FILE]
+
+For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
+setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
+documents from CALIBRATION_OFFSET on, which bench/planner.py's held-out prompts never reach; a
+different document per row; chat template), each about bucket - new tokens long so the run ends
+inside the bucket, prefilled once; then plain and every strategy of the space decode `--new` tokens
+from each (seed = repeat), and the entry is the median decode tokens/s over them with its spread.
+Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods).
+NSA models: the same x verification group x precision class (classes other than strict only when
+listed, reuse ones only with a calibrated refresh schedule); each class gets its own ranked cell.
+
+Compiles: one max_len (the largest bucket's prompts + new tokens), one padded prompt width and one
+selection capacity for the whole profile, so each strategy compiles once per sampling mode and the
+buckets and ratios share it. `--budget` stops starting buckets and speculative measurements after
+that many seconds of measuring (a started bucket still measures plain); the table is rewritten
+(atomically) after every cell, so a cut-off run keeps what it measured, and cells already in `--out`
+for other (batch, sampling, bucket, precision) are kept. The default file is the shipped table of
+this model and device kind (`jaxspec/decoding/tables/`), which auto finds. A markdown summary is
+printed last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import corpus
+from jaxspec.decoding import planner
+from jaxspec.decoding.planner import Strategy
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import METHODS, PRECISIONS, SPARSE_METHODS, SpecConfig
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
+from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize
+from jaxspec.tune import parse_tree
+
+CALIBRATION_OFFSET = 40  # first jaxspec.corpus document of the calibration prompts
+TASKS = ("continue", "question", "summary")  # row r of a calibration batch asks TASKS[r % 3]
+
+
+def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions) -> list[Strategy]:
+    """Plain (one per precision class) first, then every method x draft shape x ratio (sparse
+    methods), on NSA models also x group x precision class. Dense models verify exactly: one class
+    (strict), group unused."""
+    if cfg.nsa is None:
+        groups, precisions = (8,), ("strict",)
+    space = [Strategy(precision=p) for p in precisions]
+    shapes = [dict(gamma=g) for g in gammas] + [dict(tree=t.branching, traversal=t.order) for t in trees]
+    for method in methods:
+        if method == "plain":
+            continue
+        for shape in shapes:
+            for ratio in ratios if method in SPARSE_METHODS else (None,):
+                for group in groups:
+                    for precision in precisions:
+                        space.append(Strategy(method, ratio=ratio, precision=precision, group=group, **shape))
+    return space
+
+
+def calibration_batch(tokenizer, chat: bool, batch: int, tokens: int, repeat: int) -> Batch:
+    """`batch` prompts of at most `tokens` tokens (chat template included), repeat r's rows taking the
+    documents after repeat r - 1's."""
+    overhead = int(encode_prompts(tokenizer, ["x"], chat).lengths[0]) - len(tokenizer.encode("x")) + 2
+    if tokens - overhead < 16:
+        raise JaxspecError(f"a bucket of {tokens} prompt tokens is too small for the calibration prompts")
+    offsets = [CALIBRATION_OFFSET + 3 * (repeat * batch + row) for row in range(batch)]
+    prompts = [corpus.long_prompt(tokenizer, tokens - overhead, task=TASKS[row % 3], offset=offset)
+               for row, offset in enumerate(offsets)]
+    return encode_prompts(tokenizer, prompts, chat)
+
+
+def padded(batch: Batch, width: int) -> Batch:
+    """The batch's ids right-padded to `width` columns (one prompt shape: one compilation)."""
+    return Batch(np.pad(batch.ids, ((0, 0), (0, width - batch.ids.shape[1]))), batch.lengths)
+
+
+def measure(params, cfg, batches, caches, spec: SpecConfig, sampling, max_len: int, new: int) -> dict:
+    """One table entry: decode `new` tokens from every calibration batch (seed = its index), the
+    median tokens/s, its spread, and medians of tokens per iteration and iteration time."""
+    rows, compile_s = [], 0.0
+    for seed, (batch, cache) in enumerate(zip(batches, caches)):
+        run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len, max_new_tokens=new,
+                             stop_ids=(), seed=seed, cache=jax.tree.map(jnp.copy, cache))
+        stats = summarize(run, batch, spec)
+        loops = max(int(np.max(jax.device_get(run.output.stats.iterations))), 1)
+        rows.append((stats["decode_tokens_per_s"], stats["tokens_per_iteration"], run.decode_s / loops))
+        compile_s += run.compile_s
+    tps, tpi, its = zip(*rows)
+    return {"tokens_per_s": statistics.median(tps), "spread_tokens_per_s": max(tps) - min(tps),
+            "tokens_per_iteration": statistics.median(tpi), "iteration_s": statistics.median(its), "runs": len(rows),
+            "compile_s": compile_s}
+
+
+def parse_args(argv):
+    ints = lambda s: tuple(int(x) for x in s.split(","))
+    floats = lambda s: tuple(float(x) for x in s.split(","))
+    words = lambda s: tuple(s.split(","))
+    gpu = jax.default_backend() == "gpu"
+    p = ArgumentParser(prog="python -m jaxspec.profile", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--buckets", type=ints, default=(1024, 2048, 4096, 8000), help="context buckets (prompt + new tokens)")
+    p.add_argument("--batch", type=ints, default=(1,), help="batch sizes, e.g. 1,8")
+    p.add_argument("--samplings", type=words, default=("greedy", "sample"), help="greedy and/or sample")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sample mode")
+    p.add_argument("--top-p", type=float, default=0.95, help="of the sample mode")
+    p.add_argument("--methods", type=words, default=("plain", "vegas", "stream", "ngram"))
+    p.add_argument("--gammas", type=ints, default=(2, 4, 6))
+    p.add_argument("--trees", nargs="*", default=["3,2,1", "dfs:2,2,2"], metavar="SHAPE", help="e.g. 3,2,1 dfs:2,2,2")
+    p.add_argument("--ratios", type=floats, default=(0.03, 0.07))
+    p.add_argument("--groups", type=ints, default=(1, 4, 8, 16), help="NSA models: verification groups")
+    p.add_argument("--precisions", type=words, default=("strict",), help="NSA models: precision classes to profile")
+    p.add_argument("--new", type=int, default=48, help="new tokens per measurement")
+    p.add_argument("--repeats", type=int, default=3, help="calibration batches per bucket (median and spread)")
+    p.add_argument("--budget", type=float, default=None, help="seconds of measuring; no measurement starts after them")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
+    p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
+    p.add_argument("--out", type=Path, default=None, help="default: the shipped table of this model and device")
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    for method in args.methods:
+        if method not in METHODS:
+            raise JaxspecError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    for sampling in args.samplings:
+        if sampling not in ("greedy", "sample"):
+            raise JaxspecError(f"--samplings takes greedy and/or sample, got {sampling!r}")
+    for precision in args.precisions:
+        if precision not in PRECISIONS:
+            raise JaxspecError(f"--precisions takes {', '.join(PRECISIONS)}, got {precision!r}")
+    if "strict" not in args.precisions:
+        raise JaxspecError("--precisions must include strict (the lossless class every table ranks)")
+    for gamma in args.gammas:
+        SpecConfig(method="vegas", gamma=gamma).validate()
+    for ratio in args.ratios:
+        SpecConfig(ratio=ratio).validate()
+    for group in args.groups:
+        SpecConfig(group=group).validate()
+    if args.new < 2 or args.repeats < 1 or min(args.batch) < 1 or min(args.buckets) < 1:
+        raise JaxspecError("need --new >= 2, --repeats >= 1 and positive --batch and --buckets")
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
+    trees = [parse_tree(text) for text in args.trees]
+    samplings = {"greedy": SamplingConfig(), "sample": SamplingConfig(temperature=args.temperature, top_p=args.top_p)}
+
+    from jaxspec.loaders import load_model
+
+    cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
+    precisions = []
+    for p in args.precisions:
+        if p.endswith("reuse") and (cfg.nsa is None or not cfg.nsa.refresh_layers):
+            print(f"skipping precision {p}: the model has no calibrated refresh/reuse schedule", file=sys.stderr)
+            continue
+        SpecConfig(precision=p).check_model(cfg)
+        precisions.append(p)
+    space = strategy_space(cfg, args.methods, args.gammas, trees, args.ratios, args.groups, precisions)
+    chat = tokenizer.has_chat_template
+    prompts = {(b, bucket, r): calibration_batch(tokenizer, chat, b, bucket - args.new, r)
+               for b in args.batch for bucket in args.buckets for r in range(args.repeats)}
+    width = max(x.ids.shape[1] for x in prompts.values())
+    max_len = width + args.new
+    if max_len > cfg.max_position_embeddings:
+        raise JaxspecError(f"the largest bucket needs {max_len} positions; the model has {cfg.max_position_embeddings}")
+    base = SpecConfig(backend=args.backend, k_max=SpecConfig(ratio=max(args.ratios)).capacity(max_len))
+
+    device = planner.device_kind()
+    out = args.out or planner.table_path(cfg, device)
+    profile = {"new_tokens": args.new, "repeats": args.repeats, "max_len": max_len, "dtype": args.dtype,
+               "samplings": {k: vars(samplings[k]) for k in args.samplings},
+               "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "command": " ".join(["python -m jaxspec.profile"] + list(sys.argv[1:] if argv is None else argv))}
+    table = planner.new_table(cfg, args.model, device, args.backend, profile)
+    if out.is_file():
+        old = planner.load_table(out)
+        if old["model"]["fingerprint"] == table["model"]["fingerprint"] and old["device"] == device:
+            table["cells"] = old["cells"]
+    print(f"{len(space)} strategies x {len(args.buckets)} buckets x {len(args.batch)} batch sizes x "
+          f"{len(args.samplings)} sampling modes, {args.repeats} calibration batches each; max_len {max_len}", flush=True)
+
+    started, measured = time.monotonic(), []
+    out_of_time = lambda: args.budget is not None and time.monotonic() - started > args.budget
+    for mode in args.samplings:
+        for b in args.batch:
+            for bucket in args.buckets:
+                if out_of_time():
+                    break
+                batches = [padded(prompts[b, bucket, r], width) for r in range(args.repeats)]
+                prefill = prefill_fn(cfg, max_len, args.backend, base.prefill_chunk)
+                caches = [prefill(params, jnp.asarray(x.ids), jnp.asarray(x.lengths)) for x in batches]
+                entries = {p: [] for p in precisions}
+                for strategy in space:
+                    if out_of_time() and not strategy.plain:  # a started bucket gets its plain entries
+                        break
+                    row = measure(params, cfg, batches, caches, strategy.spec(base), samplings[mode], max_len, args.new)
+                    entries[strategy.precision].append({"strategy": strategy.to_json(), "name": strategy.name, **row})
+                    print(f"{mode} B={b} bucket {bucket}: {strategy.name}: {row['tokens_per_s']:.1f} tok/s "
+                          f"(spread {row['spread_tokens_per_s']:.1f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
+                          f"iteration {row['iteration_s'] * 1e3:.2f} ms", flush=True)
+                prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
+                for precision, rows in entries.items():
+                    if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
+                        planner.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens)
+                        measured.append(table["cells"][-1])
+                if measured:
+                    planner.save_table(out, table)
+    if not measured:
+        raise JaxspecError("the budget ran out before the first measurement; nothing written")
+    if out_of_time():
+        print(f"budget of {args.budget:.0f} s spent: stopped early", file=sys.stderr)
+    print(f"\nsaved {len(measured)} cells to {out}\n")
+    print(summary(measured))
+
+
+def summary(cells: list[dict]) -> str:
+    """Markdown: per cell the best strategy against plain."""
+    lines = ["| sampling | batch | bucket | precision | best | tok/s | spread | tokens/iter | plain tok/s | x plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        best = c["ranked"][0]
+        plain = next(e for e in c["ranked"] if Strategy.from_json(e["strategy"]).plain)
+        lines.append(f"| {c['sampling']} | {c['batch']} | {c['bucket']} | {c['precision']} | {best['name']} | "
+                     f"{best['tokens_per_s']:.1f} | {best['spread_tokens_per_s']:.1f} | {best['tokens_per_iteration']:.2f} | "
+                     f"{plain['tokens_per_s']:.1f} | {best['tokens_per_s'] / plain['tokens_per_s']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""The planner (`--method auto`): tables, the cost model, refinement, switching strategy mid-run
+without changing the output, the CLI and the profiler."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import generate, profile
+from jaxspec.decoding import planner
+from jaxspec.decoding.planner import Observation, Prediction, Strategy
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.models.config import ModelConfig, NSAConfig
+from jaxspec.runner import run_auto, run_generation, summarize
+
+PLAIN = Strategy()
+VEGAS = Strategy("vegas", gamma=6, ratio=0.07)
+NGRAM = Strategy("ngram", gamma=4)
+TREE = Strategy("vegas", tree=(3, 2, 1), traversal="dfs", ratio=0.03)
+APPROX = Strategy("vegas", gamma=4, ratio=0.07, precision="approx", group=4)
+
+SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                      head_dim=64, intermediate_size=1536, dtype="bfloat16", max_position_embeddings=8192)
+QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                       head_dim=128, intermediate_size=12288, dtype="bfloat16", qk_norm=True, max_position_embeddings=40960)
+
+
+def entry(strategy: Strategy, tokens_per_s: float, tpi: float, batch: int = 1) -> dict:
+    return {"strategy": strategy.to_json(), "tokens_per_s": tokens_per_s, "tokens_per_iteration": tpi,
+            "iteration_s": batch * tpi / tokens_per_s, "runs": 3, "spread_tokens_per_s": 1.0}
+
+
+def table(cfg=SMOLLM2, cells=None) -> dict:
+    t = planner.new_table(cfg, "test", "cpu", "reference", {"new_tokens": 8})
+    for cell in cells or [(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 700, 5)])]:
+        planner.set_cell(t, *cell)
+    return t
+
+
+def test_strategy_json_round_trip_and_spec():
+    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX):
+        assert Strategy.from_json(json.loads(json.dumps(s.to_json()))) == s
+    assert Strategy.of(TREE.spec(SpecConfig(backend="pallas"))) == TREE
+    spec = TREE.spec(SpecConfig(backend="pallas", min_tokens=64))
+    assert (spec.method, spec.tree, spec.traversal, spec.gamma, spec.ratio, spec.min_tokens) == ("vegas", (3, 2, 1), "dfs", 3, 0.03, 64)
+    assert (PLAIN.name, VEGAS.name, TREE.name, APPROX.name) == ("plain", "vegas g6 r0.07", "vegas dfs:3,2,1 r0.03", "vegas g4 r0.07 approx group 4")
+    with pytest.raises(JaxspecError):
+        Strategy.from_json({"method": "vegas", "gamma": 0})
+
+
+def test_table_round_trip_and_bad_files(tmp_path):
+    t = table(cells=[(1, "greedy", 1024, "strict", [entry(VEGAS, 700, 5), entry(PLAIN, 900, 1)]),
+                     (4, "sample", 8192, "strict", [entry(PLAIN, 2000, 1, 4), entry(TREE, 2500, 3.5, 4)])])
+    path = tmp_path / "t.json"
+    planner.save_table(path, t)
+    assert planner.load_table(path) == t
+    assert [e["strategy"]["method"] for e in t["cells"][0]["ranked"]] == ["plain", "vegas"]  # ranked on insertion
+    assert not list(tmp_path.glob(".*tmp"))  # the temporary file is gone
+    bad = {
+        "truncated": path.read_text()[:200],
+        "not a table": "[1, 2]",
+        "no plain": json.dumps(table(cells=[(1, "greedy", 1024, "strict", [entry(VEGAS, 700, 5)])])),
+        "bad strategy": path.read_text().replace('"vegas"', '"medusa"'),
+        "bad format": path.read_text().replace('"format": 1', '"format": 7'),
+    }
+    for name, text in bad.items():
+        path.write_text(text)
+        with pytest.raises(JaxspecError, match="cannot read planner table") as info:
+            planner.load_table(path)
+        assert "\n" not in str(info.value), name
+
+
+def test_buckets_and_nearest_lookup():
+    assert [planner.bucket_of(n) for n in (10, 1024, 1025, 5000, 10**6)] == [1024, 1024, 2048, 8192, 131072]
+    t = table(cells=[(b, "greedy", bucket, "strict", [entry(PLAIN, 100 * b + bucket / 1024, 1, b)])
+                     for b in (1, 8) for bucket in (1024, 8192)])
+    assert planner.lookup(t, 1, "greedy", 900)[0] == 1024
+    assert planner.lookup(t, 1, "greedy", 3000)[0] == 8192  # 4096 is one doubling from 8192, two from 1024
+    assert planner.lookup(t, 1, "greedy", 1500)[0] == 1024
+    bucket, predictions = planner.lookup(t, 6, "sample", 70000)  # nearest batch (8), the other sampling mode
+    assert bucket == 8192 and predictions[0].tokens_per_s == 808
+
+
+def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
+    path = tmp_path / "t.json"
+    planner.save_table(path, table())
+    plan = planner.make_plan(SMOLLM2, 270_000_000, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(),
+                             table=path)
+    assert plan.first == PLAIN and plan.source == f"table:{path}" and plan.bucket == 1024
+    # a speculative strategy within MARGIN of plain is not worth it either
+    planner.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 950, 5)])]))
+    assert planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path).first == PLAIN
+    planner.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 1200, 5)])]))
+    assert planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path).first == VEGAS
+    with pytest.raises(JaxspecError, match="is for model"):
+        planner.make_plan(QWEN3_8B, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path)
+
+
+def test_non_strict_classes_only_when_allowed(tmp_path):
+    nsa = SMOLLM2.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
+    path = tmp_path / "t.json"
+    planner.save_table(path, table(nsa, cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 950, 5)]),
+                                               (1, "greedy", 1024, "approx", [entry(Strategy(precision="approx"), 900, 1),
+                                                                              entry(APPROX, 3000, 5)])]))
+    run = dict(batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path)
+    strict = planner.make_plan(nsa, 1, **run)
+    assert strict.first == PLAIN and all(c.strategy.precision == "strict" for c in strict.candidates)
+    assert planner.make_plan(nsa, 1, precisions=planner.allowed_precisions("reuse"), **run).first == PLAIN
+    assert planner.make_plan(nsa, 1, precisions=planner.allowed_precisions("approx"), **run).first == APPROX
+    assert planner.allowed_precisions("strict") == ("strict",)
+    assert planner.allowed_precisions("approx+reuse") == ("strict", "reuse", "approx", "approx+reuse")
+
+
+def test_cost_model_plain_when_weights_dominate_sparse_when_kv_does():
+    """SmolLM2 at batch 1 and a short context: every forward costs its launch overhead and reads the
+    weights, so drafting only adds forwards; Qwen3-8B at 8 x 32K reads 2.4x its weights in KV per
+    step, which a 7% draft skips."""
+    small = planner.cost_model(SMOLLM2, 270_000_000, batch=1, context=300, bandwidth_GBps=3000)
+    assert small[0].strategy.kind != "model" and planner.choose(small).kind != "model"
+    by = {p.strategy: p for p in small}
+    assert by[PLAIN].tokens_per_s > by[Strategy("vegas", gamma=2, ratio=0.07)].tokens_per_s
+    large = planner.cost_model(QWEN3_8B, 16_400_000_000, batch=8, context=32768, bandwidth_GBps=3000)
+    by = {p.strategy: p for p in large}
+    vegas = max((p for p in large if p.strategy.method == "vegas"), key=lambda p: p.tokens_per_s)
+    assert vegas.tokens_per_s > 1.2 * by[PLAIN].tokens_per_s
+    # the floor: plain's step is the bytes floor plus 36 layers of launch overhead
+    floor = planner.step_floor_s(QWEN3_8B, 16_400_000_000, 8, 32768, 3000)
+    assert by[PLAIN].iteration_s == pytest.approx(floor + 36 * planner.LAYER_OVERHEAD_S)
+    no_ngram = [p for p in large if p.strategy.method != "ngram"]
+    assert planner.choose(no_ngram).method == "vegas"
+
+
+def test_refinement_switches_on_a_mismatch_and_not_on_a_match():
+    candidates = (Prediction(VEGAS, 1200, 5.0, 5.0 / 1200), Prediction(PLAIN, 900, 1.0, 1 / 900),
+                  Prediction(Strategy("stream", gamma=4, ratio=0.07), 1000, 4.0, 4.0 / 1000))
+    match = {VEGAS: Observation(iterations=8, tokens=40, seconds=8 * 5.0 / 1200, tokens_per_iteration=5.0)}
+    assert planner.decide(candidates, match, VEGAS)[0] == VEGAS
+    # the same iteration time but 1.5 tokens per iteration instead of 5: the model drafters' acceptance
+    # falls for stream too, and plain wins
+    low = {VEGAS: Observation(iterations=8, tokens=12, seconds=8 * 5.0 / 1200, tokens_per_iteration=1.5)}
+    expected = planner.corrected(candidates, low)
+    assert expected[VEGAS] == pytest.approx(360)
+    assert expected[Strategy("stream", gamma=4, ratio=0.07)] == pytest.approx(1000 * (1 + 0.5 / 4 * 3) / 4)
+    target, reason = planner.decide(candidates, low, VEGAS)
+    assert target == PLAIN and "plain predicted" in reason
+    # twice slower steps than the table: every prediction slows down, so no switch on time alone
+    slow = {VEGAS: Observation(iterations=8, tokens=40, seconds=2 * 8 * 5.0 / 1200, tokens_per_iteration=5.0)}
+    assert planner.decide(candidates, slow, VEGAS)[0] == VEGAS
+    # after plain was observed at its prediction, vegas (observed worse) is not tried again
+    both = {**low, PLAIN: Observation(iterations=8, tokens=8, seconds=8 / 900, tokens_per_iteration=1.0)}
+    assert planner.decide(candidates, both, PLAIN)[0] == PLAIN
+    # vegas within 25% of plain's prediction: plain is measured, then kept unless vegas is 10% faster
+    tie = {VEGAS: Observation(iterations=8, tokens=32, seconds=8 * 5.0 / 1200, tokens_per_iteration=4.0)}  # 960 tok/s
+    target, reason = planner.decide(candidates, tie, VEGAS)
+    assert target == PLAIN and "measuring plain" in reason
+    tie[PLAIN] = Observation(iterations=8, tokens=8, seconds=8 / 900, tokens_per_iteration=1.0)
+    assert planner.decide(candidates, tie, PLAIN)[0] == PLAIN
+    tie[PLAIN] = Observation(iterations=8, tokens=8, seconds=8 / 800, tokens_per_iteration=1.0)
+    assert planner.decide(candidates, tie, PLAIN)[0] == VEGAS
+    # a table's plain rate is measured: table plans do not probe it unless it is predicted 10% faster
+    del tie[PLAIN]
+    assert planner.decide(candidates, tie, VEGAS, probe_plain=False)[0] == VEGAS
+    assert planner.decide(candidates, low, VEGAS, probe_plain=False)[0] == PLAIN
+
+
+def test_choice_discounts_a_noisy_table_win():
+    """A speculative entry whose median beats plain but whose spread reaches below plain + MARGIN is
+    no win (the shipped SmolLM2 table's greedy 1K bucket: ngram 1,086 +- 562 vs plain 778)."""
+    ngram = Strategy("ngram", tree=(3, 2, 1))
+    noisy = (Prediction(ngram, 1086, 1.96, 1.8e-3, spread=562), Prediction(PLAIN, 778, 1.0, 1.29e-3))
+    assert planner.choose(noisy) == PLAIN
+    steady = (Prediction(ngram, 1010, 1.68, 1.68e-3, spread=83), Prediction(PLAIN, 726, 1.0, 1.38e-3))
+    assert planner.choose(steady) == ngram
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_checkpoints):
+    from jaxspec.loaders import load_model
+    from jaxspec.runner import encode_prompts
+
+    cfg, params, tokenizer = load_model(str(hf_checkpoints["llama"]), dtype="float32")
+    batch = encode_prompts(tokenizer, ["The quick brown fox jumps", "def add(a, b): return a + b"], chat=False)
+    return cfg, params, batch
+
+
+def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
+    """run_auto through vegas -> plain -> ngram (decisions scripted) emits plain decoding's tokens,
+    and its stats sum the three strategies' counters."""
+    cfg, params, batch = tiny
+    max_len, new = 160, 120  # vegas' first segment (8 iterations) leaves the rows running
+    common = dict(sampling=SamplingConfig(), max_len=max_len, max_new_tokens=new, stop_ids=())
+    reference = run_generation(params, cfg, batch, spec=SpecConfig(), **common)
+
+    script = iter([(PLAIN, "scripted"), (NGRAM, "scripted"), (NGRAM, "scripted")])
+    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: next(script))
+    candidates = tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (VEGAS, PLAIN, NGRAM))
+    plan = planner.Plan(candidates, VEGAS, "test", 1024)
+    run = run_auto(params, cfg, batch, plan=plan, base=SpecConfig(), **common)
+    assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
+    assert [(s["from"], s["to"]) for s in run.auto.switches] == [("vegas g6 r0.07", "plain"), ("plain", "ngram g4")]
+    assert [s["iteration"] for s in run.auto.switches] == [8, 16]
+    stats = summarize(run, batch, run.auto.spec)
+    assert (stats["method"], stats["method_requested"], stats["strategy"]["name"]) == ("ngram", "auto", "ngram g4")
+    assert stats["planned"]["strategy"] == "vegas g6 r0.07" and len(stats["segments"]) == 3 and stats["lossless"]
+    assert stats["generated_tokens"] == 2 * new
+    assert len(stats["acceptance_by_depth"]) == 6  # padded to vegas' depth
+    out = jax.device_get(run.output.stats)
+    assert out.iterations.max() > 16 and (out.accepted <= out.drafted).all()
+    # a table's plain choice runs straight to the end, as plain decoding does: no segments, no switch
+    plain_plan = planner.Plan(candidates, PLAIN, "table:t.json", 1024)
+    run = run_auto(params, cfg, batch, plan=plain_plan, base=SpecConfig(), **common)
+    assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
+    assert run.auto.segments == [] and run.auto.switches == []
+
+
+def test_switch_under_sampling_keeps_shapes(tiny):
+    """A sampled run switches from a tree to a chain: tokens, stats and drafter state take the new
+    strategy's shapes and rows keep decoding."""
+    from jaxspec.decoding import engine
+    from jaxspec.runner import decode_fns, prefill_fn
+
+    cfg, params, batch = tiny
+    max_len, sampling = 64, SamplingConfig(temperature=0.7)
+    ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
+    old, new = TREE.spec(SpecConfig()), VEGAS.spec(SpecConfig())
+    start, decode = decode_fns(cfg, old, sampling, max_len)
+    state = start(params, prefill_fn(cfg, max_len, "reference", 256)(params, ids, lengths), ids, lengths,
+                  key=jax.random.key(0), budget=old.budget(), max_new_tokens=jnp.int32(30), stop_ids=jnp.asarray([-1]))
+    state = decode(params, state, max_iterations=jnp.int32(2))
+    length = np.asarray(state.length)
+    switched = jax.jit(lambda p, s, b: engine.switch(p, s, b, cfg=cfg, spec=new.compiled(max_len), sampling=sampling,
+                                                      max_len=max_len))(params, state, new.budget())
+    assert switched.tokens.shape == (2, max_len + 7) and switched.stats.accepted_by_depth.shape == (2, 6)
+    assert (np.asarray(switched.length) == length + 1).all() and int(switched.stats.iterations.sum()) == 0
+    assert (np.asarray(switched.tokens[:, :max_len])[:, : length.min()] == np.asarray(state.tokens)[:, : length.min()]).all()
+    done = decode_fns(cfg, new, sampling, max_len)[1](params, switched, max_iterations=jnp.int32(10**6))
+    assert (np.asarray(done.length) == np.asarray(batch.lengths) + 30).all()
+
+
+def test_cli_auto_end_to_end(hf_checkpoints, tmp_path, capsys):
+    """generate's default is auto: lossless greedy output, the plan and any switch in the stats, and
+    a planner table (here one that ranks ngram first) through --planner-table."""
+    model = str(hf_checkpoints["llama"])
+    run = ["--model", model, "--prompt", "hello there", "--prompt", "The quick brown fox", "--max-new-tokens", "24", "--json"]
+    generate.main(run + ["--method", "plain"])
+    plain = json.loads(capsys.readouterr().out)
+    generate.main(run)
+    auto = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in auto["results"]] == [r["tokens"] for r in plain["results"]]
+    stats = auto["stats"]
+    assert stats["method_requested"] == "auto" and stats["planned"]["source"] == "cost-model"
+    assert stats["lossless"] and stats["precision"] == "strict" and stats["method"] == stats["strategy"]["method"]
+    assert stats["strategy"]["name"] == (stats["switches"][-1]["to"] if stats["switches"] else stats["planned"]["strategy"])
+    assert plain["stats"]["method_requested"] == "plain"
+
+    from jaxspec.loaders import load_model
+
+    cfg = load_model(model, "float32")[0]
+    path = tmp_path / "table.json"
+    planner.save_table(path, table(cfg, cells=[(2, "greedy", 1024, "strict", [entry(PLAIN, 100, 1, 2), entry(NGRAM, 1000, 5, 2)])]))
+    generate.main(run + ["--planner-table", str(path)])
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["planned"] | {"candidates": None} == {"strategy": "ngram g4", "source": f"table:{path}", "bucket": 1024,
+                                                       "predicted_tokens_per_s": 1000, "candidates": None}
+    generate.main(run[:-1] + ["--planner-table", str(path)])  # the human block names the strategy
+    assert "strategy         " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--gamma", "4"], "--method auto chooses --gamma"),
+    (["--tree", "2,2", "--ratio", "0.1"], "--tree, --ratio"),
+    (["--method", "vegas", "--planner-table", "t.json"], "--planner-table is for --method auto"),
+    (["--precision", "approx"], "needs an NSA model"),
+    (["--method", "vegas", "--precision", "reuse"], "needs an NSA model"),
+    (["--precision", "exact"], "--precision"),
+    (["--method", "vegas", "--group", "0"], "--group"),
+])
+def test_cli_auto_errors(hf_checkpoints, capsys, args, fragment):
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hi", "--max-new-tokens", "2", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and fragment in err[0], err
+
+
+def test_cli_bad_planner_table(hf_checkpoints, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(SystemExit):
+        generate.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hi", "--planner-table", str(bad)])
+    assert capsys.readouterr().err.startswith("error: cannot read planner table")
+
+
+def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
+    out = tmp_path / "table.json"
+    profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "96,160", "--new", "6", "--repeats", "2",
+                  "--samplings", "greedy", "--methods", "plain,vegas", "--gammas", "2", "--trees", "dfs:2,1",
+                  "--ratios", "0.5", "--out", str(out)])
+    t = planner.load_table(out)
+    assert [(c["bucket"], c["sampling"], c["batch"]) for c in t["cells"]] == [(96, "greedy", 1), (160, "greedy", 1)]
+    names = [e["name"] for e in t["cells"][0]["ranked"]]
+    assert sorted(names) == ["plain", "vegas dfs:2,1 r0.5", "vegas g2 r0.5"]
+    assert all(e["runs"] == 2 and e["tokens_per_s"] > 0 for c in t["cells"] for e in c["ranked"])
+    assert "| sampling | batch | bucket |" in capsys.readouterr().out
+    # a budget spent at once keeps the cells already there and adds plain alone for a new bucket
+    profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "6", "--repeats", "1",
+                  "--samplings", "greedy", "--budget", "0.5", "--out", str(out)])
+    t = planner.load_table(out)
+    assert [c["bucket"] for c in t["cells"]] == [96, 160, 64] and [e["name"] for e in t["cells"][2]["ranked"]] == ["plain"]
+
+
+def test_profile_strategy_space_for_nsa_models():
+    nsa = SMOLLM2.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
+    tree = profile.parse_tree("3,2,1")
+    space = profile.strategy_space(nsa, ("plain", "vegas", "ngram"), (4,), [tree], (0.07,), (1, 8), ("strict", "approx"))
+    assert space[:2] == [PLAIN, Strategy(precision="approx")]
+    assert len(space) == 2 + 2 * 2 * 2 * 2  # methods x shapes x groups x precisions
+    dense = profile.strategy_space(SMOLLM2, ("plain", "vegas"), (4,), [tree], (0.03, 0.07), (1, 8), ("strict", "approx"))
+    assert len(dense) == 1 + 2 * 2 and {s.precision for s in dense} == {"strict"} and {s.group for s in dense} == {8}
