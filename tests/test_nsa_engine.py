@@ -137,6 +137,7 @@ def test_batched_rows_equal_rows_alone(nsa_case):
     assert_rows_alone_equal_batched(nsa_case)
 
 
+@pytest.mark.slow  # 30 s; bench/gpu_checks.py runs the same check on the GPU with the real checkpoint
 def test_real_nsa_smollm2_teacher_forced_bf16():
     """The real-weights NSA model (SmolLM2 + the shipped fitted gates) in bf16 over 1,500 tokens of
     real text (94 blocks, 16 selected): each token plain and vegas emit is the argmax of a full forward.
