@@ -75,6 +75,22 @@ def compiler_params():
     return plgpu.CompilerParams(num_warps=4, num_stages=3)
 
 
+def tile_row_blocks(T: int, G: int, Dh: int, max_tile: int):
+    """(rows t per program, programs per KV head). A program keeps whole rows (all G heads: pass 2
+    sums them in-program) and at most max_tile elements of fp32 output accumulator."""
+    per = max(1, min(T, max_tile // Dh // next_pow2(G)))
+    n_blocks = -(-T // per)
+    return -(-T // n_blocks), n_blocks
+
+
+def tile_compiler_params(tile_elems: int, max_tile: int):
+    """Four warps (the attention kernels' choice) while the accumulator fits them; eight for
+    larger tiles (NSA-1B at T = 16: 256 x 64 spills on four warps, not on eight; ptxas, sm_90)."""
+    if tile_elems <= max_tile // 2:
+        return compiler_params()
+    return plgpu.CompilerParams(num_warps=8, num_stages=3)
+
+
 def matmul_precision(dtype):
     """Full fp32 products for float32 inputs (XLA on GPU would use TF32 otherwise)."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT

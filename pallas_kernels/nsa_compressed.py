@@ -21,7 +21,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     MIN_TILE,
-    compiler_params,
     init_carry,
     matmul_precision,
     merge_splits,
@@ -30,6 +29,8 @@ from pallas_kernels._common import (
     softmax_step,
     split_range,
     store_split,
+    tile_compiler_params,
+    tile_row_blocks,
 )
 from pallas_kernels.topk import select_topk_pallas
 
@@ -209,22 +210,6 @@ def _weights_kernel(layer_ref, pos_ref, lse_ref, q_ref, k_ref, w_ref, *, scale, 
     lax.fori_loop(lo, hi, zeros, 0)
 
 
-def _row_blocks(T: int, G: int, Dh: int, max_tile: int):
-    """(rows t per program, programs per KV head). A program keeps whole rows (all G heads: pass 2
-    sums them in-program) and at most max_tile elements of fp32 output accumulator."""
-    per = max(1, min(T, max_tile // Dh // next_pow2(G)))
-    n_blocks = -(-T // per)
-    return -(-T // n_blocks), n_blocks
-
-
-def _compiler_params(tile_elems: int, max_tile: int):
-    """Four warps (the attention kernels' choice) while the accumulator fits them; eight for
-    larger tiles (NSA-1B at T = 16: 256 x 64 spills on four warps, not on eight; ptxas, sm_90)."""
-    if tile_elems <= max_tile // 2:
-        return compiler_params()
-    return plgpu.CompilerParams(num_warps=8, num_stages=3)
-
-
 def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float,
                           interpret: bool = False, block_n: int | None = None, n_splits: int | None = None,
                           max_tile: int | None = None):
@@ -246,7 +231,7 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
         raise ValueError(f"the Pallas NSA kernels need a power-of-two head dim >= 16, got {Dh}")
     max_tile = max_tile or MAX_TILE_ELEMS * 2 // q.dtype.itemsize
-    t_block, R = _row_blocks(T, G, Dh, max_tile)
+    t_block, R = tile_row_blocks(T, G, Dh, max_tile)
     block_n = min(block_n or BLOCK_N * 2 // k_cmp.dtype.itemsize, next_pow2(max(NB, MIN_TILE)))
     n_splits = n_splits or num_splits(B * Hkv * R, pl.cdiv(NB, block_n))
     rows = t_block * G
@@ -263,7 +248,7 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
     pos_spec = pl.BlockSpec((None, None, tile), lambda b, h, r, s: (b, r, 0))
     q_spec = pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0))
     statics = dict(scale=scale, block_size=block_size, block_n=block_n, n_splits=n_splits)
-    params = _compiler_params(tile * Dh, max_tile)
+    params = tile_compiler_params(tile * Dh, max_tile)
 
     o_part, lse_part = pl.pallas_call(
         functools.partial(_compressed_kernel, **statics), grid=grid,

@@ -37,8 +37,10 @@ from pallas_kernels._common import (
     matmul_precision,
     next_pow2,
     softmax_step,
+    tile_compiler_params,
+    tile_row_blocks,
 )
-from pallas_kernels.nsa_compressed import MAX_TILE_ELEMS, _compiler_params, _row_blocks
+from pallas_kernels.nsa_compressed import MAX_TILE_ELEMS
 from pallas_kernels.nsa_selected import BLOCK_K, _attend
 from pallas_kernels.nsa_tree import path_slot_map, tree_paths
 
@@ -296,7 +298,7 @@ def nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp,
     sched = group_schedule(idx, first, depth, group=group, shared=shared, block_size=block_size)
     NG = sched.blocks.shape[2]
     max_tile = max_tile or MAX_TILE_ELEMS // q.dtype.itemsize
-    per, R = _row_blocks(g, G, Dh, max_tile)
+    per, R = tile_row_blocks(g, G, Dh, max_tile)
     tile = next_pow2(max(per * G, MIN_TILE))
     block_k = BLOCK_K * 2 // k_cache.dtype.itemsize
     block_w = min(block_k, next_pow2(max(window, MIN_TILE)))
@@ -337,7 +339,7 @@ def nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp,
         + [blocked(tile, Dh)] * len(row_tiles) + [blocked(3, tile), pl.no_block_spec, pl.no_block_spec],
         out_specs=blocked(per * G, Dh),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, NG, R, per * G, Dh), q.dtype),
-        compiler_params=_compiler_params(tile * Dh, max_tile), interpret=interpret, name="nsa_grouped",
+        compiler_params=tile_compiler_params(tile * Dh, max_tile), interpret=interpret, name="nsa_grouped",
     )(jnp.asarray(layer, jnp.int32).reshape(1), first.astype(jnp.int32), sched.count, sched.blocks, member,
       row_pos, words, *row_tiles, gates_tile, k_cache, v_cache)
     out = out.reshape(B, Hkv, NG, R * per, G, Dh)[:, :, :, :g].reshape(B, Hkv, NG * g, G, Dh)[:, :, :T]
