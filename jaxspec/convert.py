@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import jax
 
+from jaxspec import files
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.loaders import load_model, orbax
 from jaxspec.models import nsa_convert, nsa_reuse
@@ -43,7 +42,7 @@ def convert(src: str, dst: Path, dtype: str = "bfloat16", force: bool = False) -
     if not dst.parent.is_dir():
         raise JaxspecError(f"parent directory {dst.parent} does not exist")
     cfg, params, tokenizer = load_model(src, dtype)
-    _write_atomically(dst, lambda tmp: orbax.save(tmp, cfg, params, tokenizer))
+    files.write_dir(dst, lambda tmp: orbax.save(tmp, cfg, params, tokenizer))
     count = sum(x.size for x in jax.tree.leaves(params))
     return f"wrote {dst} ({cfg.model_type}, {count / 1e6:.1f}M params, {dtype}) from {src}"
 
@@ -139,7 +138,7 @@ def convert_to_nsa(
         if calibration is not None:
             (tmp / "nsa_reuse_calibration.json").write_text(json.dumps(calibration, indent=1))
 
-    _write_atomically(dst, write)
+    files.write_dir(dst, write)
     count = sum(x.size for x in jax.tree.leaves(nsa_params))
     how = f"gates fitted in {fit_steps} steps" if fit_steps else f"gates from {path}"
     return f"wrote {dst} (llama-nsa, {count / 1e6:.1f}M params, {dtype}, {how}) from {src}"
@@ -188,44 +187,6 @@ def _fit(cfg, params, tokenizer, src, nsa_cfg, steps, tokens, batch, micro_batch
         },
     }
     return g_proj, info
-
-
-def _write_atomically(dst: Path, write) -> None:
-    """Runs write(tmp) on a new directory beside dst, then renames it to dst; on any failure the
-    temporary directory is removed and dst is left as it was."""
-    tmp = _sibling(dst, "tmp")
-    try:
-        try:
-            write(tmp)
-        except OSError as e:
-            raise JaxspecError(f"cannot write {dst}: {e}") from None
-        _replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _sibling(dst: Path, kind: str) -> Path:
-    """A new hidden directory next to dst (same filesystem, so renames are atomic)."""
-    path = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.{kind}"
-    path.mkdir()
-    return path
-
-
-def _replace(tmp: Path, dst: Path) -> None:
-    """Renames tmp to dst; an existing dst is moved aside first and restored if the rename fails."""
-    if not dst.exists():
-        tmp.rename(dst)
-        return
-    old = _sibling(dst, "old")
-    dst.rename(old / "dst")
-    try:
-        tmp.rename(dst)
-    except BaseException:
-        (old / "dst").rename(dst)
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @cli_main

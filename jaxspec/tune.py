@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxspec import corpus
+from jaxspec import corpus, files
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
@@ -149,7 +149,7 @@ def main(argv=None):
         "prompt_tokens": batch.lengths.tolist(), "max_new_tokens": args.max_new_tokens, "sampling": vars(sampling),
         "methods": chosen, "measurements": tuner.log,
     }
-    args.out.write_text(json.dumps(result, indent=1))
+    files.write_text(args.out, json.dumps(result, indent=1))
     print(f"\n{'method':14} {'gamma':>5} {'tree':>12} {'ratio':>6} {'tok/iter':>8} {'tok/s':>8}")
     for method, row in chosen.items():
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"

@@ -41,7 +41,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import re
 import statistics
 import time
@@ -50,6 +49,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxspec import files
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import PRECISIONS, SPARSE_METHODS, SpecConfig
 from jaxspec.errors import JaxspecError
@@ -283,17 +283,8 @@ def _cell_key(cell: dict) -> tuple:
 
 
 def save_table(path: Path, table: dict) -> None:
-    """Writes the table atomically (a temporary file beside it, then renamed): never half-written."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(table, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise JaxspecError(f"cannot write planner table {path}: {e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Writes the table atomically: never half-written."""
+    files.write_text(path, json.dumps(table, indent=1) + "\n")
 
 
 def load_table(path: Path) -> dict:

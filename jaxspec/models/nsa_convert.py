@@ -24,9 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import time
-import uuid
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -35,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import corpus
+from jaxspec import corpus, files
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder
 from jaxspec.models.config import ModelConfig, NSAConfig
@@ -369,28 +367,12 @@ def heldout_windows(tokenizer, tokens: int, count: int | None = None) -> np.ndar
 
 
 def save_gates(path: Path, g_proj, metadata: dict) -> None:
-    """Writes g_proj (float32 [L, 3 Hq, D]) and `metadata` (JSON) to a safetensors file, atomically
-    (a temporary file beside it, then renamed)."""
+    """Writes g_proj (float32 [L, 3 Hq, D]) and `metadata` (JSON) to a safetensors file, atomically."""
     from safetensors.numpy import save_file
 
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
     meta = {"format": GATES_FORMAT, "jaxspec": json.dumps(metadata, sort_keys=True, default=str)}
-    try:
-        save_file({GATE_TENSOR: np.ascontiguousarray(np.asarray(g_proj, np.float32))}, str(tmp), metadata=meta)
-        _usual_mode(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise JaxspecError(f"cannot write {path}: {e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _usual_mode(path: Path) -> None:
-    """The permissions of a file made by open() (safetensors creates its files private, 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    tensors = {GATE_TENSOR: np.ascontiguousarray(np.asarray(g_proj, np.float32))}
+    files.write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def load_gates(path: Path, cfg: ModelConfig | None = None, nsa_cfg: NSAConfig | None = None) -> tuple[np.ndarray, dict]:
@@ -516,7 +498,7 @@ def write_hf(path: Path, cfg: ModelConfig, params: Params, tokenizer) -> None:
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_file(hf_tensors(cfg, params), str(path / "model.safetensors"), metadata={"format": "pt"})
-    _usual_mode(path / "model.safetensors")
+    files.usual_mode(path / "model.safetensors")
     tokenizer.backend.save(str(path / "tokenizer.json"))
     token = lambda i: None if i is None else tokenizer.backend.id_to_token(i)
     tok_config = {
