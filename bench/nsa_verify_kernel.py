@@ -2,7 +2,8 @@
 layer call by grouping mode against a bytes floor, for trees of 8, 16, 32 and 63 draft nodes.
 
     PYTHONPATH=. python3 bench/nsa_verify_kernel.py [--grid default|full|TREE@CONTEXT;...]
-        [--models smollm2,nsa-1b] [--batches 1,8] [--noise 0.3] [--backend pallas|reference]
+        [--models smollm2,nsa-1b] [--batches 1,8] [--modes vanilla,exact g4,...] [--noise 0.3]
+        [--backend pallas|reference]
         [--budget SECONDS] [--tiny] [--out DIR]
 
 Shapes (bf16, one layer's attention, two cache layers that the calls alternate): NSA SmolLM2 (9 q /
@@ -16,10 +17,11 @@ adjacent rows' compressed scores, hence their blocks, overlap as real draft rows
 those scores (nsa_tree_compressed + select_blocks). `overlap` = mean over (sequence, KV head, group)
 of union size / (rows in the group x S): 1 means no two rows share a block.
 
-Modes: vanilla (group 1: each row its own program), exact groups of 4, 8, 16 (lossless), shared
-index groups of 8 (the group's first row's blocks); each "reuse" (idx given: the grouped selected +
+Modes (--modes, default all): vanilla (group 1: each row its own program), exact groups of 4, 8, 16
+(lossless), shared index groups of 8 (the group's first row's blocks); each "reuse" (idx given: the grouped selected +
 window kernel alone, a reuse layer) and "refresh" (nsa_tree_attention: compressed branch, radix
-select, grouped kernel). Each mode is checked before it is timed: exact modes against the vanilla
+select, grouped kernel); "jnp-cmp" modes (refresh only): the compressed branch on the jnp reference,
+as before its Pallas kernels, for an A/B in one run. Each mode is checked before it is timed: exact modes against the vanilla
 output (1e-2 of its largest magnitude), vanilla and shared against the jnp references (2e-2).
 
 Timing: one jitted program of CALLS + 1 calls (a fori_loop of CALLS, each call's first element
@@ -55,8 +57,9 @@ from jax import lax
 from bench import common
 import pallas_kernels as kernels
 from jaxspec.decoding.tree import TreeShape
-from pallas_kernels.nsa_compressed import select_blocks
-from pallas_kernels.nsa_grouped import group_schedule, nsa_tree_compressed
+from pallas_kernels._common import interpret_default
+from pallas_kernels.nsa_compressed import radix_topk, select_blocks
+from pallas_kernels.nsa_grouped import group_schedule, nsa_grouped_pallas, nsa_tree_compressed
 
 MODELS = {"smollm2": (9, 3, 64), "nsa-1b": (32, 2, 64)}  # (q heads, KV heads, head dim)
 BLOCK, SELECTED, WINDOW, RULE = 16, 16, 128, "nsa1b"
@@ -68,7 +71,7 @@ DEFAULT_GRID = [("3,4,4", 32 * K), ("2,3,4", 32 * K), ("4,3", 32 * K), ("2,3", 3
 FULL_GRID = [(tree, c * K) for c in (8, 16, 32, 64) for trees in TREES.values() for tree in trees]
 TINY_GRID = [("2,3", 512)]
 MODES = [("vanilla", 1, False), ("exact g4", 4, False), ("exact g8", 8, False), ("exact g16", 16, False),
-         ("shared g8", 8, True)]
+         ("shared g8", 8, True), ("vanilla jnp-cmp", 1, False), ("exact g4 jnp-cmp", 4, False)]
 CALLS, LAYERS = 20, 2
 TOL_EXACT, TOL_REFERENCE = 1e-2, 2e-2
 
@@ -158,14 +161,25 @@ def floor_bytes(s: dict, tree: TreeShape, row_idx: np.ndarray, reuse: bool) -> d
 
 # ---------------------------------------------------------------- timing
 
-def timed_program(tree: TreeShape, group: int, shared: bool, reuse: bool, backend: str):
+def timed_program(tree: TreeShape, group: int, shared: bool, reuse: bool, backend: str, jnp_compressed: bool):
     """jit(state) -> (sum of CALLS calls' first elements, one call's output [B, T, Hq, Dh]); calls
-    alternate between the cache layers, so none is loop-invariant."""
+    alternate between the cache layers, so none is loop-invariant. jnp_compressed: the refresh
+    layer's compressed branch on the jnp reference (the path before its Pallas kernels), the rest
+    as nsa_tree_attention runs it."""
     def call(layer, s):
         Dh = s["q"].shape[-1]
+        idx = s["idx"] if reuse else None
+        if jnp_compressed:
+            o_cmp, weights, q_pos = nsa_tree_compressed(s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], layer,
+                                                        s["first"], tree.ancestors, block_size=BLOCK, scale=Dh**-0.5)
+            topk = functools.partial(radix_topk, interpret=interpret_default())
+            idx = select_blocks(weights, q_pos, block_size=BLOCK, block_counts=SELECTED, rule=RULE, topk=topk)
+            return nsa_grouped_pallas(s["q"], s["k"], s["v"], layer, s["first"], tree.ancestors, idx, o_cmp,
+                                      s["gates"], group=group, shared=shared, block_size=BLOCK, window=WINDOW,
+                                      scale=Dh**-0.5, interpret=interpret_default())
         return kernels.nsa_tree_attention(
             s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], layer, s["first"], tree.ancestors, s["gates"],
-            s["idx"] if reuse else None, group=group, shared=shared, block_size=BLOCK, block_counts=SELECTED,
+            idx, group=group, shared=shared, block_size=BLOCK, block_counts=SELECTED,
             window=WINDOW, rule=RULE, scale=Dh**-0.5, backend=backend)[0]
 
     def run(s):
@@ -201,13 +215,17 @@ def bench_item(result: dict, model: str, batch: int, context: int, tree_text: st
     tree = parse_tree(tree_text)
     s = inputs(model, batch, context, tree, args.noise, seed=batch * 131 + context + tree.rows)
     refs = references(s, tree)
-    stats = {mode: schedule_stats(s, tree, group, shared) for mode, group, shared in MODES}
+    modes = [m for m in MODES if m[0] in args.modes]
+    stats = {mode: schedule_stats(s, tree, group, shared) for mode, group, shared in modes}
     base = {"model": model, "batch": batch, "context": context, "tree": tree_text, "nodes": tree.rows - 1,
             "depth": tree.depth}
     for reuse in (True, False):
         vanilla = None
-        for mode, group, shared in MODES:
-            f = timed_program(tree, group, shared, reuse, args.backend)
+        for mode, group, shared in modes:
+            jnp_compressed = mode.endswith("jnp-cmp")
+            if jnp_compressed and reuse:
+                continue
+            f = timed_program(tree, group, shared, reuse, args.backend, jnp_compressed)
             out, compile_s = first_run(f, s)
             if group == 1 or shared:
                 error = {"err_vs_reference": rel_error(out, refs[(shared, reuse)])}
@@ -240,6 +258,8 @@ def parse_args():
     p.add_argument("--grid", default="default", help="default | full | TREE@CONTEXT;... ('3,4,4@32768;chain8@8192')")
     p.add_argument("--models", default="smollm2,nsa-1b")
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--modes", type=lambda text: text.split(","), default=[m[0] for m in MODES],
+                   help="comma-separated, the first is the baseline (vanilla): " + ",".join(m[0] for m in MODES))
     p.add_argument("--noise", type=float, default=0.3, help="per-row query noise relative to the shared query")
     p.add_argument("--backend", default="pallas")
     p.add_argument("--budget", type=float, default=330.0, help="seconds; later items are skipped and listed")

@@ -86,7 +86,7 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, 
     """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp
     [L, B, Hkv, NB, Dh]. Returns o_cmp [B, T, Hq, Dh] (q.dtype), the block importance weights
     [B, T, Hkv, NB] float32 (0 where not visible) and the selected blocks [B, T, Hkv, block_counts]
-    int32 (-1: none). The Pallas kernels cover T <= 16 (larger T run the reference); the Pallas
+    int32 (-1: none). The Pallas kernels cover T <= 64 (larger T run the reference); the Pallas
     backend ranks the blocks with the radix select."""
     topk = None
     if _nsa_pallas(backend, q.shape[-1], block_size):
@@ -125,9 +125,12 @@ def nsa_tree_attention(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestor
     pallas = _nsa_pallas(backend, q.shape[-1], block_size)
     o_cmp = weights = None
     if idx is None:
+        compressed, topk = nsa_compressed_reference, None
+        if pallas:
+            compressed = functools.partial(nsa_compressed_pallas, interpret=interpret_default())
+            topk = functools.partial(radix_topk, interpret=interpret_default())
         o_cmp, weights, q_pos = nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors,
-                                                    block_size=block_size, scale=scale)
-        topk = functools.partial(radix_topk, interpret=interpret_default()) if pallas else None
+                                                    block_size=block_size, scale=scale, compressed=compressed)
         idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule, topk=topk)
     else:
         q_pos = (first[:, None] + jnp.asarray(tree_paths(ancestors)[0])).astype(jnp.int32)

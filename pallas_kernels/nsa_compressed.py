@@ -7,9 +7,14 @@ compressed softmax weights of the block summed over the head's G query heads (fl
 then the most important earlier blocks, by `rule` ("nsa1b" or "exact": see
 `jaxspec.models.config.NSAConfig`); fewer than S candidates leave -1 entries.
 
-Pallas path (T <= 16 rows): pass 1 streams the compressed blocks through an online softmax, split-K
-with a log-sum-exp merge, as the verify kernel does over the cache; pass 2 recomputes the logits with
-the merged lse and writes the importance weights already summed over each KV head's G query heads.
+Extra keys (`extra`): per-row keys that join each row's softmax after the cache's blocks, and whose
+weights come back as extra columns: a draft tree row's own path blocks (nsa_grouped), which differ
+from row to row and so have no place in the shared k_cmp.
+
+Pallas path (T <= 64 rows): pass 1 streams the compressed blocks through an online softmax, split-K
+with a log-sum-exp merge, as the verify kernel does over the cache (the extra keys, computed in XLA,
+join the merge as one more split); pass 2 recomputes the logits with the merged lse and writes the
+importance weights already summed over each KV head's G query heads.
 """
 import functools
 
@@ -26,16 +31,19 @@ from pallas_kernels._common import (
     merge_splits,
     next_pow2,
     num_splits,
+    pack_rows,
     softmax_step,
     split_range,
     store_split,
     tile_compiler_params,
     tile_row_blocks,
+    unpack_rows,
 )
 from pallas_kernels.topk import select_topk_pallas
 
-# All G*T rows of a KV head share one tile (NSA-1B: 16 x 16 = 256 rows); larger T use the reference.
-MAX_PALLAS_ROWS = 16
+# Up to a draft tree's 64 rows (larger T, prefill's, use the reference); a KV head's G*T rows share
+# one tile up to max_tile elements, then split over row blocks.
+MAX_PALLAS_ROWS = 64
 BLOCK_N = 64                     # compressed blocks per step for 2-byte caches; 32 for 4-byte ones
 # Largest tile (rows x head dim) of one program for 2-byte inputs, half that for 4-byte ones: its
 # accumulator fits eight warps' registers without spills (ptxas, sm_90); 256 x 128 (G 16, Dh 128,
@@ -49,26 +57,41 @@ def visible_blocks(num_blocks: int, block_size: int, q_pos):
     return (jnp.arange(num_blocks) + 1) * block_size - 1 <= q_pos[..., None]
 
 
-def nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float):
+def nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float, extra=None):
     """q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp [L, B, Hkv, NB, Dh].
 
     Returns o [B, T, Hq, Dh] (q.dtype) and the importance weights [B, T, Hkv, NB] float32 (0 where
-    the block is not visible). Plain jnp, any T; float32 math.
+    the block is not visible). With extra = (k_x, v_x [B, T, P, Hkv, Dh], visible_x [B, T, P]), each
+    row's P extra keys join its softmax and the weights get P more columns. Plain jnp, any T;
+    float32 math.
     """
     B, T, Hq, Dh = q.shape
     Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
     G = Hq // Hkv
     precision = matmul_precision(q.dtype)
+    visible = visible_blocks(NB, block_size, q_pos)                        # [B, T, NB]
     k = lax.dynamic_index_in_dim(k_cmp, layer, 0, keepdims=False).astype(jnp.float32)
     v = lax.dynamic_index_in_dim(v_cmp, layer, 0, keepdims=False).astype(jnp.float32)
+    v = jnp.where(visible.any(axis=1)[:, None, :, None], v, 0.0)         # unseen blocks may hold anything
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dh)
     logits = jnp.einsum("btkgd,bknd->btkgn", qg, k, precision=precision) * scale
-    visible = visible_blocks(NB, block_size, q_pos)[:, :, None, None, :]
-    masked = jnp.where(visible, logits, -jnp.inf)
+    masked = jnp.where(visible[:, :, None, None], logits, -jnp.inf)
+    if extra is not None:
+        masked = jnp.concatenate([masked, _extra_logits(qg, extra, scale, precision)], axis=-1)
     lse = jax.nn.logsumexp(masked, axis=-1, keepdims=True)
-    p = jnp.where(visible, jnp.exp(masked - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
-    o = jnp.einsum("btkgn,bknd->btkgd", p, v, precision=precision)
+    p = jnp.exp(masked - jnp.where(jnp.isfinite(lse), lse, 0.0))         # masked: 0
+    o = jnp.einsum("btkgn,bknd->btkgd", p[..., :NB], v, precision=precision)
+    if extra is not None:
+        o += jnp.einsum("btkgj,btjkd->btkgd", p[..., NB:], extra[1].astype(jnp.float32), precision=precision)
     return o.reshape(B, T, Hq, Dh).astype(q.dtype), p.sum(axis=3)
+
+
+def _extra_logits(qg, extra, scale, precision):
+    """Scaled logits [B, T, Hkv, G, P] fp32 of qg [B, T, Hkv, G, Dh] against the extra keys, -inf
+    where not visible."""
+    k_x, _, visible_x = extra
+    logits = jnp.einsum("btkgd,btjkd->btkgj", qg, k_x.astype(jnp.float32), precision=precision) * scale
+    return jnp.where(visible_x[:, :, None, None], logits, -jnp.inf)
 
 
 def selection_scores(weights, q_pos, block_size: int):
@@ -210,22 +233,24 @@ def _weights_kernel(layer_ref, pos_ref, lse_ref, q_ref, k_ref, w_ref, *, scale, 
     lax.fori_loop(lo, hi, zeros, 0)
 
 
-def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float,
+def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float, extra=None,
                           interpret: bool = False, block_n: int | None = None, n_splits: int | None = None,
                           max_tile: int | None = None):
-    """Pallas-Triton kernels for T <= 16 (larger T use the reference): same results as
-    `nsa_compressed_reference`.
+    """Pallas-Triton kernels for T <= 64 (larger T use the reference): same results as
+    `nsa_compressed_reference`, `extra` included.
 
     Both passes: grid (B, Hkv, R, n_splits), the G heads of t_block rows of a KV head (row i*G + g)
     in one tile padded to a power of two >= 16; R = 1 unless the tile would exceed max_tile elements
     (2-byte inputs: G = 16 at Dh 128 and T > 8); block_n compressed blocks per step. Pass 1 splits the
-    chunks any row of the tile can see and merges the splits' (o, lse) in XLA; pass 2 recomputes the
-    logits against the merged lse. Head dim must be a power of two >= 16. Float32 inputs get
-    about-fp32 logits and weights (`_dot`); the p.v products are `softmax_step`'s (TF32 on a GPU).
+    chunks any row of the tile can see and merges the splits' (o, lse) in XLA, the extra keys'
+    softmax as one more split; pass 2 recomputes the logits against the merged lse (the extra keys'
+    weights are XLA's). Head dim must be a power of two >= 16. Float32 inputs get about-fp32 logits
+    and weights (`_dot`); the p.v products are `softmax_step`'s (TF32 on a GPU).
     """
     B, T, Hq, Dh = q.shape
     if T > MAX_PALLAS_ROWS:
-        return nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale)
+        return nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale,
+                                        extra=extra)
     Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
     G = Hq // Hkv
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
@@ -236,13 +261,15 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
     n_splits = n_splits or num_splits(B * Hkv * R, pl.cdiv(NB, block_n))
     rows = t_block * G
     tile = next_pow2(max(rows, MIN_TILE))
-    # [B, Hkv, R, tile, Dh]: row block r holds rows t = r*t_block + i as tile rows i*G + g
-    q6 = jnp.pad(q.reshape(B, T, Hkv, G, Dh), ((0, 0), (0, R * t_block - T), (0, 0), (0, 0), (0, 0)))
-    q_tile = jnp.moveaxis(q6.reshape(B, R, t_block, Hkv, G, Dh), 3, 1).reshape(B, Hkv, R, rows, Dh)
-    q_tile = jnp.pad(q_tile, ((0, 0), (0, 0), (0, 0), (0, tile - rows), (0, 0)))
-    row_pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, R * t_block - T)), constant_values=-1)
-    row_pos = jnp.pad(jnp.repeat(row_pos.reshape(B, R, t_block), G, axis=2),
-                      ((0, 0), (0, 0), (0, tile - rows)), constant_values=-1)
+
+    def tiles(x, fill=0):
+        """[B, T, Hkv, G, ...] -> [B, Hkv, R, tile, ...]: row block r holds rows r*t_block + i as
+        tile rows i*G + g."""
+        y = pack_rows(jnp.moveaxis(x, 2, 1).reshape(B * Hkv, T, *x.shape[3:]), R, t_block, tile, fill)
+        return y.reshape(B, Hkv, *y.shape[1:])
+
+    q_tile = tiles(q.reshape(B, T, Hkv, G, Dh))
+    row_pos = tiles(jnp.broadcast_to(q_pos.astype(jnp.int32)[:, :, None, None], (B, T, Hkv, G)), -1)[:, 0]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     grid = (B, Hkv, R, n_splits)
     pos_spec = pl.BlockSpec((None, None, tile), lambda b, h, r, s: (b, r, 0))
@@ -259,6 +286,15 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
                    jax.ShapeDtypeStruct((B, Hkv, R, n_splits, tile), jnp.float32)],
         compiler_params=params, interpret=interpret, name="nsa_compressed",
     )(layer, row_pos, q_tile, k_cmp, v_cmp)
+    if extra is not None:
+        qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dh)
+        logits_x = _extra_logits(qg, extra, scale, matmul_precision(q.dtype))     # [B, T, Hkv, G, P]
+        lse_x = jax.nn.logsumexp(logits_x, axis=-1)
+        p_x = jnp.exp(logits_x - jnp.where(jnp.isfinite(lse_x), lse_x, 0.0)[..., None])
+        o_x = jnp.einsum("btkgj,btjkd->btkgd", p_x, extra[1].astype(jnp.float32),
+                         precision=matmul_precision(q.dtype))
+        o_part = jnp.concatenate([o_part, tiles(o_x)[:, :, :, None]], axis=3)
+        lse_part = jnp.concatenate([lse_part, tiles(lse_x, -jnp.inf)[:, :, :, None]], axis=3)
     o, lse = merge_splits(o_part, lse_part)                       # [B, Hkv, R, tile, (Dh)]
 
     weights = pl.pallas_call(
@@ -270,5 +306,8 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
         out_shape=jax.ShapeDtypeStruct((B, T, Hkv, NB), jnp.float32),
         compiler_params=params, interpret=interpret, name="nsa_weights",
     )(layer, row_pos, lse, q_tile, k_cmp)
-    o = o[:, :, :, :rows].reshape(B, Hkv, R * t_block, G, Dh)[:, :, :T]
-    return jnp.moveaxis(o, 1, 2).reshape(B, T, Hq, Dh).astype(q.dtype), weights
+    if extra is not None:
+        lse_rows = unpack_rows(lse[:, :, :, :rows], T, G).reshape(B, T, Hkv, G)
+        p_x = jnp.exp(logits_x - jnp.where(jnp.isfinite(lse_rows), lse_rows, 0.0)[..., None])
+        weights = jnp.concatenate([weights, p_x.sum(axis=3)], axis=-1)
+    return unpack_rows(o[:, :, :, :rows], T, G).astype(q.dtype), weights

@@ -5,7 +5,8 @@ Tree row t sits at slot first + t and position p_t = first + depth(t) and attend
 path as if it were the next tokens (nsa_tree): a key at position first + j (j <= depth(t)) is its
 ancestor of depth j, at slot first + (that ancestor's row).
 - `nsa_tree_compressed`: every row's compressed branch and block importance. Blocks complete before
-  `first` are committed and the same for every row; only the blocks holding tree positions differ.
+  `first` are committed and the same for every row (nsa_compressed's kernels); only the blocks
+  holding tree positions differ (per-row extra keys).
 - `group_schedule`: rows in groups of `group` adjacent rows of the flattened order; per (sequence,
   KV head, group) the union of the rows' selected blocks and which rows select each.
 - `nsa_grouped_reference` / `nsa_grouped_pallas`: the selected and sliding-window branches and the
@@ -40,7 +41,7 @@ from pallas_kernels._common import (
     tile_compiler_params,
     tile_row_blocks,
 )
-from pallas_kernels.nsa_compressed import MAX_TILE_ELEMS
+from pallas_kernels.nsa_compressed import MAX_TILE_ELEMS, nsa_compressed_reference
 from pallas_kernels.nsa_selected import BLOCK_K, _attend
 from pallas_kernels.nsa_tree import path_slot_map, tree_paths
 
@@ -51,24 +52,23 @@ _PAD_POS = 1 << 30     # padding rows' position: above every window
 
 
 def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, *, block_size: int,
-                        scale: float):
+                        scale: float, compressed=nsa_compressed_reference):
     """q [B, T, Hq, Dh] of the tree rows, the cache [L, B, Hkv, S, Dh], k_cmp/v_cmp [L, B, Hkv, NB, Dh],
     first [B], ancestors [T, T] (static). Returns o_cmp [B, T, Hq, Dh] (q.dtype), importance weights
     [B, T, Hkv, NB] float32 and the rows' positions q_pos [B, T] int32: nsa_tree_reference's.
 
-    One softmax per row and head over the shared blocks (c + 1) * bs <= first, one einsum of all rows
-    against k_cmp, and the row's path blocks (from first // bs on, complete for the row: at most
-    D // bs + 1), recomputed as means of its path keys. Plain jnp, float32 math: XLA's batched matmul
-    reads k_cmp once per (sequence, KV head); the logits [B, T, Hq, NB] are materialised.
+    The shared blocks, (c + 1) * bs <= first, come from k_cmp through `compressed`
+    (nsa_compressed_reference or nsa_compressed_pallas) as if every row stood at first - 1 (the
+    same blocks visible to all); each row's path blocks (from first // bs on, complete for the row:
+    at most D // bs + 1), recomputed as means of its path keys, join its softmax as that function's
+    extra keys, and their weights are added back at their block columns.
     """
-    B, T, Hq, Dh = q.shape
+    B, T = q.shape[:2]
     Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
     bs = block_size
     depth, paths = tree_paths(ancestors)
     q_pos = (first[:, None] + jnp.asarray(depth)).astype(jnp.int32)
-    qg = q.astype(jnp.float32).reshape(B, T, Hkv, Hq // Hkv, Dh)
     own = first // bs                                                       # first block holding tree keys
-    shared = jnp.arange(NB) < own[:, None]                                  # [B, NB]
     P = min((paths.shape[1] - 1) // bs + 1, NB)
     blocks = own[:, None] + jnp.arange(P)                                   # [B, P]
     on_path = ((blocks[:, None] + 1) * bs - 1 <= q_pos[:, :, None]) & (blocks[:, None] < NB)  # [B, T, P]
@@ -76,27 +76,16 @@ def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancesto
     slots = jnp.clip(path_slot_map(first, paths)(pos), 0, k_cache.shape[3] - 1)
     b = jnp.arange(B)[:, None, None, None]
 
-    def path_means(cache):  # [B, T, P, Hkv, Dh] fp32, rounded to k_cmp's dtype as nsa_tree_reference's
+    def path_means(cache):  # [B, T, P, Hkv, Dh], rounded to k_cmp's dtype as nsa_tree_reference's
         x = jnp.moveaxis(lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False), 1, 2)
-        return jnp.mean(x[b, slots].astype(jnp.float32), axis=3).astype(k_cmp.dtype).astype(jnp.float32)
+        return jnp.mean(x[b, slots].astype(jnp.float32), axis=3).astype(k_cmp.dtype)
 
-    k_path, v_path = path_means(k_cache), path_means(v_cache)
-    k_shared = lax.dynamic_index_in_dim(k_cmp, layer, 0, keepdims=False).astype(jnp.float32)
-    v_shared = jnp.where(shared[:, None, :, None], lax.dynamic_index_in_dim(v_cmp, layer, 0, keepdims=False), 0)
-    dot = functools.partial(jnp.einsum, precision=matmul_precision(q.dtype))
-    ls = jnp.where(shared[:, None, None, None], dot("btkgd,bknd->btkgn", qg, k_shared) * scale, -jnp.inf)
-    lp = jnp.where(on_path[:, :, None, None], dot("btkgd,btjkd->btkgj", qg, k_path) * scale, -jnp.inf)
-    m = jnp.maximum(ls.max(axis=-1, keepdims=True), lp.max(axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    l = jnp.exp(ls - m).sum(axis=-1, keepdims=True) + jnp.exp(lp - m).sum(axis=-1, keepdims=True)
-    lse = m + jnp.log(jnp.where(l > 0, l, 1.0))
-    ps, pp = jnp.exp(ls - lse), jnp.exp(lp - lse)                           # masked logits: 0
-    o = dot("btkgn,bknd->btkgd", ps, v_shared.astype(jnp.float32)) + dot("btkgj,btjkd->btkgd", pp, v_path)
-    w_path = pp.sum(axis=3)                                                 # [B, T, Hkv, P]
-    cols = jnp.broadcast_to(jnp.minimum(blocks, NB - 1)[:, None, None, :], w_path.shape)
+    shared_pos = jnp.broadcast_to(own[:, None] * bs - 1, (B, T))
+    o, weights = compressed(q, k_cmp, v_cmp, layer, shared_pos, block_size=bs, scale=scale,
+                            extra=(path_means(k_cache), path_means(v_cache), on_path))
+    cols = jnp.broadcast_to(jnp.minimum(blocks, NB - 1)[:, None, None, :], (B, T, Hkv, P))
     rows = jnp.arange(T)[None, :, None, None], jnp.arange(Hkv)[None, None, :, None]
-    weights = ps.sum(axis=3).at[b, rows[0], rows[1], cols].add(w_path)
-    return o.reshape(B, T, Hq, Dh).astype(q.dtype), weights, q_pos
+    return o, weights[..., :NB].at[b, rows[0], rows[1], cols].add(weights[..., NB:]), q_pos
 
 
 class GroupSchedule(NamedTuple):

@@ -171,12 +171,31 @@ NSA_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", NSA_SHAPES)
+TREE_SHAPES = [  # a 63-row draft tree's rows (nsa_tree_compressed, nsa_grouped)
+    (32, 2, 64, 16, 131072, 63, jnp.bfloat16),
+    (9, 3, 64, 16, 32768, 63, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", NSA_SHAPES + TREE_SHAPES)
 def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_compressed import nsa_compressed_pallas
     cmp = spec((24, 1, Hkv, slots // bs, Dh), dtype)
     check_cuda(lambda *a: nsa_compressed_pallas(*a, block_size=bs, scale=Dh ** -0.5),
                spec((1, T, Hq, Dh), dtype), cmp, cmp, spec(()), spec((1, T)))
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", TREE_SHAPES)
+@pytest.mark.parametrize("group", [1, 8])
+def test_nsa_grouped_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype, group):
+    from pallas_kernels.nsa_grouped import nsa_grouped_pallas
+    tree = TreeShape((2,) * 5, "bfs")
+    assert tree.rows == T
+    cache = spec((24, 1, Hkv, slots, Dh), dtype)
+    rows = spec((1, T, Hq, Dh), dtype)
+    check_cuda(lambda *a: nsa_grouped_pallas(*a[:5], tree.ancestors, *a[5:], group=group, shared=False,
+                                             block_size=bs, window=512, scale=Dh ** -0.5),
+               rows, cache, cache, spec(()), spec((1,)), spec((1, T, Hkv, 16)), rows, spec((1, T, Hq, 3), dtype))
 
 
 @pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", NSA_SHAPES)

@@ -52,24 +52,39 @@ def poisoned(cache, last):
 
 # ---------------------------------------------------------------- NumPy oracles
 
-def compressed_oracle(q, k_cmp, v_cmp, q_pos, bs, scale):
+def compressed_oracle(q, k_cmp, v_cmp, q_pos, bs, scale, extra=None):
+    """(o, weights) of each row's softmax over its visible blocks, plus its visible extra keys
+    (k_x, v_x [B, T, P, Hkv, Dh], visible_x [B, T, P]), whose weights are columns NB.."""
     q, k, v, q_pos = f64(q), f64(k_cmp[LAYER]), f64(v_cmp[LAYER]), np.asarray(q_pos)
     B, T, Hq, Dh = q.shape
     Hkv, NB = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    o, w = np.zeros_like(q), np.zeros((B, T, Hkv, NB))
+    k_x, v_x, vis_x = (f64(extra[0]), f64(extra[1]), np.asarray(extra[2])) if extra else (None, None, None)
+    P = 0 if extra is None else vis_x.shape[2]
+    o, w = np.zeros_like(q), np.zeros((B, T, Hkv, NB + P))
     for b in range(B):
         for t in range(T):
             seen = [c for c in range(NB) if (c + 1) * bs - 1 <= q_pos[b, t]]
+            seen_x = [j for j in range(P) if vis_x[b, t, j]]
             for h in range(Hq):
-                if not seen:
+                keys = np.concatenate([k[b, h // G, seen]] + ([k_x[b, t, seen_x, h // G]] if P else []))
+                values = np.concatenate([v[b, h // G, seen]] + ([v_x[b, t, seen_x, h // G]] if P else []))
+                if not len(keys):
                     continue
-                logits = k[b, h // G, seen] @ q[b, t, h] * scale
+                logits = keys @ q[b, t, h] * scale
                 p = np.exp(logits - logits.max())
                 p /= p.sum()
-                o[b, t, h] = p @ v[b, h // G, seen]
-                w[b, t, h // G, seen] += p
+                o[b, t, h] = p @ values
+                w[b, t, h // G, seen + [NB + j for j in seen_x]] += p
     return o, w
+
+
+def extra_keys(rng, B, T, P, Hkv, Dh, dtype):
+    """(k_x, v_x, visible_x): per-row extra keys, about a third of them invisible, one row none."""
+    k_x, v_x = (normal(rng, (B, T, P, Hkv, Dh), dtype) for _ in range(2))
+    visible = rng.uniform(size=(B, T, P)) < 0.67
+    visible[0, 0] = False
+    return k_x, v_x, jnp.asarray(visible)
 
 
 def softmax_attend(q, k, v, scale):
@@ -123,23 +138,26 @@ def sorted_idx(idx):
 
 # ---------------------------------------------------------------- references against NumPy
 
-@pytest.mark.parametrize("B, T, Hq, Hkv, Dh, bs, slots, seed", [
-    (2, 3, 4, 2, 16, 4, 32, 0),
-    (1, 5, 6, 2, 8, 8, 40, 1),
+@pytest.mark.parametrize("B, T, Hq, Hkv, Dh, bs, slots, P, seed", [
+    (2, 3, 4, 2, 16, 4, 32, 0, 0),
+    (1, 5, 6, 2, 8, 8, 40, 0, 1),
+    (2, 4, 6, 3, 8, 4, 32, 2, 2),          # with extra keys
 ])
-def test_compressed_reference(B, T, Hq, Hkv, Dh, bs, slots, seed):
+def test_compressed_reference(B, T, Hq, Hkv, Dh, bs, slots, P, seed):
     rng = np.random.default_rng(seed)
     NB = slots // bs
     q = normal(rng, (B, T, Hq, Dh), jnp.float32)
     k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, NB, Dh), jnp.float32) for _ in range(2))
     q_pos = positions(rng, B, T, slots, bs)
     scale = Dh ** -0.5
+    extra = extra_keys(rng, B, T, P, Hkv, Dh, jnp.float32) if P else None
     o, w = jax.jit(functools.partial(nsa_compressed_reference, block_size=bs, scale=scale))(
-        q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos)
-    want_o, want_w = compressed_oracle(q, k_cmp, v_cmp, q_pos, bs, scale)
+        q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, extra=extra)
+    want_o, want_w = compressed_oracle(q, k_cmp, v_cmp, q_pos, bs, scale, extra)
     assert_close(o, want_o, 1e-5, "o_cmp")
     assert_close(w, want_w, 1e-5, "weights")
-    assert (np.asarray(o)[np.asarray(q_pos) < bs - 1] == 0).all()
+    if extra is None:
+        assert (np.asarray(o)[np.asarray(q_pos) < bs - 1] == 0).all()
 
 
 @pytest.mark.parametrize("B, T, Hq, Hkv, Dh, bs, slots, NS, window, seed", [
@@ -195,35 +213,39 @@ def test_select_rules_agree_for_small_counts(bs, NB, S):
 # ---------------------------------------------------------------- Pallas against the references
 
 COMPRESSED_CASES = [
-    # (B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile)
-    (2, 5, 4, 2, 32, 16, 512, jnp.float32, 16, None, None),
-    (1, 16, 3, 1, 16, 16, 320, jnp.float32, 16, 3, 512),            # NB 20, two row blocks of 8
-    (3, 1, 32, 2, 64, 16, 256, jnp.bfloat16, 64, None, None),       # NSA-1B heads
-    (2, 5, 32, 2, 16, 32, 640, jnp.bfloat16, 16, 2, 1024),          # G 16, row blocks of 3 + 2
-    (2, 16, 2, 2, 16, 32, 1280, jnp.float32, 64, None, None),       # G 1, NB 40 < block_n
+    # (B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P extra keys)
+    (2, 5, 4, 2, 32, 16, 512, jnp.float32, 16, None, None, 0),
+    (1, 16, 3, 1, 16, 16, 320, jnp.float32, 16, 3, 512, 0),            # NB 20, two row blocks of 8
+    (3, 1, 32, 2, 64, 16, 256, jnp.bfloat16, 64, None, None, 0),       # NSA-1B heads
+    (2, 5, 32, 2, 16, 32, 640, jnp.bfloat16, 16, 2, 1024, 0),          # G 16, row blocks of 3 + 2
+    (2, 16, 2, 2, 16, 32, 1280, jnp.float32, 64, None, None, 0),       # G 1, NB 40 < block_n
+    (2, 40, 6, 2, 16, 16, 480, jnp.float32, 16, 2, 1024, 2),           # a tree's rows: extra keys, 3 row blocks
+    (1, 9, 9, 3, 32, 16, 256, jnp.bfloat16, 16, None, None, 1),        # SmolLM2 heads, bf16 extra keys
 ]
 
 
 @pytest.mark.parametrize("case", range(len(COMPRESSED_CASES)))
 def test_nsa_compressed_pallas(case):
-    B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile = COMPRESSED_CASES[case]
+    B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P = COMPRESSED_CASES[case]
     rng = np.random.default_rng(100 + case)
     NB = slots // bs
     q = normal(rng, (B, T, Hq, Dh), dtype)
     k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, NB, Dh), dtype) for _ in range(2))
     q_pos = positions(rng, B, T, slots, bs)
     scale = Dh ** -0.5
-    ref = nsa_compressed_reference(q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, block_size=bs, scale=scale)
+    extra = extra_keys(rng, B, T, P, Hkv, Dh, dtype) if P else None
+    ref = nsa_compressed_reference(q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, block_size=bs, scale=scale,
+                                   extra=extra)
     seen = (np.asarray(q_pos).max(axis=1) + 1) // bs - 1                   # last block any row sees
-    extra = {} if max_tile is None else {"max_tile": max_tile}
+    options = {} if max_tile is None else {"max_tile": max_tile}
     kernel = jax.jit(functools.partial(nsa_compressed_pallas, block_size=bs, scale=scale, interpret=True,
-                                       block_n=block_n, n_splits=n_splits, **extra))
-    o, w = kernel(q, poisoned(k_cmp, seen), poisoned(v_cmp, seen), jnp.int32(LAYER), q_pos)
-    assert o.dtype == dtype and w.dtype == jnp.float32
+                                       block_n=block_n, n_splits=n_splits, **options))
+    o, w = kernel(q, poisoned(k_cmp, seen), poisoned(v_cmp, seen), jnp.int32(LAYER), q_pos, extra=extra)
+    assert o.dtype == dtype and w.dtype == jnp.float32 and w.shape == (B, T, Hkv, NB + P)
     assert_close(o, ref[0], TOL[dtype], "o_cmp")
     assert_close(w, ref[1], TOL[dtype], "weights")
     invisible = (np.arange(NB) + 1) * bs - 1 > np.asarray(q_pos)[:, :, None, None]
-    assert (np.asarray(w)[np.broadcast_to(invisible, w.shape)] == 0).all()
+    assert (np.asarray(w)[..., :NB][np.broadcast_to(invisible, (B, T, Hkv, NB))] == 0).all()
 
 
 def block_indices(rng, q_pos, Hkv, NB, NS, bs):
@@ -293,8 +315,9 @@ def test_radix_topk_values():
 # ---------------------------------------------------------------- the backend switch
 
 def test_backend_switch_nsa():
-    """backend "pallas" runs the kernels and the radix select (interpret mode here); T > 16 rows
-    take the reference (bit-equal). Both backends' selected branch gets the same block list."""
+    """backend "pallas" runs the kernels and the radix select (interpret mode here); the selected
+    branch takes the reference from T > 16 rows, the compressed branch from T > 64 (then bit-equal).
+    Both backends' selected branch gets the same block list."""
     rng = np.random.default_rng(400)
     B, Hq, Hkv, Dh, bs, slots = 2, 4, 2, 16, 16, 256
     k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), jnp.float32) for _ in range(2))
@@ -309,7 +332,7 @@ def test_backend_switch_nsa():
                                                     block_size=bs, window=32, scale=0.25, backend=backend)
         return o_cmp, w, own_idx, out
 
-    for T in (3, 20):
+    for T in (3, 20, 70):
         q = normal(rng, (B, T, Hq, Dh), jnp.float32)
         gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), jnp.float32)
         q_pos = positions(rng, B, T, slots, bs)
@@ -319,7 +342,7 @@ def test_backend_switch_nsa():
         got = nsa(q, q_pos, gates, idx, "pallas")
         np.testing.assert_array_equal(sorted_idx(got[2]), sorted_idx(want[2]), err_msg=f"T={T} idx")
         for name, g, w in zip(("o_cmp", "weights", "out"), got[:2] + got[3:], want[:2] + want[3:]):
-            if T > 16:
+            if T > 64:
                 np.testing.assert_array_equal(g, w, err_msg=f"T={T} {name}")
             else:
                 assert_close(g, w, 1e-5, f"T={T} {name}")

@@ -16,7 +16,7 @@ import pytest
 
 import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
-from pallas_kernels.nsa_compressed import select_blocks
+from pallas_kernels.nsa_compressed import nsa_compressed_pallas, nsa_compressed_reference, select_blocks
 from pallas_kernels.nsa_grouped import (
     group_schedule,
     nsa_grouped_pallas,
@@ -72,18 +72,23 @@ def own_selection(q, k, v, k_cmp, v_cmp, first, ancestors, bs, S, rule="exact"):
 
 # ---------------------------------------------------------------- the compressed branch
 
-@pytest.mark.parametrize("shape, order, offset, rule", [
-    ((2, 2), "dfs", 14, "exact"),
-    ((3, 2, 1), "bfs", 13, "nsa1b"),
-    ((1,) * 20, "bfs", 5, "exact"),       # a chain that completes a block inside the tree
-    ((2,) * 5, "bfs", 9, "nsa1b"),        # 63 rows
+@pytest.mark.parametrize("shape, order, offset, rule, backend", [
+    ((2, 2), "dfs", 14, "exact", "reference"),
+    ((3, 2, 1), "bfs", 13, "nsa1b", "reference"),
+    ((3, 2, 1), "bfs", 13, "nsa1b", "pallas"),
+    ((1,) * 20, "bfs", 5, "exact", "reference"),       # a chain that completes a block inside the tree
+    ((1,) * 20, "bfs", 5, "exact", "pallas"),
+    ((2,) * 5, "bfs", 9, "nsa1b", "reference"),        # 63 rows
+    ((2,) * 5, "bfs", 9, "nsa1b", "pallas"),
 ])
-def test_tree_compressed_equals_the_reference(shape, order, offset, rule):
+def test_tree_compressed_equals_the_reference(shape, order, offset, rule, backend):
     tree = TreeShape(shape, order)
     q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(10 + len(shape) + offset, tree, offset=offset)
     bs, S, scale = 16, 3, 0.25
-    o_cmp, weights, q_pos = jitted(nsa_tree_compressed, ancestors=tree.ancestors, block_size=bs, scale=scale)(
-        q, k, v, k_cmp, v_cmp, LAYER, first)
+    compressed = (functools.partial(nsa_compressed_pallas, interpret=True, block_n=16) if backend == "pallas"
+                  else nsa_compressed_reference)
+    o_cmp, weights, q_pos = jitted(nsa_tree_compressed, ancestors=tree.ancestors, block_size=bs, scale=scale,
+                                   compressed=compressed)(q, k, v, k_cmp, v_cmp, LAYER, first)
     cmp_only = jnp.zeros_like(gates).at[..., 0].set(1.0)                     # out = o_cmp
     want_o, want_w, want_pos = jitted(nsa_tree_reference, ancestors=tree.ancestors, block_size=bs, block_counts=S,
                                       window=0, rule=rule, scale=scale)(q, k, v, k_cmp, v_cmp, LAYER, first,
