@@ -3,6 +3,7 @@ without changing the output, the CLI and the profiler."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -167,6 +168,29 @@ def test_refinement_switches_on_a_mismatch_and_not_on_a_match():
     del tie[PLAIN]
     assert planner.decide(candidates, tie, VEGAS, probe_plain=False)[0] == VEGAS
     assert planner.decide(candidates, low, VEGAS, probe_plain=False)[0] == PLAIN
+
+
+def test_refinement_pools_a_table_entry_with_what_it_observes():
+    """A table's ngram entry counts as one more segment: one slow first segment (ngram at a third
+    of its table rate; its acceptance drifts within a run) does not switch away from it, five
+    segments that accept nothing do; the cost model's predictions carry no weight."""
+    ngram = Strategy("ngram", gamma=6)
+    candidates = (Prediction(ngram, 900, 3.6, 3.6 / 900, 600, iterations=40),
+                  Prediction(PLAIN, 400, 1.0, 1 / 400, 5, iterations=144),
+                  Prediction(VEGAS, 380, 5.0, 5.0 / 380, 50, iterations=29))
+    step = 3.6 / 900
+    slow = Observation(iterations=8, tokens=10, seconds=8 * step, tokens_per_iteration=1.25)  # 312 tok/s
+    expected = planner.corrected(candidates, {ngram: slow})
+    assert expected[ngram] == pytest.approx((8 * 900 + 8 * 312.5) / 16)
+    assert planner.decide(candidates, {ngram: slow}, ngram, probe_plain=False)[0] == ngram
+    nothing = lambda n: Observation(iterations=8 * n, tokens=8 * n, seconds=8 * n * step, tokens_per_iteration=1.0)
+    for n, rate in ((2, 467), (4, 380)):    # plain (400) not 10% faster
+        assert planner.corrected(candidates, {ngram: nothing(n)})[ngram] == pytest.approx(rate, abs=0.5)
+        assert planner.decide(candidates, {ngram: nothing(n)}, ngram, probe_plain=False)[0] == ngram
+    assert planner.decide(candidates, {ngram: nothing(5)}, ngram, probe_plain=False)[0] == PLAIN  # 358 tok/s
+    bare = tuple(dataclasses.replace(c, iterations=0.0) for c in candidates)
+    assert planner.corrected(bare, {ngram: slow})[ngram] == pytest.approx(312.5)
+    assert planner.decide(bare, {ngram: slow}, ngram, probe_plain=False)[0] == PLAIN
 
 
 def test_choice_discounts_a_noisy_table_win():

@@ -15,7 +15,8 @@ H100); at Qwen3-8B shapes and 4 x 128K the KV read dominates and vegas runs 2.2x
 3. Refinement at run time (SSV's Algorithm 1 as designed here; the paper's text was not at hand):
    the run starts with the plan's choice, measures its accepted tokens per iteration and iteration
    time over a segment of SEGMENT iterations, corrects every candidate's prediction by what it saw
-   (`corrected`), and switches (`engine.switch`, which keeps the output distribution exact) to a
+   (`corrected`; a strategy's own observations are pooled with its table rate, which counts as one
+   more segment), and switches (`engine.switch`, which keeps the output distribution exact) to a
    candidate predicted faster by MARGIN, or to plain when plain is unmeasured and not predicted
    PROBE_MARGIN slower (`decide`); it measures that one for a segment and decides again, at most
    MAX_SWITCHES times, then runs to completion.
@@ -162,6 +163,7 @@ class Prediction:
     tokens_per_iteration: float
     iteration_s: float
     spread: float = 0.0  # of tokens_per_s over a table's repeats (max - min); 0 for the cost model
+    iterations: float = 0.0  # decode iterations the table measured it over; 0 for the cost model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,9 +328,11 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     bucket = bucket_of(context)
     bucket = nearest(bucket, {c["bucket"] for c in cells})
     entries = [e for c in cells if c["bucket"] == bucket for e in c["ranked"]]
+    new_tokens = table["profile"].get("new_tokens", 0)
     predictions = [
         Prediction(Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
-                   float(e["iteration_s"]), float(e.get("spread_tokens_per_s", 0.0)))
+                   float(e["iteration_s"]), float(e.get("spread_tokens_per_s", 0.0)),
+                   e.get("runs", 0) * new_tokens / float(e["tokens_per_iteration"]))
         for e in entries
     ]
     return bucket, sorted(predictions, key=lambda p: -p.tokens_per_s)
@@ -500,18 +504,23 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
 
 def corrected(candidates, observations: dict) -> dict:
     """Each candidate's expected tokens/s given the observations so far ({Strategy: Observation}):
-    an observed strategy's observed rate; any other one's prediction with its accepted drafts per
-    iteration scaled by a_k = (observed accepted per iteration) / (predicted), pooled over the
-    observed strategies of the same drafter kind (model drafters share one a, ngram its own; 1
-    while none of the kind ran; tokens per iteration kept within [1, depth + 1]), and its time by
-    tau = (observed iteration time) / (predicted), pooled over every observed strategy."""
+    an observed strategy's observed rate, pooled with its table rate weighted as one more segment
+    (or the iterations the table measured, if fewer): one segment is a small sample, and acceptance
+    drifts within a run (ngram's grows as greedy text starts to repeat), so a table choice is left
+    only when the run's own segments outweigh it; any other
+    one's prediction with its accepted drafts per iteration scaled by a_k = (observed accepted per
+    iteration) / (predicted), pooled over the observed strategies of the same drafter kind (model
+    drafters share one a, ngram its own; 1 while none of the kind ran; tokens per iteration kept
+    within [1, depth + 1]), and its time by tau = (observed iteration time) / (predicted), pooled
+    over every observed strategy."""
     by_strategy = {c.strategy: c for c in candidates}
     seen = [(by_strategy[s], o) for s, o in observations.items()]
     tau = sum(o.iteration_s for _, o in seen) / sum(p.iteration_s for p, _ in seen) if seen else 1.0
     expected = {}
     for c in candidates:
         if c.strategy in observations:
-            expected[c.strategy] = observations[c.strategy].tokens_per_s
+            o, prior = observations[c.strategy], min(c.iterations, SEGMENT)
+            expected[c.strategy] = (prior * c.tokens_per_s + o.iterations * o.tokens_per_s) / (prior + o.iterations)
             continue
         same = [(p, o) for p, o in seen if p.strategy.kind == c.strategy.kind and p.tokens_per_iteration > 1]
         a = sum(o.tokens_per_iteration - 1 for _, o in same) / sum(p.tokens_per_iteration - 1 for p, _ in same) if same else 1.0
@@ -522,7 +531,7 @@ def corrected(candidates, observations: dict) -> dict:
 
 def decide(candidates, observations: dict, current: Strategy, probe_plain: bool = True) -> tuple[Strategy, str]:
     """(strategy to run next, why): the candidate with the best corrected rate if it beats the
-    current strategy's observed rate by MARGIN; else, with `probe_plain` (cost-model plans), plain,
+    current strategy's (observed, pooled with its table rate) by MARGIN; else, with `probe_plain` (cost-model plans), plain,
     while it is unmeasured and the current speculative strategy does not beat plain's corrected
     prediction by PROBE_MARGIN (predicted relative step times can be off by that much, e.g. on a
     CPU, where rows cost compute: measured, a speculative strategy then has to beat plain by MARGIN
@@ -530,7 +539,7 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
     so table plans do not probe it."""
     expected = corrected(candidates, observations)
     best = max(expected, key=expected.get)
-    now = observations[current].tokens_per_s
+    now = expected[current]
     if best != current and expected[best] > now * (1 + MARGIN):
         how = "observed" if best in observations else "predicted"
         return best, f"{best.name} {how} {expected[best]:.0f} tok/s > {current.name} observed {now:.0f} tok/s"
