@@ -26,7 +26,9 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, SpecConfig
 
 SPEC_METHODS = [m for m in METHODS if m != "plain"]
-GAMMAS = (1, 4, 7)
+# 1 and 7 drafts (the edge cases) run by default on SmolLM2, 7 on the random Qwen3; the rest with the
+# slow tests (a chain is the width-1 tree, and the trees below cover the middle depths)
+GAMMAS = (1, pytest.param(4, marks=pytest.mark.slow), 7)
 TREES = [((3, 2, 1), "bfs"), ((2, 2, 2), "dfs")]  # 16 and 15 verified rows
 GREEDY = SamplingConfig()
 
@@ -108,7 +110,7 @@ def test_greedy_lossless_smollm2(smollm2_batch, method, gamma):
     assert stats.iterations.sum() > 0 and stats.drafted.sum() == gamma * stats.iterations.sum()
 
 
-@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("gamma", [pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 7])
 @pytest.mark.parametrize("method", SPEC_METHODS)
 def test_greedy_lossless_qwen3(qwen3_case, method, gamma):
     # min_tokens 32 keeps the selection sparse on these short contexts.
@@ -119,16 +121,19 @@ def test_greedy_lossless_qwen3(qwen3_case, method, gamma):
 @pytest.mark.parametrize("method,tree,order", [(m, *TREES[i % 2]) for i, m in enumerate(SPEC_METHODS)])
 def test_tree_greedy_lossless_smollm2(smollm2_batch, method, tree, order):
     """Every method on the real model with a tree, the two shapes and orders alternating (the random
-    Qwen3 below runs every method with both)."""
+    Qwen3 below gives each method the other one)."""
     spec = SpecConfig(method=method, tree=tree, traversal=order).validate()
     out, stats = smollm2_batch.run(spec)
     assert out == smollm2_batch.plain
     assert stats.drafted.sum() == (spec.shape.rows - 1) * stats.iterations.sum() > 0
 
 
-@pytest.mark.parametrize("tree,order", TREES)
-@pytest.mark.parametrize("method", SPEC_METHODS)
+@pytest.mark.parametrize("method,tree,order", [
+    (m, *TREES[(i + 1) % 2]) if other else pytest.param(m, *TREES[i % 2], marks=pytest.mark.slow)
+    for i, m in enumerate(SPEC_METHODS) for other in (True, False)])
 def test_tree_greedy_lossless_qwen3(qwen3_case, method, tree, order):
+    """Every method with both shapes and orders; by default each with the shape SmolLM2's test above
+    does not give it (the rest with the slow tests)."""
     out, _ = qwen3_case.run(SpecConfig(method=method, tree=tree, traversal=order, min_tokens=32).validate())
     assert out == qwen3_case.plain
 
