@@ -37,6 +37,13 @@ QWEN3_8B = ModelConfig(
     max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
 )
 
+# SmolLM2-135M's shapes (random weights: timing only; the real model is jaxspec.loaders.smollm2_path())
+SMOLLM2 = ModelConfig(
+    model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+    intermediate_size=1536, rms_norm_eps=1e-5, rope=RopeConfig(theta=1e5), max_position_embeddings=8192,
+    tie_word_embeddings=True, dtype="bfloat16",
+)
+
 
 def seconds_per_call(f, *args, min_run_s: float = 0.05) -> float:
     """Median over 3 runs of back-to-back asynchronous calls, each run at least `min_run_s` long."""

@@ -1,14 +1,16 @@
-"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B shapes.
+"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B or SmolLM2 shapes.
 
-    PYTHONPATH=. python3 bench/profile_step.py [--methods plain,vegas] [--batch 1] [--context 4096]
-                                               [--tiny] [--out DIR]
+    PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2] [--methods plain,vegas]
+        [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny] [--out DIR] [--name NAME]
 
 For each method it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
 wall time per call, GPU busy time (the union of kernel intervals), the number of kernels, and the top
 kernels by device time. A stage whose wall time exceeds its busy time loses it to launch gaps or host
 round trips; one whose kernels cost more than their bytes shows which (XLA names fusion kernels as in
-the optimized HLO: `--xla_dump_to` to read them). Writes DIR/NAME.json; prints a summary table last.
+the optimized HLO: `--xla_dump_to` to read them). Random bf16 weights (timing only). `--sampling
+sample` runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes
+DIR/NAME.json; prints a summary table last.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ def profile_stage(fn, state, calls: int):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("qwen3-8b", "smollm2"), default="qwen3-8b")
+    p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
     p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
@@ -112,19 +116,20 @@ def main():
 
     from bench.decode import TINY_CFG
 
-    cfg = TINY_CFG if args.tiny else common.QWEN3_8B
+    cfg = TINY_CFG if args.tiny else {"qwen3-8b": common.QWEN3_8B, "smollm2": common.SMOLLM2}[args.model]
+    sampling = common.SAMPLINGS[args.sampling]
     context = 256 if args.tiny else args.context
     params = decoder.init_params(cfg, jax.random.key(0))
     max_len = context + 256
     slots = cache_slots(max_len + MAX_TREE_ROWS)
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
-    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
+    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio} for m in args.methods}
     for method in args.methods:
         spec = spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None)
         cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
         state = common.random_state(params, cfg, spec, cache, context, max_len)
-        stages, state = stage_fns(params, cfg, spec, max_len, state)
+        stages, state = stage_fns(params, cfg, spec, max_len, state, sampling)
         for name, (fn, per_call) in stages.items():
             summary, state = profile_stage(fn, state, CALLS)
             row = {"method": method, "stage": name.removesuffix("_ms"), "iterations_per_call": per_call} | summary

@@ -75,20 +75,23 @@ def spec_for(method: str, tuning: dict, backend: str, k_max: int | None = None) 
 # ---------------------------------------------------------------- stage timing
 
 
-def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeState) -> tuple[dict, engine.DecodeState]:
+def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeState,
+              sampling=GREEDY) -> tuple[dict, engine.DecodeState]:
     """The loop iteration and its draft / verify / select stages as functions that donate and return
     the state (so no stage pays for copying the cache): {name: (fn, iterations per call)}; and the
-    state, through one verification when the method selects (its scores feed the select stage)."""
+    state, through one verification when the method selects (its scores feed the select stage).
+    The draft stage samples its drafts by `sampling`; verify is the target pass only (the
+    acceptance, and with it the target's sampling, is in the iteration)."""
     static = spec.compiled(max_len)
     drafter = make_drafter(static, cfg, max_len)
-    _, decode = decode_fns(cfg, spec, GREEDY, max_len)
+    _, decode = decode_fns(cfg, spec, sampling, max_len)
     # One decode call of STAGE_REPEATS iterations: the loop as it runs, without per-call dispatch.
     stages = {"iteration_ms": (lambda s: decode(params, s, max_iterations=jnp.int32(STAGE_REPEATS)), STAGE_REPEATS)}
     tree = static.shape
     rows = 1 if tree is None else tree.rows
     tokens = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], rows))
     if drafter is not None and drafter.uses_model:
-        draft = jax.jit(lambda p, s: engine.draft(p, cfg, GREEDY, drafter, tree, s, s.key)[2], donate_argnums=1)
+        draft = jax.jit(lambda p, s: engine.draft(p, cfg, sampling, drafter, tree, s, s.key)[2], donate_argnums=1)
         stages["draft_ms"] = (functools.partial(draft, params), 1)
     if drafter is not None and not drafter.uses_model:
         propose = jax.jit(lambda s: (drafter.propose(s.tokens, s.length, tree), s), donate_argnums=0)
