@@ -24,7 +24,7 @@ from jaxspec.decoding.engine import DecodeState
 # The step floor (DESIGN.md section 6) is the planner's cost-model base; benchmarks use the same one.
 from jaxspec.decoding.planner import kv_bytes_read, layer_attention_bytes, step_floor_s, tree_bytes  # noqa: F401
 from jaxspec.models.kvcache import KVCache, cache_shape
-from jaxspec import corpus
+from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
@@ -87,8 +87,8 @@ def run_info() -> dict:
 
 
 def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=float))
+    """Atomically (benchmarks rewrite their JSON after every item: a cut-off run leaves a whole file)."""
+    files.write_text(path, json.dumps(result, indent=1, default=float))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

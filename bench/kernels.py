@@ -20,7 +20,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU mem
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -102,8 +101,7 @@ class Bench:
         return value
 
     def save(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(json.dumps(self.result, indent=1, default=float))
+        common.write_json(self.out, self.result)
 
     def timing(self, **row):
         bw, rate = self.result["copy_GBps"], self.result["matmul_TFLOPs"]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from jaxspec import corpus
+from jaxspec import corpus, files
 from jaxspec.decoding import engine
 from jaxspec.models import decoder
 from jaxspec.decoding.drafters import Drafter, make_drafter
@@ -378,7 +378,7 @@ def main():
         peer_part(args, result)
     common.write_json(args.out / "throughput.json", result)
     text = tables(result)
-    (args.out / "throughput.md").write_text(text + "\n")
+    files.write_text(args.out / "throughput.md", text + "\n")
     plots(result, args.out)
     print(text)
 

@@ -173,12 +173,7 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
         cache_info = prefill_exe.out_info
     else:
         cache_info = cache
-    start_args = dict(
-        key=jax.random.key(seed),
-        budget=spec.budget(),
-        max_new_tokens=jnp.int32(max_new_tokens),
-        stop_ids=jnp.asarray(stop_ids or (-1,), jnp.int32),
-    )
+    start_args = _start_args(spec, seed, max_new_tokens, stop_ids)
     start_exe = start.lower(params, cache_info, ids, lengths, **start_args).compile()
     decode_exe = decode.lower(params, start_exe.out_info, max_iterations=jnp.int32(0)).compile()
     compile_s = time.perf_counter() - compile_start
@@ -190,12 +185,22 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
     prefill_s = time.perf_counter() - prefill_start
 
     decode_start = time.perf_counter()
-    if progress:
-        state = _decode_with_progress(decode_exe, params, state, max_new_tokens)
-    else:
-        state = jax.block_until_ready(decode_exe(params, state, max_iterations=jnp.int32(np.iinfo(np.int32).max)))
+    state = _decode_to_end(decode_exe, params, state, max_new_tokens, progress)
     decode_s = time.perf_counter() - decode_start
     return Run(engine.finish(state, max_len), compile_s, prefill_s, decode_s)
+
+
+def _start_args(spec: SpecConfig, seed: int, max_new_tokens: int, stop_ids: tuple[int, ...]) -> dict:
+    """The keyword arguments of `decode_fns`'s start: the key, the spec's budget and the stop rules."""
+    return dict(key=jax.random.key(seed), budget=spec.budget(), max_new_tokens=jnp.int32(max_new_tokens),
+                stop_ids=jnp.asarray(stop_ids or (-1,), jnp.int32))
+
+
+def _decode_to_end(decode_exe, params, state, max_new_tokens: int, progress: bool):
+    """Runs the compiled decode loop until every row is done (with a progress bar: in segments)."""
+    if progress:
+        return _decode_with_progress(decode_exe, params, state, max_new_tokens)
+    return jax.block_until_ready(decode_exe(params, state, max_iterations=jnp.int32(np.iinfo(np.int32).max)))
 
 
 def run_auto(
@@ -215,9 +220,9 @@ def run_auto(
     """`--method auto`: decodes with `plan.first` (on `base`'s backend and settings), observes it for
     a segment of planner.SEGMENT iterations, and while `planner.decide` names a faster candidate
     (at most planner.MAX_SWITCHES times) switches to it with `engine.switch` and observes again;
-    then runs to completion (a table's plain choice runs to completion at once). Decode time counts segments, switches and the rest; compiles (when a
-    strategy or switch is first needed) count apart. The output's stats are sums over strategies
-    (acceptance by depth padded to the deepest)."""
+    then runs to completion (a table's plain choice runs to completion at once). Decode time counts
+    segments, switches and the rest; compiles (when a strategy or switch is first needed) count
+    apart. The output's stats are sums over strategies (acceptance by depth padded to the deepest)."""
     return _memory_checked(
         cfg, batch, max_len,
         lambda: _run_auto(params, cfg, batch, plan, base, sampling, max_len, max_new_tokens, stop_ids, seed, progress),
@@ -244,8 +249,7 @@ def _run_auto(params, cfg, batch, plan, base, sampling, max_len, max_new_tokens,
     current = plan.first
     spec = current.spec(base)
     prefill = compiled("prefill", prefill_fn(cfg, max_len, spec.backend, spec.prefill_chunk), params, ids, lengths)
-    start_args = dict(key=jax.random.key(seed), budget=spec.budget(), max_new_tokens=jnp.int32(max_new_tokens),
-                      stop_ids=jnp.asarray(stop_ids or (-1,), jnp.int32))
+    start_args = _start_args(spec, seed, max_new_tokens, stop_ids)
     start = compiled("start", decode_fns(cfg, spec, sampling, max_len)[0], params, prefill.out_info, ids, lengths, **start_args)
     state, prefill_s = timed(lambda: start(params, prefill(params, ids, lengths), ids, lengths, **start_args))
 
@@ -288,11 +292,7 @@ def _run_auto(params, cfg, batch, plan, base, sampling, max_len, max_new_tokens,
         current = target
         ran.add(current)
 
-    exe = decode_exe(current, state)
-    if progress:
-        state, seconds = timed(_decode_with_progress, exe, params, state, max_new_tokens)
-    else:
-        state, seconds = timed(exe, params, state, max_iterations=jnp.int32(np.iinfo(np.int32).max))
+    state, seconds = timed(_decode_to_end, decode_exe(current, state), params, state, max_new_tokens, progress)
     decode_s += seconds
     totals = _add_stats(totals, jax.device_get(state.stats))
     output = engine.GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, totals)

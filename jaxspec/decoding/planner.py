@@ -503,16 +503,17 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
 
 
 def corrected(candidates, observations: dict) -> dict:
-    """Each candidate's expected tokens/s given the observations so far ({Strategy: Observation}):
-    an observed strategy's observed rate, pooled with its table rate weighted as one more segment
-    (or the iterations the table measured, if fewer): one segment is a small sample, and acceptance
-    drifts within a run (ngram's grows as greedy text starts to repeat), so a table choice is left
-    only when the run's own segments outweigh it; any other
-    one's prediction with its accepted drafts per iteration scaled by a_k = (observed accepted per
-    iteration) / (predicted), pooled over the observed strategies of the same drafter kind (model
-    drafters share one a, ngram its own; 1 while none of the kind ran; tokens per iteration kept
-    within [1, depth + 1]), and its time by tau = (observed iteration time) / (predicted), pooled
-    over every observed strategy."""
+    """Each candidate's expected tokens/s given the observations so far ({Strategy: Observation}).
+
+    An observed strategy: its observed rate, pooled with its table rate weighted as one more segment
+    (or the iterations the table measured, if fewer; the cost model's weigh nothing): one segment is
+    a small sample, and acceptance drifts within a run (ngram's grows as greedy text starts to
+    repeat), so a table choice is left only when the run's own segments outweigh it.
+    Any other: its prediction with its accepted drafts per iteration scaled by a_k = (observed
+    accepted per iteration) / (predicted), pooled over the observed strategies of the same drafter
+    kind (model drafters share one a, ngram its own; 1 while none of the kind ran; tokens per
+    iteration kept within [1, depth + 1]), and its time by tau = (observed iteration time) /
+    (predicted), pooled over every observed strategy."""
     by_strategy = {c.strategy: c for c in candidates}
     seen = [(by_strategy[s], o) for s, o in observations.items()]
     tau = sum(o.iteration_s for _, o in seen) / sum(p.iteration_s for p, _ in seen) if seen else 1.0
@@ -531,9 +532,9 @@ def corrected(candidates, observations: dict) -> dict:
 
 def decide(candidates, observations: dict, current: Strategy, probe_plain: bool = True) -> tuple[Strategy, str]:
     """(strategy to run next, why): the candidate with the best corrected rate if it beats the
-    current strategy's (observed, pooled with its table rate) by MARGIN; else, with `probe_plain` (cost-model plans), plain,
-    while it is unmeasured and the current speculative strategy does not beat plain's corrected
-    prediction by PROBE_MARGIN (predicted relative step times can be off by that much, e.g. on a
+    current strategy's (its observations pooled with its table rate) by MARGIN; else, with
+    `probe_plain` (cost-model plans), plain, while it is unmeasured and the current speculative
+    strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step times can be off by that much, e.g. on a
     CPU, where rows cost compute: measured, a speculative strategy then has to beat plain by MARGIN
     to be switched back to); else the current one. A table's plain rate is measured on this device,
     so table plans do not probe it."""
@@ -542,8 +543,8 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
     now = expected[current]
     if best != current and expected[best] > now * (1 + MARGIN):
         how = "observed" if best in observations else "predicted"
-        return best, f"{best.name} {how} {expected[best]:.0f} tok/s > {current.name} observed {now:.0f} tok/s"
+        return best, f"{best.name} {how} {expected[best]:.0f} tok/s > {current.name} expected {now:.0f} tok/s"
     plain = max((c.strategy for c in candidates if c.strategy.plain), key=expected.get)
     if probe_plain and not current.plain and plain not in observations and expected[plain] * (1 + PROBE_MARGIN) >= now:
-        return plain, f"plain predicted {expected[plain]:.0f} tok/s, {current.name} observed {now:.0f} tok/s: measuring plain"
-    return current, f"{current.name} observed {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"
+        return plain, f"plain predicted {expected[plain]:.0f} tok/s, {current.name} expected {now:.0f} tok/s: measuring plain"
+    return current, f"{current.name} expected {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"

@@ -140,7 +140,8 @@ def forward(
     (default: their positions; a draft tree's nodes share positions and differ in slots) before
     `attend` reads it; invalid tokens (padding) write nothing. `layer_xs` is a pytree with a leading
     layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked;
-    `carry` is `attend`'s initial layer-to-layer state. Returns the last hidden states [B, T, D] (before the final norm), the cache, and those.
+    `carry` is `attend`'s initial layer-to-layer state. Returns the last hidden states [B, T, D]
+    (before the final norm), the cache, and those.
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
