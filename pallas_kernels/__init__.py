@@ -20,6 +20,7 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
+from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
 from pallas_kernels.verify_attention import (
     Collect,
@@ -31,7 +32,7 @@ from pallas_kernels.verify_attention import (
 BACKENDS = ("reference", "pallas")
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
-           "nsa_tree_attention", "select_topk", "sparse_attention", "verify_attention"]
+           "nsa_tree_attention", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -72,6 +73,14 @@ def select_topk(scores, k_max: int, k, *, backend: str = "reference"):
     if _is_pallas(backend):
         return select_topk_pallas(scores, k_max, k, interpret=interpret_default())
     return select_topk_reference(scores, k_max, k)
+
+
+def top_p_threshold(logits, inv_temperature: float, top_p: float, *, backend: str = "reference"):
+    """float32 [R]: the nucleus threshold of each row of logits [R, V] after tempering
+    (pallas_kernels/top_p.py defines it: sort-free, ties kept)."""
+    if _is_pallas(backend):
+        return top_p_threshold_pallas(logits, inv_temperature, top_p, interpret=interpret_default())
+    return top_p_threshold_reference(logits, inv_temperature, top_p)
 
 
 def _nsa_pallas(backend: str, head_dim: int, block_size: int) -> bool:

@@ -27,6 +27,17 @@ MIN_BLOCK_ROWS = 16
 TILE_ROWS = 64
 
 
+def float_key(x):
+    """Order-preserving int32 keys of float32 values (no NaN): x < y iff key(x) < key(y)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def key_float(key):
+    """The inverse of float_key."""
+    return lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import next_pow2
+from pallas_kernels._common import float_key, next_pow2
 
 # Scores per program. H100, [36, 4, 32K]: 1024 -> 169 us, 2048 -> 157 us, 4096 -> 155 us
 # (bench/NOTES.md); 2048 keeps more programs in flight for short rows.
@@ -49,8 +49,7 @@ def _load_keys(scores_ref, row, chunk_id, chunk):
     valid = slots < S
     x = plgpu.load(scores_ref.at[row, pl.ds(chunk_id * chunk, chunk)], mask=valid,
                    other=-jnp.inf)
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return slots, valid, jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return slots, valid, float_key(x)
 
 
 def _candidates_kernel(prefix_ref, scores_ref, count_ref, *, shift, chunk):

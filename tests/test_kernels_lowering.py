@@ -24,6 +24,7 @@ import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
 from pallas_kernels.sparse_attention import sparse_attention_pallas
+from pallas_kernels.top_p import top_p_threshold_pallas
 from pallas_kernels.topk import select_topk_pallas
 from pallas_kernels.verify_attention import verify_attention_pallas
 
@@ -142,6 +143,13 @@ def test_tree_sparse_attention_lowers(check_cuda, Hq, Hkv, Dh, Hs):
 def test_select_topk_lowers(check_cuda, S_):
     check_cuda(lambda s, k: select_topk_pallas(s, S_ // 14, k),
                    spec((L, B, S_), jnp.float32), spec((L, B)))
+
+
+@pytest.mark.parametrize("rows, V, dtype", [(896, 49152, jnp.float32), (128, 151936, jnp.float32),
+                                            (32, 49152, jnp.bfloat16)])
+def test_top_p_threshold_lowers(check_cuda, rows, V, dtype):
+    """SmolLM2's vocabulary at a batch-128 chain's verification rows, Qwen3's at a draft step."""
+    check_cuda(lambda x: top_p_threshold_pallas(x, 1 / 0.7, 0.95), spec((rows, V), dtype))
 
 
 def test_backend_switch():

@@ -36,8 +36,8 @@ def reference_probs(logits, cfg):
     return out
 
 
-def assert_matches_reference(logits, cfg):
-    got = np.asarray(process_logits(jnp.asarray(logits), cfg))
+def assert_matches_reference(logits, cfg, backend="reference"):
+    got = np.asarray(process_logits(jnp.asarray(logits), cfg, backend))
     want = reference_probs(np.asarray(jnp.asarray(logits), np.float32), cfg)
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_array_equal(got > 0, want > 0)
@@ -71,6 +71,17 @@ def test_process_logits_matches_reference(cfg):
 def test_ties_keep_every_token_tied_with_the_last_kept(cfg):
     logits = np.random.default_rng(1).integers(-4, 3, size=(16, 64)).astype(np.float32)
     assert_matches_reference(logits, cfg)
+
+
+NUCLEUS = [c for c in CONFIGS if c.top_p < 1 and not c.top_k]  # the sort-free search's configs
+
+
+@pytest.mark.parametrize("cfg", NUCLEUS, ids=str)
+def test_pallas_backend_matches_reference(cfg):
+    """The nucleus kernel (interpret mode) inside process_logits, on normal and on tied logits."""
+    rng = np.random.default_rng(5)
+    assert_matches_reference(2.5 * rng.normal(size=(2, 3, 257)).astype(np.float32), cfg, "pallas")
+    assert_matches_reference(rng.integers(-4, 3, size=(6, 64)).astype(np.float32), cfg, "pallas")
 
 
 def test_tie_rule_by_hand():

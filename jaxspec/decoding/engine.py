@@ -218,7 +218,7 @@ def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: Dec
     """One token per row: a one-row verification of the pending token, then a draw from the target."""
     logits, cache, scores = verify(params, cfg, spec, drafter, state, pending_tokens(state)[:, None], None)
     key, sub = jax.random.split(state.key)
-    token, _ = sample(sub, logits[:, 0], sampling)
+    token, _ = sample(sub, logits[:, 0], sampling, spec.backend)
     num_accepted = jnp.zeros_like(state.length)
     path = jnp.zeros((token.shape[0], 1), jnp.int32)
     return _commit(state, cache, key, token[:, None], num_accepted, path, drafter, scores, nodes=0)
@@ -230,16 +230,16 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     tree = spec.shape
     key, draft_key, accept_key = jax.random.split(state.key, 3)
     if drafter.uses_model:
-        tokens, draft_probs, state = draft(params, cfg, sampling, drafter, tree, state, draft_key)
+        tokens, draft_probs, state = draft(params, cfg, spec, sampling, drafter, tree, state, draft_key)
     else:
         tokens, draft_probs = drafter.propose(state.tokens, state.length, tree), None
     logits, cache, scores = verify(params, cfg, spec, drafter, state, tokens, tree)
-    num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, sampling)
+    num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, sampling, spec.backend)
     cache = compact(cache, state.length - 1, path, tree)
     return _commit(state, cache, key, emitted, num_accepted, path, drafter, scores, nodes=tree.rows - 1)
 
 
-def draft(params, cfg, sampling, drafter, tree: TreeShape, state, key):
+def draft(params, cfg, spec, sampling, drafter, tree: TreeShape, state, key):
     """Drafts `tree` with the target model over the drafter's KV subset: one forward per depth, whose
     rows are that depth's nodes; each node's children are its top-b draft tokens (greedy) or b tokens
     drawn from its draft distribution without replacement (Gumbel top-b).
@@ -269,7 +269,7 @@ def draft(params, cfg, sampling, drafter, tree: TreeShape, state, key):
                 cache, attend, layer_xs, slots=at.slots,
             )
             key, sub = jax.random.split(key)
-            children, q = expand(sub, decoder.logits(params, cfg, hidden), kids.shape[1], sampling)
+            children, q = expand(sub, decoder.logits(params, cfg, hidden), kids.shape[1], sampling, spec.backend)
             tokens = tokens.at[:, kids].set(children)
             probs = None if q is None else probs.at[:, rows].set(q)
             dstate = drafter.after_draft_step(dstate, cache, at.slots)
@@ -280,12 +280,12 @@ def draft(params, cfg, sampling, drafter, tree: TreeShape, state, key):
     return tokens, probs, dataclasses.replace(state, cache=cache, drafter=dstate)
 
 
-def expand(key, logits, b: int, sampling: SamplingConfig):
+def expand(key, logits, b: int, sampling: SamplingConfig, backend: str):
     """A node's b children from its draft logits [B, n, V]: (tokens [B, n, b], q [B, n, V] or None when
     greedy). Sampling draws without replacement by Gumbel top-b, in draw order (b = 1: a plain draw)."""
     if sampling.greedy:
         return jax.lax.top_k(logits, b)[1].astype(jnp.int32), None
-    q = process_logits(logits, sampling)
+    q = process_logits(logits, sampling, backend)
     perturbed = jnp.log(q) + jax.random.gumbel(key, q.shape, jnp.float32)
     return jax.lax.top_k(perturbed, b)[1].astype(jnp.int32), q
 

@@ -14,6 +14,11 @@ Every filter keeps the tokens whose tempered logit is at least a per-row thresho
 processing is one threshold plus a log-normaliser (`cutoff`). Tokens tied with the last kept token
 are therefore kept too (as HF's top-k does; HF's top-p would break such ties by sort order), which
 makes the result independent of how a sort orders equal logits: bf16 logits tie often.
+
+Top-p without top-k searches its threshold without sorting the vocabulary
+(pallas_kernels/top_p.py): a kernel on the "pallas" backend, the same search in jnp on "reference".
+The two round their sums differently, so a run uses one backend for every cutoff (plain steps,
+drafts and targets): `backend` is the engine's kernel backend throughout.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from jaxspec.errors import JaxspecError
 
 
@@ -62,13 +68,13 @@ def tempered(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return logits.astype(jnp.float32) * jnp.float32(1.0 / cfg.temperature)
 
 
-def cutoff(logits: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+def cutoff(logits: jax.Array, cfg: SamplingConfig, backend: str = "reference") -> tuple[jax.Array, jax.Array]:
     """(threshold, log_norm), each [..., 1], for a sampling config: token v is kept iff
     tempered(logits)[v] >= threshold, and then log p(v) = tempered(logits)[v] - log_norm.
 
-    With top_k, top-p looks only at the k candidates of
-    `lax.top_k`; the full vocabulary is sorted only for top-p without top-k. Both act on the raw
-    logits, whose order the positive temperature preserves.
+    With top_k, top-p looks only at the k candidates of `lax.top_k` (a cumulative sum over k sorted
+    values); without it, the kernel backend's sort-free nucleus search runs over the whole row. Both
+    act on the raw logits, whose order the positive temperature preserves.
     """
     x = tempered(logits, cfg)
     top = jnp.max(x, axis=-1, keepdims=True)
@@ -81,13 +87,15 @@ def cutoff(logits: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array
     if 0 < cfg.top_k < logits.shape[-1]:
         candidates = tempered(jax.lax.top_k(logits, cfg.top_k)[0], cfg)  # descending
         threshold = candidates[..., -1:]
+        if cfg.top_p < 1:
+            probs = jnp.exp(candidates - log_mass(threshold))
+            mass_before = jnp.cumsum(probs, axis=-1) - probs
+            nucleus = jnp.where(mass_before < cfg.top_p, candidates, jnp.inf)
+            threshold = jnp.min(nucleus, axis=-1, keepdims=True)
     elif cfg.top_p < 1:
-        candidates = tempered(jnp.flip(jnp.sort(logits, axis=-1), axis=-1), cfg)
-    if cfg.top_p < 1:
-        probs = jnp.exp(candidates - log_mass(threshold))
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        nucleus = jnp.where(mass_before < cfg.top_p, candidates, jnp.inf)
-        threshold = jnp.min(nucleus, axis=-1, keepdims=True)
+        rows = logits.reshape(-1, logits.shape[-1])
+        found = pallas_kernels.top_p_threshold(rows, 1.0 / cfg.temperature, cfg.top_p, backend=backend)
+        threshold = found.reshape(top.shape)
     if cfg.min_p > 0:
         threshold = jnp.maximum(threshold, top + math.log(cfg.min_p))
     return threshold, log_mass(threshold)
@@ -101,13 +109,13 @@ def probs_from_cutoff(
     return jnp.where(x >= threshold, jnp.exp(x - log_norm), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def process_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def process_logits(logits: jax.Array, cfg: SamplingConfig, backend: str = "reference") -> jax.Array:
     """Float32 probabilities over the last axis after cfg's processing: filtered tokens exactly 0,
     the rest renormalised. Greedy (T = 0, the limit T -> 0) gives the one-hot of the first argmax."""
     if cfg.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return probs_from_cutoff(logits, *cutoff(logits, cfg), cfg)
+    return probs_from_cutoff(logits, *cutoff(logits, cfg, backend), cfg)
 
 
 def draw(key: jax.Array, weights: jax.Array) -> jax.Array:
@@ -116,11 +124,13 @@ def draw(key: jax.Array, weights: jax.Array) -> jax.Array:
     return jax.random.categorical(key, jnp.log(weights), axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array | None]:
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def sample(
+    key: jax.Array, logits: jax.Array, cfg: SamplingConfig, backend: str = "reference"
+) -> tuple[jax.Array, jax.Array | None]:
     """(tokens int32 [...], probs float32 [..., V] they were drawn from). Greedy returns the first
     argmax of the raw logits and probs None, which `tree.tree_accept` reads as one-hot q."""
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    probs = process_logits(logits, cfg)
+    probs = process_logits(logits, cfg, backend)
     return draw(key, probs), probs

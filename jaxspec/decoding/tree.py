@@ -155,7 +155,7 @@ class TreeShape:
         return np.asarray(parent, np.int32), np.asarray(depth, np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("tree", "cfg"))
+@functools.partial(jax.jit, static_argnames=("tree", "cfg", "backend"))
 def tree_accept(
     key: jax.Array,
     tree: TreeShape,
@@ -163,13 +163,15 @@ def tree_accept(
     draft_probs: jax.Array | None,
     target_logits: jax.Array,
     cfg: SamplingConfig,
+    backend: str = "reference",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verifies a drafted tree against the target.
 
     tokens [B, rows] int32: each row's draft token (row 0, the pending token, is not read);
     draft_probs [B, rows, V] float32: at each row, the processed draft distribution its children were
     drawn from (None: one-hot candidates, as for model-free drafters; ignored when greedy);
-    target_logits [B, rows, V]: raw target logits at every row.
+    target_logits [B, rows, V]: raw target logits at every row; backend: the kernel backend of the
+    target's cutoffs (the one its plain decoding uses).
     Returns (num_accepted [B] int32 in [0, D], path [B, D + 1] int32: the rows of the accepted path,
     root first (entries past num_accepted are the root and unspecified), emitted [B, D + 1] int32: the
     accepted drafts then the recovered or bonus token; entries past num_accepted are unspecified).
@@ -202,7 +204,7 @@ def tree_accept(
     keys = jax.random.split(key, D * K + 1)
     final = jnp.zeros(target_logits.shape[::2], jnp.float32)  # [B, V]: the last token's distribution
     for d in range(D):
-        resid = process_logits(at(target_logits, cur), cfg)
+        resid = process_logits(at(target_logits, cur), cfg, backend)
         q = None if draft_probs is None else at(draft_probs, cur)
         kids = children[cur]
         chosen = jnp.full((B,), -1, jnp.int32)
@@ -236,7 +238,7 @@ def tree_accept(
         path = path.at[:, d + 1].set(cur)
         num_accepted += step
         alive = step
-    final = jnp.where(alive[:, None], process_logits(at(target_logits, cur), cfg), final)
+    final = jnp.where(alive[:, None], process_logits(at(target_logits, cur), cfg, backend), final)
     last = draw(keys[-1], final)
     emitted = jnp.where(jnp.arange(D + 1) == num_accepted[:, None], last[:, None], emitted)
     return num_accepted, path, emitted

@@ -1,0 +1,72 @@
+"""The sort-free nucleus threshold (pallas_kernels/top_p.py), both backends, against a float64
+NumPy oracle that sorts: walk from the most likely token, keep it while the mass before it is < top_p."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
+
+
+def oracle(logits, inv_temperature, top_p):
+    x = np.asarray(jnp.asarray(logits).astype(jnp.float32) * jnp.float32(inv_temperature))
+    out = []
+    for row in x.astype(np.float64):
+        e = np.exp(row - row.max())
+        order = np.argsort(-row, kind="stable")
+        mass_before = np.concatenate([[0.0], np.cumsum(e[order])[:-1]]) / e.sum()
+        out.append(row[order[mass_before < top_p][-1]])
+    return np.asarray(out, np.float32)
+
+
+def rows(kind, rng, R, V):
+    if kind == "normal":
+        return 3 * rng.normal(size=(R, V))
+    if kind == "ties":  # few distinct values: the threshold's ties are kept
+        return rng.integers(-3, 3, size=(R, V)).astype(np.float64)
+    if kind == "masked":  # -inf entries (a padded vocabulary), a peaked row
+        x = 2 * rng.normal(size=(R, V))
+        x[:, rng.random(V) < 0.3] = -np.inf
+        x[0, 5] = 40.0
+        return x
+    if kind == "flat":
+        return np.full((R, V), rng.normal())
+    if kind == "signs":  # keys of both signs and a wide range: the bracket spans ~2^32 keys
+        return rng.choice([-1, 1], size=(R, V)) * np.exp(rng.uniform(-20, 5, size=(R, V)))
+    raise ValueError(kind)
+
+
+CASES = [  # (kind, R, V, dtype, inv_temperature, top_p)
+    ("normal", 5, 1000, jnp.float32, 1 / 0.7, 0.95),
+    ("normal", 3, 4099, jnp.float32, 1.0, 0.5),
+    ("normal", 4, 777, jnp.bfloat16, 1 / 0.7, 0.9),
+    ("normal", 2, 300, jnp.float32, 2.0, 0.999),
+    ("ties", 6, 513, jnp.float32, 1.0, 0.6),
+    ("ties", 3, 256, jnp.bfloat16, 1 / 1.3, 0.3),
+    ("masked", 3, 1000, jnp.float32, 1.0, 0.9),
+    ("flat", 2, 600, jnp.float32, 1.0, 0.8),
+    ("signs", 3, 2000, jnp.float32, 0.5, 0.7),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:4])))
+def test_top_p_threshold(case):
+    kind, R, V, dtype, inv_t, top_p = case
+    rng = np.random.default_rng(CASES.index(case))
+    logits = jnp.asarray(rows(kind, rng, R, V), dtype)
+    want = oracle(logits, inv_t, top_p)
+    ref = np.asarray(top_p_threshold_reference(logits, inv_t, top_p))
+    got = np.asarray(top_p_threshold_pallas(logits, inv_t, top_p, interpret=True, chunk=256))
+    np.testing.assert_array_equal(ref, want)
+    np.testing.assert_array_equal(got, want)
+    if kind == "flat":
+        np.testing.assert_array_equal(got, logits[:, 0])
+
+
+def test_backend_switch_runs_both():
+    logits = jnp.asarray(np.random.default_rng(7).normal(size=(2, 300)), jnp.float32)
+    a = pallas_kernels.top_p_threshold(logits, 1.0, 0.9)
+    b = pallas_kernels.top_p_threshold(logits, 1.0, 0.9, backend="pallas")
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        pallas_kernels.top_p_threshold(logits, 1.0, 0.9, backend="cuda")
