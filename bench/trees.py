@@ -25,75 +25,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bench import common
+from bench import common, e2e
+from bench.e2e import floors, spec_of, split_shapes
 from bench.throughput import stage_times
-from jaxspec.decoding.spec import SpecConfig
-from jaxspec.decoding.tree import MAX_TREE_ROWS, TreeShape
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.loaders import load_model
 from jaxspec.models.kvcache import cache_slots
-from jaxspec.runner import run_generation
 
 VERIFY_SHAPES = ["chain:6", "bfs:3,2,1", "bfs:3,3,1,1", "bfs:7,1,1,1,1,1,1,1,1"]  # 7, 16, 31, 64 rows
-
-
-def spec_of(method: str, shape: str, backend: str) -> SpecConfig:
-    """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig at ratio 0.07."""
-    kind, _, value = shape.partition(":")
-    if kind == "chain":
-        return SpecConfig(method=method, gamma=int(value), ratio=0.07, backend=backend).validate()
-    tree = TreeShape.parse(value, kind)
-    return SpecConfig(method=method, tree=tree.branching, traversal=tree.order, ratio=0.07, backend=backend).validate()
-
-
-def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict) -> dict:
-    """Bytes floors (seconds) of a plain step, one draft forward and the verify pass at `context`."""
-    bw = rates["copy_GBps"]
-    plain = common.step_floor_s(cfg, weight_bytes, batch, context, bw)
-    if spec.method == "plain":
-        return {"plain_floor_s": plain}
-    rows = spec.shape.rows
-    logits = (rows - 1) * batch * cfg.vocab_size * 4 / (bw * 1e9)
-    selected = max(256, int(0.07 * context)) + spec.shape.depth + rows
-    draft = 0.0 if spec.method == "ngram" else common.step_floor_s(cfg, weight_bytes, batch, selected, bw)
-    return {"plain_floor_s": plain, "draft_floor_s": draft, "verify_floor_s": plain + logits,
-            "iteration_floor_s": spec.shape.depth * draft + plain + logits}
-
-
-def e2e_part(args, cfg, params, tokenizer, rates, rows_out, save):
-    backend = "reference" if args.tiny else "pallas"
-    weight_bytes = common.tree_bytes(params)
-    for batch_size in args.batches:
-        batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new, backend)
-        context = int(batch.lengths.mean()) + args.new // 2
-        for sampling_name, sampling in common.SAMPLINGS.items():
-            configs = [SpecConfig(backend=backend)] + [spec_of(m, s, backend) for m in args.methods for s in args.shapes]
-            plain_tps = plain_rows = None
-            for spec in configs:
-                runs, first_rows = [], None
-                for repeat in range(args.repeats):
-                    run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
-                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache))
-                    measures, outputs = common.run_measures(run)
-                    runs.append(measures)
-                    first_rows = first_rows or outputs
-                row = {"batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
-                       "sampling": sampling_name, **spec.describe(), "rows": 1 + spec.describe()["nodes"], "runs": runs,
-                       **common.median_of_runs(runs)}
-                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates)
-                if spec.method == "plain":
-                    plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
-                else:
-                    if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts
-                        row["greedy_rows_equal_plain"] = sum(a == b for a, b in zip(first_rows, plain_rows)) / len(plain_rows)
-                    row["speedup"] = row["decode_tokens_per_s"] / plain_tps
-                    row["ideal_speedup"] = row["tokens_per_iteration"] * row["plain_floor_s"] / row["iteration_floor_s"]
-                    row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
-                rows_out.append(row)
-                save()
-                shape = row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}"
-                print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
-                      f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
-                      f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
 
 
 def verify_part(args, cfg, params, rates, rows_out, save):
@@ -142,6 +81,7 @@ def main():
     args.batches = [int(b) for b in args.batches.split(",")]
     args.methods = args.methods.split(",")
     args.shapes = split_shapes(args.shapes)
+    args.samplings, args.greedy_methods = list(common.SAMPLINGS), args.methods
     rates = common.measure_rates(args.tiny)
     cfg, params, tokenizer = load_model(args.model, dtype="float32" if args.tiny else "bfloat16")
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
@@ -151,21 +91,10 @@ def main():
         path = args.out / f"trees_{part}_{device}{args.tag}.json"
         save = lambda: common.write_json(path, result)  # after every row: a cut-off run keeps what it measured
         if part == "e2e":
-            e2e_part(args, cfg, params, tokenizer, rates, result["rows"], save)
+            e2e.run_rows(args, cfg, params, tokenizer, rates, result["rows"], save)
         else:
             verify_part(args, cfg, params, rates, result["rows"], save)
         print(table(part, result["rows"]))
-
-
-def split_shapes(text: str) -> list[str]:
-    """'chain:6,chain:15,bfs:3,2,1' -> ['chain:6', 'chain:15', 'bfs:3,2,1'] (a shape's branching has commas)."""
-    shapes = []
-    for part in text.split(","):
-        if ":" in part or not shapes:
-            shapes.append(part)
-        else:
-            shapes[-1] += "," + part
-    return shapes
 
 
 def table(part: str, rows: list[dict]) -> str:
@@ -175,13 +104,7 @@ def table(part: str, rows: list[dict]) -> str:
             ("bytes floor", "verify_bytes_floor_ms", ".2f"), ("flops floor", "verify_flops_floor_ms", ".2f"),
             ("x floor", "verify_x_floor", ".2f"), ("draft ms/forward", "draft_ms_per_forward", ".2f"),
             ("iteration ms", "iteration_ms", ".2f")])
-    return common.markdown_table(rows, [
-        ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
-        ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
-        ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
-        ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
-        ("x plain", "speedup", ".2f"), ("ideal x plain", "ideal_speedup", ".2f"), ("of ideal", "of_ideal", ".2f"),
-        ("degeneration", "degeneration", ".2f")])
+    return e2e.table(rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,203 @@
+"""End-to-end decode speed on SmolLM2 (real weights): every method against plain decoding, in one
+process on the same long real-text prompts, with the ideal speed-up beside each measured one.
+
+    PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
+        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--samplings sample,greedy]
+        [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
+        [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
+
+Per batch: one prefill of real-text prompts (a different local document per row, a continuation
+request, chat template), then every (method, shape) through `run_generation` (the generate path),
+each repeated with seeds 0.. (median and spread of decode tokens/s). Sampling (T 0.7, top-p 0.95) is
+the headline; greedy runs beside it for --greedy-methods (greedy SmolLM2 loops at long context,
+which inflates acceptance: degeneration, the share of repeated 4-grams in the outputs, says how
+much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless --tuned names a
+`python -m jaxspec.tune` file, whose per-method (gamma, ratio) then apply to chains.
+
+The ideal speed-up is a projection from measured acceptance and the bytes floors: tokens per
+iteration x plain step floor / iteration floor, the iteration floor being depth draft forwards over
+the selection (weights + the method's budget of keys; none for ngram) plus the verify pass (weights
++ every key + the rows' float32 logits). `of ideal` = measured speed-up / ideal speed-up.
+Writes DIR/e2e_<device><tag>.json after every row, a plot of tokens/s against batch per method
+(DIR/e2e_<device><tag>.png), and prints the table last. --plot-from draws the rows of several such
+JSON files (batches measured in separate runs) into DIR/e2e<tag>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from bench import common
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import TreeShape
+from jaxspec.loaders import load_model
+from jaxspec.runner import run_generation
+
+METHODS = ("plain", "vegas", "stream", "quest", "ngram")
+GAMMA, RATIO = 6, 0.07
+
+
+def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None) -> SpecConfig:
+    """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig; a tuned (gamma, ratio) replaces
+    the chain's gamma and the ratio."""
+    choice = (tuning or {}).get(method, {})
+    ratio = choice.get("ratio") or RATIO
+    if method == "plain":
+        return SpecConfig(backend=backend).validate()
+    kind, _, value = shape.partition(":")
+    if kind == "chain":
+        return SpecConfig(method=method, gamma=choice.get("gamma") or int(value), ratio=ratio, backend=backend).validate()
+    tree = TreeShape.parse(value, kind)
+    return SpecConfig(method=method, tree=tree.branching, traversal=tree.order, ratio=ratio, backend=backend).validate()
+
+
+def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict) -> dict:
+    """Bytes floors (seconds) of a plain step, one draft forward and the verify pass at `context`."""
+    bw = rates["copy_GBps"]
+    plain = common.step_floor_s(cfg, weight_bytes, batch, context, bw)
+    if spec.method == "plain":
+        return {"plain_floor_s": plain}
+    rows = spec.shape.rows
+    logits = (rows - 1) * batch * cfg.vocab_size * 4 / (bw * 1e9)
+    selected = max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
+    draft = 0.0 if spec.method == "ngram" else common.step_floor_s(cfg, weight_bytes, batch, selected, bw)
+    return {"plain_floor_s": plain, "draft_floor_s": draft, "verify_floor_s": plain + logits,
+            "iteration_floor_s": spec.shape.depth * draft + plain + logits}
+
+
+def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
+    """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each)."""
+    backend = "reference" if args.tiny else "pallas"
+    weight_bytes = common.tree_bytes(params)
+    for batch_size in args.batches:
+        batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new, backend)
+        context = int(batch.lengths.mean()) + args.new // 2
+        for sampling_name in args.samplings:
+            sampling = common.SAMPLINGS[sampling_name]
+            methods = args.greedy_methods if sampling_name == "greedy" else args.methods
+            specs = [spec_of("plain", "", backend)] + [
+                spec_of(m, s, backend, tuning) for m in methods if m != "plain" for s in args.shapes]
+            plain_tps = plain_rows = None
+            for spec in specs:
+                runs, first_rows = [], None
+                for repeat in range(args.repeats):
+                    run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
+                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache))
+                    measures, outputs = common.run_measures(run)
+                    runs.append(measures | {"compile_s": run.compile_s})
+                    first_rows = first_rows or outputs
+                row = {"batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
+                       "sampling": sampling_name, **spec.describe(), "rows": 1 + spec.describe()["nodes"], "runs": runs,
+                       **common.median_of_runs(runs)}
+                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates)
+                if spec.method == "plain":
+                    plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
+                    row["step_ms"] = row["iteration_ms"]
+                    row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
+                else:
+                    if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts
+                        row["greedy_rows_equal_plain"] = sum(a == b for a, b in zip(first_rows, plain_rows)) / len(plain_rows)
+                    row["speedup"] = row["decode_tokens_per_s"] / plain_tps
+                    row["ideal_speedup"] = row["tokens_per_iteration"] * row["plain_floor_s"] / row["iteration_floor_s"]
+                    row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
+                rows_out.append(row)
+                save()
+                shape = row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}"
+                print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
+                      f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
+                      f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
+
+
+def table(rows: list[dict]) -> str:
+    return common.markdown_table(rows, [
+        ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
+        ("ratio", "ratio", ".2f"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
+        ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
+        ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
+        ("x plain", "speedup", ".2f"), ("ideal x plain", "ideal_speedup", ".2f"), ("of ideal", "of_ideal", ".2f"),
+        ("x floor (plain)", "ratio_to_floor", ".2f"), ("degeneration", "degeneration", ".2f")])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Decode tokens/s against batch, one line per (method, shape), one panel per sampling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samplings = sorted({r["sampling"] for r in rows}, key=lambda s: s != "sample")
+    fig, axes = plt.subplots(1, len(samplings), figsize=(6 * len(samplings), 4.5), squeeze=False)
+    for ax, sampling in zip(axes[0], samplings):
+        lines: dict[str, list] = {}
+        for r in rows:
+            if r["sampling"] == sampling:
+                label = r["method"] if r["method"] == "plain" else f"{r['method']} " + (
+                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}")
+                lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
+        for label, points in lines.items():
+            points.sort()
+            ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] / 2 for p in points],
+                        marker="o", capsize=3, label=label)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s", title=f"SmolLM2, {sampling}")
+        ax.set_xticks(sorted({r["batch"] for r in rows}), labels=[str(b) for b in sorted({r["batch"] for r in rows})])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def split_shapes(text: str) -> list[str]:
+    """'chain:6,chain:15,bfs:3,2,1' -> ['chain:6', 'chain:15', 'bfs:3,2,1'] (a shape's branching has commas)."""
+    shapes = []
+    for part in text.split(","):
+        if ":" in part or not shapes:
+            shapes.append(part)
+        else:
+            shapes[-1] += "," + part
+    return shapes
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--shapes", default=f"chain:{GAMMA}")
+    p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
+    p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
+    p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
+    p.add_argument("--prompt-tokens", type=int, default=7500)
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: float32, reference backend")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--tag", default="", help="suffix of the file names")
+    p.add_argument("--plot-from", type=Path, nargs="+", default=None, help="plot the rows of these e2e JSON files and exit")
+    args = p.parse_args()
+    if args.plot_from:
+        plot([r for f in args.plot_from for r in json.loads(f.read_text())["rows"]], args.out / f"e2e{args.tag}.png")
+        return
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.methods = args.methods.split(",")
+    args.greedy_methods = args.greedy_methods.split(",")
+    args.shapes = split_shapes(args.shapes)
+    args.samplings = args.samplings.split(",")
+    tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None
+    rates = common.measure_rates(args.tiny)
+    cfg, params, tokenizer = load_model(args.model, dtype="float32" if args.tiny else "bfloat16")
+    device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
+    result = common.run_info() | {"rates": rates, "tuning": tuning, "rows": []}
+    path = args.out / f"e2e_{device}{args.tag}.json"
+    run_rows(args, cfg, params, tokenizer, rates, result["rows"], lambda: common.write_json(path, result), tuning)
+    plot(result["rows"], path.with_suffix(".png"))
+    print(table(result["rows"]))
+
+
+if __name__ == "__main__":
+    main()
