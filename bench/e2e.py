@@ -45,10 +45,10 @@ GAMMA, RATIO = 6, 0.07
 def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None) -> SpecConfig:
     """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig; a tuned (gamma, ratio) replaces
     the chain's gamma and the ratio."""
-    choice = (tuning or {}).get(method, {})
-    ratio = choice.get("ratio") or RATIO
     if method == "plain":
         return SpecConfig(backend=backend).validate()
+    choice = (tuning or {}).get(method, {})
+    ratio = choice.get("ratio") or RATIO
     kind, _, value = shape.partition(":")
     if kind == "chain":
         return SpecConfig(method=method, gamma=choice.get("gamma") or int(value), ratio=ratio, backend=backend).validate()
@@ -91,13 +91,13 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     measures, outputs = common.run_measures(run)
                     runs.append(measures | {"compile_s": run.compile_s})
                     first_rows = first_rows or outputs
+                described = spec.describe()
                 row = {"batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
-                       "sampling": sampling_name, **spec.describe(), "rows": 1 + spec.describe()["nodes"], "runs": runs,
+                       "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "runs": runs,
                        **common.median_of_runs(runs)}
                 row |= floors(cfg, weight_bytes, spec, batch_size, context, rates)
                 if spec.method == "plain":
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
-                    row["step_ms"] = row["iteration_ms"]
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
                 else:
                     if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts

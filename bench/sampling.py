@@ -14,9 +14,9 @@ keeps tens of tokens). Timed (bench.common.seconds_per_call, jitted, median of 3
   sample        sampling.sample (pallas): process + the Gumbel draw
 The three thresholds are compared: rows equal, and where the kernel's differs from the reference's,
 how near the row was to a tie: |M(t) - top_p Z| / Z in float64 at the lower of the two thresholds
-(M(t): the mass above t; rounding-level means the two summation orders met a near-tie). Floor: read the float32 logits once and write
-float32 probabilities once, over the copy bandwidth measured in the same run. Writes
-DIR/sampling_<device>.json and prints a table.
+(M(t): the mass above t; rounding-level means the two summation orders met a near-tie). Floor: read
+the float32 logits once and write float32 probabilities once, over the copy bandwidth measured in
+the same run. Writes DIR/sampling_<device>.json and prints a table.
 """
 from __future__ import annotations
 

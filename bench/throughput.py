@@ -91,7 +91,7 @@ def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeS
     rows = 1 if tree is None else tree.rows
     tokens = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], rows))
     if drafter is not None and drafter.uses_model:
-        draft = jax.jit(lambda p, s: engine.draft(p, cfg, static, sampling, drafter, tree, s, s.key)[2], donate_argnums=1)
+        draft = jax.jit(lambda p, s: engine.draft(p, cfg, static, sampling, drafter, s, s.key)[2], donate_argnums=1)
         stages["draft_ms"] = (functools.partial(draft, params), 1)
     if drafter is not None and not drafter.uses_model:
         propose = jax.jit(lambda s: (drafter.propose(s.tokens, s.length, tree), s), donate_argnums=0)

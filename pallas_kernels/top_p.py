@@ -79,15 +79,16 @@ def _kernel(logits_ref, out_ref, *, inv_temperature, top_p, chunk):
     V = logits_ref.shape[1]
     n_chunks = pl.cdiv(V, chunk)
 
-    def load(c, fill):
+    def load(c):
+        """A chunk of the tempered row and its validity (lanes past V are masked out by callers)."""
         cols = c * chunk + jnp.arange(chunk)
-        x = plgpu.load(logits_ref.at[row, pl.ds(c * chunk, chunk)], mask=cols < V, other=fill)
+        x = plgpu.load(logits_ref.at[row, pl.ds(c * chunk, chunk)], mask=cols < V, other=0.0)
         return x.astype(jnp.float32) * jnp.float32(inv_temperature), cols < V
 
     def row_pass(step, init):
         """Folds step(acc, x, valid) over the row's chunks; acc is a tuple of [chunk] vectors."""
         zeros = tuple(jnp.full((chunk,), v, jnp.float32) for v in init)
-        return lax.fori_loop(0, n_chunks, lambda c, acc: step(acc, *load(c, 0.0)), zeros)
+        return lax.fori_loop(0, n_chunks, lambda c, acc: step(acc, *load(c)), zeros)
 
     big, small = row_pass(lambda acc, x, ok: (jnp.where(ok, jnp.maximum(acc[0], x), acc[0]),
                                               jnp.where(ok, jnp.minimum(acc[1], x), acc[1])),

@@ -230,7 +230,7 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     tree = spec.shape
     key, draft_key, accept_key = jax.random.split(state.key, 3)
     if drafter.uses_model:
-        tokens, draft_probs, state = draft(params, cfg, spec, sampling, drafter, tree, state, draft_key)
+        tokens, draft_probs, state = draft(params, cfg, spec, sampling, drafter, state, draft_key)
     else:
         tokens, draft_probs = drafter.propose(state.tokens, state.length, tree), None
     logits, cache, scores = verify(params, cfg, spec, drafter, state, tokens, tree)
@@ -239,15 +239,16 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     return _commit(state, cache, key, emitted, num_accepted, path, drafter, scores, nodes=tree.rows - 1)
 
 
-def draft(params, cfg, spec, sampling, drafter, tree: TreeShape, state, key):
-    """Drafts `tree` with the target model over the drafter's KV subset: one forward per depth, whose
-    rows are that depth's nodes; each node's children are its top-b draft tokens (greedy) or b tokens
-    drawn from its draft distribution without replacement (Gumbel top-b).
+def draft(params, cfg, spec, sampling, drafter, state, key):
+    """Drafts `spec`'s tree with the target model over the drafter's KV subset: one forward per depth,
+    whose rows are that depth's nodes; each node's children are its top-b draft tokens (greedy) or b
+    tokens drawn from its draft distribution without replacement (Gumbel top-b).
 
     Returns (tokens [B, rows]: row 0 the pending token, then every node's draft; their distributions
     [B, rows, V], row r the one r's children were drawn from, or None when greedy; the state with the
     drafted rows' KV written and the drafter's per-step state updated).
     """
+    tree = spec.shape
     B = state.length.shape[0]
     first = state.length - 1
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))

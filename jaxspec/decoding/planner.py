@@ -534,9 +534,9 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
     """(strategy to run next, why): the candidate with the best corrected rate if it beats the
     current strategy's (its observations pooled with its table rate) by MARGIN; else, with
     `probe_plain` (cost-model plans), plain, while it is unmeasured and the current speculative
-    strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step times can be off by that much, e.g. on a
-    CPU, where rows cost compute: measured, a speculative strategy then has to beat plain by MARGIN
-    to be switched back to); else the current one. A table's plain rate is measured on this device,
+    strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step
+    times can be off by that much, e.g. on a CPU, where rows cost compute: measured, a speculative
+    strategy then has to beat plain by MARGIN to be switched back to); else the current one. A table's plain rate is measured on this device,
     so table plans do not probe it."""
     expected = corrected(candidates, observations)
     best = max(expected, key=expected.get)
