@@ -37,6 +37,13 @@ QWEN3_8B = ModelConfig(
     max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
 )
 
+# A 1.2B Llama shape (Llama-3.2-1B-like, 2 KV heads as NSA-1B): small enough to be launch-bound at batch 1
+LLAMA_1B = ModelConfig(
+    model_type="llama", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=2,
+    head_dim=64, intermediate_size=8192, rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
+    max_position_embeddings=262144, tie_word_embeddings=True, dtype="bfloat16",
+)
+
 # SmolLM2-135M's shapes (random weights: timing only; the real model is jaxspec.loaders.smollm2_path())
 SMOLLM2 = ModelConfig(
     model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,

@@ -80,12 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAI_DIR = ROOT / ".peers" / "native-sparse-attention-triton"
 PYLIB_DIR = ROOT / ".peers" / "pylib"  # fallback copies of pure-Python deps (einops), appended to sys.path
 
-NSA_1B = ModelConfig(
-    model_type="llama-nsa", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=2,
-    head_dim=64, intermediate_size=8192, rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
-    max_position_embeddings=262144, tie_word_embeddings=True, dtype="bfloat16",
-    nsa=NSAConfig(block_size=16, block_counts=16, window_size=128),
-)
+NSA_1B = common.LLAMA_1B.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
 NSA_8B = ModelConfig(
     model_type="llama-nsa", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=2,
     head_dim=128, intermediate_size=12288, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6),

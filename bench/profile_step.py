@@ -1,6 +1,6 @@
-"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B or SmolLM2 shapes.
+"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B, SmolLM2 or 1.2B Llama shapes.
 
-    PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2] [--methods plain,vegas]
+    PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
         [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny] [--out DIR] [--name NAME]
 
 For each method it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
@@ -101,7 +101,7 @@ def profile_stage(fn, state, calls: int):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("qwen3-8b", "smollm2"), default="qwen3-8b")
+    p.add_argument("--model", choices=("qwen3-8b", "smollm2", "llama-1b"), default="qwen3-8b")
     p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
     p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
     p.add_argument("--batch", type=int, default=1)
@@ -116,7 +116,8 @@ def main():
 
     from bench.decode import TINY_CFG
 
-    cfg = TINY_CFG if args.tiny else {"qwen3-8b": common.QWEN3_8B, "smollm2": common.SMOLLM2}[args.model]
+    models = {"qwen3-8b": common.QWEN3_8B, "smollm2": common.SMOLLM2, "llama-1b": common.LLAMA_1B}
+    cfg = TINY_CFG if args.tiny else models[args.model]
     sampling = common.SAMPLINGS[args.sampling]
     context = 256 if args.tiny else args.context
     params = decoder.init_params(cfg, jax.random.key(0))

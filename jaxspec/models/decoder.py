@@ -106,20 +106,32 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed"], tokens, axis=0)
 
 
-def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """Final norm and LM head; float32 logits [..., V].
+# One-row products with matrices below this many elements are rewritten by XLA into multiply + reduce
+# fusions (a 1.2B Llama's q/k/v and o, 4-5M elements, ran at ~1 TB/s); Qwen3-8B's (>= 16.8M) stay
+# gemms, and for them the duplicated row only adds a kernel per layer (bench/NOTES.md, issue 13).
+REDUCED_ONE_ROW_ELEMENTS = 1 << 24
 
-    XLA on a GPU runs a one-row product with float32 output as a float32 matrix-vector product after
-    converting the whole head to float32 (2.1 ms instead of 0.42 at Qwen3-8B shapes); with two rows it
-    is a gemm that reads the head in place, so a single row is computed as two.
+
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [K, N], as a gemm even for a single row.
+
+    XLA on a GPU rewrites a one-row product: with a float32 result it converts the whole matrix to
+    float32 first (the LM head: 2.1 ms instead of 0.42 at Qwen3-8B shapes), and with a small matrix it
+    becomes multiply + reduce fusions. With the row given twice it is a gemm that reads the matrix in
+    place.
     """
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n == 1 and (out_dtype is not None or w.size < REDUCED_ONE_ROW_ELEMENTS):
+        rows = jnp.concatenate([rows, rows])
+    return jnp.dot(rows, w, preferred_element_type=out_dtype)[:n].reshape(*x.shape[:-1], w.shape[-1])
+
+
+def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final norm and LM head; float32 logits [..., V]."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    rows = h.reshape(-1, h.shape[-1])
-    if rows.shape[0] == 1:
-        out = jnp.dot(jnp.concatenate([rows, rows]), head, preferred_element_type=jnp.float32)[:1]
-        return out.reshape(*h.shape[:-1], -1)
-    return jnp.dot(h, head, preferred_element_type=jnp.float32)
+    return matmul(h, head, jnp.float32)
 
 
 def forward(
@@ -152,7 +164,7 @@ def forward(
         x, cache, carry = state
         p, index, lx = xs
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        qkv = jnp.dot(h, p["wqkv"])
+        qkv = matmul(h, p["wqkv"])
         if "bqkv" in p:
             qkv = qkv + p["bqkv"]
         q, k, v, g = jnp.split(qkv, [q_dim, q_dim + kv_dim, q_dim + 2 * kv_dim], axis=-1)
@@ -167,11 +179,11 @@ def forward(
         k = apply_rope(k, positions, inv_freq, rope_scale)
         cache = cache.write(index, write_pos, k, v)
         out, ly, carry = attend(index, q, cache, lx, gates, carry)
-        x = x + jnp.dot(out.reshape(B, T, -1), p["wo"]).astype(x.dtype)
+        x = x + matmul(out.reshape(B, T, -1), p["wo"]).astype(x.dtype)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = jnp.split(jnp.dot(h, p["w_gate_up"]), 2, axis=-1)
+        gate, up = jnp.split(matmul(h, p["w_gate_up"]), 2, axis=-1)
         mlp = jax.nn.silu(gate) * up
-        x = x + jnp.dot(mlp, p["w_down"]).astype(x.dtype)
+        x = x + matmul(mlp, p["w_down"]).astype(x.dtype)
         return (x, cache, carry), ly
 
     x = embed(params, tokens)
