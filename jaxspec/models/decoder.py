@@ -107,7 +107,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 # One-row products with matrices below this many elements are rewritten by XLA into multiply + reduce
-# fusions (a 1.2B Llama's q/k/v and o, 4-5M elements, ran at ~1 TB/s); Qwen3-8B's (>= 16.8M) stay
+# fusions (a 1.2B Llama's q/k/v and o, 4-5M elements, ran at ~0.5 TB/s); Qwen3-8B's (>= 16.8M) stay
 # gemms, and for them the duplicated row only adds a kernel per layer (bench/NOTES.md, issue 13).
 REDUCED_ONE_ROW_ELEMENTS = 1 << 24
 
