@@ -106,19 +106,20 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed"], tokens, axis=0)
 
 
-# One-row products with matrices below this many elements are rewritten by XLA into multiply + reduce
-# fusions (a 1.2B Llama's q/k/v and o, 4-5M elements, ran at ~0.5 TB/s); Qwen3-8B's (>= 16.8M) stay
-# gemms, and for them the duplicated row only adds a kernel per layer (bench/NOTES.md, issue 13).
+# Matrices under this many elements get a one-row product's row twice. Measured on an H100 (bench/NOTES.md,
+# issue 13): a 1.2B Llama's q/k/v and o (4-5M elements) ran as multiply + reduce fusions at ~0.5 TB/s
+# and become gemms; Qwen3-8B's (>= 16.8M) were gemms already, so the copy would only add a kernel per
+# layer. A bound from those shapes, not XLA's own rule: SmolLM2's (< 2M) stay reduce fusions with two rows.
 REDUCED_ONE_ROW_ELEMENTS = 1 << 24
 
 
 def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """x [..., K] @ w [K, N], as a gemm even for a single row.
+    """x [..., K] @ w [K, N], a single row given twice where XLA would rewrite a one-row product.
 
-    XLA on a GPU rewrites a one-row product: with a float32 result it converts the whole matrix to
-    float32 first (the LM head: 2.1 ms instead of 0.42 at Qwen3-8B shapes), and with a small matrix it
-    becomes multiply + reduce fusions. With the row given twice it is a gemm that reads the matrix in
-    place.
+    XLA on a GPU rewrites one-row products: with a float32 result it converts the whole matrix to
+    float32 first (the LM head: 2.1 ms instead of 0.42 at Qwen3-8B shapes), and a small matrix's
+    product becomes multiply + reduce fusions. With two rows it is a gemm that reads the matrix in
+    place (REDUCED_ONE_ROW_ELEMENTS says which matrices).
     """
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
