@@ -75,9 +75,10 @@ def select_topk(scores, k_max: int, k, *, backend: str = "reference"):
     return select_topk_reference(scores, k_max, k)
 
 
-def top_p_threshold(logits, inv_temperature: float, top_p: float, *, backend: str = "reference"):
-    """float32 [R]: the nucleus threshold of each row of logits [R, V] after tempering
-    (pallas_kernels/top_p.py defines it: sort-free, ties kept)."""
+def top_p_threshold(logits, inv_temperature, top_p, *, backend: str = "reference"):
+    """float32 [R]: the nucleus threshold of each row of logits [R, V] after tempering by
+    inv_temperature (a scalar or [R]) at top_p (a scalar or [R]) (pallas_kernels/top_p.py defines
+    it: sort-free, ties kept)."""
     if _is_pallas(backend):
         return top_p_threshold_pallas(logits, inv_temperature, top_p, interpret=interpret_default())
     return top_p_threshold_reference(logits, inv_temperature, top_p)

@@ -54,12 +54,19 @@ def _narrow(lo, hi, pivots, masses, target):
     return lo, hi
 
 
-def top_p_threshold_reference(logits, inv_temperature: float, top_p: float):
-    """logits [R, V] -> float32 [R]: each row's threshold on logits.astype(float32) * inv_temperature."""
-    x = logits.astype(jnp.float32) * jnp.float32(inv_temperature)
+def _per_row(value, rows: int):
+    """A float32 [rows] array of a scalar or per-row value."""
+    return jnp.broadcast_to(jnp.asarray(value, jnp.float32), (rows,))
+
+
+def top_p_threshold_reference(logits, inv_temperature, top_p):
+    """logits [R, V] -> float32 [R]: each row's threshold on logits.astype(float32) * inv_temperature
+    (inv_temperature and top_p: scalars, or one value per row [R])."""
+    R = logits.shape[0]
+    x = logits.astype(jnp.float32) * _per_row(inv_temperature, R)[:, None]
     top = jnp.max(x, axis=-1)
     e = jnp.exp(x - top[:, None])
-    target = jnp.float32(top_p) * jnp.sum(e, axis=-1)
+    target = _per_row(top_p, R) * jnp.sum(e, axis=-1)
 
     def mass_above(key):
         return jnp.sum(jnp.where(x > key_float(key)[:, None], e, 0.0), axis=-1)
@@ -74,8 +81,9 @@ def top_p_threshold_reference(logits, inv_temperature: float, top_p: float):
     return key_float(hi)
 
 
-def _kernel(logits_ref, out_ref, *, inv_temperature, top_p, chunk):
+def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, *, chunk):
     row = pl.program_id(0)
+    inv_temperature = inv_temperature_ref[row]
     V = logits_ref.shape[1]
     n_chunks = pl.cdiv(V, chunk)
 
@@ -83,7 +91,7 @@ def _kernel(logits_ref, out_ref, *, inv_temperature, top_p, chunk):
         """A chunk of the tempered row and its validity (lanes past V are masked out by callers)."""
         cols = c * chunk + jnp.arange(chunk)
         x = plgpu.load(logits_ref.at[row, pl.ds(c * chunk, chunk)], mask=cols < V, other=0.0)
-        return x.astype(jnp.float32) * jnp.float32(inv_temperature), cols < V
+        return x.astype(jnp.float32) * inv_temperature, cols < V
 
     def row_pass(step, init):
         """Folds step(acc, x, valid) over the row's chunks; acc is a tuple of [chunk] vectors."""
@@ -96,7 +104,7 @@ def _kernel(logits_ref, out_ref, *, inv_temperature, top_p, chunk):
     top, bottom = jnp.max(big), jnp.min(small)
     weight = lambda x, ok: jnp.where(ok, jnp.exp(x - top), 0.0)
     (total,) = row_pass(lambda acc, x, ok: (acc[0] + weight(x, ok),), (0.0,))
-    target = jnp.float32(top_p) * jnp.sum(total)
+    target = top_p_ref[row] * jnp.sum(total)
 
     def search(bracket):
         lo, hi = bracket
@@ -115,17 +123,16 @@ def _kernel(logits_ref, out_ref, *, inv_temperature, top_p, chunk):
     out_ref[row] = key_float(hi)
 
 
-def top_p_threshold_pallas(logits, inv_temperature: float, top_p: float, *, interpret: bool = False,
-                           chunk: int = CHUNK):
+def top_p_threshold_pallas(logits, inv_temperature, top_p, *, interpret: bool = False, chunk: int = CHUNK):
     """The Pallas kernel of top_p_threshold_reference (same contract)."""
     R, V = logits.shape
     return pl.pallas_call(
-        functools.partial(_kernel, inv_temperature=inv_temperature, top_p=top_p, chunk=min(chunk, next_pow2(V))),
+        functools.partial(_kernel, chunk=min(chunk, next_pow2(V))),
         grid=(R,),
-        in_specs=[pl.no_block_spec],
+        in_specs=[pl.no_block_spec] * 3,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((R,), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="top_p_threshold",
-    )(logits)
+    )(logits, _per_row(inv_temperature, R), _per_row(top_p, R))

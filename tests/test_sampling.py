@@ -7,7 +7,7 @@ import pytest
 import scipy.stats
 
 from jaxspec.errors import JaxspecError
-from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
+from jaxspec.decoding.sampling import RowSampling, SamplingConfig, process_logits, sample
 
 
 def softmax_over(x, keep):
@@ -160,3 +160,41 @@ def test_invalid_config_is_rejected(kwargs):
 def test_config_is_hashable_and_greedy_flag():
     assert SamplingConfig().greedy and not SamplingConfig(temperature=0.5).greedy
     assert hash(SamplingConfig(temperature=0.5, top_k=3)) == hash(SamplingConfig(temperature=0.5, top_k=3))
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_row_rules_give_each_row_its_own_config(backend):
+    """A batch whose rows follow different configs (a server's): each row's probabilities are those
+    of its own config (the float64 reference), a greedy row's the one-hot of its argmax; positions
+    after the row axis share the row's rules."""
+    configs = [c for c in CONFIGS if c.top_k <= 64] + [SamplingConfig()]  # top_k 1000 > max_top_k: next test
+    logits = 2.5 * np.random.default_rng(8).normal(size=(len(configs), 3, 257)).astype(np.float32)
+    got = np.asarray(process_logits(jnp.asarray(logits), RowSampling.of(configs, max_top_k=64), backend))
+    for row, cfg in enumerate(configs):
+        if cfg.greedy:
+            np.testing.assert_array_equal(got[row], np.eye(257)[logits[row].argmax(-1)])
+            continue
+        want = reference_probs(logits[row], cfg)
+        np.testing.assert_array_equal(got[row] > 0, want > 0, err_msg=str(cfg))
+        np.testing.assert_allclose(got[row], want, rtol=2e-5, atol=1e-7, err_msg=str(cfg))
+
+
+def test_row_rules_top_k_bound():
+    with pytest.raises(JaxspecError, match="top_k 1000 is above this server's maximum of 64"):
+        RowSampling.of([SamplingConfig(temperature=1.0, top_k=1000)], max_top_k=64)
+    wide = RowSampling.of([SamplingConfig(temperature=1.0, top_k=7)], max_top_k=1000)  # above V: every candidate
+    logits = np.random.default_rng(9).normal(size=(1, 300)).astype(np.float32)
+    np.testing.assert_allclose(process_logits(jnp.asarray(logits), wide), reference_probs(logits, SamplingConfig(temperature=1.0, top_k=7)),
+                               rtol=2e-5, atol=1e-7)
+
+
+def test_row_keys_make_rows_independent_of_their_neighbours():
+    """With one key per row, a row's draw depends on its own key and logits only."""
+    logits = jnp.asarray(np.random.default_rng(10).normal(size=(64, 50)), jnp.float32)
+    cfg = SamplingConfig(temperature=1.0)
+    keys = jax.random.split(jax.random.key(1), 64)
+    a, _ = sample(keys, logits, cfg)
+    b, _ = sample(keys[::-1], logits[::-1], cfg)
+    c, _ = sample(keys[:5], logits[:5], cfg)
+    np.testing.assert_array_equal(a, np.asarray(b)[::-1])
+    np.testing.assert_array_equal(a[:5], c)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.tree import TreeShape, tree_accept
 from jaxspec.errors import JaxspecError
 
@@ -150,3 +150,28 @@ def test_greedy_follows_the_argmax(order):
     for b in range(rows):
         np.testing.assert_array_equal(emitted[b, : num[b] + 1], argmax[b, : num[b] + 1])
         np.testing.assert_array_equal(path[b, : num[b] + 1], np.arange(num[b] + 1))
+
+
+@pytest.mark.parametrize("order", ["bfs", "dfs"])
+def test_row_rules_accept_as_each_rows_config(order):
+    """Row rules (a server's mixed batch): sampled rows accept exactly as their shared config does
+    under the same keys, and greedy rows, whose drafts come with the sampled rows' q, follow the
+    argmax as a greedy config does, trying every child."""
+    rng = np.random.default_rng(12)
+    tree, V, rows = TreeShape((3, 2, 1), order), 5, 600
+    tokens, probs, logits, _ = random_problem(rng, tree, rows, V, one_hot=False)
+    keys = jax.random.split(jax.random.key(4), rows)
+    args = (tree, jnp.asarray(tokens), jnp.asarray(probs), jnp.asarray(logits))
+    sampled = jax.device_get(tree_accept(keys, *args, SAMPLE))
+    greedy = jax.device_get(tree_accept(keys, *args, GREEDY))
+    is_greedy = np.arange(rows) % 3 == 0
+    mixed_rules = RowSampling.of([GREEDY if g else SAMPLE for g in is_greedy], max_top_k=0)
+    mixed = jax.device_get(tree_accept(keys, *args, mixed_rules))
+    for got, want_sampled, want_greedy in zip(mixed, sampled, greedy):
+        np.testing.assert_array_equal(got[~is_greedy], want_sampled[~is_greedy])
+    num, path, emitted = mixed
+    np.testing.assert_array_equal(num[is_greedy], greedy[0][is_greedy])
+    for b in np.flatnonzero(is_greedy):  # path and tokens up to the accepted length
+        np.testing.assert_array_equal(path[b, : num[b] + 1], greedy[1][b, : num[b] + 1])
+        np.testing.assert_array_equal(emitted[b, : num[b] + 1], greedy[2][b, : num[b] + 1])
+    assert num[is_greedy].max() > 0 and num[~is_greedy].max() > 0

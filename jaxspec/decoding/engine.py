@@ -32,7 +32,7 @@ from jaxspec.models import decoder, nsa
 from jaxspec.models.config import ModelConfig
 from jaxspec.decoding.drafters import Drafter, DraftRows, make_drafter
 from jaxspec.models.kvcache import KVCache, init_cache
-from jaxspec.decoding.sampling import SamplingConfig, process_logits, sample
+from jaxspec.decoding.sampling import Rules, RowSampling, SamplingConfig, gumbel_rows, greedy_rows, process_logits, row_keys, sample, split_rows
 from jaxspec.decoding.spec import Budget, SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS, TreeShape, tree_accept
 
@@ -56,12 +56,13 @@ class DecodeState:
     prompt_len: jax.Array  # [B]
     stop_len: jax.Array  # [B] length at which the row stops (prompt + max new tokens, <= max_len)
     done: jax.Array  # [B] bool
-    stop_ids: jax.Array  # [n] token ids that end a row
+    stop_ids: jax.Array  # [B, n] token ids that end each row (-1: none)
     budget: Budget  # run-time sparse budget (ratio, min_tokens)
     cache: KVCache
     drafter: Any
-    key: jax.Array
+    key: jax.Array  # [B] one key per row: a row's draws depend on its key alone
     stats: SpecStats
+    sampling: RowSampling | None  # each row's sampling rules, or None: the static config's for all
 
 
 @jax.tree_util.register_dataclass
@@ -122,13 +123,18 @@ def start(
     max_len: int,
     max_new_tokens: jax.Array | int,
     stop_ids: jax.Array,
+    row_sampling: RowSampling | None = None,
 ) -> DecodeState:
     """Samples each row's first token from its last prompt token, given the `prefill_cache` output.
 
     The last prompt token runs as a one-row verification, whose attention scores seed the drafter's
     first selection. `budget` (traced: `SpecConfig.budget()`) is the sparse budget of this run.
+    `key`: a single key or one per row [B]; `max_new_tokens`: one or per row [B]; `stop_ids`: [n]
+    for every row or [B, n] per row (-1 pads); `sampling`: the static config of every row, or None
+    with each row's rules in `row_sampling`.
     """
     B, P = prompts.shape
+    stop_ids = jnp.asarray(stop_ids, jnp.int32)
     gamma = spec.draft_len
     drafter = make_drafter(spec, cfg, max_len)
     tokens = jnp.zeros((B, max_len + gamma + 1), jnp.int32).at[:, :P].set(prompts.astype(jnp.int32))
@@ -139,25 +145,27 @@ def start(
         prompt_len=prompt_len.astype(jnp.int32),
         stop_len=jnp.minimum(prompt_len + max_new_tokens, max_len).astype(jnp.int32),
         done=jnp.zeros((B,), bool),
-        stop_ids=jnp.asarray(stop_ids, jnp.int32).reshape(-1),
+        stop_ids=jnp.broadcast_to(stop_ids, (B, stop_ids.shape[-1])),
         budget=budget,
         cache=cache,
         drafter=drafter.init(cache, prompt_len) if drafter else (),
-        key=key,
+        key=row_keys(key, B),
         stats=SpecStats(zeros, zeros, zeros, jnp.zeros((B, gamma), jnp.int32)),
+        sampling=row_sampling,
     )
     first = _plain_step(params, cfg, spec, sampling, drafter, state)
     return dataclasses.replace(first, stats=state.stats)
 
 
-def prefill(params, prompts, prompt_len, key, *, cfg, spec, sampling, max_len, max_new_tokens, stop_ids) -> DecodeState:
-    """`prefill_cache` then `start`."""
+def prefill(params, prompts, prompt_len, key, *, cfg, spec, sampling, max_len, max_new_tokens, stop_ids,
+            budget: Budget | None = None, row_sampling: RowSampling | None = None) -> DecodeState:
+    """`prefill_cache` then `start` (under `spec.budget()` unless a budget is given)."""
     cache = prefill_cache(
         params, prompts, prompt_len, cfg=cfg, max_len=max_len, backend=spec.backend, chunk=spec.prefill_chunk
     )
     return start(
-        params, cache, prompts, prompt_len, key, spec.budget(), cfg=cfg, spec=spec, sampling=sampling,
-        max_len=max_len, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+        params, cache, prompts, prompt_len, key, spec.budget() if budget is None else budget, cfg=cfg, spec=spec,
+        sampling=sampling, max_len=max_len, max_new_tokens=max_new_tokens, stop_ids=stop_ids, row_sampling=row_sampling,
     )
 
 
@@ -192,6 +200,57 @@ def finish(state: DecodeState, max_len: int) -> GenerateOutput:
     return GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, state.stats)
 
 
+def admit(
+    params: decoder.Params,
+    state: DecodeState,
+    slots: jax.Array,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    key: jax.Array,
+    max_new_tokens: jax.Array,
+    stop_ids: jax.Array,
+    row_sampling: RowSampling | None = None,
+    *,
+    cfg: ModelConfig,
+    spec: SpecConfig,
+    sampling: SamplingConfig | None,
+    max_len: int,
+) -> DecodeState:
+    """Continuous batching: prefills n new requests (prompts [n, P], keys [n], max_new_tokens [n],
+    stop_ids [n, m], row_sampling of n rows) and writes them into rows `slots` [n] of a running
+    state, leaving its other rows as they were. A server admits requests into freed slots between
+    loop segments; each new row is what `prefill` makes of it (first token drawn, drafter seeded,
+    stats zero), under the state's budget."""
+    rows = prefill(
+        params, prompts, prompt_len, key, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len,
+        max_new_tokens=max_new_tokens, stop_ids=stop_ids, budget=state.budget, row_sampling=row_sampling,
+    )
+    return write_rows(state, rows, slots)
+
+
+def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
+    """`state` with rows `slots` [n] replaced by the n rows of `rows` (a state of the same static
+    configuration). A leaf's batch axis is the one whose size differs between the two, since only
+    the batch differs; leaves of equal shape belong to the whole batch (the budget) and stay. With
+    n = B every row is replaced, and `slots` must be 0, ..., B - 1."""
+    n, B = rows.length.shape[0], state.length.shape[0]
+
+    def put(old, new):
+        axes = [a for a, (x, y) in enumerate(zip(old.shape, new.shape)) if x != y]
+        if not axes:
+            return new if n == B else old
+        (axis,) = axes
+        return old.at[(slice(None),) * axis + (slots,)].set(new)
+
+    return jax.tree.map(put, state, rows)
+
+
+def release(state: DecodeState, free: jax.Array) -> DecodeState:
+    """Marks rows done (free [B] bool: cancelled requests, stop strings found by the host); a done
+    row stops changing and its slot can take the next request (`admit`)."""
+    return dataclasses.replace(state, done=state.done | free)
+
+
 def generate(
     params: decoder.Params,
     prompts: jax.Array,
@@ -217,8 +276,8 @@ def generate(
 def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: DecodeState) -> DecodeState:
     """One token per row: a one-row verification of the pending token, then a draw from the target."""
     logits, cache, scores = verify(params, cfg, spec, drafter, state, pending_tokens(state)[:, None], None)
-    key, sub = jax.random.split(state.key)
-    token, _ = sample(sub, logits[:, 0], sampling, spec.backend)
+    key, sub = split_rows(state.key, 2)
+    token, _ = sample(sub, logits[:, 0], rules(sampling, state), spec.backend)
     num_accepted = jnp.zeros_like(state.length)
     path = jnp.zeros((token.shape[0], 1), jnp.int32)
     return _commit(state, cache, key, token[:, None], num_accepted, path, drafter, scores, nodes=0)
@@ -228,13 +287,14 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     """Draft a tree, verify it in one pass, accept exactly, move the accepted path's keys into place,
     update the selection."""
     tree = spec.shape
-    key, draft_key, accept_key = jax.random.split(state.key, 3)
+    key, draft_key, accept_key = split_rows(state.key, 3)
     if drafter.uses_model:
         tokens, draft_probs, state = draft(params, cfg, spec, sampling, drafter, state, draft_key)
     else:
         tokens, draft_probs = drafter.propose(state.tokens, state.length, tree), None
     logits, cache, scores = verify(params, cfg, spec, drafter, state, tokens, tree)
-    num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, sampling, spec.backend)
+    num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, rules(sampling, state),
+                                              spec.backend)
     cache = compact(cache, state.length - 1, path, tree)
     return _commit(state, cache, key, emitted, num_accepted, path, drafter, scores, nodes=tree.rows - 1)
 
@@ -249,6 +309,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     drafted rows' KV written and the drafter's per-step state updated).
     """
     tree = spec.shape
+    sampling = rules(sampling, state)
     B = state.length.shape[0]
     first = state.length - 1
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))
@@ -269,7 +330,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
                 params, cfg, tokens[:, rows], jnp.broadcast_to(at.position[:, None], (B, n)), jnp.ones((B, n), bool),
                 cache, attend, layer_xs, slots=at.slots,
             )
-            key, sub = jax.random.split(key)
+            key, sub = split_rows(key, 2)
             children, q = expand(sub, decoder.logits(params, cfg, hidden), kids.shape[1], sampling, spec.backend)
             tokens = tokens.at[:, kids].set(children)
             probs = None if q is None else probs.at[:, rows].set(q)
@@ -281,14 +342,16 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     return tokens, probs, dataclasses.replace(state, cache=cache, drafter=dstate)
 
 
-def expand(key, logits, b: int, sampling: SamplingConfig, backend: str):
+def expand(key, logits, b: int, sampling: Rules, backend: str):
     """A node's b children from its draft logits [B, n, V]: (tokens [B, n, b], q [B, n, V] or None when
-    greedy). Sampling draws without replacement by Gumbel top-b, in draw order (b = 1: a plain draw)."""
+    greedy). Sampling draws without replacement by Gumbel top-b, in draw order (b = 1: a plain draw);
+    greedy rows (of row rules too) take the top-b logits. `key`: one per row."""
     if sampling.greedy:
         return jax.lax.top_k(logits, b)[1].astype(jnp.int32), None
     q = process_logits(logits, sampling, backend)
-    perturbed = jnp.log(q) + jax.random.gumbel(key, q.shape, jnp.float32)
-    return jax.lax.top_k(perturbed, b)[1].astype(jnp.int32), q
+    perturbed = jnp.log(q) + gumbel_rows(key, q.shape)
+    score = jnp.where(greedy_rows(sampling, q.ndim), logits.astype(jnp.float32), perturbed)
+    return jax.lax.top_k(score, b)[1].astype(jnp.int32), q
 
 
 def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
@@ -324,6 +387,11 @@ def compact(cache: KVCache, first: jax.Array, path: jax.Array, tree: TreeShape) 
     return cache.move(first[:, None] + path, first[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32))
 
 
+def rules(sampling: SamplingConfig | None, state: DecodeState) -> Rules:
+    """The sampling rules of a step: the static config, or (None) each row's own from the state."""
+    return state.sampling if sampling is None else sampling
+
+
 def pending_tokens(state: DecodeState) -> jax.Array:
     """Each row's last committed token [B], whose keys the next pass writes."""
     return jnp.take_along_axis(state.tokens, (state.length - 1)[:, None], axis=1)[:, 0]
@@ -335,7 +403,7 @@ def _commit(state, cache, key, tokens, num_accepted, path, drafter, scores, node
     n = state.length
     i = jnp.arange(T, dtype=jnp.int32)
     emitted = i[None, :] <= num_accepted[:, None]
-    is_stop = jnp.isin(tokens, state.stop_ids) & emitted
+    is_stop = (tokens[:, :, None] == state.stop_ids[:, None, :]).any(axis=2) & emitted
     stop_at = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1), T)
     active = ~state.done
     count = jnp.minimum(jnp.minimum(num_accepted + 1, stop_at + 1), state.stop_len - n)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.sampling import SamplingConfig, draw, process_logits
+from jaxspec.decoding.sampling import Rules, draw, greedy_rows, process_logits, row_keys, split_rows, uniform_rows
 from jaxspec.errors import JaxspecError
 
 MAX_TREE_ROWS = 64  # verified rows per sequence: the pending token + every node
@@ -155,21 +155,22 @@ class TreeShape:
         return np.asarray(parent, np.int32), np.asarray(depth, np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("tree", "cfg", "backend"))
+@functools.partial(jax.jit, static_argnames=("tree", "backend"))
 def tree_accept(
     key: jax.Array,
     tree: TreeShape,
     tokens: jax.Array,
     draft_probs: jax.Array | None,
     target_logits: jax.Array,
-    cfg: SamplingConfig,
+    cfg: Rules,
     backend: str = "reference",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Verifies a drafted tree against the target.
 
     tokens [B, rows] int32: each row's draft token (row 0, the pending token, is not read);
     draft_probs [B, rows, V] float32: at each row, the processed draft distribution its children were
-    drawn from (None: one-hot candidates, as for model-free drafters; ignored when greedy);
+    drawn from (None: one-hot candidates, as for model-free drafters; ignored when greedy, and for
+    the greedy rows of row rules, whose candidates are one-hot); key: one per row, or a single key;
     target_logits [B, rows, V]: raw target logits at every row; backend: the kernel backend of the
     target's cutoffs (the one its plain decoding uses).
     Returns (num_accepted [B] int32 in [0, D], path [B, D + 1] int32: the rows of the accepted path,
@@ -201,7 +202,8 @@ def tree_accept(
         emitted = emitted.at[:, D].set(jnp.where(alive, bonus, emitted[:, D]))
         return num_accepted, path, emitted
 
-    keys = jax.random.split(key, D * K + 1)
+    keys = split_rows(row_keys(key, B), D * K + 1)
+    greedy = jnp.broadcast_to(greedy_rows(cfg, 2), (B, 1))  # row rules' greedy rows: every child a one-hot candidate
     final = jnp.zeros(target_logits.shape[::2], jnp.float32)  # [B, V]: the last token's distribution
     for d in range(D):
         resid = process_logits(at(target_logits, cur), cfg, backend)
@@ -212,14 +214,13 @@ def tree_accept(
             kid = kids[:, i]
             trying = alive & (chosen < 0) & (kid >= 0)
             x = at(tokens, jnp.maximum(kid, 0))
-            if q is None:
-                q_i = jax.nn.one_hot(x, resid.shape[-1], dtype=jnp.float32)
-            else:  # a sibling drawn after q's support ran out is no candidate (Gumbel top-b pads with them)
+            q_i = jax.nn.one_hot(x, resid.shape[-1], dtype=jnp.float32)
+            if q is not None:  # a sibling drawn after q's support ran out is no candidate (Gumbel top-b pads with them)
                 q_mass = jnp.sum(q, axis=-1, keepdims=True)
-                trying &= q_mass[:, 0] > 0
-                q_i = q / jnp.maximum(q_mass, 1e-30)
+                trying &= (q_mass[:, 0] > 0) | greedy[:, 0]
+                q_i = jnp.where(greedy, q_i, q / jnp.maximum(q_mass, 1e-30))
             p_x, q_x = resid[rows, x], q_i[rows, x]
-            u = jax.random.uniform(keys[d * K + i], (B,))
+            u = uniform_rows(keys[d * K + i])
             accept = trying & (u * q_x < p_x)  # u < p/q without dividing: q(x) = 0 accepts iff p(x) > 0
             chosen = jnp.where(accept, kid, chosen)
             rejected = trying & ~accept
