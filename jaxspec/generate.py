@@ -13,36 +13,34 @@ import argparse
 import dataclasses
 import json
 import sys
+import threading
 from pathlib import Path
 
 import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.decoding import planner
-from jaxspec.runner import encode_prompts, resolve_max_len, run_auto, run_generation, summarize
+from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, run_auto, run_generation, summarize
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
+from jaxspec.serving.scheduler import Request, Scheduler
 from jaxspec.tune import load_tuned
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
 
 
-def parse_args(argv):
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --backend (shared with `python -m jaxspec.serve`)."""
     gpu = jax.default_backend() == "gpu"
-    p = ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | path to a .gguf file | HF directory | orbax checkpoint")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
-    p.add_argument("--prompt-file", action="append", default=[], type=Path, help="a file holding one prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=None, help="cap on prompt + generated tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
+    p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
+    p.add_argument("--max-len", type=int, default=None, help="cap on prompt + generated tokens")
+
+
+def add_method_flags(p: argparse.ArgumentParser) -> None:
+    """The decoding method and its settings (shared with `python -m jaxspec.serve`)."""
     p.add_argument("--method", choices=("auto", *METHODS), default="auto",
                    help="auto (default): the planner's choice for this model, device, context and batch")
     p.add_argument("--gamma", type=int, default=None, help="draft length of a chain (default 6, or the --tuned choice)")
@@ -56,23 +54,36 @@ def parse_args(argv):
     p.add_argument("--metric", choices=("weight", "logit"), default=None, help="score of vegas/all_rows/last_accepted (default weight, or the --tuned choice)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
     p.add_argument("--precision", choices=PRECISIONS, default="strict",
                    help="NSA verification precision class (only strict is lossless); with --method auto, the classes auto may use")
     p.add_argument("--group", type=int, default=None, help="NSA models: adjacent draft rows verified per program (default 8)")
     p.add_argument("--planner-table", type=Path, default=None,
                    help="--method auto: a table from `python -m jaxspec.profile` (default: the shipped one for this model and device)")
+
+
+def parse_args(argv):
+    p = ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.splitlines()[0])
+    add_model_flags(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", action="append", default=[], type=Path, help="a file holding one prompt (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
+    add_method_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print one prompt's text as tokens are accepted (default: on a terminal, for one prompt without --json)")
     return p.parse_args(argv)
 
 
-@cli_main
-def main(argv=None):
-    args = parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise JaxspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+def spec_from_args(args) -> SpecConfig:
+    """The validated SpecConfig of the method flags (`--method auto`: plain, the planner's starting
+    point, with the fixed settings refused: auto chooses them)."""
     auto = args.method == "auto"
     if auto:
         fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
@@ -90,37 +101,61 @@ def main(argv=None):
         tree = TreeShape.parse(args.tree).branching
     elif args.gamma is None and tuned.get("tree"):  # the tuned tree, unless the flags ask for a chain
         tree, traversal = TreeShape.parse(tuned["tree"]).branching, tuned.get("traversal") or "bfs"
-    spec = SpecConfig(
+    return SpecConfig(
         method="plain" if auto else args.method, gamma=gamma, tree=tree, traversal=traversal, ratio=ratio,
         min_tokens=args.min_tokens, metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         backend=args.backend, precision="strict" if auto else args.precision, group=8 if args.group is None else args.group,
     ).validate()
+
+
+def announce_precision(args) -> None:
+    """Says on stderr that a --precision other than strict is not lossless."""
+    if args.precision != "strict" and args.method == "auto":
+        print(f"precision {args.precision} allowed: auto may choose strategies that are NOT lossless; the output "
+              "distribution may differ from the model's (the stats say which ran)", file=sys.stderr)
+    elif args.precision != "strict":
+        print(f"precision {args.precision}: NOT lossless; the output distribution differs from the model's", file=sys.stderr)
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise JaxspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    auto = args.method == "auto"
+    spec = spec_from_args(args)
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
     prompts = prompts or [DEFAULT_PROMPT]
 
     from jaxspec.loaders import load_model
 
+    if warning := gpu_unseen_warning():
+        print(warning, file=sys.stderr)
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
     dataclasses.replace(spec, precision=args.precision).check_model(cfg)  # auto: the classes it may use
-    if args.precision != "strict" and auto:
-        print(f"precision {args.precision} allowed: auto may choose strategies that are NOT lossless; the output "
-              "distribution may differ from the model's (the stats say which ran)", file=sys.stderr)
-    elif args.precision != "strict":
-        print(f"precision {args.precision}: NOT lossless; the output distribution differs from the model's", file=sys.stderr)
+    announce_precision(args)
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not tokenizer.has_chat_template:
         raise JaxspecError(f"--chat: model {args.model} has no chat template")
     batch = encode_prompts(tokenizer, prompts, chat)
     max_len = resolve_max_len(batch, args.max_new_tokens, args.max_len, cfg.max_position_embeddings)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    common = dict(sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,
-                  stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress)
+    stream = (sys.stdout.isatty() and len(prompts) == 1 and not args.json) if args.stream is None else args.stream
+    if stream and (len(prompts) > 1 or args.json):
+        raise JaxspecError("--stream prints one prompt's text as it is generated: give one prompt and no --json")
+    plan = None
     if auto:
         plan = planner.make_plan(
             cfg, planner.tree_bytes(params), batch=len(batch.lengths), prompt_tokens=int(batch.lengths.max()),
             new_tokens=min(args.max_new_tokens, max_len - int(batch.lengths.max())), sampling=sampling,
             precisions=planner.allowed_precisions(args.precision), table=args.planner_table, min_tokens=args.min_tokens,
         )
+    if stream:
+        return _stream(params, cfg, tokenizer, plan.first.spec(spec) if auto else spec, batch, sampling, max_len, args)
+    common = dict(sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,
+                  stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress)
+    if auto:
         run = run_auto(params, cfg, batch, plan=plan, base=spec, **common)
         spec = run.auto.spec
     else:
@@ -134,6 +169,39 @@ def main(argv=None):
         print(json.dumps({"model": args.model, "results": results, "stats": stats}))
     else:
         _print_human(results, stats)
+
+
+def _stream(params, cfg, tokenizer, spec: SpecConfig, batch, sampling: SamplingConfig, max_len: int, args) -> None:
+    """One prompt through the serving scheduler (one slot): its text printed as tokens are accepted,
+    then the request's stats. `--method auto` runs the planner's first choice, without refinement."""
+    ids = tuple(int(t) for t in batch.ids[0, : batch.lengths[0]])
+    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=1, max_len=max_len, max_top_k=sampling.top_k)
+    scheduler.warm_up(len(ids))
+    scheduler.start()
+    finished, last = threading.Event(), []
+
+    def show(delta) -> None:
+        print(delta.text, end="", flush=True)
+        if delta.finish_reason is not None:
+            last.append(delta)
+            finished.set()
+
+    scheduler.submit(Request(ids, min(args.max_new_tokens, max_len - len(ids)), sampling, args.seed), show)
+    finished.wait()
+    scheduler.stop()
+    delta = last[0]
+    if delta.error:
+        raise JaxspecError(f"generation failed: {delta.error}")
+    s = delta.stats
+    decode_s = max(s.total_s - s.first_token_s, 1e-9)
+    print("\n\n--- stats ---")
+    print(f"prompt tokens    {s.prompt_tokens}")
+    print(f"generated tokens {s.completion_tokens} ({delta.finish_reason})")
+    print(f"first token      {s.first_token_s:.2f} s; then {max(s.completion_tokens - 1, 0) / decode_s:.1f} tok/s "
+          "(compile time not included)")
+    print(f"method           {spec.method} (backend {spec.backend}, device {jax.devices()[0].device_kind}; streamed)")
+    if s.iterations and spec.method != "plain":
+        print(f"iterations       {s.iterations}, {(s.accepted + s.iterations) / s.iterations:.2f} tokens/iteration")
 
 
 def _read_prompt(path: Path) -> str:

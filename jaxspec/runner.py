@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import resource
+import shutil
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -336,6 +338,22 @@ def _decode_with_progress(decode_exe, params, state, max_new_tokens: int):
         if done.all():
             print(file=sys.stderr)
             return state
+
+
+def gpu_unseen_warning() -> str | None:
+    """A warning when this machine has an NVIDIA GPU but JAX runs on the CPU (a CPU-only jaxlib)."""
+    has_gpu = Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+    if has_gpu and jax.default_backend() == "cpu":
+        return ("warning: this machine has an NVIDIA GPU but JAX sees none and runs on the CPU; "
+                "install the cuda extra: pip install -e '.[cuda]'")
+    return None
+
+
+def describe_device() -> str:
+    """`device: <kind> (<platform>)`, then the GPU warning if it applies."""
+    device = jax.devices()[0]
+    warning = gpu_unseen_warning()
+    return f"device: {device.device_kind} ({device.platform})" + (f"\n{warning}" if warning else "")
 
 
 def peak_memory() -> tuple[str, int]:

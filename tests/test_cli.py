@@ -151,3 +151,15 @@ def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys, m
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1
     assert err[0].startswith("error: out of device memory") and "GiB of KV cache" in err[0]
+
+
+def test_stream_prints_the_same_greedy_text():
+    """--stream (one prompt through the serving scheduler) prints the text the batch path prints."""
+    common = ["--prompt", "Name three colors.", "--max-new-tokens", "20", "--method", "vegas", "--gamma", "3"]
+    batch = generate(*common, "--no-stream")
+    streamed = generate(*common, "--stream")
+    assert batch.returncode == 0 and streamed.returncode == 0, streamed.stderr
+    text = lambda r: r.stdout.partition("--- stats ---")[0].strip()
+    assert text(streamed) == text(batch) and text(batch)
+    assert "streamed" in streamed.stdout and "tokens/iteration" in streamed.stdout
+    assert_one_line_error(generate(*common, "--stream", "--json"), "--stream prints one prompt")

@@ -1,0 +1,97 @@
+"""`python -m jaxspec.serve`: an OpenAI-compatible HTTP server with continuous batching and speculative decoding.
+
+One model, one decoding method (generate's flags), `--slots` rows decoding at once; requests beyond
+them wait in a bounded queue (beyond `--queue`: HTTP 429). `--method auto` takes the planner's
+choice for `--slots` rows at half the context, once, at start. SIGINT or SIGTERM stops accepting
+connections, lets the requests in flight finish, then exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from jaxspec.decoding import planner
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
+from jaxspec.generate import add_method_flags, add_model_flags, announce_precision, spec_from_args
+from jaxspec.runner import describe_device
+
+
+def parse_args(argv):
+    p = ArgumentParser(prog="python -m jaxspec.serve", description=__doc__.splitlines()[0])
+    add_model_flags(p)
+    add_method_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=8, help="requests decoded at once (the batch rows)")
+    p.add_argument("--queue", type=int, default=256, help="requests that may wait for a slot (beyond: HTTP 429)")
+    p.add_argument("--segment", type=int, default=2, help="decode iterations between admissions and streamed chunks")
+    p.add_argument("--max-top-k", type=int, default=64, help="the largest top_k a request may ask for")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    return p.parse_args(argv)
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    for flag, value, low in (("--slots", args.slots, 1), ("--queue", args.queue, 0), ("--segment", args.segment, 1),
+                             ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0)):
+        if value < low:
+            raise JaxspecError(f"{flag} must be at least {low}, got {value}")
+    spec = spec_from_args(args)
+
+    from jaxspec.loaders import load_model
+    from jaxspec.serving.scheduler import Scheduler
+    from jaxspec.serving.server import create_app
+
+    print(describe_device(), file=sys.stderr)
+    cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
+    spec.check_model(cfg)
+    announce_precision(args)
+    max_len = args.max_len or cfg.max_position_embeddings
+    if max_len < 2 or max_len > cfg.max_position_embeddings:
+        raise JaxspecError(f"--max-len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_len}")
+    if args.method == "auto":
+        plan = planner.make_plan(
+            cfg, planner.tree_bytes(params), batch=args.slots, prompt_tokens=max_len // 2, new_tokens=max_len // 4,
+            sampling=SamplingConfig(temperature=1.0), precisions=planner.allowed_precisions(args.precision),
+            table=args.planner_table, min_tokens=args.min_tokens,
+        )
+        spec = plan.first.spec(spec)
+    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, queue_limit=args.queue,
+                          segment=args.segment, max_top_k=args.max_top_k)
+    print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}) ...", file=sys.stderr)
+    scheduler.warm_up()
+    scheduler.start()
+    name = args.served_model_name or args.model
+    logging.basicConfig(level=logging.WARNING)
+    config = uvicorn.Config(create_app(scheduler, name), host=args.host, port=args.port, log_level="warning")
+    print(f"serving {name} ({spec.method}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        DrainingServer(config).run()  # returns after SIGINT/SIGTERM, once the open requests have finished
+    finally:
+        scheduler.stop()
+    print("stopped", file=sys.stderr)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGINT/SIGTERM handling (stop accepting, finish the open requests)
+    returns instead of re-raising the signal, so the scheduler drains and the exit status is 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    main()
