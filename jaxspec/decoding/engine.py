@@ -15,6 +15,11 @@ Every drafting method drafts a tree (`decoding.tree`; a chain of gamma drafts is
 first + row, where first is the pending token's slot, and at positions first + depth (RoPE); each row
 attends the committed cache and its own ancestors. After acceptance the accepted path's keys are moved
 to consecutive slots (a no-op for chains), so the invariant above holds again.
+
+Sampling is either one static `SamplingConfig` for the whole batch (`sampling`, the CLI's) or, with
+`sampling=None`, each row's own rules in `state.sampling` (a server's rows). Every row has its own key.
+Continuous batching: `admit` prefills new requests into chosen rows of a running state between
+segments of the loop (`decode` with `max_iterations`), `release` frees rows; the loop is unchanged.
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ def start(
     *,
     cfg: ModelConfig,
     spec: SpecConfig,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | None,
     max_len: int,
     max_new_tokens: jax.Array | int,
     stop_ids: jax.Array,
@@ -175,7 +180,7 @@ def decode(
     *,
     cfg: ModelConfig,
     spec: SpecConfig,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | None,
     max_len: int,
     max_iterations: jax.Array | int | None = None,
 ) -> DecodeState:
@@ -259,7 +264,7 @@ def generate(
     *,
     cfg: ModelConfig,
     spec: SpecConfig,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | None,
     max_len: int,
     max_new_tokens: jax.Array | int,
     stop_ids: jax.Array,
@@ -439,7 +444,7 @@ def switch(
     *,
     cfg: ModelConfig,
     spec: SpecConfig,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | None,
     max_len: int,
 ) -> DecodeState:
     """Continues a running decode under another strategy `spec` (the planner's switch, `--method auto`).
