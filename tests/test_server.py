@@ -294,3 +294,15 @@ def test_queue_limit_disconnect_and_drain(small):
         assert pending.result().usage.completion_tokens == 150
     assert small.process.wait(timeout=120) == 0
     assert "stopped" in small.process.stderr.read()
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--slots", "0"], "--slots must be at least 1"),
+    (["--method", "vegas", "--tree", "0,2"], "tree"),
+    (["--model", "/nonexistent/model.gguf"], "nonexistent"),
+])
+def test_bad_command_lines_are_one_line_errors(flags, fragment):
+    result = subprocess.run([sys.executable, "-m", "jaxspec.serve", *flags], capture_output=True, text=True, env=ENV, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[-1].startswith("error:") and fragment in lines[-1], result.stderr
+    assert "Traceback" not in result.stderr
