@@ -32,7 +32,7 @@ from jaxspec import corpus
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.loaders import load_model
-from jaxspec.runner import encode_prompts, run_generation
+from jaxspec.runner import Batch, encode_prompts, run_generation
 from jaxspec.serving.scheduler import Request, Scheduler
 
 SAMPLING = SamplingConfig(temperature=0.7, top_p=0.95)
@@ -96,8 +96,6 @@ def run_continuous(params, cfg, tokenizer, spec: SpecConfig, slots: int, max_len
 
 def run_static(params, cfg, tokenizer, spec: SpecConfig, slots: int, max_len: int, ids, max_tokens, arrivals) -> dict:
     """Today's static batches, timed for real, placed on the arrival timeline."""
-    from jaxspec.runner import Batch
-
     clock, tokens, ttft, latency, itl = 0.0, 0, [], [], []
     for b0 in range(0, len(ids), slots):
         rows = list(range(b0, min(b0 + slots, len(ids))))

@@ -31,7 +31,7 @@ DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunset
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --backend (shared with `python -m jaxspec.serve`)."""
+    """--model, --dtype, --backend, --max-len (shared with `python -m jaxspec.serve`)."""
     gpu = jax.default_backend() == "gpu"
     p.add_argument("--model", default="smollm2", help="smollm2 | path to a .gguf file | HF directory | orbax checkpoint")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")

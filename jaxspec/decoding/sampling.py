@@ -104,11 +104,16 @@ class RowSampling:
 Rules = SamplingConfig | RowSampling
 
 
+def _rows(value: jax.Array, ndim: int) -> jax.Array:
+    """A row's [B] values reshaped to [B, 1, ...], broadcastable against `ndim` dims."""
+    return value.reshape(value.shape + (1,) * (ndim - 1))
+
+
 def _value(rules: Rules, name: str, ndim: int):
     """A rule's value, broadcastable against an array of `ndim` dims whose first axis is the row:
-    a config's scalar, or a row's [B] array reshaped to [B, 1, ...]."""
+    a config's scalar, or a row's [B] array as [B, 1, ...]."""
     value = getattr(rules, name)
-    return value if isinstance(rules, SamplingConfig) else value.reshape(value.shape + (1,) * (ndim - 1))
+    return value if isinstance(rules, SamplingConfig) else _rows(value, ndim)
 
 
 def _inverse_temperature(rules: Rules, ndim: int):
@@ -116,8 +121,7 @@ def _inverse_temperature(rules: Rules, ndim: int):
     if isinstance(rules, SamplingConfig):
         return jnp.float32(1.0 / rules.temperature)
     t = rules.temperature
-    inverse = jnp.where(t > 0, 1.0 / jnp.where(t > 0, t, 1.0), 1.0).astype(jnp.float32)
-    return inverse.reshape(t.shape + (1,) * (ndim - 1))
+    return _rows(jnp.where(t > 0, 1.0 / jnp.where(t > 0, t, 1.0), 1.0).astype(jnp.float32), ndim)
 
 
 def tempered(logits: jax.Array, rules: Rules) -> jax.Array:

@@ -96,9 +96,7 @@ class Handle:
         self.first_token: float | None = None
         self.slot: int | None = None
         self.read = 0  # tokens of the slot already handed out (from the prompt's end)
-        self.tokens: list[int] = []
         self.text: TextStream | None = None
-        self.stats_row: tuple | None = None  # (iterations, drafted, accepted, by depth) when it finished
 
     def cancel(self) -> None:
         self._scheduler._cancel(self)
@@ -258,7 +256,7 @@ class Scheduler:
         since = np.zeros((self.slots,), np.int32)
         for slot, h in self._running.items():
             since[slot] = len(h.request.ids) + h.read
-        length, prompt_len, done, window, stats = jax.device_get(self._fns.report(self._state, jnp.asarray(since)))
+        length, done, window, stats = jax.device_get(self._fns.report(self._state, jnp.asarray(since)))
         seconds = time.perf_counter() - start
         finished, new_tokens = [], 0
         for slot, h in list(self._running.items()):
@@ -274,7 +272,6 @@ class Scheduler:
                 reason = "stop" if ends else "length"
                 tokens = tokens[:-1] if ends else tokens
             text, stopped = h.text.push(tokens)
-            h.tokens += tokens
             if stopped:
                 reason = "stop"
             if reason is None:
@@ -282,8 +279,7 @@ class Scheduler:
                     h.listener(Delta(text, tuple(tokens)))
                 continue
             finished.append(h)
-            h.stats_row = _row_stats(stats, slot)
-            self._finish(h, reason, text + h.text.flush(), tuple(tokens))
+            self._finish(h, reason, text + h.text.flush(), tuple(tokens), row=_row_stats(stats, slot))
         self.metrics.add_segment(new_tokens, seconds)
         self._free([h.slot for h in finished if not done[h.slot]])
         for h in finished:
@@ -306,11 +302,12 @@ class Scheduler:
             mask[slots] = True
             self._state = self._fns.release(self._state, jnp.asarray(mask))
 
-    def _finish(self, h: Handle, reason: str, text: str = "", tokens: tuple[int, ...] = (), error: str | None = None) -> None:
+    def _finish(self, h: Handle, reason: str, text: str = "", tokens: tuple[int, ...] = (), error: str | None = None,
+                row: tuple = (0, 0, 0, ())) -> None:
+        """Hands the request its last delta; `row`: its slot's (iterations, drafted, accepted, by depth)."""
         now = time.perf_counter()
-        row = h.stats_row or (0, 0, 0, ())
         stats = RequestStats(
-            prompt_tokens=len(h.request.ids), completion_tokens=len(h.tokens), iterations=row[0], drafted=row[1],
+            prompt_tokens=len(h.request.ids), completion_tokens=len(h.text.ids) if h.text else 0, iterations=row[0], drafted=row[1],
             accepted=row[2], accepted_by_depth=row[3], queued_s=(h.admitted or now) - h.submitted,
             first_token_s=(h.first_token or now) - h.submitted, total_s=now - h.submitted,
         )
@@ -372,10 +369,10 @@ def _programs(cfg, spec: SpecConfig, max_len: int, slots: int, window: int) -> _
         return engine.decode(params, state, max_iterations=iterations, **static)
 
     def report(state, since):
-        """(length, prompt_len, done, tokens [slots, window] from `since`, stats) for the host."""
+        """(length, done, tokens [slots, window] from `since`, stats) for the host."""
         cols = since[:, None] + jnp.arange(window, dtype=jnp.int32)
         tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
-        return state.length, state.prompt_len, state.done, tokens, state.stats
+        return state.length, state.done, tokens, state.stats
 
     return _Programs(
         empty=jax.jit(empty, static_argnums=3),

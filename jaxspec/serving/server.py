@@ -32,7 +32,7 @@ from jaxspec.serving.scheduler import Delta, QueueFull, Request, Scheduler
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "stream", "stream_options", "n", "user"}
 # OpenAI fields accepted only at their default (jaxspec does not implement them)
-DEFAULT_ONLY = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "logprobs": None, "best_of": 1,
+DEFAULT_ONLY = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None, "best_of": 1,
                 "echo": False, "suffix": None, "top_logprobs": None}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(DEFAULT_ONLY)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(DEFAULT_ONLY) - {"echo", "suffix", "best_of"}
@@ -159,35 +159,32 @@ def check_fields(body: dict, allowed: set[str]) -> None:
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
     for name, default in DEFAULT_ONLY.items():
-        if name in body and body[name] not in (default, None) and not (name == "logit_bias" and body[name] == {}):
+        if name in body and body[name] not in (default, None):
             raise BadRequest(f"{name} is not supported (only its default, {default!r})", name)
 
 
 def parse_request(body: dict, ids: list[int], chat: bool, max_len: int) -> tuple[Request, bool, bool]:
     """(the scheduler's Request, stream, whether to send a usage chunk) from a checked body."""
 
-    def number(name, default, kind=float, low=-math.inf, high=math.inf, closed_low=True):
+    def number(name, default, kind=float, low=-math.inf, high=math.inf, open_low=False, open_high=False):
         value = body.get(name)
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
             raise BadRequest(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
-        ok = (value >= low if closed_low else value > low) and value <= high
+        ok = (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
         if not ok or not math.isfinite(value):
-            raise BadRequest(f"{name} must be in {'[' if closed_low else '('}{low}, {high}], got {value!r}", name)
+            interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+            raise BadRequest(f"{name} must be in {interval}, got {value!r}", name)
         return kind(value)
 
-    n = number("n", 1, int, 1, 1)
-    del n  # n = 1 only
-    max_tokens = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None else None
-    max_tokens = number("max_completion_tokens" if max_tokens is not None else "max_tokens",
-                        max_len - len(ids) if chat else COMPLETION_DEFAULT_MAX_TOKENS, int, 1)
+    number("n", 1, int, 1, 1)  # n = 1 only
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = number(limit, max_len - len(ids) if chat else COMPLETION_DEFAULT_MAX_TOKENS, int, 1)
     temperature = number("temperature", 1.0, float, 0, 2)
-    top_p = number("top_p", 1.0, float, 0, 1, closed_low=False)
+    top_p = number("top_p", 1.0, float, 0, 1, open_low=True)
     top_k = number("top_k", 0, int, -1)
-    min_p = number("min_p", 0.0, float, 0, 1)
-    if min_p >= 1:
-        raise BadRequest(f"min_p must be below 1, got {min_p}", "min_p")
+    min_p = number("min_p", 0.0, float, 0, 1, open_high=True)
     seed = number("seed", None, int)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -249,11 +246,10 @@ class ChatChunks(CompletionChunks):
 
 def usage(delta: Delta) -> dict:
     s = delta.stats
-    iterations = max(s.iterations, 1)
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
             "total_tokens": s.prompt_tokens + s.completion_tokens,
             "jaxspec": {"iterations": s.iterations, "draft_tokens": s.drafted, "accepted_tokens": s.accepted,
-                        "tokens_per_iteration": (s.accepted + s.iterations) / iterations if s.iterations else 0.0,
+                        "tokens_per_iteration": (s.accepted + s.iterations) / s.iterations if s.iterations else 0.0,
                         "acceptance_by_depth": list(s.accepted_by_depth), "queued_s": s.queued_s,
                         "time_to_first_token_s": s.first_token_s, "total_s": s.total_s}}
 
