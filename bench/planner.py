@@ -8,7 +8,7 @@ Rows per (sampling, bucket), each repeated with seeds 0.. (median and spread):
 - Base: one fixed strategy, vegas gamma 6 ratio 0.07 (the old CLI default);
 - Static-best: the plan's first choice (the table's top entry for the bucket, or the cost model's
   without a table) run to completion, no refinement;
-- Auto: `runner.run_auto` with the same plan, refining over the first segments (what `--method auto`
+- Auto: `runner.run_generation` with the same plan, refining over the first segments (what `--method auto`
   runs); its final strategy and switches are recorded;
 - plain.
 Prompts: `common.real_text_batch` (jaxspec.corpus documents from offset 0 with a continuation request,
@@ -33,7 +33,7 @@ from jaxspec.decoding import planner
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
-from jaxspec.runner import encode_prompts, resolve_max_len, run_auto, run_generation
+from jaxspec.runner import encode_prompts, resolve_max_len, run_generation
 
 BASE = planner.Strategy("vegas", gamma=6, ratio=0.07)
 
@@ -59,7 +59,7 @@ def run_configs(params, cfg, batch, cache, plan, base: SpecConfig, sampling, max
         out[name] = (runs, {"strategy": strategy.name})
     runs, chosen = [], []
     for seed in range(repeats):
-        run = run_auto(params, cfg, batch, plan=plan, base=base, sampling=sampling, max_len=max_len, max_new_tokens=new,
+        run = run_generation(params, cfg, batch, plan=plan, spec=base, sampling=sampling, max_len=max_len, max_new_tokens=new,
                        stop_ids=stop_ids, seed=seed)
         runs.append(common.run_measures(run)[0])
         chosen.append({"final": planner.Strategy.of(run.auto.spec).name,

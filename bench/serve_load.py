@@ -1,169 +1,275 @@
-"""Serving under load: requests arriving at a fixed rate (Poisson), continuous batching against today's
-static batches, per method.
+"""Serving under load, through HTTP: requests arriving at fixed rates (Poisson) against
+`python -m jaxspec.serve`, per method, continuous batching against static batching.
 
-    PYTHONPATH=. python3 bench/serve_load.py [--model smollm2] [--methods plain,vegas] [--slots 16]
-        [--rate 2.0] [--requests 32] [--prompt-tokens 7000] [--new 256,1024] [--static] [--tiny] [--out DIR]
+    PYTHONPATH=. python3 bench/serve_load.py [--model smollm2] [--configs plain:continuous,vegas:static,...]
+        [--slots 16] [--rates 1,2,4,8] [--requests 16] [--repeats 3] [--prompt-tokens 7000]
+        [--new 256,1024] [--tiny] [--out DIR] [--tag T] [--plot-from JSON ...]
+
+A config is method:batching. For each, one server process (`python -m jaxspec.serve --method M
+--batching B --slots S`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines the planner's choice
+as it serves) is started, warmed up (its admissions compiled for the prompts' length, then one
+request) and driven by this process over HTTP/1.0 with streamed /v1/completions (prompt token ids,
+every chunk carrying its token ids) at each rate, --repeats times (arrival schedule seeds 0..;
+the server process stays up across rates and repeats). Static batching is the server admitting only
+when every slot is free (all that wait, in one prefill), so a batch holds its slots until its longest
+request ends: the static batch of `generate` placed on the arrival timeline.
 
 Requests: real-text continuation prompts of about --prompt-tokens tokens (a different document each,
-chat template), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95, seeds 0.., arrival gaps
-exponential at --rate requests/s (the same schedule for every run). Continuous: the serving
-`Scheduler` in this process (the HTTP layer adds no device work), each request submitted at its
-arrival time; time to first token, inter-token latency (each streamed chunk's gap spread over its
-tokens) and end-to-end latency per request. Static (--static): the same requests in arrival order in
-batches of --slots through `run_generation` (the generate path): a batch starts when its last
-request has arrived and the previous batch has ended, and holds every row until its longest ends;
-its first tokens come at the end of its prefill. Throughput: generated tokens over the time from the
-first arrival to the last finish. Writes DIR/serve_load_<device>.json and prints a table last.
+chat template), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95, seeds 0... Per run:
+throughput (completion tokens over first arrival to last token), time to first token (arrival to the
+first streamed token), inter-token latency (each chunk's gap spread over its tokens), end-to-end
+latency, and tokens per iteration (from the requests' usage). Per (config, rate): the median of the
+repeats and their spread (max - min). Writes DIR/serve_load_<device><tag>.json after every run, a plot
+of throughput and TTFT against offered load (DIR/serve_load_<device><tag>.png), and prints the table
+last. This process runs on the CPU (it only tokenizes and times); the server has the device.
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the client only tokenizes: the server has the accelerator
+
 import argparse
+import asyncio
+import json
+import signal
+import socket
 import statistics
-import threading
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from bench import common
 from jaxspec import corpus
-from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import SpecConfig
 from jaxspec.loaders import load_model
-from jaxspec.runner import Batch, encode_prompts, run_generation
-from jaxspec.serving.scheduler import Request, Scheduler
+from jaxspec.runner import encode_prompts
 
-SAMPLING = SamplingConfig(temperature=0.7, top_p=0.95)
+SAMPLING = dict(temperature=0.7, top_p=0.95)
 GAMMA, RATIO = 6, 0.07
+START_TIMEOUT_S = 900
 
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def workload(tokenizer, n: int, prompt_tokens: int, new: tuple[int, int], rate: float, seed: int = 0):
-    """(prompt ids, max_tokens, arrival offsets in seconds) of n requests."""
-    rng = np.random.default_rng(seed)
+def prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
     texts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i) for i in range(n)]
     batch = encode_prompts(tokenizer, texts, chat=True)
-    ids = [batch.ids[i, : batch.lengths[i]].tolist() for i in range(n)]
+    return [batch.ids[i, : batch.lengths[i]].tolist() for i in range(n)]
+
+
+def schedule(n: int, new: tuple[int, int], rate: float, seed: int) -> tuple[list[int], list[float]]:
+    """(max_tokens, arrival offsets in seconds) of n requests."""
+    rng = np.random.default_rng(seed)
     max_tokens = rng.integers(new[0], new[1] + 1, n).tolist()
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n)).tolist() if rate > 0 else [0.0] * n
-    return ids, max_tokens, arrivals
+    return max_tokens, np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
 
 
-def run_continuous(params, cfg, tokenizer, spec: SpecConfig, slots: int, max_len: int, ids, max_tokens, arrivals) -> dict:
-    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=slots, max_len=max_len, queue_limit=len(ids))
-    scheduler.warm_up(max(len(x) for x in ids))
-    scheduler.start()
-    records = [dict(chunks=[], done=threading.Event()) for _ in ids]
+class Server:
+    """`python -m jaxspec.serve` in a child process, its log in a file."""
 
-    def listener(i):
-        def on(delta):
-            records[i]["chunks"].append((time.perf_counter(), len(delta.token_ids)))
-            if delta.finish_reason is not None:
-                records[i]["stats"] = delta.stats
-                records[i]["done"].set()
-        return on
+    def __init__(self, model: str, method: str, batching: str, slots: int, max_len: int, warm_up_tokens: int, log: Path):
+        self.port = free_port()
+        fixed = [] if method in ("plain", "auto") else ["--gamma", str(GAMMA), "--ratio", str(RATIO)]
+        command = [sys.executable, "-m", "jaxspec.serve", "--model", model, "--method", method, *fixed,
+                   "--batching", batching, "--slots", str(slots), "--max-len", str(max_len), "--port", str(self.port),
+                   "--queue", "10000", "--warm-up-tokens", str(warm_up_tokens)]
+        self.log = log
+        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/jaxspec_jit_cache")}
+        env.pop("JAX_PLATFORMS")  # the server takes the accelerator
+        start = time.perf_counter()
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
+        while not self.healthy():
+            if self.process.poll() is not None or time.perf_counter() - start > START_TIMEOUT_S:
+                self.stop()
+                raise SystemExit(f"the server did not start; its log:\n{log.read_text()[-3000:]}")
+            time.sleep(1.0)
+        self.start_s = time.perf_counter() - start
+        self.device = next((line.removeprefix("device: ") for line in log.read_text().splitlines()
+                            if line.startswith("device: ")), "unknown")
 
-    start = time.perf_counter()
-    for i, (x, n, at) in enumerate(zip(ids, max_tokens, arrivals)):
-        time.sleep(max(0.0, start + at - time.perf_counter()))
-        records[i]["arrival"] = time.perf_counter()
-        scheduler.submit(Request(tuple(x), n, SAMPLING, seed=i), listener(i))
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def model_info(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=10) as r:
+            return json.loads(r.read())["data"][0]["jaxspec"]
+
+    def stop(self) -> None:
+        """SIGTERM: the server drains and exits."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def request(port: int, ids: list[int], max_tokens: int, seed: int, at: float, t0: float) -> dict:
+    """One streamed completion sent at t0 + at: its arrival, each chunk's (time, tokens), its usage."""
+    await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+    body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "seed": seed, "stream": True,
+                       "stream_options": {"include_usage": True}, **SAMPLING}).encode()
+    arrival = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    chunks, usage = [], None
+    while line := await reader.readline():
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(f"request failed: {event['error']}")
+        if event.get("choices"):
+            chunks.append((time.perf_counter(), len(event["choices"][0].get("token_ids", []))))
+        if event.get("usage"):
+            usage = event["usage"]
+    writer.close()
+    if status != 200 or usage is None:
+        raise RuntimeError(f"HTTP {status} without a complete stream")
+    return {"arrival": arrival, "chunks": chunks, "usage": usage}
+
+
+async def load(port: int, ids, max_tokens, arrivals) -> list[dict]:
+    t0 = time.perf_counter()
+    return await asyncio.gather(*(request(port, x, n, i, at, t0) for i, (x, n, at) in enumerate(zip(ids, max_tokens, arrivals))))
+
+
+def measure(records: list[dict]) -> dict:
+    ttft, itl, latency, per_iteration, tokens = [], [], [], [], 0
     for r in records:
-        r["done"].wait()
-    scheduler.stop()
-    ttft, itl, latency, tokens, per_iteration = [], [], [], 0, []
-    for r in records:
-        stamps = [t for t, k in r["chunks"] if k]
-        ttft.append(stamps[0] - r["arrival"] if stamps else 0.0)
-        latency.append(r["chunks"][-1][0] - r["arrival"])
-        previous = None
-        for t, k in r["chunks"]:
-            if k and previous is not None:
-                itl += [(t - previous) / k] * k
-            previous = t if k else previous
-        tokens += r["stats"].completion_tokens
-        if r["stats"].iterations:
-            per_iteration.append((r["stats"].accepted + r["stats"].iterations) / r["stats"].iterations)
-    end = max(r["chunks"][-1][0] for r in records)
-    first = min(r["arrival"] for r in records)
-    return summary("continuous", spec, tokens, end - first, ttft, itl, latency, per_iteration)
-
-
-def run_static(params, cfg, tokenizer, spec: SpecConfig, slots: int, max_len: int, ids, max_tokens, arrivals) -> dict:
-    """Today's static batches, timed for real, placed on the arrival timeline."""
-    clock, tokens, ttft, latency, itl = 0.0, 0, [], [], []
-    for b0 in range(0, len(ids), slots):
-        rows = list(range(b0, min(b0 + slots, len(ids))))
-        lengths = np.asarray([len(ids[i]) for i in rows], np.int32)
-        batch_ids = np.zeros((len(rows), lengths.max()), np.int32)
-        for j, i in enumerate(rows):
-            batch_ids[j, : lengths[j]] = ids[i]
-        new = max(max_tokens[i] for i in rows)
-        run = run_generation(params, cfg, Batch(batch_ids, lengths), spec=spec, sampling=SAMPLING, max_len=max_len,
-                             max_new_tokens=new, stop_ids=tokenizer.eos_token_ids, seed=b0)
-        begin = max(clock, max(arrivals[i] for i in rows))
-        clock = begin + run.prefill_s + run.decode_s
-        out = run.generated()
-        for j, i in enumerate(rows):
-            produced = min(len(out[j]), max_tokens[i])
-            tokens += produced
-            ttft.append(begin + run.prefill_s - arrivals[i])
-            latency.append(clock - arrivals[i])
-            itl += [run.decode_s / max(new - 1, 1)] * max(produced - 1, 0)
-    return summary("static", spec, tokens, clock - arrivals[0], ttft, itl, latency, [])
-
-
-def summary(mode: str, spec: SpecConfig, tokens: int, seconds: float, ttft, itl, latency, per_iteration) -> dict:
+        stamps = [(t, k) for t, k in r["chunks"] if k]
+        ttft.append(stamps[0][0] - r["arrival"])
+        latency.append(stamps[-1][0] - r["arrival"])
+        itl += [gap for (t0, _), (t1, k) in zip(stamps, stamps[1:]) for gap in [(t1 - t0) / k] * k]
+        tokens += r["usage"]["completion_tokens"]
+        per_iteration.append(r["usage"]["jaxspec"]["tokens_per_iteration"])
+    seconds = max(r["chunks"][-1][0] for r in records) - min(r["arrival"] for r in records)
     return {
-        "mode": mode, "method": spec.method, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
         "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
-        "tokens_per_iteration": statistics.mean(per_iteration) if per_iteration else None,
+        "tokens_per_iteration": statistics.mean(per_iteration),
     }
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (config, rate): the median of every measure over the repeats, the spread of throughput."""
+    out = []
+    for key in dict.fromkeys((r["config"], r["rate"]) for r in runs):
+        group = [r for r in runs if (r["config"], r["rate"]) == key]
+        row = {"config": key[0], "rate": key[1], "repeats": len(group), "strategy": group[-1]["strategy"]}
+        for name in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "latency_p50_s",
+                     "latency_p99_s", "tokens_per_iteration"):
+            row[name] = statistics.median(r[name] for r in group)
+        row["spread_tokens_per_s"] = max(r["tokens_per_s"] for r in group) - min(r["tokens_per_s"] for r in group)
+        out.append(row)
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Throughput and TTFT p50 against offered load, one line per config (bars: the repeats' spread)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for config in dict.fromkeys(r["config"] for r in rows):
+        points = sorted((r["rate"], r["tokens_per_s"], r["spread_tokens_per_s"], r["ttft_p50_s"]) for r in rows
+                        if r["config"] == config)
+        rates = [p[0] for p in points]
+        style = "--" if config.endswith(":static") else "-"
+        left.errorbar(rates, [p[1] for p in points], yerr=[p[2] / 2 for p in points], marker="o", capsize=3,
+                      linestyle=style, label=config)
+        right.plot(rates, [p[3] for p in points], marker="o", linestyle=style, label=config)
+    left.set(xlabel="offered load (requests/s)", ylabel="throughput (generated tokens/s)", title=title)
+    right.set(xlabel="offered load (requests/s)", ylabel="time to first token, p50 (s)", yscale="log", title=title)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+TABLE = [("config", "config", "s"), ("strategy", "strategy", "s"), ("req/s", "rate", "g"), ("tok/s", "tokens_per_s", ".0f"),
+         ("spread", "spread_tokens_per_s", ".0f"), ("TTFT p50 s", "ttft_p50_s", ".2f"), ("TTFT p99 s", "ttft_p99_s", ".2f"),
+         ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"), ("latency p50 s", "latency_p50_s", ".1f"),
+         ("tokens/iter", "tokens_per_iteration", ".2f")]
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
+    p.add_argument("--configs", default="plain:continuous,vegas:continuous,auto:continuous,plain:static,vegas:static",
+                   type=lambda s: s.split(","))
     p.add_argument("--slots", type=int, default=16)
-    p.add_argument("--rate", type=float, default=2.0, help="requests per second (0: all at once)")
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rates", default="1,2,4,8", type=lambda s: [float(x) for x in s.split(",")], help="requests per second")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=7000)
     p.add_argument("--new", default="256,1024", type=lambda s: tuple(int(x) for x in s.split(",")))
-    p.add_argument("--static", action="store_true", help="also run the same requests as static batches")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke test: 4 short requests")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: 4 short requests, 2 slots, one rate, one repeat")
     p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--tag", default="", help="suffix of the file names")
+    p.add_argument("--plot-from", type=Path, nargs="+", default=None, help="plot the rows of these JSON files and exit")
     args = p.parse_args()
-    gpu = jax.default_backend() == "gpu"
+    if args.plot_from:
+        rows = [row for f in args.plot_from for row in json.loads(f.read_text())["summary"]]
+        plot(rows, args.out / f"serve_load{args.tag}.png", "SmolLM2, 16 slots, ~7K-token prompts")
+        return
     if args.tiny:
-        args.requests, args.prompt_tokens, args.new, args.slots, args.rate = 4, 200, (8, 16), 2, 20.0
-    backend = "pallas" if gpu else "reference"
-    cfg, params, tokenizer = load_model(args.model, dtype="bfloat16" if gpu else "float32")
-    ids, max_tokens, arrivals = workload(tokenizer, args.requests, args.prompt_tokens, args.new, args.rate)
-    max_len = max(len(x) for x in ids) + args.new[1]
-    result = {**common.run_info(), "model": args.model, "slots": args.slots, "rate": args.rate, "requests": args.requests,
-              "prompt_tokens": [len(x) for x in ids], "max_tokens": max_tokens, "rows": []}
-    path = args.out / f"serve_load_{common.run_info()['device'].replace(' ', '_')}.json"
-    for method in args.methods:
-        spec = SpecConfig(backend=backend) if method == "plain" else SpecConfig(method=method, gamma=GAMMA, ratio=RATIO, backend=backend)
-        spec = spec.validate()
-        result["rows"].append(run_continuous(params, cfg, tokenizer, spec, args.slots, max_len, ids, max_tokens, arrivals))
-        common.write_json(path, result)
-        if args.static:
-            result["rows"].append(run_static(params, cfg, tokenizer, spec, args.slots, max_len, ids, max_tokens, arrivals))
-            common.write_json(path, result)
-    print(common.markdown_table(result["rows"], [
-        ("mode", "mode", "s"), ("method", "method", "s"), ("tok/s", "tokens_per_s", ".0f"), ("TTFT p50 s", "ttft_p50_s", ".2f"),
-        ("TTFT p99 s", "ttft_p99_s", ".2f"), ("ITL p50 ms", "itl_p50_ms", ".2f"), ("ITL p99 ms", "itl_p99_ms", ".2f"),
-        ("latency p50 s", "latency_p50_s", ".1f"), ("latency p99 s", "latency_p99_s", ".1f"),
-        ("tokens/iter", "tokens_per_iteration", ".2f")]))
+        args.requests, args.prompt_tokens, args.new, args.slots, args.rates, args.repeats = 4, 200, (8, 16), 2, [20.0], 1
+    _, _, tokenizer = load_model(args.model, dtype="float32")
+    ids = prompts(tokenizer, args.requests, args.prompt_tokens)
+    longest = max(len(x) for x in ids)
+    max_len = longest + args.new[1]
+    result = {**common.run_info(), "model": args.model, "slots": args.slots, "requests": args.requests,
+              "rates": args.rates, "repeats": args.repeats, "prompt_tokens": [len(x) for x in ids], "new": args.new,
+              "servers": [], "runs": [], "summary": []}
+    path = None
+    for config in args.configs:
+        method, batching = config.split(":")
+        server = Server(args.model, method, batching, args.slots, max_len, longest, Path(f"/tmp/serve_{method}_{batching}.log"))
+        try:
+            result["device"], result["backend"] = server.device, "server"  # this process's own JAX runs on the CPU
+            path = args.out / f"serve_load_{server.device.split(' (')[0].replace(' ', '_')}{args.tag}.json"
+            asyncio.run(load(server.port, ids[:1], [8], [0.0]))  # warm-up: one request of the real length
+            result["servers"].append({"config": config, "start_s": server.start_s})
+            for rate in args.rates:
+                for repeat in range(args.repeats):
+                    max_tokens, arrivals = schedule(args.requests, args.new, rate, seed=repeat)
+                    run = measure(asyncio.run(load(server.port, ids, max_tokens, arrivals)))
+                    strategy = server.model_info()
+                    run.update(config=config, rate=rate, repeat=repeat, strategy=strategy["method"] if method != "auto"
+                               else f"auto: {strategy['method']}")
+                    result["runs"].append(run)
+                    result["summary"] = summarize(result["runs"])
+                    common.write_json(path, result)
+                    print(f"{config} rate {rate:g} repeat {repeat}: {run['tokens_per_s']:.0f} tok/s, "
+                          f"TTFT p50 {run['ttft_p50_s']:.2f} s", flush=True)
+        finally:
+            server.stop()
+    plot(result["summary"], path.with_suffix(".png"), f"SmolLM2, {args.slots} slots, ~{args.prompt_tokens}-token prompts")
+    print(common.markdown_table(result["summary"], TABLE))
 
 
 if __name__ == "__main__":

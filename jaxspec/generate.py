@@ -20,7 +20,7 @@ import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.decoding import planner
-from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, run_auto, run_generation, summarize
+from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, run_generation, summarize
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
@@ -152,14 +152,11 @@ def main(argv=None):
             precisions=planner.allowed_precisions(args.precision), table=args.planner_table, min_tokens=args.min_tokens,
         )
     if stream:
-        return _stream(params, cfg, tokenizer, plan.first.spec(spec) if auto else spec, batch, sampling, max_len, args)
+        return _stream(params, cfg, tokenizer, spec, plan, batch, sampling, max_len, args)
     common = dict(sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,
                   stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress)
-    if auto:
-        run = run_auto(params, cfg, batch, plan=plan, base=spec, **common)
-        spec = run.auto.spec
-    else:
-        run = run_generation(params, cfg, batch, spec=spec, **common)
+    run = run_generation(params, cfg, batch, spec=spec, plan=plan, **common)
+    spec = run.auto.spec if auto else spec
     stats = summarize(run, batch, spec)
     results = [
         {"prompt_tokens": int(n), "tokens": [int(t) for t in g], "text": tokenizer.decode(g, skip_special_tokens=True)}
@@ -171,11 +168,11 @@ def main(argv=None):
         _print_human(results, stats)
 
 
-def _stream(params, cfg, tokenizer, spec: SpecConfig, batch, sampling: SamplingConfig, max_len: int, args) -> None:
+def _stream(params, cfg, tokenizer, spec: SpecConfig, plan, batch, sampling: SamplingConfig, max_len: int, args) -> None:
     """One prompt through the serving scheduler (one slot): its text printed as tokens are accepted,
-    then the request's stats. `--method auto` runs the planner's first choice, without refinement."""
+    then the request's stats. `--method auto` refines the plan as the batch path does."""
     ids = tuple(int(t) for t in batch.ids[0, : batch.lengths[0]])
-    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=1, max_len=max_len, max_top_k=sampling.top_k)
+    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=1, max_len=max_len, sampling=sampling, plan=plan)
     scheduler.warm_up(len(ids))
     scheduler.start()
     finished, last = threading.Event(), []
@@ -199,6 +196,7 @@ def _stream(params, cfg, tokenizer, spec: SpecConfig, batch, sampling: SamplingC
     print(f"generated tokens {s.completion_tokens} ({delta.finish_reason})")
     print(f"first token      {s.first_token_s:.2f} s; then {max(s.completion_tokens - 1, 0) / decode_s:.1f} tok/s "
           "(compile time not included)")
+    spec = scheduler.spec
     print(f"method           {spec.method} (backend {spec.backend}, device {jax.devices()[0].device_kind}; streamed)")
     if s.iterations and spec.method != "plain":
         print(f"iterations       {s.iterations}, {(s.accepted + s.iterations) / s.iterations:.2f} tokens/iteration")

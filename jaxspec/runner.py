@@ -1,13 +1,14 @@
-"""Running a batch end to end: prompts to token ids, compiled prefill/start/decode, timings, stats.
+"""Running a batch end to end: prompts to token ids, the batch through the scheduler, timings, stats.
 
-Shared by the CLIs (`generate`, `tune`), the tests and the benchmarks. Prefill and decode are compiled
-ahead of time (compile time is reported apart) and timed separately: decode tokens/s counts the tokens
-produced by the decode loop (every generated token but the first, which prefill samples) over the
-decode loop's wall time.
+Shared by the CLIs (`generate`, `tune`), the tests and the benchmarks. A batch runs as a client of the
+serving scheduler (`serving.scheduler.Scheduler`, one slot per row, every row admitted in one
+prefill), so the CLI and the server decode on one path. Programs are compiled on first use and their
+compile time is reported apart; prefill and decode are timed separately: decode tokens/s counts the
+tokens produced by the decode loop (every generated token but the first, which prefill samples) over
+the decode loop's wall time.
 
-`run_auto` is `--method auto`: it decodes with the planner's choice, refines it over the first
-segments (`decoding.planner.decide`) and switches strategy in place (`engine.switch`); executables are
-compiled when first needed, and their compile time is counted apart from decode time too.
+`--method auto` is the same run given the planner's plan: it decodes with the planner's choice,
+refines it over the first segments (`decoding.planner.Refinement`) and switches strategy in place.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import resource
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decoding import engine, planner
@@ -31,6 +30,7 @@ from jaxspec.models.kvcache import cache_bytes
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
+from jaxspec.serving.scheduler import Request, Scheduler
 from jaxspec.tokenizer import Tokenizer
 
 PROGRESS_SEGMENT = 16  # decode iterations between progress updates
@@ -108,10 +108,10 @@ def prefill_fn(cfg, max_len: int, backend: str, chunk: int):
 
 
 def decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
-    """jit-compiled (start, decode) for the static part of `spec` (pass `spec.budget()` to start, so
-    runs that differ only in ratio or min_tokens share one compilation). Both donate the cache (start
-    its prefilled cache, decode its state), so the KV cache is updated in place: to reuse one prefill
-    for several runs, pass each a copy."""
+    """jit-compiled engine (start, decode) for the static part of `spec`, for the tests and the
+    step benchmarks that drive the engine's loop themselves (pass `spec.budget()` to start, so runs
+    that differ only in ratio or min_tokens share one compilation). Both donate the cache (start its
+    prefilled cache, decode its state): to reuse one prefill for several runs, pass each a copy."""
     return _decode_fns(cfg, spec.compiled(max_len), sampling, max_len)
 
 
@@ -139,15 +139,20 @@ def run_generation(
     seed: int = 0,
     progress: bool = False,
     cache=None,
+    plan: planner.Plan | None = None,
 ) -> Run:
-    """Compiles (timed), prefills (timed) and decodes (timed) one batch; running out of device memory
-    is a JaxspecError naming the KV cache size.
+    """Runs one batch through a scheduler with a slot per row: admits every row in one prefill
+    (timed), decodes to the end (timed; with a progress bar, in segments) and counts compile time
+    apart. Running out of device memory is a JaxspecError naming the KV cache size.
 
     `cache`, if given, is this batch's `prefill_fn` output (donated), used instead of prefilling again.
+    `plan` (`--method auto`): decode with `plan.first` on `spec`'s backend and settings, refine and
+    switch; `run.auto` says what ran, and the stats sum over strategies (acceptance by depth padded
+    to the deepest). Row b samples with its own key, derived from `seed` and b.
     """
     return _memory_checked(
         cfg, batch, max_len,
-        lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache),
+        lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan),
     )
 
 
@@ -165,179 +170,59 @@ def _memory_checked(cfg, batch: Batch, max_len: int, run):
         ) from None
 
 
-def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache) -> Run:
-    start, decode = decode_fns(cfg, spec, sampling, max_len)
-    ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
-    compile_start = time.perf_counter()
-    prefill_exe = None
-    if cache is None:
-        prefill_exe = prefill_fn(cfg, max_len, spec.backend, spec.prefill_chunk).lower(params, ids, lengths).compile()
-        cache_info = prefill_exe.out_info
-    else:
-        cache_info = cache
-    start_args = _start_args(spec, seed, max_new_tokens, stop_ids)
-    start_exe = start.lower(params, cache_info, ids, lengths, **start_args).compile()
-    decode_exe = decode.lower(params, start_exe.out_info, max_iterations=jnp.int32(0)).compile()
-    compile_s = time.perf_counter() - compile_start
+def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan) -> Run:
+    B = len(batch.lengths)
+    scheduler = Scheduler(params, cfg, None, spec, slots=B, max_len=max_len, stop_ids=tuple(stop_ids), sampling=sampling,
+                          plan=plan, queue_limit=0, segment=PROGRESS_SEGMENT if progress else None, admit_rows=None)
+    seeds = np.random.SeedSequence(seed % (1 << 32)).generate_state(B)
+    last, generated = {}, np.zeros((B,), np.int64)
 
-    prefill_start = time.perf_counter()
-    if prefill_exe is not None:
-        cache = prefill_exe(params, ids, lengths)
-    state = jax.block_until_ready(start_exe(params, cache, ids, lengths, **start_args))
-    prefill_s = time.perf_counter() - prefill_start
+    def listener(b):
+        def hear(delta):
+            generated[b] += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                last[b] = delta
+        return hear
 
-    decode_start = time.perf_counter()
-    state = _decode_to_end(decode_exe, params, state, max_new_tokens, progress)
-    decode_s = time.perf_counter() - decode_start
-    return Run(engine.finish(state, max_len), compile_s, prefill_s, decode_s)
+    for b, n in enumerate(batch.lengths):
+        request = Request(tuple(batch.ids[b, :n].tolist()), min(max_new_tokens, max_len - int(n)), sampling, int(seeds[b]))
+        scheduler.submit(request, listener(b))
 
+    def timed(work) -> float:
+        """Wall seconds of work(), less the compiling it did."""
+        start, compiled = time.perf_counter(), scheduler.compile_s
+        work()
+        return time.perf_counter() - start - (scheduler.compile_s - compiled)
 
-def _start_args(spec: SpecConfig, seed: int, max_new_tokens: int, stop_ids: tuple[int, ...]) -> dict:
-    """The keyword arguments of `decode_fns`'s start: the key, the spec's budget and the stop rules."""
-    return dict(key=jax.random.key(seed), budget=spec.budget(), max_new_tokens=jnp.int32(max_new_tokens),
-                stop_ids=jnp.asarray(stop_ids or (-1,), jnp.int32))
+    prefill_s = timed(lambda: scheduler.admit_waiting(cache))
 
+    def decode():
+        while len(last) < B:
+            scheduler.step()
+            if progress:
+                _draw_progress(int(generated.sum()), B * max_new_tokens, done=len(last) == B)
 
-def _decode_to_end(decode_exe, params, state, max_new_tokens: int, progress: bool):
-    """Runs the compiled decode loop until every row is done (with a progress bar: in segments)."""
-    if progress:
-        return _decode_with_progress(decode_exe, params, state, max_new_tokens)
-    return jax.block_until_ready(decode_exe(params, state, max_iterations=jnp.int32(np.iinfo(np.int32).max)))
-
-
-def run_auto(
-    params,
-    cfg,
-    batch: Batch,
-    *,
-    plan: planner.Plan,
-    base: SpecConfig,
-    sampling: SamplingConfig,
-    max_len: int,
-    max_new_tokens: int,
-    stop_ids: tuple[int, ...],
-    seed: int = 0,
-    progress: bool = False,
-) -> Run:
-    """`--method auto`: decodes with `plan.first` (on `base`'s backend and settings), observes it for
-    a segment of planner.SEGMENT iterations, and while `planner.decide` names a faster candidate
-    (at most planner.MAX_SWITCHES times) switches to it with `engine.switch` and observes again;
-    then runs to completion (a table's plain choice runs to completion at once). Decode time counts
-    segments, switches and the rest; compiles (when a strategy or switch is first needed) count
-    apart. The output's stats are sums over strategies (acceptance by depth padded to the deepest)."""
-    return _memory_checked(
-        cfg, batch, max_len,
-        lambda: _run_auto(params, cfg, batch, plan, base, sampling, max_len, max_new_tokens, stop_ids, seed, progress),
-    )
+    decode_s = timed(decode)
+    if errors := [d.error for d in last.values() if d.error]:
+        raise JaxspecError(f"generation failed: {errors[0]}")
+    rows = [last[b].stats for b in range(B)]
+    depth = max(len(r.accepted_by_depth) for r in rows)
+    column = lambda name: np.array([getattr(r, name) for r in rows], np.int32)
+    by_depth = np.array([(*r.accepted_by_depth, *(0,) * (depth - len(r.accepted_by_depth))) for r in rows], np.int32)
+    stats = engine.SpecStats(column("iterations"), column("drafted"), column("accepted"), by_depth.reshape(B, depth))
+    state = scheduler.state
+    output = engine.GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, stats)
+    auto = None
+    if plan is not None:
+        r = scheduler.refinement
+        auto = Auto(scheduler.spec, plan, r.switches, r.segments, r.lossless)
+    return Run(output, scheduler.compile_s, prefill_s, decode_s, auto)
 
 
-def _run_auto(params, cfg, batch, plan, base, sampling, max_len, max_new_tokens, stop_ids, seed, progress) -> Run:
-    ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
-    executables, compile_s = {}, 0.0
-
-    def compiled(name, fn, *args, **kwargs):
-        nonlocal compile_s
-        if name not in executables:
-            start_time = time.perf_counter()
-            executables[name] = fn.lower(*args, **kwargs).compile()
-            compile_s += time.perf_counter() - start_time
-        return executables[name]
-
-    def timed(f, *args, **kwargs):
-        start_time = time.perf_counter()
-        out = jax.block_until_ready(f(*args, **kwargs))
-        return out, time.perf_counter() - start_time
-
-    current = plan.first
-    spec = current.spec(base)
-    prefill = compiled("prefill", prefill_fn(cfg, max_len, spec.backend, spec.prefill_chunk), params, ids, lengths)
-    start_args = _start_args(spec, seed, max_new_tokens, stop_ids)
-    start = compiled("start", decode_fns(cfg, spec, sampling, max_len)[0], params, prefill.out_info, ids, lengths, **start_args)
-    state, prefill_s = timed(lambda: start(params, prefill(params, ids, lengths), ids, lengths, **start_args))
-
-    def decode_exe(strategy, state):
-        fn = decode_fns(cfg, strategy.spec(base), sampling, max_len)[1]
-        return compiled(("decode", strategy), fn, params, state, max_iterations=jnp.int32(0))
-
-    decode_s, iterations, totals = 0.0, 0, None
-    observations, switches, segments, ran = {}, [], [], {current}
-    # A measured table's plain choice has nothing to refine (no drafts to observe): it runs as plain does.
-    refine = not (current.plain and plan.source != "cost-model")
-    while refine:
-        exe = decode_exe(current, state)
-        state, seconds = timed(exe, params, state, max_iterations=jnp.int32(0))  # loads it: not observed
-        decode_s += seconds
-        before = jax.device_get((state.length, state.stats))
-        state, seconds = timed(exe, params, state, max_iterations=jnp.int32(planner.SEGMENT))
-        decode_s += seconds
-        after = jax.device_get((state.length, state.stats))
-        seen = _observation(before, after, seconds)
-        iterations += seen.iterations
-        observations[current] = observations[current].merge(seen) if current in observations else seen
-        segments.append({"strategy": current.name, "iterations": seen.iterations, "tokens_per_s": seen.tokens_per_s,
-                         "tokens_per_iteration": seen.tokens_per_iteration, "iteration_s": seen.iteration_s})
-        if bool(jax.device_get(state.done).all()) or len(switches) == planner.MAX_SWITCHES:
-            break
-        target, reason = planner.decide(plan.candidates, observations, current, probe_plain=plan.source == "cost-model")
-        if target == current:
-            break
-        totals = _add_stats(totals, after[1])
-        spec = target.spec(base)
-        fn = _switch_fn(cfg, spec.compiled(max_len), sampling, max_len)
-        with warnings.catch_warnings():  # the old tokens buffer is donated but has the old width: expected
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            exe = compiled(("switch", current, target), fn, params, state, spec.budget())
-        state, seconds = timed(exe, params, state, spec.budget())
-        decode_s += seconds
-        switches.append({"iteration": iterations, "from": current.name, "to": target.name, "reason": reason,
-                         "observed_tokens_per_s": seen.tokens_per_s})
-        current = target
-        ran.add(current)
-
-    state, seconds = timed(_decode_to_end, decode_exe(current, state), params, state, max_new_tokens, progress)
-    decode_s += seconds
-    totals = _add_stats(totals, jax.device_get(state.stats))
-    output = engine.GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, totals)
-    auto = Auto(current.spec(base), plan, switches, segments, all(s.precision == "strict" for s in ran))
-    return Run(output, compile_s, prefill_s, decode_s, auto)
-
-
-@functools.lru_cache(maxsize=None)
-def _switch_fn(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
-    """jit-compiled `engine.switch` to the static `spec` (donates the state)."""
-    return jax.jit(functools.partial(engine.switch, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1)
-
-
-def _observation(before, after, seconds: float) -> planner.Observation:
-    """A segment's observation from (length, stats) before and after it (host copies)."""
-    (length0, stats0), (length1, stats1) = before, after
-    row_iterations = stats1.iterations - stats0.iterations
-    accepted = int((stats1.accepted - stats0.accepted).sum())
-    total = max(int(row_iterations.sum()), 1)
-    return planner.Observation(int(row_iterations.max()), int((length1 - length0).sum()), seconds, (accepted + total) / total)
-
-
-def _add_stats(total: engine.SpecStats | None, stats: engine.SpecStats) -> engine.SpecStats:
-    """Sums per-row counters (host copies); acceptance by depth padded to the deeper of the two."""
-    if total is None:
-        return stats
-    depth = max(total.accepted_by_depth.shape[1], stats.accepted_by_depth.shape[1])
-    pad = lambda x: np.pad(x, ((0, 0), (0, depth - x.shape[1])))
-    return engine.SpecStats(total.iterations + stats.iterations, total.drafted + stats.drafted,
-                            total.accepted + stats.accepted, pad(total.accepted_by_depth) + pad(stats.accepted_by_depth))
-
-
-def _decode_with_progress(decode_exe, params, state, max_new_tokens: int):
-    """Decodes in segments of PROGRESS_SEGMENT iterations, drawing a bar on stderr between them."""
-    total = max_new_tokens * state.length.shape[0]
-    while True:
-        state = decode_exe(params, state, max_iterations=jnp.int32(PROGRESS_SEGMENT))
-        done, generated = jax.device_get((state.done, state.length - state.prompt_len))
-        fraction = min(1.0, int(generated.sum()) / total)
-        print(f"\r[{'#' * int(30 * fraction):<30}] {int(generated.sum())}/{total} tokens", end="", file=sys.stderr)
-        if done.all():
-            print(file=sys.stderr)
-            return state
+def _draw_progress(generated: int, total: int, done: bool) -> None:
+    """A progress bar on stderr (drawn between decode segments)."""
+    fraction = min(1.0, generated / total)
+    print(f"\r[{'#' * int(30 * fraction):<30}] {generated}/{total} tokens", end="\n" if done else "", file=sys.stderr)
 
 
 def gpu_unseen_warning() -> str | None:

@@ -1,8 +1,9 @@
 """`python -m jaxspec.serve`: an OpenAI-compatible HTTP server with continuous batching and speculative decoding.
 
 One model, one decoding method (generate's flags), `--slots` rows decoding at once; requests beyond
-them wait in a bounded queue (beyond `--queue`: HTTP 429). `--method auto` takes the planner's
-choice for `--slots` rows at half the context, once, at start. SIGINT or SIGTERM stops accepting
+them wait in a bounded queue (beyond `--queue`: HTTP 429). `--method auto` starts with the planner's
+choice for `--slots` rows at half the context and refines it over the first segments served (switching
+every slot's strategy in place, as `generate` does). SIGINT or SIGTERM stops accepting
 connections, lets the requests in flight finish, then exits.
 """
 
@@ -31,6 +32,12 @@ def parse_args(argv):
     p.add_argument("--slots", type=int, default=8, help="requests decoded at once (the batch rows)")
     p.add_argument("--queue", type=int, default=256, help="requests that may wait for a slot (beyond: HTTP 429)")
     p.add_argument("--segment", type=int, default=2, help="decode iterations between admissions and streamed chunks")
+    p.add_argument("--admit-rows", type=int, default=1,
+                   help="the most waiting requests one admission prefills together (the others' decoding waits for it)")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="static: admit only when every slot is free (the baseline continuous batching is measured against)")
+    p.add_argument("--warm-up-tokens", type=int, default=64,
+                   help="compile the admission of prompts up to this many tokens at start")
     p.add_argument("--max-top-k", type=int, default=64, help="the largest top_k a request may ask for")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     return p.parse_args(argv)
@@ -40,6 +47,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     for flag, value, low in (("--slots", args.slots, 1), ("--queue", args.queue, 0), ("--segment", args.segment, 1),
+                             ("--admit-rows", args.admit_rows, 1), ("--warm-up-tokens", args.warm_up_tokens, 1),
                              ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0)):
         if value < low:
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
@@ -56,17 +64,19 @@ def main(argv=None):
     max_len = args.max_len or cfg.max_position_embeddings
     if max_len < 2 or max_len > cfg.max_position_embeddings:
         raise JaxspecError(f"--max-len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_len}")
+    plan = None
     if args.method == "auto":
         plan = planner.make_plan(
             cfg, planner.tree_bytes(params), batch=args.slots, prompt_tokens=max_len // 2, new_tokens=max_len // 4,
             sampling=SamplingConfig(temperature=1.0), precisions=planner.allowed_precisions(args.precision),
             table=args.planner_table, min_tokens=args.min_tokens,
         )
-        spec = plan.first.spec(spec)
-    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, queue_limit=args.queue,
-                          segment=args.segment, max_top_k=args.max_top_k)
+    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
+                          segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
+                          max_top_k=args.max_top_k)
+    spec = scheduler.spec
     print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}) ...", file=sys.stderr)
-    scheduler.warm_up()
+    scheduler.warm_up(min(args.warm_up_tokens, max_len - 1))
     scheduler.start()
     name = args.served_model_name or args.model
     logging.basicConfig(level=logging.WARNING)

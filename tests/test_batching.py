@@ -114,3 +114,55 @@ def test_admitted_mid_flight_equals_alone(params, spec):
     stats = jax.device_get(state.stats)
     if spec.method != "plain":
         assert stats.drafted[0] > 0 and stats.iterations[0] < c.max_new  # c's own stats, from zero
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(method="plain"), SpecConfig(method="vegas", gamma=3, min_tokens=32)], ids=str)
+def test_group_admission_drops_padding_rows(params, spec):
+    """Three requests admitted in one prefill of four rows (the fourth, padding, aimed at slot 4 of
+    4): each admitted row equals its request alone, the running row and the free row are untouched."""
+    spec = spec.validate()
+    _, decode, _ = compiled(spec)
+    first, group = Request(5, 70, 30, HOT), [Request(6, 40, 16, GREEDY), Request(7, 100, 12, HOT), Request(8, 60, 20, GREEDY)]
+    state = admit(params, spec, empty_state(params, spec, 5), 3, first)
+    state = decode(params, state, max_iterations=jnp.int32(2))
+    free_before = jax.device_get(state.tokens[4])
+    rows = group + [group[-1]]
+    width = max(len(r.ids) for r in rows)
+    ids = np.stack([np.pad(r.ids, (0, width - len(r.ids))) for r in rows])
+    state = compiled(spec)[0](
+        params, state, jnp.asarray([0, 1, 2, 5]), jnp.asarray(ids), jnp.asarray([len(r.ids) for r in rows]),
+        jax.vmap(jax.random.key)(jnp.asarray([r.seed for r in rows])), jnp.asarray([r.max_new for r in rows]),
+        -jnp.ones((4, STOP_WIDTH), jnp.int32), RowSampling.of([r.rules for r in rows], max_top_k=32))
+    assert (jax.device_get(state.tokens[4]) == free_before).all() and bool(state.done[4])
+    state = decode(params, state, max_iterations=jnp.int32(1 << 30))
+    for slot, r in ((0, group[0]), (1, group[1]), (2, group[2]), (3, first)):
+        assert generated(state, slot) == alone(params, spec, r), slot
+
+
+def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params):
+    """The scheduler (no tokenizer: token ids only) with three slots and group admission: five
+    requests, the first three admitted in one prefill and handed their first token before any
+    segment runs, the others admitted into freed slots; each emits its tokens alone."""
+    from jaxspec.serving.scheduler import Request as Job, Scheduler
+
+    spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
+    requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
+    scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32)
+    tokens, finished = {i: [] for i in range(5)}, {}
+
+    def listener(i):
+        def hear(delta):
+            tokens[i].extend(delta.token_ids)
+            if delta.finish_reason:
+                finished[i] = delta
+        return hear
+
+    for i, r in enumerate(requests):
+        scheduler.submit(Job(tuple(r.ids.tolist()), r.max_new, r.rules, r.seed), listener(i))
+    scheduler.admit_waiting()
+    assert [len(tokens[i]) for i in range(5)] == [1, 1, 1, 0, 0]
+    while len(finished) < 5:
+        scheduler.step()
+    for i, r in enumerate(requests):
+        assert finished[i].finish_reason == "length" and tokens[i] == alone(params, spec, r), i
+        assert finished[i].stats.completion_tokens == r.max_new and finished[i].stats.iterations > 0

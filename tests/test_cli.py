@@ -134,18 +134,18 @@ def test_prompt_longer_than_the_model_context(hf_checkpoints):
     assert_one_line_error(generate("--model", str(hf_checkpoints["llama"]), "--no-chat", "--prompt", long_prompt), "model's context")
 
 
-@pytest.mark.parametrize("method, inner", [("plain", "_run"), ("auto", "_run_auto")])
-def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys, method, inner):
+@pytest.mark.parametrize("method", ["plain", "auto"])
+def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys, method):
     """XLA's RESOURCE_EXHAUSTED becomes one line that names the KV cache size."""
     import jax
 
     from jaxspec import generate as cli
-    from jaxspec import runner
+    from jaxspec.serving.scheduler import Scheduler
 
     def out_of_memory(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.")
 
-    monkeypatch.setattr(runner, inner, out_of_memory)
+    monkeypatch.setattr(Scheduler, "admit_waiting", out_of_memory)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--model", str(hf_checkpoints["llama"]), "--prompt", "hi", "--max-new-tokens", "4", "--method", method])
     err = capsys.readouterr().err.strip().splitlines()

@@ -18,7 +18,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig, NSAConfig
-from jaxspec.runner import run_auto, run_generation, summarize
+from jaxspec.runner import run_generation, summarize
 
 PLAIN = Strategy()
 VEGAS = Strategy("vegas", gamma=6, ratio=0.07)
@@ -214,7 +214,7 @@ def tiny(hf_checkpoints):
 
 
 def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
-    """run_auto through vegas -> plain -> ngram (decisions scripted) emits plain decoding's tokens,
+    """An auto run through vegas -> plain -> ngram (decisions scripted) emits plain decoding's tokens,
     and its stats sum the three strategies' counters."""
     cfg, params, batch = tiny
     max_len, new = 160, 120  # vegas' first segment (8 iterations) leaves the rows running
@@ -225,7 +225,7 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: next(script))
     candidates = tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (VEGAS, PLAIN, NGRAM))
     plan = planner.Plan(candidates, VEGAS, "test", 1024)
-    run = run_auto(params, cfg, batch, plan=plan, base=SpecConfig(), **common)
+    run = run_generation(params, cfg, batch, plan=plan, spec=SpecConfig(), **common)
     assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
     assert [(s["from"], s["to"]) for s in run.auto.switches] == [("vegas g6 r0.07", "plain"), ("plain", "ngram g4")]
     assert [s["iteration"] for s in run.auto.switches] == [8, 16]
@@ -238,7 +238,7 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     assert out.iterations.max() > 16 and (out.accepted <= out.drafted).all()
     # a table's plain choice runs straight to the end, as plain decoding does: no segments, no switch
     plain_plan = planner.Plan(candidates, PLAIN, "table:t.json", 1024)
-    run = run_auto(params, cfg, batch, plan=plain_plan, base=SpecConfig(), **common)
+    run = run_generation(params, cfg, batch, plan=plain_plan, spec=SpecConfig(), **common)
     assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
     assert run.auto.segments == [] and run.auto.switches == []
 

@@ -188,7 +188,7 @@ def test_streams_concatenate_to_the_whole_response(main):
     assert len(texts) > 2 and "".join(texts) == whole.choices[0].text
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason and chunks[-1].usage.completion_tokens == 40
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
-    chat = main.client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+    chat = main.client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, logprobs=False)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
     stream = main.client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True)
     deltas = [c.choices[0].delta for c in stream]
@@ -220,6 +220,7 @@ BAD = [
     (json.dumps({"prompt": "hi", "n": 2}).encode(), "n must be"),
     (json.dumps({"prompt": "hi", "top_k": 1000}).encode(), "top_k 1000"),
     (json.dumps({"prompt": "hi", "presence_penalty": 0.5}).encode(), "presence_penalty is not supported"),
+    (json.dumps({"prompt": "hi", "logprobs": 2}).encode(), "logprobs is not supported"),
     (json.dumps({"prompt": ""}).encode(), "prompt is empty"),
     (json.dumps({"prompt": [5, 100000]}).encode(), "outside the vocabulary"),
     (json.dumps({"prompt": "word " * 400}).encode(), "context"),

@@ -237,7 +237,8 @@ def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> Decod
     """`state` with rows `slots` [n] replaced by the n rows of `rows` (a state of the same static
     configuration). A leaf's batch axis is the one whose size differs between the two, since only
     the batch differs; leaves of equal shape belong to the whole batch (the budget) and stay. With
-    n = B every row is replaced, and `slots` must be 0, ..., B - 1."""
+    n = B every row is replaced, and `slots` must be 0, ..., B - 1. A slot index of B or more drops
+    its row (padding rows of a bucketed admission)."""
     n, B = rows.length.shape[0], state.length.shape[0]
 
     def put(old, new):
@@ -245,7 +246,7 @@ def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> Decod
         if not axes:
             return new if n == B else old
         (axis,) = axes
-        return old.at[(slice(None),) * axis + (slots,)].set(new)
+        return old.at[(slice(None),) * axis + (slots,)].set(new, mode="drop")
 
     return jax.tree.map(put, state, rows)
 

@@ -189,6 +189,15 @@ class Observation:
         tpi = (self.tokens_per_iteration * self.iterations + other.tokens_per_iteration * other.iterations) / max(n, 1)
         return Observation(n, self.tokens + other.tokens, self.seconds + other.seconds, tpi)
 
+    @classmethod
+    def between(cls, before, after, seconds: float) -> Observation:
+        """A segment's observation from host copies of (length [B], SpecStats) before and after it."""
+        (length0, stats0), (length1, stats1) = before, after
+        row_iterations = stats1.iterations - stats0.iterations
+        accepted = int((stats1.accepted - stats0.accepted).sum())
+        total = max(int(row_iterations.sum()), 1)
+        return cls(int(row_iterations.max()), int((length1 - length0).sum()), seconds, (accepted + total) / total)
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -548,3 +557,49 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
     if probe_plain and not current.plain and plain not in observations and expected[plain] * (1 + PROBE_MARGIN) >= now:
         return plain, f"plain predicted {expected[plain]:.0f} tok/s, {current.name} expected {now:.0f} tok/s: measuring plain"
     return current, f"{current.name} expected {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"
+
+
+@dataclasses.dataclass
+class Refinement:
+    """Refinement at run time (point 3 of the module docstring) as the scheduler drives it: the
+    strategy running now, what each strategy was observed to do, the switches made and the segments
+    seen. `active` until the choice is settled: `decide` keeps the current strategy, MAX_SWITCHES
+    were made, or the rows finished. A measured table's plain choice has nothing to refine (no
+    drafts to observe), so it starts settled and runs as plain does."""
+
+    plan: Plan
+    current: Strategy
+    active: bool
+    iterations: int = 0
+    observations: dict = dataclasses.field(default_factory=dict)
+    switches: list = dataclasses.field(default_factory=list)
+    segments: list = dataclasses.field(default_factory=list)
+    ran: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def of(cls, plan: Plan) -> Refinement:
+        return cls(plan, plan.first, active=not (plan.first.plain and plan.source != "cost-model"), ran={plan.first})
+
+    def observe(self, seen: Observation, finished: bool) -> Strategy | None:
+        """Records a segment of the current strategy; returns the strategy to switch to, or None
+        (and settles) when the current one stays."""
+        self.iterations += seen.iterations
+        c = self.current
+        self.observations[c] = self.observations[c].merge(seen) if c in self.observations else seen
+        self.segments.append({"strategy": c.name, "iterations": seen.iterations, "tokens_per_s": seen.tokens_per_s,
+                              "tokens_per_iteration": seen.tokens_per_iteration, "iteration_s": seen.iteration_s})
+        target, reason = (c, "") if finished or len(self.switches) == MAX_SWITCHES else decide(
+            self.plan.candidates, self.observations, c, probe_plain=self.plan.source == "cost-model")
+        if target == c:
+            self.active = False
+            return None
+        self.switches.append({"iteration": self.iterations, "from": c.name, "to": target.name, "reason": reason,
+                              "observed_tokens_per_s": seen.tokens_per_s})
+        self.current = target
+        self.ran.add(target)
+        return target
+
+    @property
+    def lossless(self) -> bool:
+        """Every strategy that ran was lossless."""
+        return all(s.precision == "strict" for s in self.ran)

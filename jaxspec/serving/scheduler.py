@@ -24,13 +24,14 @@ import logging
 import secrets
 import threading
 import time
+import warnings
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding import engine
+from jaxspec.decoding import engine, planner
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
@@ -96,31 +97,51 @@ class Handle:
         self.first_token: float | None = None
         self.slot: int | None = None
         self.read = 0  # tokens of the slot already handed out (from the prompt's end)
-        self.text: TextStream | None = None
+        self.text: TextStream | None = None  # None without a tokenizer
+        self.before_switch = (0, 0, 0, ())  # the slot's stats under earlier strategies (a switch zeroes them)
 
     def cancel(self) -> None:
         self._scheduler._cancel(self)
 
 
 class Scheduler:
-    """Runs one model, one method and `slots` rows; see the module docstring."""
+    """Runs one model, one method (or a plan, refined) and `slots` rows; see the module docstring."""
 
-    def __init__(self, params, cfg, tokenizer: Tokenizer, spec: SpecConfig, *, slots: int, max_len: int,
-                 queue_limit: int = 256, segment: int = 2, max_top_k: int = 64):
+    def __init__(self, params, cfg, tokenizer: Tokenizer | None, spec: SpecConfig, *, slots: int, max_len: int,
+                 stop_ids: tuple[int, ...] | None = None, sampling: SamplingConfig | None = None,
+                 plan: planner.Plan | None = None, queue_limit: int = 256, segment: int | None = 2,
+                 admit_rows: int | None = 1, static: bool = False, max_top_k: int = 64):
+        """`tokenizer` None: token ids only (no text, no stop strings). `stop_ids`: ids that end every
+        request (default: the tokenizer's end-of-sequence ids, if any). `sampling`: the one config every
+        request uses, or None: each request's own (top_k up to `max_top_k`). `plan`: decode with its
+        first strategy and refine it (`spec` is the base its strategies are applied to). `segment`:
+        iterations per segment (None: until every slot is done). `admit_rows`: the most requests one
+        admission prefills (None: every free slot). `static`: static batching, the baseline that
+        continuous batching is measured against: requests are admitted only when every slot is
+        free, all that wait (up to `slots`) in one prefill, and the batch holds its slots until its
+        longest request ends."""
         if slots < 1:
             raise JaxspecError(f"--slots must be at least 1, got {slots}")
-        self.params, self.cfg, self.tokenizer, self.spec = params, cfg, tokenizer, spec.validate()
-        self.slots, self.max_len, self.queue_limit, self.segment, self.max_top_k = slots, max_len, queue_limit, segment, max_top_k
-        self.stop_width = len(tokenizer.eos_token_ids) + MAX_STOP_TOKEN_IDS
-        self.metrics = Metrics(depth=self.spec.draft_len)
+        self.params, self.cfg, self.tokenizer, self.base = params, cfg, tokenizer, spec.validate()
+        self.refinement = planner.Refinement.of(plan) if plan else None
+        self.spec = plan.first.spec(self.base) if plan else self.base  # the strategy running now
+        self.slots, self.max_len, self.queue_limit, self.segment = slots, max_len, queue_limit, segment
+        self.admit_rows = slots if static or admit_rows is None else admit_rows
+        self.static, self.sampling, self.max_top_k = static, sampling, max_top_k
+        self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.eos_token_ids if tokenizer else ())
+        self.stop_width = len(self.stop_ids) + MAX_STOP_TOKEN_IDS
+        depth = max(c.strategy.spec(self.base).draft_len for c in plan.candidates) if plan else self.spec.draft_len
+        self.metrics = Metrics(depth=depth)
+        self.compile_s = 0.0  # spent compiling programs (each shape once, on first use)
+        self._executables: dict = {}
         self._lock = threading.Condition()
         self._waiting: collections.deque[Handle] = collections.deque()
         self._cancelled: set[Handle] = set()
         self._running: dict[int, Handle] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._fns = _programs(cfg, self.spec.compiled(max_len), max_len, slots, self.segment * (self.spec.draft_len + 1) + 1)
-        self._state = self._fns.empty(params, self._row_rules([SamplingConfig()] * slots), self.spec.budget(), self.stop_width)
+        self._state: engine.DecodeState | None = None  # made by the first admission
+        self._last = None  # (length, stats) host copies at the latest report, for refinement
 
     # --- called from any thread ---------------------------------------------------------------------
 
@@ -128,8 +149,13 @@ class Scheduler:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def state(self) -> engine.DecodeState | None:
+        """The running decode state (every slot's tokens, lengths and stats under the current strategy)."""
+        return self._state
+
     def check(self, request: Request) -> None:
-        """Raises JaxspecError (HTTP 400) for a request this server cannot run."""
+        """Raises JaxspecError (HTTP 400) for a request this scheduler cannot run."""
         n = len(request.ids)
         if n == 0:
             raise JaxspecError("the prompt is empty")
@@ -141,10 +167,14 @@ class Scheduler:
         if n + request.max_new_tokens > self.max_len:
             raise JaxspecError(f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) is more than "
                                f"this server's context of {self.max_len} tokens")
-        if request.sampling.top_k > self.max_top_k:
+        if self.sampling is not None and request.sampling != self.sampling:
+            raise JaxspecError(f"this scheduler samples every request with {self.sampling}, not {request.sampling}")
+        if self.sampling is None and request.sampling.top_k > self.max_top_k:
             raise JaxspecError(f"top_k {request.sampling.top_k} is above this server's maximum of {self.max_top_k}")
         if len(request.stop_ids) > MAX_STOP_TOKEN_IDS:
             raise JaxspecError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(request.stop_ids)}")
+        if request.stop and self.tokenizer is None:
+            raise JaxspecError("stop strings need a tokenizer")
         vocab = self.cfg.vocab_size
         bad = [t for t in (*request.ids, *request.stop_ids) if not 0 <= t < vocab]
         if bad:
@@ -188,18 +218,26 @@ class Scheduler:
             self._thread.join()
 
     def warm_up(self, prompt_tokens: int = MIN_PROMPT_BUCKET) -> None:
-        """Compiles the segment and the admission of a prompt of up to `prompt_tokens` tokens (an
-        idle slot runs them; the state is unchanged), so the first requests don't wait on it."""
-        bucket = self._bucket(prompt_tokens)
-        self._state = self._fns.admit(
-            self.params, self._state, jnp.zeros((1,), jnp.int32), jnp.zeros((1, bucket), jnp.int32), jnp.ones((1,), jnp.int32),
-            jnp.zeros((1,), jnp.uint32), jnp.ones((1,), jnp.int32), -jnp.ones((1, self.stop_width), jnp.int32),
-            self._row_rules([SamplingConfig()]))
-        self._state = self._fns.release(self._state, jnp.ones((self.slots,), bool))
-        self._state = self._fns.decode(self.params, self._state, jnp.int32(self.segment))
-        jax.block_until_ready(self._fns.report(self._state, jnp.zeros((self.slots,), jnp.int32)))
+        """Compiles the empty state, the segment and the admissions of prompts of up to
+        `prompt_tokens` tokens, every group size up to `admit_rows` (nothing runs), so the first
+        requests don't wait on it."""
+        width = self._bucket(prompt_tokens)
+        if self._state is None:
+            self._state = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget())
+        for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
+            self._executable("admit", self.params, self._state, *self._admission([], [], n, width), shape=(n, width))
+        self._executable("decode", self.params, self._state, jnp.int32(0))
+        self._executable("release", self._state, jnp.zeros((self.slots,), bool))
+        self._executable("report", self._state, jnp.zeros((self.slots,), jnp.int32))
 
-    # --- the scheduler thread -----------------------------------------------------------------------
+    # --- the scheduler thread (the server's) or the caller's (the runner's) ----------------------------
+
+    def step(self) -> None:
+        """One round: frees cancelled slots, admits waiting requests, runs a segment. Raises on failure."""
+        self._release_cancelled()
+        self.admit_waiting()
+        if self._running:
+            self.run_segment()
 
     def _loop(self) -> None:
         while True:
@@ -208,70 +246,141 @@ class Scheduler:
                     self._lock.wait()
                 if self._stopping and not (self._waiting or self._running):
                     return
-                cancelled, self._cancelled = self._cancelled, set()
             try:
-                self._release([h for h in cancelled if h.slot is not None], "cancelled")
-                self._admit_waiting()
+                self._release_cancelled()
+                self.admit_waiting()
+            except Exception as e:  # the admitted requests failed; the others go on unless the state is lost
+                log.exception("admission failed")
+                if self._lost():
+                    self._fail_all(f"internal error: {type(e).__name__}: {e}")
+                continue
+            try:
                 if self._running:
-                    self._run_segment()
+                    self.run_segment()
             except Exception as e:  # a device or program failure: fail what runs, keep serving
                 log.exception("scheduler step failed")
                 self._fail_all(f"internal error: {type(e).__name__}: {e}")
 
-    def _admit_waiting(self) -> None:
+    def admit_waiting(self, cache=None) -> None:
+        """Admits waiting requests into free slots, `admit_rows` per prefill, and hands each its first
+        token. `cache` (a `runner.prefill_fn` output, donated) holds the prompts' KV when the waiting
+        requests fill every slot of a fresh scheduler (the runner's batch): it replaces their prefill.
+        If an admission fails, its requests fail and the error is raised."""
+        if self.static and self._running:
+            return
         free = [s for s in range(self.slots) if s not in self._running]
+        admitted, start = 0, time.perf_counter()
         while free:
             with self._lock:
-                if not self._waiting:
-                    return
-                handle = self._waiting.popleft()
+                group = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting), self.admit_rows))]
                 self.metrics.set_queue(len(self._waiting), len(self._running))
-            slot = free.pop(0)
+            if not group:
+                break
+            slots, free = free[: len(group)], free[len(group) :]
             try:
-                self._admit(handle, slot)
-            except Exception as e:  # this request's failure is its own
-                log.exception("admission failed")
-                self._finish(handle, "error", error=f"{type(e).__name__}: {e}")
+                self._admit(group, slots, cache)
+            except Exception as e:
+                for h in group:
+                    self._finish(h, "error", error=f"{type(e).__name__}: {e}")
+                raise
+            admitted += len(group)
+        if admitted:
+            self._deliver(start)
 
-    def _admit(self, handle: Handle, slot: int) -> None:
-        r = handle.request
-        ids = np.zeros((1, self._bucket(len(r.ids))), np.int32)
-        ids[0, : len(r.ids)] = r.ids
-        stop = np.full((1, self.stop_width), -1, np.int32)
-        stop_ids = (*self.tokenizer.eos_token_ids, *r.stop_ids)
-        stop[0, : len(stop_ids)] = stop_ids
-        seed = secrets.randbits(32) if r.seed is None else r.seed % (1 << 32)
-        self._state = self._fns.admit(
-            self.params, self._state, jnp.asarray([slot], jnp.int32), jnp.asarray(ids), jnp.asarray([len(r.ids)], jnp.int32),
-            jnp.asarray([seed], jnp.uint32), jnp.asarray([r.max_new_tokens], jnp.int32), jnp.asarray(stop),
-            self._row_rules([r.sampling]))
-        handle.slot, handle.admitted = slot, time.perf_counter()
-        handle.text = TextStream(self.tokenizer, r.stop)
-        self._running[slot] = handle
+    def _admit(self, group: list[Handle], slots: list[int], cache) -> None:
+        n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
+        args = self._admission(group, slots, n, width)
+        if self._state is None and n == self.slots:  # every slot at once: the prefill is the state
+            name, inputs = ("start", (cache, *args[1:])) if cache is not None else ("prefill", args[1:])
+            self._state = self._call(name, self.params, *inputs, self.spec.budget(), shape=(width,))
+        else:
+            if cache is not None:
+                raise ValueError("a prefilled cache is for requests that fill every slot of a fresh scheduler")
+            if self._state is None:
+                self._state = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget())
+            self._state = self._call("admit", self.params, self._state, *args, shape=(n, width))
+        now = time.perf_counter()
+        for h, slot in zip(group, slots):
+            h.slot, h.admitted = slot, now
+            h.text = TextStream(self.tokenizer, h.request.stop) if self.tokenizer else None
+            self._running[slot] = h
         self.metrics.set_queue(len(self._waiting), len(self._running))
 
-    def _run_segment(self) -> None:
+    def _admission(self, group: list[Handle], slots: list[int], n: int, width: int) -> tuple:
+        """admit's arguments after the state: slots, prompts [n, width], lengths, seeds, token limits,
+        stop ids and rules, for `group` padded to n rows (padding rows go to slot `slots`, which
+        is out of range: their writes are dropped)."""
+        ids = np.zeros((n, width), np.int32)
+        lengths, seeds, limits = np.ones((n,), np.int32), np.zeros((n,), np.uint32), np.ones((n,), np.int32)
+        stop = np.full((n, self.stop_width), -1, np.int32)
+        where = np.full((n,), self.slots, np.int32)
+        where[: len(slots)] = slots
+        configs = [SamplingConfig() if self.sampling is None else self.sampling] * n
+        for i, h in enumerate(group):
+            r = h.request
+            ids[i, : len(r.ids)], lengths[i], limits[i] = r.ids, len(r.ids), r.max_new_tokens
+            seeds[i] = secrets.randbits(32) if r.seed is None else r.seed % (1 << 32)
+            stop_ids = (*self.stop_ids, *r.stop_ids)
+            stop[i, : len(stop_ids)] = stop_ids
+            configs[i] = r.sampling
+        return (jnp.asarray(where), jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(seeds), jnp.asarray(limits),
+                jnp.asarray(stop), self._rules(configs))
+
+    def run_segment(self) -> None:
+        """Decodes a segment (`segment` iterations; planner.SEGMENT while refining), hands out its
+        tokens, and lets the refinement switch strategy."""
+        refining = self.refinement is not None and self.refinement.active
+        iterations = planner.SEGMENT if refining else self.segment
+        if refining and not self.refinement.segments and not self.refinement.switches:
+            self._state = self._call("decode", self.params, self._state, jnp.int32(0))  # loads the program: not observed
+        before, start = self._last, time.perf_counter()
+        limit = np.iinfo(np.int32).max if iterations is None else iterations
+        self._state = self._call("decode", self.params, self._state, jnp.int32(limit))
+        seconds = self._deliver(start)
+        if refining:
+            target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running)
+            if target is not None:
+                self._switch(target)
+
+    def _switch(self, target: planner.Strategy) -> None:
+        """Every slot continues under `target` (`engine.switch`: exact); the slots' stats so far move
+        to their requests (the switch zeroes the state's)."""
+        _, stats = self._last
+        for slot, h in self._running.items():
+            h.before_switch = _add_row_stats(h.before_switch, _row_stats(stats, slot))
+        old = self.spec
+        self.spec = target.spec(self.base)
         start = time.perf_counter()
-        self._state = self._fns.decode(self.params, self._state, jnp.int32(self.segment))
+        with warnings.catch_warnings():  # the old tokens buffer is donated but has the old width: expected
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            self._state = self._call("switch", self.params, self._state, self.spec.budget(), shape=(old,))
+        self._deliver(start)  # the switch's plain step drew a token per slot
+        self._state = self._call("decode", self.params, self._state, jnp.int32(0))  # loads the program: not observed
+
+    def _deliver(self, start: float) -> float:
+        """Hands each running request the tokens its slot committed since the last delivery and
+        finishes the requests that are done; returns the seconds since `start` (when the work that
+        committed them began) to the tokens' arrival on the host."""
         since = np.zeros((self.slots,), np.int32)
         for slot, h in self._running.items():
             since[slot] = len(h.request.ids) + h.read
-        length, done, window, stats = jax.device_get(self._fns.report(self._state, jnp.asarray(since)))
-        seconds = time.perf_counter() - start
-        finished, new_tokens = [], 0
+        length, done, window, stats = jax.device_get(self._call("report", self._state, jnp.asarray(since)))
+        self._last = (length, stats)
+        now = time.perf_counter()
+        finished, new_tokens, seconds = [], 0, now - start
         for slot, h in list(self._running.items()):
             count = int(length[slot] - since[slot])
             tokens = window[slot, :count].tolist()
             h.read += count
             new_tokens += count
             if count and h.first_token is None:
-                h.first_token = time.perf_counter()
+                h.first_token = now
             reason = None
             if done[slot]:
-                ends = tokens and tokens[-1] in (*self.tokenizer.eos_token_ids, *h.request.stop_ids)
+                ends = tokens and tokens[-1] in (*self.stop_ids, *h.request.stop_ids)
                 reason = "stop" if ends else "length"
                 tokens = tokens[:-1] if ends else tokens
-            text, stopped = h.text.push(tokens)
+            text, stopped = h.text.push(tokens) if h.text else ("", False)
             if stopped:
                 reason = "stop"
             if reason is None:
@@ -279,37 +388,42 @@ class Scheduler:
                     h.listener(Delta(text, tuple(tokens)))
                 continue
             finished.append(h)
-            self._finish(h, reason, text + h.text.flush(), tuple(tokens), row=_row_stats(stats, slot))
+            text += h.text.flush() if h.text else ""
+            self._finish(h, reason, text, tuple(tokens), row=_add_row_stats(h.before_switch, _row_stats(stats, slot)))
         self.metrics.add_segment(new_tokens, seconds)
         self._free([h.slot for h in finished if not done[h.slot]])
         for h in finished:
             del self._running[h.slot]
         with self._lock:
             self.metrics.set_queue(len(self._waiting), len(self._running))
+        return seconds
 
-    def _release(self, handles: list[Handle], reason: str) -> None:
-        """Frees the slots of running requests (cancelled: their clients are gone)."""
+    def _release_cancelled(self) -> None:
+        """Frees the slots of cancelled running requests (their clients are gone)."""
+        with self._lock:
+            handles, self._cancelled = [h for h in self._cancelled if h.slot is not None], set()
         if not handles:
             return
         self._free([h.slot for h in handles])
         for h in handles:
             self._running.pop(h.slot, None)
-            self._finish(h, reason)
+            self._finish(h, "cancelled")
 
     def _free(self, slots: list[int]) -> None:
         if slots:
             mask = np.zeros((self.slots,), bool)
             mask[slots] = True
-            self._state = self._fns.release(self._state, jnp.asarray(mask))
+            self._state = self._call("release", self._state, jnp.asarray(mask))
 
     def _finish(self, h: Handle, reason: str, text: str = "", tokens: tuple[int, ...] = (), error: str | None = None,
                 row: tuple = (0, 0, 0, ())) -> None:
         """Hands the request its last delta; `row`: its slot's (iterations, drafted, accepted, by depth)."""
         now = time.perf_counter()
         stats = RequestStats(
-            prompt_tokens=len(h.request.ids), completion_tokens=len(h.text.ids) if h.text else 0, iterations=row[0], drafted=row[1],
-            accepted=row[2], accepted_by_depth=row[3], queued_s=(h.admitted or now) - h.submitted,
-            first_token_s=(h.first_token or now) - h.submitted, total_s=now - h.submitted,
+            prompt_tokens=len(h.request.ids), completion_tokens=len(h.text.ids) if h.text else h.read,
+            iterations=row[0], drafted=row[1], accepted=row[2], accepted_by_depth=row[3],
+            queued_s=(h.admitted or now) - h.submitted, first_token_s=(h.first_token or now) - h.submitted,
+            total_s=now - h.submitted,
         )
         self.metrics.finish_request(reason, stats)
         try:
@@ -321,16 +435,47 @@ class Scheduler:
         """Fails the running requests and starts again from free slots (the state may be lost)."""
         handles = list(self._running.values())
         self._running.clear()
-        self._state = self._fns.empty(self.params, self._row_rules([SamplingConfig()] * self.slots), self.spec.budget(),
-                                      self.stop_width)
+        self._state = None
         for h in handles:
             self._finish(h, "error", error=error)
+
+    def _lost(self) -> bool:
+        """Whether the state's buffers are gone (donated to a program that failed)."""
+        return self._state is not None and any(x.is_deleted() for x in jax.tree.leaves(self._state))
+
+    def _call(self, name: str, *args, shape: tuple = ()):
+        return self._executable(name, *args, shape=shape)(*args)
+
+    def _executable(self, name: str, *args, shape: tuple = ()):
+        """Program `name` of the current strategy for arguments of `shape`, compiled ahead of time on
+        first use (the time goes to `compile_s`)."""
+        fns = _programs(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, self.slots,
+                        self.stop_width, self._window())
+        key = (fns, name, shape)
+        if key not in self._executables:
+            start = time.perf_counter()
+            self._executables[key] = getattr(fns, name).lower(*args).compile()
+            self.compile_s += time.perf_counter() - start
+        return self._executables[key]
+
+    def _window(self) -> int:
+        """Tokens a report reads per slot: what the longest segment can commit, plus the first token."""
+        iterations = max(self.segment or self.max_len, planner.SEGMENT if self.refinement else 0)
+        return min(iterations * (self.spec.draft_len + 1) + 1, self.max_len)
 
     def _bucket(self, n: int) -> int:
         return min(max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length()), self.max_len)
 
-    def _row_rules(self, configs: list[SamplingConfig]) -> RowSampling:
-        return RowSampling.of(configs, self.max_top_k)
+    def _row_bucket(self, n: int) -> int:
+        """Rows of an admission of n requests: a power of two below the slot count, or every slot.
+        (An admission of as many rows as slots replaces the whole state: `engine.write_rows`.)"""
+        if n == self.slots:
+            return n
+        rows = 1 << (n - 1).bit_length()
+        return rows if rows < self.slots else self.slots - 1
+
+    def _rules(self, configs: list[SamplingConfig]) -> RowSampling | None:
+        return None if self.sampling is not None else RowSampling.of(configs, self.max_top_k)
 
 
 def _row_stats(stats, slot: int) -> tuple:
@@ -338,29 +483,48 @@ def _row_stats(stats, slot: int) -> tuple:
             tuple(int(x) for x in stats.accepted_by_depth[slot]))
 
 
+def _add_row_stats(a: tuple, b: tuple) -> tuple:
+    """Two (iterations, drafted, accepted, by depth) of one slot summed; by depth padded to the deeper."""
+    depth = max(len(a[3]), len(b[3]))
+    pad = lambda x: (*x, *(0,) * (depth - len(x)))
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], tuple(x + y for x, y in zip(pad(a[3]), pad(b[3]))))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Programs:
     empty: Callable
+    prefill: Callable
+    start: Callable
     admit: Callable
     decode: Callable
     release: Callable
     report: Callable
+    switch: Callable
 
 
 @functools.lru_cache(maxsize=None)
-def _programs(cfg, spec: SpecConfig, max_len: int, slots: int, window: int) -> _Programs:
-    """The scheduler's jitted programs for one model, method and slot count (row rules throughout);
-    admit and decode donate the state, so it is updated in place."""
-    static = dict(cfg=cfg, spec=spec, sampling=None, max_len=max_len)
+def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, slots: int, stop_width: int,
+              window: int) -> _Programs:
+    """The scheduler's jitted programs for one model, strategy, sampling mode and slot count;
+    those that take the state (or the prefilled cache) donate it, so it is updated in place."""
+    static = dict(cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
     keys = jax.vmap(jax.random.key)
 
-    def empty(params, rules, budget, stop_width: int):
-        """Every slot free (done), under the server's sparse budget."""
+    def empty(params, rules, budget):
+        """Every slot free (done)."""
         state = engine.prefill(
             params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), keys(jnp.zeros((slots,), jnp.uint32)),
             max_new_tokens=jnp.ones((slots,), jnp.int32), stop_ids=-jnp.ones((slots, stop_width), jnp.int32),
             budget=budget, row_sampling=rules, **static)
         return engine.release(state, jnp.ones((slots,), bool))
+
+    def prefill(params, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
+        return engine.prefill(params, prompts, prompt_len, keys(seeds), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                              budget=budget, row_sampling=rules, **static)
+
+    def start(params, cache, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
+        return engine.start(params, cache, prompts, prompt_len, keys(seeds), budget, max_new_tokens=max_new_tokens,
+                            stop_ids=stop_ids, row_sampling=rules, **static)
 
     def admit(params, state, slots_, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules):
         return engine.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, **static)
@@ -374,10 +538,16 @@ def _programs(cfg, spec: SpecConfig, max_len: int, slots: int, window: int) -> _
         tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
         return state.length, state.done, tokens, state.stats
 
+    def switch(params, state, budget):
+        return engine.switch(params, state, budget, **static)
+
     return _Programs(
-        empty=jax.jit(empty, static_argnums=3),
+        empty=jax.jit(empty),
+        prefill=jax.jit(prefill),
+        start=jax.jit(start, donate_argnums=1),
         admit=jax.jit(admit, donate_argnums=1),
         decode=jax.jit(decode, donate_argnums=1),
         release=jax.jit(engine.release, donate_argnums=0),
         report=jax.jit(report),
+        switch=jax.jit(switch, donate_argnums=1),
     )

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (Starlette on uvicorn) in front of one `Scheduler`.
 
-A non-streamed choice also carries the generated `token_ids` (the stop token excluded), and
-`usage.jaxspec` the request's speculation figures (iterations, accepted drafts by depth, latency).
+Every choice, streamed chunks included, also carries its generated `token_ids` (the stop token
+excluded), and `usage.jaxspec` the request's speculation figures (iterations, accepted drafts by
+depth, latency).
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
 `stream`, one chunk per segment's accepted tokens), GET /v1/models, /health and /metrics
@@ -31,8 +32,9 @@ from jaxspec.serving.scheduler import Delta, QueueFull, Request, Scheduler
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "stream", "stream_options", "n", "user"}
-# OpenAI fields accepted only at their default (jaxspec does not implement them)
-DEFAULT_ONLY = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None, "best_of": 1,
+# OpenAI fields accepted only at their default, or null (jaxspec does not implement them); chat's
+# logprobs is a boolean (false), completions' a count (null)
+DEFAULT_ONLY = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": False, "best_of": 1,
                 "echo": False, "suffix": None, "top_logprobs": None}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(DEFAULT_ONLY)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(DEFAULT_ONLY) - {"echo", "suffix", "best_of"}
@@ -159,7 +161,9 @@ def check_fields(body: dict, allowed: set[str]) -> None:
     if unknown:
         raise BadRequest(f"unknown field {unknown[0]!r}", unknown[0])
     for name, default in DEFAULT_ONLY.items():
-        if name in body and body[name] not in (default, None):
+        value = body.get(name)
+        # null, or the default itself; a boolean is not a number here (completions' logprobs 0 is not false)
+        if not (value is None or (isinstance(value, bool) == isinstance(default, bool) and value == default)):
             raise BadRequest(f"{name} is not supported (only its default, {default!r})", name)
 
 
@@ -215,24 +219,24 @@ class CompletionChunks:
     def head(self) -> dict:
         return {"id": self.ident, "object": self.object, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
-        return {**self.head(), "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+    def chunk(self, text: str, finish_reason: str | None, token_ids: tuple[int, ...] = ()) -> dict:
+        return {**self.head(), "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None,
+                                            "token_ids": list(token_ids)}]}
 
     def first(self) -> dict | None:
         return None
 
     def whole(self, text: str, finish_reason: str, token_ids: list[int]) -> dict:
-        body = self.chunk(text, finish_reason)
-        body["choices"][0]["token_ids"] = token_ids
-        return body
+        return self.chunk(text, finish_reason, token_ids)
 
 
 class ChatChunks(CompletionChunks):
     object = "chat.completion.chunk"
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, token_ids: tuple[int, ...] = ()) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return {**self.head(), "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+        return {**self.head(), "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None,
+                                            "token_ids": list(token_ids)}]}
 
     def first(self) -> dict:
         return {**self.head(), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
@@ -290,8 +294,8 @@ async def sse(handle, deltas: asyncio.Queue, shape: CompletionChunks, usage_chun
                 yield event({"error": {"message": f"the request failed: {delta.error}", "type": "server_error",
                                        "param": None, "code": None}})
                 break
-            if delta.text or delta.finish_reason is None:
-                yield event(shape.chunk(delta.text, None))
+            if delta.text or delta.token_ids or delta.finish_reason is None:
+                yield event(shape.chunk(delta.text, None, delta.token_ids))
             if delta.finish_reason is not None:
                 done = True
                 yield event(shape.chunk("", delta.finish_reason))
