@@ -5,9 +5,9 @@
         [--slots 16] [--rates 1,2,4,8] [--requests 16] [--repeats 3] [--prompt-tokens 7000]
         [--new 256,1024] [--tiny] [--out DIR] [--tag T] [--plot-from JSON ...]
 
-A config is method:batching. For each, one server process (`python -m jaxspec.serve --method M
---batching B --slots S`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines the planner's choice
-as it serves) is started, warmed up (its admissions compiled for the prompts' length, then one
+A config is method:batching[:chunk]. For each, one server process (`python -m jaxspec.serve --method M
+--batching B --slots S [--prefill-chunk C]`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines
+the planner's choice as it serves) is started, warmed up (its admissions compiled for the prompts' length, then one
 request) and driven by this process over HTTP/1.0 with streamed /v1/completions (prompt token ids,
 every chunk carrying its token ids) at each rate, --repeats times (arrival schedule seeds 0..;
 the server process stays up across rates and repeats). Static batching is the server admitting only
@@ -74,12 +74,13 @@ def schedule(n: int, new: tuple[int, int], rate: float, seed: int) -> tuple[list
 class Server:
     """`python -m jaxspec.serve` in a child process, its log in a file."""
 
-    def __init__(self, model: str, method: str, batching: str, slots: int, max_len: int, warm_up_tokens: int, log: Path):
+    def __init__(self, model: str, config: str, slots: int, max_len: int, warm_up_tokens: int, log: Path):
         self.port = free_port()
+        method, batching, chunk = (config.split(":") + ["0"])[:3]
         fixed = [] if method in ("plain", "auto") else ["--gamma", str(GAMMA), "--ratio", str(RATIO)]
         command = [sys.executable, "-m", "jaxspec.serve", "--model", model, "--method", method, *fixed,
-                   "--batching", batching, "--slots", str(slots), "--max-len", str(max_len), "--port", str(self.port),
-                   "--queue", "10000", "--warm-up-tokens", str(warm_up_tokens)]
+                   "--batching", batching, "--prefill-chunk", chunk, "--slots", str(slots), "--max-len", str(max_len),
+                   "--port", str(self.port), "--queue", "10000", "--warm-up-tokens", str(warm_up_tokens)]
         self.log = log
         env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/jaxspec_jit_cache")}
         env.pop("JAX_PLATFORMS")  # the server takes the accelerator
@@ -196,7 +197,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         points = sorted((r["rate"], r["tokens_per_s"], r["spread_tokens_per_s"], r["ttft_p50_s"]) for r in rows
                         if r["config"] == config)
         rates = [p[0] for p in points]
-        style = "--" if config.endswith(":static") else "-"
+        style = "--" if ":static" in config else "-"
         left.errorbar(rates, [p[1] for p in points], yerr=[p[2] / 2 for p in points], marker="o", capsize=3,
                       linestyle=style, label=config)
         right.plot(rates, [p[3] for p in points], marker="o", linestyle=style, label=config)
@@ -247,8 +248,8 @@ def main():
               "servers": [], "runs": [], "summary": []}
     path = None
     for config in args.configs:
-        method, batching = config.split(":")
-        server = Server(args.model, method, batching, args.slots, max_len, longest, Path(f"/tmp/serve_{method}_{batching}.log"))
+        method = config.split(":")[0]
+        server = Server(args.model, config, args.slots, max_len, longest, Path(f"/tmp/serve_{config.replace(':', '_')}.log"))
         try:
             result["device"], result["backend"] = server.device, "server"  # this process's own JAX runs on the CPU
             path = args.out / f"serve_load_{server.device.split(' (')[0].replace(' ', '_')}{args.tag}.json"

@@ -34,6 +34,8 @@ def parse_args(argv):
     p.add_argument("--segment", type=int, default=2, help="decode iterations between admissions and streamed chunks")
     p.add_argument("--admit-rows", type=int, default=1,
                    help="the most waiting requests one admission prefills together (the others' decoding waits for it)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="chunked prefill: prompts longer than this are prefilled this many tokens per decode segment (0: whole)")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="static: admit only when every slot is free (the baseline continuous batching is measured against)")
     p.add_argument("--warm-up-tokens", type=int, default=64,
@@ -48,6 +50,7 @@ def main(argv=None):
     args = parse_args(argv)
     for flag, value, low in (("--slots", args.slots, 1), ("--queue", args.queue, 0), ("--segment", args.segment, 1),
                              ("--admit-rows", args.admit_rows, 1), ("--warm-up-tokens", args.warm_up_tokens, 1),
+                             ("--prefill-chunk", args.prefill_chunk, 0),
                              ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0)):
         if value < low:
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
@@ -73,6 +76,7 @@ def main(argv=None):
         )
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
                           segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
+                          prefill_chunk=args.prefill_chunk or None,
                           max_top_k=args.max_top_k)
     spec = scheduler.spec
     print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}) ...", file=sys.stderr)

@@ -139,15 +139,18 @@ def test_group_admission_drops_padding_rows(params, spec):
         assert generated(state, slot) == alone(params, spec, r), slot
 
 
-def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params):
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, chunk):
     """The scheduler (no tokenizer: token ids only) with three slots and group admission: five
     requests, the first three admitted in one prefill and handed their first token before any
-    segment runs, the others admitted into freed slots; each emits its tokens alone."""
+    segment runs (with chunked prefill of 32 positions: once their last chunk is written, a chunk
+    per round), the others admitted into freed slots; each emits its tokens alone."""
     from jaxspec.serving.scheduler import Request as Job, Scheduler
 
     spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
     requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
-    scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32)
+    scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
+                          prefill_chunk=chunk)
     tokens, finished = {i: [] for i in range(5)}, {}
 
     def listener(i):
@@ -159,6 +162,10 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params):
 
     for i, r in enumerate(requests):
         scheduler.submit(Job(tuple(r.ids.tolist()), r.max_new, r.rules, r.seed), listener(i))
+    rounds = 1 if chunk is None else -(-(max(len(r.ids) for r in requests[:3]) - 1) // chunk)  # chunks of the first group
+    for _ in range(rounds - 1):
+        scheduler.admit_waiting()
+        assert not any(tokens.values())
     scheduler.admit_waiting()
     assert [len(tokens[i]) for i in range(5)] == [1, 1, 1, 0, 0]
     while len(finished) < 5:
@@ -166,3 +173,24 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params):
     for i, r in enumerate(requests):
         assert finished[i].finish_reason == "length" and tokens[i] == alone(params, spec, r), i
         assert finished[i].stats.completion_tokens == r.max_new and finished[i].stats.iterations > 0
+
+
+def test_cancel_during_chunked_prefill(params):
+    """A request cancelled while its prompt is prefilled a chunk per round ends cancelled once
+    admitted, and its slot goes to the next request, which emits its tokens alone."""
+    from jaxspec.serving.scheduler import Request as Job, Scheduler
+
+    spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
+    long, short = Request(20, 150, 40, HOT), Request(21, 40, 12, GREEDY)
+    scheduler = Scheduler(params, CFG, None, spec, slots=1, max_len=MAX_LEN, max_top_k=32, prefill_chunk=32)
+    finished, tokens = {}, []
+    handle = scheduler.submit(Job(tuple(long.ids.tolist()), long.max_new, long.rules, long.seed),
+                              lambda d: d.finish_reason and finished.update(long=d))
+    scheduler.submit(Job(tuple(short.ids.tolist()), short.max_new, short.rules, short.seed),
+                     lambda d: (tokens.extend(d.token_ids), d.finish_reason and finished.update(short=d)))
+    scheduler.step()  # the long prompt's first chunk
+    handle.cancel()
+    while len(finished) < 2:
+        scheduler.step()
+    assert finished["long"].finish_reason == "cancelled" and finished["long"].stats.completion_tokens < long.max_new
+    assert finished["short"].finish_reason == "length" and tokens == alone(params, spec, short)

@@ -91,7 +91,8 @@ def model(hf_checkpoints):
 
 @pytest.fixture(scope="module")
 def main(model):
-    server = Server(model, "--method", "vegas", "--gamma", "3", "--min-tokens", "16", "--slots", "4", "--queue", "64")
+    server = Server(model, "--method", "vegas", "--gamma", "3", "--min-tokens", "16", "--slots", "4", "--queue", "64",
+                    "--admit-rows", "2", "--prefill-chunk", "16")  # group admission and chunked prefill
     yield server
     server.stop()
 

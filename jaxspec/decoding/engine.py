@@ -25,6 +25,7 @@ segments of the loop (`decode` with `max_iterations`), `release` frees rows; the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -100,18 +101,31 @@ def prefill_cache(
     cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS)
     chunk = min(chunk, P)
     num_chunks = -(-(P - 1) // chunk)
-    padded = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (0, num_chunks * chunk - P + 1)))
-    last_slot = cache.num_slots - 1
+    fill = functools.partial(prefill_chunk, params, prompts=prompts, prompt_len=prompt_len, cfg=cfg, backend=backend, chunk=chunk)
+    return jax.lax.fori_loop(0, num_chunks, lambda c, cache: fill(cache, begin=c * chunk), cache)
 
-    def body(c, cache):
-        positions = jnp.broadcast_to(c * chunk + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        chunk_tokens = jax.lax.dynamic_slice_in_dim(padded, c * chunk, chunk, axis=1)
-        valid = positions < (prompt_len - 1)[:, None]
-        attend = decoder.attention(cfg, jnp.minimum(positions, last_slot), backend)
-        _, cache, _ = decoder.forward(params, cfg, chunk_tokens, positions, valid, cache, attend)
-        return cache
 
-    return jax.lax.fori_loop(0, num_chunks, body, cache)
+def prefill_chunk(
+    params: decoder.Params,
+    cache: KVCache,
+    *,
+    prompts: jax.Array,
+    prompt_len: jax.Array,
+    begin: jax.Array | int,
+    cfg: ModelConfig,
+    backend: str,
+    chunk: int,
+) -> KVCache:
+    """`cache` with the KV of prompt positions [begin, begin + chunk) written (positions before each
+    row's last token; the others are not written). Chunks in order from 0 make `prefill_cache`;
+    a server prefills a long prompt a chunk per round between decode segments (chunked prefill)."""
+    padded = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (0, chunk)))  # a chunk starting before P stays in bounds
+    positions = jnp.broadcast_to(begin + jnp.arange(chunk, dtype=jnp.int32), (prompts.shape[0], chunk))
+    tokens = jax.lax.dynamic_slice_in_dim(padded, begin, chunk, axis=1)
+    valid = positions < (prompt_len - 1)[:, None]
+    attend = decoder.attention(cfg, jnp.minimum(positions, cache.num_slots - 1), backend)
+    _, cache, _ = decoder.forward(params, cfg, tokens, positions, valid, cache, attend)
+    return cache
 
 
 def start(
@@ -215,6 +229,7 @@ def admit(
     max_new_tokens: jax.Array,
     stop_ids: jax.Array,
     row_sampling: RowSampling | None = None,
+    cache: KVCache | None = None,
     *,
     cfg: ModelConfig,
     spec: SpecConfig,
@@ -225,10 +240,14 @@ def admit(
     stop_ids [n, m], row_sampling of n rows) and writes them into rows `slots` [n] of a running
     state, leaving its other rows as they were. A server admits requests into freed slots between
     loop segments; each new row is what `prefill` makes of it (first token drawn, drafter seeded,
-    stats zero), under the state's budget."""
-    rows = prefill(
-        params, prompts, prompt_len, key, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len,
-        max_new_tokens=max_new_tokens, stop_ids=stop_ids, budget=state.budget, row_sampling=row_sampling,
+    stats zero), under the state's budget. `cache`: the prompts' KV already written (by
+    `prefill_chunk`, a chunk per round), so only `start` remains."""
+    if cache is None:
+        cache = prefill_cache(params, prompts, prompt_len, cfg=cfg, max_len=max_len, backend=spec.backend,
+                              chunk=spec.prefill_chunk)
+    rows = start(
+        params, cache, prompts, prompt_len, key, state.budget, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len,
+        max_new_tokens=max_new_tokens, stop_ids=stop_ids, row_sampling=row_sampling,
     )
     return write_rows(state, rows, slots)
 

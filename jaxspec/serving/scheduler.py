@@ -34,8 +34,10 @@ import numpy as np
 from jaxspec.decoding import engine, planner
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.errors import JaxspecError
 from jaxspec.serving.metrics import Metrics
+from jaxspec.models.kvcache import init_cache
 from jaxspec.serving.text import TextStream
 from jaxspec.tokenizer import Tokenizer
 
@@ -110,7 +112,8 @@ class Scheduler:
     def __init__(self, params, cfg, tokenizer: Tokenizer | None, spec: SpecConfig, *, slots: int, max_len: int,
                  stop_ids: tuple[int, ...] | None = None, sampling: SamplingConfig | None = None,
                  plan: planner.Plan | None = None, queue_limit: int = 256, segment: int | None = 2,
-                 admit_rows: int | None = 1, static: bool = False, max_top_k: int = 64):
+                 admit_rows: int | None = 1, static: bool = False, prefill_chunk: int | None = None,
+                 max_top_k: int = 64):
         """`tokenizer` None: token ids only (no text, no stop strings). `stop_ids`: ids that end every
         request (default: the tokenizer's end-of-sequence ids, if any). `sampling`: the one config every
         request uses, or None: each request's own (top_k up to `max_top_k`). `plan`: decode with its
@@ -119,7 +122,9 @@ class Scheduler:
         admission prefills (None: every free slot). `static`: static batching, the baseline that
         continuous batching is measured against: requests are admitted only when every slot is
         free, all that wait (up to `slots`) in one prefill, and the batch holds its slots until its
-        longest request ends."""
+        longest request ends. `prefill_chunk`: chunked prefill; an admission whose prompts are longer
+        is prefilled this many positions per round, each round followed by a decode segment of the
+        running slots, so a long prompt stalls them a chunk at a time (None: whole prompts)."""
         if slots < 1:
             raise JaxspecError(f"--slots must be at least 1, got {slots}")
         self.params, self.cfg, self.tokenizer, self.base = params, cfg, tokenizer, spec.validate()
@@ -127,7 +132,7 @@ class Scheduler:
         self.spec = plan.first.spec(self.base) if plan else self.base  # the strategy running now
         self.slots, self.max_len, self.queue_limit, self.segment = slots, max_len, queue_limit, segment
         self.admit_rows = slots if static or admit_rows is None else admit_rows
-        self.static, self.sampling, self.max_top_k = static, sampling, max_top_k
+        self.static, self.sampling, self.max_top_k, self.prefill_chunk = static, sampling, max_top_k, prefill_chunk
         self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.eos_token_ids if tokenizer else ())
         self.stop_width = len(self.stop_ids) + MAX_STOP_TOKEN_IDS
         depth = max(c.strategy.spec(self.base).draft_len for c in plan.candidates) if plan else self.spec.draft_len
@@ -138,6 +143,7 @@ class Scheduler:
         self._waiting: collections.deque[Handle] = collections.deque()
         self._cancelled: set[Handle] = set()
         self._running: dict[int, Handle] = {}
+        self._staged: _Staged | None = None  # an admission being prefilled a chunk per round
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._state: engine.DecodeState | None = None  # made by the first admission
@@ -224,8 +230,13 @@ class Scheduler:
         width = self._bucket(prompt_tokens)
         if self._state is None:
             self._state = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget())
+        chunked = self.prefill_chunk is not None and width > self.prefill_chunk
         for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
-            self._executable("admit", self.params, self._state, *self._admission([], [], n, width), shape=(n, width))
+            args = self._admission([], [], n, width)
+            cache = self._executable("blank", args[2], shape=(n,)).out_info if chunked else None
+            if chunked:
+                self._executable("chunk", self.params, cache, args[1], args[2], jnp.int32(0), shape=(n, width))
+            self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
         self._executable("decode", self.params, self._state, jnp.int32(0))
         self._executable("release", self._state, jnp.zeros((self.slots,), bool))
         self._executable("report", self._state, jnp.zeros((self.slots,), jnp.int32))
@@ -242,9 +253,9 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._waiting or self._running or self._stopping):
+                while not (self._waiting or self._running or self._staged or self._stopping):
                     self._lock.wait()
-                if self._stopping and not (self._waiting or self._running):
+                if self._stopping and not (self._waiting or self._running or self._staged):
                     return
             try:
                 self._release_cancelled()
@@ -265,11 +276,18 @@ class Scheduler:
         """Admits waiting requests into free slots, `admit_rows` per prefill, and hands each its first
         token. `cache` (a `runner.prefill_fn` output, donated) holds the prompts' KV when the waiting
         requests fill every slot of a fresh scheduler (the runner's batch): it replaces their prefill.
-        If an admission fails, its requests fail and the error is raised."""
+        If an admission fails, its requests fail and the error is raised. With chunked prefill, an
+        admission of long prompts is staged: one chunk per call, admitted after its last chunk;
+        nothing else is admitted meanwhile."""
+        start = time.perf_counter()
+        if self._staged is not None:
+            if self._guarded(self._staged.group, self._prefill_next_chunk):
+                self._deliver(start)
+            return
         if self.static and self._running:
             return
         free = [s for s in range(self.slots) if s not in self._running]
-        admitted, start = 0, time.perf_counter()
+        admitted = 0
         while free:
             with self._lock:
                 group = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting), self.admit_rows))]
@@ -277,28 +295,60 @@ class Scheduler:
             if not group:
                 break
             slots, free = free[: len(group)], free[len(group) :]
-            try:
-                self._admit(group, slots, cache)
-            except Exception as e:
-                for h in group:
-                    self._finish(h, "error", error=f"{type(e).__name__}: {e}")
-                raise
+            width = self._bucket(max(len(h.request.ids) for h in group))
+            if cache is None and self.prefill_chunk is not None and width > self.prefill_chunk:
+                admitted += len(group) if self._guarded(group, lambda: self._stage(group, slots)) else 0
+                break
+            self._guarded(group, lambda: self._admit(group, slots, cache))
             admitted += len(group)
         if admitted:
             self._deliver(start)
 
-    def _admit(self, group: list[Handle], slots: list[int], cache) -> None:
+    def _guarded(self, group: list[Handle], work: Callable[[], bool | None]):
+        """work(), whose failure fails the requests of `group` (and is raised)."""
+        try:
+            return work()
+        except Exception as e:
+            self._staged = None
+            for h in group:
+                self._finish(h, "error", error=f"{type(e).__name__}: {e}")
+            raise
+
+    def _stage(self, group: list[Handle], slots: list[int]) -> bool:
+        """Starts the chunked prefill of `group` into `slots` (reserved: a cancel is kept until the
+        request runs) and writes its first chunk; whether that admitted it (a one-chunk prompt)."""
         n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
         args = self._admission(group, slots, n, width)
+        cache = self._call("blank", args[2], shape=(n,))
+        now = time.perf_counter()
+        for h, slot in zip(group, slots):
+            h.slot, h.admitted = slot, now
+        self._staged = _Staged(group, slots, args, cache, 0, max(len(h.request.ids) for h in group) - 1)
+        return self._prefill_next_chunk()
+
+    def _prefill_next_chunk(self) -> bool:
+        """Writes the staged admission's next chunk; after its last, admits it. Whether it did."""
+        st = self._staged
+        n, width = st.args[1].shape
+        st.cache = self._call("chunk", self.params, st.cache, st.args[1], st.args[2], jnp.int32(st.begin), shape=(n, width))
+        st.begin += self.prefill_chunk
+        if st.begin < st.end:
+            return False
+        self._staged = None
+        self._admit(st.group, st.slots, st.cache, args=st.args)
+        return True
+
+    def _admit(self, group: list[Handle], slots: list[int], cache, args: tuple | None = None) -> None:
+        """Prefills `group` (or starts it from `cache`, its prompts' KV) into `slots`."""
+        n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
+        args = args or self._admission(group, slots, n, width)
         if self._state is None and n == self.slots:  # every slot at once: the prefill is the state
             name, inputs = ("start", (cache, *args[1:])) if cache is not None else ("prefill", args[1:])
             self._state = self._call(name, self.params, *inputs, self.spec.budget(), shape=(width,))
         else:
-            if cache is not None:
-                raise ValueError("a prefilled cache is for requests that fill every slot of a fresh scheduler")
             if self._state is None:
                 self._state = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget())
-            self._state = self._call("admit", self.params, self._state, *args, shape=(n, width))
+            self._state = self._call("admit", self.params, self._state, *args, cache, shape=(n, width, cache is not None))
         now = time.perf_counter()
         for h, slot in zip(group, slots):
             h.slot, h.admitted = slot, now
@@ -400,8 +450,9 @@ class Scheduler:
 
     def _release_cancelled(self) -> None:
         """Frees the slots of cancelled running requests (their clients are gone)."""
-        with self._lock:
-            handles, self._cancelled = [h for h in self._cancelled if h.slot is not None], set()
+        with self._lock:  # a staged request's cancel waits until it runs
+            handles = [h for h in self._cancelled if self._running.get(h.slot) is h]
+            self._cancelled = {h for h in self._cancelled if self._staged and h in self._staged.group}
         if not handles:
             return
         self._free([h.slot for h in handles])
@@ -433,9 +484,9 @@ class Scheduler:
 
     def _fail_all(self, error: str) -> None:
         """Fails the running requests and starts again from free slots (the state may be lost)."""
-        handles = list(self._running.values())
+        handles = list(self._running.values()) + (self._staged.group if self._staged else [])
         self._running.clear()
-        self._state = None
+        self._state, self._staged = None, None
         for h in handles:
             self._finish(h, "error", error=error)
 
@@ -450,7 +501,7 @@ class Scheduler:
         """Program `name` of the current strategy for arguments of `shape`, compiled ahead of time on
         first use (the time goes to `compile_s`)."""
         fns = _programs(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, self.slots,
-                        self.stop_width, self._window())
+                        self.stop_width, self._window(), self.prefill_chunk)
         key = (fns, name, shape)
         if key not in self._executables:
             start = time.perf_counter()
@@ -490,6 +541,19 @@ def _add_row_stats(a: tuple, b: tuple) -> tuple:
     return (a[0] + b[0], a[1] + b[1], a[2] + b[2], tuple(x + y for x, y in zip(pad(a[3]), pad(b[3]))))
 
 
+@dataclasses.dataclass
+class _Staged:
+    """An admission under chunked prefill: its requests, slots, admit arguments, the KV written so
+    far, the next chunk's first position and the last position to write."""
+
+    group: list[Handle]
+    slots: list[int]
+    args: tuple
+    cache: object
+    begin: int
+    end: int
+
+
 @dataclasses.dataclass(frozen=True)
 class _Programs:
     empty: Callable
@@ -500,11 +564,13 @@ class _Programs:
     release: Callable
     report: Callable
     switch: Callable
+    blank: Callable
+    chunk: Callable
 
 
 @functools.lru_cache(maxsize=None)
 def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, slots: int, stop_width: int,
-              window: int) -> _Programs:
+              window: int, prefill_chunk: int | None) -> _Programs:
     """The scheduler's jitted programs for one model, strategy, sampling mode and slot count;
     those that take the state (or the prefilled cache) donate it, so it is updated in place."""
     static = dict(cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
@@ -526,8 +592,17 @@ def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: i
         return engine.start(params, cache, prompts, prompt_len, keys(seeds), budget, max_new_tokens=max_new_tokens,
                             stop_ids=stop_ids, row_sampling=rules, **static)
 
-    def admit(params, state, slots_, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules):
-        return engine.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, **static)
+    def admit(params, state, slots_, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, cache):
+        return engine.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, cache,
+                            **static)
+
+    def blank(prompt_len):
+        """An empty cache for the rows of a chunked admission."""
+        return init_cache(cfg, prompt_len.shape[0], max_len + MAX_TREE_ROWS)
+
+    def chunk(params, cache, prompts, prompt_len, begin):
+        return engine.prefill_chunk(params, cache, prompts=prompts, prompt_len=prompt_len, begin=begin, cfg=cfg,
+                                    backend=spec.backend, chunk=prefill_chunk)
 
     def decode(params, state, iterations):
         return engine.decode(params, state, max_iterations=iterations, **static)
@@ -550,4 +625,6 @@ def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: i
         release=jax.jit(engine.release, donate_argnums=0),
         report=jax.jit(report),
         switch=jax.jit(switch, donate_argnums=1),
+        blank=jax.jit(blank),
+        chunk=jax.jit(chunk, donate_argnums=1),
     )
