@@ -9,8 +9,9 @@ A config is method:batching[:chunk]. For each, one server process (`python -m ja
 --batching B --slots S [--prefill-chunk C]`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines
 the planner's choice as it serves) is started, warmed up (its admissions compiled for the prompts' length, then one
 request) and driven by this process over HTTP/1.0 with streamed /v1/completions (prompt token ids,
-every chunk carrying its token ids) at each rate, --repeats times (arrival schedule seeds 0..;
-the server process stays up across rates and repeats). Static batching is the server admitting only
+every chunk carrying its token ids) at each rate, --repeats times (the server process stays up
+across rates and repeats). Every config and repeat at one rate serves the same requests on the same
+arrival schedule, so configs compare on one workload and the spread is the runs' own. Static batching is the server admitting only
 when every slot is free (all that wait, in one prefill), so a batch holds its slots until its longest
 request ends: the static batch of `generate` placed on the arrival timeline.
 
@@ -257,7 +258,7 @@ def main():
             result["servers"].append({"config": config, "start_s": server.start_s})
             for rate in args.rates:
                 for repeat in range(args.repeats):
-                    max_tokens, arrivals = schedule(args.requests, args.new, rate, seed=repeat)
+                    max_tokens, arrivals = schedule(args.requests, args.new, rate, seed=0)
                     run = measure(asyncio.run(load(server.port, ids, max_tokens, arrivals)))
                     strategy = server.model_info()
                     run.update(config=config, rate=rate, repeat=repeat, strategy=strategy["method"] if method != "auto"

@@ -86,6 +86,7 @@ def test_buckets_and_nearest_lookup():
     assert planner.lookup(t, 1, "greedy", 1500)[0] == 1024
     bucket, predictions = planner.lookup(t, 6, "sample", 70000)  # nearest batch (8), the other sampling mode
     assert bucket == 8192 and predictions[0].tokens_per_s == 808
+    assert planner.lookup(t, 32, "greedy", 1000) == (1024, [])  # batch 8 is 4x away: another regime, the cost model's
 
 
 def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):

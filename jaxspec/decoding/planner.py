@@ -29,7 +29,9 @@ are candidates only when the user allows them (`allowed_precisions`).
 Context buckets: a run belongs to the smallest bucket (upper bound in tokens, BUCKETS) that holds its
 longest prompt plus its new tokens, i.e. the longest context it reaches; the profile measures each
 bucket at its top (prompts of bucket - new tokens). A table without that bucket answers from the
-nearest profiled one (by log distance), and from the nearest profiled batch size.
+nearest profiled one (by log distance), and from the nearest profiled batch size if it is within a
+factor of 2 of the run's (further away the regime differs, e.g. KV reads dominate at batch 16 and not
+at batch 1: the cost model answers instead).
 
 The bytes floor of a step (DESIGN.md section 6) lives here too, as the cost model's base; bench/
 uses the same functions.
@@ -326,13 +328,16 @@ def load_table(path: Path) -> dict:
 def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",)) -> tuple[int, list[Prediction]]:
     """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
     if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one;
-    the entries of every allowed precision class. Empty when no cell has an allowed class."""
+    the entries of every allowed precision class. Empty when no cell has an allowed class, or when
+    the nearest profiled batch is more than a factor of 2 from `batch`."""
     cells = [c for c in table["cells"] if c["precision"] in precisions]
     if not cells:
         return bucket_of(context), []
     if any(c["sampling"] == sampling for c in cells):
         cells = [c for c in cells if c["sampling"] == sampling]
     b = nearest(batch, {c["batch"] for c in cells})
+    if max(b, batch) > 2 * min(b, batch):
+        return bucket_of(context), []
     cells = [c for c in cells if c["batch"] == b]
     bucket = bucket_of(context)
     bucket = nearest(bucket, {c["bucket"] for c in cells})
