@@ -44,7 +44,7 @@ class Batch:
 
 @dataclasses.dataclass
 class Auto:
-    """A `run_auto` run: the final strategy's spec, the plan, the switches and the refinement segments."""
+    """An auto run (a plan given): the final strategy's spec, the plan, the switches and the refinement segments."""
 
     spec: SpecConfig
     plan: planner.Plan
@@ -61,7 +61,7 @@ class Run:
     compile_s: float
     prefill_s: float
     decode_s: float
-    auto: Auto | None = None  # what `run_auto` chose and switched
+    auto: Auto | None = None  # what an auto run chose and switched
 
     def generated(self) -> list[np.ndarray]:
         tokens, length, prompt_len = (np.asarray(x) for x in (self.output.tokens, self.output.length, self.output.prompt_len))
@@ -251,7 +251,7 @@ def peak_memory() -> tuple[str, int]:
 
 def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
     """The stats object of the --json output (and the human stats block); `spec` is the run's (for
-    `run_auto`, the final strategy's: `run.auto.spec`)."""
+    an auto run, the final strategy's: `run.auto.spec`)."""
     stats = jax.device_get(run.output.stats)
     generated = int(sum(len(g) for g in run.generated()))
     decode_tokens = generated - len(batch.lengths)
