@@ -139,15 +139,19 @@ def test_group_admission_drops_padding_rows(params, spec):
         assert generated(state, slot) == alone(params, spec, r), slot
 
 
-@pytest.mark.parametrize("chunk", [None, 32])
-def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, chunk):
+SCHEDULER_CASES = [pytest.param("vegas", None, id="vegas"), pytest.param("vegas", 32, id="vegas-chunked")] + [
+    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW else []) for m in METHODS if m != "vegas"]
+
+
+@pytest.mark.parametrize("method, chunk", SCHEDULER_CASES)
+def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, method, chunk):
     """The scheduler (no tokenizer: token ids only) with three slots and group admission: five
     requests, the first three admitted in one prefill and handed their first token before any
     segment runs (with chunked prefill of 32 positions: once their last chunk is written, a chunk
     per round), the others admitted into freed slots; each emits its tokens alone."""
     from jaxspec.serving.scheduler import Request as Job, Scheduler
 
-    spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
+    spec = SpecConfig(method=method, gamma=3, min_tokens=32).validate()
     requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
     scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
                           prefill_chunk=chunk)
@@ -194,3 +198,41 @@ def test_cancel_during_chunked_prefill(params):
         scheduler.step()
     assert finished["long"].finish_reason == "cancelled" and finished["long"].stats.completion_tokens < long.max_new
     assert finished["short"].finish_reason == "length" and tokens == alone(params, spec, short)
+
+
+def test_auto_switches_while_serving(params, monkeypatch):
+    """A scheduler given a plan refines while requests come and go: scripted decisions switch every
+    slot vegas -> plain -> ngram mid-flight; each greedy request still emits plain decoding's tokens,
+    and its stats count its iterations under every strategy."""
+    from jaxspec.decoding import planner
+    from jaxspec.decoding.planner import Prediction, Strategy
+    from jaxspec.serving.scheduler import Request as Job, Scheduler
+
+    vegas, plain, ngram = Strategy("vegas", gamma=3, ratio=0.07), Strategy(), Strategy("ngram", gamma=3)
+    script = iter([(plain, "scripted"), (ngram, "scripted"), (ngram, "scripted")])
+    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: next(script))
+    plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (vegas, plain, ngram)), vegas, "test", 1024)
+    base = SpecConfig(min_tokens=32)
+    scheduler = Scheduler(params, CFG, None, base, slots=2, max_len=MAX_LEN, plan=plan, max_top_k=32)
+    requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]
+    tokens, finished = {i: [] for i in range(3)}, {}
+
+    def listener(i):
+        def hear(delta):
+            tokens[i].extend(delta.token_ids)
+            if delta.finish_reason:
+                finished[i] = delta
+        return hear
+
+    for i, r in enumerate(requests):  # the third waits for the second's slot, admitted after a switch
+        scheduler.submit(Job(tuple(r.ids.tolist()), r.max_new, r.rules, r.seed), listener(i))
+    while len(finished) < 3:
+        scheduler.step()
+    r = scheduler.refinement
+    assert [(s["from"], s["to"]) for s in r.switches] == [(vegas.name, "plain"), ("plain", ngram.name)]
+    assert scheduler.spec.method == "ngram" and not r.active
+    plain_spec = SpecConfig(method="plain").validate()
+    for i, req in enumerate(requests):
+        assert tokens[i] == alone(params, plain_spec, req), i
+    first = finished[0].stats  # ran under all three strategies
+    assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
