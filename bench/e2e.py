@@ -2,7 +2,7 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--samplings sample,greedy]
+        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--draft-weights exact,int8] [--samplings sample,greedy]
         [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
         [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
 
@@ -26,6 +26,7 @@ JSON files (batches measured in separate runs) into DIR/e2e<tag>.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from bench import common
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
+from jaxspec.models import quantize
 from jaxspec.runner import run_generation
 
 METHODS = ("plain", "vegas", "stream", "quest", "ngram")
@@ -56,8 +58,9 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None) -
     return SpecConfig(method=method, tree=tree.branching, traversal=tree.order, ratio=ratio, backend=backend).validate()
 
 
-def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict) -> dict:
-    """Bytes floors (seconds) of a plain step, one draft forward and the verify pass at `context`."""
+def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict, int8_bytes: int = 0) -> dict:
+    """Bytes floors (seconds) of a plain step, one draft forward and the verify pass at `context`;
+    a draft with int8 weights reads `int8_bytes` fewer weight bytes."""
     bw = rates["copy_GBps"]
     plain = common.step_floor_s(cfg, weight_bytes, batch, context, bw)
     if spec.method == "plain":
@@ -65,7 +68,8 @@ def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, r
     rows = spec.shape.rows
     logits = (rows - 1) * batch * cfg.vocab_size * 4 / (bw * 1e9)
     selected = max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
-    draft = 0.0 if spec.method == "ngram" else common.step_floor_s(cfg, weight_bytes, batch, selected, bw)
+    draft_weights = weight_bytes - (int8_bytes if spec.draft_weights == "int8" else 0)
+    draft = 0.0 if spec.method == "ngram" else common.step_floor_s(cfg, draft_weights, batch, selected, bw)
     return {"plain_floor_s": plain, "draft_floor_s": draft, "verify_floor_s": plain + logits,
             "iteration_floor_s": spec.shape.depth * draft + plain + logits}
 
@@ -74,6 +78,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
     """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each)."""
     backend = "reference" if args.tiny else "pallas"
     weight_bytes = common.tree_bytes(params)
+    exact = params
+    params = quantize.with_draft_weights(params, "int8") if "int8" in args.draft_weights else params
+    int8_saved = sum(exact["layers"][n].nbytes for n in quantize.DRAFT_MATRICES) - quantize.draft_bytes(params)
     for batch_size in args.batches:
         batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new, backend)
         context = int(batch.lengths.mean()) + args.new // 2
@@ -81,7 +88,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
-                spec_of(m, s, backend, tuning) for m in methods if m != "plain" for s in args.shapes]
+                dataclasses.replace(spec_of(m, s, backend, tuning), draft_weights=w)
+                for m in methods if m != "plain" for s in args.shapes for w in args.draft_weights
+                if w == "exact" or m != "ngram"]
             plain_tps = plain_rows = None
             for spec in specs:
                 runs, first_rows = [], None
@@ -95,7 +104,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 row = {"batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "runs": runs,
                        **common.median_of_runs(runs)}
-                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates)
+                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates, int8_saved)
                 if spec.method == "plain":
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
@@ -107,7 +116,8 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
                 rows_out.append(row)
                 save()
-                shape = row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}"
+                shape = (row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + (
+                    f" {row['draft_weights']}" if row["draft_weights"] != "exact" else "")
                 print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
                       f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
@@ -117,6 +127,7 @@ def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
         ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
         ("ratio", "ratio", ".2f"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
+        ("draft weights", "draft_weights", "s"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
         ("x plain", "speedup", ".2f"), ("ideal x plain", "ideal_speedup", ".2f"), ("of ideal", "of_ideal", ".2f"),
@@ -137,7 +148,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in rows:
             if r["sampling"] == sampling:
                 label = r["method"] if r["method"] == "plain" else f"{r['method']} " + (
-                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}")
+                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + (
+                    f" {r['draft_weights']}" if r.get("draft_weights", "exact") != "exact" else "")
                 lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
         for label, points in lines.items():
             points.sort()
@@ -169,6 +181,7 @@ def main():
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--shapes", default=f"chain:{GAMMA}")
+    p.add_argument("--draft-weights", default="exact", help="exact,int8: the model drafters' draft weights to run")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
@@ -187,6 +200,7 @@ def main():
     args.methods = args.methods.split(",")
     args.greedy_methods = args.greedy_methods.split(",")
     args.shapes = split_shapes(args.shapes)
+    args.draft_weights = args.draft_weights.split(",")
     args.samplings = args.samplings.split(",")
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None
     rates = common.measure_rates(args.tiny)

@@ -24,6 +24,8 @@ from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, 
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
+from jaxspec.models import quantize
+from jaxspec.models.quantize import DRAFT_WEIGHTS
 from jaxspec.serving.scheduler import Request, Scheduler
 from jaxspec.tune import load_tuned
 
@@ -57,6 +59,8 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="strict",
                    help="NSA verification precision class (only strict is lossless); with --method auto, the classes auto may use")
     p.add_argument("--group", type=int, default=None, help="NSA models: adjacent draft rows verified per program (default 8)")
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=None,
+                   help="layer weights draft steps read: exact (default) or int8 copies made at load (verification stays exact)")
     p.add_argument("--planner-table", type=Path, default=None,
                    help="--method auto: a table from `python -m jaxspec.profile` (default: the shipped one for this model and device)")
 
@@ -87,7 +91,8 @@ def spec_from_args(args) -> SpecConfig:
     auto = args.method == "auto"
     if auto:
         fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
-                                          ("--group", args.group), ("--tuned", args.tuned)) if value is not None]
+                                          ("--group", args.group), ("--tuned", args.tuned),
+                                          ("--draft-weights", args.draft_weights)) if value is not None]
         if fixed:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
     elif args.planner_table:
@@ -105,6 +110,7 @@ def spec_from_args(args) -> SpecConfig:
         method="plain" if auto else args.method, gamma=gamma, tree=tree, traversal=traversal, ratio=ratio,
         min_tokens=args.min_tokens, metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         backend=args.backend, precision="strict" if auto else args.precision, group=8 if args.group is None else args.group,
+        draft_weights=args.draft_weights or "exact",
     ).validate()
 
 
@@ -134,6 +140,7 @@ def main(argv=None):
         print(warning, file=sys.stderr)
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
     dataclasses.replace(spec, precision=args.precision).check_model(cfg)  # auto: the classes it may use
+    params = quantize.with_draft_weights(params, spec.draft_weights)
     announce_precision(args)
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not tokenizer.has_chat_template:
@@ -157,7 +164,7 @@ def main(argv=None):
                   stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress)
     run = run_generation(params, cfg, batch, spec=spec, plan=plan, **common)
     spec = run.auto.spec if auto else spec
-    stats = summarize(run, batch, spec)
+    stats = {**summarize(run, batch, spec), "draft_weight_bytes": quantize.draft_bytes(params)}
     results = [
         {"prompt_tokens": int(n), "tokens": [int(t) for t in g], "text": tokenizer.decode(g, skip_special_tokens=True)}
         for n, g in zip(batch.lengths, run.generated())
@@ -234,7 +241,9 @@ def _print_human(results: list[dict], stats: dict) -> None:
     if stats["gamma"]:
         drafts = f"tree {stats['tree']} ({stats['traversal']})" if stats["tree"] else f"gamma {stats['gamma']}"
         print(f"drafts           {drafts}, {stats['nodes']} nodes" + (f", ratio {stats['ratio']}" if stats["ratio"] else "")
-              + (f", metric {stats['metric']}" if stats["metric"] else ""))
+              + (f", metric {stats['metric']}" if stats["metric"] else "")
+              + (f", {stats['draft_weights']} weights (+{stats['draft_weight_bytes'] / 2**20:.0f} MiB)"
+                 if stats["draft_weights"] != "exact" else ""))
         print(f"iterations       {stats['iterations']}, {stats['tokens_per_iteration']:.2f} tokens/iteration")
         rates = " ".join(f"{r:.2f}" for r in stats["acceptance_rate_by_depth"])
         print(f"acceptance       {stats['accepted_tokens']} of {stats['draft_tokens']} nodes verified; by depth {rates}")

@@ -9,6 +9,8 @@ plain cached decoding equals full forwards.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from scipy import stats
 
 from jaxspec import corpus
 from jaxspec.decoding import engine
-from jaxspec.models import decoder
+from jaxspec.models import decoder, quantize
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import init_cache
 from jaxspec.loaders import load_model
@@ -59,8 +61,9 @@ class Case:
         self.cache = prefilled(params, cfg, batch, self.max_len)
         self.plain, _ = self.run(SpecConfig())
 
-    def run(self, spec: SpecConfig, **kw):
-        return generate(self.params, self.cfg, self.batch, self.cache, spec, self.max_len, self.max_new, **kw)
+    def run(self, spec: SpecConfig, params=None, **kw):
+        return generate(self.params if params is None else params, self.cfg, self.batch, self.cache, spec, self.max_len,
+                        self.max_new, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +119,25 @@ def test_greedy_lossless_qwen3(qwen3_case, method, gamma):
     # min_tokens 32 keeps the selection sparse on these short contexts.
     out, _ = qwen3_case.run(SpecConfig(method=method, gamma=gamma, min_tokens=32))
     assert out == qwen3_case.plain
+
+
+@pytest.mark.parametrize("spec", [
+    SpecConfig(method="vegas", gamma=6), SpecConfig(method="stream", gamma=4), SpecConfig(method="quest", tree=(3, 2, 1)),
+], ids=["vegas", "stream", "quest-tree"])
+def test_int8_draft_weights_lossless_smollm2(smollm2_batch, spec):
+    """Drafts that read int8 copies of the layer weights (verification exact) emit plain's tokens,
+    and still get most drafts accepted on real weights."""
+    spec = dataclasses.replace(spec, draft_weights="int8").validate()
+    out, stats = smollm2_batch.run(spec, params=quantize.with_draft_weights(smollm2_batch.params, "int8"))
+    assert out == smollm2_batch.plain
+    assert stats.accepted.sum() > 0.5 * spec.draft_len * stats.iterations.sum()
+
+
+@pytest.mark.parametrize("method", ["vegas", "all_rows", "last_accepted"])
+def test_int8_draft_weights_lossless_qwen3(qwen3_case, method):
+    spec = SpecConfig(method=method, gamma=5, min_tokens=32, draft_weights="int8")
+    out, stats = qwen3_case.run(spec, params=quantize.with_draft_weights(qwen3_case.params, "int8"))
+    assert out == qwen3_case.plain and stats.accepted.sum() > 0
 
 
 @pytest.mark.parametrize("method,tree,order", [(m, *TREES[i % 2]) for i, m in enumerate(SPEC_METHODS)])
@@ -284,26 +306,28 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("method,tree,order", [
-    ("plain", None, "bfs"), ("vegas", None, "bfs"), ("stream", None, "bfs"), ("ngram", None, "bfs"),
-    ("vegas", (3, 2), "bfs"), ("stream", (2, 1, 2), "dfs"), ("ngram", (2, 2), "bfs"),
+@pytest.mark.parametrize("method,tree,order,weights", [
+    ("plain", None, "bfs", "exact"), ("vegas", None, "bfs", "exact"), ("stream", None, "bfs", "exact"),
+    ("ngram", None, "bfs", "exact"), ("vegas", (3, 2), "bfs", "exact"), ("stream", (2, 1, 2), "dfs", "exact"),
+    ("ngram", (2, 2), "bfs", "exact"), ("vegas", None, "bfs", "int8"),
 ])
-def test_first_two_tokens_follow_the_target(method, tree, order):
+def test_first_two_tokens_follow_the_target(method, tree, order, weights):
     """Chi-square of the first two sampled tokens (V^2 = 64 cells, 12,000 rows) against the exact joint.
 
     The drafters here really differ from the target (16 of 50 context slots), so the recovered-token
     path is exercised; ngram exercises one-hot q (its trees: several earlier matches of the suffix);
-    trees exercise sampling children without replacement and recursive rejection. One batch of
-    identical rows gives independent draws.
+    trees exercise sampling children without replacement and recursive rejection; int8 draft weights
+    a draft model that differs from the target in its weights too. One batch of identical rows gives
+    independent draws.
     """
-    params = decoder.init_params(TINY, jax.random.key(7), scale=0.6)
+    params = quantize.with_draft_weights(decoder.init_params(TINY, jax.random.key(7), scale=0.6), weights)
     prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
     rows = 12000
     batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))
     max_len = len(prompt) + 2
     cache = prefilled(params, TINY, batch, max_len)
     spec = SpecConfig(method=method, gamma=3, tree=tree, traversal=order, ratio=0.3, min_tokens=1, ngram_min=1,
-                      ngram_max=2).validate()
+                      ngram_max=2, draft_weights=weights).validate()
     out, stats_ = generate(params, TINY, batch, cache, spec, max_len, 2, sampling=SamplingConfig(temperature=1.0), seed=1)
     pairs = np.array(out)
     assert pairs.shape == (rows, 2)

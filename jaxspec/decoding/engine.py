@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as kernels
-from jaxspec.models import decoder, nsa
+from jaxspec.models import decoder, nsa, quantize
 from jaxspec.models.config import ModelConfig
 from jaxspec.decoding.drafters import Drafter, DraftRows, make_drafter
 from jaxspec.models.kvcache import KVCache, init_cache
@@ -325,7 +325,8 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
 
 
 def draft(params, cfg, spec, sampling, drafter, state, key):
-    """Drafts `spec`'s tree with the target model over the drafter's KV subset: one forward per depth,
+    """Drafts `spec`'s tree with the target model (reading its int8 layer copies under `draft_weights`
+    int8: `models.quantize`) over the drafter's KV subset: one forward per depth,
     whose rows are that depth's nodes; each node's children are its top-b draft tokens (greedy) or b
     tokens drawn from its draft distribution without replacement (Gumbel top-b).
 
@@ -335,6 +336,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     """
     tree = spec.shape
     sampling = rules(sampling, state)
+    params = quantize.draft_params(params, spec.draft_weights)
     B = state.length.shape[0]
     first = state.length - 1
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape
 from jaxspec.errors import JaxspecError
+from jaxspec.models.quantize import DRAFT_WEIGHTS
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
@@ -47,6 +48,7 @@ class SpecConfig:
     prefill_chunk: int = 256
     precision: str = "strict"  # NSA targets: SSV precision class of the target passes (PRECISIONS)
     group: int = 8  # NSA targets: adjacent draft rows verified per program (1: each row its own)
+    draft_weights: str = "exact"  # the layer weights draft steps read: "exact" or "int8" (models.quantize)
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -79,6 +81,10 @@ class SpecConfig:
             raise JaxspecError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not 1 <= self.group <= MAX_TREE_ROWS:
             raise JaxspecError(f"--group must be between 1 and {MAX_TREE_ROWS}, got {self.group}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise JaxspecError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
+        if self.draft_weights != "exact" and self.method in ("plain", "ngram"):
+            raise JaxspecError(f"--draft-weights {self.draft_weights} needs a model drafter; {self.method} runs no draft forward")
         return self
 
     def check_model(self, cfg) -> SpecConfig:
@@ -133,6 +139,7 @@ class SpecConfig:
             "precision": self.precision,
             "lossless": self.lossless,
             "group": self.group,
+            "draft_weights": self.draft_weights,
         }
 
     def capacity(self, max_len: int) -> int:

@@ -29,6 +29,7 @@ import pallas_kernels as kernels
 from jaxspec.models import nsa
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
+from jaxspec.models.quantize import Int8
 
 Params = dict[str, Any]
 # attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates, carry) -> (out [B,T,Hq,Dh], layer_y, carry);
@@ -119,8 +120,12 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     XLA on a GPU rewrites one-row products: with a float32 result it converts the whole matrix to
     float32 first (the LM head: 2.1 ms instead of 0.42 at Qwen3-8B shapes), and a small matrix's
     product becomes multiply + reduce fusions. With two rows it is a gemm that reads the matrix in
-    place (REDUCED_ONE_ROW_ELEMENTS says which matrices).
+    place (REDUCED_ONE_ROW_ELEMENTS says which matrices). An int8 matrix (a draft's copy,
+    `quantize.Int8`) is multiplied in x's dtype and its column scales applied to the product.
     """
+    if isinstance(w, Int8):
+        out = matmul(x, w.values.astype(x.dtype), jnp.float32) * w.scale
+        return out.astype(out_dtype or x.dtype)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     if n == 1 and (out_dtype is not None or w.size < REDUCED_ONE_ROW_ELEMENTS):
