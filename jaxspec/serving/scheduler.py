@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.errors import JaxspecError
 from jaxspec.serving.metrics import Metrics
-from jaxspec.models.kvcache import init_cache
+from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.serving.text import TextStream
 from jaxspec.tokenizer import Tokenizer
 
@@ -233,9 +233,9 @@ class Scheduler:
         chunked = self.prefill_chunk is not None and width > self.prefill_chunk
         for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
             args = self._admission([], [], n, width)
-            cache = self._executable("blank", args[2], shape=(n,)).out_info if chunked else None
+            cache = self._executable("blank", args.lengths, shape=(n,)).out_info if chunked else None
             if chunked:
-                self._executable("chunk", self.params, cache, args[1], args[2], jnp.int32(0), shape=(n, width))
+                self._executable("chunk", self.params, cache, args.prompts, args.lengths, jnp.int32(0), shape=(n, width))
             self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
         self._executable("decode", self.params, self._state, jnp.int32(0))
         self._executable("release", self._state, jnp.zeros((self.slots,), bool))
@@ -319,7 +319,7 @@ class Scheduler:
         request runs) and writes its first chunk; whether that admitted it (a one-chunk prompt)."""
         n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
         args = self._admission(group, slots, n, width)
-        cache = self._call("blank", args[2], shape=(n,))
+        cache = self._call("blank", args.lengths, shape=(n,))
         now = time.perf_counter()
         for h, slot in zip(group, slots):
             h.slot, h.admitted = slot, now
@@ -329,8 +329,8 @@ class Scheduler:
     def _prefill_next_chunk(self) -> bool:
         """Writes the staged admission's next chunk; after its last, admits it. Whether it did."""
         st = self._staged
-        n, width = st.args[1].shape
-        st.cache = self._call("chunk", self.params, st.cache, st.args[1], st.args[2], jnp.int32(st.begin), shape=(n, width))
+        st.cache = self._call("chunk", self.params, st.cache, st.args.prompts, st.args.lengths, jnp.int32(st.begin),
+                              shape=st.args.prompts.shape)
         st.begin += self.prefill_chunk
         if st.begin < st.end:
             return False
@@ -338,12 +338,13 @@ class Scheduler:
         self._admit(st.group, st.slots, st.cache, args=st.args)
         return True
 
-    def _admit(self, group: list[Handle], slots: list[int], cache, args: tuple | None = None) -> None:
+    def _admit(self, group: list[Handle], slots: list[int], cache, args: _Admission | None = None) -> None:
         """Prefills `group` (or starts it from `cache`, its prompts' KV) into `slots`."""
         n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
         args = args or self._admission(group, slots, n, width)
         if self._state is None and n == self.slots:  # every slot at once: the prefill is the state
-            name, inputs = ("start", (cache, *args[1:])) if cache is not None else ("prefill", args[1:])
+            rows = args[1:]  # every argument but the slots
+            name, inputs = ("start", (cache, *rows)) if cache is not None else ("prefill", rows)
             self._state = self._call(name, self.params, *inputs, self.spec.budget(), shape=(width,))
         else:
             if self._state is None:
@@ -356,10 +357,9 @@ class Scheduler:
             self._running[slot] = h
         self.metrics.set_queue(len(self._waiting), len(self._running))
 
-    def _admission(self, group: list[Handle], slots: list[int], n: int, width: int) -> tuple:
-        """admit's arguments after the state: slots, prompts [n, width], lengths, seeds, token limits,
-        stop ids and rules, for `group` padded to n rows (padding rows go to slot `slots`, which
-        is out of range: their writes are dropped)."""
+    def _admission(self, group: list[Handle], slots: list[int], n: int, width: int) -> _Admission:
+        """admit's arguments after the state for `group` padded to n rows (padding rows go to slot
+        `self.slots`, which is out of range: their writes are dropped)."""
         ids = np.zeros((n, width), np.int32)
         lengths, seeds, limits = np.ones((n,), np.int32), np.zeros((n,), np.uint32), np.ones((n,), np.int32)
         stop = np.full((n, self.stop_width), -1, np.int32)
@@ -373,8 +373,8 @@ class Scheduler:
             stop_ids = (*self.stop_ids, *r.stop_ids)
             stop[i, : len(stop_ids)] = stop_ids
             configs[i] = r.sampling
-        return (jnp.asarray(where), jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(seeds), jnp.asarray(limits),
-                jnp.asarray(stop), self._rules(configs))
+        return _Admission(jnp.asarray(where), jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(seeds),
+                          jnp.asarray(limits), jnp.asarray(stop), self._rules(configs))
 
     def run_segment(self) -> None:
         """Decodes a segment (`segment` iterations; planner.SEGMENT while refining), hands out its
@@ -541,6 +541,18 @@ def _add_row_stats(a: tuple, b: tuple) -> tuple:
     return (a[0] + b[0], a[1] + b[1], a[2] + b[2], tuple(x + y for x, y in zip(pad(a[3]), pad(b[3]))))
 
 
+class _Admission(NamedTuple):
+    """The arguments of an admission after the state (in the admit program's order)."""
+
+    slots: jax.Array  # [n] the slots the rows go to
+    prompts: jax.Array  # [n, width] right-padded
+    lengths: jax.Array  # [n]
+    seeds: jax.Array  # [n] uint32
+    limits: jax.Array  # [n] max new tokens
+    stop_ids: jax.Array  # [n, stop_width], -1 pads
+    rules: RowSampling | None
+
+
 @dataclasses.dataclass
 class _Staged:
     """An admission under chunked prefill: its requests, slots, admit arguments, the KV written so
@@ -548,8 +560,8 @@ class _Staged:
 
     group: list[Handle]
     slots: list[int]
-    args: tuple
-    cache: object
+    args: _Admission
+    cache: KVCache
     begin: int
     end: int
 
