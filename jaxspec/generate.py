@@ -25,7 +25,6 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.models import quantize
-from jaxspec.models.quantize import DRAFT_WEIGHTS
 from jaxspec.serving.scheduler import Request, Scheduler
 from jaxspec.tune import load_tuned
 
@@ -59,7 +58,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="strict",
                    help="NSA verification precision class (only strict is lossless); with --method auto, the classes auto may use")
     p.add_argument("--group", type=int, default=None, help="NSA models: adjacent draft rows verified per program (default 8)")
-    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default=None,
+    p.add_argument("--draft-weights", choices=quantize.DRAFT_WEIGHTS, default=None,
                    help="layer weights draft steps read: exact (default) or int8 copies made at load (verification stays exact)")
     p.add_argument("--planner-table", type=Path, default=None,
                    help="--method auto: a table from `python -m jaxspec.profile` (default: the shipped one for this model and device)")

@@ -139,23 +139,12 @@ def test_group_admission_drops_padding_rows(params, spec):
         assert generated(state, slot) == alone(params, spec, r), slot
 
 
-SCHEDULER_CASES = [pytest.param("vegas", None, id="vegas"), pytest.param("vegas", 32, id="vegas-chunked")] + [
-    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW else []) for m in METHODS if m != "vegas"]
+def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
+    """Submits `requests` to a scheduler; returns ({i: tokens handed out}, {i: last delta}), filled as
+    the scheduler runs."""
+    from jaxspec.serving.scheduler import Request as Job
 
-
-@pytest.mark.parametrize("method, chunk", SCHEDULER_CASES)
-def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, method, chunk):
-    """The scheduler (no tokenizer: token ids only) with three slots and group admission: five
-    requests, the first three admitted in one prefill and handed their first token before any
-    segment runs (with chunked prefill of 32 positions: once their last chunk is written, a chunk
-    per round), the others admitted into freed slots; each emits its tokens alone."""
-    from jaxspec.serving.scheduler import Request as Job, Scheduler
-
-    spec = SpecConfig(method=method, gamma=3, min_tokens=32).validate()
-    requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
-    scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
-                          prefill_chunk=chunk)
-    tokens, finished = {i: [] for i in range(5)}, {}
+    tokens, finished = {i: [] for i in range(len(requests))}, {}
 
     def listener(i):
         def hear(delta):
@@ -166,6 +155,26 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
 
     for i, r in enumerate(requests):
         scheduler.submit(Job(tuple(r.ids.tolist()), r.max_new, r.rules, r.seed), listener(i))
+    return tokens, finished
+
+
+SCHEDULER_CASES = [pytest.param("vegas", None, id="vegas"), pytest.param("vegas", 32, id="vegas-chunked")] + [
+    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW else []) for m in METHODS if m != "vegas"]
+
+
+@pytest.mark.parametrize("method, chunk", SCHEDULER_CASES)
+def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, method, chunk):
+    """The scheduler (no tokenizer: token ids only) with three slots and group admission: five
+    requests, the first three admitted in one prefill and handed their first token before any
+    segment runs (with chunked prefill of 32 positions: once their last chunk is written, a chunk
+    per round), the others admitted into freed slots; each emits its tokens alone."""
+    from jaxspec.serving.scheduler import Scheduler
+
+    spec = SpecConfig(method=method, gamma=3, min_tokens=32).validate()
+    requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
+    scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
+                          prefill_chunk=chunk)
+    tokens, finished = submit_all(scheduler, requests)
     rounds = 1 if chunk is None else -(-(max(len(r.ids) for r in requests[:3]) - 1) // chunk)  # chunks of the first group
     for _ in range(rounds - 1):
         scheduler.admit_waiting()
@@ -206,7 +215,7 @@ def test_auto_switches_while_serving(params, monkeypatch):
     and its stats count its iterations under every strategy."""
     from jaxspec.decoding import planner
     from jaxspec.decoding.planner import Prediction, Strategy
-    from jaxspec.serving.scheduler import Request as Job, Scheduler
+    from jaxspec.serving.scheduler import Scheduler
 
     vegas, plain, ngram = Strategy("vegas", gamma=3, ratio=0.07), Strategy(), Strategy("ngram", gamma=3)
     script = iter([(plain, "scripted"), (ngram, "scripted"), (ngram, "scripted")])
@@ -215,17 +224,7 @@ def test_auto_switches_while_serving(params, monkeypatch):
     base = SpecConfig(min_tokens=32)
     scheduler = Scheduler(params, CFG, None, base, slots=2, max_len=MAX_LEN, plan=plan, max_top_k=32)
     requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]
-    tokens, finished = {i: [] for i in range(3)}, {}
-
-    def listener(i):
-        def hear(delta):
-            tokens[i].extend(delta.token_ids)
-            if delta.finish_reason:
-                finished[i] = delta
-        return hear
-
-    for i, r in enumerate(requests):  # the third waits for the second's slot, admitted after a switch
-        scheduler.submit(Job(tuple(r.ids.tolist()), r.max_new, r.rules, r.seed), listener(i))
+    tokens, finished = submit_all(scheduler, requests)  # the third waits for the second's slot, admitted after a switch
     while len(finished) < 3:
         scheduler.step()
     r = scheduler.refinement
