@@ -119,9 +119,9 @@ def prefill_chunk(
     """`cache` with the KV of prompt positions [begin, begin + chunk) written (positions before each
     row's last token; the others are not written). Chunks in order from 0 make `prefill_cache`;
     a server prefills a long prompt a chunk per round between decode segments (chunked prefill)."""
-    padded = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (0, chunk)))  # a chunk starting before P stays in bounds
     positions = jnp.broadcast_to(begin + jnp.arange(chunk, dtype=jnp.int32), (prompts.shape[0], chunk))
-    tokens = jax.lax.dynamic_slice_in_dim(padded, begin, chunk, axis=1)
+    # positions past the prompts' width read its last column: they are not valid, so they write nothing
+    tokens = jnp.take_along_axis(prompts.astype(jnp.int32), jnp.minimum(positions, prompts.shape[1] - 1), axis=1)
     valid = positions < (prompt_len - 1)[:, None]
     attend = decoder.attention(cfg, jnp.minimum(positions, cache.num_slots - 1), backend)
     _, cache, _ = decoder.forward(params, cfg, tokens, positions, valid, cache, attend)

@@ -33,14 +33,6 @@ class Int8:
     values: jax.Array
     scale: jax.Array
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
-
-    @property
-    def size(self) -> int:
-        return self.values.size
-
 
 def quantize_int8(w: jax.Array) -> Int8:
     """Symmetric per-column int8 of w [..., K, N] (columns of zeros get scale 1)."""

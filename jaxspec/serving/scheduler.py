@@ -381,7 +381,7 @@ class Scheduler:
         tokens, and lets the refinement switch strategy."""
         refining = self.refinement is not None and self.refinement.active
         iterations = planner.SEGMENT if refining else self.segment
-        if refining and not self.refinement.segments and not self.refinement.switches:
+        if refining and self.refinement.current not in self.refinement.observations:  # a strategy's first segment
             self._state = self._call("decode", self.params, self._state, jnp.int32(0))  # loads the program: not observed
         before, start = self._last, time.perf_counter()
         limit = np.iinfo(np.int32).max if iterations is None else iterations
@@ -405,7 +405,6 @@ class Scheduler:
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             self._state = self._call("switch", self.params, self._state, self.spec.budget(), shape=(old,))
         self._deliver(start)  # the switch's plain step drew a token per slot
-        self._state = self._call("decode", self.params, self._state, jnp.int32(0))  # loads the program: not observed
 
     def _deliver(self, start: float) -> float:
         """Hands each running request the tokens its slot committed since the last delivery and
