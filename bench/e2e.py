@@ -2,7 +2,8 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--draft-weights exact,int8] [--samplings sample,greedy]
+        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--draft-weights exact,int8,int4] [--draft-skip 4]
+        [--samplings sample,greedy]
         [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
         [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
 
@@ -37,7 +38,7 @@ from bench import common
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
-from jaxspec.models import quantize
+from jaxspec.models import draft_weights
 from jaxspec.runner import run_generation
 
 METHODS = ("plain", "vegas", "stream", "quest", "ngram")
@@ -58,18 +59,23 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None) -
     return SpecConfig(method=method, tree=tree.branching, traversal=tree.order, ratio=ratio, backend=backend).validate()
 
 
-def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict, int8_bytes: int = 0) -> dict:
-    """Bytes floors (seconds) of a plain step, one draft forward and the verify pass at `context`;
-    a draft with int8 weights reads `int8_bytes` fewer weight bytes."""
+def draft_read_bytes(params: dict, spec: SpecConfig) -> int:
+    """The weight bytes one draft forward reads: the draft's layer stack and the rest of the model."""
+    draft, _ = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
+    return common.tree_bytes({name: tree for name, tree in draft.items() if name != "draft_layers"})
+
+
+def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict, draft_bytes: int) -> dict:
+    """Bytes floors (seconds) of a plain step, one draft forward (reading `draft_bytes` of weights;
+    over the whole context for `full`) and the verify pass at `context`."""
     bw = rates["copy_GBps"]
     plain = common.step_floor_s(cfg, weight_bytes, batch, context, bw)
     if spec.method == "plain":
         return {"plain_floor_s": plain}
     rows = spec.shape.rows
     logits = (rows - 1) * batch * cfg.vocab_size * 4 / (bw * 1e9)
-    selected = max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
-    draft_weights = weight_bytes - (int8_bytes if spec.draft_weights == "int8" else 0)
-    draft = 0.0 if spec.method == "ngram" else common.step_floor_s(cfg, draft_weights, batch, selected, bw)
+    selected = context if spec.method == "full" else max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
+    draft = 0.0 if spec.method == "ngram" else common.step_floor_s(cfg, draft_bytes, batch, selected, bw)
     return {"plain_floor_s": plain, "draft_floor_s": draft, "verify_floor_s": plain + logits,
             "iteration_floor_s": spec.shape.depth * draft + plain + logits}
 
@@ -78,9 +84,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
     """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each)."""
     backend = "reference" if args.tiny else "pallas"
     weight_bytes = common.tree_bytes(params)
-    exact = params
-    params = quantize.with_draft_weights(params, "int8") if "int8" in args.draft_weights else params
-    int8_saved = sum(exact["layers"][n].nbytes for n in quantize.DRAFT_MATRICES) - quantize.draft_bytes(params)
+    skips = [()] + ([draft_weights.parse_skip(args.draft_skip, cfg.num_layers)] if args.draft_skip else [])
+    drafts = [(w, skip) for w in args.draft_weights for skip in skips]
+    with_copies = {(w, skip): draft_weights.with_draft_weights(params, w, skip) for w, skip in drafts}
     for batch_size in args.batches:
         batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new, backend)
         context = int(batch.lengths.mean()) + args.new // 2
@@ -88,23 +94,24 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
-                dataclasses.replace(spec_of(m, s, backend, tuning), draft_weights=w)
-                for m in methods if m != "plain" for s in args.shapes for w in args.draft_weights
-                if w == "exact" or m != "ngram"]
+                dataclasses.replace(spec_of(m, s, backend, tuning), draft_weights=w, draft_skip=skip)
+                for m in methods if m != "plain" for s in args.shapes for w, skip in drafts
+                if (w == "exact" and not skip or m != "ngram") and (w != "exact" or skip or m != "full")]
             plain_tps = plain_rows = None
             for spec in specs:
                 runs, first_rows = [], None
                 for repeat in range(args.repeats):
-                    run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
+                    run = run_generation(with_copies.get((spec.draft_weights, spec.draft_skip), params), cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
                                          max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache))
                     measures, outputs = common.run_measures(run)
                     runs.append(measures | {"compile_s": run.compile_s})
                     first_rows = first_rows or outputs
                 described = spec.describe()
-                row = {"batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
+                row = {"skipped_layers": len(spec.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "runs": runs,
                        **common.median_of_runs(runs)}
-                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates, int8_saved)
+                copies = with_copies.get((spec.draft_weights, spec.draft_skip), params)
+                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_read_bytes(copies, spec))
                 if spec.method == "plain":
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
@@ -116,18 +123,23 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
                 rows_out.append(row)
                 save()
-                shape = (row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + (
-                    f" {row['draft_weights']}" if row["draft_weights"] != "exact" else "")
+                shape = (row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + draft_label(row)
                 print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
                       f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
+
+
+def draft_label(row: dict) -> str:
+    """' int4 skip 2' for a draft model other than the exact one ('' for it)."""
+    return ((f" {row['draft_weights']}" if row.get("draft_weights", "exact") != "exact" else "")
+            + (f" skip {len(row['draft_skip'])}" if row.get("draft_skip") else ""))
 
 
 def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
         ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
         ("ratio", "ratio", ".2f"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
-        ("draft weights", "draft_weights", "s"),
+        ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
         ("x plain", "speedup", ".2f"), ("ideal x plain", "ideal_speedup", ".2f"), ("of ideal", "of_ideal", ".2f"),
@@ -148,8 +160,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in rows:
             if r["sampling"] == sampling:
                 label = r["method"] if r["method"] == "plain" else f"{r['method']} " + (
-                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + (
-                    f" {r['draft_weights']}" if r.get("draft_weights", "exact") != "exact" else "")
+                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r)
                 lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
         for label, points in lines.items():
             points.sort()
@@ -181,7 +192,8 @@ def main():
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--shapes", default=f"chain:{GAMMA}")
-    p.add_argument("--draft-weights", default="exact", help="exact,int8: the model drafters' draft weights to run")
+    p.add_argument("--draft-weights", default="exact", help="exact,int8,int4: the model drafters' draft weights to run")
+    p.add_argument("--draft-skip", default=None, help="also run each draft weights kind skipping these layers (3,5 | everyN)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")

@@ -24,7 +24,8 @@ from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, 
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
-from jaxspec.models import quantize
+from jaxspec.calibrate_skip import resolve_skip
+from jaxspec.models import draft_weights
 from jaxspec.serving.scheduler import Request, Scheduler
 from jaxspec.tune import load_tuned
 
@@ -58,8 +59,10 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="strict",
                    help="NSA verification precision class (only strict is lossless); with --method auto, the classes auto may use")
     p.add_argument("--group", type=int, default=None, help="NSA models: adjacent draft rows verified per program (default 8)")
-    p.add_argument("--draft-weights", choices=quantize.DRAFT_WEIGHTS, default=None,
-                   help="layer weights draft steps read: exact (default) or int8 copies made at load (verification stays exact)")
+    p.add_argument("--draft-weights", choices=draft_weights.DRAFT_WEIGHTS, default=None,
+                   help="layer weights draft steps read: exact (default), or int8 / int4 copies made at load (verification stays exact)")
+    p.add_argument("--draft-skip", default=None,
+                   help="layers draft steps leave out: 3,5,10-12 | everyN | calibrated (python -m jaxspec.calibrate_skip) | a calibration file")
     p.add_argument("--planner-table", type=Path, default=None,
                    help="--method auto: a table from `python -m jaxspec.profile` (default: the shipped one for this model and device)")
 
@@ -91,7 +94,8 @@ def spec_from_args(args) -> SpecConfig:
     if auto:
         fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
                                           ("--group", args.group), ("--tuned", args.tuned),
-                                          ("--draft-weights", args.draft_weights)) if value is not None]
+                                          ("--draft-weights", args.draft_weights),
+                                          ("--draft-skip", args.draft_skip)) if value is not None]
         if fixed:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
     elif args.planner_table:
@@ -111,6 +115,14 @@ def spec_from_args(args) -> SpecConfig:
         backend=args.backend, precision="strict" if auto else args.precision, group=8 if args.group is None else args.group,
         draft_weights=args.draft_weights or "exact",
     ).validate()
+
+
+def with_draft(args, spec: SpecConfig, cfg, params, precision: str | None = None) -> tuple[SpecConfig, dict]:
+    """The spec with --draft-skip resolved for the loaded model and checked against it (at `precision`
+    if given: auto's allowed classes), and the params with the draft's weights."""
+    spec = dataclasses.replace(spec, draft_skip=resolve_skip(args.draft_skip, args.model, cfg.num_layers)).validate()
+    dataclasses.replace(spec, precision=precision or spec.precision).check_model(cfg)
+    return spec, draft_weights.with_draft_weights(params, spec.draft_weights, spec.draft_skip)
 
 
 def announce_precision(args) -> None:
@@ -138,8 +150,7 @@ def main(argv=None):
     if warning := gpu_unseen_warning():
         print(warning, file=sys.stderr)
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
-    dataclasses.replace(spec, precision=args.precision).check_model(cfg)  # auto: the classes it may use
-    params = quantize.with_draft_weights(params, spec.draft_weights)
+    spec, params = with_draft(args, spec, cfg, params, precision=args.precision)  # auto: the classes it may use
     announce_precision(args)
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not tokenizer.has_chat_template:
@@ -163,7 +174,7 @@ def main(argv=None):
                   stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress)
     run = run_generation(params, cfg, batch, spec=spec, plan=plan, **common)
     spec = run.auto.spec if auto else spec
-    stats = {**summarize(run, batch, spec), "draft_weight_bytes": quantize.draft_bytes(params)}
+    stats = {**summarize(run, batch, spec), "draft_weight_bytes": draft_weights.draft_bytes(params)}
     results = [
         {"prompt_tokens": int(n), "tokens": [int(t) for t in g], "text": tokenizer.decode(g, skip_special_tokens=True)}
         for n, g in zip(batch.lengths, run.generated())
@@ -241,8 +252,9 @@ def _print_human(results: list[dict], stats: dict) -> None:
         drafts = f"tree {stats['tree']} ({stats['traversal']})" if stats["tree"] else f"gamma {stats['gamma']}"
         print(f"drafts           {drafts}, {stats['nodes']} nodes" + (f", ratio {stats['ratio']}" if stats["ratio"] else "")
               + (f", metric {stats['metric']}" if stats["metric"] else "")
-              + (f", {stats['draft_weights']} weights (+{stats['draft_weight_bytes'] / 2**20:.0f} MiB)"
-                 if stats["draft_weights"] != "exact" else ""))
+              + (f", {stats['draft_weights']} weights" if stats["draft_weights"] != "exact" else "")
+              + (f", skipping {len(stats['draft_skip'])} layers" if stats["draft_skip"] else "")
+              + (f" (+{stats['draft_weight_bytes'] / 2**20:.0f} MiB)" if stats["draft_weight_bytes"] else ""))
         print(f"iterations       {stats['iterations']}, {stats['tokens_per_iteration']:.2f} tokens/iteration")
         rates = " ".join(f"{r:.2f}" for r in stats["acceptance_rate_by_depth"])
         print(f"acceptance       {stats['accepted_tokens']} of {stats['draft_tokens']} nodes verified; by depth {rates}")

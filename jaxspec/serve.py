@@ -19,8 +19,7 @@ import uvicorn
 from jaxspec.decoding import planner
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.generate import add_method_flags, add_model_flags, announce_precision, spec_from_args
-from jaxspec.models import quantize
+from jaxspec.generate import add_method_flags, add_model_flags, announce_precision, spec_from_args, with_draft
 from jaxspec.runner import describe_device
 
 
@@ -63,8 +62,7 @@ def main(argv=None):
 
     print(describe_device(), file=sys.stderr)
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
-    spec.check_model(cfg)
-    params = quantize.with_draft_weights(params, spec.draft_weights)
+    spec, params = with_draft(args, spec, cfg, params)
     announce_precision(args)
     max_len = args.max_len or cfg.max_position_embeddings
     if max_len < 2 or max_len > cfg.max_position_embeddings:

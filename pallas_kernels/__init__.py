@@ -20,6 +20,8 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
+from pallas_kernels.quant_matmul import quant_matmul_pallas, quant_matmul_reference
+from pallas_kernels.quant_matmul import supported as quant_matmul_supported  # noqa: F401 (the switch below)
 from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
 from pallas_kernels.verify_attention import (
@@ -32,13 +34,25 @@ from pallas_kernels.verify_attention import (
 BACKENDS = ("reference", "pallas")
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
-           "nsa_tree_attention", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
+           "nsa_tree_attention", "quant_matmul", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}: expected one of {BACKENDS}")
     return backend == "pallas"
+
+
+def quant_matmul(x, values, scale, out_dtype=None, *, layer=None, backend: str = "reference"):
+    """x [M, K] @ a quantized matrix (int8 per column, or packed int4 per group: kernels/quant_matmul.py),
+    with `layer`: layer `layer` of stacked values and scale, read in place. The Pallas kernel covers
+    up to 64 rows at block-divisible shapes; other products run the reference."""
+    if _is_pallas(backend) and quant_matmul_supported(x.shape[0], values[0] if layer is not None else values,
+                                                      scale[0] if layer is not None else scale):
+        return quant_matmul_pallas(x, values, scale, out_dtype, layer=layer, interpret=interpret_default())
+    if layer is not None:
+        values, scale = values[layer], scale[layer]
+    return quant_matmul_reference(x, values, scale, out_dtype)
 
 
 def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,

@@ -36,8 +36,8 @@ def test_human_output_smollm2():
 
 def test_json_batch_is_lossless_across_methods(tmp_path):
     """Two prompts (one from a file) as a batch; greedy vegas as a chain, as a tree and with int8
-    draft weights, and the default (auto) emit plain decoding's tokens (every drafter's
-    losslessness: test_engine)."""
+    draft weights, full drafts with int4 weights skipping two layers, and the default (auto) emit
+    plain decoding's tokens (every drafter's losslessness: test_engine)."""
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("Write one sentence about rivers.")
     common = ["--prompt", "What is 2 + 2?", "--prompt-file", str(prompt_file), "--max-new-tokens", "16", "--json"]
@@ -52,6 +52,9 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
     result = generate(*common, "--method", "vegas", "--gamma", "4", "--draft-weights", "int8")
     assert result.returncode == 0, result.stderr
     outputs["int8"] = json.loads(result.stdout)
+    result = generate(*common, "--method", "full", "--gamma", "3", "--draft-weights", "int4", "--draft-skip", "4,17")
+    assert result.returncode == 0, result.stderr
+    outputs["int4_skip"] = json.loads(result.stdout)
     result = generate(*common)  # the default: --method auto
     assert result.returncode == 0, result.stderr
     outputs["auto"] = json.loads(result.stdout)
@@ -71,10 +74,13 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
     assert tree["nodes_verified_per_iteration"] == 15 and len(tree["acceptance_rate_by_depth"]) == 3
     assert tree["tokens_per_iteration"] == pytest.approx(1 + tree["accepted_per_iteration"])
     plain_tokens = [r["tokens"] for r in outputs["plain"]["results"]]
-    for method in ("vegas", "tree", "auto", "int8"):
+    for method in ("vegas", "tree", "auto", "int8", "int4_skip"):
         assert [r["tokens"] for r in outputs[method]["results"]] == plain_tokens
     int8 = outputs["int8"]["stats"]
     assert int8["draft_weights"] == "int8" and int8["draft_weight_bytes"] > 0 and stats["draft_weight_bytes"] == 0
+    int4 = outputs["int4_skip"]["stats"]
+    assert (int4["method"], int4["draft_weights"], int4["draft_skip"]) == ("full", "int4", [4, 17])
+    assert 0 < int4["draft_weight_bytes"] < int8["draft_weight_bytes"] and int4["accepted_tokens"] > 0
     auto = outputs["auto"]["stats"]
     assert auto["method_requested"] == "auto" and auto["lossless"] and auto["planned"]["source"].startswith(("table:", "cost-model"))
 
@@ -102,7 +108,13 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
         (["--method", "medusa"], "medusa"),
         (["--method", "ngram", "--draft-weights", "int8"], "needs a model drafter"),
         (["--draft-weights", "int8"], "--method auto chooses --draft-weights"),
-        (["--method", "vegas", "--draft-weights", "int4"], "int4"),
+        (["--method", "vegas", "--draft-weights", "int3"], "int3"),
+        (["--draft-skip", "3"], "--method auto chooses --draft-skip"),
+        (["--method", "vegas", "--draft-skip", "40"], "layer 40 does not exist"),
+        (["--method", "vegas", "--draft-skip", "0-29"], "skips all 30 layers"),
+        (["--method", "vegas", "--draft-skip", "x"], "takes layers and ranges"),
+        (["--method", "vegas", "--draft-skip", "/nonexistent/skip.json"], "no calibration at"),
+        (["--method", "full"], "needs a cheaper draft model"),
         (["--max-new-tokens", "many"], "many"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file"),
         (["--model", "/nonexistent/model"], "/nonexistent/model"),

@@ -19,7 +19,7 @@ from scipy import stats
 
 from jaxspec import corpus
 from jaxspec.decoding import engine
-from jaxspec.models import decoder, quantize
+from jaxspec.models import decoder, draft_weights
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import init_cache
 from jaxspec.loaders import load_model
@@ -27,7 +27,8 @@ from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, SpecConfig
 
-SPEC_METHODS = [m for m in METHODS if m != "plain"]
+# full drafts over the whole cache, so it needs a draft model cheaper than the target: the draft-model tests
+SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full")]
 # 1 and 7 drafts (the edge cases) run by default on SmolLM2, 7 on the random Qwen3; the rest with the
 # slow tests (a chain is the width-1 tree, and the trees below cover the middle depths)
 GAMMAS = (1, pytest.param(4, marks=pytest.mark.slow), 7)
@@ -121,22 +122,37 @@ def test_greedy_lossless_qwen3(qwen3_case, method, gamma):
     assert out == qwen3_case.plain
 
 
-@pytest.mark.parametrize("spec", [
-    SpecConfig(method="vegas", gamma=6), SpecConfig(method="stream", gamma=4), SpecConfig(method="quest", tree=(3, 2, 1)),
-], ids=["vegas", "stream", "quest-tree"])
-def test_int8_draft_weights_lossless_smollm2(smollm2_batch, spec):
-    """Drafts that read int8 copies of the layer weights (verification exact) emit plain's tokens,
-    and still get most drafts accepted on real weights."""
-    spec = dataclasses.replace(spec, draft_weights="int8").validate()
-    out, stats = smollm2_batch.run(spec, params=quantize.with_draft_weights(smollm2_batch.params, "int8"))
+def with_draft(case, spec: SpecConfig, weights: str, skip=()):
+    """The spec with a draft model (weights, skipped layers), checked, and the case's params with its copies."""
+    spec = dataclasses.replace(spec, draft_weights=weights, draft_skip=skip).validate().check_model(case.cfg)
+    return spec, draft_weights.with_draft_weights(case.params, weights, skip)
+
+
+@pytest.mark.parametrize("spec, weights, skip, least", [
+    (SpecConfig(method="vegas", gamma=6), "int8", (), 0.5),
+    (SpecConfig(method="stream", gamma=4), "int4", (), 0.3),
+    (SpecConfig(method="quest", tree=(3, 2, 1)), "int8", (), 0.5),
+    (SpecConfig(method="full", gamma=4), "int4", (), 0.3),
+    (SpecConfig(method="vegas", gamma=3), "exact", (4, 17), 0.1),
+    (SpecConfig(method="full", tree=(2, 2)), "int8", (4,), 0.1),
+], ids=["vegas-int8", "stream-int4", "quest-tree-int8", "full-int4", "vegas-skip", "full-tree-int8-skip"])
+def test_draft_models_lossless_smollm2(smollm2_batch, spec, weights, skip, least):
+    """Drafts that read quantized copies of the layer weights and leave out layers (verification
+    exact) emit plain's tokens, and real weights still get drafts accepted (`least`: of the longest
+    accepted path)."""
+    spec, params = with_draft(smollm2_batch, spec, weights, skip)
+    out, stats = smollm2_batch.run(spec, params=params)
     assert out == smollm2_batch.plain
-    assert stats.accepted.sum() > 0.5 * spec.draft_len * stats.iterations.sum()
+    assert stats.accepted.sum() > least * spec.draft_len * stats.iterations.sum()
 
 
-@pytest.mark.parametrize("method", ["vegas", "all_rows", "last_accepted"])
-def test_int8_draft_weights_lossless_qwen3(qwen3_case, method):
-    spec = SpecConfig(method=method, gamma=5, min_tokens=32, draft_weights="int8")
-    out, stats = qwen3_case.run(spec, params=quantize.with_draft_weights(qwen3_case.params, "int8"))
+@pytest.mark.parametrize("method, weights, skip", [
+    ("vegas", "int8", ()), ("all_rows", "int4", ()), ("last_accepted", "int8", (2,)), ("full", "int4", (1,)),
+    ("stream", "exact", (3,)),
+])
+def test_draft_models_lossless_qwen3(qwen3_case, method, weights, skip):
+    spec, params = with_draft(qwen3_case, SpecConfig(method=method, gamma=5, min_tokens=32), weights, skip)
+    out, stats = qwen3_case.run(spec, params=params)
     assert out == qwen3_case.plain and stats.accepted.sum() > 0
 
 
@@ -306,28 +322,28 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("method,tree,order,weights", [
-    ("plain", None, "bfs", "exact"), ("vegas", None, "bfs", "exact"), ("stream", None, "bfs", "exact"),
-    ("ngram", None, "bfs", "exact"), ("vegas", (3, 2), "bfs", "exact"), ("stream", (2, 1, 2), "dfs", "exact"),
-    ("ngram", (2, 2), "bfs", "exact"), ("vegas", None, "bfs", "int8"),
+@pytest.mark.parametrize("method,tree,order,weights,skip", [
+    ("plain", None, "bfs", "exact", ()), ("vegas", None, "bfs", "exact", ()), ("stream", None, "bfs", "exact", ()),
+    ("ngram", None, "bfs", "exact", ()), ("vegas", (3, 2), "bfs", "exact", ()), ("stream", (2, 1, 2), "dfs", "exact", ()),
+    ("ngram", (2, 2), "bfs", "exact", ()), ("vegas", None, "bfs", "int8", ()), ("full", (2, 2), "bfs", "int4", (1,)),
 ])
-def test_first_two_tokens_follow_the_target(method, tree, order, weights):
+def test_first_two_tokens_follow_the_target(method, tree, order, weights, skip):
     """Chi-square of the first two sampled tokens (V^2 = 64 cells, 12,000 rows) against the exact joint.
 
     The drafters here really differ from the target (16 of 50 context slots), so the recovered-token
     path is exercised; ngram exercises one-hot q (its trees: several earlier matches of the suffix);
-    trees exercise sampling children without replacement and recursive rejection; int8 draft weights
-    a draft model that differs from the target in its weights too. One batch of identical rows gives
-    independent draws.
+    trees exercise sampling children without replacement and recursive rejection; quantized draft
+    weights and a skipped layer a draft model that differs from the target in its weights too. One
+    batch of identical rows gives independent draws.
     """
-    params = quantize.with_draft_weights(decoder.init_params(TINY, jax.random.key(7), scale=0.6), weights)
+    params = draft_weights.with_draft_weights(decoder.init_params(TINY, jax.random.key(7), scale=0.6), weights, skip)
     prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
     rows = 12000
     batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))
     max_len = len(prompt) + 2
     cache = prefilled(params, TINY, batch, max_len)
     spec = SpecConfig(method=method, gamma=3, tree=tree, traversal=order, ratio=0.3, min_tokens=1, ngram_min=1,
-                      ngram_max=2, draft_weights=weights).validate()
+                      ngram_max=2, draft_weights=weights, draft_skip=skip).validate()
     out, stats_ = generate(params, TINY, batch, cache, spec, max_len, 2, sampling=SamplingConfig(temperature=1.0), seed=1)
     pairs = np.array(out)
     assert pairs.shape == (rows, 2)

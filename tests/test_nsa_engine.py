@@ -15,13 +15,13 @@ import pytest
 
 from jaxspec.decoding.spec import METHODS, SpecConfig
 import pallas_kernels as kernels
-from jaxspec.models import decoder, nsa
+from jaxspec.models import decoder, draft_weights, nsa
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.models.kvcache import init_cache
 from jaxspec.runner import Batch
 from test_engine import Case, assert_rows_alone_equal_batched, generate, prefilled
 
-SPEC_METHODS = [m for m in METHODS if m != "plain"]
+SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full")]  # full: with a draft model, below
 
 
 def nsa_config(rule: str = "nsa1b") -> ModelConfig:
@@ -104,6 +104,16 @@ def test_greedy_lossless_nsa(nsa_case, method, gamma):
     out, stats = nsa_case.run(SpecConfig(method=method, gamma=gamma, min_tokens=32))
     assert out == nsa_case.plain
     assert stats.iterations.sum() > 0
+
+
+@pytest.mark.parametrize("method, weights, skip", [("vegas", "int4", ()), ("full", "int8", (1,))])
+def test_draft_models_lossless_nsa(nsa_case, method, weights, skip):
+    """Draft models (quantized copies, a skipped layer) on an NSA target: the NSA gate columns are
+    quantized with q/k/v, and the output stays the model's."""
+    spec = SpecConfig(method=method, gamma=4, min_tokens=32, draft_weights=weights, draft_skip=skip).validate()
+    params = draft_weights.with_draft_weights(nsa_case.params, weights, skip)
+    out, stats = nsa_case.run(spec.check_model(nsa_case.cfg), params=params)
+    assert out == nsa_case.plain and stats.accepted.sum() > 0
 
 
 @pytest.mark.parametrize("reduce_rows", [True, False])

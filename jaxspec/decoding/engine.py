@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as kernels
-from jaxspec.models import decoder, nsa, quantize
+from jaxspec.models import decoder, draft_weights, nsa
 from jaxspec.models.config import ModelConfig
 from jaxspec.decoding.drafters import Drafter, DraftRows, make_drafter
 from jaxspec.models.kvcache import KVCache, init_cache
@@ -325,9 +325,9 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
 
 
 def draft(params, cfg, spec, sampling, drafter, state, key):
-    """Drafts `spec`'s tree with the target model (reading its int8 layer copies under `draft_weights`
-    int8: `models.quantize`) over the drafter's KV subset: one forward per depth,
-    whose rows are that depth's nodes; each node's children are its top-b draft tokens (greedy) or b
+    """Drafts `spec`'s tree with the target model (reading the draft's quantized copies and leaving
+    out its skipped layers: `models.draft_weights`) over the drafter's KV subset: one forward per
+    depth, whose rows are that depth's nodes; each node's children are its top-b draft tokens (greedy) or b
     tokens drawn from its draft distribution without replacement (Gumbel top-b).
 
     Returns (tokens [B, rows]: row 0 the pending token, then every node's draft; their distributions
@@ -336,7 +336,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     """
     tree = spec.shape
     sampling = rules(sampling, state)
-    params = quantize.draft_params(params, spec.draft_weights)
+    params, layer_ids = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
     B = state.length.shape[0]
     first = state.length - 1
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))
@@ -352,10 +352,12 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
             depth, rows, kids, ancestors = x
             at = DraftRows(first, depth, rows, ancestors, tree.is_chain)
             attend, layer_xs = drafter.attend(dstate, state.budget, at)
+            if layer_ids is not None:  # the selection of the layers the draft runs
+                layer_xs = jax.tree.map(lambda a: a[layer_ids], layer_xs)
             n = rows.shape[0]
             hidden, cache, _ = decoder.forward(
                 params, cfg, tokens[:, rows], jnp.broadcast_to(at.position[:, None], (B, n)), jnp.ones((B, n), bool),
-                cache, attend, layer_xs, slots=at.slots,
+                cache, attend, layer_xs, slots=at.slots, layer_ids=layer_ids,
             )
             key, sub = split_rows(key, 2)
             children, q = expand(sub, decoder.logits(params, cfg, hidden), kids.shape[1], sampling, spec.backend)

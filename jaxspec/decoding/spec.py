@@ -10,9 +10,9 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape
 from jaxspec.errors import JaxspecError
-from jaxspec.models.quantize import DRAFT_WEIGHTS
+from jaxspec.models.draft_weights import DRAFT_WEIGHTS, check_skip
 
-METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
+METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "full", "ngram")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
@@ -48,7 +48,8 @@ class SpecConfig:
     prefill_chunk: int = 256
     precision: str = "strict"  # NSA targets: SSV precision class of the target passes (PRECISIONS)
     group: int = 8  # NSA targets: adjacent draft rows verified per program (1: each row its own)
-    draft_weights: str = "exact"  # the layer weights draft steps read: "exact" or "int8" (models.quantize)
+    draft_weights: str = "exact"  # the layer weights draft steps read: exact, int8 or int4 (models.draft_weights)
+    draft_skip: tuple[int, ...] = ()  # the layers draft steps leave out (models.draft_weights), increasing
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -85,11 +86,21 @@ class SpecConfig:
             raise JaxspecError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.draft_weights != "exact" and self.method in ("plain", "ngram"):
             raise JaxspecError(f"--draft-weights {self.draft_weights} needs a model drafter; {self.method} runs no draft forward")
+        if self.draft_skip and self.method in ("plain", "ngram"):
+            raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
+        if list(self.draft_skip) != sorted(set(self.draft_skip)):
+            raise JaxspecError(f"--draft-skip must list layers in increasing order, once each, got {list(self.draft_skip)}")
         return self
 
     def check_model(self, cfg) -> SpecConfig:
-        """Raises JaxspecError if the model cannot run this config: approximate precision classes
-        need an NSA model, `reuse` one with a calibrated refresh/reuse schedule."""
+        """Raises JaxspecError if the model cannot run this config: skipped layers must exist and
+        leave one (and `full` needs a draft cheaper than the model: the skip list is only known with
+        the model); approximate precision classes need an NSA model, `reuse` one with a calibrated
+        refresh/reuse schedule."""
+        check_skip(self.draft_skip, cfg.num_layers)
+        if self.method == "full" and self.draft_weights == "exact" and not self.draft_skip:
+            raise JaxspecError("--method full drafts over the whole cache, so it needs a cheaper draft model: "
+                               "--draft-weights int8|int4 or --draft-skip")
         if self.precision != "strict" and cfg.nsa is None:
             raise JaxspecError(f"--precision {self.precision} needs an NSA model (dense models verify exactly)")
         if self.reuse_layers and not cfg.nsa.refresh_layers:
@@ -140,6 +151,7 @@ class SpecConfig:
             "lossless": self.lossless,
             "group": self.group,
             "draft_weights": self.draft_weights,
+            "draft_skip": list(self.draft_skip),
         }
 
     def capacity(self, max_len: int) -> int:

@@ -18,6 +18,7 @@ model's own attention (full causal, or NSA's three gated branches: `jaxspec.mode
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -29,7 +30,7 @@ import pallas_kernels as kernels
 from jaxspec.models import nsa
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
-from jaxspec.models.quantize import Int8
+from jaxspec.models.quantize import Quantized
 
 Params = dict[str, Any]
 # attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates, carry) -> (out [B,T,Hq,Dh], layer_y, carry);
@@ -114,19 +115,19 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 REDUCED_ONE_ROW_ELEMENTS = 1 << 24
 
 
-def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | Quantized, out_dtype=None) -> jax.Array:
     """x [..., K] @ w [K, N], a single row given twice where XLA would rewrite a one-row product.
 
     XLA on a GPU rewrites one-row products: with a float32 result it converts the whole matrix to
     float32 first (the LM head: 2.1 ms instead of 0.42 at Qwen3-8B shapes), and a small matrix's
     product becomes multiply + reduce fusions. With two rows it is a gemm that reads the matrix in
-    place (REDUCED_ONE_ROW_ELEMENTS says which matrices). An int8 matrix (a draft's copy,
-    `quantize.Int8`) is multiplied in x's dtype and its column scales applied to the product.
+    place (REDUCED_ONE_ROW_ELEMENTS says which matrices). A quantized matrix (a draft's copy,
+    `draft_weights.Quantized`) goes to the quant_matmul kernel, which reads its bytes in place.
     """
-    if isinstance(w, Int8):
-        out = matmul(x, w.values.astype(x.dtype), jnp.float32) * w.scale
-        return out.astype(out_dtype or x.dtype)
     rows = x.reshape(-1, x.shape[-1])
+    if isinstance(w, Quantized):
+        out = kernels.quant_matmul(rows, w.values, w.scale, out_dtype or x.dtype, layer=w.layer, backend=w.backend)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     n = rows.shape[0]
     if n == 1 and (out_dtype is not None or w.size < REDUCED_ONE_ROW_ELEMENTS):
         rows = jnp.concatenate([rows, rows])
@@ -151,6 +152,7 @@ def forward(
     layer_xs: Any = None,
     slots: jax.Array | None = None,
     carry: Any = (),
+    layer_ids: np.ndarray | jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Runs all layers on `tokens` [B, T] at `positions` [B, T] (RoPE).
 
@@ -158,17 +160,25 @@ def forward(
     (default: their positions; a draft tree's nodes share positions and differ in slots) before
     `attend` reads it; invalid tokens (padding) write nothing. `layer_xs` is a pytree with a leading
     layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked;
-    `carry` is `attend`'s initial layer-to-layer state. Returns the last hidden states [B, T, D]
-    (before the final norm), the cache, and those.
+    `carry` is `attend`'s initial layer-to-layer state. `layer_ids` are the model layers of the
+    entries of params' layer stack (a draft that skips layers, `draft_weights`; default: every layer);
+    quantized matrices are read in place at their stack entry. Returns the last hidden states
+    [B, T, D] (before the final norm), the cache, and those.
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # out of range -> dropped
 
+    quantized = {name: m for name, m in params["layers"].items() if isinstance(m, Quantized)}
+    scanned = {name: a for name, a in params["layers"].items() if name not in quantized}
+    entries = scanned["attn_norm"].shape[0]
+    layer_ids = np.arange(entries) if layer_ids is None else layer_ids
+
     def layer(state, xs):
         x, cache, carry = state
-        p, index, lx = xs
+        p, entry, index, lx = xs
+        p = {**p, **{name: dataclasses.replace(m, layer=entry) for name, m in quantized.items()}}
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         qkv = matmul(h, p["wqkv"])
         if "bqkv" in p:
@@ -193,8 +203,8 @@ def forward(
         return (x, cache, carry), ly
 
     x = embed(params, tokens)
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, cache, _), layer_ys = jax.lax.scan(layer, (x, cache, carry), (params["layers"], layer_ids, layer_xs))
+    xs = (scanned, jnp.arange(entries, dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32), layer_xs)
+    (x, cache, _), layer_ys = jax.lax.scan(layer, (x, cache, carry), xs)
     return x, cache, layer_ys
 
 
@@ -223,10 +233,13 @@ def attention_carry(cfg: ModelConfig, q_slot: jax.Array, num_slots: int, verific
     return nsa.initial_carry(cfg, q_slot, num_slots, reuse)
 
 
-def score(params: Params, cfg: ModelConfig, tokens: jax.Array, backend: str = "reference") -> jax.Array:
-    """Teacher-forced float32 logits [B, T, V] of a full forward over `tokens` [B, T] from position 0."""
+def score(params: Params, cfg: ModelConfig, tokens: jax.Array, backend: str = "reference",
+          layer_ids: np.ndarray | jax.Array | None = None) -> jax.Array:
+    """Teacher-forced float32 logits [B, T, V] of a full forward over `tokens` [B, T] from position 0
+    (of the model whose layer stack is `layer_ids`' layers: see `forward`)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cache = init_cache(cfg, B, T)
-    hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attention(cfg, positions, backend))
+    hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attention(cfg, positions, backend),
+                           layer_ids=layer_ids)
     return logits(params, cfg, hidden)

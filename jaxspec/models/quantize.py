@@ -1,15 +1,9 @@
-"""Quantized copies of the layer weights that only draft steps read (`--draft-weights int8`).
+"""Quantized matrices: the formats of a draft's weight copies (`models.draft_weights`).
 
-A self-draft step reads every weight (issue: sparse-KV drafting removes KV reads, not weight reads),
-so at batch 1 and short contexts it costs a full step. Draft steps can read int8 copies instead:
-per-output-column symmetric int8 (w ~ values x scale, |error| <= scale / 2). The verify pass keeps
-the exact weights, and draft proposals are whatever the quantized model proposes, so exact
-rejection sampling keeps the output distribution the model's own; quantization only changes
-acceptance. The draft's KV writes are temporary (verification rewrites every tree row's KV with the
-exact weights), so the cache stays exact.
-
-The copies live in the params pytree under "draft_layers" (`with_draft_weights`); the engine's draft
-step takes `draft_params(params)`, the params with those matrices in place of the layers' own.
+- int8: per-output-column symmetric int8 (w ~ values x scale, |error| <= scale / 2);
+- int4: group-wise (GROUP rows of K per scale) symmetric int4 in -7..7, packed two per byte in the
+  layout of pallas_kernels/quant_matmul.py (|error| <= scale / 2).
+`decoder.matmul` multiplies a `Quantized` matrix with the quant_matmul kernel.
 """
 
 from __future__ import annotations
@@ -20,50 +14,67 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
+from pallas_kernels.quant_matmul import pack_int4, unpack_int4
 
-DRAFT_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer matrices a draft step reads
-DRAFT_WEIGHTS = ("exact", "int8")
+GROUP = 128  # int4: rows of K per scale (64 or 32 where 128 does not divide K)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Int8:
-    """A matrix [..., K, N] as int8 values and one float32 scale per output column [..., N]."""
+class Quantized:
+    """A matrix [..., K, N] as int8 values and float32 scales: per output column (int8: values
+    [..., K, N], scale [..., N]) or per group of rows (int4: packed values [..., K/2, N], scale
+    [..., K/G, N]).
+
+    Inside the decoder's layer scan a stacked matrix is not sliced: `layer` names the layer the
+    product reads in place, with the kernel `backend` (pallas_kernels.quant_matmul)."""
 
     values: jax.Array
     scale: jax.Array
+    layer: jax.Array | None = None
+    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.scale.ndim == self.values.ndim else 8
 
 
-def quantize_int8(w: jax.Array) -> Int8:
+def quantize_int8(w: jax.Array) -> Quantized:
     """Symmetric per-column int8 of w [..., K, N] (columns of zeros get scale 1)."""
     amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=-2)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
     values = jnp.clip(jnp.round(w.astype(jnp.float32) / scale[..., None, :]), -127, 127).astype(jnp.int8)
-    return Int8(values, scale)
+    return Quantized(values, scale)
 
 
-def dequantize(q: Int8, dtype=jnp.float32) -> jax.Array:
-    return (q.values.astype(jnp.float32) * q.scale[..., None, :]).astype(dtype)
+def int4_group(K: int) -> int:
+    for group in (GROUP, 64, 32):
+        if K % group == 0:
+            return group
+    raise JaxspecError(f"--draft-weights int4 needs matrices whose rows are a multiple of 32, got {K}")
 
 
-def with_draft_weights(params: dict, kind: str) -> dict:
-    """`params` with the draft's copies of the layer matrices ("exact": none, unchanged)."""
-    if kind not in DRAFT_WEIGHTS:
-        raise JaxspecError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {kind!r}")
-    if kind == "exact":
-        return params
-    return {**params, "draft_layers": {name: quantize_int8(params["layers"][name]) for name in DRAFT_MATRICES}}
+def quantize_int4(w: jax.Array) -> Quantized:
+    """Symmetric group-wise int4 of w [..., K, N]: one scale per int4_group(K) rows and column,
+    values in -7..7 (groups of zeros get scale 1)."""
+    *lead, K, N = w.shape
+    groups = K // int4_group(K)
+    wg = w.astype(jnp.float32).reshape(*lead, groups, K // groups, N)
+    amax = jnp.max(jnp.abs(wg), axis=-2)
+    scale = jnp.where(amax > 0, amax / 7.0, 1.0)
+    values = jnp.clip(jnp.round(wg / scale[..., None, :]), -7, 7).astype(jnp.int8).reshape(-1, K, N)
+    packed = jax.vmap(lambda v: pack_int4(v, groups))(values)
+    return Quantized(packed.reshape(*lead, K // 2, N), scale)
 
 
-def draft_params(params: dict, kind: str) -> dict:
-    """The params a draft step reads under `--draft-weights kind`."""
-    if kind == "exact":
-        return params
-    if "draft_layers" not in params:
-        raise JaxspecError(f"--draft-weights {kind}: the params carry no draft copies (make them with with_draft_weights)")
-    return {**params, "layers": {**params["layers"], **params["draft_layers"]}}
+def dequantize(q: Quantized, dtype=jnp.float32) -> jax.Array:
+    if q.bits == 8:
+        return (q.values.astype(jnp.float32) * q.scale[..., None, :]).astype(dtype)
+    *lead, half, N = q.values.shape
+    groups = q.scale.shape[-2]
+    values = jax.vmap(lambda v: unpack_int4(v, groups))(q.values.reshape(-1, half, N))
+    w = values.reshape(*lead, groups, 2 * half // groups, N).astype(jnp.float32) * q.scale[..., None, :]
+    return w.reshape(*lead, 2 * half, N).astype(dtype)
 
 
-def draft_bytes(params: dict) -> int:
-    """Device bytes of the draft copies (the memory --draft-weights adds)."""
-    return sum(x.nbytes for x in jax.tree.leaves(params.get("draft_layers", {})))
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}

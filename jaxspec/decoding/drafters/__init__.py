@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.decoding.drafters.base import Drafter, DraftRows
+from jaxspec.decoding.drafters.full import Full
 from jaxspec.decoding.drafters.ngram import Ngram
 from jaxspec.decoding.drafters.quest import Quest
 from jaxspec.decoding.drafters.stream import Stream
@@ -16,6 +17,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "last_accepted": LastAccepted,
     "stream": Stream,
     "quest": Quest,
+    "full": Full,
     "ngram": Ngram,
 }
 

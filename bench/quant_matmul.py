@@ -1,0 +1,177 @@
+"""Draft-weight products at batch 1: a few rows times every layer's matrix, exact against quantized.
+
+    PYTHONPATH=. python3 bench/quant_matmul.py [--models smollm2,llama-1b,qwen3-8b] [--rows 1,2,8] [--sweep qwen3-8b]
+
+For each model's four layer matrices (wqkv, wo, w_gate_up, w_down) it times one scan over the layer
+stack, as a draft step reads them, for: bf16 (decoder.matmul), int8 through XLA (the matrix converted
+inside the product), int8 and group-wise int4 through pallas_kernels.quant_matmul (the stacked
+matrix read in place at the layer index), and int4 through XLA (jnp.int4 values, dequantized before
+the product). Each time is given per layer against its bytes floor (the matrix bytes over the copy
+bandwidth measured in the same run). The kernel's output is checked against the reference first.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from jaxspec.models import decoder
+from jaxspec.models.quantize import Quantized
+import pallas_kernels as kernels
+
+from pallas_kernels._common import interpret_default
+from pallas_kernels.quant_matmul import pack_int4, quant_matmul_pallas, quant_matmul_reference
+
+MODELS = {"smollm2": common.SMOLLM2, "llama-1b": common.LLAMA_1B, "qwen3-8b": common.QWEN3_8B}
+GROUP = 128
+
+
+def matrices(cfg) -> dict[str, tuple[int, int]]:
+    shapes = decoder.param_shapes(cfg)["layers"]
+    return {name: shapes[name][1:] for name in ("wqkv", "wo", "w_gate_up", "w_down")}
+
+
+def make_weights(key, L: int, K: int, N: int) -> dict:
+    """The same random matrix stack in every format."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    groups = K // GROUP if K % GROUP == 0 else K // 64
+    int4 = jax.random.randint(k1, (L, K, N), -8, 8, jnp.int8)
+    return {
+        "bf16": common.random_layers(k2, (L, K, N), jnp.bfloat16),
+        "int8": Quantized(jax.random.randint(k3, (L, K, N), -127, 128, jnp.int8), jnp.full((L, N), 0.01, jnp.float32)),
+        "int4_packed": jax.vmap(lambda v: pack_int4(v, groups))(int4),
+        "int4_native": int4.astype(jnp.int4),
+        "int4_scale": jnp.full((L, groups, N), 0.01, jnp.float32),
+    }
+
+
+def scan_fn(kind: str, L: int, tiling: dict | None = None):
+    """A jitted scan over the L layers' products of x with one matrix kind, as the model's layer scan
+    runs them (XLA kinds: the stack is the scan's xs; Pallas kinds: the layer index is, the stack read
+    in place); returns the summed outputs."""
+
+    def xla_product(x, w):
+        if kind in ("bf16", "int8_xla"):
+            return decoder.matmul(x, w)
+        v, s = w  # int4_xla
+        K, N = v.shape
+        dense = (v.astype(x.dtype).reshape(s.shape[0], -1, N) * s[:, None].astype(x.dtype)).reshape(K, N)
+        return decoder.matmul(x, dense)
+
+    @jax.jit
+    def run(w, x):
+        N = w["bf16"].shape[-1]
+        if kind.endswith("pallas"):
+            values, scale = (w["int8"].values, w["int8"].scale) if kind == "int8_pallas" else (w["int4_packed"], w["int4_scale"])
+            product = lambda layer: quant_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(),
+                                                        **(tiling or {}))
+            xs = jnp.arange(L)
+        else:
+            xs = {"bf16": w["bf16"], "int8_xla": w["int8"], "int4_xla": (w["int4_native"], w["int4_scale"])}[kind]
+            product = lambda layer_w: xla_product(x, layer_w)
+        body = lambda acc, item: (acc + product(item).astype(jnp.float32), None)
+        return jax.lax.scan(body, jnp.zeros((x.shape[0], N), jnp.float32), xs)[0]
+
+    return run
+
+
+def floor_bytes(kind: str, K: int, N: int) -> int:
+    groups = K // GROUP if K % GROUP == 0 else K // 64
+    return {"bf16": 2 * K * N, "int8_xla": K * N + 4 * N, "int8_pallas": K * N + 4 * N,
+            "int4_xla": K * N // 2 + 4 * groups * N, "int4_pallas": K * N // 2 + 4 * groups * N}[kind]
+
+
+def check(w, M: int, key) -> float:
+    """Largest |pallas - reference| over |reference| for layer 0, int8 and int4."""
+    x = jax.random.normal(key, (M, w["bf16"].shape[1]), jnp.bfloat16)
+    worst = 0.0
+    for values, scale in ((w["int8"].values, w["int8"].scale), (w["int4_packed"], w["int4_scale"])):
+        ref = quant_matmul_reference(x.astype(jnp.float32), values[0], scale[0])
+        got = kernels.quant_matmul(x, values, scale, jnp.float32, layer=jnp.int32(0), backend="pallas")
+        worst = max(worst, float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))))
+    return worst
+
+
+TILINGS = [dict(block_k=bk, block_n=bn, num_warps=4, num_stages=st, target_programs=tp)
+           for bk in (128, 256, 512) for bn in (64, 128, 256) for st in (3, 4) for tp in (256, 528)]
+
+
+def sweep(args, bw: float, save, result) -> list[dict]:
+    """Per --sweep model, matrix (w_gate_up, wo) and kind (int8, int4): each tiling's time at one row."""
+    rows = result.setdefault("sweep", [])
+    for model in args.sweep.split(","):
+        cfg = MODELS[model]
+        for name in ("w_gate_up", "wo"):
+            K, N = matrices(cfg)[name]
+            w = make_weights(jax.random.key(3), cfg.num_layers, K, N)
+            x = jax.random.normal(jax.random.key(1), (1, K), jnp.bfloat16)
+            for kind in ("int8_pallas", "int4_pallas"):
+                seen = set()
+                for tiling in TILINGS:
+                    key = (min(tiling["block_k"], K) if kind == "int8_pallas" else 0, tiling["block_n"], tiling["num_warps"],
+                           tiling["num_stages"], tiling["target_programs"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    try:
+                        t = common.seconds_per_call(scan_fn(kind, cfg.num_layers, tiling), w, x, min_run_s=0.02) / cfg.num_layers
+                    except Exception as e:  # a tiling that does not compile (shared memory, registers)
+                        print(f"{model} {name} {kind} {tiling}: {type(e).__name__}", flush=True)
+                        continue
+                    floor = floor_bytes(kind, K, N) / bw
+                    rows.append({"model": model, "matrix": name, "kind": kind, **tiling, "us_per_layer": t * 1e6,
+                                 "x_floor": t / floor})
+                best = min((r for r in rows if (r["model"], r["matrix"], r["kind"]) == (model, name, kind)),
+                           key=lambda r: r["us_per_layer"])
+                print(f"best {model} {name} {kind}: {best['us_per_layer']:.2f} us ({best['x_floor']:.2f}x floor) "
+                      f"{ {k: best[k] for k in TILINGS[0]} }", flush=True)
+                save()
+            del w
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="smollm2,llama-1b,qwen3-8b")
+    p.add_argument("--rows", default="1,2,8")
+    p.add_argument("--kinds", default="bf16,int8_xla,int8_pallas,int4_xla,int4_pallas")
+    p.add_argument("--sweep", default="", help="models whose w_gate_up and wo also sweep the kernel's tiling "
+                                                "(block_k, block_n, stages, programs) at one row")
+    p.add_argument("--out", default=str(common.RESULTS / "quant_matmul.json"))
+    args = p.parse_args()
+    rates = common.measure_rates()
+    bw = rates["copy_GBps"] * 1e9
+    result = {**common.run_info(), "rates": rates, "rows": []}
+    for model in args.models.split(","):
+        cfg = MODELS[model]
+        L = cfg.num_layers
+        for name, (K, N) in matrices(cfg).items():
+            w = make_weights(jax.random.key(hash(name) % 1000), L, K, N)
+            for M in map(int, args.rows.split(",")):
+                x = jax.random.normal(jax.random.key(M), (M, K), jnp.bfloat16)
+                error = check(w, M, jax.random.key(7))
+                for kind in args.kinds.split(","):
+                    t = common.seconds_per_call(scan_fn(kind, L), w, x) / L
+                    floor = floor_bytes(kind, K, N) / bw
+                    row = {"model": model, "matrix": name, "K": K, "N": N, "rows": M, "kind": kind,
+                           "us_per_layer": t * 1e6, "floor_us": floor * 1e6, "x_floor": t / floor,
+                           "pallas_rel_error": error}
+                    result["rows"].append(row)
+                    print(f"{model:9s} {name:10s} {K:6d}x{N:<6d} M={M} {kind:12s} {t * 1e6:8.2f} us "
+                          f"floor {floor * 1e6:7.2f} ({t / floor:.2f}x)", flush=True)
+                del x
+            del w
+            common.write_json(common.Path(args.out), result)
+    if args.sweep:
+        result["sweep"] = sweep(args, bw, lambda: common.write_json(common.Path(args.out), result), result)
+    print(common.markdown_table(result["rows"], [
+        ("model", "model", "s"), ("matrix", "matrix", "s"), ("rows", "rows", "d"), ("kind", "kind", "s"),
+        ("us/layer", "us_per_layer", ".2f"), ("floor us", "floor_us", ".2f"), ("x floor", "x_floor", ".2f")]))
+
+
+if __name__ == "__main__":
+    main()

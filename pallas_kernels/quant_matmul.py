@@ -1,0 +1,137 @@
+"""A few rows times a quantized matrix: the draft steps' products under `--draft-weights int8/int4`.
+
+A draft step at batch 1 multiplies one to a few rows by every layer matrix, so its time is the
+matrix bytes over the memory bandwidth; quantized copies cut those bytes (jaxspec.models.quantize).
+The kernel reads the int8 bytes (or the packed int4 bytes) once and converts them in registers;
+XLA's own product would convert the matrix to the activations' dtype first, or rewrite a one-row
+product as a multiply + reduce fusion (bench/NOTES.md, issue 16).
+
+Formats (quantize.Int8, quantize.Int4):
+- int8: values [K, N] int8, scale [N] float32 per output column; w = values * scale.
+- int4: packed [K/2, N] int8 and scale [K/G, N] float32 per group of G rows of K and column. Row j of
+  group g's G/2 packed rows holds k = g*G + j in its low nibble and k = g*G + G/2 + j in its high one
+  (two's complement, -8..7), so a group's low and high halves multiply two contiguous slices of x.
+
+Grid: (row blocks of 16, column blocks, K splits); each program streams its columns' share of K
+through an fp32 accumulator, and XLA sums the splits (and applies int8's column scales).
+"""
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS
+
+BLOCK_K = 128  # int8: rows of K per loop step (a divisor of K: 128, 64, 32 or 16)
+BLOCK_N = 128  # columns per program (a divisor of N: 128, 64, 32 or 16)
+MAX_ROWS = 64  # more rows than this: the product is compute-bound enough for XLA's gemm
+
+
+def unpack_int4(packed, groups: int):
+    """packed [K/2, N] int8 -> values [K, N] int8 in -8..7 (the layout above)."""
+    half, N = packed.shape
+    p = packed.reshape(groups, half // groups, N)
+    lo = lax.shift_right_arithmetic(lax.shift_left(p, jnp.int8(4)), jnp.int8(4))
+    hi = lax.shift_right_arithmetic(p, jnp.int8(4))
+    return jnp.concatenate([lo, hi], axis=1).reshape(2 * half, N)
+
+
+def pack_int4(values, groups: int):
+    """values [K, N] int8 in -8..7 -> packed [K/2, N] int8 (the inverse of unpack_int4)."""
+    K, N = values.shape
+    v = values.reshape(groups, 2, K // groups // 2, N)
+    return (v[:, 0] & 0xF | (v[:, 1] << 4)).astype(jnp.int8).reshape(K // 2, N)
+
+
+def quant_matmul_reference(x, values, scale, out_dtype=None):
+    """x [M, K] @ the dequantized matrix, in fp32 products of x's dtype; out [M, N] (x's dtype)."""
+    if scale.ndim == 1:  # int8, per column
+        out = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32) * scale
+    else:  # int4, per group: one product per group, scaled, summed
+        groups = scale.shape[0]
+        w = unpack_int4(values, groups).reshape(groups, -1, values.shape[1]).astype(x.dtype)
+        xg = x.reshape(x.shape[0], groups, -1)
+        out = jnp.einsum("mgk,gkn,gn->mn", xg, w, scale, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype or x.dtype)
+
+
+def _divisor(n: int, block: int) -> int | None:
+    while block >= MIN_TILE and n % block:
+        block //= 2
+    return block if block >= MIN_TILE else None
+
+
+def supported(M: int, values, scale) -> bool:
+    """Whether the kernel covers this product (others run the reference)."""
+    K, N = (2 * values.shape[0], values.shape[1]) if scale.ndim == 2 else values.shape
+    step = K // scale.shape[0] if scale.ndim == 2 else _divisor(K, BLOCK_K)
+    return M <= MAX_ROWS and _divisor(N, BLOCK_N) is not None and step is not None and step % (2 * MIN_TILE) == 0
+
+
+def _make_kernel(M: int, steps: int, step_k: int, bn: int, int4: bool):
+    def kernel(layer_ref, x_ref, w_ref, s_ref, o_ref):
+        i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        rows, cols = pl.ds(i * MIN_TILE, MIN_TILE), pl.ds(j * bn, bn)
+        layer = layer_ref[0]  # refs are indexed once (Pallas-Triton takes one indexer per load)
+
+        def body(t, acc):
+            step = split * steps + t
+            if not int4:
+                x = x_ref[rows, pl.ds(step * step_k, step_k)]
+                w = w_ref[layer, pl.ds(step * step_k, step_k), cols].astype(x.dtype)
+                return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+            half = step_k // 2
+            x_lo = x_ref[rows, pl.ds(step * step_k, half)]
+            x_hi = x_ref[rows, pl.ds(step * step_k + half, half)]
+            p = w_ref[layer, pl.ds(step * half, half), cols]
+            lo = lax.shift_right_arithmetic(lax.shift_left(p, jnp.int8(4)), jnp.int8(4)).astype(x_lo.dtype)
+            hi = lax.shift_right_arithmetic(p, jnp.int8(4)).astype(x_lo.dtype)
+            part = (jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
+                    + jnp.dot(x_hi, hi, preferred_element_type=jnp.float32))
+            return acc + part * s_ref[layer, step, cols][None, :]
+
+        acc = lax.fori_loop(0, steps, body, jnp.zeros((MIN_TILE, bn), jnp.float32))
+        real = i * MIN_TILE + jnp.arange(MIN_TILE) < M  # the padding rows are not stored
+        plgpu.store(o_ref.at[split, rows, cols], acc, mask=real[:, None])
+
+    return kernel
+
+
+def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret: bool = False,
+                        block_k: int = BLOCK_K, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
+                        target_programs: int = TARGET_PROGRAMS):
+    """The kernel's x [M, K] @ dequantized matrix (the reference's result, summed in another order).
+
+    With `layer` (an int32 scalar), values and scale carry a leading layer axis and the kernel reads
+    that layer's matrix in place: a layer sliced out of a stack inside a scan would be copied by XLA
+    before the kernel reads it (bench/NOTES.md, issue 13's fused projections). The tiling arguments
+    are for bench/quant_matmul.py's sweep (int4 steps are its groups, whatever block_k says)."""
+    if layer is None:
+        values, scale, layer = values[None], scale[None], 0
+    M, K = x.shape
+    int4 = scale.ndim == 3
+    N = values.shape[-1]
+    bn = _divisor(N, block_n)
+    step_k = K // scale.shape[1] if int4 else _divisor(K, block_k)
+    total = K // step_k
+    m_blocks = -(-M // MIN_TILE)
+    programs = m_blocks * (N // bn)
+    splits = 1
+    while total % (splits * 2) == 0 and programs * splits * 2 <= target_programs:
+        splits *= 2
+    xp = jnp.pad(x, ((0, m_blocks * MIN_TILE - M), (0, 0)))
+    partial = pl.pallas_call(
+        _make_kernel(M, total // splits, step_k, bn, int4),
+        grid=(m_blocks, N // bn, splits),
+        in_specs=[pl.no_block_spec] * 4,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((splits, m_blocks * MIN_TILE, N), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="quant_matmul",
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), xp, values, scale)
+    out = partial[:, :M].sum(axis=0)
+    if not int4:
+        out = out * scale[layer]
+    return out.astype(out_dtype or x.dtype)

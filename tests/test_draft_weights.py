@@ -1,0 +1,180 @@
+"""Draft models (`--draft-weights int8|int4`, `--draft-skip`; models.quantize, models.draft_weights,
+pallas_kernels/quant_matmul.py): the quantize round trips stay within half a step, the kernel equals
+the float64 product of the dequantized matrix, the draft forward reads the copies and leaves out the
+skipped layers, calibration keeps its bound, and bad specs are one-line errors. That drafts with
+these models keep the output exactly the model's is tested with every other drafter in
+tests/test_engine.py."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as kernels
+from jaxspec.calibrate_skip import resolve_skip
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.models import decoder, draft_weights, quantize
+from jaxspec.models.config import ModelConfig
+from pallas_kernels.quant_matmul import pack_int4, unpack_int4
+
+CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=96, qk_norm=True, dtype="float32")
+
+
+def scaled_columns(key, shape):
+    """Normal weights whose columns differ in scale by 400x, with one zero column."""
+    w = jax.random.normal(key, shape) * jnp.linspace(0.01, 4.0, shape[-1])
+    return w.at[..., 7].set(0.0)
+
+
+def test_int8_round_trip_within_half_a_step():
+    w = scaled_columns(jax.random.key(0), (3, 96, 40))
+    q = quantize.quantize_int8(w)
+    assert q.bits == 8 and q.values.dtype == jnp.int8 and q.scale.shape == (3, 40)
+    error = np.abs(np.asarray(quantize.dequantize(q), np.float64) - np.asarray(w, np.float64))
+    assert (error <= np.asarray(q.scale)[:, None, :] / 2 + 1e-7).all()
+    assert np.abs(np.asarray(q.values)).max() == 127 and (np.asarray(q.values)[:, :, 7] == 0).all()
+
+
+@pytest.mark.parametrize("K, group", [(256, 128), (192, 64), (96, 32)])
+def test_int4_round_trip_within_half_a_step(K, group):
+    w = scaled_columns(jax.random.key(K), (2, K, 48))
+    q = quantize.quantize_int4(w)
+    assert q.bits == 4 and q.values.shape == (2, K // 2, 48) and q.scale.shape == (2, K // group, 48)
+    error = np.abs(np.asarray(quantize.dequantize(q), np.float64) - np.asarray(w, np.float64))
+    step = np.repeat(np.asarray(q.scale), group, axis=1)  # each row's group scale
+    assert (error <= step / 2 + 1e-6).all()
+    values = np.asarray(jax.vmap(lambda v: unpack_int4(v, K // group))(q.values))
+    assert values.min() == -7 and values.max() == 7
+
+
+def test_int4_packing_is_invertible():
+    values = jax.random.randint(jax.random.key(1), (128, 24), -8, 8, jnp.int8)
+    packed = pack_int4(values, 2)
+    assert packed.shape == (64, 24) and packed.dtype == jnp.int8
+    np.testing.assert_array_equal(unpack_int4(packed, 2), values)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("M", [1, 5, 37])
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_quant_matmul_equals_the_dequantized_product(bits, M, backend):
+    """Fresh random rows times a stacked quantized matrix at a layer index, against float64; M = 37
+    spans three row blocks of the kernel, M = 1 leaves 15 padding rows it must not store."""
+    L, K, N = 3, 256, 192
+    w = scaled_columns(jax.random.key(M + bits), (L, K, N))
+    q = (quantize.quantize_int8 if bits == 8 else quantize.quantize_int4)(w)
+    x = jax.random.normal(jax.random.key(100 + M), (M, K))
+    if backend == "pallas":
+        assert kernels.quant_matmul_supported(M, q.values[0], q.scale[0])
+    got = kernels.quant_matmul(x, q.values, q.scale, jnp.float32, layer=jnp.int32(1), backend=backend)
+    expected = np.asarray(x, np.float64) @ np.asarray(quantize.dequantize(q), np.float64)[1]
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("weights, skip", [("int8", ()), ("int4", ()), ("exact", (1,)), ("int4", (0, 2))])
+def test_the_draft_forward_reads_its_own_stack(weights, skip):
+    """decoder.score with the draft params equals the model whose matrices are the dequantized copies
+    and whose skipped layers are gone (a model of the kept layers), and differs from the exact model."""
+    params = decoder.init_params(CFG, jax.random.key(2), scale=0.3)
+    with_copies = draft_weights.with_draft_weights(params, weights, skip)
+    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, CFG.vocab_size)
+    draft, layer_ids = draft_weights.draft_params(with_copies, weights, skip, "pallas")
+    got = decoder.score(draft, CFG, tokens, layer_ids=layer_ids)
+    kept = draft_weights.kept_layers(CFG.num_layers, skip)
+    layers = {name: a[kept] for name, a in params["layers"].items()}
+    if weights != "exact":
+        assert all(draft["layers"][name].backend == "pallas" for name in draft_weights.DRAFT_MATRICES)
+        layers.update({name: quantize.dequantize(draft["layers"][name]) for name in draft_weights.DRAFT_MATRICES})
+    reference_cfg = CFG.replace(num_layers=len(kept))
+    expected = decoder.score({**params, "layers": layers}, reference_cfg, tokens)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(got) - np.asarray(decoder.score(params, CFG, tokens))).max() > 1e-3
+    assert draft_weights.draft_bytes(with_copies) == sum(x.nbytes for x in jax.tree.leaves(with_copies["draft_layers"]))
+    if weights != "exact":  # quantized copies are smaller than the matrices they copy
+        exact = sum(params["layers"][name][kept].nbytes for name in draft_weights.DRAFT_MATRICES)
+        quantized = sum(x.nbytes for name in draft_weights.DRAFT_MATRICES for x in jax.tree.leaves(draft["layers"][name]))
+        assert quantized < exact / (3 if weights == "int8" else 5)
+
+
+def test_calibration_keeps_its_bound():
+    """Every accepted skip list keeps the bound, the lists grow one layer at a time, and the final
+    list's acceptance is what a draft with it measures."""
+    params = decoder.init_params(CFG, jax.random.key(4), scale=0.15)
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, CFG.vocab_size)
+    result = draft_weights.calibrate_skip(params, CFG, tokens, "int8", 0.5, log=lambda _: None)
+    assert result["skip"] and len(result["skip"]) < CFG.num_layers
+    assert [len(t["skip"]) for t in result["trace"]] == list(range(1, len(result["skip"]) + 1))
+    assert all(t["acceptance"] >= 0.5 for t in result["trace"])
+    p = jax.nn.softmax(decoder.score(params, CFG, tokens), -1)
+    draft, layer_ids = draft_weights.draft_params(draft_weights.with_draft_weights(params, "int8", tuple(result["skip"])),
+                                                  "int8", tuple(result["skip"]), "reference")
+    q = jax.nn.softmax(decoder.score(draft, CFG, tokens, layer_ids=layer_ids), -1)
+    assert float(jnp.mean(jnp.sum(jnp.minimum(p, q), -1))) == pytest.approx(result["acceptance"], abs=1e-5)
+    assert draft_weights.calibrate_skip(params, CFG, tokens, "exact", 1.0, log=lambda _: None)["skip"] == []
+
+
+def test_skip_specs(tmp_path):
+    assert draft_weights.parse_skip("3,5,10-12", 30) == (3, 5, 10, 11, 12)
+    assert draft_weights.parse_skip("every2", 7) == (1, 3, 5) and draft_weights.parse_skip("every3", 9) == (2, 5)
+    path = tmp_path / "skip.json"
+    path.write_text(json.dumps({"skip": [2, 4]}))
+    assert resolve_skip(str(path), "unused", 6) == (2, 4) and resolve_skip(None, "unused", 6) == ()
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("3,x", "takes layers and ranges"), ("every1", "takes layers and ranges"), ("4,31", "layer 31 does not exist"),
+    ("0-29", "skips all 30 layers"),
+])
+def test_bad_skip_specs(text, fragment):
+    with pytest.raises(JaxspecError, match=fragment):
+        draft_weights.parse_skip(text, 30)
+
+
+def test_bad_draft_model_specs(tmp_path):
+    with pytest.raises(JaxspecError, match="--draft-weights must be one of"):
+        SpecConfig(method="vegas", draft_weights="int3").validate()
+    for method in ("plain", "ngram"):
+        with pytest.raises(JaxspecError, match="needs a model drafter"):
+            SpecConfig(method=method, draft_weights="int8").validate()
+        with pytest.raises(JaxspecError, match="needs a model drafter"):
+            SpecConfig(method=method, draft_skip=(1,)).validate()
+    with pytest.raises(JaxspecError, match="increasing order"):
+        SpecConfig(method="vegas", draft_skip=(2, 1)).validate()
+    with pytest.raises(JaxspecError, match="needs a cheaper draft model"):
+        SpecConfig(method="full").validate().check_model(CFG)
+    with pytest.raises(JaxspecError, match="layer 3 does not exist"):
+        SpecConfig(method="vegas", draft_skip=(3,)).validate().check_model(CFG)
+    params = decoder.init_params(CFG, jax.random.key(6))
+    with pytest.raises(JaxspecError, match="carry no such draft copies"):
+        draft_weights.draft_params(params, "int8", (), "reference")
+    with pytest.raises(JaxspecError, match="carry no such draft copies"):
+        draft_weights.draft_params(draft_weights.with_draft_weights(params, "int8"), "int4", (), "reference")
+    with pytest.raises(JaxspecError, match="made for another skip list"):
+        draft_weights.draft_params(draft_weights.with_draft_weights(params, "int8", (1,)), "int8", (0, 1), "reference")
+    with pytest.raises(JaxspecError, match="no calibration at"):
+        resolve_skip(str(tmp_path / "missing.json"), "unused", 3)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(JaxspecError, match="is not a calibration file"):
+        resolve_skip(str(tmp_path / "bad.json"), "unused", 3)
+
+
+def test_calibration_command_saves_what_generate_reads(tmp_path, hf_checkpoints, capsys):
+    """`python -m jaxspec.calibrate_skip` on a checkpoint writes the skip list and its acceptance, and
+    `--draft-skip FILE` reads that list back."""
+    from jaxspec import calibrate_skip
+
+    out = tmp_path / "skip.json"
+    calibrate_skip.main(["--model", str(hf_checkpoints["llama"]), "--tokens", "24", "--windows", "1",
+                         "--min-acceptance", "0.2", "--draft-weights", "int8", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["draft_weights"] == "int8" and saved["min_acceptance"] == 0.2 and saved["tokens"] == [1, 24]
+    assert all(t["acceptance"] >= 0.2 for t in saved["trace"])
+    num_layers = len(saved["acceptance_skipping_one"])
+    assert resolve_skip(str(out), "unused", num_layers) == tuple(saved["skip"])
+    assert f"saved {out}" in capsys.readouterr().out
