@@ -59,12 +59,6 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None) -
     return SpecConfig(method=method, tree=tree.branching, traversal=tree.order, ratio=ratio, backend=backend).validate()
 
 
-def draft_read_bytes(params: dict, spec: SpecConfig) -> int:
-    """The weight bytes one draft forward reads: the draft's layer stack and the rest of the model."""
-    draft, _ = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
-    return common.tree_bytes({name: tree for name, tree in draft.items() if name != "draft_layers"})
-
-
 def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict, draft_bytes: int) -> dict:
     """Bytes floors (seconds) of a plain step, one draft forward (reading `draft_bytes` of weights;
     over the whole context for `full`) and the verify pass at `context`."""
@@ -110,8 +104,8 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 row = {"skipped_layers": len(spec.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "runs": runs,
                        **common.median_of_runs(runs)}
-                copies = with_copies.get((spec.draft_weights, spec.draft_skip), params)
-                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_read_bytes(copies, spec))
+                draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, spec.draft_weights, spec.draft_skip)
+                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_bytes)
                 if spec.method == "plain":
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)

@@ -1,9 +1,10 @@
 """Where an iteration's time goes: a device profile of each stage at Qwen3-8B, SmolLM2 or 1.2B Llama shapes.
 
     PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
-        [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny] [--out DIR] [--name NAME]
+        [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
+        [--out DIR] [--name NAME]
 
-For each method it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
+For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
 wall time per call, GPU busy time (the union of kernel intervals), the number of kernels, and the top
 kernels by device time. A stage whose wall time exceeds its busy time loses it to launch gaps or host
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import tempfile
 import time
@@ -26,7 +28,7 @@ import jax
 
 from bench import common
 from bench.throughput import spec_for, stage_fns
-from jaxspec.models import decoder
+from jaxspec.models import decoder, draft_weights
 from jaxspec.models.kvcache import cache_slots
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
@@ -104,6 +106,8 @@ def main():
     p.add_argument("--model", choices=("qwen3-8b", "smollm2", "llama-1b"), default="qwen3-8b")
     p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
     p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
+    p.add_argument("--draft-weights", default="exact", type=lambda s: s.split(","),
+                   help="the draft weights of each model drafter: exact,int8,int4")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--gamma", type=int, default=4)
@@ -126,26 +130,31 @@ def main():
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio} for m in args.methods}
-    for method in args.methods:
-        spec = spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None)
+    runs = [(m, w) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
+            if (m, w) != ("full", "exact")]  # full drafts with a cheaper model only
+    for method, weights in runs:
+        spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None),
+                                   draft_weights=weights)
+        copies = draft_weights.with_draft_weights(params, weights)
         cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
-        state = common.random_state(params, cfg, spec, cache, context, max_len)
-        stages, state = stage_fns(params, cfg, spec, max_len, state, sampling)
+        state = common.random_state(copies, cfg, spec, cache, context, max_len)
+        stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
         for name, (fn, per_call) in stages.items():
             summary, state = profile_stage(fn, state, CALLS)
-            row = {"method": method, "stage": name.removesuffix("_ms"), "iterations_per_call": per_call} | summary
+            row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms"),
+                   "iterations_per_call": per_call} | summary
             result["stages"].append(row)
-            print(f"\n{method} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall ({summary['wall_ms_profiled']:.2f} profiled), "
+            print(f"\n{method} {weights} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall ({summary['wall_ms_profiled']:.2f} profiled), "
                   f"GPU busy {summary['busy_ms']:.2f} ms, {summary['kernels_per_call']} kernels/call; lines {summary['lines']}")
             for n, us, count in summary["top_kernels"]:
                 print(f"  {us:9.1f} us  x{count:<5d} {n[:110]}")
         common.write_json(args.out / f"{args.name}.json", result)
-        del state
+        del state, copies
     print(f"\nXLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
-    print("| method | stage | iterations/call | wall ms/call | profiled ms/call | GPU busy ms/call | kernels/call |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | draft weights | stage | iterations/call | wall ms/call | profiled ms/call | GPU busy ms/call | kernels/call |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in result["stages"]:
-        print(f"| {r['method']} | {r['stage']} | {r['iterations_per_call']} | {r['wall_ms']:.2f} | {r['wall_ms_profiled']:.2f} | "
+        print(f"| {r['method']} | {r['draft_weights']} | {r['stage']} | {r['iterations_per_call']} | {r['wall_ms']:.2f} | {r['wall_ms_profiled']:.2f} | "
               f"{r['busy_ms']:.2f} | {r['kernels_per_call']} |")
 
 

@@ -65,7 +65,9 @@ def scan_fn(kind: str, L: int, tiling: dict | None = None):
     @jax.jit
     def run(w, x):
         N = w["bf16"].shape[-1]
-        if kind.endswith("pallas"):
+        if kind == "loop":  # the scan's own cost per layer: one tiny kernel per iteration
+            product, xs = (lambda _: x[:, :1]), jnp.arange(L)
+        elif kind.endswith("pallas"):
             values, scale = (w["int8"].values, w["int8"].scale) if kind == "int8_pallas" else (w["int4_packed"], w["int4_scale"])
             product = lambda layer: quant_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(),
                                                         **(tiling or {}))
@@ -81,7 +83,7 @@ def scan_fn(kind: str, L: int, tiling: dict | None = None):
 
 def floor_bytes(kind: str, K: int, N: int) -> int:
     groups = K // GROUP if K % GROUP == 0 else K // 64
-    return {"bf16": 2 * K * N, "int8_xla": K * N + 4 * N, "int8_pallas": K * N + 4 * N,
+    return {"loop": 1, "bf16": 2 * K * N, "int8_xla": K * N + 4 * N, "int8_pallas": K * N + 4 * N,
             "int4_xla": K * N // 2 + 4 * groups * N, "int4_pallas": K * N // 2 + 4 * groups * N}[kind]
 
 
@@ -138,7 +140,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm2,llama-1b,qwen3-8b")
     p.add_argument("--rows", default="1,2,8")
-    p.add_argument("--kinds", default="bf16,int8_xla,int8_pallas,int4_xla,int4_pallas")
+    p.add_argument("--kinds", default="loop,bf16,int8_xla,int8_pallas,int4_xla,int4_pallas",
+                   help="loop: the layer scan alone (its per-iteration cost is in every other kind's time)")
     p.add_argument("--sweep", default="", help="models whose w_gate_up and wo also sweep the kernel's tiling "
                                                 "(block_k, block_n, stages, programs) at one row")
     p.add_argument("--out", default=str(common.RESULTS / "quant_matmul.json"))

@@ -67,7 +67,7 @@ class Workload:
 
 
 def spec_for(method: str, tuning: dict, backend: str, k_max: int | None = None) -> SpecConfig:
-    choice = tuning.get(method, DEFAULT_TUNING[method])
+    choice = tuning[method] if method in tuning else DEFAULT_TUNING[method]
     return SpecConfig(method=method, gamma=choice["gamma"] or 1, ratio=choice.get("ratio") or 0.07, backend=backend, k_max=k_max,
                       metric=choice.get("metric", "weight")).validate()
 

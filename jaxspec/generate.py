@@ -168,6 +168,7 @@ def main(argv=None):
             new_tokens=min(args.max_new_tokens, max_len - int(batch.lengths.max())), sampling=sampling,
             precisions=planner.allowed_precisions(args.precision), table=args.planner_table, min_tokens=args.min_tokens,
         )
+        params = draft_weights.with_draft_weights(params, plan.draft_weights)
     if stream:
         return _stream(params, cfg, tokenizer, spec, plan, batch, sampling, max_len, args)
     common = dict(sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,

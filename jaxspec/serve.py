@@ -20,6 +20,7 @@ from jaxspec.decoding import planner
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.generate import add_method_flags, add_model_flags, announce_precision, spec_from_args, with_draft
+from jaxspec.models import draft_weights
 from jaxspec.runner import describe_device
 
 
@@ -74,6 +75,7 @@ def main(argv=None):
             sampling=SamplingConfig(temperature=1.0), precisions=planner.allowed_precisions(args.precision),
             table=args.planner_table, min_tokens=args.min_tokens,
         )
+        params = draft_weights.with_draft_weights(params, plan.draft_weights)
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
                           segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
                           prefill_chunk=args.prefill_chunk or None,

@@ -96,6 +96,9 @@ def test_the_draft_forward_reads_its_own_stack(weights, skip):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert np.abs(np.asarray(got) - np.asarray(decoder.score(params, CFG, tokens))).max() > 1e-3
     assert draft_weights.draft_bytes(with_copies) == sum(x.nbytes for x in jax.tree.leaves(with_copies["draft_layers"]))
+    read = sum(x.nbytes for name, tree in draft.items() if name != "draft_layers" for x in jax.tree.leaves(tree))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert draft_weights.read_bytes(CFG, weight_bytes, weights, skip) == read  # the cost model's bytes
     if weights != "exact":  # quantized copies are smaller than the matrices they copy
         exact = sum(params["layers"][name][kept].nbytes for name in draft_weights.DRAFT_MATRICES)
         quantized = sum(x.nbytes for name in draft_weights.DRAFT_MATRICES for x in jax.tree.leaves(draft["layers"][name]))

@@ -17,6 +17,7 @@ from jaxspec.decoding.planner import Observation, Prediction, Strategy
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
+from jaxspec.models import decoder, draft_weights
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.runner import run_generation, summarize
 
@@ -25,6 +26,7 @@ VEGAS = Strategy("vegas", gamma=6, ratio=0.07)
 NGRAM = Strategy("ngram", gamma=4)
 TREE = Strategy("vegas", tree=(3, 2, 1), traversal="dfs", ratio=0.03)
 APPROX = Strategy("vegas", gamma=4, ratio=0.07, precision="approx", group=4)
+FULL_INT8 = Strategy("full", gamma=6, draft_weights="int8")
 
 SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                       head_dim=64, intermediate_size=1536, dtype="bfloat16", max_position_embeddings=8192)
@@ -45,8 +47,9 @@ def table(cfg=SMOLLM2, cells=None) -> dict:
 
 
 def test_strategy_json_round_trip_and_spec():
-    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX):
+    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX, FULL_INT8):
         assert Strategy.from_json(json.loads(json.dumps(s.to_json()))) == s
+    assert FULL_INT8.name == "full g6 int8" and FULL_INT8.spec(SpecConfig()).draft_weights == "int8"
     assert Strategy.of(TREE.spec(SpecConfig(backend="pallas"))) == TREE
     spec = TREE.spec(SpecConfig(backend="pallas", min_tokens=64))
     assert (spec.method, spec.tree, spec.traversal, spec.gamma, spec.ratio, spec.min_tokens) == ("vegas", (3, 2, 1), "dfs", 3, 0.03, 64)
@@ -117,6 +120,35 @@ def test_non_strict_classes_only_when_allowed(tmp_path):
     assert planner.make_plan(nsa, 1, precisions=planner.allowed_precisions("approx"), **run).first == APPROX
     assert planner.allowed_precisions("strict") == ("strict",)
     assert planner.allowed_precisions("approx+reuse") == ("strict", "reuse", "approx", "approx+reuse")
+
+
+def test_cost_model_int8_drafts_read_fewer_bytes():
+    """At Qwen3-8B 1 x 4K the weights dominate a draft forward: int8 copies halve the layer matrices'
+    bytes, so the int8 chain is predicted faster than the exact one at the same acceptance, and the
+    plan asks for int8 copies only where they pay; full drafts read the whole context, so at 64K
+    vegas int8 beats them."""
+    weights = 16_400_000_000
+    short = {p.strategy: p for p in planner.cost_model(QWEN3_8B, weights, batch=1, context=4096, bandwidth_GBps=3000)}
+    vegas, vegas_int8 = VEGAS, dataclasses.replace(VEGAS, draft_weights="int8")
+    assert short[vegas_int8].tokens_per_iteration == short[vegas].tokens_per_iteration
+    assert short[vegas_int8].iteration_s < 0.8 * short[vegas].iteration_s
+    long = planner.cost_model(QWEN3_8B, weights, batch=1, context=65536, bandwidth_GBps=3000)
+    by = {p.strategy: p for p in long}
+    assert by[vegas_int8].tokens_per_s > by[FULL_INT8].tokens_per_s
+    # copies cost memory: kept where an int8 strategy beats plain (64K), dropped where none does (4K)
+    assert by[vegas_int8].tokens_per_s > by[PLAIN].tokens_per_s and planner.paid_copies(long) == long
+    kept = planner.paid_copies(list(short.values()))
+    assert short[vegas_int8].tokens_per_s < short[PLAIN].tokens_per_s
+    assert {p.strategy.draft_weights for p in kept} == {"exact"} and len(kept) == len(short) - 2
+    assert vegas_int8 in [p.strategy for p in long[:3]]
+    assert planner.Plan(tuple(long[:3]) + (by[PLAIN],), long[0].strategy, "cost-model", 65536).draft_weights == "int8"
+    assert planner.Plan(tuple(kept), kept[0].strategy, "cost-model", 4096).draft_weights == "exact"
+    int4 = Prediction(dataclasses.replace(VEGAS, draft_weights="int4"), 1.0, 2.0, 1.0)
+    with pytest.raises(JaxspecError, match="one kind of copies"):
+        _ = planner.Plan((by[vegas_int8], int4, by[PLAIN]), PLAIN, "cost-model", 65536).draft_weights
+    int8_bytes = draft_weights.read_bytes(QWEN3_8B, weights, "int8")
+    matrices = sum(np.prod(decoder.param_shapes(QWEN3_8B)["layers"][n]) for n in draft_weights.DRAFT_MATRICES)
+    assert weights - int8_bytes == pytest.approx(matrices, rel=0.01)  # bf16 -> int8: a byte per element saved
 
 
 def test_cost_model_plain_when_weights_dominate_sparse_when_kv_does():

@@ -56,6 +56,7 @@ from jaxspec import files
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import PRECISIONS, SPARSE_METHODS, SpecConfig
 from jaxspec.errors import JaxspecError
+from jaxspec.models import draft_weights
 from jaxspec.models.config import ModelConfig
 
 BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -78,8 +79,9 @@ COST_MODEL_RATIO = 0.07
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """What the planner chooses: method, draft shape (a chain of gamma, or a tree and its traversal),
-    sparse ratio and, for NSA targets, the precision class and verification group. Canonical: fields
-    a method does not use are None (so equal strategies compare and hash equal)."""
+    sparse ratio, the draft's weights and, for NSA targets, the precision class and verification
+    group. Canonical: fields a method does not use are None (so equal strategies compare and hash
+    equal)."""
 
     method: str = "plain"
     gamma: int | None = None
@@ -88,6 +90,7 @@ class Strategy:
     ratio: float | None = None
     precision: str = "strict"
     group: int = 8
+    draft_weights: str = "exact"
 
     @classmethod
     def of(cls, spec: SpecConfig) -> Strategy:
@@ -101,6 +104,7 @@ class Strategy:
             ratio=spec.ratio if spec.method in SPARSE_METHODS else None,
             precision=spec.precision,
             group=spec.group,
+            draft_weights=spec.draft_weights,
         )
 
     def spec(self, base: SpecConfig) -> SpecConfig:
@@ -108,7 +112,7 @@ class Strategy:
         return dataclasses.replace(
             base, method=self.method, gamma=base.gamma if self.gamma is None else self.gamma, tree=self.tree,
             traversal=self.traversal or "bfs", ratio=self.ratio if self.ratio is not None else base.ratio,
-            precision=self.precision, group=self.group,
+            precision=self.precision, group=self.group, draft_weights=self.draft_weights,
         ).validate()
 
     @property
@@ -129,7 +133,7 @@ class Strategy:
     @property
     def name(self) -> str:
         """e.g. 'plain', 'vegas g6 r0.07', 'vegas bfs:3,2,1 r0.07', 'ngram g8', '... approx group 4' (the
-        group when it is not the default 8)."""
+        group when it is not the default 8), 'full g6 int8' (draft weights other than exact)."""
         parts = [self.method]
         if self.tree:
             parts.append(f"{self.traversal}:{','.join(map(str, self.tree))}")
@@ -141,6 +145,8 @@ class Strategy:
             parts.append(self.precision)
         if self.group != 8:
             parts.append(f"group {self.group}")
+        if self.draft_weights != "exact":
+            parts.append(self.draft_weights)
         return " ".join(parts)
 
     def to_json(self) -> dict:
@@ -210,6 +216,14 @@ class Plan:
     first: Strategy
     source: str
     bucket: int
+
+    @property
+    def draft_weights(self) -> str:
+        """The draft weights whose copies the params need for these candidates ("exact": none)."""
+        kinds = {c.strategy.draft_weights for c in self.candidates} - {"exact"}
+        if len(kinds) > 1:
+            raise JaxspecError(f"a plan's candidates draft with one kind of copies, got {sorted(kinds)}")
+        return kinds.pop() if kinds else "exact"
 
     def describe(self) -> dict:
         first = next(c for c in self.candidates if c.strategy == self.first)
@@ -416,9 +430,9 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
                                  + (weights + K/V bytes of `keys` + rows x batch x vocab x 4) / bandwidth
       plain step  = forward(context, 1, NSA attention on NSA models)
       iteration   = depth x draft + verify + ITERATION_OVERHEAD_S, draft = forward(K + depth + 1 keys
-                    (selection + tail), 1, dense attention) with K = clamp(ceil(ratio x context),
-                    min_tokens, context), 0 for ngram (no model); verify = forward(context, depth + 1,
-                    NSA on NSA models)
+                    (selection + tail), 1, dense attention, the draft's weight bytes) with K =
+                    clamp(ceil(ratio x context), min_tokens, context) (full: the context), 0 for
+                    ngram (no model); verify = forward(context, depth + 1, NSA on NSA models)
       tokens/iteration = 1 + sum_{i=1..depth} alpha^i (geometric acceptance, PRIOR_ACCEPTANCE)
       tokens/s = batch x tokens/iteration / iteration
 
@@ -440,12 +454,13 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
 
     def forward(rows: int, draft_keys: int | None = None) -> float:
         """`rows` rows through the target's own attention over the context, or (draft_keys) one row
-        through dense attention over draft_keys keys."""
+        through dense attention over draft_keys keys, reading the draft's weights."""
         if draft_keys is None:
             floor = step_floor_s(cfg, weight_bytes, batch, context, bandwidth_GBps)
             overhead = LAYER_OVERHEAD_S + (NSA_LAYER_OVERHEAD_S if cfg.nsa else 0.0)
         else:
-            floor = step_floor_s(cfg, weight_bytes, batch, 0, bandwidth_GBps)
+            draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, strategy.draft_weights)
+            floor = step_floor_s(cfg, draft_bytes, batch, 0, bandwidth_GBps)
             floor += cfg.num_layers * key_bytes(cfg, batch) * draft_keys / bandwidth
             overhead = LAYER_OVERHEAD_S
         return cfg.num_layers * overhead + floor + (rows - 1) * batch * cfg.vocab_size * 4 / bandwidth
@@ -456,7 +471,7 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
         return Prediction(strategy, batch / verify, 1.0, verify)
     draft = 0.0
     if strategy.kind == "model":
-        k = min(max(math.ceil(strategy.ratio * context), min_tokens), context)
+        k = context if strategy.method == "full" else min(max(math.ceil(strategy.ratio * context), min_tokens), context)
         draft = forward(1, draft_keys=k + depth + 1)
     alpha = PRIOR_ACCEPTANCE[strategy.kind]
     tpi = 1 + sum(alpha**i for i in range(1, depth + 1))
@@ -467,9 +482,13 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
 def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
                min_tokens: int = 256) -> list[Prediction]:
     """Predictions, best first, for plain, vegas at gamma 2, 4 and 6 (ratio 0.07, the KV-bound choice
-    of bench/kv_bound.json) and ngram at gamma 4 and 8, all strict (approximate precision classes and
-    draft trees are chosen from measured tables only)."""
+    of bench/kv_bound.json), vegas and full at gamma 6 with int8 draft weights (int8 drafts accepted
+    as exact ones did on SmolLM2: bench/NOTES.md, issue 16; int4 lost a third of its tokens per
+    iteration there, so it is for tables and fixed methods only) and ngram at gamma 4 and 8, all strict
+    (approximate precision classes and draft trees are chosen from measured tables only)."""
     strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
+    strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
+                   Strategy("full", gamma=6, draft_weights="int8")]
     strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]
     predictions = [predict(s, cfg, weight_bytes, batch, context, bandwidth_GBps, min_tokens) for s in strategies]
     return sorted(predictions, key=lambda p: -p.tokens_per_s)
@@ -490,12 +509,23 @@ def choose(candidates) -> Strategy:
     return best.strategy if best.tokens_per_s - best.spread / 2 > plain.tokens_per_s * (1 + MARGIN) else plain.strategy
 
 
+def paid_copies(predictions: list[Prediction]) -> list[Prediction]:
+    """`predictions` without those that draft with quantized weights, unless one of them is
+    predicted to beat plain: their copies cost device memory."""
+    plain = max(p.tokens_per_s for p in predictions if p.strategy.plain)
+    if any(p.tokens_per_s > plain for p in predictions if p.strategy.draft_weights != "exact"):
+        return predictions
+    return [p for p in predictions if p.strategy.draft_weights == "exact"]
+
+
 def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens: int, new_tokens: int,
               sampling: SamplingConfig, precisions=("strict",), table: Path | None = None,
               min_tokens: int = 256) -> Plan:
     """The plan of a run: candidates from `table` (or the shipped table of this model and device
     kind), else from the cost model at the run's middle context (prompt + new / 2); the CANDIDATES
-    best speculative ones and the best plain one are kept. A given table must be of this model."""
+    best speculative ones and the best plain one are kept, quantized drafts only if they pay
+    (`paid_copies`; `Plan.draft_weights` says which copies to make). A given table must be of this
+    model."""
     context = prompt_tokens + new_tokens
     path = table or table_path(cfg, device_kind())
     predictions: list[Prediction] = []
@@ -510,8 +540,9 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
         bucket, source = bucket_of(context), "cost-model"
         middle = prompt_tokens + new_tokens // 2
         predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens)
-    speculative = [p for p in predictions if not p.strategy.plain][:CANDIDATES]
+    predictions = paid_copies(predictions)
     plain = max((p for p in predictions if p.strategy.plain), key=lambda p: p.tokens_per_s)
+    speculative = [p for p in predictions if not p.strategy.plain][:CANDIDATES]
     candidates = tuple(sorted(speculative + [plain], key=lambda p: -p.tokens_per_s))
     return Plan(candidates, choose(candidates), source, bucket)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder
-from jaxspec.models.quantize import QUANTIZERS, Quantized
+from jaxspec.models.quantize import QUANTIZERS, Quantized, int4_group
 
 DRAFT_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer matrices a draft step reads
 DRAFT_WEIGHTS = ("exact", "int8", "int4")
@@ -152,3 +152,21 @@ def calibrate_skip(params: dict, cfg, tokens: jax.Array, kind: str, min_acceptan
     return {"skip": sorted(skip), "acceptance": trace[-1]["acceptance"] if trace else exact_draft,
             "acceptance_all_layers": exact_draft, "acceptance_skipping_one": alone, "trace": trace,
             "draft_weights": kind, "min_acceptance": min_acceptance, "tokens": list(tokens.shape)}
+
+
+def read_bytes(cfg, weight_bytes: int, kind: str, skip: tuple[int, ...] = ()) -> int:
+    """The weight bytes one draft forward reads (the planner's cost model, benchmark floors): the
+    model's `weight_bytes` without the skipped layers, with the kept layers' matrices at `kind`'s size
+    (int8: a byte and a column scale; int4: half a byte and a scale per group and column)."""
+    shapes = decoder.param_shapes(cfg)["layers"]
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    per_layer = sum(int(np.prod(shape[1:])) for shape in shapes.values()) * itemsize
+    kept = cfg.num_layers - len(skip)
+    total = weight_bytes - len(skip) * per_layer
+    if kind == "exact":
+        return total
+    for name in DRAFT_MATRICES:
+        _, K, N = shapes[name]
+        quantized = K * N + 4 * N if kind == "int8" else K * N // 2 + 4 * (K // int4_group(K)) * N
+        total += kept * (quantized - K * N * itemsize)
+    return total
