@@ -8,7 +8,7 @@ the real decode loop over the strategy space and writes the ranked table that `-
     python -m jaxspec.profile --model smollm2 [--buckets 1024,2048,4096,8000] [--batch 1]
         [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
-        [--new 48] [--repeats 3] [--budget SECONDS] [--out FILE]
+        [--draft-weights exact,int8] [--new 48] [--repeats 3] [--budget SECONDS] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
 setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
@@ -16,7 +16,8 @@ documents from CALIBRATION_OFFSET on, which bench/planner.py's held-out prompts 
 different document per row; chat template), each about bucket - new tokens long so the run ends
 inside the bucket, prefilled once; then plain and every strategy of the space decode `--new` tokens
 from each (seed = repeat), and the entry is the median decode tokens/s over them with its spread.
-Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods).
+Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
+draft weights (model drafters; `full` only with quantized ones).
 NSA models: the same x verification group x precision class (classes other than strict only when
 listed, reuse ones only with a calibrated refresh schedule); each class gets its own ranked cell.
 
@@ -48,6 +49,7 @@ from jaxspec.decoding.planner import Strategy
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SPARSE_METHODS, SpecConfig
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
+from jaxspec.models import draft_weights
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize
 from jaxspec.tune import parse_tree
 
@@ -55,10 +57,10 @@ CALIBRATION_OFFSET = 40  # first jaxspec.corpus document of the calibration prom
 TASKS = ("continue", "question", "summary")  # row r of a calibration batch asks TASKS[r % 3]
 
 
-def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions) -> list[Strategy]:
+def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weights=("exact",)) -> list[Strategy]:
     """Plain (one per precision class) first, then every method x draft shape x ratio (sparse
-    methods), on NSA models also x group x precision class. Dense models verify exactly: one class
-    (strict), group unused."""
+    methods) x draft weights (model drafters; full only with quantized ones), on NSA models also x
+    group x precision class. Dense models verify exactly: one class (strict), group unused."""
     if cfg.nsa is None:
         groups, precisions = (8,), ("strict",)
     space = [Strategy(precision=p) for p in precisions]
@@ -66,11 +68,14 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions) -> l
     for method in methods:
         if method == "plain":
             continue
+        kinds = ("exact",) if method == "ngram" else tuple(w for w in weights if w != "exact" or method != "full")
         for shape in shapes:
             for ratio in ratios if method in SPARSE_METHODS else (None,):
                 for group in groups:
                     for precision in precisions:
-                        space.append(Strategy(method, ratio=ratio, precision=precision, group=group, **shape))
+                        for kind in kinds:
+                            space.append(Strategy(method, ratio=ratio, precision=precision, group=group,
+                                                  draft_weights=kind, **shape))
     return space
 
 
@@ -126,6 +131,8 @@ def parse_args(argv):
     p.add_argument("--ratios", type=floats, default=(0.03, 0.07))
     p.add_argument("--groups", type=ints, default=(1, 4, 8, 16), help="NSA models: verification groups")
     p.add_argument("--precisions", type=words, default=("strict",), help="NSA models: precision classes to profile")
+    p.add_argument("--draft-weights", type=words, default=("exact",),
+                   help="the model drafters' draft weights to profile, e.g. exact,int8 (one quantized kind)")
     p.add_argument("--new", type=int, default=48, help="new tokens per measurement")
     p.add_argument("--repeats", type=int, default=3, help="calibration batches per bucket (median and spread)")
     p.add_argument("--budget", type=float, default=None, help="seconds of measuring; no measurement starts after them")
@@ -145,6 +152,10 @@ def check_args(args) -> None:
     for precision in args.precisions:
         if precision not in PRECISIONS:
             raise JaxspecError(f"--precisions takes {', '.join(PRECISIONS)}, got {precision!r}")
+    for kind in args.draft_weights:
+        SpecConfig(method="vegas", draft_weights=kind).validate()
+    if len(set(args.draft_weights) - {"exact"}) > 1:
+        raise JaxspecError("--draft-weights: profile exact and at most one quantized kind (a plan uses one kind of copies)")
     if "strict" not in args.precisions:
         raise JaxspecError("--precisions must include strict (the lossless class every table ranks)")
     for gamma in args.gammas:
@@ -174,7 +185,8 @@ def main(argv=None):
             continue
         SpecConfig(precision=p).check_model(cfg)
         precisions.append(p)
-    space = strategy_space(cfg, args.methods, args.gammas, trees, args.ratios, args.groups, precisions)
+    space = strategy_space(cfg, args.methods, args.gammas, trees, args.ratios, args.groups, precisions, args.draft_weights)
+    params = draft_weights.with_draft_weights(params, next((w for w in args.draft_weights if w != "exact"), "exact"))
     chat = tokenizer.has_chat_template
     prompts = {(b, bucket, r): calibration_batch(tokenizer, chat, b, bucket - args.new, r)
                for b in args.batch for bucket in args.buckets for r in range(args.repeats)}

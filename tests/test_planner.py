@@ -356,12 +356,13 @@ def test_cli_bad_planner_table(hf_checkpoints, tmp_path, capsys):
 def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     out = tmp_path / "table.json"
     profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "96,160", "--new", "6", "--repeats", "2",
-                  "--samplings", "greedy", "--methods", "plain,vegas", "--gammas", "2", "--trees", "dfs:2,1",
-                  "--ratios", "0.5", "--out", str(out)])
+                  "--samplings", "greedy", "--methods", "plain,vegas,full", "--gammas", "2", "--trees", "dfs:2,1",
+                  "--ratios", "0.5", "--draft-weights", "exact,int8", "--out", str(out)])
     t = planner.load_table(out)
     assert [(c["bucket"], c["sampling"], c["batch"]) for c in t["cells"]] == [(96, "greedy", 1), (160, "greedy", 1)]
     names = [e["name"] for e in t["cells"][0]["ranked"]]
-    assert sorted(names) == ["plain", "vegas dfs:2,1 r0.5", "vegas g2 r0.5"]
+    assert sorted(names) == ["full dfs:2,1 int8", "full g2 int8", "plain", "vegas dfs:2,1 r0.5", "vegas dfs:2,1 r0.5 int8",
+                             "vegas g2 r0.5", "vegas g2 r0.5 int8"]
     assert all(e["runs"] == 2 and e["tokens_per_s"] > 0 for c in t["cells"] for e in c["ranked"])
     assert "| sampling | batch | bucket |" in capsys.readouterr().out
     # a budget spent at once keeps the cells already there and adds plain alone for a new bucket
@@ -379,3 +380,7 @@ def test_profile_strategy_space_for_nsa_models():
     assert len(space) == 2 + 2 * 2 * 2 * 2  # methods x shapes x groups x precisions
     dense = profile.strategy_space(SMOLLM2, ("plain", "vegas"), (4,), [tree], (0.03, 0.07), (1, 8), ("strict", "approx"))
     assert len(dense) == 1 + 2 * 2 and {s.precision for s in dense} == {"strict"} and {s.group for s in dense} == {8}
+    # draft weights: every model drafter with each kind, full with the quantized one only, ngram exact
+    drafts = profile.strategy_space(SMOLLM2, ("plain", "vegas", "full", "ngram"), (4,), [], (0.07,), (8,), ("strict",),
+                                    ("exact", "int8"))
+    assert [s.name for s in drafts] == ["plain", "vegas g4 r0.07", "vegas g4 r0.07 int8", "full g4 int8", "ngram g4"]
