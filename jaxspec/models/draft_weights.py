@@ -14,8 +14,8 @@ with the exact weights), so the cache stays exact.
 
 The draft's own stack lives in the params pytree under "draft_layers" (`with_draft_weights`): the
 quantized matrices, and with skipped layers every per-layer array of the kept layers. The engine's
-draft step takes `draft_params(params, spec)`: params whose "layers" are the draft's, and the model
-layer each stack entry is.
+draft step takes `draft_params(params, kind, skip, backend)`: params whose "layers" are the draft's,
+and the model layer each stack entry is.
 """
 
 from __future__ import annotations
