@@ -20,6 +20,7 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
+from pallas_kernels.quant_matmul import MAX_ROWS as QUANT_MATMUL_ROWS
 from pallas_kernels.quant_matmul import quant_matmul_pallas, quant_matmul_reference
 from pallas_kernels.quant_matmul import supported as quant_matmul_supported  # noqa: F401 (the switch below)
 from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
@@ -46,8 +47,8 @@ def _is_pallas(backend: str) -> bool:
 def quant_matmul(x, values, scale, out_dtype=None, *, layer=None, backend: str = "reference"):
     """x [M, K] @ a quantized matrix (int8 per column, or packed int4 per group: kernels/quant_matmul.py),
     with `layer`: layer `layer` of stacked values and scale, read in place. The Pallas kernel covers
-    up to 64 rows at block-divisible shapes; other products run the reference."""
-    if _is_pallas(backend) and quant_matmul_supported(x.shape[0], values[0] if layer is not None else values,
+    block-divisible shapes (every 64 rows read the matrix once); other products run the reference."""
+    if _is_pallas(backend) and quant_matmul_supported(values[0] if layer is not None else values,
                                                       scale[0] if layer is not None else scale):
         return quant_matmul_pallas(x, values, scale, out_dtype, layer=layer, interpret=interpret_default())
     if layer is not None:

@@ -12,7 +12,7 @@ Formats (quantize.Int8, quantize.Int4):
   group g's G/2 packed rows holds k = g*G + j in its low nibble and k = g*G + G/2 + j in its high one
   (two's complement, -8..7), so a group's low and high halves multiply two contiguous slices of x.
 
-Grid: (row blocks of 16, column blocks, K splits); each program streams its columns' share of K
+Grid: (row blocks of 16-64 rows, column blocks, K splits); each program streams its columns' share of K
 through an fp32 accumulator, and XLA sums the splits (and applies int8's column scales). The K
 splits are the fewest that give TARGET_PROGRAMS (256) programs: on an H100 at Qwen3-8B shapes that
 was the best of 1-16 splits for each of the four matrices (gate_up: 2 splits, 50.5 us against 58.6
@@ -24,11 +24,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS
+from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, next_pow2
 
 BLOCK_K = 128  # int8: rows of K per loop step (a divisor of K: 128, 64, 32 or 16)
 BLOCK_N = 128  # columns per program (a divisor of N: 128, 64, 32 or 16)
-MAX_ROWS = 64  # more rows than this: the product is compute-bound enough for XLA's gemm
+MAX_ROWS = 64  # rows per program: more rows take more row blocks, each reading the matrix again
 
 
 def unpack_int4(packed, groups: int):
@@ -65,17 +65,23 @@ def _divisor(n: int, block: int) -> int | None:
     return block if block >= MIN_TILE else None
 
 
-def supported(M: int, values, scale) -> bool:
+def supported(values, scale) -> bool:
     """Whether the kernel covers this product (others run the reference)."""
     K, N = (2 * values.shape[0], values.shape[1]) if scale.ndim == 2 else values.shape
     step = K // scale.shape[0] if scale.ndim == 2 else _divisor(K, BLOCK_K)
-    return M <= MAX_ROWS and _divisor(N, BLOCK_N) is not None and step is not None and step % (2 * MIN_TILE) == 0
+    return _divisor(N, BLOCK_N) is not None and step is not None and step % (2 * MIN_TILE) == 0
 
 
-def _make_kernel(M: int, steps: int, step_k: int, bn: int, int4: bool):
+def block_rows(M: int) -> int:
+    """Rows per program: M rounded up to a power of two, 16 to MAX_ROWS (a 64 x 128 float32
+    accumulator fits four warps' registers)."""
+    return min(max(MIN_TILE, next_pow2(M)), MAX_ROWS)
+
+
+def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool):
     def kernel(layer_ref, x_ref, w_ref, s_ref, o_ref):
         i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        rows, cols = pl.ds(i * MIN_TILE, MIN_TILE), pl.ds(j * bn, bn)
+        rows, cols = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
         layer = layer_ref[0]  # refs are indexed once (Pallas-Triton takes one indexer per load)
 
         def body(t, acc):
@@ -94,8 +100,8 @@ def _make_kernel(M: int, steps: int, step_k: int, bn: int, int4: bool):
                     + jnp.dot(x_hi, hi, preferred_element_type=jnp.float32))
             return acc + part * s_ref[layer, step, cols][None, :]
 
-        acc = lax.fori_loop(0, steps, body, jnp.zeros((MIN_TILE, bn), jnp.float32))
-        real = i * MIN_TILE + jnp.arange(MIN_TILE) < M  # the padding rows are not stored
+        acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+        real = i * bm + jnp.arange(bm) < M  # the padding rows are not stored
         plgpu.store(o_ref.at[split, rows, cols], acc, mask=real[:, None])
 
     return kernel
@@ -118,7 +124,8 @@ def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpr
     bn = _divisor(N, block_n)
     step_k = K // scale.shape[1] if int4 else _divisor(K, block_k)
     total = K // step_k
-    m_blocks = -(-M // MIN_TILE)
+    bm = block_rows(M)
+    m_blocks = -(-M // bm)
     programs = m_blocks * (N // bn)
     if splits is None:  # the fewest splits that make target_programs programs (measured: bench/NOTES.md)
         splits = 1
@@ -126,13 +133,13 @@ def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpr
             splits *= 2
     if total % splits:
         raise ValueError(f"{splits} splits do not divide {total} steps of K")
-    xp = jnp.pad(x, ((0, m_blocks * MIN_TILE - M), (0, 0)))
+    xp = jnp.pad(x, ((0, m_blocks * bm - M), (0, 0)))
     partial = pl.pallas_call(
-        _make_kernel(M, total // splits, step_k, bn, int4),
+        _make_kernel(M, bm, total // splits, step_k, bn, int4),
         grid=(m_blocks, N // bn, splits),
         in_specs=[pl.no_block_spec] * 4,
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((splits, m_blocks * MIN_TILE, N), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, m_blocks * bm, N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="quant_matmul",

@@ -61,17 +61,18 @@ def test_int4_packing_is_invertible():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("M", [1, 5, 37])
+@pytest.mark.parametrize("M", [1, 5, 37, 70])
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_quant_matmul_equals_the_dequantized_product(bits, M, backend):
-    """Fresh random rows times a stacked quantized matrix at a layer index, against float64; M = 37
-    spans three row blocks of the kernel, M = 1 leaves 15 padding rows it must not store."""
+    """Fresh random rows times a stacked quantized matrix at a layer index, against float64; M = 1
+    leaves 15 padding rows of a 16-row block the kernel must not store, M = 37 pads a 64-row block,
+    M = 70 spans two."""
     L, K, N = 3, 256, 192
     w = scaled_columns(jax.random.key(M + bits), (L, K, N))
     q = (quantize.quantize_int8 if bits == 8 else quantize.quantize_int4)(w)
     x = jax.random.normal(jax.random.key(100 + M), (M, K))
     if backend == "pallas":
-        assert kernels.quant_matmul_supported(M, q.values[0], q.scale[0])
+        assert kernels.quant_matmul_supported(q.values[0], q.scale[0])
     got = kernels.quant_matmul(x, q.values, q.scale, jnp.float32, layer=jnp.int32(1), backend=backend)
     expected = np.asarray(x, np.float64) @ np.asarray(quantize.dequantize(q), np.float64)[1]
     np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())

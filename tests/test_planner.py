@@ -146,6 +146,9 @@ def test_cost_model_int8_drafts_read_fewer_bytes():
     int4 = Prediction(dataclasses.replace(VEGAS, draft_weights="int4"), 1.0, 2.0, 1.0)
     with pytest.raises(JaxspecError, match="one kind of copies"):
         _ = planner.Plan((by[vegas_int8], int4, by[PLAIN]), PLAIN, "cost-model", 65536).draft_weights
+    # past one row block of the kernel every block reads the int8 matrix again: no int8 candidates
+    assert {p.strategy.draft_weights for p in planner.cost_model(QWEN3_8B, weights, batch=128, context=4096,
+                                                                 bandwidth_GBps=3000)} == {"exact"}
     int8_bytes = draft_weights.read_bytes(QWEN3_8B, weights, "int8")
     matrices = sum(np.prod(decoder.param_shapes(QWEN3_8B)["layers"][n]) for n in draft_weights.DRAFT_MATRICES)
     assert weights - int8_bytes == pytest.approx(matrices, rel=0.01)  # bf16 -> int8: a byte per element saved

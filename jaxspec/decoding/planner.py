@@ -52,6 +52,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as kernels
 from jaxspec import files
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import PRECISIONS, SPARSE_METHODS, SpecConfig
@@ -484,11 +485,13 @@ def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, ba
     """Predictions, best first, for plain, vegas at gamma 2, 4 and 6 (ratio 0.07, the KV-bound choice
     of bench/kv_bound.json), vegas and full at gamma 6 with int8 draft weights (int8 drafts accepted
     as exact ones did on SmolLM2: bench/NOTES.md, issue 16; int4 lost a third of its tokens per
-    iteration there, so it is for tables and fixed methods only) and ngram at gamma 4 and 8, all strict
+    iteration there, so it is for tables and fixed methods only; batches of up to one kernel row block,
+    which reads the int8 matrix once) and ngram at gamma 4 and 8, all strict
     (approximate precision classes and draft trees are chosen from measured tables only)."""
     strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
-    strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
-                   Strategy("full", gamma=6, draft_weights="int8")]
+    if batch <= kernels.QUANT_MATMUL_ROWS:  # a draft forward's rows in one row block: int8 bytes read once
+        strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
+                       Strategy("full", gamma=6, draft_weights="int8")]
     strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]
     predictions = [predict(s, cfg, weight_bytes, batch, context, bandwidth_GBps, min_tokens) for s in strategies]
     return sorted(predictions, key=lambda p: -p.tokens_per_s)
