@@ -254,7 +254,7 @@ def _print_human(results: list[dict], stats: dict) -> None:
         print(f"drafts           {drafts}, {stats['nodes']} nodes" + (f", ratio {stats['ratio']}" if stats["ratio"] else "")
               + (f", metric {stats['metric']}" if stats["metric"] else "")
               + (f", {stats['draft_weights']} weights" if stats["draft_weights"] != "exact" else "")
-              + (f", skipping {len(stats['draft_skip'])} layers" if stats["draft_skip"] else "")
+              + (f", skipping layers {','.join(map(str, stats['draft_skip']))}" if stats["draft_skip"] else "")
               + (f" (+{stats['draft_weight_bytes'] / 2**20:.0f} MiB)" if stats["draft_weight_bytes"] else ""))
         print(f"iterations       {stats['iterations']}, {stats['tokens_per_iteration']:.2f} tokens/iteration")
         rates = " ".join(f"{r:.2f}" for r in stats["acceptance_rate_by_depth"])
