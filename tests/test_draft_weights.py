@@ -89,15 +89,19 @@ def test_the_draft_forward_reads_its_own_stack(weights, skip):
     got = decoder.score(draft, CFG, tokens, layer_ids=layer_ids)
     kept = draft_weights.kept_layers(CFG.num_layers, skip)
     layers = {name: a[kept] for name, a in params["layers"].items()}
+    head = {}
     if weights != "exact":
         assert all(draft["layers"][name].backend == "pallas" for name in draft_weights.DRAFT_MATRICES)
         layers.update({name: quantize.dequantize(draft["layers"][name]) for name in draft_weights.DRAFT_MATRICES})
+        assert draft["lm_head"].bits == 8 and draft["lm_head"].backend == "pallas"
+        head = {"lm_head": quantize.dequantize(draft["lm_head"])}
     reference_cfg = CFG.replace(num_layers=len(kept))
-    expected = decoder.score({**params, "layers": layers}, reference_cfg, tokens)
+    expected = decoder.score({**params, "layers": layers, **head}, reference_cfg, tokens)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert np.abs(np.asarray(got) - np.asarray(decoder.score(params, CFG, tokens))).max() > 1e-3
-    assert draft_weights.draft_bytes(with_copies) == sum(x.nbytes for x in jax.tree.leaves(with_copies["draft_layers"]))
-    read = sum(x.nbytes for name, tree in draft.items() if name != "draft_layers" for x in jax.tree.leaves(tree))
+    copies = [with_copies[name] for name in ("draft_layers", "draft_head") if name in with_copies]
+    assert draft_weights.draft_bytes(with_copies) == sum(x.nbytes for x in jax.tree.leaves(copies))
+    read = sum(x.nbytes for name, tree in draft.items() if not name.startswith("draft_") for x in jax.tree.leaves(tree))
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     assert draft_weights.read_bytes(CFG, weight_bytes, weights, skip) == read  # the cost model's bytes
     if weights != "exact":  # quantized copies are smaller than the matrices they copy

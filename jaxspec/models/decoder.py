@@ -137,7 +137,7 @@ def matmul(x: jax.Array, w: jax.Array | Quantized, out_dtype=None) -> jax.Array:
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final norm and LM head; float32 logits [..., V]."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T  # a draft's int8 head too
     return matmul(h, head, jnp.float32)
 
 

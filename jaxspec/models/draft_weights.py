@@ -13,7 +13,9 @@ only changes acceptance. Draft KV writes are temporary (verification rewrites ev
 with the exact weights), so the cache stays exact.
 
 The draft's own stack lives in the params pytree under "draft_layers" (`with_draft_weights`): the
-quantized matrices, and with skipped layers every per-layer array of the kept layers. The engine's
+quantized matrices, and with skipped layers every per-layer array of the kept layers; with
+quantized weights the LM head gets a per-column int8 copy too ("draft_head", int8 for int4 drafts
+as well: the head's error moves every logit). The engine's
 draft step takes `draft_params(params, kind, skip, backend)`: params whose "layers" are the draft's,
 and the model layer each stack entry is.
 """
@@ -52,12 +54,14 @@ def with_draft_weights(params: dict, kind: str, skip: tuple[int, ...] = ()) -> d
     kept = kept_layers(num_layers, skip)
     copied = [name for name in layers if kind == "exact" or name not in DRAFT_MATRICES]
     draft = {name: layers[name][kept] for name in copied} if skip else {}
-    if kind != "exact":
-        quantize = jax.jit(QUANTIZERS[kind])
-        for name in DRAFT_MATRICES:
-            per_layer = [quantize(layers[name][i]) for i in kept]
-            draft[name] = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-    return {**params, "draft_layers": draft}
+    if kind == "exact":
+        return {**params, "draft_layers": draft}
+    quantize = jax.jit(QUANTIZERS[kind])
+    for name in DRAFT_MATRICES:
+        per_layer = [quantize(layers[name][i]) for i in kept]
+        draft[name] = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return {**params, "draft_layers": draft, "draft_head": jax.jit(QUANTIZERS["int8"])(head)}
 
 
 def check_skip(skip: tuple[int, ...], num_layers: int) -> None:
@@ -70,8 +74,9 @@ def check_skip(skip: tuple[int, ...], num_layers: int) -> None:
 
 def draft_params(params: dict, kind: str, skip: tuple[int, ...], backend: str) -> tuple[dict, np.ndarray | None]:
     """(the params a draft step reads under `--draft-weights kind --draft-skip skip`, with its
-    quantized matrices read by the `backend` kernels; the model layer of each entry of their layer
-    stack, or None for every layer)."""
+    quantized matrices and head ("lm_head", which decoder.logits prefers to the tied embeddings)
+    read by the `backend` kernels; the model layer of each entry of their layer stack, or None for
+    every layer)."""
     if kind == "exact" and not skip:
         return params, None
     draft = params.get("draft_layers", {})
@@ -84,12 +89,13 @@ def draft_params(params: dict, kind: str, skip: tuple[int, ...], backend: str) -
         raise JaxspecError(f"--draft-skip {list(skip)}: the params' draft layers were made for another skip list")
     draft = {name: dataclasses.replace(m, backend=backend) if isinstance(m, Quantized) else m for name, m in draft.items()}
     layers = draft if skip else {**params["layers"], **draft}
-    return {**params, "layers": layers}, (kept if skip else None)
+    head = {} if kind == "exact" else {"lm_head": dataclasses.replace(params["draft_head"], backend=backend)}
+    return {**params, "layers": layers, **head}, (kept if skip else None)
 
 
 def draft_bytes(params: dict) -> int:
-    """Device bytes of the draft's own stack (the memory --draft-weights and --draft-skip add)."""
-    return sum(x.nbytes for x in jax.tree.leaves(params.get("draft_layers", {})))
+    """Device bytes of the draft's own stack and head (the memory --draft-weights and --draft-skip add)."""
+    return sum(x.nbytes for x in jax.tree.leaves((params.get("draft_layers", {}), params.get("draft_head"))))
 
 
 def parse_skip(text: str, num_layers: int) -> tuple[int, ...]:
@@ -124,13 +130,13 @@ def calibrate_skip(params: dict, cfg, tokens: jax.Array, kind: str, min_acceptan
     skip list least harmful first while the acceptance stays above the bound. 2L forwards; one
     compilation per skip count."""
     num_layers = cfg.num_layers
-    stack = draft_params(with_draft_weights(params, kind), kind, (), "reference")[0]["layers"]
+    draft = draft_params(with_draft_weights(params, kind), kind, (), "reference")[0]
     p = jax.nn.softmax(decoder.score(params, cfg, tokens), axis=-1)
 
     @jax.jit
     def acceptance(kept):
-        layers = jax.tree.map(lambda a: a[kept], stack)
-        q = jax.nn.softmax(decoder.score({**params, "layers": layers}, cfg, tokens, layer_ids=kept), axis=-1)
+        layers = jax.tree.map(lambda a: a[kept], draft["layers"])
+        q = jax.nn.softmax(decoder.score({**draft, "layers": layers}, cfg, tokens, layer_ids=kept), axis=-1)
         return jnp.mean(jnp.sum(jnp.minimum(p, q), axis=-1))
 
     def without(skip):
@@ -157,7 +163,8 @@ def calibrate_skip(params: dict, cfg, tokens: jax.Array, kind: str, min_acceptan
 def read_bytes(cfg, weight_bytes: int, kind: str, skip: tuple[int, ...] = ()) -> int:
     """The weight bytes one draft forward reads (the planner's cost model, benchmark floors): the
     model's `weight_bytes` without the skipped layers, with the kept layers' matrices at `kind`'s size
-    (int8: a byte and a column scale; int4: half a byte and a scale per group and column)."""
+    (int8: a byte and a column scale; int4: half a byte and a scale per group and column) and, for
+    quantized kinds, the head in int8."""
     shapes = decoder.param_shapes(cfg)["layers"]
     itemsize = jnp.dtype(cfg.dtype).itemsize
     per_layer = sum(int(np.prod(shape[1:])) for shape in shapes.values()) * itemsize
@@ -169,4 +176,5 @@ def read_bytes(cfg, weight_bytes: int, kind: str, skip: tuple[int, ...] = ()) ->
         _, K, N = shapes[name]
         quantized = K * N + 4 * N if kind == "int8" else K * N // 2 + 4 * (K // int4_group(K)) * N
         total += kept * (quantized - K * N * itemsize)
-    return total
+    V, D = cfg.vocab_size, cfg.hidden_size
+    return total + (V * D + 4 * V) - V * D * itemsize  # the head, int8 (an embedding gather reads one row)
