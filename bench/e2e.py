@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
@@ -89,8 +89,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
                 dataclasses.replace(spec_of(m, s, backend, tuning), draft_weights=w, draft_skip=skip)
-                for m in methods if m != "plain" for s in args.shapes for w, skip in drafts
-                if (w == "exact" and not skip or m != "ngram") and (w != "exact" or skip or m != "full")]
+                for m in methods if m != "plain" for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)]
             plain_tps = plain_rows = None
             for spec in specs:
                 runs, first_rows = [], None

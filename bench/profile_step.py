@@ -30,7 +30,7 @@ from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder, draft_weights
 from jaxspec.models.kvcache import cache_slots
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
@@ -131,7 +131,7 @@ def main():
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio} for m in args.methods}
     runs = [(m, w) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
-            if (m, w) != ("full", "exact")]  # full drafts with a cheaper model only
+            if takes_draft_model(m, w)]
     for method, weights in runs:
         spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None),
                                    draft_weights=weights)

@@ -47,7 +47,7 @@ from jaxspec import corpus
 from jaxspec.decoding import planner
 from jaxspec.decoding.planner import Strategy
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import METHODS, PRECISIONS, SPARSE_METHODS, SpecConfig
+from jaxspec.decoding.spec import METHODS, PRECISIONS, SPARSE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import draft_weights
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize
@@ -68,7 +68,7 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weig
     for method in methods:
         if method == "plain":
             continue
-        kinds = ("exact",) if method == "ngram" else tuple(w for w in weights if w != "exact" or method != "full")
+        kinds = ["exact"] if method == "ngram" else [w for w in weights if takes_draft_model(method, w)]
         for shape in shapes:
             for ratio in ratios if method in SPARSE_METHODS else (None,):
                 for group in groups:

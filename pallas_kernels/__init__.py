@@ -48,8 +48,7 @@ def quant_matmul(x, values, scale, out_dtype=None, *, layer=None, backend: str =
     """x [M, K] @ a quantized matrix (int8 per column, or packed int4 per group: kernels/quant_matmul.py),
     with `layer`: layer `layer` of stacked values and scale, read in place. The Pallas kernel covers
     block-divisible shapes (every 64 rows read the matrix once); other products run the reference."""
-    if _is_pallas(backend) and quant_matmul_supported(values[0] if layer is not None else values,
-                                                      scale[0] if layer is not None else scale):
+    if _is_pallas(backend) and quant_matmul_supported(values, scale):
         return quant_matmul_pallas(x, values, scale, out_dtype, layer=layer, interpret=interpret_default())
     if layer is not None:
         values, scale = values[layer], scale[layer]

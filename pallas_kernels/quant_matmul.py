@@ -66,9 +66,12 @@ def _divisor(n: int, block: int) -> int | None:
 
 
 def supported(values, scale) -> bool:
-    """Whether the kernel covers this product (others run the reference)."""
-    K, N = (2 * values.shape[0], values.shape[1]) if scale.ndim == 2 else values.shape
-    step = K // scale.shape[0] if scale.ndim == 2 else _divisor(K, BLOCK_K)
+    """Whether the kernel covers this product (others run the reference); values and scale as
+    quant_matmul_pallas takes them, with or without a leading layer axis."""
+    int4 = scale.ndim == values.ndim  # int4's scale has a group axis, int8's does not
+    rows, N = values.shape[-2:]
+    K = 2 * rows if int4 else rows
+    step = K // scale.shape[-2] if int4 else _divisor(K, BLOCK_K)
     return _divisor(N, BLOCK_N) is not None and step is not None and step % (2 * MIN_TILE) == 0
 
 

@@ -21,6 +21,16 @@ PAGE = 16  # page size of the page-granular policies (stream, quest)
 PRECISIONS = ("strict", "reuse", "approx", "approx+reuse")
 
 
+def takes_draft_model(method: str, weights: str, skip: tuple[int, ...] = ()) -> bool:
+    """Whether `method` runs with this draft model (`SpecConfig.validate` and `check_model` say why
+    not): plain and ngram run no draft forward, so only the exact weights and every layer; `full`
+    only with a draft cheaper than the model; the other drafters with any."""
+    cheaper = weights != "exact" or bool(skip)
+    if method in ("plain", "ngram"):
+        return not cheaper
+    return cheaper or method != "full"
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """How to decode: the method, the draft tree and the sparse budget.
