@@ -25,7 +25,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
-from jaxspec.models import draft_weights
+from jaxspec.models import draft_weights, sharding
 from jaxspec.serving.scheduler import Request, Scheduler
 from jaxspec.tune import load_tuned
 
@@ -33,12 +33,14 @@ DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunset
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --backend, --max-len (shared with `python -m jaxspec.serve`)."""
+    """--model, --dtype, --backend, --max-len, --tp (shared with `python -m jaxspec.serve`)."""
     gpu = jax.default_backend() == "gpu"
     p.add_argument("--model", default="smollm2", help="smollm2 | path to a .gguf file | HF directory | orbax checkpoint")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
     p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
     p.add_argument("--max-len", type=int, default=None, help="cap on prompt + generated tokens")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism over this many devices (heads, MLP columns and vocabulary split)")
 
 
 def add_method_flags(p: argparse.ArgumentParser) -> None:
@@ -117,12 +119,29 @@ def spec_from_args(args) -> SpecConfig:
     ).validate()
 
 
-def with_draft(args, spec: SpecConfig, cfg, params, precision: str | None = None) -> tuple[SpecConfig, dict]:
+def load(args):
+    """(cfg, params, tokenizer, mesh): the model of --model at --dtype, split over --tp devices (mesh
+    None for one)."""
+    from jaxspec.loaders import load_model
+
+    mesh = sharding.make_mesh(args.tp) if args.tp != 1 else None
+    cfg, params, tokenizer = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    return cfg, params, tokenizer, mesh
+
+
+def with_draft(args, spec: SpecConfig, cfg, params, mesh=None, precision: str | None = None) -> tuple[SpecConfig, dict]:
     """The spec with --draft-skip resolved for the loaded model and checked against it (at `precision`
     if given: auto's allowed classes), and the params with the draft's weights."""
     spec = dataclasses.replace(spec, draft_skip=resolve_skip(args.draft_skip, args.model, cfg.num_layers)).validate()
     dataclasses.replace(spec, precision=precision or spec.precision).check_model(cfg)
-    return spec, draft_weights.with_draft_weights(params, spec.draft_weights, spec.draft_skip)
+    return spec, with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+
+
+def with_draft_model(params, kind: str, skip: tuple[int, ...], mesh) -> dict:
+    """`draft_weights.with_draft_weights`, the copies split as the params are (`mesh`: tensor parallel)."""
+    if mesh is None:
+        return draft_weights.with_draft_weights(params, kind, skip)
+    return sharding.place(draft_weights.with_draft_weights(params, kind, skip, shards=mesh.size), mesh)
 
 
 def announce_precision(args) -> None:
@@ -145,12 +164,10 @@ def main(argv=None):
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
     prompts = prompts or [DEFAULT_PROMPT]
 
-    from jaxspec.loaders import load_model
-
     if warning := gpu_unseen_warning():
         print(warning, file=sys.stderr)
-    cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
-    spec, params = with_draft(args, spec, cfg, params, precision=args.precision)  # auto: the classes it may use
+    cfg, params, tokenizer, mesh = load(args)
+    spec, params = with_draft(args, spec, cfg, params, mesh, precision=args.precision)  # auto: the classes it may use
     announce_precision(args)
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not tokenizer.has_chat_template:
@@ -168,14 +185,14 @@ def main(argv=None):
             new_tokens=min(args.max_new_tokens, max_len - int(batch.lengths.max())), sampling=sampling,
             precisions=planner.allowed_precisions(args.precision), table=args.planner_table, min_tokens=args.min_tokens,
         )
-        params = draft_weights.with_draft_weights(params, plan.draft_weights)
+        params = with_draft_model(params, plan.draft_weights, (), mesh)
     if stream:
-        return _stream(params, cfg, tokenizer, spec, plan, batch, sampling, max_len, args)
+        return _stream(params, cfg, tokenizer, spec, plan, batch, sampling, max_len, args, mesh)
     common = dict(sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,
-                  stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress)
+                  stop_ids=tokenizer.eos_token_ids, seed=args.seed, progress=progress, mesh=mesh)
     run = run_generation(params, cfg, batch, spec=spec, plan=plan, **common)
     spec = run.auto.spec if auto else spec
-    stats = {**summarize(run, batch, spec), "draft_weight_bytes": draft_weights.draft_bytes(params)}
+    stats = {**summarize(run, batch, spec), "draft_weight_bytes": draft_weights.draft_bytes(params), "tp": args.tp}
     results = [
         {"prompt_tokens": int(n), "tokens": [int(t) for t in g], "text": tokenizer.decode(g, skip_special_tokens=True)}
         for n, g in zip(batch.lengths, run.generated())
@@ -186,11 +203,12 @@ def main(argv=None):
         _print_human(results, stats)
 
 
-def _stream(params, cfg, tokenizer, spec: SpecConfig, plan, batch, sampling: SamplingConfig, max_len: int, args) -> None:
+def _stream(params, cfg, tokenizer, spec: SpecConfig, plan, batch, sampling: SamplingConfig, max_len: int, args,
+            mesh) -> None:
     """One prompt through the serving scheduler (one slot): its text printed as tokens are accepted,
     then the request's stats. `--method auto` refines the plan as the batch path does."""
     ids = tuple(int(t) for t in batch.ids[0, : batch.lengths[0]])
-    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=1, max_len=max_len, sampling=sampling, plan=plan)
+    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=1, max_len=max_len, sampling=sampling, plan=plan, mesh=mesh)
     scheduler.warm_up(len(ids))
     scheduler.start()
     finished, last = threading.Event(), []

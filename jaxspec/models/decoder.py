@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as kernels
-from jaxspec.models import nsa
+from jaxspec.models import nsa, sharding
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.models.quantize import Quantized
@@ -104,8 +104,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
     return out.astype(x.dtype)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens, axis=0)
+def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    return sharding.embed(params["embed"], tokens, cfg)
 
 
 # Matrices under this many elements get a one-row product's row twice. Measured on an H100 (bench/NOTES.md,
@@ -138,7 +138,7 @@ def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final norm and LM head; float32 logits [..., V]."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T  # a draft's int8 head too
-    return matmul(h, head, jnp.float32)
+    return sharding.gather_vocab(matmul(h, head, jnp.float32), cfg)
 
 
 def forward(
@@ -195,14 +195,14 @@ def forward(
         k = apply_rope(k, positions, inv_freq, rope_scale)
         cache = cache.write(index, write_pos, k, v)
         out, ly, carry = attend(index, q, cache, lx, gates, carry)
-        x = x + matmul(out.reshape(B, T, -1), p["wo"]).astype(x.dtype)
+        x = x + sharding.all_reduce(matmul(out.reshape(B, T, -1), p["wo"]), cfg).astype(x.dtype)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gate, up = jnp.split(matmul(h, p["w_gate_up"]), 2, axis=-1)
         mlp = jax.nn.silu(gate) * up
-        x = x + matmul(mlp, p["w_down"]).astype(x.dtype)
+        x = x + sharding.all_reduce(matmul(mlp, p["w_down"]), cfg).astype(x.dtype)
         return (x, cache, carry), ly
 
-    x = embed(params, tokens)
+    x = embed(params, cfg, tokens)
     xs = (scanned, jnp.arange(entries, dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32), layer_xs)
     (x, cache, _), layer_ys = jax.lax.scan(layer, (x, cache, carry), xs)
     return x, cache, layer_ys
@@ -214,17 +214,24 @@ def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, t
     the cache (a draft tree's rows see only their ancestors among its slots: `tree`, a
     kernels.TreeMask), or NSA for NSA models (`verification`: how a target pass verifies draft rows;
     its carry is `attention_carry`'s). Per layer it yields the selection scores asked for by
-    `collect` (None without it)."""
+    `collect` (None without it), averaged over all query heads under tensor parallelism."""
     if cfg.nsa:
-        return nsa.attend_fn(cfg, q_slot, backend, collect, tree, verification)
+        attend = nsa.attend_fn(cfg, q_slot, backend, collect, tree, verification)
+    else:
+        def attend(layer, q, cache, _, _gates, carry):
+            out, _, scores = kernels.verify_attention(
+                q, cache.k, cache.v, layer, q_slot, scale=cfg.head_dim**-0.5, collect=collect, tree=tree, backend=backend
+            )
+            return out, scores, carry
 
-    def attend(layer, q, cache, _, _gates, carry):
-        out, _, scores = kernels.verify_attention(
-            q, cache.k, cache.v, layer, q_slot, scale=cfg.head_dim**-0.5, collect=collect, tree=tree, backend=backend
-        )
-        return out, scores, carry
+    if cfg.tp == 1 or collect is None:
+        return attend
 
-    return attend
+    def all_heads(layer, q, cache, lx, gates, carry):  # tensor parallel: scores over every device's heads
+        out, scores, carry = attend(layer, q, cache, lx, gates, carry)
+        return out, sharding.mean_over_shards(scores, cfg), carry
+
+    return all_heads
 
 
 def attention_carry(cfg: ModelConfig, q_slot: jax.Array, num_slots: int, verification: nsa.Verification | None):

@@ -23,14 +23,15 @@ and the model layer each stack entry is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import JaxspecError
-from jaxspec.models import decoder
-from jaxspec.models.quantize import QUANTIZERS, Quantized, int4_group
+from jaxspec.models import decoder, sharding
+from jaxspec.models.quantize import QUANTIZERS, Quantized, int4_group, quantize_int4
 
 DRAFT_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer matrices a draft step reads
 DRAFT_WEIGHTS = ("exact", "int8", "int4")
@@ -41,9 +42,11 @@ def kept_layers(num_layers: int, skip: tuple[int, ...]) -> np.ndarray:
     return np.array([i for i in range(num_layers) if i not in set(skip)], np.int32)
 
 
-def with_draft_weights(params: dict, kind: str, skip: tuple[int, ...] = ()) -> dict:
+def with_draft_weights(params: dict, kind: str, skip: tuple[int, ...] = (), shards: int = 1) -> dict:
     """`params` with the draft's layer stack under "draft_layers" (exact weights, no skipped layer:
-    none, unchanged). Quantized matrices are made one layer at a time (no full float32 copy)."""
+    none, unchanged). Quantized matrices are made one layer at a time (no full float32 copy);
+    `shards`: tensor-parallel devices the params are split over (int4 groups of row-split matrices
+    stay within one)."""
     if kind not in DRAFT_WEIGHTS:
         raise JaxspecError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {kind!r}")
     layers = params["layers"]
@@ -56,8 +59,9 @@ def with_draft_weights(params: dict, kind: str, skip: tuple[int, ...] = ()) -> d
     draft = {name: layers[name][kept] for name in copied} if skip else {}
     if kind == "exact":
         return {**params, "draft_layers": draft}
-    quantize = jax.jit(QUANTIZERS[kind])
     for name in DRAFT_MATRICES:
+        row_blocks = shards if name in sharding.ROWS else 1  # tensor parallelism splits these by rows
+        quantize = jax.jit(functools.partial(quantize_int4, shards=row_blocks) if kind == "int4" else QUANTIZERS[kind])
         per_layer = [quantize(layers[name][i]) for i in kept]
         draft[name] = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T

@@ -188,7 +188,7 @@ def nsa_logits(params: Params, cfg: ModelConfig, tokens: jax.Array, remat: bool 
 
     if remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
-    x, _ = jax.lax.scan(layer, decoder.embed(params, tokens), params["layers"])
+    x, _ = jax.lax.scan(layer, decoder.embed(params, cfg, tokens), params["layers"])
     return decoder.logits(params, cfg, x)
 
 

@@ -47,18 +47,21 @@ def quantize_int8(w: jax.Array) -> Quantized:
     return Quantized(values, scale)
 
 
-def int4_group(K: int) -> int:
+def int4_group(K: int, shards: int = 1) -> int:
+    """Rows per int4 scale of a matrix of K rows split into `shards` row blocks (tensor parallelism:
+    a group must not straddle two devices)."""
     for group in (GROUP, 64, 32):
-        if K % group == 0:
+        if K % (shards * group) == 0:
             return group
-    raise JaxspecError(f"--draft-weights int4 needs matrices whose rows are a multiple of 32, got {K}")
+    raise JaxspecError(f"--draft-weights int4 needs matrices whose rows are a multiple of 32 per device, got {K}"
+                       + (f" over {shards} devices" if shards > 1 else ""))
 
 
-def quantize_int4(w: jax.Array) -> Quantized:
-    """Symmetric group-wise int4 of w [..., K, N]: one scale per int4_group(K) rows and column,
-    values in -7..7 (groups of zeros get scale 1)."""
+def quantize_int4(w: jax.Array, shards: int = 1) -> Quantized:
+    """Symmetric group-wise int4 of w [..., K, N]: one scale per int4_group(K, shards) rows and
+    column, values in -7..7 (groups of zeros get scale 1)."""
     *lead, K, N = w.shape
-    groups = K // int4_group(K)
+    groups = K // int4_group(K, shards)
     wg = w.astype(jnp.float32).reshape(*lead, groups, K // groups, N)
     amax = jnp.max(jnp.abs(wg), axis=-2)
     scale = jnp.where(amax > 0, amax / 7.0, 1.0)

@@ -30,12 +30,14 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxspec.decoding import engine, planner
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.errors import JaxspecError
+from jaxspec.models import sharding
 from jaxspec.serving.metrics import Metrics
 from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.serving.text import TextStream
@@ -113,7 +115,7 @@ class Scheduler:
                  stop_ids: tuple[int, ...] | None = None, sampling: SamplingConfig | None = None,
                  plan: planner.Plan | None = None, queue_limit: int = 256, segment: int | None = 2,
                  admit_rows: int | None = 1, static: bool = False, prefill_chunk: int | None = None,
-                 max_top_k: int = 64):
+                 max_top_k: int = 64, mesh: Mesh | None = None):
         """`tokenizer` None: token ids only (no text, no stop strings). `stop_ids`: ids that end every
         request (default: the tokenizer's end-of-sequence ids, if any). `sampling`: the one config every
         request uses, or None: each request's own (top_k up to `max_top_k`). `plan`: decode with its
@@ -124,7 +126,8 @@ class Scheduler:
         free, all that wait (up to `slots`) in one prefill, and the batch holds its slots until its
         longest request ends. `prefill_chunk`: chunked prefill; an admission whose prompts are longer
         is prefilled this many positions per round, each round followed by a decode segment of the
-        running slots, so a long prompt stalls them a chunk at a time (None: whole prompts)."""
+        running slots, so a long prompt stalls them a chunk at a time (None: whole prompts). `mesh`:
+        run tensor-parallel over it (`params` split by `models.sharding.shard_params`)."""
         if slots < 1:
             raise JaxspecError(f"--slots must be at least 1, got {slots}")
         self.params, self.cfg, self.tokenizer, self.base = params, cfg, tokenizer, spec.validate()
@@ -133,6 +136,7 @@ class Scheduler:
         self.slots, self.max_len, self.queue_limit, self.segment = slots, max_len, queue_limit, segment
         self.admit_rows = slots if static or admit_rows is None else admit_rows
         self.static, self.sampling, self.max_top_k, self.prefill_chunk = static, sampling, max_top_k, prefill_chunk
+        self.mesh = mesh
         self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.eos_token_ids if tokenizer else ())
         self.stop_width = len(self.stop_ids) + MAX_STOP_TOKEN_IDS
         depth = max(c.strategy.spec(self.base).draft_len for c in plan.candidates) if plan else self.spec.draft_len
@@ -500,7 +504,7 @@ class Scheduler:
         """Program `name` of the current strategy for arguments of `shape`, compiled ahead of time on
         first use (the time goes to `compile_s`)."""
         fns = _programs(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, self.slots,
-                        self.stop_width, self._window(), self.prefill_chunk)
+                        self.stop_width, self._window(), self.prefill_chunk, self.mesh)
         key = (fns, name, shape)
         if key not in self._executables:
             start = time.perf_counter()
@@ -581,9 +585,34 @@ class _Programs:
 
 @functools.lru_cache(maxsize=None)
 def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, slots: int, stop_width: int,
-              window: int, prefill_chunk: int | None) -> _Programs:
+              window: int, prefill_chunk: int | None, mesh: Mesh | None = None) -> _Programs:
     """The scheduler's jitted programs for one model, strategy, sampling mode and slot count;
-    those that take the state (or the prefilled cache) donate it, so it is updated in place."""
+    those that take the state (or the prefilled cache) donate it, so it is updated in place. With a
+    `mesh`, each runs tensor-parallel over it (`models.sharding.Parallel`)."""
+    make = functools.partial(_functions, spec=spec, sampling=sampling, max_len=max_len, slots=slots,
+                             stop_width=stop_width, window=window, prefill_chunk=prefill_chunk)
+
+    def program(name: str, donate: tuple[int, ...] = ()):
+        if mesh is None:
+            return jax.jit(make(cfg)[name], donate_argnums=donate)
+        return sharding.Parallel(lambda c: make(c)[name], cfg, mesh, donate)
+
+    return _Programs(
+        empty=program("empty"),
+        prefill=program("prefill"),
+        start=program("start", (1,)),
+        admit=program("admit", (1,)),
+        decode=program("decode", (1,)),
+        release=program("release", (0,)),
+        report=program("report"),
+        switch=program("switch", (1,)),
+        blank=program("blank"),
+        chunk=program("chunk", (1,)),
+    )
+
+
+def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefill_chunk) -> dict[str, Callable]:
+    """The programs' functions for the model `cfg` (or one shard's view of it)."""
     static = dict(cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
     keys = jax.vmap(jax.random.key)
 
@@ -627,15 +656,5 @@ def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: i
     def switch(params, state, budget):
         return engine.switch(params, state, budget, **static)
 
-    return _Programs(
-        empty=jax.jit(empty),
-        prefill=jax.jit(prefill),
-        start=jax.jit(start, donate_argnums=1),
-        admit=jax.jit(admit, donate_argnums=1),
-        decode=jax.jit(decode, donate_argnums=1),
-        release=jax.jit(engine.release, donate_argnums=0),
-        report=jax.jit(report),
-        switch=jax.jit(switch, donate_argnums=1),
-        blank=jax.jit(blank),
-        chunk=jax.jit(chunk, donate_argnums=1),
-    )
+    return dict(empty=empty, prefill=prefill, start=start, admit=admit, decode=decode, release=engine.release,
+                report=report, switch=switch, blank=blank, chunk=chunk)

@@ -1,0 +1,173 @@
+"""Tensor parallelism: plain and vegas step times at TP 1 against TP N, the all-reduce, the floor.
+
+    PYTHONPATH=. python3 bench/tp.py [--tp 2] [--models qwen3-8b,qwen3-32b] [--batch 4] [--context 131072]
+        [--tiny] [--out DIR]
+
+Runs on one host's GPUs (nvidia-h200-x2 for --tp 2). Per model and TP (1 and N; TP 1 is skipped where
+the weights and cache do not fit one device): random bf16 weights generated on each device's shard
+and a random KV cache split by KV heads (no device ever holds a full copy), then the engine's plain
+decode loop (ms per step) and vegas g6 r0.07 (ms per iteration), each the median of 3 calls of STEPS
+iterations; TP N runs every program under `models.sharding.Parallel`, as `--tp` does (`--tp 1`: that
+path on one device, against plain jit: Pallas kernels under shard_map on one GPU). The
+all-reduce: a psum of one step's hidden rows [B, D] (float32, as the decoder sums) between the
+devices, per call. The floor of a plain step per device: (weights / N + the KV it reads / N) over
+the measured copy bandwidth, plus 2 x layers all-reduces. Greedy tokens of a few steps are compared
+across TPs (random bf16 weights: near-ties may flip; the CPU tests hold exact equality in float32).
+Writes DIR/tp.json; prints a table last. `--tiny`: a small model on whatever devices there are (CPU
+with XLA_FLAGS=--xla_force_host_platform_device_count=2), to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from bench import common
+from jaxspec.decoding import engine
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
+from jaxspec.models import decoder, sharding
+from jaxspec.models.config import ModelConfig, RopeConfig
+from jaxspec.models.kvcache import KVCache, cache_bytes, cache_slots
+
+STEPS = 8  # decode iterations per timed call
+QWEN3_32B = ModelConfig(  # Qwen3-32B's shapes: 65 GB of bf16 weights
+    model_type="qwen3", vocab_size=151936, hidden_size=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+    head_dim=128, intermediate_size=25600, qk_norm=True, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6),
+    max_position_embeddings=40960, dtype="bfloat16",
+)
+TINY = ModelConfig(model_type="qwen3", vocab_size=1024, hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
+                   head_dim=32, intermediate_size=256, qk_norm=True, dtype="bfloat16", max_position_embeddings=4096)
+MODELS = {"qwen3-8b": common.QWEN3_8B, "qwen3-32b": QWEN3_32B}
+GREEDY = SamplingConfig()
+
+
+def programs(cfg: ModelConfig, spec: SpecConfig, max_len: int, mesh):
+    """(start, decode) of the engine for `spec`: jitted on one device (mesh None) or tensor-parallel."""
+    static = dict(spec=spec.compiled(max_len), sampling=GREEDY, max_len=max_len)
+
+    def start(c):
+        return lambda p, cache, ids, n, key, budget, new, stop: engine.start(
+            p, cache, ids, n, key, budget, cfg=c, max_new_tokens=new, stop_ids=stop, **static)
+
+    def decode(c):
+        return lambda p, state, iterations: engine.decode(p, state, cfg=c, max_iterations=iterations, **static)
+
+    if mesh is None:
+        return jax.jit(start(cfg), donate_argnums=1), jax.jit(decode(cfg), donate_argnums=1)
+    return sharding.Parallel(start, cfg, mesh, (1,)), sharding.Parallel(decode, cfg, mesh, (1,))
+
+
+def random_model(cfg: ModelConfig, batch: int, num_slots: int, mesh):
+    """Random params and KV cache, each leaf generated where it lives (split over `mesh` if given; the
+    same values on any mesh)."""
+    params_shape = jax.eval_shape(lambda k: decoder.init_params(cfg, k), jax.random.key(0))
+    cache_shape = jax.eval_shape(lambda k: common.random_cache(cfg, batch, num_slots, k), jax.random.key(1))
+    if mesh is None:
+        return decoder.init_params(cfg, jax.random.key(0)), common.random_cache(cfg, batch, num_slots, jax.random.key(1))
+    named = lambda spec: NamedSharding(mesh, spec)
+    params_sharding = jax.tree.map(named, sharding.param_specs(params_shape), is_leaf=lambda x: isinstance(x, P))
+    heads = named(P(None, None, sharding.AXIS, None, None))
+    cache_sharding = jax.tree.map(lambda _: heads, cache_shape)
+    params = jax.jit(lambda k: decoder.init_params(cfg, k), out_shardings=params_sharding)(jax.random.key(0))
+    params = sharding.shard_params(params, cfg, mesh)  # the same model as on one device: its TP layout
+    cache = jax.jit(lambda k: common.random_cache(cfg, batch, num_slots, k), out_shardings=cache_sharding)(jax.random.key(1))
+    return params, cache
+
+
+def time_method(cfg, spec: SpecConfig, params, cache: KVCache, batch: int, context: int, max_len: int, mesh):
+    """(ms per iteration, the greedy tokens of the first call, the cache back)."""
+    start, decode = programs(cfg, spec, max_len, mesh)
+    ids, lengths = common.random_prompts(cfg, batch, context)
+    state = start(params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
+                  jnp.int32(max_len - context), jnp.asarray([-1], jnp.int32))
+    state = jax.block_until_ready(decode(params, state, jnp.int32(STEPS)))  # compile + warm up
+    first = np.asarray(state.tokens)[:, context : context + STEPS].tolist()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        state = jax.block_until_ready(decode(params, state, jnp.int32(STEPS)))
+        times.append((time.perf_counter() - t) / STEPS)
+    return 1e3 * float(np.median(times)), first, state.cache
+
+
+def all_reduce_us(mesh, batch: int, hidden: int, repeats: int = 200) -> float:
+    """One psum of [batch, hidden] float32 over `mesh`, in microseconds (median of 3 loops)."""
+    body = lambda x: jax.lax.fori_loop(0, repeats, lambda i, x: jax.lax.psum(x, sharding.AXIS) * 0.5, x)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    x = jnp.ones((batch, hidden), jnp.float32)
+    jax.block_until_ready(f(x))
+    return 1e6 * common.seconds_per_call(f, x) / repeats
+
+
+def fits(cfg: ModelConfig, batch: int, num_slots: int, tp: int) -> bool:
+    weights = sum(int(np.prod(s.shape)) * 2 for s in jax.tree.leaves(
+        jax.eval_shape(lambda k: decoder.init_params(cfg, k), jax.random.key(0))))
+    memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    return memory is None or (weights + cache_bytes(cfg, batch, num_slots)) / tp < 0.85 * memory
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--models", default="qwen3-8b,qwen3-32b")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    args = p.parse_args()
+    rates = common.measure_rates(tiny=args.tiny)
+    models = {"tiny": TINY} if args.tiny else {name: MODELS[name] for name in args.models.split(",")}
+    context = 1024 if args.tiny else args.context
+    max_len = context + (MAX_TREE_ROWS + 1) * (4 * STEPS + 2)
+    backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    mesh_n = sharding.make_mesh(args.tp)
+    rows = []
+    for name, cfg in models.items():
+        sharding.check(cfg, args.tp)
+        num_slots = cache_slots(max_len + MAX_TREE_ROWS)
+        reduce_us = all_reduce_us(mesh_n, args.batch, cfg.hidden_size)
+        tokens = {}
+        for tp, mesh in ((1, None), (args.tp, mesh_n)):  # --tp 1: the shard_map path on one device against jit
+            if not fits(cfg, args.batch, num_slots, tp):
+                rows.append({"model": name, "tp": tp, "fits": False})
+                continue
+            params, cache = random_model(cfg, args.batch, num_slots, mesh)
+            row = {"model": name, "tp": tp, "shard_map": mesh is not None, "fits": True, "batch": args.batch,
+                   "context": context}
+            weight_bytes = common.tree_bytes(params)
+            kv_read = 2 * args.batch * context * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+            floor_ms = 1e3 * (weight_bytes + kv_read) / tp / (rates["copy_GBps"] * 1e9)
+            row["plain_floor_ms"] = floor_ms + (2 * cfg.num_layers * reduce_us / 1e3 if tp > 1 else 0.0)
+            for method in ("plain", "vegas"):
+                spec = SpecConfig(method=method, gamma=6, ratio=0.07, backend=backend).validate()
+                ms, first, cache = time_method(cfg, spec, params, cache, args.batch, context, max_len, mesh)
+                row[f"{method}_ms"] = ms
+                tokens[(method, mesh is not None)] = first
+            row["plain_x_floor"] = row["plain_ms"] / row["plain_floor_ms"]
+            row["all_reduce_us"] = reduce_us if tp > 1 else None
+            rows.append(row)
+            del params, cache
+        for method in ("plain", "vegas"):
+            if (method, False) in tokens and (method, True) in tokens:
+                a, b = np.asarray(tokens[(method, False)]), np.asarray(tokens[(method, True)])
+                rows[-1][f"{method}_tokens_equal_share"] = float((a == b).mean())
+    result = {**common.run_info(), "command": "bench/tp.py", "args": vars(args) | {"out": str(args.out)},
+              "rates": rates, "rows": rows}
+    common.write_json(args.out / "tp.json", result)
+    columns = [("model", "model", ""), ("TP", "tp", ""), ("shard_map", "shard_map", ""), ("fits", "fits", ""), ("plain ms/step", "plain_ms", ".2f"),
+               ("floor ms", "plain_floor_ms", ".2f"), ("x floor", "plain_x_floor", ".2f"),
+               ("vegas ms/iteration", "vegas_ms", ".2f"), ("all-reduce us", "all_reduce_us", ".1f")]
+    print(common.markdown_table(rows, columns))
+
+
+if __name__ == "__main__":
+    main()

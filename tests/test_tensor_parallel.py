@@ -1,0 +1,214 @@
+"""Tensor parallelism (`models.sharding`, `--tp`) on simulated CPU devices (conftest sets 4): every
+method, draft trees, draft models, NSA targets and the serving scheduler produce the same greedy
+tokens over 2 and 4 devices as on one; each device holds only its shard of the weights and the KV
+cache (no replicated full matrices); a `--tp` that does not divide the heads is a one-line error.
+
+Random float32 models (a Qwen3 with 8 query / 4 KV heads, an NSA-Llama with 8 / 2) and SmolLM2 (9 / 3
+heads: it divides only by 3) with a real-text prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import corpus, generate as generate_cli
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.models import decoder, draft_weights, sharding
+from jaxspec.models.config import ModelConfig, NSAConfig
+from jaxspec.models.quantize import Quantized
+from jaxspec.runner import Batch, encode_prompts, run_generation
+from jaxspec.serving.scheduler import Request, Scheduler
+
+QWEN3 = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,
+                    head_dim=16, intermediate_size=128, qk_norm=True, dtype="float32", max_position_embeddings=512)
+NSA = ModelConfig(model_type="llama-nsa", vocab_size=256, hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
+                  head_dim=32, intermediate_size=256, max_position_embeddings=1024, dtype="float32",
+                  nsa=NSAConfig(block_size=16, block_counts=4, window_size=32))
+GREEDY = SamplingConfig()
+slow = pytest.mark.slow
+
+
+def devices_needed(tp: int):
+    if len(jax.devices()) < tp:
+        pytest.skip(f"needs {tp} devices (conftest asks XLA for 4 simulated CPU devices)")
+
+
+def random_batch(cfg: ModelConfig, lengths, seed: int) -> Batch:
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(0, cfg.vocab_size, n)
+    return Batch(ids, np.asarray(lengths, np.int32))
+
+
+@dataclasses.dataclass
+class Model:
+    cfg: ModelConfig
+    params: dict
+    batch: Batch
+    max_new: int
+    outputs: dict = dataclasses.field(default_factory=dict)  # (spec, tp, sampling) -> generated tokens
+
+    def generate(self, spec: SpecConfig, tp: int, sampling: SamplingConfig = GREEDY) -> list[list[int]]:
+        """The batch's tokens with `spec` over `tp` devices (weights split by shard_params)."""
+        key = (spec, tp, sampling)
+        if key not in self.outputs:
+            mesh = sharding.make_mesh(tp) if tp > 1 else None
+            params = self.params if mesh is None else sharding.shard_params(self.params, self.cfg, mesh)
+            params = generate_cli.with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+            max_len = int(self.batch.lengths.max()) + self.max_new
+            run = run_generation(params, self.cfg, self.batch, spec=spec, sampling=sampling, max_len=max_len,
+                                 max_new_tokens=self.max_new, stop_ids=(), seed=3, mesh=mesh)
+            self.outputs[key] = [g.tolist() for g in run.generated()]
+        return self.outputs[key]
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    params = decoder.init_params(QWEN3, jax.random.key(11), scale=0.3)
+    return Model(QWEN3, params, random_batch(QWEN3, [90, 61, 140], seed=4), max_new=24)
+
+
+@pytest.fixture(scope="module")
+def nsa_model():
+    params = decoder.init_params(NSA, jax.random.key(12), scale=0.08)
+    return Model(NSA, params, random_batch(NSA, [300, 70], seed=5), max_new=24)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_loaded):
+    cfg, params, tokenizer = smollm2_loaded
+    batch = encode_prompts(tokenizer, [corpus.long_prompt(tokenizer, 600, task="continue", offset=5)], chat=True)
+    return Model(cfg, params, batch, max_new=32)
+
+
+def spec(method: str, **kw) -> SpecConfig:
+    return SpecConfig(method=method, gamma=kw.pop("gamma", 4), ratio=0.3, min_tokens=16, ngram_min=1, ngram_max=2,
+                      **kw).validate()
+
+
+QWEN3_CASES = [
+    (2, spec("plain")), (2, spec("vegas")), (2, spec("stream")), (2, spec("quest")), (2, spec("ngram")),
+    (2, spec("vegas", tree=(3, 2), traversal="dfs")), (2, spec("vegas", draft_weights="int8")),
+    (2, spec("full", tree=(2, 2), draft_weights="int4", draft_skip=(1,))), (4, spec("vegas")),
+    pytest.param(2, spec("all_rows"), marks=slow), pytest.param(2, spec("last_accepted", tree=(2, 2)), marks=slow),
+    pytest.param(4, spec("quest", tree=(2, 1)), marks=slow),
+    pytest.param(4, spec("full", draft_weights="int4"), marks=slow),
+    pytest.param(4, spec("stream", tree=(2, 2), draft_weights="int8"), marks=slow),
+    pytest.param(4, spec("ngram", tree=(2, 2)), marks=slow),
+    pytest.param(4, spec("all_rows", draft_skip=(2,)), marks=slow),
+]
+
+
+@pytest.mark.parametrize("tp, spec_", QWEN3_CASES)
+def test_qwen3_greedy_tokens_equal_one_device(qwen3, tp, spec_):
+    devices_needed(tp)
+    one = qwen3.generate(spec_, 1)
+    assert one == qwen3.generate(SpecConfig(), 1)  # lossless on one device, so the comparison below means TP is
+    assert qwen3.generate(spec_, tp) == one
+
+
+@pytest.mark.parametrize("spec_", [
+    spec("vegas"), pytest.param(spec("plain"), marks=slow), pytest.param(spec("quest"), marks=slow),
+    pytest.param(spec("stream", tree=(2, 2)), marks=slow), pytest.param(spec("full", draft_weights="int8"), marks=slow),
+])
+def test_nsa_greedy_tokens_equal_one_device(nsa_model, spec_):
+    devices_needed(2)
+    assert nsa_model.generate(spec_, 2) == nsa_model.generate(spec_, 1)
+
+
+@pytest.mark.parametrize("spec_", [spec("vegas", gamma=6), pytest.param(spec("plain"), marks=slow),
+                                   pytest.param(spec("quest", tree=(2, 2)), marks=slow),
+                                   pytest.param(spec("full", draft_weights="int8"), marks=slow)])
+def test_smollm2_greedy_tokens_equal_one_device(smollm2, spec_):
+    """SmolLM2's 9 query / 3 KV heads split over 3 devices (2 and 4 do not divide them)."""
+    devices_needed(3)
+    assert smollm2.generate(spec_, 3) == smollm2.generate(spec_, 1)
+
+
+def test_sampled_tokens_equal_one_device(qwen3):
+    """Same seeds, same draws: the split model's logits equal the whole model's within float32 rounding."""
+    devices_needed(2)
+    hot = SamplingConfig(temperature=0.8, top_p=0.9)
+    assert qwen3.generate(spec("vegas"), 2, hot) == qwen3.generate(spec("vegas"), 1, hot)
+
+
+def test_every_device_holds_only_its_shard(qwen3):
+    """Weights, quantized draft copies and the KV cache: each device's block has the designed shape;
+    only norms are replicated. The fused q/k/v columns of device s are its own heads' (TP layout)."""
+    devices_needed(2)
+    cfg, tp = QWEN3, 2
+    mesh = sharding.make_mesh(tp)
+    params = generate_cli.with_draft_model(sharding.shard_params(qwen3.params, cfg, mesh), "int8", (), mesh)
+    L, D, F, V, Dh = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_heads * Dh // tp, cfg.num_kv_heads * Dh // tp
+    expected = {
+        "embed": (V // tp, D), "final_norm": (D,), "lm_head": (D, V // tp),
+        "layers": {"attn_norm": (L, D), "mlp_norm": (L, D), "q_norm": (L, Dh), "k_norm": (L, Dh),
+                   "wqkv": (L, D, q + 2 * kv), "wo": (L, q, D), "w_gate_up": (L, D, 2 * F // tp), "w_down": (L, F // tp, D)},
+        "draft_layers": {"wqkv": Quantized((L, D, q + 2 * kv), (L, q + 2 * kv)), "wo": Quantized((L, q, D), (L, D)),
+                         "w_gate_up": Quantized((L, D, 2 * F // tp), (L, 2 * F // tp)),
+                         "w_down": Quantized((L, F // tp, D), (L, D))},
+        "draft_head": Quantized((D, V // tp), (V // tp,)),
+    }
+    assert jax.tree.map(lambda a: a.sharding.shard_shape(a.shape), params) == expected
+    replicated = [jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_leaves_with_path(params)
+                  if a.sharding.is_fully_replicated]
+    assert all("norm" in name or name.endswith(".scale") for name in replicated), replicated
+
+    # device 0's fused block: query heads 0..3, KV heads 0..1 (k then v); device 1's: the others
+    standard = np.asarray(qwen3.params["layers"]["wqkv"])
+    Q, K = cfg.num_heads * Dh, cfg.num_kv_heads * Dh
+    for s, block in enumerate(sorted(params["layers"]["wqkv"].addressable_shards, key=lambda b: b.index[2].start)):
+        want = np.concatenate([standard[..., s * q:(s + 1) * q], standard[..., Q + s * kv:Q + (s + 1) * kv],
+                               standard[..., Q + K + s * kv:Q + K + (s + 1) * kv]], axis=-1)
+        np.testing.assert_array_equal(np.asarray(block.data), want)
+
+    scheduler = Scheduler(params, cfg, None, spec("vegas"), slots=2, max_len=200, stop_ids=(), sampling=GREEDY, mesh=mesh)
+    scheduler.submit(Request(tuple(range(1, 40)), 4), lambda delta: None)
+    scheduler.admit_waiting()
+    cache = scheduler.state.cache
+    assert cache.k.sharding.shard_shape(cache.k.shape) == (L, 2, cfg.num_kv_heads // tp, cache.num_slots, Dh)
+
+
+def test_scheduler_admissions_equal_one_device(qwen3):
+    """The server's path: requests admitted one at a time into running slots, a long one prefilled in
+    chunks, rows released and reused; every request's tokens equal the one-device scheduler's."""
+    devices_needed(2)
+    requests = [Request(tuple(int(t) for t in qwen3.batch.ids[b, :n]), 12 + 3 * b, GREEDY, seed=b)
+                for b, n in enumerate(qwen3.batch.lengths)] + [Request(tuple(range(3, 50)), 9, GREEDY, seed=7)]
+
+    def serve(tp: int) -> list[tuple[int, ...]]:
+        mesh = sharding.make_mesh(tp) if tp > 1 else None
+        params = qwen3.params if mesh is None else sharding.shard_params(qwen3.params, QWEN3, mesh)
+        scheduler = Scheduler(params, QWEN3, None, spec("vegas", tree=(2, 1)), slots=2, max_len=256, stop_ids=(),
+                              segment=2, admit_rows=1, prefill_chunk=64, mesh=mesh)
+        tokens = {i: [] for i in range(len(requests))}
+        for i, r in enumerate(requests):
+            scheduler.submit(r, lambda delta, i=i: tokens[i].extend(delta.token_ids))
+        while scheduler._waiting or scheduler._running or scheduler._staged:
+            scheduler.step()
+        return [tuple(tokens[i]) for i in range(len(requests))]
+
+    one = serve(1)
+    assert all(len(t) == r.max_new_tokens for t, r in zip(one, requests))
+    assert serve(2) == one
+
+
+@pytest.mark.parametrize("tp, message", [
+    (2, "--tp 2 does not divide the model's 9 attention heads"),
+    (64, f"--tp 64 needs 64 devices; this machine has {len(jax.devices())}"),
+    (0, "--tp must be at least 1, got 0"),
+])
+def test_bad_tp_is_a_one_line_error(smollm2_gguf, capsys, tp, message):
+    devices_needed(2)
+    with pytest.raises(SystemExit) as exit_:
+        generate_cli.main(["--model", str(smollm2_gguf), "--tp", str(tp), "--max-new-tokens", "2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {message}"
