@@ -7,15 +7,31 @@ from the most likely and keeping each while the mass before it is < top_p keeps 
 at t included), so this is the usual nucleus, found without a sort.
 
 Search: x maps to order-preserving int32 keys; M only steps at row values, so the smallest key k
-with M(val(k)) < top_p * Z is a row value's key. The bracket (lo, hi], with the test false at lo and
-true at hi, starts at (key(min x) - 1, key(m)]; each pass tests three pivots that quarter it, so at
-most 16 passes over the row settle 32-bit keys. Masked sums of non-negative terms in one fixed order
-are monotone in the mask, so the test is monotone in floating point too.
+with M(val(k)) < top_p * Z is a row value's key. The reference and the per-row path keep a bracket
+(lo, hi], with the test false at lo and true at hi, from (key(min x) - 1, key(m)]; each pass tests
+three pivots that quarter it, so at most 16 passes over the row settle 32-bit keys. Masked sums of
+non-negative terms in one fixed order are monotone in the mask, so the test is monotone in floating
+point too.
 
-The Pallas kernel runs one program per row and loops over the row once per pass, so the row stays
-in L1/L2 after the first read (96-192 KB at a 49K vocabulary); the reference runs the same search on
-all rows in jnp. The two sum in different orders: they agree except where some M(t) lies within
-rounding of top_p * Z.
+Two Pallas paths, chosen by the row count (top_p_threshold_pallas; measured on an H100, bench/NOTES.md
+issue 16: the split path is faster up to 48 rows, one program per row from 64):
+
+- One program per row (top_p_threshold_per_row) loops over the row once per pass, so the row stays
+  in L1/L2 after the first read (96-192 KB at a 49K vocabulary). At a few rows this is one SM's
+  latency-bound loop (~100 us at a 49K vocabulary, ~280 us at 152K, the same up to 64 rows).
+- The split path (top_p_threshold_split) spreads each row over many programs (SPLIT_PER chunks of
+  SPLIT_CHUNK logits each) and settles DIGIT_BITS bits of the key a launch, a radix search: the
+  bracket is (hi - 2^level, hi], at first (key(+inf) - 2^32, key(+inf)], and a pass sums in every
+  program the mass above the 15 pivots that cut it into 16: 8 passes and a final settle, a fixed 9
+  launches and no while_loop. A program sums its chunks relative to its own max (the first pass
+  finds it). The next launch, in every program of the row alike (no launch of its own), scales each
+  program's sums by exp(its max - m), adds them in one fixed order (Z from the unmasked sums) and
+  takes the smallest pivot whose mass is < top_p * Z as the new hi (the pivot below it, or lo, has
+  mass >= top_p * Z). Masked sums in one fixed order, times non-negative factors, summed in one fixed
+  order: the masses are monotone in the key and step only at row values here too.
+
+The reference sums in another order than the kernels (the split path also with per-program maxima):
+they agree except where some M(t) lies within rounding of top_p * Z.
 """
 import functools
 
@@ -123,8 +139,133 @@ def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, *, chunk):
     out_ref[row] = key_float(hi)
 
 
-def top_p_threshold_pallas(logits, inv_temperature, top_p, *, interpret: bool = False, chunk: int = CHUNK):
-    """The Pallas kernel of top_p_threshold_reference (same contract)."""
+# The split path: a program sums SPLIT_PER chunks of SPLIT_CHUNK logits on SPLIT_CHUNK / 256 warps
+# (all its loads issued before it waits for the bracket). H100 (bench/NOTES.md, issue 16), us per
+# call at 1 / 8 / 32 rows x 151936: 4 chunks a program 38 / 61 / 160, 1 chunk 46 / 89 / 280, 8 chunks
+# 55 / 65 / 162 (one chunk ties four at one row within the runs' spread, loses from 8 rows on).
+SPLIT_CHUNK = 1024
+SPLIT_PER = 4
+DIGIT_BITS = 4  # bits of the key settled per pass (divides 32)
+SLOTS = 1 << DIGIT_BITS  # slot 0: a chunk's total; slot i >= 1: its mass above pivot i (ascending)
+KEY_INF = 0x7F800000  # float_key(+inf): no row value is above it
+# At most this many rows take the split path, more one program per row. H100, us per call at 32 / 48
+# / 64 rows, split vs per row: 68 / 87 / 104 vs 102 / 101 / 101 at 49152; 160 / 226 / 316 vs 295 /
+# 291 / 299 at 151936 (and 128 rows: 187 vs 103, 607 vs 545). The split path's time grows with the
+# rows, the per-row path's does not until the rows outnumber the SMs or L2.
+SPLIT_MAX_ROWS = 48
+
+
+def _slot_pivots(hi, level):
+    """[SLOTS] int32: the bracket (hi - 2^level, hi]'s lower end, then the SLOTS - 1 keys that cut it
+    into SLOTS equal parts, ascending (level a multiple of DIGIT_BITS in [DIGIT_BITS, 32]; keys wrap
+    modulo 2^32 on the way, the results are in range)."""
+    step = jnp.left_shift(jnp.int32(1), level - DIGIT_BITS)
+    return hi - (SLOTS - jnp.arange(SLOTS, dtype=jnp.int32)) * step
+
+
+def _settle(hi, level, top_p, local_max, partials):
+    """The bracket's top after the pass at `level`, from its programs' partial sums (local_max [W],
+    partials [SLOTS, W], W >= the row's programs, the padding max -inf and sums 0): the smallest
+    pivot whose mass is < top_p * Z, else hi. A program's sums are relative to its own max; each is
+    scaled by exp(its max - the row's max), and every slot sums them in the same order."""
+    scale = jnp.exp(local_max - jnp.max(local_max))
+    masses = jnp.sum(partials * scale[None, :], axis=1)
+    slot = jnp.arange(SLOTS)
+    target = top_p * jnp.sum(jnp.where(slot == 0, masses, 0.0))
+    return jnp.min(jnp.where((slot > 0) & (masses < target), _slot_pivots(hi, level), hi))
+
+
+def _load_partials(max_ref, partials_ref, row, splits: int):
+    """A row's local maxima [W] and partial sums [SLOTS, W] (W: splits padded to a power of two)."""
+    width = max(16, next_pow2(splits))
+    ok = jnp.arange(width) < splits
+    local_max = plgpu.load(max_ref.at[row, pl.ds(0, width)], mask=ok, other=-jnp.inf)
+    partials = plgpu.load(partials_ref.at[row, pl.ds(0, SLOTS), pl.ds(0, width)], mask=ok[None, :], other=0.0)
+    return local_max, partials
+
+
+def _split_kernel(*refs, chunk: int, per: int, splits: int, first: bool):
+    """One program: chunks [split * per, (split + 1) * per) of a row (lanes past V masked). The
+    first pass finds the chunks' max and tests the whole key range; a later pass first settles the
+    previous pass's bracket (every program of the row alike; program 0 writes it). Then each slot's
+    sum over the chunks."""
+    if first:
+        logits_ref, inv_temperature_ref, max_out, partials_out = refs
+    else:
+        (logits_ref, inv_temperature_ref, top_p_ref, hi_ref, level_ref, max_ref, partials_ref,
+         hi_out, partials_out) = refs
+    row, split = pl.program_id(0), pl.program_id(1)
+    inv_temperature = inv_temperature_ref[row]
+    V = logits_ref.shape[1]
+
+    def load(i):
+        start = (split * per + i) * chunk
+        cols = start + jnp.arange(chunk)
+        x = plgpu.load(logits_ref.at[row, pl.ds(start, chunk)], mask=cols < V, other=-jnp.inf)
+        return x.astype(jnp.float32) * inv_temperature
+
+    xs = [load(i) for i in range(per)]  # first: the loads do not wait for the bracket
+    if first:
+        hi, level = jnp.int32(KEY_INF), jnp.int32(32)
+        local_max = jnp.max(functools.reduce(jnp.maximum, xs))
+        max_out[row, split] = local_max
+    else:
+        level = level_ref[0]
+        local_max = max_ref[row, split]
+        partials = _load_partials(max_ref, partials_ref, row, splits)
+        hi = _settle(hi_ref[row], level + DIGIT_BITS, top_p_ref[row], *partials)
+
+        @pl.when(split == 0)
+        def _():
+            hi_out[row] = hi
+
+    safe_max = jnp.where(local_max == -jnp.inf, 0.0, local_max)  # chunks of -inf only: e = 0
+    # slot 0 counts every value above -inf (the -inf values add e = 0 anyway): the total
+    values = jnp.where(jnp.arange(SLOTS) == 0, -jnp.inf, key_float(_slot_pivots(hi, level)))[:, None]
+    acc = jnp.zeros((SLOTS, chunk), jnp.float32)
+    for x in xs:
+        acc += jnp.where(x[None, :] > values, jnp.exp(x - safe_max)[None, :], 0.0)
+    plgpu.store(partials_out.at[row, pl.ds(0, SLOTS), split], jnp.sum(acc, axis=1))
+
+
+def _final_kernel(top_p_ref, hi_ref, max_ref, partials_ref, out_ref, *, splits: int):
+    row = pl.program_id(0)
+    partials = _load_partials(max_ref, partials_ref, row, splits)
+    hi = _settle(hi_ref[row], jnp.int32(DIGIT_BITS), top_p_ref[row], *partials)
+    out_ref[row] = key_float(hi)
+
+
+def top_p_threshold_split(logits, inv_temperature, top_p, *, interpret: bool = False, chunk: int = SPLIT_CHUNK,
+                          per: int = SPLIT_PER):
+    """The split path (same contract as top_p_threshold_reference): each row over cdiv(V, chunk *
+    per) programs; 32 / DIGIT_BITS passes of SLOTS - 1 pivots and a final settle, one launch each."""
+    R, V = logits.shape
+    chunk = min(chunk, next_pow2(V))
+    per = min(per, pl.cdiv(V, chunk))
+    splits = pl.cdiv(V, chunk * per)
+    inv_temperature, top_p = _per_row(inv_temperature, R), _per_row(top_p, R)
+    params = plgpu.CompilerParams(num_warps=max(1, chunk // 256), num_stages=1)
+
+    def call(kernel, grid, out_shape, *args):
+        return pl.pallas_call(kernel, grid=grid, in_specs=[pl.no_block_spec] * len(args),
+                              out_specs=jax.tree.map(lambda _: pl.no_block_spec, out_shape), out_shape=out_shape,
+                              compiler_params=params, interpret=interpret, name="top_p_threshold_split")(*args)
+
+    kernel = functools.partial(_split_kernel, chunk=chunk, per=per, splits=splits)
+    partials = jax.ShapeDtypeStruct((R, SLOTS, splits), jnp.float32)
+    local_max, sums = call(functools.partial(kernel, first=True), (R, splits),
+                           (jax.ShapeDtypeStruct((R, splits), jnp.float32), partials), logits, inv_temperature)
+    hi = jnp.full((R,), KEY_INF, jnp.int32)  # the top of the first pass's bracket
+    for level in range(32 - DIGIT_BITS, 0, -DIGIT_BITS):
+        hi, sums = call(functools.partial(kernel, first=False), (R, splits),
+                        (jax.ShapeDtypeStruct((R,), jnp.int32), partials),
+                        logits, inv_temperature, top_p, hi, jnp.full((1,), level, jnp.int32), local_max, sums)
+    return call(functools.partial(_final_kernel, splits=splits), (R,), jax.ShapeDtypeStruct((R,), jnp.float32),
+                top_p, hi, local_max, sums)
+
+
+def top_p_threshold_per_row(logits, inv_temperature, top_p, *, interpret: bool = False, chunk: int = CHUNK):
+    """The one-program-per-row path (same contract as top_p_threshold_reference)."""
     R, V = logits.shape
     return pl.pallas_call(
         functools.partial(_kernel, chunk=min(chunk, next_pow2(V))),
@@ -136,3 +277,10 @@ def top_p_threshold_pallas(logits, inv_temperature, top_p, *, interpret: bool = 
         interpret=interpret,
         name="top_p_threshold",
     )(logits, _per_row(inv_temperature, R), _per_row(top_p, R))
+
+
+def top_p_threshold_pallas(logits, inv_temperature, top_p, *, interpret: bool = False):
+    """The Pallas kernel of top_p_threshold_reference (same contract): the split path for at most
+    SPLIT_MAX_ROWS rows, else one program per row."""
+    path = top_p_threshold_split if logits.shape[0] <= SPLIT_MAX_ROWS else top_p_threshold_per_row
+    return path(logits, inv_temperature, top_p, interpret=interpret)

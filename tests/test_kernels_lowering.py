@@ -146,9 +146,10 @@ def test_select_topk_lowers(check_cuda, S_):
 
 
 @pytest.mark.parametrize("rows, V, dtype", [(896, 49152, jnp.float32), (128, 151936, jnp.float32),
-                                            (32, 49152, jnp.bfloat16)])
+                                            (32, 49152, jnp.bfloat16), (1, 151936, jnp.float32)])
 def test_top_p_threshold_lowers(check_cuda, rows, V, dtype):
-    """SmolLM2's vocabulary at a batch-128 chain's verification rows, Qwen3's at a draft step."""
+    """SmolLM2's vocabulary at a batch-128 chain's verification rows, Qwen3's at a draft step (one
+    program per row), and the split path (<= 48 rows): SmolLM2 at batch 32, Qwen3 at batch 1."""
     check_cuda(lambda x: top_p_threshold_pallas(x, 1 / 0.7, 0.95), spec((rows, V), dtype))
 
 

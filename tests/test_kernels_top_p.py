@@ -1,11 +1,18 @@
-"""The sort-free nucleus threshold (pallas_kernels/top_p.py), both backends, against a float64
-NumPy oracle that sorts: walk from the most likely token, keep it while the mass before it is < top_p."""
+"""The sort-free nucleus threshold (pallas_kernels/top_p.py): the reference and both Pallas paths (one
+program per row, and the split path: each row over many programs), against a float64 NumPy oracle that
+sorts: walk from the most likely token, keep it while the mass before it is < top_p."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
+from pallas_kernels.top_p import (
+    SPLIT_MAX_ROWS,
+    top_p_threshold_pallas,
+    top_p_threshold_per_row,
+    top_p_threshold_reference,
+    top_p_threshold_split,
+)
 
 
 def oracle(logits, inv_temperature, top_p):
@@ -33,6 +40,11 @@ def rows(kind, rng, R, V):
         return np.full((R, V), rng.normal())
     if kind == "signs":  # keys of both signs and a wide range: the bracket spans ~2^32 keys
         return rng.choice([-1, 1], size=(R, V)) * np.exp(rng.uniform(-20, 5, size=(R, V)))
+    if kind == "near":  # half the row on 16 neighbouring float32 values: the nucleus ends among them
+        x = rng.normal(size=(R, V))
+        near = np.float32(2.0) + rng.integers(0, 16, size=(R, V // 2)) * np.spacing(np.float32(2.0))
+        x[:, rng.permutation(V)[:V // 2]] = near
+        return x
     raise ValueError(kind)
 
 
@@ -46,6 +58,8 @@ CASES = [  # (kind, R, V, dtype, inv_temperature, top_p)
     ("masked", 3, 1000, jnp.float32, 1.0, 0.9),
     ("flat", 2, 600, jnp.float32, 1.0, 0.8),
     ("signs", 3, 2000, jnp.float32, 0.5, 0.7),
+    ("near", 3, 3000, jnp.float32, 1.0, 0.5),
+    ("near", 2, 1500, jnp.float32, 1.0, 0.7),
 ]
 
 
@@ -56,11 +70,44 @@ def test_top_p_threshold(case):
     logits = jnp.asarray(rows(kind, rng, R, V), dtype)
     want = oracle(logits, inv_t, top_p)
     ref = np.asarray(top_p_threshold_reference(logits, inv_t, top_p))
-    got = np.asarray(top_p_threshold_pallas(logits, inv_t, top_p, interpret=True, chunk=256))
+    per_row = np.asarray(top_p_threshold_per_row(logits, inv_t, top_p, interpret=True, chunk=256))
     np.testing.assert_array_equal(ref, want)
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(per_row, want)
+    # the split path, one chunk a program or three (the last program's chunks partly past V)
+    per = 1 + 2 * (CASES.index(case) % 2)
+    split = np.asarray(top_p_threshold_split(logits, inv_t, top_p, interpret=True, chunk=128, per=per))
+    np.testing.assert_array_equal(split, want)
+    if kind == "near":  # the nucleus ends inside the cluster: the last pass settled single keys
+        assert np.all((want >= 2.0) & (want < 2.0 + 16 * np.spacing(np.float32(2.0))))
     if kind == "flat":
-        np.testing.assert_array_equal(got, logits[:, 0])
+        np.testing.assert_array_equal(per_row, logits[:, 0])
+
+
+@pytest.mark.parametrize("R, dtype", [(1, jnp.float32), (2, jnp.bfloat16)])
+def test_split_path_at_a_large_vocabulary(R, dtype):
+    """Qwen3's vocabulary (151936: 38 programs of 4 chunks a row, the last one partly past V) at T 0.7,
+    top-p 0.95: top_p_threshold_pallas takes the split path; against the reference and the oracle."""
+    rng = np.random.default_rng(100 + R)
+    logits = jnp.asarray(3 * rng.normal(size=(R, 151936)), dtype)
+    want = oracle(logits, 1 / 0.7, 0.95)
+    got = np.asarray(top_p_threshold_pallas(logits, 1 / 0.7, 0.95, interpret=True))
+    np.testing.assert_array_equal(np.asarray(top_p_threshold_reference(logits, 1 / 0.7, 0.95)), want)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_path_rule_and_per_row_values():
+    """Up to SPLIT_MAX_ROWS rows take the split path, more one program per row; both read each
+    row's own temperature and top_p."""
+    rng = np.random.default_rng(11)
+    R = SPLIT_MAX_ROWS + 1
+    logits = jnp.asarray(3 * rng.normal(size=(R, 300)), jnp.float32)
+    inv_t = jnp.asarray(rng.uniform(0.5, 2.0, size=R), jnp.float32)
+    top_p = jnp.asarray(rng.uniform(0.2, 0.99, size=R), jnp.float32)
+    want = np.asarray([oracle(logits[r:r + 1], inv_t[r], top_p[r])[0] for r in range(R)])
+    np.testing.assert_array_equal(np.asarray(top_p_threshold_pallas(logits, inv_t, top_p, interpret=True)), want)
+    np.testing.assert_array_equal(
+        np.asarray(top_p_threshold_pallas(logits[:SPLIT_MAX_ROWS], inv_t[:SPLIT_MAX_ROWS], top_p[:SPLIT_MAX_ROWS],
+                                          interpret=True)), want[:SPLIT_MAX_ROWS])
 
 
 def test_backend_switch_runs_both():
