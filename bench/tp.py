@@ -10,8 +10,8 @@ decode loop (ms per step) and vegas g6 r0.07 (ms per iteration), each the median
 iterations; TP N runs every program under `models.sharding.Parallel`, as `--tp` does (`--tp 1`: that
 path on one device, against plain jit: Pallas kernels under shard_map on one GPU). The
 all-reduce: a psum of one step's hidden rows [B, D] (float32, as the decoder sums) between the
-devices, per call. The floor of a plain step per device: (weights / N + the KV it reads / N) over
-the measured copy bandwidth, plus 2 x layers all-reduces. Greedy tokens of a few steps are compared
+devices, per call. The floor of a plain step per device: `common.step_floor_s` (weights, the KV it
+reads and the logits over the measured copy bandwidth) / N, plus 2 x layers all-reduces. Greedy tokens of a few steps are compared
 across TPs (random bf16 weights: near-ties may flip; the CPU tests hold exact equality in float32).
 Writes DIR/tp.json; prints a table last. `--tiny`: a small model on whatever devices there are (CPU
 with XLA_FLAGS=--xla_force_host_platform_device_count=2), to check the script.
@@ -109,8 +109,7 @@ def all_reduce_us(mesh, batch: int, hidden: int, repeats: int = 200) -> float:
 
 
 def fits(cfg: ModelConfig, batch: int, num_slots: int, tp: int) -> bool:
-    weights = sum(int(np.prod(s.shape)) * 2 for s in jax.tree.leaves(
-        jax.eval_shape(lambda k: decoder.init_params(cfg, k), jax.random.key(0))))
+    weights = common.tree_bytes(jax.eval_shape(lambda k: decoder.init_params(cfg, k), jax.random.key(0)))
     memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     return memory is None or (weights + cache_bytes(cfg, batch, num_slots)) / tp < 0.85 * memory
 
@@ -143,9 +142,7 @@ def main():
             params, cache = random_model(cfg, args.batch, num_slots, mesh)
             row = {"model": name, "tp": tp, "shard_map": mesh is not None, "fits": True, "batch": args.batch,
                    "context": context}
-            weight_bytes = common.tree_bytes(params)
-            kv_read = 2 * args.batch * context * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-            floor_ms = 1e3 * (weight_bytes + kv_read) / tp / (rates["copy_GBps"] * 1e9)
+            floor_ms = 1e3 * common.step_floor_s(cfg, common.tree_bytes(params), args.batch, context, rates["copy_GBps"]) / tp
             row["plain_floor_ms"] = floor_ms + (2 * cfg.num_layers * reduce_us / 1e3 if tp > 1 else 0.0)
             for method in ("plain", "vegas"):
                 spec = SpecConfig(method=method, gamma=6, ratio=0.07, backend=backend).validate()

@@ -9,7 +9,7 @@ matrices are stored in the *TP layout*: their columns reordered so that shard s'
 of its own heads. Query head h uses KV head h // G, and shard s holds query heads [s Hq/tp, ...) and
 KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices. norms are replicated.
 
-Execution. A program (`parallel`) runs under `shard_map`, each device on one shard's view of the
+Execution. A program (`Parallel`) runs under `shard_map`, each device on one shard's view of the
 model (`local_config`: its heads and MLP columns; the vocabulary keeps the model's size). Everything
 that is not split (tokens, lengths, keys, sampling, acceptance, the drafters' bookkeeping) is
 computed identically on every device. The decoder calls the collectives below in four places:
