@@ -2,14 +2,15 @@
 
     PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
-        [--out DIR] [--name NAME]
+        [--out DIR] [--name NAME] [--top 12] [--sequence 0]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
 wall time per call, GPU busy time (the union of kernel intervals), the number of kernels, and the top
 kernels by device time. A stage whose wall time exceeds its busy time loses it to launch gaps or host
 round trips; one whose kernels cost more than their bytes shows which (XLA names fusion kernels as in
-the optimized HLO: `--xla_dump_to` to read them). Random bf16 weights (timing only). `--sampling
+the optimized HLO: `--xla_dump_to` to read them). `--sequence N` keeps the first N kernels of a stage's
+first profiled call in launch order (name, us): one layer's chain of kernels, to see what to fuse. Random bf16 weights (timing only). `--sampling
 sample` runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes
 DIR/NAME.json; prints a summary table last.
 """
@@ -34,7 +35,6 @@ from jaxspec.decoding.spec import SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
-TOP = 12
 
 
 def device_events(trace_dir: str) -> dict[str, list]:
@@ -61,21 +61,23 @@ def busy_ns(events: list) -> float:
     return total
 
 
-def top(events: list, calls: int) -> list[tuple[str, float, int]]:
-    """(name, microseconds per call, count per call), most time first."""
+def top(events: list, calls: int, n: int) -> list[tuple[str, float, int]]:
+    """The n kernels with the most time: (name, microseconds per call, count per call)."""
     time_ns, count = collections.Counter(), collections.Counter()
     for name, _, duration in events:
         time_ns[name] += duration
         count[name] += 1
-    return [(n, t / calls / 1e3, count[n] // calls) for n, t in time_ns.most_common(TOP)]
+    return [(n, t / calls / 1e3, count[n] // calls) for n, t in time_ns.most_common(n)]
 
 
-def profile_stage(fn, state, calls: int):
+def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int):
     """Times, then profiles, `calls` back-to-back calls of fn (after a warm-up); returns (summary, state).
 
     The profiler changes what it measures (XLA runs without command buffers under it), so the wall
     time without it comes first."""
+    start = time.perf_counter()
     state = jax.block_until_ready(fn(state))
+    first_call = time.perf_counter() - start  # compilation included
     start = time.perf_counter()
     for _ in range(calls):
         state = fn(state)
@@ -91,13 +93,17 @@ def profile_stage(fn, state, calls: int):
         lines = device_events(trace_dir)
     kernels = [e for name, events in lines.items() if name.startswith(("Stream", "tf_XLA")) for e in events]  # GPU streams; CPU threads
     summary = {
+        "first_call_s": first_call,
         "wall_ms": unprofiled * 1e3,
         "wall_ms_profiled": wall * 1e3,
         "kernels_per_call": len(kernels) // calls,
         "busy_ms": busy_ns(kernels) / calls / 1e6,
-        "top_kernels": top(kernels, calls),
+        "top_kernels": top(kernels, calls, n_top),
         "lines": sorted(lines),
     }
+    if n_sequence:
+        ordered = sorted(kernels, key=lambda e: e[1])
+        summary["sequence"] = [(name, round(duration / 1e3, 2)) for name, _, duration in ordered[:n_sequence]]
     return summary, state
 
 
@@ -116,6 +122,8 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a CPU smoke test of this script")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--name", default="profile", help="the JSON is DIR/NAME.json")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per stage, most time first")
+    p.add_argument("--sequence", type=int, default=0, help="kernels kept in launch order per stage")
     args = p.parse_args()
 
     from bench.decode import TINY_CFG
@@ -140,7 +148,7 @@ def main():
         state = common.random_state(copies, cfg, spec, cache, context, max_len)
         stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
         for name, (fn, per_call) in stages.items():
-            summary, state = profile_stage(fn, state, CALLS)
+            summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence)
             row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms"),
                    "iterations_per_call": per_call} | summary
             result["stages"].append(row)
@@ -151,11 +159,11 @@ def main():
         common.write_json(args.out / f"{args.name}.json", result)
         del state, copies
     print(f"\nXLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
-    print("| method | draft weights | stage | iterations/call | wall ms/call | profiled ms/call | GPU busy ms/call | kernels/call |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | draft weights | stage | iterations/call | wall ms/call | profiled ms/call | GPU busy ms/call | kernels/call | first call s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in result["stages"]:
         print(f"| {r['method']} | {r['draft_weights']} | {r['stage']} | {r['iterations_per_call']} | {r['wall_ms']:.2f} | {r['wall_ms_profiled']:.2f} | "
-              f"{r['busy_ms']:.2f} | {r['kernels_per_call']} |")
+              f"{r['busy_ms']:.2f} | {r['kernels_per_call']} | {r['first_call_s']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
 
 def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *, scale: float,
                      tail_capacity: int, tree: TreeMask | None = None, backend: str = "reference"):
-    """q [B, T, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], shared by the rows)
+    """q [B, T, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], or a stack of them
+    [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
     plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the cache (with a draft tree's
     mask, of the tree's slots only the row's ancestors). Returns out [B, T, Hq, Dh] (q.dtype)."""
     if _is_pallas(backend):

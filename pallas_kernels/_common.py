@@ -72,6 +72,17 @@ def pack_rows(x, n_blocks: int, rows: int, tile: int, fill=0):
     return jnp.pad(x, [(0, 0), (0, 0), (0, tile - rows * G)] + rest, constant_values=fill)
 
 
+def tile_positions(q_pos_ref, b, block, rows: int, G: int, tile: int):
+    """Inside a kernel: the positions q_pos[b, t] [B, T] of row block `block`'s packed rows (pack_rows'
+    layout, `rows` query rows of G heads), -1 on padding rows. Read here rather than packed by XLA,
+    which would run a kernel before every layer's call (bench/NOTES.md, issue 16)."""
+    T = q_pos_ref.shape[1]
+    packed = jnp.arange(tile)
+    t = block * rows + packed // G
+    real = (packed < rows * G) & (t < T)
+    return jnp.where(real, q_pos_ref[b, jnp.minimum(t, T - 1)], -1)
+
+
 def unpack_rows(x, T: int, G: int):
     """Kernel rows back to heads: [B, Hkv, n_blocks, rows*G, ...] -> [B, T, Hkv*G, ...]."""
     (B, Hkv, n_blocks, packed), rest = x.shape[:4], x.shape[4:]

@@ -12,7 +12,8 @@ Formats (quantize.Int8, quantize.Int4):
   group g's G/2 packed rows holds k = g*G + j in its low nibble and k = g*G + G/2 + j in its high one
   (two's complement, -8..7), so a group's low and high halves multiply two contiguous slices of x.
 
-Grid: (row blocks of 16-64 rows, column blocks, K splits); each program streams its columns' share of K
+Grid: (row blocks of 16-64 rows, column blocks, K splits); x is read unpadded (a block's rows past M
+load as zeros), so no padding kernel runs before each product; each program streams its columns' share of K
 through an fp32 accumulator, and XLA sums the splits (and applies int8's column scales). The K
 splits are the fewest that give TARGET_PROGRAMS (256) programs: on an H100 at Qwen3-8B shapes that
 was the best of 1-16 splits for each of the four matrices (gate_up: 2 splits, 50.5 us against 58.6
@@ -86,16 +87,20 @@ def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool):
         i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         rows, cols = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
         layer = layer_ref[0]  # refs are indexed once (Pallas-Triton takes one indexer per load)
+        real = i * bm + jnp.arange(bm) < M  # x has M rows: the block's others read as zeros, are not stored
+
+        def load_x(start, width):
+            return plgpu.load(x_ref.at[rows, pl.ds(start, width)], mask=real[:, None], other=0.0)
 
         def body(t, acc):
             step = split * steps + t
             if not int4:
-                x = x_ref[rows, pl.ds(step * step_k, step_k)]
+                x = load_x(step * step_k, step_k)
                 w = w_ref[layer, pl.ds(step * step_k, step_k), cols].astype(x.dtype)
                 return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
             half = step_k // 2
-            x_lo = x_ref[rows, pl.ds(step * step_k, half)]
-            x_hi = x_ref[rows, pl.ds(step * step_k + half, half)]
+            x_lo = load_x(step * step_k, half)
+            x_hi = load_x(step * step_k + half, half)
             p = w_ref[layer, pl.ds(step * half, half), cols]
             lo = lax.shift_right_arithmetic(lax.shift_left(p, jnp.int8(4)), jnp.int8(4)).astype(x_lo.dtype)
             hi = lax.shift_right_arithmetic(p, jnp.int8(4)).astype(x_lo.dtype)
@@ -104,7 +109,6 @@ def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool):
             return acc + part * s_ref[layer, step, cols][None, :]
 
         acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-        real = i * bm + jnp.arange(bm) < M  # the padding rows are not stored
         plgpu.store(o_ref.at[split, rows, cols], acc, mask=real[:, None])
 
     return kernel
@@ -136,7 +140,6 @@ def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpr
             splits *= 2
     if total % splits:
         raise ValueError(f"{splits} splits do not divide {total} steps of K")
-    xp = jnp.pad(x, ((0, m_blocks * bm - M), (0, 0)))
     partial = pl.pallas_call(
         _make_kernel(M, bm, total // splits, step_k, bn, int4),
         grid=(m_blocks, N // bn, splits),
@@ -146,7 +149,7 @@ def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpr
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="quant_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), xp, values, scale)
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, values, scale)
     out = partial[:, :M].sum(axis=0)
     if not int4:
         out = out * scale[layer]

@@ -1,7 +1,9 @@
 """Sparse draft attention: T query rows per sequence over a selected subset of the KV cache.
 
 Row (b, t) attends the union of (a) the gathered slots idx[b, s, :n_idx[b]] (s: one shared set,
-Hs == 1, or one per KV head, Hs == Hkv), shared by the T rows, and (b) the tail slots
+Hs == 1, or one per KV head, Hs == Hkv), shared by the T rows (idx may be a layer stack
+[L, B, Hs, K], read at the layer in place: a slice of a stack inside the layer scan would be copied
+before the kernel), and (b) the tail slots
 tail_start[b] .. q_slot[b, t] (DESIGN.md 4, 5.2). A chain drafts one row per step (T = 1); a draft
 tree drafts the T nodes of one depth in one step, and its `TreeMask` narrows the tail to the slots
 before the root and the row's own ancestors. The caller guarantees the gathered slots are distinct
@@ -32,6 +34,7 @@ from pallas_kernels._common import (
     softmax_step,
     split_range,
     store_split,
+    tile_positions,
     unpack_rows,
 )
 
@@ -44,8 +47,8 @@ def _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree):
     if (Bk, Dk) != (B, Dh) or v_cache.shape != k_cache.shape or Hq % Hkv:
         raise ValueError(f"shapes do not match: q {q.shape}, k_cache {k_cache.shape}, "
                          f"v_cache {v_cache.shape}")
-    if idx.ndim != 3 or idx.shape[0] != B or idx.shape[1] not in (1, Hkv):
-        raise ValueError(f"idx must be [B, 1 or Hkv, K] = [{B}, 1|{Hkv}, K], got {idx.shape}")
+    if idx.ndim not in (3, 4) or idx.shape[-3] != B or idx.shape[-2] not in (1, Hkv):
+        raise ValueError(f"idx must be [(L,) B, 1 or Hkv, K] = [(L,) {B}, 1|{Hkv}, K], got {idx.shape}")
     for name, x in (("n_idx", n_idx), ("tail_start", tail_start)):
         if x.shape != (B,):
             raise ValueError(f"{name} must be [B] = [{B}], got {x.shape}")
@@ -61,10 +64,11 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_star
     _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree)
     B, T, Hq, Dh = q.shape
     Hkv, S = k_cache.shape[2], k_cache.shape[3]
-    G, K = Hq // Hkv, idx.shape[2]
+    G, K = Hq // Hkv, idx.shape[-1]
     precision = matmul_precision(q.dtype)
     k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
     v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    idx = lax.dynamic_index_in_dim(idx, layer, 0, keepdims=False) if idx.ndim == 4 else idx
     tail = tail_start[:, None] + jnp.arange(tail_capacity)  # [B, C]
     slots = jnp.concatenate([jnp.broadcast_to(idx, (B, Hkv, K)),
                              jnp.broadcast_to(tail[:, None], (B, Hkv, tail_capacity))], axis=2)
@@ -87,8 +91,8 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_star
     return jnp.moveaxis(out, 1, 2).reshape(B, T, Hq, Dh).astype(q.dtype)
 
 
-def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, first_ref, idx_ref, pos_ref, words_ref, q_ref,
-                   k_ref, v_ref, o_ref, lse_ref, *, scale, block_k, n_splits, rows, tree):
+def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k_ref, v_ref, *refs,
+                   scale, block_k, n_splits, rows, G, tree, stacked):
     """Program (b, kv head h, row block r, split): its share of the gathered blocks (seen by every
     row), then of the tail blocks up to the block's last q_slot (each row up to its own, and with a
     tree only over its ancestors).
@@ -96,13 +100,18 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, first_ref, idx_ref, pos_ref, 
     Every block is a token-granular gather (slot vector of block_k rows); slots past the list or
     the tail are clamped into the cache and masked out of the softmax.
     """
-    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
+    b, h, r, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     layer, n_idx, tail_start = layer_ref[0], n_idx_ref[b], tail_ref[b]
-    shared, K = idx_ref.shape[1] == 1, idx_ref.shape[2]
+    idx_layer = layer if stacked else 0  # idx is one layer's [1, B, Hs, K] or the stack
+    shared, K = idx_ref.shape[2] == 1, idx_ref.shape[3]
     last_slot = k_ref.shape[3] - 1
-    pos, q = pos_ref[...], q_ref[...]
+    q = q_ref[...]
+    pos = tile_positions(q_slot_ref, b, r, rows, G, q.shape[0])
     if tree:
+        first_ref, words_ref, o_ref, lse_ref = refs
         first, lo_word, hi_word = first_ref[b], words_ref[0], words_ref[1]
+    else:
+        o_ref, lse_ref = refs
     n_gather = (n_idx + block_k - 1) // block_k
     n_tail = (jnp.maximum(jnp.max(pos) - tail_start + 1, 0) + block_k - 1) // block_k
     lo, hi = split_range(split, n_splits, n_gather + n_tail)
@@ -116,7 +125,7 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, first_ref, idx_ref, pos_ref, 
 
     def gather_block(i, carry):
         j = i * block_k + jnp.arange(block_k)
-        slots = idx_ref[b, 0 if shared else h, jnp.minimum(j, K - 1)]
+        slots = idx_ref[idx_layer, b, 0 if shared else h, jnp.minimum(j, K - 1)]
         return attend(carry, slots, (j < n_idx)[None, :])
 
     def tail_block(i, carry):
@@ -129,7 +138,7 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, first_ref, idx_ref, pos_ref, 
     carry = lax.fori_loop(lo, jnp.minimum(hi, n_gather), gather_block,
                           init_carry(q.shape[0], q.shape[1]))
     carry = lax.fori_loop(jnp.maximum(lo, n_gather) - n_gather, hi - n_gather, tail_block, carry)
-    store_split(o_ref, lse_ref, carry, rows)
+    store_split(o_ref, lse_ref, carry, rows * G)
 
 
 def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *,
@@ -149,30 +158,30 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
         raise ValueError(f"the Pallas sparse kernel needs a power-of-two head dim >= 16, got {Dh}")
     n_blocks, rows, tile = row_blocks(T, G)
-    max_blocks = pl.cdiv(idx.shape[2], block_k) + pl.cdiv(tail_capacity, block_k)
+    max_blocks = pl.cdiv(idx.shape[-1], block_k) + pl.cdiv(tail_capacity, block_k)
     n_splits = n_splits or num_splits(B * Hkv * n_blocks, max_blocks)
     q_tile = pack_rows(jnp.moveaxis(q.reshape(B, T, Hkv, G, Dh), 2, 1).reshape(B * Hkv, T, G, Dh),
                        n_blocks, rows, tile).reshape(B, Hkv, n_blocks, tile, Dh)
-    row_pos = pack_rows(jnp.broadcast_to(q_slot.astype(jnp.int32)[:, :, None], (B, T, G)),
-                        n_blocks, rows, tile, -1)
-    first, words = tree_words(tree, B, G, n_blocks, rows, tile)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    n_idx, tail_start, idx = (jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, idx))
+    stacked, idx = idx.ndim == 4, idx if idx.ndim == 4 else idx[None]
+    n_idx, tail_start, idx, q_slot = (jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, idx, q_slot))
     n_rows = rows * G
     kernel = functools.partial(_sparse_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=n_rows, tree=tree is not None)
+                               rows=rows, G=G, tree=tree is not None, stacked=stacked)
+    in_specs = [pl.no_block_spec] * 5 + [pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0)),
+                                         pl.no_block_spec, pl.no_block_spec]
+    args = [layer, n_idx, tail_start, idx, q_slot, q_tile, k_cache, v_cache]
+    if tree is not None:  # without a tree no mask inputs at all (zeros would cost a kernel per layer)
+        first, words = tree_words(tree, G, n_blocks, rows, tile)
+        in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
+        args += [first, words]
     o_part, lse_part = pl.pallas_call(
-        kernel, grid=(B, Hkv, n_blocks, n_splits),
-        in_specs=[pl.no_block_spec] * 5
-        + [pl.BlockSpec((None, None, tile), lambda b, h, r, s: (b, r, 0)),
-           pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0)),
-           pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0)),
-           pl.no_block_spec, pl.no_block_spec],
+        kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,
         out_specs=[pl.BlockSpec((None,) * 4 + (n_rows, Dh), lambda b, h, r, s: (b, h, r, s, 0, 0)),
                    pl.BlockSpec((None,) * 4 + (n_rows,), lambda b, h, r, s: (b, h, r, s, 0))],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows, Dh), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows), jnp.float32)],
         compiler_params=compiler_params(), interpret=interpret, name="sparse_attention",
-    )(layer, n_idx, tail_start, first, idx, row_pos, words, q_tile, k_cache, v_cache)
+    )(*args)
     out, _ = merge_splits(o_part, lse_part)
     return unpack_rows(out, T, G).astype(q.dtype)

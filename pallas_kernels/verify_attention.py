@@ -34,6 +34,7 @@ from pallas_kernels._common import (
     softmax_step,
     split_range,
     store_split,
+    tile_positions,
     unpack_rows,
 )
 
@@ -108,11 +109,8 @@ def ancestor_visible(rel, lo, hi):
     return (rel < 0) | ((rel < MAX_TREE_ROWS) & (bit == 1))
 
 
-def tree_words(tree: TreeMask | None, B: int, G: int, n_blocks: int, rows: int, tile: int):
-    """The kernels' per-row tree inputs: first [B] and packed ancestor words [2, n_blocks, tile]
-    (zeros without a tree; the kernels then ignore them)."""
-    if tree is None:
-        return jnp.zeros((B,), jnp.int32), jnp.zeros((2, n_blocks, tile), jnp.int32)
+def tree_words(tree: TreeMask, G: int, n_blocks: int, rows: int, tile: int):
+    """The kernels' per-row tree inputs: first [B] and packed ancestor words [2, n_blocks, tile]."""
     words = tree.row_bits().T  # [2, T]
     words = jnp.broadcast_to(words[:, :, None], words.shape + (G,))
     return tree.first.astype(jnp.int32), pack_rows(words, n_blocks, rows, tile)
@@ -182,16 +180,18 @@ def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: floa
     return out, jnp.moveaxis(lse, 1, 2).reshape(B, T, Hq), scores
 
 
-def _verify_kernel(layer_ref, end_ref, first_ref, pos_ref, words_ref, q_ref, k_ref, v_ref, *refs,
-                   scale, block_k, n_splits, rows, n_collect, collect_rows, tree):
-    """Program (b, kv head h, row block r, split): the split's share of the key blocks up to
-    end[b, r], the last slot any row of the block (or any collected row) can see.
+def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
+                   scale, block_k, n_splits, rows, G, picked, n_collect, collect_rows, tree):
+    """Program (b, kv head h, row block r, split): the split's share of the key blocks up to the
+    last slot any row of the block (or any collected row, `picked`) can see.
 
     With collection, a second small tile of query rows (qc: the row block's share of the collected
     rows, `collect_rows` of them) is multiplied with every key block and its scaled logits are
     stored: no masking, no reduction in the loop.
     """
     b, h, r, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    if tree:
+        first_ref, words_ref, *refs = refs
     if n_collect:
         qc_ref, o_ref, lse_ref, scores_ref = refs
         qc = qc_ref[...]
@@ -200,11 +200,14 @@ def _verify_kernel(layer_ref, end_ref, first_ref, pos_ref, words_ref, q_ref, k_r
         c_real = ((c_rows < collect_rows) & (c_first + c_rows < n_collect))[:, None]
     else:
         o_ref, lse_ref = refs
-    layer = layer_ref[0]
-    pos, q = pos_ref[...], q_ref[...]
+    layer, q = layer_ref[0], q_ref[...]
+    pos = tile_positions(q_pos_ref, b, r, rows, G, q.shape[0])
     if tree:
         first, lo_word, hi_word = first_ref[b], words_ref[0], words_ref[1]
-    n_blocks = (end_ref[b, r] + block_k) // block_k
+    end = jnp.max(pos)
+    for row in picked:  # static: each block reads keys up to every collected row's too
+        end = jnp.maximum(end, q_pos_ref[b, row])
+    n_blocks = (end + block_k) // block_k
     lo, hi = split_range(split, n_splits, n_blocks)
 
     def body(i, carry):
@@ -223,7 +226,7 @@ def _verify_kernel(layer_ref, end_ref, first_ref, pos_ref, words_ref, q_ref, k_r
         return softmax_step(carry, logits, visible, v)
 
     carry = lax.fori_loop(lo, hi, body, init_carry(q.shape[0], q.shape[1]))
-    store_split(o_ref, lse_ref, carry, rows)
+    store_split(o_ref, lse_ref, carry, rows * G)
 
 
 def _collect_tile(q5, collect: Collect):
@@ -270,24 +273,21 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     q_tile = pack_rows(jnp.moveaxis(q5, 2, 1).reshape(B * Hkv, T, G, Dh), n_blocks, rows, tile)
     q_tile = q_tile.reshape(B, Hkv, n_blocks, tile, Dh)
     q_pos = q_pos.astype(jnp.int32)
-    row_pos = pack_rows(jnp.broadcast_to(q_pos[:, :, None], (B, T, G)), n_blocks, rows, tile, -1)
-    end = row_pos.max(axis=2)                                           # [B, n_blocks]
-    if collect is not None:
-        end = jnp.maximum(end, q_pos[:, np.asarray(collect.rows)].max(axis=1, keepdims=True))
-    first, words = tree_words(tree, B, G, n_blocks, rows, tile)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
     n_rows = rows * G
-    in_specs = [pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,
-                pl.BlockSpec((None, None, tile), lambda b, h, r, s: (b, r, 0)),
-                pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0)),
+    in_specs = [pl.no_block_spec, pl.no_block_spec,
                 pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0)),
                 pl.no_block_spec, pl.no_block_spec]
+    args = [layer, q_pos, q_tile, k_cache, v_cache]
+    if tree is not None:  # without a tree no mask inputs at all (zeros would cost a kernel per layer)
+        first, words = tree_words(tree, G, n_blocks, rows, tile)
+        in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
+        args += [first, words]
     out_specs = [pl.BlockSpec((None,) * 4 + (n_rows, Dh), lambda b, h, r, s: (b, h, r, s, 0, 0)),
                  pl.BlockSpec((None,) * 4 + (n_rows,), lambda b, h, r, s: (b, h, r, s, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows, Dh), jnp.float32),
                  jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows), jnp.float32)]
-    args = [layer, end, first, row_pos, words, q_tile, k_cache, v_cache]
     n_collect = collect_rows = 0
     if collect is not None:
         qc = _collect_tile(q5, collect)
@@ -303,8 +303,8 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, n_collect, S), dtype))
 
     kernel = functools.partial(_verify_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=n_rows, n_collect=n_collect, collect_rows=collect_rows,
-                               tree=tree is not None)
+                               rows=rows, G=G, picked=() if collect is None else collect.rows,
+                               n_collect=n_collect, collect_rows=collect_rows, tree=tree is not None)
     outs = pl.pallas_call(kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape,
                           compiler_params=compiler_params(), interpret=interpret,

@@ -65,8 +65,8 @@ def test_int4_packing_is_invertible():
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_quant_matmul_equals_the_dequantized_product(bits, M, backend):
     """Fresh random rows times a stacked quantized matrix at a layer index, against float64; M = 1
-    leaves 15 padding rows of a 16-row block the kernel must not store, M = 37 pads a 64-row block,
-    M = 70 spans two."""
+    leaves 15 rows of a 16-row block past x's end, which the kernel must read as zeros and not store;
+    M = 37 leaves 27 of a 64-row block, M = 70 spans two."""
     L, K, N = 3, 256, 192
     w = scaled_columns(jax.random.key(M + bits), (L, K, N))
     q = (quantize.quantize_int8 if bits == 8 else quantize.quantize_int4)(w)

@@ -295,6 +295,22 @@ def test_cached_decoding_equals_full_forward(qwen3_case):
         np.testing.assert_allclose(np.asarray(got), full[t], rtol=1e-4, atol=1e-4 * np.abs(full[t]).max())
 
 
+def test_prefill_padding_writes_only_the_last_slot():
+    """A prefill chunk over rows of different prompt lengths writes each row's prompt slots and, for
+    its padding tokens, the last slot alone (KVCache.write): every other slot keeps the poison."""
+    params = decoder.init_params(TINY, jax.random.key(3), scale=0.5)
+    prompt_len = jnp.asarray([9, 3], jnp.int32)
+    prompts = jax.random.randint(jax.random.key(4), (2, 12), 0, TINY.vocab_size)
+    empty = init_cache(TINY, 2, 12 + engine.MAX_TREE_ROWS)
+    poison = jax.tree.map(lambda a: jax.random.normal(jax.random.key(5), a.shape, a.dtype) + 7.0, empty)
+    cache = engine.prefill_chunk(params, poison, prompts=prompts, prompt_len=prompt_len, begin=0, cfg=TINY,
+                                 backend="reference", chunk=12)
+    for new, old in ((cache.k, poison.k), (cache.v, poison.v)):
+        changed = np.any(np.asarray(new != old), axis=(0, 2, 4))  # [B, S]
+        for b, n in enumerate(np.asarray(prompt_len) - 1):  # the last prompt token is the first decode step's
+            assert changed[b, :n].all() and not changed[b, n:-1].any(), b
+
+
 def test_same_seed_same_tokens(smollm2_batch):
     sampling = SamplingConfig(temperature=0.8, top_p=0.95)
     spec = SpecConfig(method="vegas", gamma=4)

@@ -229,6 +229,22 @@ def test_sparse_attention(case):
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
 
 
+def test_sparse_attention_reads_a_layer_stack_of_slots():
+    """idx as a stack [L, B, Hs, K] (a different selection per layer) is read at the cache's layer."""
+    Hq, Hkv, Hs, Dh, S, K, n_idx, tail_start, q_pos, dtype, block_k, n_splits = SPARSE_CASES[1]
+    B = len(n_idx)
+    q, k_cache, v_cache = random_inputs(280, (B, 1, Hq, Dh), B, Hkv, S, Dh, dtype)
+    stack = jnp.stack([sparse_inputs(280 + layer, B, Hs, K, S, n_idx, tail_start) for layer in range(k_cache.shape[0])])
+    q_slot = np.asarray(q_pos)[:, None]
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_slot)]
+    capacity = max(max(p - t + 1 for p, t in zip(q_pos, tail_start)), 1)
+    scale = Dh ** -0.5
+    want = sparse_oracle(q, k_cache, v_cache, np.asarray(stack[LAYER]), n_idx, tail_start, q_slot, scale)
+    ref, got = run_sparse(q, k_cache, v_cache, stack, ints, scale, capacity, None, block_k, n_splits)
+    assert_close(ref, want, TOL[dtype], "reference")
+    assert_close(got, ref, 2 * TOL[dtype], "pallas")
+
+
 def test_sparse_attention_rows():
     """T = 20 rows per sequence without a tree (two row blocks at G=4): each row sees the tail up to
     its own q_slot; the last sequence has arbitrary q_slots, some before tail_start (no tail)."""

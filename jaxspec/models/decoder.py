@@ -168,16 +168,16 @@ def forward(
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # out of range -> dropped
+    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # past the end: see KVCache.write
 
     quantized = {name: m for name, m in params["layers"].items() if isinstance(m, Quantized)}
     scanned = {name: a for name, a in params["layers"].items() if name not in quantized}
     entries = scanned["attn_norm"].shape[0]
-    layer_ids = np.arange(entries) if layer_ids is None else layer_ids
 
     def layer(state, xs):
         x, cache, carry = state
         p, entry, index, lx = xs
+        index = entry if index is None else index  # a layer stack of every layer: the entry is the layer
         p = {**p, **{name: dataclasses.replace(m, layer=entry) for name, m in quantized.items()}}
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         qkv = matmul(h, p["wqkv"])
@@ -203,7 +203,9 @@ def forward(
         return (x, cache, carry), ly
 
     x = embed(params, cfg, tokens)
-    xs = (scanned, jnp.arange(entries, dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32), layer_xs)
+    # The entry index is an iota, which XLA folds into the loop counter; a layer_ids array would be sliced
+    # by a copy kernel every layer, so it is passed only for a draft that skips layers.
+    xs = (scanned, jnp.arange(entries, dtype=jnp.int32), None if layer_ids is None else jnp.asarray(layer_ids, jnp.int32), layer_xs)
     (x, cache, _), layer_ys = jax.lax.scan(layer, (x, cache, carry), xs)
     return x, cache, layer_ys
 

@@ -99,16 +99,20 @@ class Drafter:
         k = jnp.ceil(budget.ratio * context.astype(jnp.float32)).astype(jnp.int32)
         return jnp.minimum(jnp.clip(k, budget.min_tokens, self.k_max), context)
 
-    def sparse_attend(self, idx_layers: jax.Array, n_idx: jax.Array, tail_start: jax.Array, rows: DraftRows,
+    def sparse_attend(self, idx: jax.Array, n_idx: jax.Array, tail_start: jax.Array, rows: DraftRows,
                       tail_capacity: int) -> tuple[AttendFn, Any]:
-        """Draft attention over per-layer gathered slots `idx_layers` [L, B, Hs, K] plus the tail from
-        tail_start to each row's slot, of the tree's slots only the row's ancestors."""
+        """Draft attention over gathered slots `idx` ([L, B, Hs, K] per layer, or [B, Hs, K] for every
+        layer) plus the tail from tail_start to each row's slot, of the tree's slots only the row's
+        ancestors. The kernel reads a layer stack at the layer in place (not through layer_xs, whose
+        slice would be copied before it)."""
 
-        def attend(layer, q, cache, idx, _gates, carry):
+        slots, mask = rows.slots, rows.mask  # outside the layer loop: inside, XLA would recompute them every layer
+
+        def attend(layer, q, cache, _lx, _gates, carry):
             out = kernels.sparse_attention(
-                q, cache.k, cache.v, layer, idx, n_idx, tail_start, rows.slots,
-                scale=self.scale, tail_capacity=tail_capacity, tree=rows.mask, backend=self.spec.backend,
+                q, cache.k, cache.v, layer, idx, n_idx, tail_start, slots,
+                scale=self.scale, tail_capacity=tail_capacity, tree=mask, backend=self.spec.backend,
             )
             return out, None, carry
 
-        return attend, idx_layers
+        return attend, None

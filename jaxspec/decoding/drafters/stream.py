@@ -25,6 +25,5 @@ class Stream(Drafter):
         window_start = jnp.minimum(jnp.maximum(-(-(context - window) // PAGE) * PAGE, SINKS), rows.first)
         n_idx = jnp.where(dense, 0, SINKS)
         tail_start = jnp.where(dense, 0, window_start)
-        L, B = self.cfg.num_layers, rows.first.shape[0]
-        idx = jnp.broadcast_to(jnp.arange(SINKS, dtype=jnp.int32), (L, B, 1, SINKS))
+        idx = jnp.broadcast_to(jnp.arange(SINKS, dtype=jnp.int32), (rows.first.shape[0], 1, SINKS))  # every layer
         return self.sparse_attend(idx, n_idx, tail_start, rows, tail_capacity=self.k_max + PAGE + self.spec.shape.rows)
