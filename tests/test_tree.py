@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxspec.decoding.engine import top_indices
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.tree import TreeShape, tree_accept
 from jaxspec.errors import JaxspecError
@@ -120,6 +121,17 @@ def test_emitted_tokens_follow_the_target(shape, order, one_hot, support):
     observed = np.append(counts[keep], counts[~keep].sum())
     expected = np.append(expected[keep], expected[~keep].sum())
     assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_nodes_children_are_its_top_scores(b):
+    """A node's b children (engine.expand) are its b largest scores, largest first, a tie going to the
+    lower index: b = 1 is an argmax, more a top-k; both against a stable numpy sort."""
+    x = np.round(np.random.default_rng(b).normal(size=(4, 3, 50)), 1).astype(np.float32)  # many ties
+    want = np.argsort(-x, axis=-1, kind="stable")[..., :b]
+    got = np.asarray(top_indices(jnp.asarray(x), b))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("order", ["bfs", "dfs"])

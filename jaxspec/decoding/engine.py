@@ -376,11 +376,20 @@ def expand(key, logits, b: int, sampling: Rules, backend: str):
     greedy). Sampling draws without replacement by Gumbel top-b, in draw order (b = 1: a plain draw);
     greedy rows (of row rules too) take the top-b logits. `key`: one per row."""
     if sampling.greedy:
-        return jax.lax.top_k(logits, b)[1].astype(jnp.int32), None
+        return top_indices(logits, b), None
     q = process_logits(logits, sampling, backend)
     perturbed = jnp.log(q) + gumbel_rows(key, q.shape)
     score = jnp.where(greedy_rows(sampling, q.ndim), logits.astype(jnp.float32), perturbed)
-    return jax.lax.top_k(score, b)[1].astype(jnp.int32), q
+    return top_indices(score, b), q
+
+
+def top_indices(x, b: int):
+    """int32 indices of the b largest entries of x [..., V], largest first (ties: the lower index).
+    One is an argmax: a reduction, where XLA's top-k kernel took 19 us over a 151936 vocabulary on an
+    H100 (bench/NOTES.md, issue 16)."""
+    if b == 1:
+        return jnp.argmax(x, axis=-1, keepdims=True).astype(jnp.int32)
+    return jax.lax.top_k(x, b)[1].astype(jnp.int32)
 
 
 def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):

@@ -168,7 +168,7 @@ def forward(
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # past the end: see KVCache.write
+    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # past the end: KVCache.write
 
     quantized = {name: m for name, m in params["layers"].items() if isinstance(m, Quantized)}
     scanned = {name: a for name, a in params["layers"].items() if name not in quantized}
@@ -205,7 +205,8 @@ def forward(
     x = embed(params, cfg, tokens)
     # The entry index is an iota, which XLA folds into the loop counter; a layer_ids array would be sliced
     # by a copy kernel every layer, so it is passed only for a draft that skips layers.
-    xs = (scanned, jnp.arange(entries, dtype=jnp.int32), None if layer_ids is None else jnp.asarray(layer_ids, jnp.int32), layer_xs)
+    ids = None if layer_ids is None else jnp.asarray(layer_ids, jnp.int32)
+    xs = (scanned, jnp.arange(entries, dtype=jnp.int32), ids, layer_xs)
     (x, cache, _), layer_ys = jax.lax.scan(layer, (x, cache, carry), xs)
     return x, cache, layer_ys
 

@@ -49,7 +49,9 @@ class KVCache:
         A slot past the end (an invalid token's: prefill padding) clamps to the last slot, which holds
         nothing yet: no prompt position reaches it (a cache has MAX_TREE_ROWS slots past max_len) and
         decoding writes it before it reads it. Dropping the write instead costs a GPU decode step two
-        kernels a layer (the old entry read back, then a select). Positions of a row are consecutive (padding, if any, at the end); an NSA cache then recomputes
+        kernels a layer (the old entry read back, then a select).
+
+        Positions of a row are consecutive (padding, if any, at the end); an NSA cache then recomputes
         the compressed blocks those slots fall in. (The nodes of one depth of a DFS draft tree are not
         consecutive: their blocks are recomputed by the verification pass, which writes every tree
         slot, before any NSA attention reads them; draft forwards read no compressed blocks.)
