@@ -83,7 +83,9 @@ def alone(params, spec, r: Request) -> list[int]:
 
 # all_rows, last_accepted and stream share vegas's and quest's paths here: with the slow tests
 SLOW = ("all_rows", "last_accepted", "stream")
-SPECS = [pytest.param(SpecConfig(method=m, gamma=3, min_tokens=32), marks=[pytest.mark.slow] if m in SLOW else [], id=m)
+# quest's and ngram's admissions into running slots are also in test_scheduler_admits_groups_...: here slow
+SLOW_MID_FLIGHT = SLOW + ("quest", "ngram")
+SPECS = [pytest.param(SpecConfig(method=m, gamma=3, min_tokens=32), marks=[pytest.mark.slow] if m in SLOW_MID_FLIGHT else [], id=m)
          for m in METHODS if m != "full"] + [  # full needs a draft model: test_engine
     pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32), id="vegas_tree")]
 
