@@ -17,6 +17,8 @@ import re
 import statistics
 from pathlib import Path
 
+from bench import common
+
 NAME = re.compile(r"(.+)_(old|new)_r(\d+)\.json")
 
 
@@ -41,13 +43,13 @@ def main():
     rows = [{"tag": k[0], "method": k[1], "draft_weights": k[2], "stage": k[3], "version": k[4],
              "wall_ms_runs": [r[0] for r in v], "wall_ms_median": statistics.median(r[0] for r in v),
              "busy_ms_median": statistics.median(r[1] for r in v), "kernels": v[0][2]} for k, v in sorted(runs.items())]
-    args.out.write_text(json.dumps({"device": device, "runs": rows}, indent=1))
-    print("| run | method | weights | stage | version | wall ms per iteration, median (runs) | GPU busy ms median | kernels |")
-    print("|---|---|---|---|---|---|---|---|")
+    common.write_json(args.out, {"device": device, "runs": rows})
     for r in rows:
-        walls = ", ".join(f"{w:.2f}" for w in r["wall_ms_runs"])
-        print(f"| {r['tag']} | {r['method']} | {r['draft_weights']} | {r['stage']} | {r['version']} | "
-              f"{r['wall_ms_median']:.2f} ({walls}) | {r['busy_ms_median']:.2f} | {r['kernels']:.0f} |")
+        r["wall_runs"] = f"{r['wall_ms_median']:.2f} ({', '.join(f'{w:.2f}' for w in r['wall_ms_runs'])})"
+    print(common.markdown_table(rows, [("run", "tag", "s"), ("method", "method", "s"), ("weights", "draft_weights", "s"),
+                                       ("stage", "stage", "s"), ("version", "version", "s"),
+                                       ("wall ms per iteration, median (runs)", "wall_runs", "s"),
+                                       ("GPU busy ms median", "busy_ms_median", ".2f"), ("kernels", "kernels", ".0f")]))
 
 
 if __name__ == "__main__":
