@@ -204,7 +204,8 @@ def passes_fn(cfg: ModelConfig, backend: str, T: int, steps: int):
             cache, tokens = carry
             positions = (start + i)[:, None] + jnp.arange(T, dtype=jnp.int32)
             attend = decoder.attention(cfg, positions, backend)
-            hidden, cache, _ = decoder.forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attend)
+            hidden, cache, _ = decoder.forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attend,
+                                               backend=backend)
             return cache, jnp.argmax(decoder.logits(params, cfg, hidden), axis=-1).astype(jnp.int32)
 
         return lax.fori_loop(0, steps, body, (cache, tokens))

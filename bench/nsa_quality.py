@@ -47,7 +47,8 @@ def chunk_fn(cfg, chunk: int, backend: str):
     def run(params, cache, tokens, start, length):
         pos = start + jnp.arange(chunk, dtype=jnp.int32)[None]
         valid = pos < length
-        hidden, cache, _ = decoder.forward(params, cfg, tokens, pos, valid, cache, decoder.attention(cfg, pos, backend))
+        hidden, cache, _ = decoder.forward(params, cfg, tokens, pos, valid, cache, decoder.attention(cfg, pos, backend),
+                                           backend=backend)
         return decoder.logits(params, cfg, hidden), cache
 
     return jax.jit(run, donate_argnums=1)

@@ -23,6 +23,8 @@ from pallas_kernels.sparse_attention import (
 from pallas_kernels.quant_matmul import MAX_ROWS as QUANT_MATMUL_ROWS
 from pallas_kernels.quant_matmul import quant_matmul_pallas, quant_matmul_reference
 from pallas_kernels.quant_matmul import supported as quant_matmul_supported  # noqa: F401 (the switch below)
+from pallas_kernels.rope_write import MAX_PALLAS_ROWS as ROPE_WRITE_ROWS
+from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference
 from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
 from pallas_kernels.verify_attention import (
@@ -35,7 +37,7 @@ from pallas_kernels.verify_attention import (
 BACKENDS = ("reference", "pallas")
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
-           "nsa_tree_attention", "quant_matmul", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
+           "nsa_tree_attention", "quant_matmul", "quant_matmul_partials", "rope_write", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -53,6 +55,34 @@ def quant_matmul(x, values, scale, out_dtype=None, *, layer=None, backend: str =
     if layer is not None:
         values, scale = values[layer], scale[layer]
     return quant_matmul_reference(x, values, scale, out_dtype)
+
+
+def quant_matmul_partials(x, values, scale, *, layer=None, backend: str = "reference"):
+    """quant_matmul's product before its last steps: (sums [S, R, N] float32, column scales [E, N] or
+    None), the product being sum over S of sums[:, :M], times the scales at `layer` (rope_write takes
+    it so; the reference's S is 1, scaled already). The Pallas kernel's shapes as quant_matmul's."""
+    if _is_pallas(backend) and quant_matmul_supported(values, scale):
+        return quant_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(), reduce=False)
+    if layer is not None:
+        values, scale = values[layer], scale[layer]
+    return quant_matmul_reference(x, values, scale, jnp.float32)[None], None
+
+
+def rope_write(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *, num_heads: int,
+               rope_scale: float, eps: float, scale=None, bias=None, q_norm=None, k_norm=None,
+               backend: str = "reference"):
+    """A layer's q/k/v product `sums` [S, R, N] (partial sums of rows b*T + t; times `scale` [E, N]
+    at `entry` if given) to q [B, T, Hq, Dh] and the caches with k and v of layer `layer` written at
+    slots write_pos [B, T] (past the end: not written): bias, qk-norm, RoPE at positions [B, T]
+    (pallas_kernels/rope_write.py). The Pallas kernel covers T <= 64 and head dims whose half is a power
+    of two; prefill chunks run the reference (XLA), which is cheap next to their products."""
+    options = dict(num_heads=num_heads, rope_scale=rope_scale, eps=eps, scale=scale, bias=bias,
+                   q_norm=q_norm, k_norm=k_norm)
+    half = k_cache.shape[-1] // 2
+    if _is_pallas(backend) and half & (half - 1) == 0 and positions.shape[1] <= ROPE_WRITE_ROWS:
+        return rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq,
+                                 interpret=interpret_default(), **options)
+    return rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, **options)
 
 
 def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,

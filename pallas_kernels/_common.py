@@ -83,6 +83,18 @@ def tile_positions(q_pos_ref, b, block, rows: int, G: int, tile: int):
     return jnp.where(real, q_pos_ref[b, jnp.minimum(t, T - 1)], -1)
 
 
+def tile_queries(q_ref, b, h, block, rows: int, G: int, tile: int, T: int):
+    """Inside a kernel: row block `block`'s query tile [tile, Dh] for KV head h, gathered from
+    q [B, T * Hq, Dh] (q [B, T, Hq, Dh] reshaped) in pack_rows' layout, zeros on padding rows. Read
+    here rather than packed by XLA, which would run a kernel before every layer's call."""
+    Hq = q_ref.shape[1] // T
+    packed = jnp.arange(tile)
+    t = block * rows + packed // G
+    real = (packed < rows * G) & (t < T)
+    q = q_ref[b, jnp.where(real, t * Hq + h * G + packed % G, 0), :]
+    return jnp.where(real[:, None], q, 0)
+
+
 def unpack_rows(x, T: int, G: int):
     """Kernel rows back to heads: [B, Hkv, n_blocks, rows*G, ...] -> [B, T, Hkv*G, ...]."""
     (B, Hkv, n_blocks, packed), rest = x.shape[:4], x.shape[4:]

@@ -116,8 +116,11 @@ def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool):
 
 def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret: bool = False,
                         block_k: int = BLOCK_K, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
-                        target_programs: int = TARGET_PROGRAMS, splits: int | None = None):
+                        target_programs: int = TARGET_PROGRAMS, splits: int | None = None, reduce: bool = True):
     """The kernel's x [M, K] @ dequantized matrix (the reference's result, summed in another order).
+    reduce=False returns the kernel's partial sums [splits, R >= M, N] float32 and int8's column
+    scales [E, N] (None for int4, whose group scales the kernel applies), for a consumer that sums
+    them itself (rope_write) instead of XLA's kernel between the two.
 
     With `layer` (an int32 scalar), values and scale carry a leading layer axis and the kernel reads
     that layer's matrix in place: a layer sliced out of a stack inside a scan would be copied by XLA
@@ -150,6 +153,8 @@ def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpr
         interpret=interpret,
         name="quant_matmul",
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, values, scale)
+    if not reduce:
+        return partial, None if int4 else scale
     out = partial[:, :M].sum(axis=0)
     if not int4:
         out = out * scale[layer]

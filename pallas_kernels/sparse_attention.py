@@ -29,12 +29,12 @@ from pallas_kernels._common import (
     merge_splits,
     next_pow2,
     num_splits,
-    pack_rows,
     row_blocks,
     softmax_step,
     split_range,
     store_split,
     tile_positions,
+    tile_queries,
     unpack_rows,
 )
 
@@ -92,7 +92,7 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_star
 
 
 def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k_ref, v_ref, *refs,
-                   scale, block_k, n_splits, rows, G, tree, stacked):
+                   scale, block_k, n_splits, rows, G, T, tile, tree, stacked):
     """Program (b, kv head h, row block r, split): its share of the gathered blocks (seen by every
     row), then of the tail blocks up to the block's last q_slot (each row up to its own, and with a
     tree only over its ancestors).
@@ -105,8 +105,8 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k
     idx_layer = layer if stacked else 0  # idx is one layer's [1, B, Hs, K] or the stack
     shared, K = idx_ref.shape[2] == 1, idx_ref.shape[3]
     last_slot = k_ref.shape[3] - 1
-    q = q_ref[...]
-    pos = tile_positions(q_slot_ref, b, r, rows, G, q.shape[0])
+    q = tile_queries(q_ref, b, h, r, rows, G, tile, T)
+    pos = tile_positions(q_slot_ref, b, r, rows, G, tile)
     if tree:
         first_ref, words_ref, o_ref, lse_ref = refs
         first, lo_word, hi_word = first_ref[b], words_ref[0], words_ref[1]
@@ -160,17 +160,14 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
     n_blocks, rows, tile = row_blocks(T, G)
     max_blocks = pl.cdiv(idx.shape[-1], block_k) + pl.cdiv(tail_capacity, block_k)
     n_splits = n_splits or num_splits(B * Hkv * n_blocks, max_blocks)
-    q_tile = pack_rows(jnp.moveaxis(q.reshape(B, T, Hkv, G, Dh), 2, 1).reshape(B * Hkv, T, G, Dh),
-                       n_blocks, rows, tile).reshape(B, Hkv, n_blocks, tile, Dh)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     stacked, idx = idx.ndim == 4, idx if idx.ndim == 4 else idx[None]
     n_idx, tail_start, idx, q_slot = (jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, idx, q_slot))
     n_rows = rows * G
     kernel = functools.partial(_sparse_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=rows, G=G, tree=tree is not None, stacked=stacked)
-    in_specs = [pl.no_block_spec] * 5 + [pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0)),
-                                         pl.no_block_spec, pl.no_block_spec]
-    args = [layer, n_idx, tail_start, idx, q_slot, q_tile, k_cache, v_cache]
+                               rows=rows, G=G, T=T, tile=tile, tree=tree is not None, stacked=stacked)
+    in_specs = [pl.no_block_spec] * 8
+    args = [layer, n_idx, tail_start, idx, q_slot, q.reshape(B, T * Hq, Dh), k_cache, v_cache]
     if tree is not None:  # without a tree no mask inputs at all (zeros would cost a kernel per layer)
         first, words = tree_words(tree, G, n_blocks, rows, tile)
         in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]

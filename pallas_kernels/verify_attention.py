@@ -35,6 +35,7 @@ from pallas_kernels._common import (
     split_range,
     store_split,
     tile_positions,
+    tile_queries,
     unpack_rows,
 )
 
@@ -181,7 +182,7 @@ def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: floa
 
 
 def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
-                   scale, block_k, n_splits, rows, G, picked, n_collect, collect_rows, tree):
+                   scale, block_k, n_splits, rows, G, T, tile, picked, n_collect, collect_rows, tree):
     """Program (b, kv head h, row block r, split): the split's share of the key blocks up to the
     last slot any row of the block (or any collected row, `picked`) can see.
 
@@ -200,8 +201,8 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
         c_real = ((c_rows < collect_rows) & (c_first + c_rows < n_collect))[:, None]
     else:
         o_ref, lse_ref = refs
-    layer, q = layer_ref[0], q_ref[...]
-    pos = tile_positions(q_pos_ref, b, r, rows, G, q.shape[0])
+    layer, q = layer_ref[0], tile_queries(q_ref, b, h, r, rows, G, tile, T)
+    pos = tile_positions(q_pos_ref, b, r, rows, G, tile)
     if tree:
         first, lo_word, hi_word = first_ref[b], words_ref[0], words_ref[1]
     end = jnp.max(pos)
@@ -269,17 +270,12 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
         raise ValueError(f"cache length {S} must be a multiple of block_k={block_k}")
     n_blocks, rows, tile = row_blocks(T, G)
     n_splits = n_splits or num_splits(B * Hkv * n_blocks, S // block_k)
-    q5 = q.reshape(B, T, Hkv, G, Dh)
-    q_tile = pack_rows(jnp.moveaxis(q5, 2, 1).reshape(B * Hkv, T, G, Dh), n_blocks, rows, tile)
-    q_tile = q_tile.reshape(B, Hkv, n_blocks, tile, Dh)
     q_pos = q_pos.astype(jnp.int32)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
     n_rows = rows * G
-    in_specs = [pl.no_block_spec, pl.no_block_spec,
-                pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0)),
-                pl.no_block_spec, pl.no_block_spec]
-    args = [layer, q_pos, q_tile, k_cache, v_cache]
+    in_specs = [pl.no_block_spec] * 5
+    args = [layer, q_pos, q.reshape(B, T * Hq, Dh), k_cache, v_cache]
     if tree is not None:  # without a tree no mask inputs at all (zeros would cost a kernel per layer)
         first, words = tree_words(tree, G, n_blocks, rows, tile)
         in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
@@ -290,7 +286,7 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
                  jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows), jnp.float32)]
     n_collect = collect_rows = 0
     if collect is not None:
-        qc = _collect_tile(q5, collect)
+        qc = _collect_tile(q.reshape(B, T, Hkv, G, Dh), collect)
         n_collect = qc.shape[2]
         collect_rows = -(-n_collect // n_blocks)
         qc_tile = next_pow2(max(collect_rows, MIN_TILE))
@@ -303,7 +299,7 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, n_collect, S), dtype))
 
     kernel = functools.partial(_verify_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=rows, G=G, picked=() if collect is None else collect.rows,
+                               rows=rows, G=G, T=T, tile=tile, picked=() if collect is None else collect.rows,
                                n_collect=n_collect, collect_rows=collect_rows, tree=tree is not None)
     outs = pl.pallas_call(kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape,

@@ -23,6 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
+from pallas_kernels.rope_write import rope_write_pallas
 from pallas_kernels.sparse_attention import sparse_attention_pallas
 from pallas_kernels.top_p import top_p_threshold_pallas
 from pallas_kernels.topk import select_topk_pallas
@@ -137,6 +138,23 @@ def test_tree_sparse_attention_lowers(check_cuda, Hq, Hkv, Dh, Hs):
                    tree=TreeMask(first, tree.ancestors[rows])),
                spec((B, len(rows), Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)))
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, T, splits, qk_norm", [
+    (32, 8, 128, 1, 1, True),    # Qwen3-8B, a draft step (an int8 product's one split)
+    (32, 8, 128, 7, 4, True),    # a verification's 7 rows
+    (9, 3, 64, 64, 1, False),    # SmolLM2, a prefill chunk of 64
+])
+def test_rope_write_lowers(check_cuda, Hq, Hkv, Dh, T, splits, qk_norm):
+    N = (Hq + 2 * Hkv) * Dh
+    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
+    norm = spec((L, Dh), jnp.bfloat16) if qk_norm else None
+    inv_freq = np.linspace(1, 1e-4, Dh // 2).astype(np.float32)
+    check_cuda(lambda sums, pos, wpos, k, v, entry, layer, scale, bias, qn, kn: rope_write_pallas(
+                   sums, pos, wpos, k, v, entry, layer, inv_freq, num_heads=Hq, rope_scale=1.0, eps=1e-6,
+                   scale=scale, bias=bias, q_norm=qn, k_norm=kn),
+               spec((splits, max(16, B * T), N), jnp.float32), spec((B, T)), spec((B, T)), cache, cache, spec(()),
+               spec(()), spec((L, N), jnp.float32), spec((L, N), jnp.bfloat16), norm, norm)
 
 
 @pytest.mark.parametrize("S_", [S, 4000])   # 4000: a masked last chunk

@@ -124,7 +124,7 @@ def prefill_chunk(
     tokens = jnp.take_along_axis(prompts.astype(jnp.int32), jnp.minimum(positions, prompts.shape[1] - 1), axis=1)
     valid = positions < (prompt_len - 1)[:, None]
     attend = decoder.attention(cfg, jnp.minimum(positions, cache.num_slots - 1), backend)
-    _, cache, _ = decoder.forward(params, cfg, tokens, positions, valid, cache, attend)
+    _, cache, _ = decoder.forward(params, cfg, tokens, positions, valid, cache, attend, backend=backend)
     return cache
 
 
@@ -357,7 +357,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
             n = rows.shape[0]
             hidden, cache, _ = decoder.forward(
                 params, cfg, tokens[:, rows], jnp.broadcast_to(at.position[:, None], (B, n)), jnp.ones((B, n), bool),
-                cache, attend, layer_xs, slots=at.slots, layer_ids=layer_ids,
+                cache, attend, layer_xs, slots=at.slots, layer_ids=layer_ids, backend=spec.backend,
             )
             key, sub = split_rows(key, 2)
             children, q = expand(sub, decoder.logits(params, cfg, hidden), kids.shape[1], sampling, spec.backend)
@@ -411,7 +411,7 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     attend = decoder.attention(cfg, slots, spec.backend, collect, tree=mask, verification=verification)
     hidden, cache, scores = decoder.forward(
         params, cfg, tokens, positions, jnp.ones_like(tokens, bool), state.cache, attend, slots=slots,
-        carry=decoder.attention_carry(cfg, slots, state.cache.num_slots, verification),
+        carry=decoder.attention_carry(cfg, slots, state.cache.num_slots, verification), backend=spec.backend,
     )
     return decoder.logits(params, cfg, hidden), cache, scores
 

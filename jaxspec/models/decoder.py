@@ -31,6 +31,7 @@ from jaxspec.models import nsa, sharding
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.models.quantize import Quantized
+from pallas_kernels.rope_write import apply_rope, product_rows, rms_norm  # noqa: F401 (the layer's math, beside its kernel)
 
 Params = dict[str, Any]
 # attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates, carry) -> (out [B,T,Hq,Dh], layer_y, carry);
@@ -81,27 +82,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
     return jax.tree.unflatten(treedef, leaves)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm as HF computes it: statistics in float32, cast back, then scale."""
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
-
-
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     inv_freq, scale = cfg.rope.inverse_frequencies(cfg.head_dim)
     return inv_freq.astype(np.float32), scale
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float) -> jax.Array:
-    """Rotate-half RoPE (HF layout) at absolute positions [B, T]; x is [B, T, H, Dh]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
-    cos = (jnp.cos(angles) * scale)[:, :, None, :]
-    sin = (jnp.sin(angles) * scale)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -134,6 +117,16 @@ def matmul(x: jax.Array, w: jax.Array | Quantized, out_dtype=None) -> jax.Array:
     return jnp.dot(rows, w, preferred_element_type=out_dtype)[:n].reshape(*x.shape[:-1], w.shape[-1])
 
 
+def product_sums(x: jax.Array, w: jax.Array | Quantized) -> tuple[jax.Array, jax.Array | None]:
+    """x [B, T, K] @ w as (partial sums [S, R >= B*T, N], column scales [E, N] or None): the form
+    rope_write reads, so that a quantized product's split sum and scales need no kernel of their own
+    (pallas_kernels.quant_matmul_partials); an exact product is its own single sum."""
+    if isinstance(w, Quantized):
+        return kernels.quant_matmul_partials(x.reshape(-1, x.shape[-1]), w.values, w.scale, layer=w.layer,
+                                             backend=w.backend)
+    return matmul(x, w).reshape(1, -1, w.shape[-1]), None
+
+
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final norm and LM head; float32 logits [..., V]."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
@@ -153,6 +146,7 @@ def forward(
     slots: jax.Array | None = None,
     carry: Any = (),
     layer_ids: np.ndarray | jax.Array | None = None,
+    backend: str = "reference",
 ) -> tuple[jax.Array, KVCache, Any]:
     """Runs all layers on `tokens` [B, T] at `positions` [B, T] (RoPE).
 
@@ -162,52 +156,52 @@ def forward(
     layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked;
     `carry` is `attend`'s initial layer-to-layer state. `layer_ids` are the model layers of the
     entries of params' layer stack (a draft that skips layers, `draft_weights`; default: every layer);
-    quantized matrices are read in place at their stack entry. Returns the last hidden states
-    [B, T, D] (before the final norm), the cache, and those.
+    quantized matrices and the per-head parameters are read in place at their stack entry. `backend`
+    runs the q/k/v epilogue (kernels.rope_write). Returns the last hidden states [B, T, D] (before
+    the final norm), the cache, and those.
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # past the end: KVCache.write
+    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # past the end: not written
 
+    # Read in place at the layer's entry by the kernels (a slice of a stack passed to a kernel would be
+    # copied first: a kernel a layer); the rest is sliced by the scan inside XLA's fusions.
+    in_place = ("bqkv", "q_norm", "k_norm")
     quantized = {name: m for name, m in params["layers"].items() if isinstance(m, Quantized)}
-    scanned = {name: a for name, a in params["layers"].items() if name not in quantized}
-    entries = scanned["attn_norm"].shape[0]
+    stacks = {name: params["layers"].get(name) for name in in_place}
+    scanned = {name: a for name, a in params["layers"].items() if name not in quantized and name not in in_place}
 
     def layer(state, xs):
-        x, cache, carry = state
-        p, entry, index, lx = xs
+        x, cache, carry, entry = state
+        p, index, lx = xs
         index = entry if index is None else index  # a layer stack of every layer: the entry is the layer
         p = {**p, **{name: dataclasses.replace(m, layer=entry) for name, m in quantized.items()}}
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        qkv = matmul(h, p["wqkv"])
-        if "bqkv" in p:
-            qkv = qkv + p["bqkv"]
-        q, k, v, g = jnp.split(qkv, [q_dim, q_dim + kv_dim, q_dim + 2 * kv_dim], axis=-1)
-        gates = jax.nn.sigmoid(g.astype(jnp.float32)).reshape(B, T, cfg.num_heads, 3) if cfg.nsa else None
-        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq, rope_scale)
-        k = apply_rope(k, positions, inv_freq, rope_scale)
-        cache = cache.write(index, write_pos, k, v)
+        sums, scale = product_sums(h, p["wqkv"])
+        q, k_cache, v_cache = kernels.rope_write(
+            sums, positions, write_pos, cache.k, cache.v, entry, index, inv_freq, num_heads=cfg.num_heads,
+            rope_scale=rope_scale, eps=cfg.rms_norm_eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
+            k_norm=stacks["k_norm"], backend=backend)
+        cache = cache.written(index, write_pos, k_cache, v_cache)
+        gates = None
+        if cfg.nsa:
+            qkv = product_rows(sums, scale, entry, B * T, x.dtype, stacks["bqkv"])
+            gates = jax.nn.sigmoid(qkv[:, q_dim + 2 * kv_dim:].astype(jnp.float32)).reshape(B, T, cfg.num_heads, 3)
         out, ly, carry = attend(index, q, cache, lx, gates, carry)
         x = x + sharding.all_reduce(matmul(out.reshape(B, T, -1), p["wo"]), cfg).astype(x.dtype)
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         gate, up = jnp.split(matmul(h, p["w_gate_up"]), 2, axis=-1)
         mlp = jax.nn.silu(gate) * up
         x = x + sharding.all_reduce(matmul(mlp, p["w_down"]), cfg).astype(x.dtype)
-        return (x, cache, carry), ly
+        return (x, cache, carry, entry + 1), ly
 
     x = embed(params, cfg, tokens)
-    # The entry index is an iota, which XLA folds into the loop counter; a layer_ids array would be sliced
-    # by a copy kernel every layer, so it is passed only for a draft that skips layers.
+    # The entry is a counter in the carry, which XLA merges with the loop's own: the kernels read it
+    # in place. An iota among the scanned inputs was sliced by a copy kernel every layer (and so is
+    # layer_ids, passed only for a draft that skips layers).
     ids = None if layer_ids is None else jnp.asarray(layer_ids, jnp.int32)
-    xs = (scanned, jnp.arange(entries, dtype=jnp.int32), ids, layer_xs)
-    (x, cache, _), layer_ys = jax.lax.scan(layer, (x, cache, carry), xs)
+    (x, cache, _, _), layer_ys = jax.lax.scan(layer, (x, cache, carry, jnp.int32(0)), (scanned, ids, layer_xs))
     return x, cache, layer_ys
 
 
@@ -251,5 +245,5 @@ def score(params: Params, cfg: ModelConfig, tokens: jax.Array, backend: str = "r
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cache = init_cache(cfg, B, T)
     hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attention(cfg, positions, backend),
-                           layer_ids=layer_ids)
+                           layer_ids=layer_ids, backend=backend)
     return logits(params, cfg, hidden)

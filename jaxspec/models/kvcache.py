@@ -43,24 +43,16 @@ class KVCache:
         """Slots per compressed block (NSA caches only)."""
         return self.num_slots // self.k_cmp.shape[3]
 
-    def write(self, layer: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-        """Writes k, v [B, T, Hkv, Dh] of `layer` at slots `positions` [B, T].
-
-        A slot past the end (an invalid token's: prefill padding) clamps to the last slot, which holds
-        nothing yet: no prompt position reaches it (a cache has MAX_TREE_ROWS slots past max_len) and
-        decoding writes it before it reads it. Dropping the write instead costs a GPU decode step two
-        kernels a layer (the old entry read back, then a select).
+    def written(self, layer: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+        """This cache with `k`, `v` (the whole [L, B, Hkv, S, Dh] arrays, `kernels.rope_write`'s) in
+        which layer `layer` now holds new entries at slots `positions` [B, T] (past the end: none).
 
         Positions of a row are consecutive (padding, if any, at the end); an NSA cache then recomputes
         the compressed blocks those slots fall in. (The nodes of one depth of a DFS draft tree are not
         consecutive: their blocks are recomputed by the verification pass, which writes every tree
         slot, before any NSA attention reads them; draft forwards read no compressed blocks.)
         """
-        B = positions.shape[0]
-        rows = jnp.arange(B)[:, None]
-        new_k = self.k.at[layer, rows, :, positions].set(k.astype(self.k.dtype), mode="clip")
-        new_v = self.v.at[layer, rows, :, positions].set(v.astype(self.v.dtype), mode="clip")
-        cache = dataclasses.replace(self, k=new_k, v=new_v)
+        cache = dataclasses.replace(self, k=k, v=v)
         return cache if self.k_cmp is None else cache._refresh_blocks(layer, positions[:, 0], positions.shape[1])
 
     def move(self, src: jax.Array, dst: jax.Array) -> KVCache:

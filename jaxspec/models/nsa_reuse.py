@@ -31,7 +31,7 @@ def schedule_logits(params, cfg: ModelConfig, tokens: jax.Array, refresh: jax.Ar
     cache = init_cache(cfg, B, T)
     attend = nsa.attend_fn(cfg, positions, backend, refresh=refresh)
     hidden, _, _ = decoder.forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attend,
-                                   carry=nsa.initial_carry(cfg, positions, cache.num_slots, reuse=True))
+                                   carry=nsa.initial_carry(cfg, positions, cache.num_slots, reuse=True), backend=backend)
     return decoder.logits(params, cfg, hidden)
 
 

@@ -1,0 +1,174 @@
+"""From a layer's q/k/v product to its attention inputs in one kernel: sum the product's K splits
+(and apply int8's column scales), add the bias, RMS-normalise q and k per head (qk_norm models),
+rotate them (RoPE), write k and v into the KV cache in place, and return q.
+
+Why a kernel: XLA ran these as five to seven kernels a layer in every decode step (q's rotation,
+and for each of k and v the cache entry read back and a select before the in-place update, which
+it keeps because a scatter's slot might be out of bounds; Qwen3's qk-norm statistics two more), each
+~1-2 us of fixed cost however little it does (bench/NOTES.md, issues 13 and 16).
+
+The product arrives as `sums` [S, R, N]: S partial sums (quant_matmul's K splits; S = 1 for an
+exact product) of R >= B*T rows, row b*T + t for token t of sequence b; the columns are q (Hq heads),
+k and v (Hkv heads each), then anything else (NSA's gates), which this kernel does not read. The
+rule of the product: (sum over S, times `scale`'s column scales if given) rounded to the model
+dtype, plus the bias, as the model computes a product's output.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import next_pow2
+
+MAX_PALLAS_ROWS = 64  # decode-side forwards (draft steps, verifications, trees); prefill chunks run the reference
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as HF computes it: statistics in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float) -> jax.Array:
+    """Rotate-half RoPE (HF layout) at absolute positions [B, T]; x is [B, T, H, Dh]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
+    cos = (jnp.cos(angles) * scale)[:, :, None, :]
+    sin = (jnp.sin(angles) * scale)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def product_rows(sums, scale, entry, rows: int, dtype, bias=None):
+    """The product's first `rows` rows as the model has them: [rows, N] in `dtype` (the rule above)."""
+    out = sums[:, :rows].sum(axis=0)
+    if scale is not None:
+        out = out * scale[entry]
+    out = out.astype(dtype)
+    return out if bias is None else out + bias[entry]
+
+
+def _check(sums, positions, write_pos, k_cache, num_heads):
+    B, T = positions.shape
+    _, Bc, Hkv, _, Dh = k_cache.shape
+    if Bc != B or write_pos.shape != (B, T) or sums.ndim != 3 or sums.shape[1] < B * T:
+        raise ValueError(f"shapes do not match: sums {sums.shape}, positions {positions.shape}, "
+                         f"write_pos {write_pos.shape}, k_cache {k_cache.shape}")
+    if sums.shape[2] < (num_heads + 2 * Hkv) * Dh or num_heads % Hkv:
+        raise ValueError(f"sums' {sums.shape[2]} columns cannot hold {num_heads} q and {Hkv} k/v heads of {Dh}")
+
+
+def rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *,
+                         num_heads: int, rope_scale: float, eps: float, scale=None, bias=None,
+                         q_norm=None, k_norm=None):
+    """Plain jnp. `scale` [E, N] (int8 column scales), `bias` [E, N], `q_norm`/`k_norm` [E, Dh] are
+    stacks read at `entry` (the params' layer); the cache's layer is `layer`. k and v of token
+    (b, t) go to slot write_pos[b, t]; a slot past the end (an invalid token's) clamps to the last
+    slot, which holds nothing yet (`KVCache`). Returns q [B, T, Hq, Dh] and the two caches."""
+    _check(sums, positions, write_pos, k_cache, num_heads)
+    B, T = positions.shape
+    Hkv, Dh = k_cache.shape[2], k_cache.shape[4]
+    qkv = product_rows(sums, scale, entry, B * T, k_cache.dtype, bias).reshape(B, T, -1)
+    q_dim, kv_dim = num_heads * Dh, Hkv * Dh
+    q = qkv[..., :q_dim].reshape(B, T, num_heads, Dh)
+    k = qkv[..., q_dim:q_dim + kv_dim].reshape(B, T, Hkv, Dh)
+    v = qkv[..., q_dim + kv_dim:q_dim + 2 * kv_dim].reshape(B, T, Hkv, Dh)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm[entry], eps)
+        k = rms_norm(k, k_norm[entry], eps)
+    q = apply_rope(q, positions, inv_freq, rope_scale)
+    k = apply_rope(k, positions, inv_freq, rope_scale)
+    rows = jnp.arange(B)[:, None]
+    k_cache = k_cache.at[layer, rows, :, write_pos].set(k.astype(k_cache.dtype), mode="clip")
+    v_cache = v_cache.at[layer, rows, :, write_pos].set(v.astype(v_cache.dtype), mode="clip")
+    return q, k_cache, v_cache
+
+
+def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T, G, Dh, eps, rope_scale,
+            has_scale, has_bias, has_norm):
+    """Program (b, kv head h, token t): the G q heads of h, then k and v of h, for token t of row b.
+    One token a program, so that a token's result (its qk-norm's sum order) does not depend on T: a
+    draft step (T = 1) and the verification (T > 1) must round alike, or drafts are rejected."""
+    refs = list(refs)
+    scale_ref = refs.pop(0) if has_scale else None
+    bias_ref = refs.pop(0) if has_bias else None
+    qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
+    _, _, q_ref, k_ref, v_ref = refs  # the caches' inputs, then the outputs (the caches aliased)
+    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    entry, layer = entry_ref[0], layer_ref[0]
+    Hq, Hkv, half = q_ref.shape[2], k_ref.shape[2], Dh // 2
+    dtype = k_ref.dtype
+    row = b * T + t
+    angles = pos_ref[b, t].astype(jnp.float32) * inv_ref[...][None, :]  # [1, Dh/2]
+    cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
+
+    def column(start, width):
+        """Columns start .. start + width of the product, as the model rounds them: [1, width]."""
+        cols = pl.ds(start, width)
+        acc = jnp.zeros((1, width), jnp.float32)
+        for s in range(sums_ref.shape[0]):
+            acc += sums_ref[jnp.int32(s), pl.ds(row, 1), cols].astype(jnp.float32)
+        if has_scale:
+            acc = acc * scale_ref[entry, cols][None, :]
+        x = acc.astype(dtype)
+        return x + bias_ref[entry, cols][None, :] if has_bias else x
+
+    def head(start, norm_ref):
+        """A q or k head at column `start`: normalised (qk_norm) and rotated, in two halves."""
+        x1, x2 = column(start, half), column(start + half, half)
+        if has_norm:
+            f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+            inv_rms = jax.lax.rsqrt((jnp.sum(f1 * f1, axis=1) + jnp.sum(f2 * f2, axis=1)) / Dh + eps)[:, None]
+            x1 = norm_ref[entry, pl.ds(0, half)][None, :] * (f1 * inv_rms).astype(dtype)
+            x2 = norm_ref[entry, pl.ds(half, half)][None, :] * (f2 * inv_rms).astype(dtype)
+        f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+        return (f1 * cos - f2 * sin).astype(dtype), (f2 * cos + f1 * sin).astype(dtype)
+
+    for g in range(G):
+        o1, o2 = head((h * G + g) * Dh, qn_ref)
+        q_ref[b, pl.ds(t, 1), h * G + g, pl.ds(0, half)] = o1
+        q_ref[b, pl.ds(t, 1), h * G + g, pl.ds(half, half)] = o2
+    slot = wpos_ref[b, t]
+    write = jnp.full((1, 1), slot < k_ref.shape[3])  # an invalid token (past the end) writes nothing
+    slots = jnp.full((1, 1), jnp.minimum(slot, k_ref.shape[3] - 1))  # stores scatter: arrays on both axes
+    k1, k2 = head((Hq + h) * Dh, kn_ref)
+    plgpu.store(k_ref.at[layer, b, h, slots, jnp.arange(half)[None, :]], k1, mask=write)
+    plgpu.store(k_ref.at[layer, b, h, slots, half + jnp.arange(half)[None, :]], k2, mask=write)
+    v = column((Hq + Hkv + h) * Dh, Dh)
+    plgpu.store(v_ref.at[layer, b, h, slots, jnp.arange(Dh)[None, :]], v, mask=write)
+
+
+def rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *,
+                      num_heads: int, rope_scale: float, eps: float, scale=None, bias=None,
+                      q_norm=None, k_norm=None, interpret: bool = False):
+    """Pallas-Triton kernel: grid (B, Hkv, T), the caches updated in place (aliased to the outputs).
+    An invalid token's k and v are not written at all (the reference clamps them to the last slot,
+    which holds nothing). Head dim must be even, and half of it a power of two."""
+    _check(sums, positions, write_pos, k_cache, num_heads)
+    B, T = positions.shape
+    Hkv, Dh = k_cache.shape[2], k_cache.shape[4]
+    if Dh // 2 != next_pow2(Dh // 2) or Dh % 2:
+        raise ValueError(f"the Pallas rope_write kernel needs half the head dim a power of two, got {Dh}")
+    scalar = lambda x: jnp.asarray(x, jnp.int32).reshape(1)
+    optional = [x for x in (scale, bias, q_norm, k_norm) if x is not None]
+    args = [scalar(entry), scalar(layer), positions.astype(jnp.int32), write_pos.astype(jnp.int32),
+            jnp.asarray(inv_freq, jnp.float32), sums, *optional, k_cache, v_cache]
+    n_in = len(args)
+    kernel = functools.partial(_kernel, T=T, G=num_heads // Hkv, Dh=Dh, eps=eps, rope_scale=rope_scale,
+                               has_scale=scale is not None, has_bias=bias is not None, has_norm=q_norm is not None)
+    return pl.pallas_call(
+        kernel, grid=(B, Hkv, T),
+        in_specs=[pl.no_block_spec] * n_in,
+        out_specs=[pl.no_block_spec] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, T, num_heads, Dh), k_cache.dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="rope_write",
+    )(*args)

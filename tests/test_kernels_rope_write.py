@@ -1,0 +1,48 @@
+"""rope_write (pallas_kernels/rope_write.py): the q/k/v epilogue kernel in interpret mode against its
+jnp reference, float32, on fresh random inputs and caches full of random values, so that an entry the
+kernel writes wrongly, or one it should not write, shows."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference
+
+SLOTS = 64
+
+
+@pytest.mark.parametrize("B, T, Hq, Hkv, Dh, splits, scale, bias, qk_norm", [
+    (1, 1, 9, 3, 64, 1, True, False, False),    # SmolLM2's heads, an int8 draft step
+    (2, 3, 4, 2, 16, 3, True, True, True),      # split sums, bias and qk-norm together
+    (3, 7, 8, 2, 32, 1, False, False, True),    # an exact product, verification rows
+])
+def test_rope_write_equals_reference(B, T, Hq, Hkv, Dh, splits, scale, bias, qk_norm):
+    keys = jax.random.split(jax.random.key(B * 100 + T), 9)
+    L, E, N = 3, 2, (Hq + 2 * Hkv) * Dh + 6  # 6 columns past v (an NSA model's gates): never read
+    sums = jax.random.normal(keys[0], (splits, B * T + 5, N))  # rows past B*T: never read
+    positions = jax.random.randint(keys[1], (B, T), 0, 4096)
+    write_pos = jax.random.permutation(keys[2], SLOTS - 1)[:B * T].reshape(B, T)
+    if B * T > 1:
+        write_pos = write_pos.at[B - 1, T - 1].set(SLOTS)  # an invalid token: past the end, written nowhere
+    k_cache = jax.random.normal(keys[3], (L, B, Hkv, SLOTS, Dh))
+    v_cache = jax.random.normal(keys[4], (L, B, Hkv, SLOTS, Dh))
+    options = dict(
+        scale=jax.random.uniform(keys[5], (E, N), minval=0.5, maxval=2.0) if scale else None,
+        bias=jax.random.normal(keys[6], (E, N)) if bias else None,
+        q_norm=jax.random.normal(keys[7], (E, Dh)) if qk_norm else None,
+        k_norm=jax.random.normal(keys[8], (E, Dh)) if qk_norm else None)
+    inv_freq = (1.0 / 1e4 ** (np.arange(0, Dh, 2) / Dh)).astype(np.float32)
+    args = (sums, positions, write_pos, k_cache, v_cache, jnp.int32(1), jnp.int32(2), inv_freq)
+    kw = dict(num_heads=Hq, rope_scale=1.25, eps=1e-6, **options)
+    want = rope_write_reference(*args, **kw)
+    got = rope_write_pallas(*args, interpret=True, **kw)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for got_cache, want_cache, before in zip(got[1:], want[1:], (k_cache, v_cache)):
+        # the reference clamps the invalid token to the last slot; the kernel leaves it as it was
+        np.testing.assert_array_equal(got_cache[..., -1, :], before[..., -1, :])
+        np.testing.assert_allclose(got_cache[..., :-1, :], want_cache[..., :-1, :], rtol=1e-5, atol=1e-5)
+        written = np.zeros(got_cache.shape[:4], bool)
+        for b in range(B):
+            written[2, b, :, np.asarray(write_pos[b][write_pos[b] < SLOTS])] = True
+        assert not np.allclose(np.asarray(got_cache)[written], np.asarray(before)[written])
+        np.testing.assert_array_equal(np.asarray(got_cache)[~written], np.asarray(before)[~written])
