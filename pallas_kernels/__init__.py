@@ -23,7 +23,8 @@ from pallas_kernels.sparse_attention import (
 from pallas_kernels.quant_matmul import MAX_ROWS as QUANT_MATMUL_ROWS
 from pallas_kernels.quant_matmul import quant_matmul_pallas, quant_matmul_reference
 from pallas_kernels.quant_matmul import supported as quant_matmul_supported  # noqa: F401 (the switch below)
-from pallas_kernels.rope_write import MAX_PALLAS_ROWS as ROPE_WRITE_ROWS
+from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
+from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
 from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference
 from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
@@ -37,7 +38,7 @@ from pallas_kernels.verify_attention import (
 BACKENDS = ("reference", "pallas")
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
-           "nsa_tree_attention", "quant_matmul", "quant_matmul_partials", "rope_write", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
+           "nsa_tree_attention", "quant_matmul", "quant_matmul_partials", "residual_norm", "rope_write", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -79,10 +80,23 @@ def rope_write(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_f
     options = dict(num_heads=num_heads, rope_scale=rope_scale, eps=eps, scale=scale, bias=bias,
                    q_norm=q_norm, k_norm=k_norm)
     half = k_cache.shape[-1] // 2
-    if _is_pallas(backend) and half & (half - 1) == 0 and positions.shape[1] <= ROPE_WRITE_ROWS:
+    if _is_pallas(backend) and half & (half - 1) == 0 and positions.shape[1] <= EPILOGUE_ROWS:
         return rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq,
                                  interpret=interpret_default(), **options)
     return rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, **options)
+
+
+def residual_norm(x, sums, weight, entry, *, eps: float, scale=None, backend: str = "reference"):
+    """(x + the product `sums` [S, R, D] (rows b*T + t; times `scale` [E, D] at `entry`), its RMSNorm
+    with weight[entry]) for x [B, T, D] (pallas_kernels/residual_norm.py). The Pallas kernel covers
+    T <= 64, as rope_write; prefill chunks run the reference."""
+    B, T, D = x.shape
+    if _is_pallas(backend) and T <= EPILOGUE_ROWS:
+        x, h = residual_norm_pallas(x.reshape(B * T, D), sums, weight, entry, eps=eps, scale=scale,
+                                    interpret=interpret_default())
+    else:
+        x, h = residual_norm_reference(x.reshape(B * T, D), sums, weight, entry, eps=eps, scale=scale)
+    return x.reshape(B, T, D), h.reshape(B, T, D)
 
 
 def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,

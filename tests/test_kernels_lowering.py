@@ -23,6 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
+from pallas_kernels.residual_norm import residual_norm_pallas
 from pallas_kernels.rope_write import rope_write_pallas
 from pallas_kernels.sparse_attention import sparse_attention_pallas
 from pallas_kernels.top_p import top_p_threshold_pallas
@@ -155,6 +156,15 @@ def test_rope_write_lowers(check_cuda, Hq, Hkv, Dh, T, splits, qk_norm):
                    scale=scale, bias=bias, q_norm=qn, k_norm=kn),
                spec((splits, max(16, B * T), N), jnp.float32), spec((B, T)), spec((B, T)), cache, cache, spec(()),
                spec(()), spec((L, N), jnp.float32), spec((L, N), jnp.bfloat16), norm, norm)
+
+
+@pytest.mark.parametrize("M, D, splits, scale", [(1, 4096, 1, True), (7, 4096, 1, False), (896, 576, 4, True)])
+def test_residual_norm_lowers(check_cuda, M, D, splits, scale):
+    """Qwen3-8B's width at a draft step and a verification, SmolLM2's at a batch-128 verification."""
+    col_scale = spec((L, D), jnp.float32) if scale else None
+    check_cuda(lambda x, sums, w, entry, sc: residual_norm_pallas(x, sums, w, entry, eps=1e-6, scale=sc),
+               spec((M, D), jnp.bfloat16), spec((splits, max(M, 16), D), jnp.float32 if scale else jnp.bfloat16),
+               spec((L, D), jnp.bfloat16), spec(()), col_scale)
 
 
 @pytest.mark.parametrize("S_", [S, 4000])   # 4000: a masked last chunk

@@ -156,9 +156,9 @@ def forward(
     layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked;
     `carry` is `attend`'s initial layer-to-layer state. `layer_ids` are the model layers of the
     entries of params' layer stack (a draft that skips layers, `draft_weights`; default: every layer);
-    quantized matrices and the per-head parameters are read in place at their stack entry. `backend`
-    runs the q/k/v epilogue (kernels.rope_write). Returns the last hidden states [B, T, D] (before
-    the final norm), the cache, and those.
+    quantized matrices, norms and the per-head parameters are read in place at their stack entry.
+    `backend` runs the layer's epilogues (kernels.rope_write, kernels.residual_norm). Returns the last
+    hidden states [B, T, D] (before the final norm), the cache, and those.
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
@@ -166,22 +166,32 @@ def forward(
     write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # past the end: not written
 
     # Read in place at the layer's entry by the kernels (a slice of a stack passed to a kernel would be
-    # copied first: a kernel a layer); the rest is sliced by the scan inside XLA's fusions.
-    in_place = ("bqkv", "q_norm", "k_norm")
-    quantized = {name: m for name, m in params["layers"].items() if isinstance(m, Quantized)}
-    stacks = {name: params["layers"].get(name) for name in in_place}
-    scanned = {name: a for name, a in params["layers"].items() if name not in quantized and name not in in_place}
+    # copied first: a kernel a layer); the rest is sliced by the scan inside XLA's fusions. A layer's
+    # MLP output ends in the next layer's norm (the last one's in the final norm): next_norm.
+    layers = params["layers"]
+    quantized = {name: m for name, m in layers.items() if isinstance(m, Quantized)}
+    stacks = {name: layers.get(name) for name in ("bqkv", "q_norm", "k_norm", "mlp_norm")}
+    stacks["next_norm"] = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
+    scanned = {name: a for name, a in layers.items() if name not in quantized and name not in stacks
+               and name != "attn_norm"}
+    eps = cfg.rms_norm_eps
+
+    def residual_sums(x, w, entry):
+        """The product's sums for residual_norm; under tensor parallelism summed over the shards first."""
+        sums, scale = product_sums(x, w)
+        if cfg.tp == 1:
+            return sums, scale
+        return sharding.all_reduce(product_rows(sums, scale, entry, B * T, x.dtype), cfg)[None], None
 
     def layer(state, xs):
-        x, cache, carry, entry = state
+        x, h, cache, carry, entry = state
         p, index, lx = xs
         index = entry if index is None else index  # a layer stack of every layer: the entry is the layer
         p = {**p, **{name: dataclasses.replace(m, layer=entry) for name, m in quantized.items()}}
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         sums, scale = product_sums(h, p["wqkv"])
         q, k_cache, v_cache = kernels.rope_write(
             sums, positions, write_pos, cache.k, cache.v, entry, index, inv_freq, num_heads=cfg.num_heads,
-            rope_scale=rope_scale, eps=cfg.rms_norm_eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
+            rope_scale=rope_scale, eps=eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
             k_norm=stacks["k_norm"], backend=backend)
         cache = cache.written(index, write_pos, k_cache, v_cache)
         gates = None
@@ -189,19 +199,21 @@ def forward(
             qkv = product_rows(sums, scale, entry, B * T, x.dtype, stacks["bqkv"])
             gates = jax.nn.sigmoid(qkv[:, q_dim + 2 * kv_dim:].astype(jnp.float32)).reshape(B, T, cfg.num_heads, 3)
         out, ly, carry = attend(index, q, cache, lx, gates, carry)
-        x = x + sharding.all_reduce(matmul(out.reshape(B, T, -1), p["wo"]), cfg).astype(x.dtype)
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        sums, scale = residual_sums(out.reshape(B, T, -1), p["wo"], entry)
+        x, h = kernels.residual_norm(x, sums, stacks["mlp_norm"], entry, eps=eps, scale=scale, backend=backend)
         gate, up = jnp.split(matmul(h, p["w_gate_up"]), 2, axis=-1)
-        mlp = jax.nn.silu(gate) * up
-        x = x + sharding.all_reduce(matmul(mlp, p["w_down"]), cfg).astype(x.dtype)
-        return (x, cache, carry, entry + 1), ly
+        sums, scale = residual_sums(jax.nn.silu(gate) * up, p["w_down"], entry)
+        x, h = kernels.residual_norm(x, sums, stacks["next_norm"], entry, eps=eps, scale=scale, backend=backend)
+        return (x, h, cache, carry, entry + 1), ly
 
     x = embed(params, cfg, tokens)
+    h = rms_norm(x, layers["attn_norm"][0], eps)
     # The entry is a counter in the carry, which XLA merges with the loop's own: the kernels read it
     # in place. An iota among the scanned inputs was sliced by a copy kernel every layer (and so is
     # layer_ids, passed only for a draft that skips layers).
     ids = None if layer_ids is None else jnp.asarray(layer_ids, jnp.int32)
-    (x, cache, _, _), layer_ys = jax.lax.scan(layer, (x, cache, carry, jnp.int32(0)), (scanned, ids, layer_xs))
+    (x, _, cache, _, _), layer_ys = jax.lax.scan(layer, (x, h, cache, carry, jnp.int32(0)), (scanned, ids, layer_xs),
+                                                 length=layers["attn_norm"].shape[0])
     return x, cache, layer_ys
 
 
