@@ -83,8 +83,9 @@ def alone(params, spec, r: Request) -> list[int]:
 
 # all_rows, last_accepted and stream share vegas's and quest's paths here: with the slow tests
 SLOW = ("all_rows", "last_accepted", "stream")
-# quest's and ngram's admissions into running slots are also in test_scheduler_admits_groups_...: here slow
-SLOW_MID_FLIGHT = SLOW + ("quest", "ngram")
+# every method's admission into running slots is also in test_scheduler_admits_groups_... (plain, vegas,
+# quest, ngram by default): here only the tree runs by default, the rest are slow (the default run's 20 minutes)
+SLOW_MID_FLIGHT = SLOW + ("plain", "vegas", "quest", "ngram")
 SPECS = [pytest.param(SpecConfig(method=m, gamma=3, min_tokens=32), marks=[pytest.mark.slow] if m in SLOW_MID_FLIGHT else [], id=m)
          for m in METHODS if m != "full"] + [  # full needs a draft model: test_engine
     pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32), id="vegas_tree")]
@@ -119,7 +120,8 @@ def test_admitted_mid_flight_equals_alone(params, spec):
         assert stats.drafted[0] > 0 and stats.iterations[0] < c.max_new  # c's own stats, from zero
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(method="plain"), SpecConfig(method="vegas", gamma=3, min_tokens=32)], ids=str)
+@pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="plain"), marks=pytest.mark.slow, id="plain"),
+                                  pytest.param(SpecConfig(method="vegas", gamma=3, min_tokens=32), id="vegas")])
 def test_group_admission_drops_padding_rows(params, spec):
     """Three requests admitted in one prefill of four rows (the fourth, padding, aimed at slot 4 of
     4): each admitted row equals its request alone, the running row and the free row are untouched."""
