@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python3 bench/profile_compare.py DIR OUT.json
 
-DIR holds profile_step JSONs named TAG_VERSION_rK.json (VERSION `old` or `new`, K the repeat), made
-in one device call by running profile_step from each version's checkout in turn, K = 1..3, so that
-both see the same machine. Per (tag, method, draft weights, stage, version): wall ms per iteration of
+DIR holds profile_step JSONs named TAG_VERSION_rK.json (VERSION `old` or `new`, or another word
+without underscores such as an XLA flag setting's name; K the repeat), made in one device call by
+running profile_step for each version in turn, K = 1..3, so that all see the same machine. Per (tag, method, draft weights, stage, version): wall ms per iteration of
 each run, their median, the median GPU busy time and the kernels per iteration. Writes OUT.json and
 prints the table.
 """
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 from pathlib import Path
 
 from bench import common
 
-NAME = re.compile(r"(.+)_(old|new)_r(\d+)\.json")
+NAME = re.compile(r"(.+)_([^_]+)_r(\d+)\.json")
 
 
 def main():
@@ -39,7 +40,8 @@ def main():
         for s in data["stages"]:
             per = s["iterations_per_call"]
             key = (tag, s["method"], s["draft_weights"], s["stage"], version)
-            runs.setdefault(key, []).append((s["wall_ms"] / per, s["busy_ms"] / per, s["kernels_per_call"] / per))
+            traced = [s.get(k, math.nan) / per for k in ("busy_ms", "kernels_per_call")]  # nan: --no-trace
+            runs.setdefault(key, []).append((s["wall_ms"] / per, *traced))
     rows = [{"tag": k[0], "method": k[1], "draft_weights": k[2], "stage": k[3], "version": k[4],
              "wall_ms_runs": [r[0] for r in v], "wall_ms_median": statistics.median(r[0] for r in v),
              "busy_ms_median": statistics.median(r[1] for r in v), "kernels": v[0][2]} for k, v in sorted(runs.items())]

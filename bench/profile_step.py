@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
-        [--out DIR] [--name NAME] [--top 12] [--sequence 0]
+        [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -70,11 +70,12 @@ def top(events: list, calls: int, n: int) -> list[tuple[str, float, int]]:
     return [(n, t / calls / 1e3, count[n] // calls) for n, t in time_ns.most_common(n)]
 
 
-def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int):
+def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: bool = True):
     """Times, then profiles, `calls` back-to-back calls of fn (after a warm-up); returns (summary, state).
 
     The profiler changes what it measures (XLA runs without command buffers under it), so the wall
-    time without it comes first."""
+    time without it comes first; `trace=False` stops there (to compare XLA flags that the profiler
+    would override)."""
     start = time.perf_counter()
     state = jax.block_until_ready(fn(state))
     first_call = time.perf_counter() - start  # compilation included
@@ -83,6 +84,8 @@ def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int):
         state = fn(state)
     jax.block_until_ready(state)
     unprofiled = (time.perf_counter() - start) / calls
+    if not trace:
+        return {"first_call_s": first_call, "wall_ms": unprofiled * 1e3}, state
     with tempfile.TemporaryDirectory() as trace_dir:
         start = time.perf_counter()
         with jax.profiler.trace(trace_dir):
@@ -124,6 +127,7 @@ def main():
     p.add_argument("--name", default="profile", help="the JSON is DIR/NAME.json")
     p.add_argument("--top", type=int, default=12, help="kernels listed per stage, most time first")
     p.add_argument("--sequence", type=int, default=0, help="kernels kept in launch order per stage")
+    p.add_argument("--no-trace", action="store_true", help="wall times only, without the profiler")
     args = p.parse_args()
 
     from bench.decode import TINY_CFG
@@ -148,10 +152,13 @@ def main():
         state = common.random_state(copies, cfg, spec, cache, context, max_len)
         stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
         for name, (fn, per_call) in stages.items():
-            summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence)
+            summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace)
             row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms"),
                    "iterations_per_call": per_call} | summary
             result["stages"].append(row)
+            if args.no_trace:
+                print(f"\n{method} {weights} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall")
+                continue
             print(f"\n{method} {weights} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall ({summary['wall_ms_profiled']:.2f} profiled), "
                   f"GPU busy {summary['busy_ms']:.2f} ms, {summary['kernels_per_call']} kernels/call; lines {summary['lines']}")
             for n, us, count in summary["top_kernels"]:
@@ -162,8 +169,9 @@ def main():
     print("| method | draft weights | stage | iterations/call | wall ms/call | profiled ms/call | GPU busy ms/call | kernels/call | first call s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in result["stages"]:
-        print(f"| {r['method']} | {r['draft_weights']} | {r['stage']} | {r['iterations_per_call']} | {r['wall_ms']:.2f} | {r['wall_ms_profiled']:.2f} | "
-              f"{r['busy_ms']:.2f} | {r['kernels_per_call']} | {r['first_call_s']:.1f} |")
+        traced = [f"{r[k]:.2f}" if k in r else "-" for k in ("wall_ms_profiled", "busy_ms")] + [str(r.get("kernels_per_call", "-"))]
+        print(f"| {r['method']} | {r['draft_weights']} | {r['stage']} | {r['iterations_per_call']} | {r['wall_ms']:.2f} | "
+              + " | ".join(traced) + f" | {r['first_call_s']:.1f} |")
 
 
 if __name__ == "__main__":

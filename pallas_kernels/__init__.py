@@ -25,7 +25,7 @@ from pallas_kernels.quant_matmul import quant_matmul_pallas, quant_matmul_refere
 from pallas_kernels.quant_matmul import supported as quant_matmul_supported  # noqa: F401 (the switch below)
 from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
-from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference
+from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference, supported as rope_write_supported
 from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
 from pallas_kernels.verify_attention import (
@@ -79,8 +79,7 @@ def rope_write(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_f
     of two; prefill chunks run the reference (XLA), which is cheap next to their products."""
     options = dict(num_heads=num_heads, rope_scale=rope_scale, eps=eps, scale=scale, bias=bias,
                    q_norm=q_norm, k_norm=k_norm)
-    half = k_cache.shape[-1] // 2
-    if _is_pallas(backend) and half & (half - 1) == 0 and positions.shape[1] <= EPILOGUE_ROWS:
+    if _is_pallas(backend) and rope_write_supported(k_cache.shape[-1]) and positions.shape[1] <= EPILOGUE_ROWS:
         return rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq,
                                  interpret=interpret_default(), **options)
     return rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, **options)

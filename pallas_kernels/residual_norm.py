@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import next_pow2
-from pallas_kernels.rope_write import product_rows, rms_norm
+from pallas_kernels.rope_write import product_rows, rms_norm, split_sum
 
 
 def residual_norm_reference(x, sums, weight, entry, *, eps: float, scale=None):
@@ -31,11 +31,7 @@ def _kernel(entry_ref, x_ref, sums_ref, w_ref, *refs, eps, has_scale):
     D = x_ref.shape[1]
     cols = pl.ds(0, next_pow2(D))
     real = jnp.arange(next_pow2(D)) < D
-    acc = jnp.zeros((next_pow2(D),), jnp.float32)
-    for s in range(sums_ref.shape[0]):
-        acc += plgpu.load(sums_ref.at[jnp.int32(s), m, cols], mask=real, other=0.0).astype(jnp.float32)
-    if has_scale:
-        acc = acc * plgpu.load(scale_ref.at[entry, cols], mask=real, other=0.0)
+    acc = split_sum(sums_ref, scale_ref, entry, m, cols, mask=real)
     x = plgpu.load(x_ref.at[m, cols], mask=real, other=0.0) + acc.astype(x_ref.dtype)
     xf = x.astype(jnp.float32)
     normed = (xf * jax.lax.rsqrt(jnp.sum(xf * xf) / D + eps)).astype(x.dtype)

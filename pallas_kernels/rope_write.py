@@ -53,6 +53,24 @@ def product_rows(sums, scale, entry, rows: int, dtype, bias=None):
     return out if bias is None else out + bias[entry]
 
 
+def split_sum(sums_ref, scale_ref, entry, row, cols, mask=None):
+    """product_rows's rule inside a kernel, before the cast: row `row`, columns `cols` of the
+    product, summed over its splits in float32 in split order, times the column scales at `entry`
+    (scale_ref None: none). `mask` leaves columns past the end at 0. Returns [width] float32."""
+    load = lambda ref: plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
+    acc = 0.0
+    for s in range(sums_ref.shape[0]):
+        acc += load(sums_ref.at[jnp.int32(s), row, cols]).astype(jnp.float32)
+    if scale_ref is not None:
+        acc = acc * load(scale_ref.at[entry, cols])
+    return acc
+
+
+def supported(head_dim: int) -> bool:
+    """The kernel rotates a head in two halves: half the head dim must be a power of two."""
+    return head_dim % 2 == 0 and head_dim // 2 == next_pow2(head_dim // 2)
+
+
 def _check(sums, positions, write_pos, k_cache, num_heads):
     B, T = positions.shape
     _, Bc, Hkv, _, Dh = k_cache.shape
@@ -110,12 +128,7 @@ def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T
     def column(start, width):
         """Columns start .. start + width of the product, as the model rounds them: [1, width]."""
         cols = pl.ds(start, width)
-        acc = jnp.zeros((1, width), jnp.float32)
-        for s in range(sums_ref.shape[0]):
-            acc += sums_ref[jnp.int32(s), pl.ds(row, 1), cols].astype(jnp.float32)
-        if has_scale:
-            acc = acc * scale_ref[entry, cols][None, :]
-        x = acc.astype(dtype)
+        x = split_sum(sums_ref, scale_ref, entry, row, cols)[None, :].astype(dtype)
         return x + bias_ref[entry, cols][None, :] if has_bias else x
 
     def head(start, norm_ref):
@@ -152,7 +165,7 @@ def rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer
     _check(sums, positions, write_pos, k_cache, num_heads)
     B, T = positions.shape
     Hkv, Dh = k_cache.shape[2], k_cache.shape[4]
-    if Dh // 2 != next_pow2(Dh // 2) or Dh % 2:
+    if not supported(Dh):
         raise ValueError(f"the Pallas rope_write kernel needs half the head dim a power of two, got {Dh}")
     scalar = lambda x: jnp.asarray(x, jnp.int32).reshape(1)
     optional = [x for x in (scale, bias, q_norm, k_norm) if x is not None]

@@ -107,6 +107,38 @@ def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
         planner.make_plan(QWEN3_8B, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path)
 
 
+def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):
+    """ngram's measured rate comes from copying the calibration prompts: a run with a short prompt
+    plans without it (the model drafter is chosen), one with a comparable prompt keeps it."""
+    path = tmp_path / "t.json"
+    t = table(cells=[])
+    planner.set_cell(t, 1, "greedy", 1024, "strict", [entry(PLAIN, 500, 1), entry(NGRAM, 1400, 2.3), entry(FULL_INT8, 850, 7)],
+                     prompt_tokens=960)
+    planner.save_table(path, t)
+    run = dict(batch=1, new_tokens=64, sampling=SamplingConfig(), table=path)
+    short = planner.make_plan(SMOLLM2, 1, prompt_tokens=47, **run)
+    assert short.first == FULL_INT8 and NGRAM not in {c.strategy for c in short.candidates}
+    assert planner.make_plan(SMOLLM2, 1, prompt_tokens=900, **run).first == NGRAM
+    assert planner.make_plan(SMOLLM2, 1, prompt_tokens=240, **run).first == NGRAM  # a quarter of 960: kept
+
+
+def test_shipped_tables_are_found(smollm2_gguf):
+    """A shipped table is named by its model's fingerprint, and the shipped SmolLM2's (read from its
+    GGUF, as generate does) finds its table: a config change that moves the fingerprint fails here
+    rather than silently sending --method auto to the cost model."""
+    from jaxspec.loaders import gguf
+
+    reader = gguf._open(smollm2_gguf)
+    cfg = gguf.read_config(gguf.read_metadata(reader), {t.name for t in reader.tensors}, "bfloat16")
+    tables = sorted(planner.TABLES.glob("*.json"))
+    assert tables
+    for path in tables:
+        t = planner.load_table(path)
+        assert path.name.startswith(t["model"]["fingerprint"] + "_"), path.name
+    assert planner.table_path(cfg, "NVIDIA H100 80GB HBM3").is_file()
+    assert planner.fingerprint(cfg.replace(tp=2)) != planner.fingerprint(cfg)
+
+
 def test_non_strict_classes_only_when_allowed(tmp_path):
     nsa = SMOLLM2.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
     path = tmp_path / "t.json"

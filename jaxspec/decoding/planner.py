@@ -31,7 +31,8 @@ longest prompt plus its new tokens, i.e. the longest context it reaches; the pro
 bucket at its top (prompts of bucket - new tokens). A table without that bucket answers from the
 nearest profiled one (by log distance), and from the nearest profiled batch size if it is within a
 factor of 2 of the run's (further away the regime differs, e.g. KV reads dominate at batch 16 and not
-at batch 1: the cost model answers instead).
+at batch 1: the cost model answers instead). A cell's ngram entries measure what ngram could copy
+from those prompts, so a run with a much shorter prompt does not use them (NGRAM_PROMPT_SHARE).
 
 The bytes floor of a step (DESIGN.md section 6) lives here too, as the cost model's base; bench/
 uses the same functions.
@@ -67,6 +68,11 @@ SEGMENT = 8  # decode iterations per refinement segment
 MAX_SWITCHES = 3
 MARGIN = 0.1  # a switch, or a speculative choice over plain, needs a predicted gain of 10%
 PROBE_MARGIN = 0.25  # plain is measured unless the running strategy beats its corrected prediction by 25%
+# ngram drafts copy n-grams of the prompt and the text so far, so its tokens per iteration in a cell
+# come from the calibration prompts' text: a run whose prompt is a small share of theirs gets none of
+# that (the default CLI prompt, 47 tokens, against 960: 1.0-1.2 tokens per iteration where the cell
+# measured 1.4-2.4; bench/NOTES.md, the planner table after the kernels).
+NGRAM_PROMPT_SHARE = 0.25
 CANDIDATES = 3  # speculative strategies kept beside plain for refinement (each may need a compile)
 
 # Cost model assumptions (documented in cost_model).
@@ -267,10 +273,17 @@ def sampling_mode(sampling: SamplingConfig) -> str:
 # Tables
 
 
+# Config fields added after tables were shipped, at the value that leaves a model as it was: left out
+# of the hash there, so that the shipped tables keep their names (tests/test_planner.py checks them).
+ADDED_FIELDS = {"tp": 1}
+
+
 def fingerprint(cfg: ModelConfig) -> str:
     """A readable, stable model id: '<type>-<layers>x<hidden>-<dtype>-<hash>' where the hash covers
-    every shape, NSA and dtype field of the config (not the token ids)."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("bos_token_id", "eos_token_ids")}
+    every shape, NSA and dtype field of the config (not the token ids; ADDED_FIELDS only off their
+    old value)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("bos_token_id", "eos_token_ids") and not (k in ADDED_FIELDS and v == ADDED_FIELDS[k])}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return f"{cfg.model_type}-{cfg.num_layers}x{cfg.hidden_size}-{cfg.dtype}-{digest}"
 
@@ -340,11 +353,13 @@ def load_table(path: Path) -> dict:
     return table
 
 
-def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",)) -> tuple[int, list[Prediction]]:
+def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",),
+           prompt_tokens: int | None = None) -> tuple[int, list[Prediction]]:
     """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
     if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one;
-    the entries of every allowed precision class. Empty when no cell has an allowed class, or when
-    the nearest profiled batch is more than a factor of 2 from `batch`."""
+    the entries of every allowed precision class, less ngram's where the run's prompt is under
+    NGRAM_PROMPT_SHARE of the cell's calibration prompts. Empty when no cell has an allowed class,
+    or when the nearest profiled batch is more than a factor of 2 from `batch`."""
     cells = [c for c in table["cells"] if c["precision"] in precisions]
     if not cells:
         return bucket_of(context), []
@@ -356,7 +371,9 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     cells = [c for c in cells if c["batch"] == b]
     bucket = bucket_of(context)
     bucket = nearest(bucket, {c["bucket"] for c in cells})
-    entries = [e for c in cells if c["bucket"] == bucket for e in c["ranked"]]
+    entries = [e for c in cells if c["bucket"] == bucket for e in c["ranked"]
+               if not (e["strategy"]["method"] == "ngram" and prompt_tokens is not None
+                       and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0))]
     new_tokens = table["profile"].get("new_tokens", 0)
     predictions = [
         Prediction(Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
@@ -537,7 +554,7 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
         if data["model"]["fingerprint"] != fingerprint(cfg):
             raise JaxspecError(
                 f"planner table {path} is for model {data['model']['fingerprint']}, not this one ({fingerprint(cfg)})")
-        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions)
+        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens)
         source = f"table:{path}"
     if not predictions:
         bucket, source = bucket_of(context), "cost-model"
