@@ -4,9 +4,10 @@
 
 DIR holds profile_step JSONs named TAG_VERSION_rK.json (VERSION `old` or `new`, or another word
 without underscores such as an XLA flag setting's name; K the repeat), made in one device call by
-running profile_step for each version in turn, K = 1..3, so that all see the same machine. Per (tag, method, draft weights, stage, version): wall ms per iteration of
-each run, their median, the median GPU busy time and the kernels per iteration. Writes OUT.json and
-prints the table.
+running profile_step for each version in turn, K = 1..3, so that all see the same machine. Per (tag,
+method, draft weights, stage, version): wall ms per iteration of each run, their median, the median
+GPU busy time and the kernels per iteration (nan for --no-trace runs). Writes OUT.json and prints
+the table.
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ from pallas_kernels.verify_attention import (
 )
 
 BACKENDS = ("reference", "pallas")
+# Selections up to this many scores in all run lax.top_k: on an H100 it beat the radix kernel at
+# 384 x 2048 (58 against 82 us a call) and 8 x 32K, and lost from 384 x 4096 and at [36, 1, 32K]
+# (bench/topk_rows.py, bench/kernels.py; bench/NOTES.md).
+TOPK_XLA_MAX = 1 << 20
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
            "nsa_tree_attention", "quant_matmul", "quant_matmul_partials", "residual_norm", "rope_write", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
@@ -127,8 +131,10 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
 
 def select_topk(scores, k_max: int, k, *, backend: str = "reference"):
     """idx [..., k_max] int32: the first k (per row, 1 <= k <= k_max) entries are the slots of the
-    k largest scores [..., S] (-inf: invalid; fewer if fewer are finite); the rest are any slots."""
-    if _is_pallas(backend):
+    k largest scores [..., S] (-inf: invalid; fewer if fewer are finite); the rest are any slots.
+    The radix kernel runs selections of more than TOPK_XLA_MAX scores; smaller ones (quest's pages)
+    go to lax.top_k, one XLA kernel against the radix select's ~10 passes."""
+    if _is_pallas(backend) and scores.size > TOPK_XLA_MAX:
         return select_topk_pallas(scores, k_max, k, interpret=interpret_default())
     return select_topk_reference(scores, k_max, k)
 
