@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
+        [--stages iteration,draft,verify,select]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -128,6 +129,8 @@ def main():
     p.add_argument("--top", type=int, default=12, help="kernels listed per stage, most time first")
     p.add_argument("--sequence", type=int, default=0, help="kernels kept in launch order per stage")
     p.add_argument("--no-trace", action="store_true", help="wall times only, without the profiler")
+    p.add_argument("--stages", default=None, type=lambda s: s.split(","),
+                   help="only these stages (iteration, draft, verify, select); default all")
     args = p.parse_args()
 
     from bench.decode import TINY_CFG
@@ -152,6 +155,8 @@ def main():
         state = common.random_state(copies, cfg, spec, cache, context, max_len)
         stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
         for name, (fn, per_call) in stages.items():
+            if args.stages and name.removesuffix("_ms") not in args.stages:
+                continue
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace)
             row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms"),
                    "iterations_per_call": per_call} | summary

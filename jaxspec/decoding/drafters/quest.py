@@ -66,7 +66,8 @@ class Quest(Drafter):
         page_ids = jnp.arange(state.kmin.shape[3], dtype=jnp.int32)
         offsets = jnp.arange(PAGE, dtype=jnp.int32)
 
-        def sparse(layer, q, cache, bounds):
+        def pages(q, bounds):
+            """The slots of the top pages per KV head [B, Hkv, k_max] for this layer's queries."""
             kmin, kmax = (b.astype(jnp.float32) for b in bounds)  # [B, Hkv, P, Dh]
             qg = q.astype(jnp.float32).reshape(B, T, H, G, D)
             # max(q*kmax, q*kmin) = q+ * kmax - q- * kmin since kmax >= kmin.
@@ -76,20 +77,26 @@ class Quest(Drafter):
             top = kernels.select_topk(
                 page_scores, self.k_max // PAGE, jnp.maximum(n_pages, 1)[:, None], backend=self.spec.backend
             )
-            idx = (top[..., None] * PAGE + offsets).reshape(B, H, -1)
+            return (top[..., None] * PAGE + offsets).reshape(B, H, -1)
+
+        def sparse(layer, q, cache, idx):
             return kernels.sparse_attention(
                 q, cache.k, cache.v, layer, idx, n_pages * PAGE, last_page * PAGE, rows.slots,
                 scale=self.scale, tail_capacity=PAGE + self.spec.shape.rows, tree=rows.mask, backend=self.spec.backend,
             )
 
-        def dense(layer, q, cache, bounds):
+        def dense(layer, q, cache, idx):
             out, _, _ = kernels.verify_attention(
                 q, cache.k, cache.v, layer, rows.slots, scale=self.scale, tree=rows.mask, backend=self.spec.backend
             )
             return out
 
         def attend(layer, q, cache, bounds, _gates, carry):
-            out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, bounds)
+            # The pages are chosen outside the cond, also for the dense layers: there the score fusion
+            # reads the layer's bounds in place, whereas as a cond operand each bound was copied first
+            # (two 24 MB copies a layer at 128 x 7.5K; bench/NOTES.md, quest's draft step).
+            idx = pages(q, bounds)
+            out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, idx)
             return out, None, carry
 
         return attend, (state.kmin, state.kmax)
