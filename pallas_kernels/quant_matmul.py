@@ -60,6 +60,18 @@ def quant_matmul_reference(x, values, scale, out_dtype=None):
     return out.astype(out_dtype or x.dtype)
 
 
+def product_rows(sums, scale, entry, rows: int, dtype, bias=None):
+    """The product's first `rows` rows [rows, N] in `dtype` from its partial sums [S, R, N]
+    (reduce=False's, or an exact product's one sum): summed over S in float32, times int8's column
+    scales at `entry` (scale [E, N]; None: none), cast, plus bias[entry] if given. The rule every
+    consumer of the sums (rope_write, residual_norm) follows, so their results match this product's."""
+    out = sums[:, :rows].sum(axis=0)
+    if scale is not None:
+        out = out * scale[entry]
+    out = out.astype(dtype)
+    return out if bias is None else out + bias[entry]
+
+
 def _divisor(n: int, block: int) -> int | None:
     while block >= MIN_TILE and n % block:
         block //= 2
@@ -153,9 +165,7 @@ def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpr
         interpret=interpret,
         name="quant_matmul",
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, values, scale)
+    scale = None if int4 else scale
     if not reduce:
-        return partial, None if int4 else scale
-    out = partial[:, :M].sum(axis=0)
-    if not int4:
-        out = out * scale[layer]
-    return out.astype(out_dtype or x.dtype)
+        return partial, scale
+    return product_rows(partial, scale, layer, M, out_dtype or x.dtype)

@@ -14,7 +14,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import next_pow2
-from pallas_kernels.rope_write import product_rows, rms_norm, split_sum
+from pallas_kernels.quant_matmul import product_rows
+from pallas_kernels.rope_write import rms_norm, split_sum
 
 
 def residual_norm_reference(x, sums, weight, entry, *, eps: float, scale=None):

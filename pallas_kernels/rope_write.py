@@ -10,8 +10,8 @@ it keeps because a scatter's slot might be out of bounds; Qwen3's qk-norm statis
 The product arrives as `sums` [S, R, N]: S partial sums (quant_matmul's K splits; S = 1 for an
 exact product) of R >= B*T rows, row b*T + t for token t of sequence b; the columns are q (Hq heads),
 k and v (Hkv heads each), then anything else (NSA's gates), which this kernel does not read. The
-rule of the product: (sum over S, times `scale`'s column scales if given) rounded to the model
-dtype, plus the bias, as the model computes a product's output.
+rule of the product (quant_matmul.product_rows): (sum over S, times `scale`'s column scales if
+given) rounded to the model dtype, plus the bias, as the model computes a product's output.
 """
 import functools
 
@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import next_pow2
+from pallas_kernels.quant_matmul import product_rows
 
 MAX_PALLAS_ROWS = 64  # decode-side forwards (draft steps, verifications, trees); prefill chunks run the reference
 
@@ -42,15 +43,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def product_rows(sums, scale, entry, rows: int, dtype, bias=None):
-    """The product's first `rows` rows as the model has them: [rows, N] in `dtype` (the rule above)."""
-    out = sums[:, :rows].sum(axis=0)
-    if scale is not None:
-        out = out * scale[entry]
-    out = out.astype(dtype)
-    return out if bias is None else out + bias[entry]
 
 
 def split_sum(sums_ref, scale_ref, entry, row, cols, mask=None):

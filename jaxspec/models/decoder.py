@@ -31,7 +31,8 @@ from jaxspec.models import nsa, sharding
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.models.quantize import Quantized
-from pallas_kernels.rope_write import apply_rope, product_rows, rms_norm  # noqa: F401 (the layer's math, beside its kernel)
+from pallas_kernels.quant_matmul import product_rows
+from pallas_kernels.rope_write import apply_rope, rms_norm  # noqa: F401 (the layer's math, beside its kernel)
 
 Params = dict[str, Any]
 # attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates, carry) -> (out [B,T,Hq,Dh], layer_y, carry);
