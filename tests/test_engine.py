@@ -246,6 +246,32 @@ def test_stop_ids_and_max_tokens(smollm2_batch):
             assert row == expected
 
 
+@pytest.mark.parametrize("spec", [SpecConfig(method="vegas", gamma=4, min_tokens=32),
+                                  SpecConfig(method="quest", tree=(2, 2), traversal="dfs", min_tokens=32)])
+def test_finished_rows_stop_reading_and_writing(qwen3_case, spec):
+    """A finished row's later passes run at slot 0 and write nothing (engine.roots): its cache keeps
+    what it held when it finished (a tree's compaction moves nothing in it either), its selection
+    shrinks to one slot, and the rows still running emit plain's tokens."""
+    case, spec = qwen3_case, spec.validate()
+    stop = case.plain[1][2]
+    start, decode = decode_fns(case.cfg, spec, GREEDY, case.max_len)
+    state = start(case.params, jax.tree.map(jnp.copy, case.cache), jnp.asarray(case.batch.ids),
+                  jnp.asarray(case.batch.lengths), jax.random.key(0), spec.budget(),
+                  max_new_tokens=jnp.int32(case.max_new), stop_ids=jnp.asarray([stop], jnp.int32))
+    while not bool(state.done[1]):
+        state = decode(case.params, state, max_iterations=jnp.int32(1))
+    assert not bool(state.done.all())
+    if spec.method == "vegas":
+        assert int(state.drafter.n_idx[1]) == 1 and int(state.drafter.n_idx[0]) > 1
+    row = lambda cache: jax.device_get((cache.k[:, 1, :, :-1], cache.v[:, 1, :, :-1]))  # the last slot takes unwritten tokens
+    frozen = row(state.cache)
+    state = decode(case.params, state, max_iterations=jnp.int32(1 << 30))
+    jax.tree.map(np.testing.assert_array_equal, row(state.cache), frozen)
+    tokens, length = jax.device_get((state.tokens, state.length))
+    for b, (ref, n) in enumerate(zip(case.plain, case.batch.lengths)):
+        assert tokens[b, n : length[b]].tolist() == (ref[: ref.index(stop) + 1] if stop in ref else ref)
+
+
 def test_generate_inside_a_users_jit(qwen3_case):
     """The README's library use: `engine.generate` under the caller's own jax.jit, prefill included."""
     case = qwen3_case

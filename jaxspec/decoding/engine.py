@@ -4,7 +4,8 @@ Everything is pure and static-shaped (batch, cache length, draft tree, selection
 positions and acceptance are traced, and no Python runs per iteration (on a GPU the host still reads
 the loop's condition each iteration; at Qwen3-8B shapes the GPU idles ~0.4 ms per step in all:
 bench/NOTES.md, "Decode step"). Rows finish independently (stop ids, max tokens) and finished rows
-stop changing.
+stop changing and stop reading their context: a static batch keeps them until its last row is done,
+so their passes run at slot 0 and write nothing (`roots`).
 
 State invariant between iterations: row b has committed `length[b]` tokens; the KV cache holds every
 committed token but the last one (the pending token), whose keys the next pass writes. Plain decoding
@@ -320,7 +321,7 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     logits, cache, scores = verify(params, cfg, spec, drafter, state, tokens, tree)
     num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, rules(sampling, state),
                                               spec.backend)
-    cache = compact(cache, state.length - 1, path, tree)
+    cache = compact(cache, roots(state), path, tree, ~state.done)
     return _commit(state, cache, key, emitted, num_accepted, path, drafter, scores, nodes=tree.rows - 1)
 
 
@@ -338,7 +339,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     sampling = rules(sampling, state)
     params, layer_ids = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
     B = state.length.shape[0]
-    first = state.length - 1
+    first, live = roots(state), ~state.done
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))
     probs = None if sampling.greedy else jnp.zeros((B, tree.rows, cfg.vocab_size), jnp.float32)
     carry = (tokens, probs, state.cache, state.drafter, key)
@@ -356,7 +357,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
                 layer_xs = jax.tree.map(lambda a: a[layer_ids], layer_xs)
             n = rows.shape[0]
             hidden, cache, _ = decoder.forward(
-                params, cfg, tokens[:, rows], jnp.broadcast_to(at.position[:, None], (B, n)), jnp.ones((B, n), bool),
+                params, cfg, tokens[:, rows], jnp.broadcast_to(at.position[:, None], (B, n)), jnp.broadcast_to(live[:, None], (B, n)),
                 cache, attend, layer_xs, slots=at.slots, layer_ids=layer_ids, backend=spec.backend,
             )
             key, sub = split_rows(key, 2)
@@ -402,7 +403,7 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     the drafter collects (per layer), or None.
     """
     T = tokens.shape[1]
-    first = state.length - 1
+    first = roots(state)
     slots = first[:, None] + jnp.arange(T, dtype=jnp.int32)
     positions = slots if tree is None else first[:, None] + jnp.asarray(tree.node_depth)
     mask = None if tree is None or tree.is_chain else kernels.TreeMask(first, tree.ancestors)
@@ -410,24 +411,33 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     verification = nsa.Verification(spec.group, spec.shared_index, spec.reuse_layers)
     attend = decoder.attention(cfg, slots, spec.backend, collect, tree=mask, verification=verification)
     hidden, cache, scores = decoder.forward(
-        params, cfg, tokens, positions, jnp.ones_like(tokens, bool), state.cache, attend, slots=slots,
+        params, cfg, tokens, positions, jnp.broadcast_to(~state.done[:, None], tokens.shape), state.cache, attend, slots=slots,
         carry=decoder.attention_carry(cfg, slots, state.cache.num_slots, verification), backend=spec.backend,
     )
     return decoder.logits(params, cfg, hidden), cache, scores
 
 
-def compact(cache: KVCache, first: jax.Array, path: jax.Array, tree: TreeShape) -> KVCache:
+def compact(cache: KVCache, first: jax.Array, path: jax.Array, tree: TreeShape, live: jax.Array) -> KVCache:
     """Moves the accepted path's keys and values (slots first + path[d]) to slots first + d; a
-    chain's path is already in place. Entries past the accepted length are left for the next pass to
-    overwrite."""
+    chain's path is already in place, and a finished row (live [B] false) moves nothing. Entries past
+    the accepted length are left for the next pass to overwrite."""
     if tree.is_chain:
         return cache
-    return cache.move(first[:, None] + path, first[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32))
+    dst = first[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)
+    return cache.move(jnp.where(live[:, None], first[:, None] + path, dst), dst)
 
 
 def rules(sampling: SamplingConfig | None, state: DecodeState) -> Rules:
     """The sampling rules of a step: the static config, or (None) each row's own from the state."""
     return state.sampling if sampling is None else sampling
+
+
+def roots(state: DecodeState) -> jax.Array:
+    """Each row's root slot [B], where its next pass starts: the pending token's, length - 1. A
+    finished row runs at slot 0 instead and writes nothing, so its attention reads one key block and
+    its drafter selects one slot rather than its whole context (measured: bench/NOTES.md, issue 13's
+    finished rows)."""
+    return jnp.where(state.done, 0, state.length - 1)
 
 
 def pending_tokens(state: DecodeState) -> jax.Array:
@@ -464,7 +474,7 @@ def _commit(state, cache, key, tokens, num_accepted, path, drafter, scores, node
     )
     dstate = state.drafter
     if drafter is not None:
-        dstate = drafter.after_verify(dstate, state.budget, scores, cache, n - 1, num_accepted, path)
+        dstate = drafter.after_verify(dstate, state.budget, scores, cache, jnp.where(done, 0, n - 1), num_accepted, path)
     return dataclasses.replace(
         state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
     )
