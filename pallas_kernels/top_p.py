@@ -7,18 +7,24 @@ from the most likely and keeping each while the mass before it is < top_p keeps 
 at t included), so this is the usual nucleus, found without a sort.
 
 Search: x maps to order-preserving int32 keys; M only steps at row values, so the smallest key k
-with M(val(k)) < top_p * Z is a row value's key. The reference and the per-row path keep a bracket
-(lo, hi], with the test false at lo and true at hi, from (key(min x) - 1, key(m)]; each pass tests
-three pivots that quarter it, so at most 16 passes over the row settle 32-bit keys. Masked sums of
-non-negative terms in one fixed order are monotone in the mask, so the test is monotone in floating
-point too.
+with M(val(k)) < top_p * Z is a row value's key. The reference keeps a bracket (lo, hi], with the
+test false at lo and true at hi, from (key(min x) - 1, key(m)]; each pass tests three pivots that
+quarter it, so at most 16 passes over the row settle 32-bit keys. Masked sums of non-negative terms in
+one fixed order are monotone in the mask, so the test is monotone in floating point too.
 
 Two Pallas paths, chosen by the row count (top_p_threshold_pallas; measured on an H100, bench/NOTES.md
 issue 16: the split path is faster up to 48 rows, one program per row from 64):
 
 - One program per row (top_p_threshold_per_row) loops over the row once per pass, so the row stays
-  in L1/L2 after the first read (96-192 KB at a 49K vocabulary). At a few rows this is one SM's
-  latency-bound loop (~100 us at a 49K vocabulary, ~280 us at 152K, the same up to 64 rows).
+  in L1/L2 after the first read (96-192 KB at a 49K vocabulary). Pass 1 finds m; pass 2 sums Z and
+  the masses above m - CUTS, which bracket the threshold in values (no lower than the bound m +
+  log((1 - top_p) / V) - 1, below which all values hold less than (1 - top_p) / e <= (1 - top_p) Z);
+  pass 3 writes the values inside the bracket to a scratch row, and while they number at most
+  CAPACITY the search runs over them in registers (SPREAD pivots a pass; the mass above hi, from
+  pass 2, added to theirs). A real model's rows at T 0.7 put tens of values there; a flat row puts
+  more, and the search runs over the row instead, three pivots a pass from the same bracket. H100,
+  128 rows (bench/NOTES.md): ~68 us at a 49K vocabulary and ~173 us at 152K on rows shaped like a
+  real model's, 95 and 442 us on flat rows; the rows' count matters little up to 64.
 - The split path (top_p_threshold_split) spreads each row over many programs (SPLIT_PER chunks of
   SPLIT_CHUNK logits each) and settles DIGIT_BITS bits of the key a launch, a radix search: the
   bracket is (hi - 2^level, hi], at first (key(+inf) - 2^32, key(+inf)], and a pass sums in every
@@ -47,6 +53,13 @@ from pallas_kernels._common import float_key, key_float, next_pow2
 # (a pass waits on one chunk's load at a time), 8192 on 32 warps 105 us (bench/NOTES.md).
 CHUNK = 8192
 NUM_WARPS = 32
+# The per-row path measures the mass above these distances below the row's max (tempered logits) in
+# its second pass; the bracket they leave is searched over its values alone when it holds at most
+# CAPACITY of them. SmolLM2 at T 0.7 (400 positions of real text): the 0.95 nucleus ends 4.1 below the
+# max (median; 7.4 at most), and 42 (median; 517 at most) values lie within 8 of it.
+CUTS = (4.0, 8.0, 16.0)
+CAPACITY = 1024
+SPREAD = 16  # pivots a pass of the search over held values
 
 
 def _average(a, b):
@@ -97,9 +110,16 @@ def top_p_threshold_reference(logits, inv_temperature, top_p):
     return key_float(hi)
 
 
-def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, *, chunk):
+def _spread(lo, hi):
+    """SPREAD ascending keys in [lo + 1, hi - 1] about evenly spaced over (lo, hi) (computed without
+    overflow: the step is (hi - lo) / 16 to within one; the last ones clip to hi - 1)."""
+    step = jnp.maximum((hi >> 4) - (lo >> 4), 1)
+    return jnp.minimum(lo + jnp.arange(1, SPREAD + 1, dtype=jnp.int32) * step, hi - 1)
+
+
+def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, held_ref, *, chunk, capacity, barrier):
     row = pl.program_id(0)
-    inv_temperature = inv_temperature_ref[row]
+    inv_temperature, top_p = inv_temperature_ref[row], top_p_ref[row]
     V = logits_ref.shape[1]
     n_chunks = pl.cdiv(V, chunk)
 
@@ -114,29 +134,78 @@ def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, *, chunk):
         zeros = tuple(jnp.full((chunk,), v, jnp.float32) for v in init)
         return lax.fori_loop(0, n_chunks, lambda c, acc: step(acc, *load(c)), zeros)
 
-    big, small = row_pass(lambda acc, x, ok: (jnp.where(ok, jnp.maximum(acc[0], x), acc[0]),
-                                              jnp.where(ok, jnp.minimum(acc[1], x), acc[1])),
-                          (-jnp.inf, jnp.inf))
-    top, bottom = jnp.max(big), jnp.min(small)
+    (big,) = row_pass(lambda acc, x, ok: (jnp.where(ok, jnp.maximum(acc[0], x), acc[0]),), (-jnp.inf,))
+    top = jnp.max(big)
     weight = lambda x, ok: jnp.where(ok, jnp.exp(x - top), 0.0)
-    (total,) = row_pass(lambda acc, x, ok: (acc[0] + weight(x, ok),), (0.0,))
-    target = top_p_ref[row] * jnp.sum(total)
+    cuts = [top - d for d in CUTS]
 
-    def search(bracket):
-        lo, hi = bracket
-        pivots = _pivots(lo, hi)
-        values = [key_float(k) for k in pivots]
+    def cut_step(acc, x, ok):
+        e = weight(x, ok)
+        return (acc[0] + e,) + tuple(a + jnp.where(x > v, e, 0.0) for a, v in zip(acc[1:], cuts))
 
-        def step(acc, x, ok):
-            e = weight(x, ok)
-            return tuple(a + jnp.where(x > v, e, 0.0) for a, v in zip(acc, values))
+    total, *above = [jnp.sum(a) for a in row_pass(cut_step, (0.0,) * (1 + len(CUTS)))]
+    target = top_p * total
+    # The bracket in values: the test is false at lo (mass above >= target) and true at hi. Values at
+    # or below the bound hold less than (1 - top_p) / e of Z >= 1 in all, so the bound is false.
+    lo, hi, mass_hi = top + jnp.log((1 - top_p) / V) - 1, top, jnp.float32(0.0)
+    for v, mass in zip(cuts, above):  # descending values, so ascending masses
+        true = mass < target
+        lo = jnp.where(true, lo, jnp.maximum(lo, v))
+        hi, mass_hi = jnp.where(true, v, hi), jnp.where(true, mass, mass_hi)
+    lo = jnp.where(lo < hi, lo, -jnp.inf)  # rounding's guard: a bracket must not be empty
 
-        masses = [jnp.sum(a) for a in row_pass(step, (0.0, 0.0, 0.0))]
-        return _narrow(lo, hi, pivots, masses, target)
+    def hold(c, count):
+        """Writes the chunk's values in (lo, hi] after the `count` held so far, while they fit."""
+        x, ok = load(c)
+        inside = ok & (x > lo) & (x <= hi)
+        n = jnp.sum(inside.astype(jnp.int32))
 
-    bracket = (float_key(bottom) - 1, float_key(top))
-    _, hi = lax.while_loop(lambda b: b[1] > b[0] + 1, search, bracket)
-    out_ref[row] = key_float(hi)
+        @pl.when(count + n <= capacity)  # else the search runs over the row: the scan is skipped
+        def _():
+            at = count + jnp.cumsum(inside.astype(jnp.int32)) - 1
+            # lanes outside write nowhere on the GPU; in interpret mode a masked store still writes
+            # back, so they aim at a spare slot past the capacity
+            plgpu.store(held_ref.at[row, jnp.where(inside, at, capacity)], x, mask=inside)
+
+        return count + n
+
+    count = lax.fori_loop(0, n_chunks, hold, jnp.int32(0))
+    if barrier:  # the held values, written by all the program's threads, are read back by others
+        plgpu.debug_barrier()
+
+    def in_registers(bracket):
+        """The search over the held values: masses are mass_hi plus theirs above each pivot."""
+        x = plgpu.load(held_ref.at[row, pl.ds(0, capacity)], mask=jnp.arange(capacity) < count, other=-jnp.inf)
+        e = jnp.exp(x - top)
+
+        def narrow(bracket):
+            lo, hi = bracket
+            pivots = _spread(lo, hi)
+            masses = mass_hi + jnp.sum(jnp.where(x[None, :] > key_float(pivots)[:, None], e[None, :], 0.0), axis=1)
+            false = masses >= target
+            return jnp.max(jnp.where(false, pivots, lo)), jnp.min(jnp.where(false, hi, pivots))
+
+        return lax.while_loop(lambda b: b[1] > b[0] + 1, narrow, bracket)
+
+    def over_row(bracket):
+        """The search over the whole row, three pivots a pass, when the bracket holds too many values."""
+
+        def search(bracket):
+            lo, hi = bracket
+            pivots = _pivots(lo, hi)
+            values = [key_float(k) for k in pivots]
+
+            def step(acc, x, ok):
+                e = weight(x, ok)
+                return tuple(a + jnp.where(x > v, e, 0.0) for a, v in zip(acc, values))
+
+            masses = [jnp.sum(a) for a in row_pass(step, (0.0, 0.0, 0.0))]
+            return _narrow(lo, hi, pivots, masses, target)
+
+        return lax.while_loop(lambda b: b[1] > b[0] + 1, search, bracket)
+
+    _, hi_key = lax.cond(count <= capacity, in_registers, over_row, (float_key(lo), float_key(hi)))
+    out_ref[row] = key_float(hi_key)
 
 
 # The split path: a program sums SPLIT_PER chunks of SPLIT_CHUNK logits on SPLIT_CHUNK / 256 warps
@@ -148,10 +217,12 @@ SPLIT_PER = 4
 DIGIT_BITS = 4  # bits of the key settled per pass (divides 32)
 SLOTS = 1 << DIGIT_BITS  # slot 0: a chunk's total; slot i >= 1: its mass above pivot i (ascending)
 KEY_INF = 0x7F800000  # float_key(+inf): no row value is above it
-# At most this many rows take the split path, more one program per row. H100, us per call at 32 / 48
-# / 64 rows, split vs per row: 68 / 87 / 104 vs 102 / 101 / 101 at 49152; 160 / 226 / 316 vs 295 /
-# 291 / 299 at 151936 (and 128 rows: 187 vs 103, 607 vs 545). The split path's time grows with the
-# rows, the per-row path's does not until the rows outnumber the SMs or L2.
+# At most this many rows take the split path, more one program per row. H100, us per call at 8 / 32
+# / 64 rows, split vs per row, flat rows (3 x normal): 38 / 67 / 103 vs 100 / 89 / ~95 at 49152; 59 /
+# 155 / 303 vs 305 / 280 / ~300 at 151936. Rows shaped like a real model's: 37 / 68 / 104 vs 65 / 66 /
+# 66 at 49152; 60 / 156 / 307 vs 126 / 127 / 130 at 151936. The split path's time grows with the rows,
+# the per-row path's does not until the rows outnumber the SMs; 48 keeps flat rows on their faster
+# path (a real model's rows would gain from ~24).
 SPLIT_MAX_ROWS = 48
 
 
@@ -264,19 +335,21 @@ def top_p_threshold_split(logits, inv_temperature, top_p, *, interpret: bool = F
                 top_p, hi, local_max, sums)
 
 
-def top_p_threshold_per_row(logits, inv_temperature, top_p, *, interpret: bool = False, chunk: int = CHUNK):
+def top_p_threshold_per_row(logits, inv_temperature, top_p, *, interpret: bool = False, chunk: int = CHUNK,
+                            capacity: int = CAPACITY):
     """The one-program-per-row path (same contract as top_p_threshold_reference)."""
     R, V = logits.shape
-    return pl.pallas_call(
-        functools.partial(_kernel, chunk=min(chunk, next_pow2(V))),
+    threshold, _ = pl.pallas_call(
+        functools.partial(_kernel, chunk=min(chunk, next_pow2(V)), capacity=capacity, barrier=not interpret),
         grid=(R,),
         in_specs=[pl.no_block_spec] * 3,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((R,), jnp.float32),
+        out_specs=[pl.no_block_spec] * 2,
+        out_shape=[jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((R, capacity + 1), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="top_p_threshold",
     )(logits, _per_row(inv_temperature, R), _per_row(top_p, R))
+    return threshold
 
 
 def top_p_threshold_pallas(logits, inv_temperature, top_p, *, interpret: bool = False):

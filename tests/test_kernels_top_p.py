@@ -1,6 +1,7 @@
 """The sort-free nucleus threshold (pallas_kernels/top_p.py): the reference and both Pallas paths (one
-program per row, and the split path: each row over many programs), against a float64 NumPy oracle that
-sorts: walk from the most likely token, keep it while the mass before it is < top_p."""
+program per row, its bracket searched over held values or over the row, and the split path: each row
+over many programs), against a float64 NumPy oracle that sorts: walk from the most likely token, keep it
+while the mass before it is < top_p."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,6 +41,8 @@ def rows(kind, rng, R, V):
         return np.full((R, V), rng.normal())
     if kind == "signs":  # keys of both signs and a wide range: the bracket spans ~2^32 keys
         return rng.choice([-1, 1], size=(R, V)) * np.exp(rng.uniform(-20, 5, size=(R, V)))
+    if kind == "zipf":  # shaped like a real model's rows (bench/top_p.py): the bracket's values are held
+        return -1.5 * np.log(1.0 + np.stack([rng.permutation(V) for _ in range(R)])) + 0.3 * rng.normal(size=(R, V))
     if kind == "near":  # half the row on 16 neighbouring float32 values: the nucleus ends among them
         x = rng.normal(size=(R, V))
         near = np.float32(2.0) + rng.integers(0, 16, size=(R, V // 2)) * np.spacing(np.float32(2.0))
@@ -60,6 +63,8 @@ CASES = [  # (kind, R, V, dtype, inv_temperature, top_p)
     ("signs", 3, 2000, jnp.float32, 0.5, 0.7),
     ("near", 3, 3000, jnp.float32, 1.0, 0.5),
     ("near", 2, 1500, jnp.float32, 1.0, 0.7),
+    ("zipf", 4, 5000, jnp.float32, 1 / 0.7, 0.95),
+    ("zipf", 3, 3000, jnp.bfloat16, 1.0, 0.99),
 ]
 
 
@@ -70,9 +75,11 @@ def test_top_p_threshold(case):
     logits = jnp.asarray(rows(kind, rng, R, V), dtype)
     want = oracle(logits, inv_t, top_p)
     ref = np.asarray(top_p_threshold_reference(logits, inv_t, top_p))
-    per_row = np.asarray(top_p_threshold_per_row(logits, inv_t, top_p, interpret=True, chunk=256))
     np.testing.assert_array_equal(ref, want)
-    np.testing.assert_array_equal(per_row, want)
+    # the bracket's values held (up to 1024) or too many to hold: the search over the row (capacity 16)
+    for capacity in (1024, 16):
+        per_row = top_p_threshold_per_row(logits, inv_t, top_p, interpret=True, chunk=256, capacity=capacity)
+        np.testing.assert_array_equal(np.asarray(per_row), want)
     # the split path, one chunk a program or three (the last program's chunks partly past V)
     per = 1 + 2 * (CASES.index(case) % 2)
     split = np.asarray(top_p_threshold_split(logits, inv_t, top_p, interpret=True, chunk=128, per=per))
