@@ -59,7 +59,7 @@ NUM_WARPS = 32
 # max (median; 7.4 at most), and 42 (median; 517 at most) values lie within 8 of it.
 CUTS = (4.0, 8.0, 16.0)
 CAPACITY = 1024
-SPREAD = 16  # pivots a pass of the search over held values
+SPREAD = 16  # pivots a pass of the search over held values (a power of two)
 
 
 def _average(a, b):
@@ -112,8 +112,9 @@ def top_p_threshold_reference(logits, inv_temperature, top_p):
 
 def _spread(lo, hi):
     """SPREAD ascending keys in [lo + 1, hi - 1] about evenly spaced over (lo, hi) (computed without
-    overflow: the step is (hi - lo) / 16 to within one; the last ones clip to hi - 1)."""
-    step = jnp.maximum((hi >> 4) - (lo >> 4), 1)
+    overflow: the step is (hi - lo) / SPREAD to within one; the last ones clip to hi - 1)."""
+    shift = SPREAD.bit_length() - 1
+    step = jnp.maximum((hi >> shift) - (lo >> shift), 1)
     return jnp.minimum(lo + jnp.arange(1, SPREAD + 1, dtype=jnp.int32) * step, hi - 1)
 
 

@@ -177,6 +177,7 @@ def test_every_device_holds_only_its_shard(qwen3):
     assert cache.k.sharding.shard_shape(cache.k.shape) == (L, 2, cfg.num_kv_heads // tp, cache.num_slots, Dh)
 
 
+@pytest.mark.slow  # 35 s; the sharded engine's tokens are checked by default above (the default run's 20 minutes)
 def test_scheduler_admissions_equal_one_device(qwen3):
     """The server's path: requests admitted one at a time into running slots, a long one prefilled in
     chunks, rows released and reused; every request's tokens equal the one-device scheduler's."""
