@@ -321,7 +321,7 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     logits, cache, scores = verify(params, cfg, spec, drafter, state, tokens, tree)
     num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, rules(sampling, state),
                                               spec.backend)
-    cache = compact(cache, roots(state), path, tree, ~state.done)
+    cache = compact(cache, roots(state.length, state.done), path, tree, ~state.done)
     return _commit(state, cache, key, emitted, num_accepted, path, drafter, scores, nodes=tree.rows - 1)
 
 
@@ -339,7 +339,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     sampling = rules(sampling, state)
     params, layer_ids = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
     B = state.length.shape[0]
-    first, live = roots(state), ~state.done
+    first, live = roots(state.length, state.done), ~state.done
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))
     probs = None if sampling.greedy else jnp.zeros((B, tree.rows, cfg.vocab_size), jnp.float32)
     carry = (tokens, probs, state.cache, state.drafter, key)
@@ -403,7 +403,7 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     the drafter collects (per layer), or None.
     """
     T = tokens.shape[1]
-    first = roots(state)
+    first = roots(state.length, state.done)
     slots = first[:, None] + jnp.arange(T, dtype=jnp.int32)
     positions = slots if tree is None else first[:, None] + jnp.asarray(tree.node_depth)
     mask = None if tree is None or tree.is_chain else kernels.TreeMask(first, tree.ancestors)
@@ -432,12 +432,12 @@ def rules(sampling: SamplingConfig | None, state: DecodeState) -> Rules:
     return state.sampling if sampling is None else sampling
 
 
-def roots(state: DecodeState) -> jax.Array:
-    """Each row's root slot [B], where its next pass starts: the pending token's, length - 1. A
-    finished row runs at slot 0 instead and writes nothing, so its attention reads one key block and
+def roots(length: jax.Array, done: jax.Array) -> jax.Array:
+    """Each row's root slot [B] (length, done [B]), where its next pass starts: the pending token's,
+    length - 1. A finished row runs at slot 0 instead and writes nothing, so its attention reads one key block and
     its drafter selects one slot rather than its whole context (measured: bench/NOTES.md, issue 13's
     finished rows)."""
-    return jnp.where(state.done, 0, state.length - 1)
+    return jnp.where(done, 0, length - 1)
 
 
 def pending_tokens(state: DecodeState) -> jax.Array:
@@ -474,7 +474,7 @@ def _commit(state, cache, key, tokens, num_accepted, path, drafter, scores, node
     )
     dstate = state.drafter
     if drafter is not None:
-        dstate = drafter.after_verify(dstate, state.budget, scores, cache, jnp.where(done, 0, n - 1), num_accepted, path)
+        dstate = drafter.after_verify(dstate, state.budget, scores, cache, roots(n, done), num_accepted, path)
     return dataclasses.replace(
         state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
     )
