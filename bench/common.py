@@ -98,6 +98,22 @@ def write_json(path: Path, result: dict) -> None:
     files.write_text(path, json.dumps(result, indent=1, default=float))
 
 
+def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict,
+           draft_bytes: int | None = None) -> dict:
+    """Bytes floors (seconds) of a plain step, one draft forward (reading `draft_bytes` of weights;
+    over the whole context for `full`; the weights' by default) and the verify pass at `context`."""
+    bw = rates["copy_GBps"]
+    plain = step_floor_s(cfg, weight_bytes, batch, context, bw)
+    if spec.method == "plain":
+        return {"plain_floor_s": plain}
+    rows = spec.shape.rows
+    logits = (rows - 1) * batch * cfg.vocab_size * 4 / (bw * 1e9)
+    selected = context if spec.method == "full" else max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
+    draft = 0.0 if spec.method == "ngram" else step_floor_s(cfg, weight_bytes if draft_bytes is None else draft_bytes, batch, selected, bw)
+    return {"plain_floor_s": plain, "draft_floor_s": draft, "verify_floor_s": plain + logits,
+            "iteration_floor_s": spec.shape.depth * draft + plain + logits}
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def random_layers(key, shape, dtype):
     """Standard-normal [L, ...] filled one layer at a time (no full-size float32 temporary)."""

@@ -59,21 +59,6 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None) -
     return SpecConfig(method=method, tree=tree.branching, traversal=tree.order, ratio=ratio, backend=backend).validate()
 
 
-def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, rates: dict, draft_bytes: int) -> dict:
-    """Bytes floors (seconds) of a plain step, one draft forward (reading `draft_bytes` of weights;
-    over the whole context for `full`) and the verify pass at `context`."""
-    bw = rates["copy_GBps"]
-    plain = common.step_floor_s(cfg, weight_bytes, batch, context, bw)
-    if spec.method == "plain":
-        return {"plain_floor_s": plain}
-    rows = spec.shape.rows
-    logits = (rows - 1) * batch * cfg.vocab_size * 4 / (bw * 1e9)
-    selected = context if spec.method == "full" else max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
-    draft = 0.0 if spec.method == "ngram" else common.step_floor_s(cfg, draft_bytes, batch, selected, bw)
-    return {"plain_floor_s": plain, "draft_floor_s": draft, "verify_floor_s": plain + logits,
-            "iteration_floor_s": spec.shape.depth * draft + plain + logits}
-
-
 def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
     """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each)."""
     backend = "reference" if args.tiny else "pallas"
@@ -104,7 +89,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "runs": runs,
                        **common.median_of_runs(runs)}
                 draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, spec.draft_weights, spec.draft_skip)
-                row |= floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_bytes)
+                row |= common.floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_bytes)
                 if spec.method == "plain":
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common, e2e
-from bench.e2e import floors, spec_of, split_shapes
+from bench.e2e import spec_of, split_shapes
 from bench.throughput import stage_times
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.loaders import load_model
@@ -49,7 +49,7 @@ def verify_part(args, cfg, params, rates, rows_out, save):
             times, state = stage_times(params, cfg, spec, max_len, state)
             del state
             rows = spec.shape.rows
-            f = floors(cfg, weight_bytes, spec, batch_size, context, rates)
+            f = common.floors(cfg, weight_bytes, spec, batch_size, context, rates)
             attn_flops = 4 * batch_size * rows * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
             flops_floor = (2 * n_params * batch_size * rows + attn_flops) / (rates["matmul_TFLOPs"] * 1e12)
             floor = max(f["verify_floor_s"], flops_floor)
