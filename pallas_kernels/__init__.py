@@ -23,6 +23,7 @@ from pallas_kernels.sparse_attention import (
 from pallas_kernels.quant_matmul import MAX_ROWS as QUANT_MATMUL_ROWS
 from pallas_kernels.quant_matmul import quant_matmul_pallas, quant_matmul_reference
 from pallas_kernels.quant_matmul import supported as quant_matmul_supported  # noqa: F401 (the switch below)
+from pallas_kernels.quest_pages import quest_pages_pallas, quest_pages_reference
 from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
 from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference, supported as rope_write_supported
@@ -40,9 +41,14 @@ BACKENDS = ("reference", "pallas")
 # 384 x 2048 (58 against 82 us a call) and 8 x 32K, and lost from 384 x 4096 and at [36, 1, 32K]
 # (bench/topk_rows.py, bench/kernels.py; bench/NOTES.md).
 TOPK_XLA_MAX = 1 << 20
+# Quest's fused page choice runs one program per (row, KV head), each streaming its row of bounds:
+# it beats XLA's scores + lax.top_k from 24 programs over SmolLM2's 496 x 64-element rows, but over
+# Qwen3-8B's 2,048 x 128 at 32K only from 128 programs (bench/quest_pages.py; bench/NOTES.md).
+QUEST_FUSED_MIN_PROGRAMS = 128
+QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kernel runs at any batch
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
-           "nsa_tree_attention", "quant_matmul", "quant_matmul_partials", "residual_norm", "rope_write", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
+           "nsa_tree_attention", "quant_matmul", "quant_matmul_partials", "quest_pages", "residual_norm", "rope_write", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -127,6 +133,17 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
                                        interpret=interpret_default())
     return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
                                       scale=scale, tail_capacity=tail_capacity, tree=tree)
+
+
+def quest_pages(q, kmin, kmax, layer, last_page, k, k_max: int, *, backend: str = "reference"):
+    """Quest's page ids [B, Hkv, k_max] for queries q [B, T, Hq, Dh] from the page bounds of layer
+    `layer` (stacks [L, B, Hkv, P, Dh], read in place): the first k[b] are the top-scoring pages below
+    last_page[b] (pallas_kernels/quest_pages.py defines the score); the rest are any pages. The fused
+    kernel runs where its programs fill the GPU or its rows are short; elsewhere XLA does."""
+    B, H, P, Dh = kmin.shape[1:]
+    if _is_pallas(backend) and (B * H >= QUEST_FUSED_MIN_PROGRAMS or P * Dh <= QUEST_FUSED_MAX_ROW):
+        return quest_pages_pallas(q, kmin, kmax, layer, last_page, k, k_max, interpret=interpret_default())
+    return quest_pages_reference(q, kmin, kmax, layer, last_page, k, k_max)
 
 
 def select_topk(scores, k_max: int, k, *, backend: str = "reference"):

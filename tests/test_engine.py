@@ -148,7 +148,7 @@ def test_draft_models_lossless_smollm2(smollm2_batch, spec, weights, skip, least
 
 @pytest.mark.parametrize("method, weights, skip", [
     ("vegas", "int8", ()), ("all_rows", "int4", ()), ("last_accepted", "int8", (2,)), ("full", "int4", (1,)),
-    ("stream", "exact", (3,)),
+    ("stream", "exact", (3,)), ("quest", "int8", (2,)),
 ])
 def test_draft_models_lossless_qwen3(qwen3_case, method, weights, skip):
     spec, params = with_draft(qwen3_case, SpecConfig(method=method, gamma=5, min_tokens=32), weights, skip)

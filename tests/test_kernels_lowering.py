@@ -23,6 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
+from pallas_kernels.quest_pages import quest_pages_pallas
 from pallas_kernels.residual_norm import residual_norm_pallas
 from pallas_kernels.rope_write import rope_write_pallas
 from pallas_kernels.sparse_attention import sparse_attention_pallas
@@ -165,6 +166,14 @@ def test_residual_norm_lowers(check_cuda, M, D, splits, scale):
     check_cuda(lambda x, sums, w, entry, sc: residual_norm_pallas(x, sums, w, entry, eps=1e-6, scale=sc),
                spec((M, D), jnp.bfloat16), spec((splits, max(M, 16), D), jnp.float32 if scale else jnp.bfloat16),
                spec((L, D), jnp.bfloat16), spec(()), col_scale)
+
+
+@pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [(L, 1, 32, 8, S // 16, 128), (30, 128, 9, 3, 496, 64)])
+def test_quest_pages_lowers(check_cuda, Lq, Bq, Hq, H, P, Dh):
+    """Qwen3-8B's pages at 1 x 32K, SmolLM2's at 128 x 7.9K (a masked last chunk)."""
+    bounds = spec((Lq, Bq, H, P, Dh), jnp.bfloat16)
+    check_cuda(lambda q, lo, hi, layer, last, k: quest_pages_pallas(q, lo, hi, layer, last, k, P * 7 // 100),
+               spec((Bq, 1, Hq, Dh), jnp.bfloat16), bounds, bounds, spec(()), spec((Bq,)), spec((Bq,)))
 
 
 @pytest.mark.parametrize("S_", [S, 4000])   # 4000: a masked last chunk

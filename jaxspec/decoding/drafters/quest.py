@@ -2,10 +2,10 @@
 
 Each 16-slot page keeps the elementwise min and max of its keys per KV head. A page's score for the
 current query is sum_d max(q_d * kmax_d, q_d * kmin_d), summed over the query heads of the group; the
-top pages per KV head are attended together with the query's own (last) page. The first two layers
-attend densely, as in the Quest paper. The nodes of one draft-tree depth share one page choice,
-scored with all their queries (summed as the heads of a group are); their tail starts at the root's
-page.
+top pages per KV head (kernels.quest_pages: scores and top-k in one kernel) are attended together
+with the query's own (last) page. The first two layers attend densely, as in the Quest paper. The
+nodes of one draft-tree depth share one page choice, scored with all their queries (summed as the
+heads of a group are); their tail starts at the root's page.
 """
 
 from __future__ import annotations
@@ -58,26 +58,11 @@ class Quest(Drafter):
         return PageBounds(kmin, kmax)
 
     def attend(self, state, budget, rows):
-        B, T = rows.slots.shape
-        H, G, D = self.cfg.num_kv_heads, self.cfg.group_size, self.cfg.head_dim
+        B = rows.slots.shape[0]
         last_page = rows.first // PAGE
         # Pages before the root's page; the root's page onwards is the tail.
         n_pages = jnp.minimum(-(-self.count(budget, rows.position + 1) // PAGE) - 1, last_page)
-        page_ids = jnp.arange(state.kmin.shape[3], dtype=jnp.int32)
         offsets = jnp.arange(PAGE, dtype=jnp.int32)
-
-        def pages(q, bounds):
-            """The slots of the top pages per KV head [B, Hkv, k_max] for this layer's queries."""
-            kmin, kmax = (b.astype(jnp.float32) for b in bounds)  # [B, Hkv, P, Dh]
-            qg = q.astype(jnp.float32).reshape(B, T, H, G, D)
-            # max(q*kmax, q*kmin) = q+ * kmax - q- * kmin since kmax >= kmin.
-            pos_q, neg_q = jnp.maximum(qg, 0).sum((1, 3)), jnp.maximum(-qg, 0).sum((1, 3))
-            page_scores = jnp.einsum("bhd,bhpd->bhp", pos_q, kmax) - jnp.einsum("bhd,bhpd->bhp", neg_q, kmin)
-            page_scores = jnp.where(page_ids < last_page[:, None, None], page_scores, -jnp.inf)
-            top = kernels.select_topk(
-                page_scores, self.k_max // PAGE, jnp.maximum(n_pages, 1)[:, None], backend=self.spec.backend
-            )
-            return (top[..., None] * PAGE + offsets).reshape(B, H, -1)
 
         def sparse(layer, q, cache, idx):
             return kernels.sparse_attention(
@@ -91,12 +76,15 @@ class Quest(Drafter):
             )
             return out
 
-        def attend(layer, q, cache, bounds, _gates, carry):
-            # The pages are chosen outside the cond, also for the dense layers: there the score fusion
-            # reads the layer's bounds in place, whereas as a cond operand each bound was copied first
-            # (two 24 MB copies a layer at 128 x 7.5K; bench/NOTES.md, quest's draft step).
-            idx = pages(q, bounds)
+        def attend(layer, q, cache, _lx, _gates, carry):
+            # The pages are chosen outside the cond, also for the dense layers: a cond takes its
+            # operands by value, so inside it each layer's bounds were copied first (two 24 MB
+            # copies a layer at 128 x 7.5K; bench/NOTES.md, quest's draft step). The bound stacks
+            # are read at the layer in place.
+            top = kernels.quest_pages(q, state.kmin, state.kmax, layer, last_page, jnp.maximum(n_pages, 1),
+                                      self.k_max // PAGE, backend=self.spec.backend)
+            idx = (top[..., None] * PAGE + offsets).reshape(B, self.cfg.num_kv_heads, -1)
             out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, idx)
             return out, None, carry
 
-        return attend, (state.kmin, state.kmax)
+        return attend, None

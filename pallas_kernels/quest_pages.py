@@ -1,0 +1,134 @@
+"""Quest's page choice in one kernel: score every page from its key bounds and keep the top k.
+
+A page's score for the queries q [B, T, Hq, Dh] of a KV head is sum_d max(q_d * kmax_d, q_d * kmin_d)
+summed over the T rows and the G query heads of the group, which is q+ . kmax - q- . kmin with q+ and
+q- the positive and negative parts of those sums (kmax >= kmin). Pages at or past last_page[b] are not
+candidates. The result is the page ids [B, Hkv, k_max]: the first min(k[b], #candidates) entries are
+the pages of the k[b] largest scores, in any order; the rest are arbitrary pages in [0, P).
+
+The reference scores the pages with an XLA einsum and takes lax.top_k. The Pallas kernel does both in
+one program per (b, KV head): it writes the row's scores to a scratch row (L2-resident), then runs
+topk.py's radix select over it (8 passes of 16 candidates, a count, a compaction) without leaving the
+program, so a layer's choice is one kernel rather than two score fusions and a sort. The bounds are
+read at the layer in place from their stacks [L, B, Hkv, P, Dh] (a slice of a stack inside the layer
+scan would be copied before a custom call).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import float_key, next_pow2
+from pallas_kernels.topk import DIGIT_BITS, RADIX, select_topk_reference
+
+CHUNK = 512  # scores a step of each search pass
+SCORE_ELEMENTS = 8192  # bound elements a step of the scoring loads (64 pages at Dh 128): no spills
+_INT32_MIN = -(2 ** 31)
+
+
+def _check(q, kmin, kmax, last_page, k, k_max):
+    B, _, Hq, Dh = q.shape
+    _, Bb, H, P, Db = kmin.shape
+    if kmax.shape != kmin.shape or (Bb, Db) != (B, Dh) or Hq % H:
+        raise ValueError(f"shapes do not match: q {q.shape}, kmin {kmin.shape}, kmax {kmax.shape}")
+    if last_page.shape != (B,) or k.shape != (B,):
+        raise ValueError(f"last_page and k must be [B] = [{B}], got {last_page.shape}, {k.shape}")
+    if not 1 <= k_max <= P:
+        raise ValueError(f"k_max must be in [1, P={P}], got {k_max}")
+
+
+def _query_parts(q, H: int):
+    """(q+, q-) [B, Hkv, Dh] float32: the positive and negative parts summed over rows and the group."""
+    B, T, Hq, Dh = q.shape
+    qg = q.astype(jnp.float32).reshape(B, T, H, Hq // H, Dh)
+    return jnp.maximum(qg, 0).sum((1, 3)), jnp.maximum(-qg, 0).sum((1, 3))
+
+
+def quest_pages_reference(q, kmin, kmax, layer, last_page, k, k_max: int):
+    """Einsum scores, masked past last_page, then lax.top_k."""
+    _check(q, kmin, kmax, last_page, k, k_max)
+    pos_q, neg_q = _query_parts(q, kmin.shape[2])
+    lo, hi = (lax.dynamic_index_in_dim(b, layer, 0, keepdims=False).astype(jnp.float32) for b in (kmin, kmax))
+    scores = jnp.einsum("bhd,bhpd->bhp", pos_q, hi) - jnp.einsum("bhd,bhpd->bhp", neg_q, lo)
+    scores = jnp.where(jnp.arange(kmin.shape[3]) < last_page[:, None, None], scores, -jnp.inf)
+    return select_topk_reference(scores, k_max, k)
+
+
+def _kernel(layer_ref, last_ref, k_ref, pos_ref, neg_ref, kmin_ref, kmax_ref, idx_ref, scores_ref, *,
+            chunk: int, score_chunk: int, k_max: int, barrier: bool):
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, last, k = layer_ref[0], last_ref[b], k_ref[b]
+    P = kmin_ref.shape[3]
+    n_chunks = scores_ref.shape[2] // chunk
+    pos, neg = pos_ref[b, h, :], neg_ref[b, h, :]
+
+    def score(c, _):
+        pages = c * score_chunk + jnp.arange(score_chunk)
+        lo, hi = (plgpu.load(ref.at[layer, b, h, pl.ds(c * score_chunk, score_chunk), :], mask=(pages < P)[:, None],
+                             other=0).astype(jnp.float32) for ref in (kmin_ref, kmax_ref))
+        s = (hi * pos[None, :]).sum(axis=1) - (lo * neg[None, :]).sum(axis=1)
+        scores_ref[b, h, pl.ds(c * score_chunk, score_chunk)] = jnp.where(pages < last, s, -jnp.inf)
+        return 0
+
+    lax.fori_loop(0, scores_ref.shape[2] // score_chunk, score, 0)
+    if barrier:  # the scores, written by all the program's threads, are read back by others
+        plgpu.debug_barrier()
+
+    def keys(c):
+        pages = c * chunk + jnp.arange(chunk)
+        return pages, pages < P, float_key(scores_ref[b, h, pl.ds(c * chunk, chunk)])
+
+    prefix = jnp.int32(0)  # known high bits of the k-th largest key, unsigned pattern
+    for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
+        candidates = (prefix | (jnp.arange(RADIX) << shift)) ^ _INT32_MIN
+
+        def count(c, total, candidates=candidates):
+            _, valid, key = keys(c)
+            return total + (valid[:, None] & (key[:, None] >= candidates[None, :])).astype(jnp.int32).sum(axis=0)
+
+        counts = lax.fori_loop(0, n_chunks, count, jnp.zeros((RADIX,), jnp.int32))
+        prefix |= (jnp.sum(counts >= k, dtype=jnp.int32) - 1) << shift
+    tau = prefix ^ _INT32_MIN
+
+    def above(c, total):
+        _, valid, key = keys(c)
+        return total + (valid & (key > tau)).astype(jnp.int32).sum()
+
+    n_above = lax.fori_loop(0, n_chunks, above, jnp.int32(0))
+    need = k - n_above
+
+    def compact(c, seen):
+        above_seen, tie_seen = seen
+        pages, valid, key = keys(c)
+        over, tie = valid & (key > tau), valid & (key == tau)
+        above_rank = above_seen + jnp.cumsum(over.astype(jnp.int32))
+        tie_rank = tie_seen + jnp.cumsum(tie.astype(jnp.int32))
+        write = over | (tie & (tie_rank <= need))
+        slot = jnp.where(over, above_rank - 1, n_above + tie_rank - 1)
+        plgpu.store(idx_ref.at[b, h, jnp.where(write, slot, k_max)], pages, mask=write)  # masked lanes: spare column
+        return above_seen + over.astype(jnp.int32).sum(), tie_seen + tie.astype(jnp.int32).sum()
+
+    lax.fori_loop(0, n_chunks, compact, (jnp.int32(0), jnp.int32(0)))
+
+
+def quest_pages_pallas(q, kmin, kmax, layer, last_page, k, k_max: int, *, interpret: bool = False,
+                       chunk: int = CHUNK):
+    """One Pallas-Triton program per (b, KV head): scores, radix select and compaction."""
+    _check(q, kmin, kmax, last_page, k, k_max)
+    B, H, P = q.shape[0], kmin.shape[2], kmin.shape[3]
+    pos_q, neg_q = _query_parts(q, H)
+    chunk = min(chunk, next_pow2(P))
+    score_chunk = min(chunk, max(16, SCORE_ELEMENTS // kmin.shape[4]))
+    k = jnp.clip(jnp.asarray(k, jnp.int32), 1, k_max)
+    idx, _ = pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk, score_chunk=score_chunk, k_max=k_max, barrier=not interpret),
+        grid=(B, H), in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec] * 2,
+        out_shape=[jax.ShapeDtypeStruct((B, H, k_max + 1), jnp.int32),
+                   jax.ShapeDtypeStruct((B, H, pl.cdiv(P, chunk) * chunk), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="quest_pages",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(last_page, jnp.int32), k, pos_q, neg_q, kmin, kmax)
+    return jnp.where(jnp.arange(k_max) < k[:, None, None], idx[..., :k_max], 0)
