@@ -22,11 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import float_key, next_pow2
-from pallas_kernels.topk import DIGIT_BITS, RADIX, select_topk_reference
+from pallas_kernels.topk import (DIGIT_BITS, RADIX, candidate_counts, next_prefix, prefix_key, select_topk_reference,
+                                 store_ranked)
 
 CHUNK = 512  # scores a step of each search pass
 SCORE_ELEMENTS = 8192  # bound elements a step of the scoring loads (64 pages at Dh 128): no spills
-_INT32_MIN = -(2 ** 31)
 
 
 def _check(q, kmin, kmax, last_page, k, k_max):
@@ -83,15 +83,12 @@ def _kernel(layer_ref, last_ref, k_ref, pos_ref, neg_ref, kmin_ref, kmax_ref, id
 
     prefix = jnp.int32(0)  # known high bits of the k-th largest key, unsigned pattern
     for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
-        candidates = (prefix | (jnp.arange(RADIX) << shift)) ^ _INT32_MIN
-
-        def count(c, total, candidates=candidates):
+        def count(c, total, prefix=prefix, shift=shift):
             _, valid, key = keys(c)
-            return total + (valid[:, None] & (key[:, None] >= candidates[None, :])).astype(jnp.int32).sum(axis=0)
+            return total + candidate_counts(prefix, shift, valid, key)
 
-        counts = lax.fori_loop(0, n_chunks, count, jnp.zeros((RADIX,), jnp.int32))
-        prefix |= (jnp.sum(counts >= k, dtype=jnp.int32) - 1) << shift
-    tau = prefix ^ _INT32_MIN
+        prefix = next_prefix(prefix, shift, lax.fori_loop(0, n_chunks, count, jnp.zeros((RADIX,), jnp.int32)), k)
+    tau = prefix_key(prefix)
 
     def above(c, total):
         _, valid, key = keys(c)
@@ -103,13 +100,8 @@ def _kernel(layer_ref, last_ref, k_ref, pos_ref, neg_ref, kmin_ref, kmax_ref, id
     def compact(c, seen):
         above_seen, tie_seen = seen
         pages, valid, key = keys(c)
-        over, tie = valid & (key > tau), valid & (key == tau)
-        above_rank = above_seen + jnp.cumsum(over.astype(jnp.int32))
-        tie_rank = tie_seen + jnp.cumsum(tie.astype(jnp.int32))
-        write = over | (tie & (tie_rank <= need))
-        slot = jnp.where(over, above_rank - 1, n_above + tie_rank - 1)
-        plgpu.store(idx_ref.at[b, h, jnp.where(write, slot, k_max)], pages, mask=write)  # masked lanes: spare column
-        return above_seen + over.astype(jnp.int32).sum(), tie_seen + tie.astype(jnp.int32).sum()
+        above, tie = store_ranked(idx_ref, (b, h), pages, valid, key, tau, above_seen, tie_seen, n_above, need, k_max)
+        return above_seen + above, tie_seen + tie
 
     lax.fori_loop(0, n_chunks, compact, (jnp.int32(0), jnp.int32(0)))
 

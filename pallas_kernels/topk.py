@@ -52,14 +52,44 @@ def _load_keys(scores_ref, row, chunk_id, chunk):
     return slots, valid, float_key(x)
 
 
+def candidate_counts(prefix, shift: int, valid, key):
+    """[RADIX] int32 (inside a kernel): count[c] = number of the valid keys >= the candidate whose
+    bits above `shift` are `prefix`, whose next DIGIT_BITS bits are c and whose lower bits are 0
+    (unsigned pattern)."""
+    candidates = (prefix | (jnp.arange(RADIX) << shift)) ^ _INT32_MIN
+    return (valid[:, None] & (key[:, None] >= candidates[None, :])).astype(jnp.int32).sum(axis=0)
+
+
+def next_prefix(prefix, shift: int, counts, k):
+    """The prefix with its next DIGIT_BITS bits: the largest candidate that still has k keys at or above it."""
+    return prefix | ((jnp.sum(counts >= k, axis=-1, dtype=jnp.int32) - 1) << shift)
+
+
+def prefix_key(prefix):
+    """The k-th largest key from its settled unsigned pattern."""
+    return prefix ^ _INT32_MIN
+
+
+def store_ranked(idx_ref, row: tuple, slots, valid, key, tau, above_seen, tie_seen, n_above, need, k_max: int):
+    """Writes the slots whose keys are above tau at their ranks (after above_seen earlier ones), then
+    those equal to tau after n_above while fewer than need (after tie_seen earlier ties), into the row
+    idx_ref[row] of k_max + 1 columns: masked-off lanes point at column k_max, which the caller slices
+    away. Returns this chunk's (above, tie) counts."""
+    above = valid & (key > tau)
+    tie = valid & (key == tau)
+    above_rank = above_seen + jnp.cumsum(above.astype(jnp.int32))
+    tie_rank = tie_seen + jnp.cumsum(tie.astype(jnp.int32))
+    write = above | (tie & (tie_rank <= need))
+    pos = jnp.where(above, above_rank - 1, n_above + tie_rank - 1)
+    plgpu.store(idx_ref.at[(*row, jnp.where(write, pos, k_max))], slots, mask=write)
+    return above.astype(jnp.int32).sum(), tie.astype(jnp.int32).sum()
+
+
 def _candidates_kernel(prefix_ref, scores_ref, count_ref, *, shift, chunk):
-    """count[c] = number of the chunk's keys >= the candidate whose bits above `shift` are the
-    row's prefix, whose next DIGIT_BITS bits are c and whose lower bits are 0 (unsigned pattern)."""
+    """The chunk's candidate_counts for the row's prefix."""
     row, chunk_id = pl.program_id(0), pl.program_id(1)
     _, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
-    candidates = (prefix_ref[row] | (jnp.arange(RADIX) << shift)) ^ _INT32_MIN
-    at_least = valid[:, None] & (key[:, None] >= candidates[None, :])
-    count_ref[...] = at_least.astype(jnp.int32).sum(axis=0)
+    count_ref[...] = candidate_counts(prefix_ref[row], shift, valid, key)
 
 
 def _count_kernel(tau_ref, scores_ref, count_ref, *, chunk):
@@ -74,23 +104,14 @@ def _count_kernel(tau_ref, scores_ref, count_ref, *, chunk):
 
 def _compact_kernel(tau_ref, n_above_ref, need_ref, offset_ref, scores_ref, idx_ref, *, chunk,
                     k_max):
-    """Writes the chunk's slots above tau at their ranks, then its ties while fewer than need.
-
-    Masked-off lanes point at column k_max, which the caller slices away.
-    """
+    """The chunk's store_ranked, after the earlier chunks' counts (offsets)."""
     row, chunk_id = pl.program_id(0), pl.program_id(1)
     slots, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
     offsets = offset_ref[row, chunk_id, :]
     above_seen = jnp.sum(jnp.where(jnp.arange(2) == 0, offsets, 0))
     tie_seen = jnp.sum(jnp.where(jnp.arange(2) == 1, offsets, 0))
-    tau = tau_ref[row]
-    above = valid & (key > tau)
-    tie = valid & (key == tau)
-    above_rank = above_seen + jnp.cumsum(above.astype(jnp.int32))
-    tie_rank = tie_seen + jnp.cumsum(tie.astype(jnp.int32))
-    write = above | (tie & (tie_rank <= need_ref[row]))
-    pos = jnp.where(above, above_rank - 1, n_above_ref[row] + tie_rank - 1)
-    plgpu.store(idx_ref.at[row, jnp.where(write, pos, k_max)], slots, mask=write)
+    store_ranked(idx_ref, (row,), slots, valid, key, tau_ref[row], above_seen, tie_seen, n_above_ref[row],
+                 need_ref[row], k_max)
 
 
 def select_topk_pallas(scores, k_max: int, k, *, interpret: bool = False, chunk: int = CHUNK):
@@ -114,9 +135,8 @@ def select_topk_pallas(scores, k_max: int, k, *, interpret: bool = False, chunk:
                       out_specs=pl.BlockSpec((None, None, RADIX), lambda r, c: (r, c, 0)),
                       out_shape=jax.ShapeDtypeStruct((*grid, RADIX), jnp.int32),
                       name="topk_candidates")(prefix, rows)
-        digit = jnp.sum(counts.sum(axis=1) >= k_rows[:, None], axis=1, dtype=jnp.int32) - 1
-        prefix |= digit << shift
-    tau = prefix ^ _INT32_MIN
+        prefix = next_prefix(prefix, shift, counts.sum(axis=1), k_rows[:, None])
+    tau = prefix_key(prefix)
 
     counts = call(functools.partial(_count_kernel, chunk=chunk), in_specs=row_specs,
                   out_specs=pl.BlockSpec((None, None, 2), lambda r, c: (r, c, 0)),
