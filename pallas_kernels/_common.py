@@ -3,7 +3,7 @@
 Both attention kernels run flash-decoding style: a grid of (batch, kv head, row block, split)
 programs, each streams blocks of keys through an online softmax for its tile of GQA-packed query
 rows and writes a normalised partial output plus its log-sum-exp; `merge_splits` combines the
-splits in XLA.
+splits in XLA (`merged`: a single split's output is final, written in the output dtype).
 """
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Enough (batch x kv head x split) programs to fill an H100 (132 SMs) about twice over, with at
-# most 16 splits: at B=1 x 32K, 16 splits beat 32 (57 vs 63 us, T=10), at B=4 8 beat 16.
+# Enough (batch x kv head x split) programs to fill an H100 (132 SMs) about twice over; grids of
+# fewer than 16 (batch x kv head) programs aim at one wave instead, where each split's fixed cost
+# and the merge outweigh a second wave (bench/splits.py, bench/NOTES.md: a 1.2B Llama's 2 KV heads
+# at 1 x 16K want 64 splits, Qwen3-8B's 8 at 1 x 32K 16 rather than 32, SmolLM2 8 x 7.9K 11).
 TARGET_PROGRAMS = 256
-MAX_SPLITS = 16
+FEW_PROGRAMS = 16
+MAX_SPLITS = 64
 # Triton dots need every operand dimension >= 16; all loaded tensors need power-of-two shapes.
 MIN_TILE = 16
 
@@ -43,8 +46,10 @@ def next_pow2(n: int) -> int:
 
 
 def num_splits(programs: int, max_blocks: int) -> int:
-    """Split-K factor: `programs * splits` about TARGET_PROGRAMS, one block per split at least."""
-    return max(1, min(-(-TARGET_PROGRAMS // programs), MAX_SPLITS, max_blocks))
+    """Split-K factor: `programs * splits` about TARGET_PROGRAMS (half that for fewer than
+    FEW_PROGRAMS programs), one block per split at least."""
+    target = TARGET_PROGRAMS if programs >= FEW_PROGRAMS else TARGET_PROGRAMS // 2
+    return max(1, min(-(-target // programs), MAX_SPLITS, max_blocks))
 
 
 def split_range(split, n_splits: int, n_blocks):
@@ -164,8 +169,27 @@ def store_split(o_ref, lse_ref, carry, rows: int):
     o = o / jnp.where(seen, l, 1.0)[:, None]
     tile = o.shape[0]
     real = jnp.arange(tile) < rows
-    plgpu.store(o_ref.at[pl.ds(0, tile)], o, mask=real[:, None])
+    plgpu.store(o_ref.at[pl.ds(0, tile)], o.astype(o_ref.dtype), mask=real[:, None])
     plgpu.store(lse_ref.at[pl.ds(0, tile)], lse, mask=real)
+
+
+def split_outputs(B: int, Hkv: int, n_blocks: int, n_splits: int, n_rows: int, Dh: int, dtype):
+    """out_specs and out_shape of the (b, h, r, split) grid's partial outputs, o [B, Hkv, n_blocks,
+    n_splits, n_rows, Dh] and lse [..., n_rows]. One split's o is final, stored in `dtype`: no merge,
+    and no conversion kernel between the call and the next product (`merged`)."""
+    o_dtype = dtype if n_splits == 1 else jnp.float32
+    specs = [pl.BlockSpec((None,) * 4 + (n_rows, Dh), lambda b, h, r, s: (b, h, r, s, 0, 0)),
+             pl.BlockSpec((None,) * 4 + (n_rows,), lambda b, h, r, s: (b, h, r, s, 0))]
+    shapes = [jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows, Dh), o_dtype),
+              jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows), jnp.float32)]
+    return specs, shapes
+
+
+def merged(o_part, lse_part):
+    """split_outputs' partials merged: (out [..., rows, Dh], lse [..., rows]); one split as it is."""
+    if o_part.shape[-3] == 1:
+        return o_part[..., 0, :, :], lse_part[..., 0, :]
+    return merge_splits(o_part, lse_part)
 
 
 def merge_splits(o_part, lse_part):

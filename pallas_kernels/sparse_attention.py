@@ -26,11 +26,12 @@ from pallas_kernels._common import (
     compiler_params,
     init_carry,
     matmul_precision,
-    merge_splits,
+    merged,
     next_pow2,
     num_splits,
     row_blocks,
     softmax_step,
+    split_outputs,
     split_range,
     store_split,
     tile_positions,
@@ -163,7 +164,6 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     stacked, idx = idx.ndim == 4, idx if idx.ndim == 4 else idx[None]
     n_idx, tail_start, idx, q_slot = (jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, idx, q_slot))
-    n_rows = rows * G
     kernel = functools.partial(_sparse_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
                                rows=rows, G=G, T=T, tile=tile, tree=tree is not None, stacked=stacked)
     in_specs = [pl.no_block_spec] * 8
@@ -172,13 +172,10 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
         first, words = tree_words(tree, G, n_blocks, rows, tile)
         in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
         args += [first, words]
+    out_specs, out_shape = split_outputs(B, Hkv, n_blocks, n_splits, rows * G, Dh, q.dtype)
     o_part, lse_part = pl.pallas_call(
-        kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None,) * 4 + (n_rows, Dh), lambda b, h, r, s: (b, h, r, s, 0, 0)),
-                   pl.BlockSpec((None,) * 4 + (n_rows,), lambda b, h, r, s: (b, h, r, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows, Dh), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows), jnp.float32)],
+        kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(), interpret=interpret, name="sparse_attention",
     )(*args)
-    out, _ = merge_splits(o_part, lse_part)
+    out, _ = merged(o_part, lse_part)
     return unpack_rows(out, T, G).astype(q.dtype)

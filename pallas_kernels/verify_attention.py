@@ -26,12 +26,13 @@ from pallas_kernels._common import (
     compiler_params,
     init_carry,
     matmul_precision,
-    merge_splits,
+    merged,
     next_pow2,
     num_splits,
     pack_rows,
     row_blocks,
     softmax_step,
+    split_outputs,
     split_range,
     store_split,
     tile_positions,
@@ -273,17 +274,13 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     q_pos = q_pos.astype(jnp.int32)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    n_rows = rows * G
     in_specs = [pl.no_block_spec] * 5
     args = [layer, q_pos, q.reshape(B, T * Hq, Dh), k_cache, v_cache]
     if tree is not None:  # without a tree no mask inputs at all (zeros would cost a kernel per layer)
         first, words = tree_words(tree, G, n_blocks, rows, tile)
         in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
         args += [first, words]
-    out_specs = [pl.BlockSpec((None,) * 4 + (n_rows, Dh), lambda b, h, r, s: (b, h, r, s, 0, 0)),
-                 pl.BlockSpec((None,) * 4 + (n_rows,), lambda b, h, r, s: (b, h, r, s, 0))]
-    out_shape = [jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows, Dh), jnp.float32),
-                 jax.ShapeDtypeStruct((B, Hkv, n_blocks, n_splits, n_rows), jnp.float32)]
+    out_specs, out_shape = split_outputs(B, Hkv, n_blocks, n_splits, rows * G, Dh, q.dtype)
     n_collect = collect_rows = 0
     if collect is not None:
         qc = _collect_tile(q.reshape(B, T, Hkv, G, Dh), collect)
@@ -305,7 +302,7 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
                           out_specs=out_specs, out_shape=out_shape,
                           compiler_params=compiler_params(), interpret=interpret,
                           name="verify_attention")(*args)
-    out, lse = merge_splits(outs[0], outs[1])
+    out, lse = merged(outs[0], outs[1])
     out, lse = unpack_rows(out, T, G), unpack_rows(lse, T, G)         # [B, T, Hq, Dh], [B, T, Hq]
     scores = None
     if collect is not None:

@@ -83,7 +83,7 @@ def alone(params, spec, r: Request) -> list[int]:
 
 # all_rows, last_accepted and stream share vegas's and quest's paths here: with the slow tests
 SLOW = ("all_rows", "last_accepted", "stream")
-# every method's admission into running slots is also in test_scheduler_admits_groups_... (plain, vegas,
+# every method's admission into running slots is also in test_scheduler_admits_groups_... (vegas and
 # quest by default): here only the tree runs by default, the rest are slow (the default run's 20 minutes)
 SLOW_MID_FLIGHT = SLOW + ("plain", "vegas", "quest", "ngram")
 SPECS = [pytest.param(SpecConfig(method=m, gamma=3, min_tokens=32), marks=[pytest.mark.slow] if m in SLOW_MID_FLIGHT else [], id=m)
@@ -163,10 +163,10 @@ def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
     return tokens, finished
 
 
-# ngram's admission (no drafter state but the tokens, which every method admits) is slow too: the
-# default run's 20 minutes
+# plain's and ngram's admissions (no drafter state but the tokens, which every method admits) are
+# slow too: the default run's 20 minutes
 SCHEDULER_CASES = [pytest.param("vegas", None, id="vegas"), pytest.param("vegas", 32, id="vegas-chunked")] + [
-    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW + ("ngram",) else [])
+    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram") else [])
     for m in METHODS if m not in ("vegas", "full")]
 
 

@@ -48,12 +48,10 @@ def run_json(*args) -> dict:
 
 
 def test_json_batch_is_lossless_across_methods(tmp_path):
-    """A batch: greedy vegas as a chain and with int8 draft weights, and the default (auto) emit plain
-    decoding's tokens (every drafter's losslessness: test_engine; trees and int4 + skip: the slow
-    test below)."""
+    """A batch: greedy vegas as a chain and the default (auto) emit plain decoding's tokens (every
+    drafter's losslessness: test_engine; trees and int8 / int4 + skip drafts: the slow test below)."""
     common = batch_args(tmp_path)
     outputs = {method: run_json(*common, "--method", method, "--gamma", "4") for method in ("plain", "vegas")}
-    outputs["int8"] = run_json(*common, "--method", "vegas", "--gamma", "4", "--draft-weights", "int8")
     outputs["auto"] = run_json(*common)  # the default: --method auto
     out = outputs["vegas"]
     assert out["model"] == "smollm2" and len(out["results"]) == 2
@@ -67,28 +65,29 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
     assert stats["method"] == "vegas" and stats["gamma"] == 4 and len(stats["acceptance_by_depth"]) == 4
     assert stats["draft_tokens"] == 4 * stats["iterations"] and stats["tree"] is None
     plain_tokens = [r["tokens"] for r in outputs["plain"]["results"]]
-    for method in ("vegas", "auto", "int8"):
+    for method in ("vegas", "auto"):
         assert [r["tokens"] for r in outputs[method]["results"]] == plain_tokens
-    int8 = outputs["int8"]["stats"]
-    assert int8["draft_weights"] == "int8" and int8["draft_weight_bytes"] > 0 and stats["draft_weight_bytes"] == 0
+    assert stats["draft_weights"] == "exact" and stats["draft_weight_bytes"] == 0
     auto = outputs["auto"]["stats"]
     assert auto["method_requested"] == "auto" and auto["lossless"] and auto["planned"]["source"].startswith(("table:", "cost-model"))
 
 
-@pytest.mark.slow  # three more CLI processes (~35 s of the default run's 20 minutes)
-def test_json_batch_trees_and_int4_skip_drafts_are_lossless(tmp_path):
-    """The same batch: a vegas tree and full drafts with int4 weights skipping two layers emit plain
-    decoding's tokens, and their stats say what ran."""
+@pytest.mark.slow  # four more CLI processes (~50 s of the default run's 20 minutes)
+def test_json_batch_trees_and_quantized_drafts_are_lossless(tmp_path):
+    """The same batch: a vegas tree, vegas with int8 draft weights and full drafts with int4 weights
+    skipping two layers emit plain decoding's tokens, and their stats say what ran."""
     common = batch_args(tmp_path)
     plain = run_json(*common, "--method", "plain")
     tree = run_json(*common, "--method", "vegas", "--tree", "3,2,1", "--traversal", "dfs")
+    int8 = run_json(*common, "--method", "vegas", "--gamma", "4", "--draft-weights", "int8")
     int4 = run_json(*common, "--method", "full", "--gamma", "3", "--draft-weights", "int4", "--draft-skip", "4,17")
-    for out in (tree, int4):
+    for out in (tree, int8, int4):
         assert [r["tokens"] for r in out["results"]] == [r["tokens"] for r in plain["results"]]
     stats = tree["stats"]
     assert (stats["tree"], stats["traversal"], stats["gamma"], stats["nodes"]) == ("3,2,1", "dfs", 3, 15)
     assert stats["nodes_verified_per_iteration"] == 15 and len(stats["acceptance_rate_by_depth"]) == 3
     assert stats["tokens_per_iteration"] == pytest.approx(1 + stats["accepted_per_iteration"])
+    assert int8["stats"]["draft_weights"] == "int8" and int8["stats"]["draft_weight_bytes"] > 0
     stats = int4["stats"]
     assert (stats["method"], stats["draft_weights"], stats["draft_skip"]) == ("full", "int4", [4, 17])
     assert stats["draft_weight_bytes"] > 0 and stats["accepted_tokens"] > 0

@@ -105,6 +105,9 @@ VERIFY_CASES = [
     (4, 64, 6, 2, 64, 256, jnp.float32, Collect((0, 63), "logit", True), 32, 3),
     # G=1: one block of 33 rows
     (2, 33, 2, 2, 64, 384, jnp.float32, Collect(tuple(range(33)), "weight", True), 64, None),
+    # one split: the kernel stores the final output in q's dtype, nothing merged
+    (3, 7, 6, 2, 64, 256, jnp.bfloat16, Collect((0, 6), "logit", True), 32, 1),
+    (2, 1, 4, 2, 64, 256, jnp.float32, Collect((0,), "weight", True), 64, 1),
 ]
 
 
@@ -197,6 +200,8 @@ SPARSE_CASES = [
     (10, 2, 1, 64, 256, 24, (24, 3, 1), (60, 80, 250), (59, 95, 255), jnp.float32, 16, None),
     (2, 2, 2, 64, 384, 70, (0, 70, 12), (0, 200, 300), (0, 383, 330), jnp.float32, 32, None),
     (8, 1, 1, 128, 256, 33, (20, 33, 9), (128, 64, 10), (140, 100, 15), jnp.bfloat16, 16, None),
+    # one split (the final output stored in q's dtype)
+    (6, 2, 1, 64, 256, 40, (40, 12, 0), (90, 200, 30), (100, 230, 40), jnp.bfloat16, 16, 1),
 ]
 
 
