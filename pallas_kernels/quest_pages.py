@@ -21,9 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import float_key, next_pow2
-from pallas_kernels.topk import (DIGIT_BITS, RADIX, candidate_counts, next_prefix, prefix_key, select_topk_reference,
-                                 store_ranked)
+from pallas_kernels._common import next_pow2
+from pallas_kernels.topk import (DIGIT_BITS, RADIX, candidate_counts, load_keys, next_prefix, prefix_key,
+                                 select_topk_reference, store_ranked)
 
 CHUNK = 512  # scores a step of each search pass
 SCORE_ELEMENTS = 8192  # bound elements a step of the scoring loads (64 pages at Dh 128): no spills
@@ -77,21 +77,17 @@ def _kernel(layer_ref, last_ref, k_ref, pos_ref, neg_ref, kmin_ref, kmax_ref, id
     if barrier:  # the scores, written by all the program's threads, are read back by others
         plgpu.debug_barrier()
 
-    def keys(c):
-        pages = c * chunk + jnp.arange(chunk)
-        return pages, pages < P, float_key(scores_ref[b, h, pl.ds(c * chunk, chunk)])
-
     prefix = jnp.int32(0)  # known high bits of the k-th largest key, unsigned pattern
     for shift in range(32 - DIGIT_BITS, -1, -DIGIT_BITS):
         def count(c, total, prefix=prefix, shift=shift):
-            _, valid, key = keys(c)
+            _, valid, key = load_keys(scores_ref, (b, h), c, chunk, P)
             return total + candidate_counts(prefix, shift, valid, key)
 
         prefix = next_prefix(prefix, shift, lax.fori_loop(0, n_chunks, count, jnp.zeros((RADIX,), jnp.int32)), k)
     tau = prefix_key(prefix)
 
     def above(c, total):
-        _, valid, key = keys(c)
+        _, valid, key = load_keys(scores_ref, (b, h), c, chunk, P)
         return total + (valid & (key > tau)).astype(jnp.int32).sum()
 
     n_above = lax.fori_loop(0, n_chunks, above, jnp.int32(0))
@@ -99,7 +95,7 @@ def _kernel(layer_ref, last_ref, k_ref, pos_ref, neg_ref, kmin_ref, kmax_ref, id
 
     def compact(c, seen):
         above_seen, tie_seen = seen
-        pages, valid, key = keys(c)
+        pages, valid, key = load_keys(scores_ref, (b, h), c, chunk, P)
         above, tie = store_ranked(idx_ref, (b, h), pages, valid, key, tau, above_seen, tie_seen, n_above, need, k_max)
         return above_seen + above, tie_seen + tie
 

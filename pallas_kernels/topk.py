@@ -42,13 +42,12 @@ def select_topk_reference(scores, k_max: int, k):
     return lax.top_k(scores, k_max)[1].astype(jnp.int32)
 
 
-def _load_keys(scores_ref, row, chunk_id, chunk):
-    """Slots, validity and order-preserving int32 keys of one chunk of a row (-inf past the end)."""
-    S = scores_ref.shape[1]
+def load_keys(scores_ref, row: tuple, chunk_id, chunk: int, size: int):
+    """Slots, validity and order-preserving int32 keys of one chunk of the row scores_ref[row] (inside
+    a kernel): slots at or past `size` are invalid and load as -inf."""
     slots = chunk_id * chunk + jnp.arange(chunk)
-    valid = slots < S
-    x = plgpu.load(scores_ref.at[row, pl.ds(chunk_id * chunk, chunk)], mask=valid,
-                   other=-jnp.inf)
+    valid = slots < size
+    x = plgpu.load(scores_ref.at[(*row, pl.ds(chunk_id * chunk, chunk))], mask=valid, other=-jnp.inf)
     return slots, valid, float_key(x)
 
 
@@ -88,14 +87,14 @@ def store_ranked(idx_ref, row: tuple, slots, valid, key, tau, above_seen, tie_se
 def _candidates_kernel(prefix_ref, scores_ref, count_ref, *, shift, chunk):
     """The chunk's candidate_counts for the row's prefix."""
     row, chunk_id = pl.program_id(0), pl.program_id(1)
-    _, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
+    _, valid, key = load_keys(scores_ref, (row,), chunk_id, chunk, scores_ref.shape[1])
     count_ref[...] = candidate_counts(prefix_ref[row], shift, valid, key)
 
 
 def _count_kernel(tau_ref, scores_ref, count_ref, *, chunk):
     """Per chunk: how many keys are above tau, and how many equal it."""
     row, chunk_id = pl.program_id(0), pl.program_id(1)
-    _, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
+    _, valid, key = load_keys(scores_ref, (row,), chunk_id, chunk, scores_ref.shape[1])
     tau = tau_ref[row]
     above = (valid & (key > tau)).astype(jnp.int32).sum()
     tie = (valid & (key == tau)).astype(jnp.int32).sum()
@@ -106,7 +105,7 @@ def _compact_kernel(tau_ref, n_above_ref, need_ref, offset_ref, scores_ref, idx_
                     k_max):
     """The chunk's store_ranked, after the earlier chunks' counts (offsets)."""
     row, chunk_id = pl.program_id(0), pl.program_id(1)
-    slots, valid, key = _load_keys(scores_ref, row, chunk_id, chunk)
+    slots, valid, key = load_keys(scores_ref, (row,), chunk_id, chunk, scores_ref.shape[1])
     offsets = offset_ref[row, chunk_id, :]
     above_seen = jnp.sum(jnp.where(jnp.arange(2) == 0, offsets, 0))
     tie_seen = jnp.sum(jnp.where(jnp.arange(2) == 1, offsets, 0))
