@@ -20,13 +20,13 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
-from pallas_kernels.quant_matmul import MAX_ROWS as QUANT_MATMUL_ROWS
-from pallas_kernels.quant_matmul import quant_matmul_pallas, quant_matmul_reference
-from pallas_kernels.quant_matmul import supported as quant_matmul_supported  # noqa: F401 (the switch below)
 from pallas_kernels.quest_pages import quest_pages_pallas, quest_pages_reference
 from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
 from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference, supported as rope_write_supported
+from pallas_kernels.row_matmul import MAX_ROWS as ROW_MATMUL_ROWS
+from pallas_kernels.row_matmul import row_matmul_pallas, row_matmul_reference
+from pallas_kernels.row_matmul import supported as row_matmul_supported  # noqa: F401 (the switch below)
 from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
 from pallas_kernels.verify_attention import (
@@ -46,9 +46,15 @@ TOPK_XLA_MAX = 1 << 20
 # Qwen3-8B's 2,048 x 128 at 32K only from 128 programs (bench/quest_pages.py; bench/NOTES.md).
 QUEST_FUSED_MIN_PROGRAMS = 128
 QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kernel runs at any batch
+# Exact layer matrices under this many elements go to the row kernel at decode row counts (one row
+# block). XLA runs SmolLM2's (< 2M elements) as multiply + reduce fusions; the kernel took SmolLM2's
+# plain step at 1 x 7.5K from 1.90 to 1.29 ms on an H100. A 1.2B Llama's (4-34M) were no faster
+# (cuBLAS's gemm, pad and copy against the kernel's splits, summed by the epilogues) and Qwen3-8B's
+# plain step was 4.7% slower (bench/NOTES.md, issue 13).
+ROW_MATMUL_EXACT_ELEMENTS = 1 << 22
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
-           "nsa_tree_attention", "quant_matmul", "quant_matmul_partials", "quest_pages", "residual_norm", "rope_write", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
+           "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write", "row_matmul", "row_matmul_partials", "row_matmul_reads_exact", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -57,26 +63,34 @@ def _is_pallas(backend: str) -> bool:
     return backend == "pallas"
 
 
-def quant_matmul(x, values, scale, out_dtype=None, *, layer=None, backend: str = "reference"):
-    """x [M, K] @ a quantized matrix (int8 per column, or packed int4 per group: kernels/quant_matmul.py),
-    with `layer`: layer `layer` of stacked values and scale, read in place. The Pallas kernel covers
-    block-divisible shapes (every 64 rows read the matrix once); other products run the reference."""
-    if _is_pallas(backend) and quant_matmul_supported(values, scale):
-        return quant_matmul_pallas(x, values, scale, out_dtype, layer=layer, interpret=interpret_default())
+def row_matmul(x, values, scale, out_dtype=None, *, layer=None, backend: str = "reference"):
+    """x [M, K] @ a matrix: exact (scale None), int8 per column or packed int4 per group
+    (pallas_kernels/row_matmul.py); with `layer`, layer `layer` of stacked values and scale, read in
+    place. The Pallas kernel covers block-divisible shapes (every 64 rows read the matrix once); other
+    products run the reference."""
+    if _is_pallas(backend) and row_matmul_supported(values, scale):
+        return row_matmul_pallas(x, values, scale, out_dtype, layer=layer, interpret=interpret_default())
     if layer is not None:
-        values, scale = values[layer], scale[layer]
-    return quant_matmul_reference(x, values, scale, out_dtype)
+        values, scale = values[layer], None if scale is None else scale[layer]
+    return row_matmul_reference(x, values, scale, out_dtype)
 
 
-def quant_matmul_partials(x, values, scale, *, layer=None, backend: str = "reference"):
-    """quant_matmul's product before its last steps: (sums [S, R, N] float32, column scales [E, N] or
+def row_matmul_partials(x, values, scale, *, layer=None, backend: str = "reference"):
+    """row_matmul's product before its last steps: (sums [S, R, N] float32, column scales [E, N] or
     None), the product being sum over S of sums[:, :M], times the scales at `layer` (rope_write takes
-    it so; the reference's S is 1, scaled already). The Pallas kernel's shapes as quant_matmul's."""
-    if _is_pallas(backend) and quant_matmul_supported(values, scale):
-        return quant_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(), reduce=False)
+    it so; the reference's S is 1, scaled already). The Pallas kernel's shapes as row_matmul's."""
+    if _is_pallas(backend) and row_matmul_supported(values, scale):
+        return row_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(), reduce=False)
     if layer is not None:
-        values, scale = values[layer], scale[layer]
-    return quant_matmul_reference(x, values, scale, jnp.float32)[None], None
+        values, scale = values[layer], None if scale is None else scale[layer]
+    return row_matmul_reference(x, values, scale, jnp.float32)[None], None
+
+
+def row_matmul_reads_exact(values, rows: int, backend: str) -> bool:
+    """Whether a product of `rows` rows with the exact stacked matrix values [L, K, N] runs the row
+    kernel (ROW_MATMUL_EXACT_ELEMENTS): the decoder then reads that matrix in place at its layer."""
+    return (_is_pallas(backend) and rows <= ROW_MATMUL_ROWS and values.shape[-2] * values.shape[-1] < ROW_MATMUL_EXACT_ELEMENTS
+            and row_matmul_supported(values, None))
 
 
 def rope_write(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *, num_heads: int,

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import next_pow2
-from pallas_kernels.quant_matmul import product_rows
+from pallas_kernels.row_matmul import product_rows
 from pallas_kernels.rope_write import rms_norm, split_sum
 
 

@@ -7,10 +7,10 @@ and for each of k and v the cache entry read back and a select before the in-pla
 it keeps because a scatter's slot might be out of bounds; Qwen3's qk-norm statistics two more), each
 ~1-2 us of fixed cost however little it does (bench/NOTES.md, issues 13 and 16).
 
-The product arrives as `sums` [S, R, N]: S partial sums (quant_matmul's K splits; S = 1 for an
-exact product) of R >= B*T rows, row b*T + t for token t of sequence b; the columns are q (Hq heads),
+The product arrives as `sums` [S, R, N]: S partial sums (row_matmul's K splits; S = 1 for
+XLA's product) of R >= B*T rows, row b*T + t for token t of sequence b; the columns are q (Hq heads),
 k and v (Hkv heads each), then anything else (NSA's gates), which this kernel does not read. The
-rule of the product (quant_matmul.product_rows): (sum over S, times `scale`'s column scales if
+rule of the product (row_matmul.product_rows): (sum over S, times `scale`'s column scales if
 given) rounded to the model dtype, plus the bias, as the model computes a product's output.
 """
 import functools
@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import next_pow2
-from pallas_kernels.quant_matmul import product_rows
+from pallas_kernels.row_matmul import product_rows
 
 MAX_PALLAS_ROWS = 64  # decode-side forwards (draft steps, verifications, trees); prefill chunks run the reference
 

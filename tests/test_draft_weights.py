@@ -1,6 +1,6 @@
 """Draft models (`--draft-weights int8|int4`, `--draft-skip`; models.quantize, models.draft_weights,
-pallas_kernels/quant_matmul.py): the quantize round trips stay within half a step, the kernel equals
-the float64 product of the dequantized matrix, the draft forward reads the copies and leaves out the
+pallas_kernels/row_matmul.py): the quantize round trips stay within half a step, the row kernel equals
+the float64 product of the exact or dequantized matrix, small exact matrices run it in place, the draft forward reads the copies and leaves out the
 skipped layers, calibration keeps its bound, and bad specs are one-line errors. That drafts with
 these models keep the output exactly the model's is tested with every other drafter in
 tests/test_engine.py."""
@@ -20,7 +20,7 @@ from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, draft_weights, quantize
 from jaxspec.models.config import ModelConfig
-from pallas_kernels.quant_matmul import pack_int4, unpack_int4
+from pallas_kernels.row_matmul import pack_int4, unpack_int4
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=16, intermediate_size=96, qk_norm=True, dtype="float32")
@@ -60,22 +60,44 @@ def test_int4_packing_is_invertible():
     np.testing.assert_array_equal(unpack_int4(packed, 2), values)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("M", [1, 5, 37, 70])
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
-def test_quant_matmul_equals_the_dequantized_product(bits, M, backend):
-    """Fresh random rows times a stacked quantized matrix at a layer index, against float64; M = 1
-    leaves 15 rows of a 16-row block past x's end, which the kernel must read as zeros and not store;
-    M = 37 leaves 27 of a 64-row block, M = 70 spans two."""
+def test_row_matmul_equals_the_float64_product(bits, M, backend):
+    """Fresh random rows times a stacked matrix (exact float32: bits 16, or quantized) at a layer index,
+    against float64; M = 1 leaves 15 rows of a 16-row block past x's end, which the kernel must read as
+    zeros and not store; M = 37 leaves 27 of a 64-row block, M = 70 spans two."""
     L, K, N = 3, 256, 192
     w = scaled_columns(jax.random.key(M + bits), (L, K, N))
-    q = (quantize.quantize_int8 if bits == 8 else quantize.quantize_int4)(w)
+    if bits == 16:
+        values, scale, dense = w, None, w
+    else:
+        q = (quantize.quantize_int8 if bits == 8 else quantize.quantize_int4)(w)
+        values, scale, dense = q.values, q.scale, quantize.dequantize(q)
     x = jax.random.normal(jax.random.key(100 + M), (M, K))
     if backend == "pallas":
-        assert kernels.quant_matmul_supported(q.values[0], q.scale[0])
-    got = kernels.quant_matmul(x, q.values, q.scale, jnp.float32, layer=jnp.int32(1), backend=backend)
-    expected = np.asarray(x, np.float64) @ np.asarray(quantize.dequantize(q), np.float64)[1]
+        assert kernels.row_matmul_supported(values[0], None if scale is None else scale[0])
+    got = kernels.row_matmul(x, values, scale, jnp.float32, layer=jnp.int32(1), backend=backend)
+    expected = np.asarray(x, np.float64) @ np.asarray(dense, np.float64)[1]
     np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+
+
+def test_small_exact_matrices_run_the_row_kernel_in_place():
+    """With the Pallas backend a decode step's few rows read small exact matrices in place through the
+    row kernel (decoder.InPlace), and the forward equals the reference backend's; more rows than one
+    row block, large matrices and the reference backend keep XLA's product."""
+    stack = jax.ShapeDtypeStruct((3, 576, 960), jnp.bfloat16)  # SmolLM2's q/k/v
+    assert kernels.row_matmul_reads_exact(stack, kernels.ROW_MATMUL_ROWS, "pallas")
+    assert not kernels.row_matmul_reads_exact(stack, kernels.ROW_MATMUL_ROWS + 1, "pallas")
+    assert not kernels.row_matmul_reads_exact(stack, 1, "reference")
+    assert not kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 4096, 6144), jnp.bfloat16), 1, "pallas")
+    params = decoder.init_params(CFG, jax.random.key(6), scale=0.3)
+    assert all(kernels.row_matmul_reads_exact(params["layers"][name], 24, "pallas") for name in decoder.MATRICES)
+    tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, CFG.vocab_size)
+    got = decoder.score(params, CFG, tokens, backend="pallas")
+    expected = decoder.score(params, CFG, tokens)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(expected)).max() > 1.0
 
 
 @pytest.mark.parametrize("weights, skip", [("int8", ()), ("int4", ()), ("exact", (1,)), ("int4", (0, 2))])

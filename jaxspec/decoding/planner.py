@@ -506,7 +506,7 @@ def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, ba
     which reads the int8 matrix once) and ngram at gamma 4 and 8, all strict
     (approximate precision classes and draft trees are chosen from measured tables only)."""
     strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
-    if batch <= kernels.QUANT_MATMUL_ROWS:  # a draft forward's rows in one row block: int8 bytes read once
+    if batch <= kernels.ROW_MATMUL_ROWS:  # a draft forward's rows in one row block: int8 bytes read once
         strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
                        Strategy("full", gamma=6, draft_weights="int8")]
     strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]

@@ -31,7 +31,7 @@ from jaxspec.models import nsa, sharding
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.models.quantize import Quantized
-from pallas_kernels.quant_matmul import product_rows
+from pallas_kernels.row_matmul import product_rows
 from pallas_kernels.rope_write import apply_rope, rms_norm  # noqa: F401 (the layer's math, beside its kernel)
 
 Params = dict[str, Any]
@@ -92,25 +92,39 @@ def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     return sharding.embed(params["embed"], tokens, cfg)
 
 
-# Matrices under this many elements get a one-row product's row twice. Measured on an H100 (bench/NOTES.md,
-# issue 13): a 1.2B Llama's q/k/v and o (4-5M elements) ran as multiply + reduce fusions at ~0.5 TB/s
-# and become gemms; Qwen3-8B's (>= 16.8M) were gemms already, so the copy would only add a kernel per
-# layer. A bound from those shapes, not XLA's own rule: SmolLM2's (< 2M) stay reduce fusions with two rows.
+# Matrices under this many elements get a one-row product's row twice, where the row kernel does not
+# take them (kernels.row_matmul_reads_exact). Measured on an H100 (bench/NOTES.md, issue 13): a 1.2B
+# Llama's q/k/v and o (4-5M elements) ran as multiply + reduce fusions at ~0.5 TB/s and become gemms;
+# Qwen3-8B's (>= 16.8M) were gemms already, so the copy would only add a kernel per layer. A bound
+# from those shapes, not XLA's own rule: SmolLM2's (< 2M) stay reduce fusions with two rows.
 REDUCED_ONE_ROW_ELEMENTS = 1 << 24
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a layer's matrices
 
 
-def matmul(x: jax.Array, w: jax.Array | Quantized, out_dtype=None) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """An exact stacked matrix [L, K, N] that the row kernel reads in place at `layer`, as it reads a
+    `Quantized` one: `forward` hands the small matrices of a decode step's few rows so
+    (kernels.row_matmul_reads_exact), instead of XLA's products of their scanned slices."""
+
+    values: jax.Array
+    layer: jax.Array
+    backend: str
+    scale = None  # exact: no scale (not a field)
+
+
+def matmul(x: jax.Array, w: jax.Array | Quantized | InPlace, out_dtype=None) -> jax.Array:
     """x [..., K] @ w [K, N], a single row given twice where XLA would rewrite a one-row product.
 
     XLA on a GPU rewrites one-row products: with a float32 result it converts the whole matrix to
     float32 first (the LM head: 2.1 ms instead of 0.42 at Qwen3-8B shapes), and a small matrix's
     product becomes multiply + reduce fusions. With two rows it is a gemm that reads the matrix in
     place (REDUCED_ONE_ROW_ELEMENTS says which matrices). A quantized matrix (a draft's copy,
-    `draft_weights.Quantized`) goes to the quant_matmul kernel, which reads its bytes in place.
+    `draft_weights.Quantized`) or an `InPlace` one goes to the row kernel, which reads it in place.
     """
     rows = x.reshape(-1, x.shape[-1])
-    if isinstance(w, Quantized):
-        out = kernels.quant_matmul(rows, w.values, w.scale, out_dtype or x.dtype, layer=w.layer, backend=w.backend)
+    if isinstance(w, (Quantized, InPlace)):
+        out = kernels.row_matmul(rows, w.values, w.scale, out_dtype or x.dtype, layer=w.layer, backend=w.backend)
         return out.reshape(*x.shape[:-1], out.shape[-1])
     n = rows.shape[0]
     if n == 1 and (out_dtype is not None or w.size < REDUCED_ONE_ROW_ELEMENTS):
@@ -118,13 +132,13 @@ def matmul(x: jax.Array, w: jax.Array | Quantized, out_dtype=None) -> jax.Array:
     return jnp.dot(rows, w, preferred_element_type=out_dtype)[:n].reshape(*x.shape[:-1], w.shape[-1])
 
 
-def product_sums(x: jax.Array, w: jax.Array | Quantized) -> tuple[jax.Array, jax.Array | None]:
+def product_sums(x: jax.Array, w: jax.Array | Quantized | InPlace) -> tuple[jax.Array, jax.Array | None]:
     """x [B, T, K] @ w as (partial sums [S, R >= B*T, N], column scales [E, N] or None): the form
-    rope_write reads, so that a quantized product's split sum and scales need no kernel of their own
-    (pallas_kernels.quant_matmul_partials); an exact product is its own single sum."""
-    if isinstance(w, Quantized):
-        return kernels.quant_matmul_partials(x.reshape(-1, x.shape[-1]), w.values, w.scale, layer=w.layer,
-                                             backend=w.backend)
+    rope_write reads, so that the row kernel's split sum and scales need no kernel of their own
+    (pallas_kernels.row_matmul_partials); XLA's product is its own single sum."""
+    if isinstance(w, (Quantized, InPlace)):
+        return kernels.row_matmul_partials(x.reshape(-1, x.shape[-1]), w.values, w.scale, layer=w.layer,
+                                           backend=w.backend)
     return matmul(x, w).reshape(1, -1, w.shape[-1]), None
 
 
@@ -159,7 +173,8 @@ def forward(
     entries of params' layer stack (a draft that skips layers, `draft_weights`; default: every layer);
     quantized matrices, norms and the per-head parameters are read in place at their stack entry.
     `backend` runs the layer's epilogues (kernels.rope_write, kernels.residual_norm). Returns the last
-    hidden states [B, T, D] (before the final norm), the cache, and those.
+    hidden states [B, T, D] (before the final norm), the cache, and those. With the Pallas backend a
+    few rows' products with small exact matrices run the row kernel too (`InPlace`).
     """
     inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
@@ -170,10 +185,11 @@ def forward(
     # copied first: a kernel a layer); the rest is sliced by the scan inside XLA's fusions. A layer's
     # MLP output ends in the next layer's norm (the last one's in the final norm): next_norm.
     layers = params["layers"]
-    quantized = {name: m for name, m in layers.items() if isinstance(m, Quantized)}
+    in_place = {name: m for name, m in layers.items() if isinstance(m, Quantized)
+                or (name in MATRICES and kernels.row_matmul_reads_exact(m, B * T, backend))}
     stacks = {name: layers.get(name) for name in ("bqkv", "q_norm", "k_norm", "mlp_norm")}
     stacks["next_norm"] = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
-    scanned = {name: a for name, a in layers.items() if name not in quantized and name not in stacks
+    scanned = {name: a for name, a in layers.items() if name not in in_place and name not in stacks
                and name != "attn_norm"}
     eps = cfg.rms_norm_eps
 
@@ -188,7 +204,8 @@ def forward(
         x, h, cache, carry, entry = state
         p, index, lx = xs
         index = entry if index is None else index  # a layer stack of every layer: the entry is the layer
-        p = {**p, **{name: dataclasses.replace(m, layer=entry) for name, m in quantized.items()}}
+        p = {**p, **{name: dataclasses.replace(m, layer=entry) if isinstance(m, Quantized) else InPlace(m, entry, backend)
+                     for name, m in in_place.items()}}
         sums, scale = product_sums(h, p["wqkv"])
         q, k_cache, v_cache = kernels.rope_write(
             sums, positions, write_pos, cache.k, cache.v, entry, index, inv_freq, num_heads=cfg.num_heads,

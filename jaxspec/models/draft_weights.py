@@ -33,7 +33,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, sharding
 from jaxspec.models.quantize import QUANTIZERS, Quantized, int4_group, quantize_int4
 
-DRAFT_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # the layer matrices a draft step reads
+DRAFT_MATRICES = decoder.MATRICES  # the layer matrices a draft step reads (in its own copies)
 DRAFT_WEIGHTS = ("exact", "int8", "int4")
 
 

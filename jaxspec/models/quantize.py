@@ -2,8 +2,8 @@
 
 - int8: per-output-column symmetric int8 (w ~ values x scale, |error| <= scale / 2);
 - int4: group-wise (GROUP rows of K per scale) symmetric int4 in -7..7, packed two per byte in the
-  layout of pallas_kernels/quant_matmul.py (|error| <= scale / 2).
-`decoder.matmul` multiplies a `Quantized` matrix with the quant_matmul kernel.
+  layout of pallas_kernels/row_matmul.py (|error| <= scale / 2).
+`decoder.matmul` multiplies a `Quantized` matrix with the row_matmul kernel.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
-from pallas_kernels.quant_matmul import pack_int4, unpack_int4
+from pallas_kernels.row_matmul import pack_int4, unpack_int4
 
 GROUP = 128  # int4: rows of K per scale (64 or 32 where 128 does not divide K)
 
@@ -27,7 +27,7 @@ class Quantized:
     [..., K/G, N]).
 
     Inside the decoder's layer scan a stacked matrix is not sliced: `layer` names the layer the
-    product reads in place, with the kernel `backend` (pallas_kernels.quant_matmul)."""
+    product reads in place, with the kernel `backend` (pallas_kernels.row_matmul)."""
 
     values: jax.Array
     scale: jax.Array

@@ -1,12 +1,15 @@
-"""A few rows times a quantized matrix: the draft steps' products under `--draft-weights int8/int4`.
+"""A few rows times a stacked layer matrix read in place: a decode step's products, exact or quantized.
 
-A draft step at batch 1 multiplies one to a few rows by every layer matrix, so its time is the
-matrix bytes over the memory bandwidth; quantized copies cut those bytes (jaxspec.models.quantize).
-The kernel reads the int8 bytes (or the packed int4 bytes) once and converts them in registers;
-XLA's own product would convert the matrix to the activations' dtype first, or rewrite a one-row
-product as a multiply + reduce fusion (bench/NOTES.md, issue 16).
+A decode step at small batch multiplies one to a few rows by every layer matrix, so its time is the
+matrix bytes over the memory bandwidth, or at small models the products' fixed costs. The kernel reads
+the matrix once where it lies (a layer of a stack, at an index) and converts it in registers. XLA's
+own products fall short at these shapes: it converts an int8 matrix to the activations' dtype before
+the product, it runs a small exact matrix's product (SmolLM2's, < 2M elements) as multiply + reduce
+fusions even with two rows, and a one-row cuBLAS gemm comes with a pad and a copy kernel (bench/NOTES.md,
+issues 13 and 16). Which exact matrices the kernel takes: pallas_kernels.row_matmul_reads_exact.
 
-Formats (quantize.Int8, quantize.Int4):
+Formats (jaxspec.models.quantize):
+- exact: values [K, N] in a float dtype, no scale (scale None); w = values.
 - int8: values [K, N] int8, scale [N] float32 per output column; w = values * scale.
 - int4: packed [K/2, N] int8 and scale [K/G, N] float32 per group of G rows of K and column. Row j of
   group g's G/2 packed rows holds k = g*G + j in its low nibble and k = g*G + G/2 + j in its high one
@@ -14,10 +17,11 @@ Formats (quantize.Int8, quantize.Int4):
 
 Grid: (row blocks of 16-64 rows, column blocks, K splits); x is read unpadded (a block's rows past M
 load as zeros), so no padding kernel runs before each product; each program streams its columns' share of K
-through an fp32 accumulator, and XLA sums the splits (and applies int8's column scales). The K
-splits are the fewest that give TARGET_PROGRAMS (256) programs: on an H100 at Qwen3-8B shapes that
-was the best of 1-16 splits for each of the four matrices (gate_up: 2 splits, 50.5 us against 58.6
-for 1), and 128 x 128 blocks on 4 warps with 3 stages beat the other tilings tried.
+through an fp32 accumulator, and the consumer sums the splits (XLA, or rope_write / residual_norm,
+applying int8's column scales). The K splits are the fewest that give TARGET_PROGRAMS (256) programs:
+on an H100 at Qwen3-8B shapes that was the best of 1-16 splits for each of the four int8 matrices
+(gate_up: 2 splits, 50.5 us against 58.6 for 1), and 128 x 128 blocks on 4 warps with 3 stages beat the
+other tilings tried.
 """
 import jax
 import jax.numpy as jnp
@@ -27,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, next_pow2
 
-BLOCK_K = 128  # int8: rows of K per loop step (a divisor of K: 128, 64, 32 or 16)
+BLOCK_K = 128  # exact and int8: rows of K per loop step (a divisor of K: 128, 64, 32 or 16)
 BLOCK_N = 128  # columns per program (a divisor of N: 128, 64, 32 or 16)
 MAX_ROWS = 64  # rows per program: more rows take more row blocks, each reading the matrix again
 
@@ -48,9 +52,11 @@ def pack_int4(values, groups: int):
     return (v[:, 0] & 0xF | (v[:, 1] << 4)).astype(jnp.int8).reshape(K // 2, N)
 
 
-def quant_matmul_reference(x, values, scale, out_dtype=None):
-    """x [M, K] @ the dequantized matrix, in fp32 products of x's dtype; out [M, N] (x's dtype)."""
-    if scale.ndim == 1:  # int8, per column
+def row_matmul_reference(x, values, scale, out_dtype=None):
+    """x [M, K] @ the (dequantized) matrix, in fp32 products of x's dtype; out [M, N] (x's dtype)."""
+    if scale is None:  # exact
+        out = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+    elif scale.ndim == 1:  # int8, per column
         out = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32) * scale
     else:  # int4, per group: one product per group, scaled, summed
         groups = scale.shape[0]
@@ -78,10 +84,15 @@ def _divisor(n: int, block: int) -> int | None:
     return block if block >= MIN_TILE else None
 
 
+def is_int4(values, scale) -> bool:
+    """int4's scale has a group axis beside the values' own (int8's has none; exact: no scale)."""
+    return scale is not None and scale.ndim == values.ndim
+
+
 def supported(values, scale) -> bool:
     """Whether the kernel covers this product (others run the reference); values and scale as
-    quant_matmul_pallas takes them, with or without a leading layer axis."""
-    int4 = scale.ndim == values.ndim  # int4's scale has a group axis, int8's does not
+    row_matmul_pallas takes them, with or without a leading layer axis."""
+    int4 = is_int4(values, scale)
     rows, N = values.shape[-2:]
     K = 2 * rows if int4 else rows
     step = K // scale.shape[-2] if int4 else _divisor(K, BLOCK_K)
@@ -94,8 +105,9 @@ def block_rows(M: int) -> int:
     return min(max(MIN_TILE, next_pow2(M)), MAX_ROWS)
 
 
-def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool):
-    def kernel(layer_ref, x_ref, w_ref, s_ref, o_ref):
+def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool, scaled: bool):
+    def kernel(layer_ref, x_ref, w_ref, *refs):
+        s_ref, o_ref = refs if scaled else (None, *refs)
         i, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         rows, cols = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
         layer = layer_ref[0]  # refs are indexed once (Pallas-Triton takes one indexer per load)
@@ -126,22 +138,22 @@ def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool):
     return kernel
 
 
-def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret: bool = False,
-                        block_k: int = BLOCK_K, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
-                        target_programs: int = TARGET_PROGRAMS, splits: int | None = None, reduce: bool = True):
-    """The kernel's x [M, K] @ dequantized matrix (the reference's result, summed in another order).
+def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret: bool = False,
+                      block_k: int = BLOCK_K, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
+                      target_programs: int = TARGET_PROGRAMS, splits: int | None = None, reduce: bool = True):
+    """The kernel's x [M, K] @ (dequantized) matrix (the reference's result, summed in another order).
     reduce=False returns the kernel's partial sums [splits, R >= M, N] float32 and int8's column
-    scales [E, N] (None for int4, whose group scales the kernel applies), for a consumer that sums
-    them itself (rope_write) instead of XLA's kernel between the two.
+    scales [E, N] (None for exact matrices and for int4, whose group scales the kernel applies), for a
+    consumer that sums them itself (rope_write) instead of XLA's kernel between the two.
 
     With `layer` (an int32 scalar), values and scale carry a leading layer axis and the kernel reads
     that layer's matrix in place: a layer sliced out of a stack inside a scan would be copied by XLA
     before the kernel reads it (bench/NOTES.md, issue 13's fused projections). The tiling arguments
-    are for bench/quant_matmul.py's sweep (int4 steps are its groups, whatever block_k says)."""
+    are for bench/row_matmul.py's sweep (int4 steps are its groups, whatever block_k says)."""
+    int4, scaled = is_int4(values, scale), scale is not None
     if layer is None:
-        values, scale, layer = values[None], scale[None], 0
+        values, scale, layer = values[None], None if scale is None else scale[None], 0
     M, K = x.shape
-    int4 = scale.ndim == 3
     N = values.shape[-1]
     bn = _divisor(N, block_n)
     step_k = K // scale.shape[1] if int4 else _divisor(K, block_k)
@@ -156,15 +168,15 @@ def quant_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpr
     if total % splits:
         raise ValueError(f"{splits} splits do not divide {total} steps of K")
     partial = pl.pallas_call(
-        _make_kernel(M, bm, total // splits, step_k, bn, int4),
+        _make_kernel(M, bm, total // splits, step_k, bn, int4, scaled),
         grid=(m_blocks, N // bn, splits),
-        in_specs=[pl.no_block_spec] * 4,
+        in_specs=[pl.no_block_spec] * (3 + scaled),
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((splits, m_blocks * bm, N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="quant_matmul",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, values, scale)
+        name="row_matmul",
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, values, *([scale] if scaled else []))
     scale = None if int4 else scale
     if not reduce:
         return partial, scale

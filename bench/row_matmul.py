@@ -1,11 +1,12 @@
-"""Draft-weight products at batch 1: a few rows times every layer's matrix, exact against quantized.
+"""Decode products at small batch: a few rows times every layer's matrix, exact and quantized, XLA
+against the row kernel.
 
-    PYTHONPATH=. python3 bench/quant_matmul.py [--models smollm2,llama-1b,qwen3-8b] [--rows 1,2,8] [--sweep qwen3-8b]
+    PYTHONPATH=. python3 bench/row_matmul.py [--models smollm2,llama-1b,qwen3-8b] [--rows 1,2,8] [--sweep qwen3-8b]
 
 For each model's four layer matrices (wqkv, wo, w_gate_up, w_down) it times one scan over the layer
-stack, as a draft step reads them, for: bf16 (decoder.matmul), int8 through XLA (the matrix converted
-inside the product), int8 and group-wise int4 through pallas_kernels.quant_matmul (the stacked
-matrix read in place at the layer index), and int4 through XLA (jnp.int4 values, dequantized before
+stack, as a decode step reads them, for: bf16 through XLA (decoder.matmul), bf16, int8 and group-wise
+int4 through pallas_kernels.row_matmul (the stacked matrix read in place at the layer index), int8
+through XLA (the matrix converted inside the product), and int4 through XLA (jnp.int4 values, dequantized before
 the product). Each time is given per layer against its bytes floor (the matrix bytes over the copy
 bandwidth measured in the same run). The kernel's output is checked against the reference first.
 """
@@ -24,7 +25,7 @@ from jaxspec.models.quantize import Quantized
 import pallas_kernels as kernels
 
 from pallas_kernels._common import interpret_default
-from pallas_kernels.quant_matmul import pack_int4, quant_matmul_pallas, quant_matmul_reference
+from pallas_kernels.row_matmul import pack_int4, row_matmul_pallas, row_matmul_reference
 
 MODELS = {"smollm2": common.SMOLLM2, "llama-1b": common.LLAMA_1B, "qwen3-8b": common.QWEN3_8B}
 GROUP = 128
@@ -49,6 +50,12 @@ def make_weights(key, L: int, K: int, N: int) -> dict:
     }
 
 
+def formats(w: dict) -> dict:
+    """{kernel kind: (values, scale)} of make_weights' stacks (exact bf16: no scale)."""
+    return {"bf16_pallas": (w["bf16"], None), "int8_pallas": (w["int8"].values, w["int8"].scale),
+            "int4_pallas": (w["int4_packed"], w["int4_scale"])}
+
+
 def scan_fn(kind: str, L: int, tiling: dict | None = None):
     """A jitted scan over the L layers' products of x with one matrix kind, as the model's layer scan
     runs them (XLA kinds: the stack is the scan's xs; Pallas kinds: the layer index is, the stack read
@@ -68,9 +75,9 @@ def scan_fn(kind: str, L: int, tiling: dict | None = None):
         if kind == "loop":  # the scan's own cost per layer: one tiny kernel per iteration
             product, xs = (lambda _: x[:, :1]), jnp.arange(L)
         elif kind.endswith("pallas"):
-            values, scale = (w["int8"].values, w["int8"].scale) if kind == "int8_pallas" else (w["int4_packed"], w["int4_scale"])
-            product = lambda layer: quant_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(),
-                                                        **(tiling or {}))
+            values, scale = formats(w)[kind]
+            product = lambda layer: row_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(),
+                                                      **(tiling or {}))
             xs = jnp.arange(L)
         else:
             xs = {"bf16": w["bf16"], "int8_xla": w["int8"], "int4_xla": (w["int4_native"], w["int4_scale"])}[kind]
@@ -83,17 +90,18 @@ def scan_fn(kind: str, L: int, tiling: dict | None = None):
 
 def floor_bytes(kind: str, K: int, N: int) -> int:
     groups = K // GROUP if K % GROUP == 0 else K // 64
-    return {"bf16": 2 * K * N, "int8_xla": K * N + 4 * N, "int8_pallas": K * N + 4 * N,
+    return {"bf16": 2 * K * N, "bf16_pallas": 2 * K * N, "int8_xla": K * N + 4 * N, "int8_pallas": K * N + 4 * N,
             "int4_xla": K * N // 2 + 4 * groups * N, "int4_pallas": K * N // 2 + 4 * groups * N}[kind]
 
 
 def check(w, M: int, key) -> float:
-    """Largest |pallas - reference| over |reference| for layer 0, int8 and int4."""
+    """Largest |pallas - reference| over |reference| for layer 0, bf16, int8 and int4."""
     x = jax.random.normal(key, (M, w["bf16"].shape[1]), jnp.bfloat16)
     worst = 0.0
-    for values, scale in ((w["int8"].values, w["int8"].scale), (w["int4_packed"], w["int4_scale"])):
-        ref = quant_matmul_reference(x.astype(jnp.float32), values[0], scale[0])
-        got = kernels.quant_matmul(x, values, scale, jnp.float32, layer=jnp.int32(0), backend="pallas")
+    for values, scale in formats(w).values():
+        ref = row_matmul_reference(x.astype(jnp.float32), values[0].astype(jnp.float32) if scale is None else values[0],
+                                   None if scale is None else scale[0])
+        got = kernels.row_matmul(x, values, scale, jnp.float32, layer=jnp.int32(0), backend="pallas")
         worst = max(worst, float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))))
     return worst
 
@@ -111,8 +119,8 @@ def sweep(args, bw: float, save, result) -> list[dict]:
         for name, (K, N) in matrices(cfg).items():
             w = make_weights(jax.random.key(3), cfg.num_layers, K, N)
             x = jax.random.normal(jax.random.key(1), (1, K), jnp.bfloat16)
-            for kind in ("int8_pallas", "int4_pallas"):
-                steps = K // (128 if kind == "int8_pallas" else (GROUP if K % GROUP == 0 else 64))
+            for kind in ("bf16_pallas", "int8_pallas", "int4_pallas"):
+                steps = K // (GROUP if K % GROUP == 0 else 64) if kind == "int4_pallas" else K // 128
                 for tiling in TILINGS:
                     if steps % tiling["splits"] or N % tiling["block_n"]:
                         continue
@@ -137,11 +145,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm2,llama-1b,qwen3-8b")
     p.add_argument("--rows", default="1,2,8")
-    p.add_argument("--kinds", default="loop,bf16,int8_xla,int8_pallas,int4_xla,int4_pallas",
+    p.add_argument("--kinds", default="loop,bf16,bf16_pallas,int8_xla,int8_pallas,int4_xla,int4_pallas",
                    help="loop: the layer scan alone (its per-iteration cost is in every other kind's time)")
     p.add_argument("--sweep", default="", help="models whose matrices also sweep the kernel's tiling "
                                                 "(block_n, splits, warps) at one row")
-    p.add_argument("--out", default=str(common.RESULTS / "quant_matmul.json"))
+    p.add_argument("--out", default=str(common.RESULTS / "row_matmul.json"))
     args = p.parse_args()
     rates = common.measure_rates()
     bw = rates["copy_GBps"] * 1e9
