@@ -18,10 +18,11 @@ Formats (jaxspec.models.quantize):
 Grid: (row blocks of 16-64 rows, column blocks, K splits); x is read unpadded (a block's rows past M
 load as zeros), so no padding kernel runs before each product; each program streams its columns' share of K
 through an fp32 accumulator, and the consumer sums the splits (XLA, or rope_write / residual_norm,
-applying int8's column scales). The K splits are the fewest that give TARGET_PROGRAMS (256) programs:
-on an H100 at Qwen3-8B shapes that was the best of 1-16 splits for each of the four int8 matrices
-(gate_up: 2 splits, 50.5 us against 58.6 for 1), and 128 x 128 blocks on 4 warps with 3 stages beat the
-other tilings tried.
+applying int8's column scales). The K splits are the fewest divisors of K's steps that give
+TARGET_PROGRAMS (256) programs, else one step a program: on an H100 at Qwen3-8B shapes that was the
+best of 1-16 splits for each of the four int8 matrices (gate_up: 2 splits, 50.5 us against 58.6 for 1),
+and 128 x 128 blocks on 4 warps with 3 stages beat the other tilings tried. SmolLM2's K of 576 is 9
+steps of 64: 9 splits, not 1 (its products are latency, not bytes: the shortest program wins).
 """
 import jax
 import jax.numpy as jnp
@@ -161,10 +162,8 @@ def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret
     bm = block_rows(M)
     m_blocks = -(-M // bm)
     programs = m_blocks * (N // bn)
-    if splits is None:  # the fewest splits that make target_programs programs (measured: bench/NOTES.md)
-        splits = 1
-        while total % (splits * 2) == 0 and programs * splits < target_programs:
-            splits *= 2
+    if splits is None:  # the fewest that make target_programs programs, else one step each (bench/NOTES.md)
+        splits = next(d for d in range(1, total + 1) if total % d == 0 and (programs * d >= target_programs or d == total))
     if total % splits:
         raise ValueError(f"{splits} splits do not divide {total} steps of K")
     partial = pl.pallas_call(
