@@ -26,6 +26,7 @@ from pallas_kernels import Collect, TreeMask
 from pallas_kernels.quest_pages import quest_pages_pallas
 from pallas_kernels.residual_norm import residual_norm_pallas
 from pallas_kernels.rope_write import rope_write_pallas
+from pallas_kernels.row_matmul import row_matmul_pallas
 from pallas_kernels.sparse_attention import sparse_attention_pallas
 from pallas_kernels.top_p import top_p_threshold_pallas
 from pallas_kernels.topk import select_topk_pallas
@@ -166,6 +167,20 @@ def test_residual_norm_lowers(check_cuda, M, D, splits, scale):
     check_cuda(lambda x, sums, w, entry, sc: residual_norm_pallas(x, sums, w, entry, eps=1e-6, scale=sc),
                spec((M, D), jnp.bfloat16), spec((splits, max(M, 16), D), jnp.float32 if scale else jnp.bfloat16),
                spec((L, D), jnp.bfloat16), spec(()), col_scale)
+
+
+@pytest.mark.parametrize("M, K, N, kind", [
+    (1, 576, 960, "exact"),       # SmolLM2's q/k/v at a draft step: 9 steps of 64, one a program
+    (64, 1536, 576, "exact"),     # SmolLM2's down at a batch-8 verification: one 64-row block
+    (1, 4096, 24576, "int8"),     # Qwen3-8B's gate/up in an int8 draft step
+    (16, 12288, 4096, "int4"),    # Qwen3-8B's down, int4, groups of 128
+])
+def test_row_matmul_lowers(check_cuda, M, K, N, kind):
+    values = {"exact": spec((L, K, N), jnp.bfloat16), "int8": spec((L, K, N), jnp.int8),
+              "int4": spec((L, K // 2, N), jnp.int8)}[kind]
+    scale = {"exact": None, "int8": spec((L, N), jnp.float32), "int4": spec((L, K // 128, N), jnp.float32)}[kind]
+    check_cuda(lambda x, w, sc, layer: row_matmul_pallas(x, w, sc, layer=layer, reduce=False),
+               spec((M, K), jnp.bfloat16), values, scale, spec(()))
 
 
 @pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [(L, 1, 32, 8, S // 16, 128), (30, 128, 9, 3, 496, 64)])
