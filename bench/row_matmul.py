@@ -108,21 +108,28 @@ def check(w, M: int, key) -> float:
 
 TILINGS = [dict(block_n=bn, splits=sp, num_warps=w, num_stages=3)
            for bn in (128, 256) for sp in (1, 2, 4, 8, 16) for w in (4, 8)]
+# More rows than one 64-row block (SmolLM2's batch-128 draft step): one block of all rows with
+# narrower columns (the same accumulator size), against row blocks of 64 that each read the matrix.
+ROW_TILINGS = [dict(block_m=bm, block_n=bn, splits=sp, num_warps=w, num_stages=3)
+               for bm, bn in ((64, 128), (128, 64), (128, 32)) for sp in (None, 1, 3, 9) for w in (4, 8)]
 
 
 def sweep(args, bw: float, save, result) -> list[dict]:
-    """Per --sweep model, matrix and kind (int8, int4): each tiling's time at one row (tilings whose
-    splits do not divide K's steps are left out)."""
+    """Per --sweep model, matrix and kind (exact, int8, int4): each tiling's time at --sweep-rows rows
+    (TILINGS at one row, ROW_TILINGS at more than 64; tilings whose splits do not divide K's steps
+    are left out, and splits None is the kernel's own rule)."""
     rows = result.setdefault("sweep", [])
+    M = args.sweep_rows
+    tilings = ROW_TILINGS if M > 64 else TILINGS
     for model in args.sweep.split(","):
         cfg = MODELS[model]
         for name, (K, N) in matrices(cfg).items():
             w = make_weights(jax.random.key(3), cfg.num_layers, K, N)
-            x = jax.random.normal(jax.random.key(1), (1, K), jnp.bfloat16)
-            for kind in ("bf16_pallas", "int8_pallas", "int4_pallas"):
-                steps = K // (GROUP if K % GROUP == 0 else 64) if kind == "int4_pallas" else K // 128
-                for tiling in TILINGS:
-                    if steps % tiling["splits"] or N % tiling["block_n"]:
+            x = jax.random.normal(jax.random.key(1), (M, K), jnp.bfloat16)
+            for kind in ("bf16_pallas",) if M > 64 else ("bf16_pallas", "int8_pallas", "int4_pallas"):
+                step = (GROUP if K % GROUP == 0 else 64) if kind == "int4_pallas" else 128 if K % 128 == 0 else 64
+                for tiling in tilings:
+                    if (tiling["splits"] and (K // step) % tiling["splits"]) or N % tiling["block_n"]:
                         continue
                     try:
                         t = common.seconds_per_call(scan_fn(kind, cfg.num_layers, tiling), w, x, min_run_s=0.02) / cfg.num_layers
@@ -130,12 +137,12 @@ def sweep(args, bw: float, save, result) -> list[dict]:
                         print(f"{model} {name} {kind} {tiling}: {type(e).__name__}", flush=True)
                         continue
                     floor = floor_bytes(kind, K, N) / bw
-                    rows.append({"model": model, "matrix": name, "kind": kind, **tiling, "us_per_layer": t * 1e6,
-                                 "x_floor": t / floor})
+                    rows.append({"model": model, "matrix": name, "kind": kind, "rows": M, **tiling,
+                                 "us_per_layer": t * 1e6, "x_floor": t / floor})
                 mine = [r for r in rows if (r["model"], r["matrix"], r["kind"]) == (model, name, kind)]
                 for r in sorted(mine, key=lambda r: r["us_per_layer"])[:4]:
                     print(f"sweep {model} {name} {kind}: {r['us_per_layer']:.2f} us ({r['x_floor']:.2f}x floor) "
-                          f"{ {k: r[k] for k in TILINGS[0]} }", flush=True)
+                          f"{ {k: r[k] for k in tilings[0]} }", flush=True)
                 save()
             del w
     return rows
@@ -148,7 +155,8 @@ def main():
     p.add_argument("--kinds", default="loop,bf16,bf16_pallas,int8_xla,int8_pallas,int4_xla,int4_pallas",
                    help="loop: the layer scan alone (its per-iteration cost is in every other kind's time)")
     p.add_argument("--sweep", default="", help="models whose matrices also sweep the kernel's tiling "
-                                                "(block_n, splits, warps) at one row")
+                                                "(block_n, splits, warps; block_m past 64 rows) at --sweep-rows rows")
+    p.add_argument("--sweep-rows", type=int, default=1)
     p.add_argument("--out", default=str(common.RESULTS / "row_matmul.json"))
     args = p.parse_args()
     rates = common.measure_rates()

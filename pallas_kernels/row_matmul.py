@@ -140,8 +140,9 @@ def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool, 
 
 
 def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret: bool = False,
-                      block_k: int = BLOCK_K, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 3,
-                      target_programs: int = TARGET_PROGRAMS, splits: int | None = None, reduce: bool = True):
+                      block_k: int = BLOCK_K, block_n: int = BLOCK_N, block_m: int | None = None, num_warps: int = 4,
+                      num_stages: int = 3, target_programs: int = TARGET_PROGRAMS, splits: int | None = None,
+                      reduce: bool = True):
     """The kernel's x [M, K] @ (dequantized) matrix (the reference's result, summed in another order).
     reduce=False returns the kernel's partial sums [splits, R >= M, N] float32 and int8's column
     scales [E, N] (None for exact matrices and for int4, whose group scales the kernel applies), for a
@@ -159,7 +160,7 @@ def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret
     bn = _divisor(N, block_n)
     step_k = K // scale.shape[1] if int4 else _divisor(K, block_k)
     total = K // step_k
-    bm = block_rows(M)
+    bm = block_m or block_rows(M)
     m_blocks = -(-M // bm)
     programs = m_blocks * (N // bn)
     if splits is None:  # the fewest that make target_programs programs, else one step each (bench/NOTES.md)

@@ -20,7 +20,7 @@ from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, draft_weights, quantize
 from jaxspec.models.config import ModelConfig
-from pallas_kernels.row_matmul import pack_int4, unpack_int4
+from pallas_kernels.row_matmul import pack_int4, row_matmul_pallas, unpack_int4
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=16, intermediate_size=96, qk_norm=True, dtype="float32")
@@ -79,6 +79,17 @@ def test_row_matmul_equals_the_float64_product(bits, M, backend):
         assert kernels.row_matmul_supported(values[0], None if scale is None else scale[0])
     got = kernels.row_matmul(x, values, scale, jnp.float32, layer=jnp.int32(1), backend=backend)
     expected = np.asarray(x, np.float64) @ np.asarray(dense, np.float64)[1]
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+
+
+def test_row_matmul_one_block_of_many_rows():
+    """bench/row_matmul.py's sweep tiling past 64 rows: 100 rows in one 128-row block of 64 columns
+    (28 rows past x's end), K = 576 in 9 splits of one 64-row step, against float64."""
+    L, K, N = 2, 576, 192
+    w = jax.random.normal(jax.random.key(11), (L, K, N))
+    x = jax.random.normal(jax.random.key(12), (100, K))
+    got = row_matmul_pallas(x, w, None, jnp.float32, layer=jnp.int32(1), interpret=True, block_m=128, block_n=64)
+    expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)[1]
     np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
 
 

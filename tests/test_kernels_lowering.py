@@ -169,17 +169,18 @@ def test_residual_norm_lowers(check_cuda, M, D, splits, scale):
                spec((L, D), jnp.bfloat16), spec(()), col_scale)
 
 
-@pytest.mark.parametrize("M, K, N, kind", [
-    (1, 576, 960, "exact"),       # SmolLM2's q/k/v at a draft step: 9 steps of 64, one a program
-    (64, 1536, 576, "exact"),     # SmolLM2's down at a batch-8 verification: one 64-row block
-    (1, 4096, 24576, "int8"),     # Qwen3-8B's gate/up in an int8 draft step
-    (16, 12288, 4096, "int4"),    # Qwen3-8B's down, int4, groups of 128
+@pytest.mark.parametrize("M, K, N, kind, tiling", [
+    (1, 576, 960, "exact", {}),       # SmolLM2's q/k/v at a draft step: 9 steps of 64, one a program
+    (64, 1536, 576, "exact", {}),     # SmolLM2's down at a batch-8 verification: one 64-row block
+    (128, 576, 960, "exact", dict(block_m=128, block_n=64)),  # bench/row_matmul.py's 128-row sweep tiling
+    (1, 4096, 24576, "int8", {}),     # Qwen3-8B's gate/up in an int8 draft step
+    (16, 12288, 4096, "int4", {}),    # Qwen3-8B's down, int4, groups of 128
 ])
-def test_row_matmul_lowers(check_cuda, M, K, N, kind):
+def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     values = {"exact": spec((L, K, N), jnp.bfloat16), "int8": spec((L, K, N), jnp.int8),
               "int4": spec((L, K // 2, N), jnp.int8)}[kind]
     scale = {"exact": None, "int8": spec((L, N), jnp.float32), "int4": spec((L, K // 128, N), jnp.float32)}[kind]
-    check_cuda(lambda x, w, sc, layer: row_matmul_pallas(x, w, sc, layer=layer, reduce=False),
+    check_cuda(lambda x, w, sc, layer: row_matmul_pallas(x, w, sc, layer=layer, reduce=False, **tiling),
                spec((M, K), jnp.bfloat16), values, scale, spec(()))
 
 
