@@ -33,7 +33,7 @@ GROUP = 128
 
 def matrices(cfg) -> dict[str, tuple[int, int]]:
     shapes = decoder.param_shapes(cfg)["layers"]
-    return {name: shapes[name][1:] for name in ("wqkv", "wo", "w_gate_up", "w_down")}
+    return {name: shapes[name][1:] for name in decoder.MATRICES}
 
 
 def make_weights(key, L: int, K: int, N: int) -> dict:
@@ -99,8 +99,7 @@ def check(w, M: int, key) -> float:
     x = jax.random.normal(key, (M, w["bf16"].shape[1]), jnp.bfloat16)
     worst = 0.0
     for values, scale in formats(w).values():
-        ref = row_matmul_reference(x.astype(jnp.float32), values[0].astype(jnp.float32) if scale is None else values[0],
-                                   None if scale is None else scale[0])
+        ref = row_matmul_reference(x.astype(jnp.float32), values[0], None if scale is None else scale[0])
         got = kernels.row_matmul(x, values, scale, jnp.float32, layer=jnp.int32(0), backend="pallas")
         worst = max(worst, float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))))
     return worst

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python3 bench/splits.py [--kernels sparse,verify] [--shapes NAME,...] [--out DIR] [--tiny]
 
-Why: the rule aims at about 256 (batch x KV head x split) programs with at most 16 splits. With few
-KV heads at batch 1 (a 1.2B Llama's 2, SmolLM2's 3) that cap leaves 32-48 programs streaming the
-whole cache: is the cap or the target what the split count should follow? And at SmolLM2 128 x
+Why: the rule aimed at about 256 (batch x KV head x split) programs with at most 16 splits. With few
+KV heads at batch 1 (a 1.2B Llama's 2, SmolLM2's 3) that cap left 32-48 programs streaming the
+whole cache; this sweep showed such grids want one wave of ~128 programs (the rule since). And at SmolLM2 128 x
 7.5K the draft step's sparse attention moves its 7% selection at about half the copy bandwidth.
 Each kernel is timed one call per layer in a scan over 8 cache layers, as the model runs it (the
 split merge included, every output element kept), for split counts 1-128 and the rule's choice,

@@ -48,7 +48,7 @@ QUEST_FUSED_MIN_PROGRAMS = 128
 QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kernel runs at any batch
 # Exact layer matrices under this many elements go to the row kernel at decode row counts (one row
 # block). XLA runs SmolLM2's (< 2M elements) as multiply + reduce fusions; the kernel took SmolLM2's
-# plain step at 1 x 7.5K from 1.90 to 1.29 ms on an H100. A 1.2B Llama's (4-34M) were no faster
+# plain step at 1 x 7.5K from 1.98 to 1.22 ms on an H100 (1.10 with its divisor splits). A 1.2B Llama's (4-34M) were no faster
 # (cuBLAS's gemm, pad and copy against the kernel's splits, summed by the epilogues) and Qwen3-8B's
 # plain step was 4.7% slower (bench/NOTES.md, issue 13).
 ROW_MATMUL_EXACT_ELEMENTS = 1 << 22

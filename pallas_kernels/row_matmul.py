@@ -53,17 +53,21 @@ def pack_int4(values, groups: int):
     return (v[:, 0] & 0xF | (v[:, 1] << 4)).astype(jnp.int8).reshape(K // 2, N)
 
 
+def is_int4(values, scale) -> bool:
+    """int4's scale has a group axis beside the values' own (int8's has none; exact: no scale)."""
+    return scale is not None and scale.ndim == values.ndim
+
+
 def row_matmul_reference(x, values, scale, out_dtype=None):
     """x [M, K] @ the (dequantized) matrix, in fp32 products of x's dtype; out [M, N] (x's dtype)."""
-    if scale is None:  # exact
-        out = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32)
-    elif scale.ndim == 1:  # int8, per column
-        out = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32) * scale
-    else:  # int4, per group: one product per group, scaled, summed
+    if is_int4(values, scale):  # per group: one product per group, scaled, summed
         groups = scale.shape[0]
         w = unpack_int4(values, groups).reshape(groups, -1, values.shape[1]).astype(x.dtype)
         xg = x.reshape(x.shape[0], groups, -1)
         out = jnp.einsum("mgk,gkn,gn->mn", xg, w, scale, preferred_element_type=jnp.float32)
+    else:  # exact, or int8 times its column scales
+        out = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+        out = out if scale is None else out * scale
     return out.astype(out_dtype or x.dtype)
 
 
@@ -83,11 +87,6 @@ def _divisor(n: int, block: int) -> int | None:
     while block >= MIN_TILE and n % block:
         block //= 2
     return block if block >= MIN_TILE else None
-
-
-def is_int4(values, scale) -> bool:
-    """int4's scale has a group axis beside the values' own (int8's has none; exact: no scale)."""
-    return scale is not None and scale.ndim == values.ndim
 
 
 def supported(values, scale) -> bool:
