@@ -2,11 +2,14 @@
 
 Both attention kernels run flash-decoding style: a grid of (batch, kv head, row block, split)
 programs, each streams blocks of keys through an online softmax for its tile of GQA-packed query
-rows and writes a normalised partial output plus its log-sum-exp; `merge_splits` combines the
-splits in XLA (`merged`: a single split's output is final, written in the output dtype).
+rows and writes a normalised partial output plus its log-sum-exp; `merged` combines the splits in
+one kernel (a single split's output is final, written in the output dtype).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -185,11 +188,12 @@ def split_outputs(B: int, Hkv: int, n_blocks: int, n_splits: int, n_rows: int, D
     return specs, shapes
 
 
-def merged(o_part, lse_part):
-    """split_outputs' partials merged: (out [..., rows, Dh], lse [..., rows]); one split as it is."""
+def merged(o_part, lse_part, dtype, interpret: bool = False):
+    """split_outputs' partials merged: (out [..., rows, Dh] in `dtype`, lse [..., rows] fp32); one
+    split as it is (stored final), more by merge_splits_pallas."""
     if o_part.shape[-3] == 1:
         return o_part[..., 0, :, :], lse_part[..., 0, :]
-    return merge_splits(o_part, lse_part)
+    return merge_splits_pallas(o_part, lse_part, dtype, interpret=interpret)
 
 
 def merge_splits(o_part, lse_part):
@@ -203,6 +207,42 @@ def merge_splits(o_part, lse_part):
     l = w.sum(axis=-2)
     out = (w[..., None] * o_part).sum(axis=-3) / jnp.where(l > 0, l, 1.0)[..., None]
     return out, m_safe + jnp.log(l)
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits: int, width: int):
+    """Program (p, row): that row's splits, read as one [width, Dh] tile (splits past n_splits masked)."""
+    p, row = pl.program_id(0), pl.program_id(1)
+    Dh = o_ref.shape[-1]
+    ok = jnp.arange(width) < n_splits
+    lse = plgpu.load(lse_ref.at[p, pl.ds(0, width), row], mask=ok, other=-jnp.inf)
+    o = plgpu.load(o_ref.at[p, pl.ds(0, width), row, pl.ds(0, Dh)], mask=ok[:, None], other=0.0)
+    m = jnp.max(lse)
+    m_safe = jnp.where(m > -jnp.inf, m, 0.0)
+    w = jnp.exp(lse - m_safe)
+    l = jnp.sum(w)
+    out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(l > 0, l, 1.0)
+    plgpu.store(out_ref.at[p, row, pl.ds(0, Dh)], out.astype(out_ref.dtype))
+    lse_out_ref[p, row] = m_safe + jnp.log(l)
+
+
+def merge_splits_pallas(o_part, lse_part, dtype, *, interpret: bool = False):
+    """merge_splits as one kernel, out in `dtype`. XLA ran it as three (the max, the weights, the
+    weighted sum with its conversion): 3.9 us a call at SmolLM2's batch-1 draft step on an H100,
+    1.6 us as this kernel (bench/NOTES.md, issue 13). Grid (leading entries, rows): one program a
+    row, all its splits in one tile."""
+    *lead, n_splits, rows, Dh = o_part.shape
+    P = int(np.prod(lead))
+    out, lse = pl.pallas_call(
+        functools.partial(_merge_kernel, n_splits=n_splits, width=next_pow2(max(n_splits, 2))),
+        grid=(P, rows),
+        in_specs=[pl.no_block_spec] * 2,
+        out_specs=[pl.no_block_spec] * 2,
+        out_shape=[jax.ShapeDtypeStruct((P, rows, Dh), dtype), jax.ShapeDtypeStruct((P, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="merge_splits",
+    )(o_part.reshape(P, n_splits, rows, Dh), lse_part.reshape(P, n_splits, rows))
+    return out.reshape(*lead, rows, Dh), lse.reshape(*lead, rows)
 
 
 def interpret_default() -> bool:

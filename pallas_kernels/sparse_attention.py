@@ -177,5 +177,5 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
         kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(), interpret=interpret, name="sparse_attention",
     )(*args)
-    out, _ = merged(o_part, lse_part)
-    return unpack_rows(out, T, G).astype(q.dtype)
+    out, _ = merged(o_part, lse_part, q.dtype, interpret)
+    return unpack_rows(out, T, G)

@@ -302,7 +302,7 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
                           out_specs=out_specs, out_shape=out_shape,
                           compiler_params=compiler_params(), interpret=interpret,
                           name="verify_attention")(*args)
-    out, lse = merged(outs[0], outs[1])
+    out, lse = merged(outs[0], outs[1], q.dtype, interpret)
     out, lse = unpack_rows(out, T, G), unpack_rows(lse, T, G)         # [B, T, Hq, Dh], [B, T, Hq]
     scores = None
     if collect is not None:
@@ -316,4 +316,4 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
             mean = outs[2].sum(axis=1) / (Hq * (len(picked) if collect.reduce_rows else 1))
             scores = mask_scores(mean[:, 0] if collect.reduce_rows else mean,
                                  pos_c[:, 0] if collect.reduce_rows else pos_c)
-    return out.astype(q.dtype), lse, scores
+    return out, lse, scores

@@ -17,6 +17,7 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_reference,
 )
 from jaxspec.decoding.tree import TreeShape
+from pallas_kernels._common import merge_splits_pallas
 from pallas_kernels.verify_attention import (
     Collect,
     TreeMask,
@@ -87,6 +88,26 @@ def verify_oracle(q, k_cache, v_cache, q_pos, scale, collect):
         else:
             scores = np.where(np.arange(S) <= pos[..., None], per_row, -np.inf)
     return out, lse[..., 0], scores
+
+
+@pytest.mark.parametrize("n_splits, rows, dtype", [(43, 3, jnp.bfloat16), (5, 9, jnp.float32), (2, 16, jnp.float32)])
+def test_merge_splits_kernel(n_splits, rows, dtype):
+    """The split merge's kernel against float64: fresh partials, splits that saw no key (lse -inf, out
+    0), and a row no split saw (out 0, lse -inf); 43 splits fill a 64-wide tile with masked lanes."""
+    ko, kl, km = jax.random.split(jax.random.key(n_splits), 3)
+    o = jax.random.normal(ko, (2, 3, n_splits, rows, 64))
+    lse = 4 * jax.random.normal(kl, (2, 3, n_splits, rows))
+    unseen = jax.random.bernoulli(km, 0.3, lse.shape).at[1, 2, :, 0].set(True)
+    lse, o = jnp.where(unseen, -jnp.inf, lse), jnp.where(unseen[..., None], 0.0, o)
+    out, got_lse = merge_splits_pallas(o, lse, dtype, interpret=True)
+    w = np.exp(f64(lse) - np.max(f64(lse), axis=-2, keepdims=True, initial=-1e300))
+    l = w.sum(axis=-2)
+    want = np.where(l[..., None] > 0, (w[..., None] * f64(o)).sum(axis=-3) / np.maximum(l, 1e-300)[..., None], 0.0)
+    assert out.dtype == dtype and got_lse.dtype == jnp.float32
+    np.testing.assert_allclose(f64(out), want, rtol=TOL[dtype], atol=TOL[dtype])
+    want_lse = np.where(l > 0, np.log(np.maximum(l, 1e-300)) + np.max(f64(lse), axis=-2, initial=-1e300), -np.inf)
+    np.testing.assert_allclose(f64(got_lse), want_lse, rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.asarray(got_lse)[1, 2, 0]) and not np.asarray(out)[1, 2, 0].any()
 
 
 VERIFY_CASES = [

@@ -24,6 +24,7 @@ import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
 from pallas_kernels.quest_pages import quest_pages_pallas
+from pallas_kernels._common import merge_splits_pallas
 from pallas_kernels.residual_norm import residual_norm_pallas
 from pallas_kernels.rope_write import rope_write_pallas
 from pallas_kernels.row_matmul import row_matmul_pallas
@@ -182,6 +183,13 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     scale = {"exact": None, "int8": spec((L, N), jnp.float32), "int4": spec((L, K // 128, N), jnp.float32)}[kind]
     check_cuda(lambda x, w, sc, layer: row_matmul_pallas(x, w, sc, layer=layer, reduce=False, **tiling),
                spec((M, K), jnp.bfloat16), values, scale, spec(()))
+
+
+@pytest.mark.parametrize("P, splits, rows, Dh", [(3, 43, 3, 64), (2, 64, 16, 64), (8, 16, 4, 128)])
+def test_merge_splits_lowers(check_cuda, P, splits, rows, Dh):
+    """The split merge at batch 1: SmolLM2's draft step, a 1.2B Llama's plain step, Qwen3-8B's."""
+    check_cuda(lambda o, lse: merge_splits_pallas(o, lse, jnp.bfloat16),
+               spec((P, splits, rows, Dh), jnp.float32), spec((P, splits, rows), jnp.float32))
 
 
 @pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [(L, 1, 32, 8, S // 16, 128), (30, 128, 9, 3, 496, 64)])
