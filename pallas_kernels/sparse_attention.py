@@ -148,7 +148,8 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
                             n_splits: int | None = None):
     """Pallas-Triton kernel. Grid (B, Hkv, row blocks, n_splits): a row block is up to 16 query rows
     (more when G < 4) with the G heads of one KV head, packed as row t*G + g, so they share each
-    gathered K/V block; split-K over the (traced) gathered + tail blocks; the splits merged by one more kernel (_common.merged).
+    gathered K/V block; split-K over the (traced) gathered + tail blocks, the splits merged by one
+    more kernel (_common.merged).
 
     tail_capacity only sizes the static split count. Head dim must be a power of two >= 16.
     """

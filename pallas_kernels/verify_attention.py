@@ -253,8 +253,9 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
 
     Grid (B, Hkv, row blocks, n_splits): a row block is up to 16 query rows (more when G < 4) with
     the G heads of one KV head, packed as row t*G + g; split-K over the keys the block can see
-    (blocks past its max q_pos are never read), log-sum-exp merge of the splits in one more kernel (_common.merged). Collected
-    rows are shared out evenly over the row blocks, and each block then reads keys up to the
+    (blocks past its max q_pos are never read), the splits' log-sum-exp merge in one more kernel
+    (_common.merged). Collected rows are shared out evenly over the row blocks, and each block then
+    reads keys up to the
     largest collected q_pos too. Head dim must be a power of two >= 16.
     """
     _check(q, k_cache, v_cache, q_pos, collect, tree)
