@@ -255,8 +255,7 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     the G heads of one KV head, packed as row t*G + g; split-K over the keys the block can see
     (blocks past its max q_pos are never read), the splits' log-sum-exp merge in one more kernel
     (_common.merged). Collected rows are shared out evenly over the row blocks, and each block then
-    reads keys up to the
-    largest collected q_pos too. Head dim must be a power of two >= 16.
+    reads keys up to the largest collected q_pos too. Head dim must be a power of two >= 16.
     """
     _check(q, k_cache, v_cache, q_pos, collect, tree)
     B, T, Hq, Dh = q.shape
