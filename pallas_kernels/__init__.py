@@ -25,7 +25,7 @@ from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_ref
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
 from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference, supported as rope_write_supported
 from pallas_kernels.row_matmul import MAX_ROWS as ROW_MATMUL_ROWS
-from pallas_kernels.row_matmul import row_matmul_pallas, row_matmul_reference
+from pallas_kernels.row_matmul import epilogue_splits, row_matmul_pallas, row_matmul_reference
 from pallas_kernels.row_matmul import supported as row_matmul_supported  # noqa: F401 (the switch below)
 from pallas_kernels.top_p import top_p_threshold_pallas, top_p_threshold_reference
 from pallas_kernels.topk import select_topk_pallas, select_topk_reference
@@ -48,10 +48,11 @@ QUEST_FUSED_MIN_PROGRAMS = 128
 QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kernel runs at any batch
 # Exact layer matrices under this many elements go to the row kernel at decode row counts (one row
 # block). XLA runs SmolLM2's (< 2M elements) as multiply + reduce fusions; the kernel took SmolLM2's
-# plain step at 1 x 7.5K from 1.98 to 1.22 ms on an H100 (1.10 with its divisor splits). A 1.2B Llama's (4-34M) were no faster
-# (cuBLAS's gemm, pad and copy against the kernel's splits, summed by the epilogues) and Qwen3-8B's
-# plain step was 4.7% slower (bench/NOTES.md, issue 13).
-ROW_MATMUL_EXACT_ELEMENTS = 1 << 22
+# plain step at 1 x 7.5K from 1.98 to 1.22 ms on an H100 (1.10 with its divisor splits). A 1.2B
+# Llama's q/k/v and o (4.2-4.7M) gain once the splits their epilogues sum are capped
+# (row_matmul.EPILOGUE_BYTES: plain 1.55 -> 1.50 ms); its gate/up and down (17-34M), summed by XLA,
+# were no faster, and Qwen3-8B's plain step was 4.7% slower (bench/NOTES.md, issue 13).
+ROW_MATMUL_EXACT_ELEMENTS = 1 << 23
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
            "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write", "row_matmul", "row_matmul_partials", "row_matmul_reads_exact", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
@@ -78,9 +79,12 @@ def row_matmul(x, values, scale, out_dtype=None, *, layer=None, backend: str = "
 def row_matmul_partials(x, values, scale, *, layer=None, backend: str = "reference"):
     """row_matmul's product before its last steps: (sums [S, R, N] float32, column scales [E, N] or
     None), the product being sum over S of sums[:, :M], times the scales at `layer` (rope_write takes
-    it so; the reference's S is 1, scaled already). The Pallas kernel's shapes as row_matmul's."""
+    it so; the reference's S is 1, scaled already). The Pallas kernel's shapes as row_matmul's; an
+    exact matrix's splits are capped for the epilogue that sums them (row_matmul.epilogue_splits)."""
     if _is_pallas(backend) and row_matmul_supported(values, scale):
-        return row_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(), reduce=False)
+        max_splits = epilogue_splits(values.shape[-1]) if scale is None else None
+        return row_matmul_pallas(x, values, scale, layer=layer, interpret=interpret_default(), max_splits=max_splits,
+                                 reduce=False)
     if layer is not None:
         values, scale = values[layer], None if scale is None else scale[layer]
     return row_matmul_reference(x, values, scale, jnp.float32)[None], None

@@ -23,6 +23,7 @@ TARGET_PROGRAMS (256) programs, else one step a program: on an H100 at Qwen3-8B 
 best of 1-16 splits for each of the four int8 matrices (gate_up: 2 splits, 50.5 us against 58.6 for 1),
 and 128 x 128 blocks on 4 warps with 3 stages beat the other tilings tried. SmolLM2's K of 576 is 9
 steps of 64: 9 splits, not 1 (its products are latency, not bytes: the shortest program wins).
+An exact product whose epilogue sums the splits takes at most epilogue_splits of them.
 """
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,12 @@ from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, next_pow2
 BLOCK_K = 128  # exact and int8: rows of K per loop step (a divisor of K: 128, 64, 32 or 16)
 BLOCK_N = 128  # columns per program (a divisor of N: 128, 64, 32 or 16)
 MAX_ROWS = 64  # rows per program: more rows take more row blocks, each reading the matrix again
+# An exact product whose consumer sums the splits itself (rope_write, residual_norm: one program a
+# row) hands it at most this many bytes of them a row (epilogue_splits). A 1.2B Llama's q/k/v and o
+# at 16 splits (147 KB a row) made those epilogues 3 and 2 us slower; at 4 its plain step went 1.55
+# -> 1.50 ms on an H100 (bench/NOTES.md, issue 13). SmolLM2's counts are under the cap; quantized
+# matrices keep the rule (Qwen3-8B's int8 counts were measured best with rope_write summing them).
+EPILOGUE_BYTES = 40960
 
 
 def unpack_int4(packed, groups: int):
@@ -81,6 +88,11 @@ def product_rows(sums, scale, entry, rows: int, dtype, bias=None):
         out = out * scale[entry]
     out = out.astype(dtype)
     return out if bias is None else out + bias[entry]
+
+
+def epilogue_splits(N: int) -> int:
+    """The most K splits of an exact N-column product that an epilogue sums (EPILOGUE_BYTES a row)."""
+    return max(1, EPILOGUE_BYTES // (4 * N))
 
 
 def _divisor(n: int, block: int) -> int | None:
@@ -141,7 +153,7 @@ def _make_kernel(M: int, bm: int, steps: int, step_k: int, bn: int, int4: bool, 
 def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret: bool = False,
                       block_k: int = BLOCK_K, block_n: int = BLOCK_N, block_m: int | None = None, num_warps: int = 4,
                       num_stages: int = 3, target_programs: int = TARGET_PROGRAMS, splits: int | None = None,
-                      reduce: bool = True):
+                      max_splits: int | None = None, reduce: bool = True):
     """The kernel's x [M, K] @ (dequantized) matrix (the reference's result, summed in another order).
     reduce=False returns the kernel's partial sums [splits, R >= M, N] float32 and int8's column
     scales [E, N] (None for exact matrices and for int4, whose group scales the kernel applies), for a
@@ -150,7 +162,8 @@ def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret
     With `layer` (an int32 scalar), values and scale carry a leading layer axis and the kernel reads
     that layer's matrix in place: a layer sliced out of a stack inside a scan would be copied by XLA
     before the kernel reads it (bench/NOTES.md, issue 13's fused projections). The tiling arguments
-    are for bench/row_matmul.py's sweep (int4 steps are its groups, whatever block_k says)."""
+    are for bench/row_matmul.py's sweep (int4 steps are its groups, whatever block_k says);
+    `max_splits` caps the rule's split count at its largest divisor of K's steps within the cap."""
     int4, scaled = is_int4(values, scale), scale is not None
     if layer is None:
         values, scale, layer = values[None], None if scale is None else scale[None], 0
@@ -164,6 +177,8 @@ def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret
     programs = m_blocks * (N // bn)
     if splits is None:  # the fewest that make target_programs programs, else one step each (bench/NOTES.md)
         splits = next(d for d in range(1, total + 1) if total % d == 0 and (programs * d >= target_programs or d == total))
+        if max_splits is not None:
+            splits = max(d for d in range(1, min(splits, max_splits) + 1) if total % d == 0)
     if total % splits:
         raise ValueError(f"{splits} splits do not divide {total} steps of K")
     partial = pl.pallas_call(

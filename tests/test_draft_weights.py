@@ -20,7 +20,7 @@ from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, draft_weights, quantize
 from jaxspec.models.config import ModelConfig
-from pallas_kernels.row_matmul import pack_int4, row_matmul_pallas, unpack_int4
+from pallas_kernels.row_matmul import epilogue_splits, pack_int4, row_matmul_pallas, unpack_int4
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=16, intermediate_size=96, qk_norm=True, dtype="float32")
@@ -93,6 +93,25 @@ def test_row_matmul_one_block_of_many_rows():
     np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
 
 
+def test_row_matmul_caps_the_splits_an_epilogue_sums():
+    """An exact product's partial sums for rope_write / residual_norm come in at most EPILOGUE_BYTES a
+    row: N = 1024 allows 10 splits, so K's 16 steps of 128 run 8 (the rule alone: 16), and their sum
+    still equals the float64 product. int8 keeps the rule's 16."""
+    L, K, N = 2, 2048, 1024
+    w = jax.random.normal(jax.random.key(21), (L, K, N))
+    x = jax.random.normal(jax.random.key(22), (1, K))
+    assert epilogue_splits(N) == 10
+    sums, scale = kernels.row_matmul_partials(x, w, None, layer=jnp.int32(1), backend="pallas")
+    assert sums.shape[0] == 8 and scale is None
+    expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)[1]
+    got = np.asarray(sums, np.float64)[:, :1].sum(axis=0)
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+    q = quantize.quantize_int8(w)
+    int8 = jax.eval_shape(lambda x, v, s: kernels.row_matmul_partials(x, v, s, layer=jnp.int32(1), backend="pallas"),
+                          x, q.values, q.scale)
+    assert int8[0].shape[0] == 16
+
+
 def test_small_exact_matrices_run_the_row_kernel_in_place():
     """With the Pallas backend a decode step's few rows read small exact matrices in place through the
     row kernel (decoder.InPlace), and the forward equals the reference backend's; more rows than one
@@ -102,6 +121,8 @@ def test_small_exact_matrices_run_the_row_kernel_in_place():
     assert not kernels.row_matmul_reads_exact(stack, kernels.ROW_MATMUL_ROWS + 1, "pallas")
     assert not kernels.row_matmul_reads_exact(stack, 1, "reference")
     assert not kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 4096, 6144), jnp.bfloat16), 1, "pallas")
+    assert kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 2048, 2304), jnp.bfloat16), 1, "pallas")  # 1.2B q/k/v
+    assert not kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 8192, 2048), jnp.bfloat16), 1, "pallas")  # its down
     params = decoder.init_params(CFG, jax.random.key(6), scale=0.3)
     assert all(kernels.row_matmul_reads_exact(params["layers"][name], 24, "pallas") for name in decoder.MATRICES)
     tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, CFG.vocab_size)

@@ -172,6 +172,7 @@ def test_residual_norm_lowers(check_cuda, M, D, splits, scale):
 
 @pytest.mark.parametrize("M, K, N, kind, tiling", [
     (1, 576, 960, "exact", {}),       # SmolLM2's q/k/v at a draft step: 9 steps of 64, one a program
+    (1, 2048, 2304, "exact", {}),     # a 1.2B Llama's q/k/v at a plain step: 4 splits (the epilogue's cap)
     (64, 1536, 576, "exact", {}),     # SmolLM2's down at a batch-8 verification: one 64-row block
     (128, 576, 960, "exact", dict(block_m=128, block_n=64)),  # bench/row_matmul.py's 128-row sweep tiling
     (1, 4096, 24576, "int8", {}),     # Qwen3-8B's gate/up in an int8 draft step
