@@ -101,21 +101,21 @@ def rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, la
 
 def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T, G, Dh, eps, rope_scale,
             has_scale, has_bias, has_norm):
-    """Program (b, kv head h, token t): the G q heads of h, then k and v of h, for token t of row b.
-    One token a program, so that a token's result (its qk-norm's sum order) does not depend on T: a
-    draft step (T = 1) and the verification (T > 1) must round alike, or drafts are rejected."""
+    """Program (b, kv head h, token t, head j) for token t of row b: q head h * G + j for j < G, k of
+    h for j = G and v of h for j = G + 1. One head a program: a serial loop over a group's heads cost
+    a 1.2B Llama (16 q heads a KV head) ~6.7 us a layer (bench/NOTES.md, issue 13). One token a
+    program, so that a token's result (its qk-norm's sum order) does not depend on T: a draft step
+    (T = 1) and the verification (T > 1) must round alike, or drafts are rejected."""
     refs = list(refs)
     scale_ref = refs.pop(0) if has_scale else None
     bias_ref = refs.pop(0) if has_bias else None
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
     _, _, q_ref, k_ref, v_ref = refs  # the caches' inputs, then the outputs (the caches aliased)
-    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     entry, layer = entry_ref[0], layer_ref[0]
     Hq, Hkv, half = q_ref.shape[2], k_ref.shape[2], Dh // 2
     dtype = k_ref.dtype
     row = b * T + t
-    angles = pos_ref[b, t].astype(jnp.float32) * inv_ref[...][None, :]  # [1, Dh/2]
-    cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
 
     def column(start, width):
         """Columns start .. start + width of the product, as the model rounds them: [1, width]."""
@@ -131,27 +131,37 @@ def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T
             inv_rms = jax.lax.rsqrt((jnp.sum(f1 * f1, axis=1) + jnp.sum(f2 * f2, axis=1)) / Dh + eps)[:, None]
             x1 = norm_ref[entry, pl.ds(0, half)][None, :] * (f1 * inv_rms).astype(dtype)
             x2 = norm_ref[entry, pl.ds(half, half)][None, :] * (f2 * inv_rms).astype(dtype)
+        angles = pos_ref[b, t].astype(jnp.float32) * inv_ref[...][None, :]  # [1, Dh/2]
+        cos, sin = jnp.cos(angles) * rope_scale, jnp.sin(angles) * rope_scale
         f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
         return (f1 * cos - f2 * sin).astype(dtype), (f2 * cos + f1 * sin).astype(dtype)
 
-    for g in range(G):
-        o1, o2 = head((h * G + g) * Dh, qn_ref)
-        q_ref[b, pl.ds(t, 1), h * G + g, pl.ds(0, half)] = o1
-        q_ref[b, pl.ds(t, 1), h * G + g, pl.ds(half, half)] = o2
+    @pl.when(j < G)
+    def _():
+        o1, o2 = head((h * G + j) * Dh, qn_ref)
+        q_ref[b, pl.ds(t, 1), h * G + j, pl.ds(0, half)] = o1
+        q_ref[b, pl.ds(t, 1), h * G + j, pl.ds(half, half)] = o2
+
     slot = wpos_ref[b, t]
     write = jnp.full((1, 1), slot < k_ref.shape[3])  # an invalid token (past the end) writes nothing
     slots = jnp.full((1, 1), jnp.minimum(slot, k_ref.shape[3] - 1))  # stores scatter: arrays on both axes
-    k1, k2 = head((Hq + h) * Dh, kn_ref)
-    plgpu.store(k_ref.at[layer, b, h, slots, jnp.arange(half)[None, :]], k1, mask=write)
-    plgpu.store(k_ref.at[layer, b, h, slots, half + jnp.arange(half)[None, :]], k2, mask=write)
-    v = column((Hq + Hkv + h) * Dh, Dh)
-    plgpu.store(v_ref.at[layer, b, h, slots, jnp.arange(Dh)[None, :]], v, mask=write)
+
+    @pl.when(j == G)
+    def _():
+        k1, k2 = head((Hq + h) * Dh, kn_ref)
+        plgpu.store(k_ref.at[layer, b, h, slots, jnp.arange(half)[None, :]], k1, mask=write)
+        plgpu.store(k_ref.at[layer, b, h, slots, half + jnp.arange(half)[None, :]], k2, mask=write)
+
+    @pl.when(j == G + 1)
+    def _():
+        v = column((Hq + Hkv + h) * Dh, Dh)
+        plgpu.store(v_ref.at[layer, b, h, slots, jnp.arange(Dh)[None, :]], v, mask=write)
 
 
 def rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *,
                       num_heads: int, rope_scale: float, eps: float, scale=None, bias=None,
                       q_norm=None, k_norm=None, interpret: bool = False):
-    """Pallas-Triton kernel: grid (B, Hkv, T), the caches updated in place (aliased to the outputs).
+    """Pallas-Triton kernel: grid (B, Hkv, T, G + 2), the caches updated in place (aliased to the outputs).
     An invalid token's k and v are not written at all (the reference clamps them to the last slot,
     which holds nothing). Head dim must be even, and half of it a power of two."""
     _check(sums, positions, write_pos, k_cache, num_heads)
@@ -164,10 +174,11 @@ def rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer
     args = [scalar(entry), scalar(layer), positions.astype(jnp.int32), write_pos.astype(jnp.int32),
             jnp.asarray(inv_freq, jnp.float32), sums, *optional, k_cache, v_cache]
     n_in = len(args)
-    kernel = functools.partial(_kernel, T=T, G=num_heads // Hkv, Dh=Dh, eps=eps, rope_scale=rope_scale,
+    G = num_heads // Hkv
+    kernel = functools.partial(_kernel, T=T, G=G, Dh=Dh, eps=eps, rope_scale=rope_scale,
                                has_scale=scale is not None, has_bias=bias is not None, has_norm=q_norm is not None)
     return pl.pallas_call(
-        kernel, grid=(B, Hkv, T),
+        kernel, grid=(B, Hkv, T, G + 2),
         in_specs=[pl.no_block_spec] * n_in,
         out_specs=[pl.no_block_spec] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, T, num_heads, Dh), k_cache.dtype),

@@ -15,6 +15,7 @@ SLOTS = 64
     (1, 1, 9, 3, 64, 1, True, False, False),    # SmolLM2's heads, an int8 draft step
     (2, 3, 4, 2, 16, 3, True, True, True),      # split sums, bias and qk-norm together
     (3, 7, 8, 2, 32, 1, False, False, True),    # an exact product, verification rows
+    (1, 1, 32, 2, 64, 4, False, False, False),  # a 1.2B Llama's 16 q heads a KV head, its capped splits
 ])
 def test_rope_write_equals_reference(B, T, Hq, Hkv, Dh, splits, scale, bias, qk_norm):
     keys = jax.random.split(jax.random.key(B * 100 + T), 9)
