@@ -2,7 +2,7 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--draft-weights exact,int8,int4] [--draft-skip 4]
+        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--metrics weight,logit] [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy]
         [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
         [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxspec.decoding.spec import SpecConfig, takes_draft_model
+from jaxspec.decoding.spec import SCORE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
@@ -45,18 +45,19 @@ METHODS = ("plain", "vegas", "stream", "quest", "ngram")
 GAMMA, RATIO = 6, 0.07
 
 
-def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None) -> SpecConfig:
-    """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig; a tuned (gamma, ratio) replaces
-    the chain's gamma and the ratio."""
+def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, metric: str | None = None) -> SpecConfig:
+    """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig; a tuned (gamma, ratio, metric)
+    replaces the chain's gamma, the ratio and the score metric (`metric`, when given, the latter)."""
     if method == "plain":
         return SpecConfig(backend=backend).validate()
     choice = (tuning or {}).get(method, {})
-    ratio = choice.get("ratio") or RATIO
+    common_args = dict(method=method, ratio=choice.get("ratio") or RATIO, metric=metric or choice.get("metric") or "weight",
+                       backend=backend)
     kind, _, value = shape.partition(":")
     if kind == "chain":
-        return SpecConfig(method=method, gamma=choice.get("gamma") or int(value), ratio=ratio, backend=backend).validate()
+        return SpecConfig(gamma=choice.get("gamma") or int(value), **common_args).validate()
     tree = TreeShape.parse(value, kind)
-    return SpecConfig(method=method, tree=tree.branching, traversal=tree.order, ratio=ratio, backend=backend).validate()
+    return SpecConfig(tree=tree.branching, traversal=tree.order, **common_args).validate()
 
 
 def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
@@ -73,8 +74,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
-                dataclasses.replace(spec_of(m, s, backend, tuning), draft_weights=w, draft_skip=skip)
-                for m in methods if m != "plain" for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)]
+                dataclasses.replace(spec_of(m, s, backend, tuning, metric), draft_weights=w, draft_skip=skip)
+                for m in methods if m != "plain" for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
+                for metric in (args.metrics if m in SCORE_METHODS else [None])]
             plain_tps = plain_rows = None
             for spec in specs:
                 runs, first_rows = [], None
@@ -101,7 +103,8 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
                 rows_out.append(row)
                 save()
-                shape = (row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + draft_label(row)
+                shape = ((row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + draft_label(row)
+                         + (f" {row['metric']}" if row["metric"] else ""))
                 print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
                       f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
@@ -116,7 +119,7 @@ def draft_label(row: dict) -> str:
 def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
         ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
-        ("ratio", "ratio", ".2f"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
+        ("ratio", "ratio", ".2f"), ("metric", "metric", "s"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
         ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
@@ -172,6 +175,8 @@ def main():
     p.add_argument("--shapes", default=f"chain:{GAMMA}")
     p.add_argument("--draft-weights", default="exact", help="exact,int8,int4: the model drafters' draft weights to run")
     p.add_argument("--draft-skip", default=None, help="also run each draft weights kind skipping these layers (3,5 | everyN)")
+    p.add_argument("--metrics", default=None,
+                   help="weight,logit: run the score methods (vegas, all_rows, last_accepted) with each (default: the --tuned choice, else weight)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
@@ -192,6 +197,9 @@ def main():
     args.shapes = split_shapes(args.shapes)
     args.draft_weights = args.draft_weights.split(",")
     args.samplings = args.samplings.split(",")
+    args.metrics = args.metrics.split(",") if args.metrics else [None]
+    if not set(args.metrics) <= {"weight", "logit", None}:
+        p.error("--metrics: choose from weight, logit")
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None
     rates = common.measure_rates(args.tiny)
     cfg, params, tokenizer = load_model(args.model, dtype="float32" if args.tiny else "bfloat16")
