@@ -13,7 +13,8 @@ each repeated with seeds 0.. (median and spread of decode tokens/s). Sampling (T
 the headline; greedy runs beside it for --greedy-methods (greedy SmolLM2 loops at long context,
 which inflates acceptance: degeneration, the share of repeated 4-grams in the outputs, says how
 much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless --tuned names a
-`python -m jaxspec.tune` file, whose per-method (gamma, ratio) then apply to chains.
+`python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric) then apply to chains;
+--metrics runs the score methods with each named metric.
 
 The ideal speed-up is a projection from measured acceptance and the bytes floors: tokens per
 iteration x plain step floor / iteration floor, the iteration floor being depth draft forwards over
