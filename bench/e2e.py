@@ -41,6 +41,7 @@ from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
 from jaxspec.runner import run_generation
+from pallas_kernels.verify_attention import METRICS
 
 METHODS = ("plain", "vegas", "stream", "quest", "ngram")
 GAMMA, RATIO = 6, 0.07
@@ -52,8 +53,8 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, m
     if method == "plain":
         return SpecConfig(backend=backend).validate()
     choice = (tuning or {}).get(method, {})
-    common_args = dict(method=method, ratio=choice.get("ratio") or RATIO, metric=metric or choice.get("metric") or "weight",
-                       backend=backend)
+    common_args = dict(method=method, ratio=choice.get("ratio") or RATIO,
+                       metric=metric or choice.get("metric") or SpecConfig.metric, backend=backend)
     kind, _, value = shape.partition(":")
     if kind == "chain":
         return SpecConfig(gamma=choice.get("gamma") or int(value), **common_args).validate()
@@ -199,8 +200,8 @@ def main():
     args.draft_weights = args.draft_weights.split(",")
     args.samplings = args.samplings.split(",")
     args.metrics = args.metrics.split(",") if args.metrics else [None]
-    if not set(args.metrics) <= {"weight", "logit", None}:
-        p.error("--metrics: choose from weight, logit")
+    if args.metrics != [None] and not set(args.metrics) <= set(METRICS):
+        p.error(f"--metrics: choose from {', '.join(METRICS)}")
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None
     rates = common.measure_rates(args.tiny)
     cfg, params, tokenizer = load_model(args.model, dtype="float32" if args.tiny else "bfloat16")

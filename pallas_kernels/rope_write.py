@@ -142,18 +142,22 @@ def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T
         q_ref[b, pl.ds(t, 1), h * G + j, pl.ds(0, half)] = o1
         q_ref[b, pl.ds(t, 1), h * G + j, pl.ds(half, half)] = o2
 
-    slot = wpos_ref[b, t]
-    write = jnp.full((1, 1), slot < k_ref.shape[3])  # an invalid token (past the end) writes nothing
-    slots = jnp.full((1, 1), jnp.minimum(slot, k_ref.shape[3] - 1))  # stores scatter: arrays on both axes
+    def cache_slot():
+        """(slot [1, 1], write [1, 1]): where token t's k and v go; an invalid token (past the end)
+        writes nothing. Stores scatter: arrays on both axes."""
+        slot = wpos_ref[b, t]
+        return jnp.full((1, 1), jnp.minimum(slot, k_ref.shape[3] - 1)), jnp.full((1, 1), slot < k_ref.shape[3])
 
     @pl.when(j == G)
     def _():
+        slots, write = cache_slot()
         k1, k2 = head((Hq + h) * Dh, kn_ref)
         plgpu.store(k_ref.at[layer, b, h, slots, jnp.arange(half)[None, :]], k1, mask=write)
         plgpu.store(k_ref.at[layer, b, h, slots, half + jnp.arange(half)[None, :]], k2, mask=write)
 
     @pl.when(j == G + 1)
     def _():
+        slots, write = cache_slot()
         v = column((Hq + Hkv + h) * Dh, Dh)
         plgpu.store(v_ref.at[layer, b, h, slots, jnp.arange(Dh)[None, :]], v, mask=write)
 
