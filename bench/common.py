@@ -176,8 +176,8 @@ def real_text_batch(cfg, params, tokenizer, batch_size: int, prompt_tokens: int,
 
 
 def run_measures(run) -> tuple[dict, list[list[int]]]:
-    """Decode tokens/s, tokens per iteration, degeneration and decode time of one `run_generation`,
-    and its generated tokens per row."""
+    """Decode tokens/s, tokens per iteration, iterations (the slowest row's and the mean), degeneration
+    and decode time of one `run_generation`, and its generated tokens per row."""
     out = jax.device_get(run.output)
     generated = out.length - out.prompt_len
     iterations = max(int(out.stats.iterations.sum()), 1)
@@ -187,6 +187,9 @@ def run_measures(run) -> tuple[dict, list[list[int]]]:
         "tokens_per_iteration": (int(out.stats.accepted.sum()) + iterations) / iterations,
         "acceptance_rate_by_depth": (out.stats.accepted_by_depth.sum(0) / iterations).tolist(),
         "iteration_ms": run.decode_s / max(int(out.stats.iterations.max()), 1) * 1e3,
+        # a static batch runs until its slowest row is done: max against mean is the batch's tail
+        "iterations_max": int(out.stats.iterations.max()),
+        "iterations_mean": float(out.stats.iterations.mean()),
         "steps": int(generated.max()) - 1,
         "decode_s": run.decode_s,
         "degeneration": repeated_4gram_share(rows),

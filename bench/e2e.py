@@ -2,7 +2,8 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--metrics weight,logit] [--draft-weights exact,int8,int4] [--draft-skip 4]
+        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07]
+        [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy]
         [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
         [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
@@ -14,7 +15,8 @@ the headline; greedy runs beside it for --greedy-methods (greedy SmolLM2 loops a
 which inflates acceptance: degeneration, the share of repeated 4-grams in the outputs, says how
 much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless --tuned names a
 `python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric) then apply to chains;
---metrics runs the score methods with each named metric.
+--metrics runs the score methods with each named metric, --ratios the sparse drafters with each budget
+ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at the chosen gamma).
 
 The ideal speed-up is a projection from measured acceptance and the bytes floors: tokens per
 iteration x plain step floor / iteration floor, the iteration floor being depth draft forwards over
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxspec.decoding.spec import SCORE_METHODS, SpecConfig, takes_draft_model
+from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
@@ -47,13 +49,15 @@ METHODS = ("plain", "vegas", "stream", "quest", "ngram")
 GAMMA, RATIO = 6, 0.07
 
 
-def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, metric: str | None = None) -> SpecConfig:
+def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, metric: str | None = None,
+            ratio: float | None = None) -> SpecConfig:
     """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig; a tuned (gamma, ratio, metric)
-    replaces the chain's gamma, the ratio and the score metric (`metric`, when given, the latter)."""
+    replaces the chain's gamma, the ratio and the score metric (`metric` and `ratio`, when given, the
+    latter two)."""
     if method == "plain":
         return SpecConfig(backend=backend).validate()
     choice = (tuning or {}).get(method, {})
-    common_args = dict(method=method, ratio=choice.get("ratio") or RATIO,
+    common_args = dict(method=method, ratio=ratio or choice.get("ratio") or RATIO,
                        metric=metric or choice.get("metric") or SpecConfig.metric, backend=backend)
     kind, _, value = shape.partition(":")
     if kind == "chain":
@@ -76,9 +80,10 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
-                dataclasses.replace(spec_of(m, s, backend, tuning, metric), draft_weights=w, draft_skip=skip)
+                dataclasses.replace(spec_of(m, s, backend, tuning, metric, ratio), draft_weights=w, draft_skip=skip)
                 for m in methods if m != "plain" for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
-                for metric in (args.metrics if m in SCORE_METHODS else [None])]
+                for metric in (args.metrics if m in SCORE_METHODS else [None])
+                for ratio in (args.ratios if m in SPARSE_METHODS else [None])]
             plain_tps = plain_rows = None
             for spec in specs:
                 runs, first_rows = [], None
@@ -106,7 +111,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 rows_out.append(row)
                 save()
                 shape = ((row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + draft_label(row)
-                         + (f" {row['metric']}" if row["metric"] else ""))
+                         + (f" {row['metric']}" if row["metric"] else "") + (f" ratio {row['ratio']}" if row["ratio"] else ""))
                 print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
                       f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
@@ -143,7 +148,8 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in rows:
             if r["sampling"] == sampling:
                 label = r["method"] if r["method"] == "plain" else f"{r['method']} " + (
-                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r)
+                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r) + (
+                    f" ratio {r['ratio']}" if r.get("ratio") not in (None, RATIO) else "")
                 lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
         for label, points in lines.items():
             points.sort()
@@ -179,6 +185,8 @@ def main():
     p.add_argument("--draft-skip", default=None, help="also run each draft weights kind skipping these layers (3,5 | everyN)")
     p.add_argument("--metrics", default=None,
                    help="weight,logit: run the score methods (vegas, all_rows, last_accepted) with each (default: the --tuned choice, else weight)")
+    p.add_argument("--ratios", default=None,
+                   help="0.035,0.07: run the sparse drafters with each budget ratio (default: the --tuned choice, else 0.07)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
@@ -200,6 +208,7 @@ def main():
     args.draft_weights = args.draft_weights.split(",")
     args.samplings = args.samplings.split(",")
     args.metrics = args.metrics.split(",") if args.metrics else [None]
+    args.ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else [None]
     if args.metrics != [None] and not set(args.metrics) <= set(METRICS):
         p.error(f"--metrics: choose from {', '.join(METRICS)}")
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None

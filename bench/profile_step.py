@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
-        [--stages iteration,draft,verify,select]
+        [--stages iteration,draft,verify,select] [--live 128,32,4]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -11,7 +11,9 @@ wall time per call, GPU busy time (the union of kernel intervals), the number of
 kernels by device time. A stage whose wall time exceeds its busy time loses it to launch gaps or host
 round trips; one whose kernels cost more than their bytes shows which (XLA names fusion kernels as in
 the optimized HLO: `--xla_dump_to` to read them). `--sequence N` keeps the first N kernels of a stage's
-first profiled call in launch order (name, us): one layer's chain of kernels, to see what to fuse. Random bf16 weights (timing only). `--sampling
+first profiled call in launch order (name, us): one layer's chain of kernels, to see what to fuse.
+`--live N,...` also times the iteration with only the first N rows unfinished (a static batch's
+tail: finished rows stay in the batch until its last row is done). Random bf16 weights (timing only). `--sampling
 sample` runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes
 DIR/NAME.json; prints a summary table last.
 """
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from bench import common
 from bench.throughput import spec_for, stage_fns
@@ -131,6 +134,8 @@ def main():
     p.add_argument("--no-trace", action="store_true", help="wall times only, without the profiler")
     p.add_argument("--stages", default=None, type=lambda s: s.split(","),
                    help="only these stages (iteration, draft, verify, select); default all")
+    p.add_argument("--live", default=[], type=lambda s: [int(n) for n in s.split(",")],
+                   help="also time the iteration with only the first N rows unfinished, for each N")
     args = p.parse_args()
 
     from bench.decode import TINY_CFG
@@ -154,11 +159,18 @@ def main():
         cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
         state = common.random_state(copies, cfg, spec, cache, context, max_len)
         stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
-        for name, (fn, per_call) in stages.items():
+        B = state.length.shape[0]
+        timed = [(name, fn, per_call, None) for name, (fn, per_call) in stages.items()]
+        timed += [("iteration_ms", *stages["iteration_ms"], live) for live in args.live]
+        for name, fn, per_call, live in timed:
             if args.stages and name.removesuffix("_ms") not in args.stages:
                 continue
+            if live is not None:  # a fresh state (earlier calls moved its rows on), rows >= live finished
+                del state
+                state = common.random_state(copies, cfg, spec, common.random_cache(cfg, B, slots, jax.random.key(1)), context, max_len)
+                state = dataclasses.replace(state, done=jnp.arange(B) >= live)
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace)
-            row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms"),
+            row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms") + (f" live {live}" if live else ""),
                    "iterations_per_call": per_call} | summary
             result["stages"].append(row)
             if args.no_trace:

@@ -1,6 +1,6 @@
 """The attention kernels' split-K count against its rule (`_common.num_splits`), per shape.
 
-    PYTHONPATH=. python3 bench/splits.py [--kernels sparse,verify] [--shapes NAME,...] [--out DIR] [--tiny]
+    PYTHONPATH=. python3 bench/splits.py [--kernels sparse,verify] [--shapes NAME,...] [--splits 1,2,...] [--ratio 0.07] [--out DIR] [--tiny]
 
 Why: the rule aimed at about 256 (batch x KV head x split) programs with at most 16 splits. With few
 KV heads at batch 1 (a 1.2B Llama's 2, SmolLM2's 3) that cap left 32-48 programs streaming the
@@ -59,9 +59,10 @@ SHAPES = {  # kernel: {name: (B, S, Hq, Hkv, Dh, T)}; T is the query rows (the s
 TINY = {"sparse": {"tiny": (2, 512, 4, 2, 16, 1)}, "verify": {"tiny": (1, 512, 4, 2, 16, 3)}}
 
 
-def sparse_case(B, S, Hq, Hkv, Dh, T, layers):
-    """(call(q, k, v, layer, splits), q, programs without splits, key blocks, bytes read)."""
-    K = math.ceil(RATIO * S)
+def sparse_case(B, S, Hq, Hkv, Dh, T, layers, ratio=RATIO):
+    """(call(q, k, v, layer, splits), q, programs without splits, key blocks, bytes read); `ratio`
+    of the slots gathered."""
+    K = math.ceil(ratio * S)
     rng = np.random.default_rng(0)
     idx = np.stack([[rng.permutation(S - TAIL)[:K]] for _ in range(B)])[None]  # [1, B, 1, K]: one list per row
     idx = jnp.broadcast_to(jnp.asarray(idx, jnp.int32), (layers, B, 1, K))
@@ -77,7 +78,7 @@ def sparse_case(B, S, Hq, Hkv, Dh, T, layers):
     return call, q, B * Hkv * row_blocks(T, Hq // Hkv)[0], blocks, B * Hkv * (K + TAIL) * Dh * 2 * 2
 
 
-def verify_case(B, S, Hq, Hkv, Dh, T, layers):
+def verify_case(B, S, Hq, Hkv, Dh, T, layers, ratio=None):
     """As sparse_case, for the verify kernel: T rows ending at the cache's last slot."""
     q = jax.random.normal(jax.random.key(1), (layers, B, T, Hq, Dh), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))
@@ -89,15 +90,16 @@ def verify_case(B, S, Hq, Hkv, Dh, T, layers):
     return call, q, B * Hkv * row_blocks(T, Hq // Hkv)[0], S // VERIFY_BLOCK_K, B * Hkv * S * Dh * 2 * 2
 
 
-def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers):
-    """Rows {splits, default, us, GBps} for every split count that fits the kernel's key blocks."""
-    call, q, programs, blocks, read = (sparse_case if kernel == "sparse" else verify_case)(B, S, Hq, Hkv, Dh, T, layers)
+def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers, counts=SPLITS, ratio=RATIO):
+    """Rows {splits, default, us, GBps} for the rule's split count and every one of `counts` that
+    fits the kernel's key blocks."""
+    call, q, programs, blocks, read = (sparse_case if kernel == "sparse" else verify_case)(B, S, Hq, Hkv, Dh, T, layers, ratio)
     keys = jax.random.split(jax.random.key(0), 2)
     k = jax.random.normal(keys[0], (layers, B, Hkv, S, Dh), jnp.bfloat16)
     v = jax.random.normal(keys[1], (layers, B, Hkv, S, Dh), jnp.bfloat16)
     default = num_splits(programs, blocks)
     rows = []
-    for splits in sorted({s for s in SPLITS if s <= blocks} | {default}):
+    for splits in sorted({s for s in counts if s <= blocks} | {default}):
         def run(q, k, v, splits=splits):
             def body(total, layer):
                 o = call(q[layer], k, v, layer, splits)
@@ -115,8 +117,12 @@ def main():
     p.add_argument("--kernels", default="sparse,verify", help="comma-separated: sparse, verify")
     p.add_argument("--shapes", default="", help="comma-separated shape names (default: every one of the kernels')")
     p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--splits", default=",".join(map(str, SPLITS)),
+                   help="comma-separated split counts besides the rule's ('' for the rule's alone)")
+    p.add_argument("--ratio", type=float, default=RATIO, help="the sparse kernel's share of the slots gathered")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     args = p.parse_args()
+    counts = [int(s) for s in args.splits.split(",") if s]
     kernels = args.kernels.split(",")
     if not set(kernels) <= set(SHAPES):
         p.error(f"--kernels: choose from {', '.join(SHAPES)}")
@@ -125,8 +131,9 @@ def main():
         for name, shape in (TINY if args.tiny else SHAPES)[kernel].items():
             if args.shapes and name not in args.shapes.split(","):
                 continue
-            for row in time_shape(kernel, *shape, layers=2 if args.tiny else LAYERS):
-                result["rows"].append({"kernel": kernel, "shape": name, **row})
+            for row in time_shape(kernel, *shape, layers=2 if args.tiny else LAYERS, counts=counts,
+                                  ratio=args.ratio):
+                result["rows"].append({"kernel": kernel, "shape": name, "ratio": args.ratio if kernel == "sparse" else None, **row})
                 print(result["rows"][-1], flush=True)
             common.write_json(args.out / "splits.json", result)
     print(common.markdown_table(result["rows"], [
