@@ -197,9 +197,11 @@ def run_measures(run) -> tuple[dict, list[list[int]]]:
 
 
 def median_of_runs(runs: list[dict]) -> dict:
-    """Median decode tokens/s with its spread (max - min), and the medians of the other measures."""
+    """Median decode tokens/s with its spread (max - min), and the medians of the other measures
+    (run_measures')."""
     tps = [r["decode_tokens_per_s"] for r in runs]
-    medians = {k: statistics.median(r[k] for r in runs) for k in ("tokens_per_iteration", "iteration_ms", "degeneration")}
+    medians = {k: statistics.median(r[k] for r in runs)
+               for k in ("tokens_per_iteration", "iteration_ms", "degeneration", "iterations_max", "iterations_mean")}
     return {"decode_tokens_per_s": statistics.median(tps), "spread_tokens_per_s": max(tps) - min(tps), **medians}
 
 

@@ -130,6 +130,7 @@ def table(rows: list[dict]) -> str:
         ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
+        ("iterations (slowest row)", "iterations_max", ".0f"), ("iterations (mean row)", "iterations_mean", ".1f"),
         ("x plain", "speedup", ".2f"), ("ideal x plain", "ideal_speedup", ".2f"), ("of ideal", "of_ideal", ".2f"),
         ("x floor (plain)", "ratio_to_floor", ".2f"), ("degeneration", "degeneration", ".2f")])
 
