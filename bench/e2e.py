@@ -209,7 +209,12 @@ def main():
     args.draft_weights = args.draft_weights.split(",")
     args.samplings = args.samplings.split(",")
     args.metrics = args.metrics.split(",") if args.metrics else [None]
-    args.ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else [None]
+    try:
+        args.ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else [None]
+    except ValueError:
+        p.error(f"--ratios: comma-separated numbers in (0, 1], got {args.ratios!r}")
+    if not all(r is None or 0 < r <= 1 for r in args.ratios):
+        p.error(f"--ratios: each must be in (0, 1], got {args.ratios}")
     if args.metrics != [None] and not set(args.metrics) <= set(METRICS):
         p.error(f"--metrics: choose from {', '.join(METRICS)}")
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None

@@ -117,12 +117,11 @@ def main():
     p.add_argument("--kernels", default="sparse,verify", help="comma-separated: sparse, verify")
     p.add_argument("--shapes", default="", help="comma-separated shape names (default: every one of the kernels')")
     p.add_argument("--out", type=Path, default=common.RESULTS)
-    p.add_argument("--splits", default=",".join(map(str, SPLITS)),
+    p.add_argument("--splits", default=",".join(map(str, SPLITS)), type=lambda s: [int(n) for n in s.split(",") if n],
                    help="comma-separated split counts besides the rule's ('' for the rule's alone)")
     p.add_argument("--ratio", type=float, default=RATIO, help="the sparse kernel's share of the slots gathered")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     args = p.parse_args()
-    counts = [int(s) for s in args.splits.split(",") if s]
     kernels = args.kernels.split(",")
     if not set(kernels) <= set(SHAPES):
         p.error(f"--kernels: choose from {', '.join(SHAPES)}")
@@ -131,7 +130,7 @@ def main():
         for name, shape in (TINY if args.tiny else SHAPES)[kernel].items():
             if args.shapes and name not in args.shapes.split(","):
                 continue
-            for row in time_shape(kernel, *shape, layers=2 if args.tiny else LAYERS, counts=counts,
+            for row in time_shape(kernel, *shape, layers=2 if args.tiny else LAYERS, counts=args.splits,
                                   ratio=args.ratio):
                 result["rows"].append({"kernel": kernel, "shape": name, "ratio": args.ratio if kernel == "sparse" else None, **row})
                 print(result["rows"][-1], flush=True)
