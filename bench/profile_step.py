@@ -170,7 +170,7 @@ def main():
                 state = common.random_state(copies, cfg, spec, common.random_cache(cfg, B, slots, jax.random.key(1)), context, max_len)
                 state = dataclasses.replace(state, done=jnp.arange(B) >= live)
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace)
-            row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms") + (f" live {live}" if live else ""),
+            row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms") + ("" if live is None else f" live {live}"),
                    "iterations_per_call": per_call} | summary
             result["stages"].append(row)
             if args.no_trace:

@@ -78,7 +78,7 @@ def sparse_case(B, S, Hq, Hkv, Dh, T, layers, ratio=RATIO):
     return call, q, B * Hkv * row_blocks(T, Hq // Hkv)[0], blocks, B * Hkv * (K + TAIL) * Dh * 2 * 2
 
 
-def verify_case(B, S, Hq, Hkv, Dh, T, layers, ratio=None):
+def verify_case(B, S, Hq, Hkv, Dh, T, layers):
     """As sparse_case, for the verify kernel: T rows ending at the cache's last slot."""
     q = jax.random.normal(jax.random.key(1), (layers, B, T, Hq, Dh), jnp.bfloat16)
     pos = jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))
@@ -93,7 +93,8 @@ def verify_case(B, S, Hq, Hkv, Dh, T, layers, ratio=None):
 def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers, counts=SPLITS, ratio=RATIO):
     """Rows {splits, default, us, GBps} for the rule's split count and every one of `counts` that
     fits the kernel's key blocks."""
-    call, q, programs, blocks, read = (sparse_case if kernel == "sparse" else verify_case)(B, S, Hq, Hkv, Dh, T, layers, ratio)
+    shape = (B, S, Hq, Hkv, Dh, T, layers)
+    call, q, programs, blocks, read = sparse_case(*shape, ratio) if kernel == "sparse" else verify_case(*shape)
     keys = jax.random.split(jax.random.key(0), 2)
     k = jax.random.normal(keys[0], (layers, B, Hkv, S, Dh), jnp.bfloat16)
     v = jax.random.normal(keys[1], (layers, B, Hkv, S, Dh), jnp.bfloat16)
