@@ -4,7 +4,7 @@ process on the same long real-text prompts, with the ideal speed-up beside each 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
         [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
-        [--samplings sample,greedy]
+        [--samplings sample,greedy] [--shrink on,off]
         [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
         [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
 
@@ -17,6 +17,9 @@ much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless
 `python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric) then apply to chains;
 --metrics runs the score methods with each named metric, --ratios the sparse drafters with each budget
 ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at the chosen gamma).
+--shrink on,off runs the drafting methods with and without shrinking the batch as its rows finish
+(`run_generation`'s `shrink`, off by default as in `generate`; plain's rows finish together, so it
+runs once, with the first setting).
 
 The ideal speed-up is a projection from measured acceptance and the bytes floors: tokens per
 iteration x plain step floor / iteration floor, the iteration floor being depth draft forwards over
@@ -85,17 +88,20 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])]
             plain_tps = plain_rows = None
-            for spec in specs:
+            shrunk_rows = {}  # spec -> its first run's outputs with shrinking
+            runs_of = [(spec, shrink) for spec in specs for shrink in (args.shrink[:1] if spec.method == "plain" else args.shrink)]
+            for spec, shrink in runs_of:
                 runs, first_rows = [], None
                 for repeat in range(args.repeats):
                     run = run_generation(with_copies.get((spec.draft_weights, spec.draft_skip), params), cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
-                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache))
+                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache),
+                                         shrink=shrink)
                     measures, outputs = common.run_measures(run)
                     runs.append(measures | {"compile_s": run.compile_s})
                     first_rows = first_rows or outputs
                 described = spec.describe()
                 row = {"skipped_layers": len(spec.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
-                       "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "runs": runs,
+                       "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "shrink": "on" if shrink else "off", "runs": runs,
                        **common.median_of_runs(runs)}
                 draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, spec.draft_weights, spec.draft_skip)
                 row |= common.floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_bytes)
@@ -105,13 +111,18 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 else:
                     if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts
                         row["greedy_rows_equal_plain"] = sum(a == b for a, b in zip(first_rows, plain_rows)) / len(plain_rows)
+                    if shrink:
+                        shrunk_rows[spec] = first_rows
+                    elif spec in shrunk_rows:  # the same seed's rows: bf16 near-ties may flip with the batch size
+                        row["rows_equal_shrunk"] = sum(a == b for a, b in zip(first_rows, shrunk_rows[spec])) / len(first_rows)
                     row["speedup"] = row["decode_tokens_per_s"] / plain_tps
                     row["ideal_speedup"] = row["tokens_per_iteration"] * row["plain_floor_s"] / row["iteration_floor_s"]
                     row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
                 rows_out.append(row)
                 save()
                 shape = ((row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + draft_label(row)
-                         + (f" {row['metric']}" if row["metric"] else "") + (f" ratio {row['ratio']}" if row["ratio"] else ""))
+                         + (f" {row['metric']}" if row["metric"] else "") + (f" ratio {row['ratio']}" if row["ratio"] else "")
+                         + ("" if shrink else " no shrink"))
                 print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
                       f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
@@ -127,7 +138,7 @@ def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
         ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
         ("ratio", "ratio", ".2f"), ("metric", "metric", "s"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
-        ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"),
+        ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"), ("shrink", "shrink", "s"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
         ("iterations (slowest row)", "iterations_max", ".0f"), ("iterations (mean row)", "iterations_mean", ".1f"),
@@ -150,7 +161,8 @@ def plot(rows: list[dict], path: Path) -> None:
             if r["sampling"] == sampling:
                 label = r["method"] if r["method"] == "plain" else f"{r['method']} " + (
                     r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r) + (
-                    f" ratio {r['ratio']}" if r.get("ratio") not in (None, RATIO) else "")
+                    f" ratio {r['ratio']}" if r.get("ratio") not in (None, RATIO) else "") + (
+                    " no shrink" if r.get("shrink") == "off" else "")
                 lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
         for label, points in lines.items():
             points.sort()
@@ -190,6 +202,7 @@ def main():
                    help="0.035,0.07: run the sparse drafters with each budget ratio (default: the --tuned choice, else 0.07)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
+    p.add_argument("--shrink", default="off", help="on,off: shrink the batch as its rows finish, or not, or both")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
     p.add_argument("--prompt-tokens", type=int, default=7500)
     p.add_argument("--new", type=int, default=1024)
@@ -215,6 +228,9 @@ def main():
         p.error(f"--ratios: comma-separated numbers in (0, 1], got {args.ratios!r}")
     if not all(r is None or 0 < r <= 1 for r in args.ratios):
         p.error(f"--ratios: each must be in (0, 1], got {args.ratios}")
+    args.shrink = [{"on": True, "off": False}.get(x) for x in args.shrink.split(",")]
+    if None in args.shrink:
+        p.error("--shrink: on, off or both (comma-separated)")
     if args.metrics != [None] and not set(args.metrics) <= set(METRICS):
         p.error(f"--metrics: choose from {', '.join(METRICS)}")
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None

@@ -141,6 +141,7 @@ def run_generation(
     cache=None,
     plan: planner.Plan | None = None,
     mesh=None,
+    shrink: bool = False,
 ) -> Run:
     """Runs one batch through a scheduler with a slot per row: admits every row in one prefill
     (timed), decodes to the end (timed; with a progress bar, in segments) and counts compile time
@@ -150,11 +151,15 @@ def run_generation(
     `plan` (`--method auto`): decode with `plan.first` on `spec`'s backend and settings, refine and
     switch; `run.auto` says what ran, and the stats sum over strategies (acceptance by depth padded
     to the deepest). Row b samples with its own key, derived from `seed` and b. `mesh`: run
-    tensor-parallel over it (`params` split by `models.sharding.shard_params`).
+    tensor-parallel over it (`params` split by `models.sharding.shard_params`). `shrink`: as rows
+    finish, the unfinished ones move into a smaller batch (the scheduler's `shrink`): it pays where
+    the decode outlasts the compiling of a program set for each smaller row count (one process
+    running several batches, or long outputs).
     """
     return _memory_checked(
         cfg, batch, max_len,
-        lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh),
+        lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh,
+                     shrink),
     )
 
 
@@ -172,11 +177,12 @@ def _memory_checked(cfg, batch: Batch, max_len: int, run):
         ) from None
 
 
-def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh) -> Run:
+def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh,
+         shrink) -> Run:
     B = len(batch.lengths)
     scheduler = Scheduler(params, cfg, None, spec, slots=B, max_len=max_len, stop_ids=tuple(stop_ids), sampling=sampling,
                           plan=plan, queue_limit=0, segment=PROGRESS_SEGMENT if progress else None, admit_rows=None,
-                          mesh=mesh)
+                          mesh=mesh, shrink=shrink)
     seeds = np.random.SeedSequence(seed % (1 << 32)).generate_state(B)
     last, generated = {}, np.zeros((B,), np.int64)
 
@@ -187,9 +193,10 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
                 last[b] = delta
         return hear
 
+    handles = []
     for b, n in enumerate(batch.lengths):
         request = Request(tuple(batch.ids[b, :n].tolist()), min(max_new_tokens, max_len - int(n)), sampling, int(seeds[b]))
-        scheduler.submit(request, listener(b))
+        handles.append(scheduler.submit(request, listener(b)))
 
     def timed(work) -> float:
         """Wall seconds of work(), less the compiling it did."""
@@ -213,8 +220,12 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
     column = lambda name: np.array([getattr(r, name) for r in rows], np.int32)
     by_depth = np.array([(*r.accepted_by_depth, *(0,) * (depth - len(r.accepted_by_depth))) for r in rows], np.int32)
     stats = engine.SpecStats(column("iterations"), column("drafted"), column("accepted"), by_depth.reshape(B, depth))
-    state = scheduler.state
-    output = engine.GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, stats)
+    tokens = np.zeros((B, max_len), np.int32)  # from the handles: a shrunk state holds only its last rows
+    for b, h in enumerate(handles):
+        row = (*h.request.ids, *h.tokens)
+        tokens[b, : len(row)] = row
+    length = np.array([len(h.request.ids) + len(h.tokens) for h in handles], np.int32)
+    output = engine.GenerateOutput(tokens, length, batch.lengths.astype(np.int32), stats)
     auto = None
     if plan is not None:
         r = scheduler.refinement

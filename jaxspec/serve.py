@@ -42,6 +42,9 @@ def parse_args(argv):
     p.add_argument("--warm-up-tokens", type=int, default=64,
                    help="compile the admission of prompts up to this many tokens at start")
     p.add_argument("--max-top-k", type=int, default=64, help="the largest top_k a request may ask for")
+    p.add_argument("--shrink", action="store_true",
+                   help="once at most a quarter of the slots run and none wait, decode them in fewer rows (a waiting "
+                        "request grows the state back); each smaller row count compiles on first use, stalling the running requests once")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     return p.parse_args(argv)
 
@@ -78,7 +81,7 @@ def main(argv=None):
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
                           segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
                           prefill_chunk=args.prefill_chunk or None,
-                          max_top_k=args.max_top_k, mesh=mesh)
+                          max_top_k=args.max_top_k, mesh=mesh, shrink=args.shrink)
     spec = scheduler.spec
     print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}) ...", file=sys.stderr)
     scheduler.warm_up(min(args.warm_up_tokens, max_len - 1))

@@ -243,3 +243,61 @@ def test_auto_switches_while_serving(params, monkeypatch):
         assert tokens[i] == alone(params, plain_spec, req), i
     first = finished[0].stats  # ran under all three strategies
     assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
+
+
+@pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32), id="vegas_tree"),
+                                  pytest.param(SpecConfig(method="quest", gamma=3, min_tokens=32), id="quest",
+                                               marks=pytest.mark.slow)])
+def test_scheduler_shrinks_and_grows(params, spec, monkeypatch):
+    """With `shrink`, a server's state moves its running rows into fewer rows once at most a quarter
+    run (4 slots -> 1 row), and back to every slot when requests wait; each request, the row that
+    moved twice among them, emits its tokens alone."""
+    from jaxspec.serving.scheduler import Scheduler
+
+    spec = spec.validate()
+    requests = [Request(50 + i, 30 + 13 * i, [60, 6, 8, 5, 20, 14][i], [GREEDY, HOT][i % 2]) for i in range(6)]
+    scheduler = Scheduler(params, CFG, None, spec, slots=4, max_len=MAX_LEN, admit_rows=None, max_top_k=32, segment=2,
+                          shrink=True)
+    tokens, finished = submit_all(scheduler, requests[:4])
+    rows = []
+    while len(finished) < 3:
+        scheduler.step()
+        rows.append(scheduler.rows)
+    assert rows[-1] == 1 and 0 not in finished  # the longest request runs alone in a state of one row
+    later_tokens, later_finished = submit_all(scheduler, requests[4:])
+    scheduler.step()
+    assert scheduler.rows == 4 and len(scheduler._running) == 3  # grown back, the waiting requests admitted
+    while len(finished) < 4 or len(later_finished) < 2:
+        scheduler.step()
+    assert scheduler.rows == 1  # shrunk again once the last requests' rows finished
+    for i, r in enumerate(requests[:4]):
+        assert tokens[i] == alone(params, spec, r), i
+    for i, r in enumerate(requests[4:]):
+        assert later_tokens[i] == alone(params, spec, r), i
+
+
+def test_a_batch_shrinks_as_its_rows_finish(params, monkeypatch):
+    """The runner's static batch (one sampling config, no row rules) with `shrink`: rows of longer
+    prompts reach the length cap first, the decode stops once at most a quarter of the 8 rows run
+    (`engine.decode`'s min_live) and the batch shrinks to 2 rows; every row's tokens equal the batch's
+    without shrinking, which a row alone matches too."""
+    from jaxspec.runner import Batch, run_generation
+    from jaxspec.serving.scheduler import Scheduler
+
+    shrunk = []
+    shrink = Scheduler._shrink
+    monkeypatch.setattr(Scheduler, "_shrink", lambda self: (shrink(self), shrunk.append(self.rows)))
+    spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
+    lengths = [40, 280, 60, 300, 250, 50, 290, 270]  # the cap at 320 leaves rows 1, 3, 4, 6, 7 20 to 70 tokens
+    ids = np.zeros((8, max(lengths)), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = prompt(60 + b, n)
+    batch = Batch(ids, np.asarray(lengths, np.int32))
+    common = dict(spec=spec, sampling=HOT, max_len=MAX_LEN, max_new_tokens=200, stop_ids=(), seed=9)
+    runs = [run_generation(params, CFG, batch, shrink=s, **common) for s in (True, False)]
+    assert shrunk == [2], shrunk  # a state of 2 rows shrinks no further (2 // SHRINK_FACTOR = 0)
+    outputs = [[g.tolist() for g in run.generated()] for run in runs]
+    assert outputs[0] == outputs[1]
+    assert [len(g) for g in outputs[0]] == [min(200, MAX_LEN - n) for n in lengths]
+    stats = [jax.device_get(run.output.stats) for run in runs]
+    assert (stats[0].iterations == stats[1].iterations).all() and (stats[0].accepted == stats[1].accepted).all()

@@ -5,7 +5,8 @@ positions and acceptance are traced, and no Python runs per iteration (on a GPU 
 the loop's condition each iteration; at Qwen3-8B shapes the GPU idles ~0.4 ms per step in all:
 bench/NOTES.md, "Decode step"). Rows finish independently (stop ids, max tokens) and finished rows
 stop changing and stop reading their context: a static batch keeps them until its last row is done,
-so their passes run at slot 0 and write nothing (`roots`).
+so their passes run at slot 0 and write nothing (`roots`), unless its caller moves the unfinished rows
+into a smaller batch (`decode`'s `min_live`, `take_rows`: the serving scheduler's `shrink`).
 
 State invariant between iterations: row b has committed `length[b]` tokens; the KV cache holds every
 committed token but the last one (the pending token), whose keys the next pass writes. Plain decoding
@@ -198,15 +199,17 @@ def decode(
     sampling: SamplingConfig | None,
     max_len: int,
     max_iterations: jax.Array | int | None = None,
+    min_live: jax.Array | int = 0,
 ) -> DecodeState:
-    """Iterates until every row is done (or `max_iterations` more iterations, to run in segments)."""
+    """Iterates until every row is done (or `max_iterations` more iterations, to run in segments; or
+    until at most `min_live` rows are unfinished, so a caller can shrink the batch: `take_rows`)."""
     drafter = make_drafter(spec, cfg, max_len)
     step = _plain_step if drafter is None else _spec_step
     limit = jnp.iinfo(jnp.int32).max if max_iterations is None else max_iterations
 
     def cond(carry):
         state, i = carry
-        return jnp.any(~state.done) & (i < limit)
+        return (jnp.sum(~state.done) > min_live) & (i < limit)
 
     def body(carry):
         state, i = carry
@@ -255,20 +258,38 @@ def admit(
 
 def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
     """`state` with rows `slots` [n] replaced by the n rows of `rows` (a state of the same static
-    configuration). A leaf's batch axis is the one whose size differs between the two, since only
-    the batch differs; leaves of equal shape belong to the whole batch (the budget) and stay. With
-    n = B every row is replaced, and `slots` must be 0, ..., B - 1. A slot index of B or more drops
-    its row (padding rows of a bucketed admission)."""
+    configuration). Leaves of the whole batch (the budget) stay. With n = B every row is replaced, and
+    `slots` must be 0, ..., B - 1. A slot index of B or more drops its row (padding rows of a bucketed
+    admission)."""
     n, B = rows.length.shape[0], state.length.shape[0]
 
     def put(old, new):
-        axes = [a for a, (x, y) in enumerate(zip(old.shape, new.shape)) if x != y]
-        if not axes:
+        axis = _batch_axis(old, new)
+        if axis is None:
             return new if n == B else old
-        (axis,) = axes
         return old.at[(slice(None),) * axis + (slots,)].set(new, mode="drop")
 
     return jax.tree.map(put, state, rows)
+
+
+def take_rows(state: DecodeState, rows: jax.Array, like: DecodeState) -> DecodeState:
+    """The state of rows `rows` [n] of `state`, in that order: a batch shrunk to its unfinished rows
+    (a finished row's iteration still costs most of a live one's: bench/NOTES.md, issue 13). `like`
+    is a state of n rows, or its shapes (`jax.eval_shape`), with n != B: it tells each leaf's batch
+    axis. Every row goes on exactly as it would have in the whole batch: its draws depend on its own
+    key alone, and its passes read only its own cache row."""
+    return jax.tree.map(lambda old, new: old if (a := _batch_axis(old, new)) is None else jnp.take(old, rows, axis=a),
+                        state, like)
+
+
+def _batch_axis(a, b) -> int | None:
+    """A leaf's batch axis, from its shapes in two states of different batch sizes: the one axis
+    whose size differs (the drafters' states need no description of their layouts). None: the leaf
+    belongs to the whole batch (the budget)."""
+    axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    if len(axes) > 1:
+        raise ValueError(f"leaves of shapes {a.shape} and {b.shape} differ in more than the batch axis")
+    return axes[0] if axes else None
 
 
 def release(state: DecodeState, free: jax.Array) -> DecodeState:

@@ -7,7 +7,9 @@ finished and cancelled requests (`engine.release`), admits waiting requests into
 running request the tokens its slot accepted during the segment. Every slot follows its own
 request's sampling rules, seed, stop token ids and token limit (row rules: `sampling.RowSampling`);
 stop strings are found on the host, which then frees the slot. Speculation runs per slot as in a
-batch, with the server's one method.
+batch, with the server's one method. With `shrink`, the running rows move into a state of fewer rows
+when most slots are free and nothing waits (an iteration of mostly finished rows costs nearly a full
+one), and back to every slot when requests wait.
 
 Requests come from other threads (the HTTP server's event loop): `submit` queues one (bounded:
 beyond `queue_limit` it raises `QueueFull`), `Handle.cancel` asks for its slot back. A request's
@@ -47,6 +49,7 @@ log = logging.getLogger("jaxspec.serving")
 
 MAX_STOP_TOKEN_IDS = 8  # stop token ids a request may add to the model's end-of-sequence ids
 MIN_PROMPT_BUCKET = 64  # prompts are padded to powers of two from here (one admit program per bucket)
+SHRINK_FACTOR = 4  # with `shrink`, the state shrinks once at most 1 / SHRINK_FACTOR of its rows run
 
 
 class QueueFull(Exception):
@@ -99,10 +102,15 @@ class Handle:
         self.submitted = time.perf_counter()
         self.admitted: float | None = None
         self.first_token: float | None = None
-        self.slot: int | None = None
-        self.read = 0  # tokens of the slot already handed out (from the prompt's end)
+        self.slot: int | None = None  # its row in the running state
+        self.tokens: list[int] = []  # every token its slot committed so far (the stop token too)
         self.text: TextStream | None = None  # None without a tokenizer
         self.before_switch = (0, 0, 0, ())  # the slot's stats under earlier strategies (a switch zeroes them)
+
+    @property
+    def read(self) -> int:
+        """Tokens of the slot already handed out (from the prompt's end)."""
+        return len(self.tokens)
 
     def cancel(self) -> None:
         self._scheduler._cancel(self)
@@ -115,7 +123,7 @@ class Scheduler:
                  stop_ids: tuple[int, ...] | None = None, sampling: SamplingConfig | None = None,
                  plan: planner.Plan | None = None, queue_limit: int = 256, segment: int | None = 2,
                  admit_rows: int | None = 1, static: bool = False, prefill_chunk: int | None = None,
-                 max_top_k: int = 64, mesh: Mesh | None = None):
+                 max_top_k: int = 64, mesh: Mesh | None = None, shrink: bool = False):
         """`tokenizer` None: token ids only (no text, no stop strings). `stop_ids`: ids that end every
         request (default: the tokenizer's end-of-sequence ids, if any). `sampling`: the one config every
         request uses, or None: each request's own (top_k up to `max_top_k`). `plan`: decode with its
@@ -127,7 +135,11 @@ class Scheduler:
         longest request ends. `prefill_chunk`: chunked prefill; an admission whose prompts are longer
         is prefilled this many positions per round, each round followed by a decode segment of the
         running slots, so a long prompt stalls them a chunk at a time (None: whole prompts). `mesh`:
-        run tensor-parallel over it (`params` split by `models.sharding.shard_params`)."""
+        run tensor-parallel over it (`params` split by `models.sharding.shard_params`). `shrink`: once
+        at most a quarter of the state's rows run and no request waits, the running rows move into a
+        state of fewer rows (the next power of two; `engine.take_rows`), since an iteration whose rows
+        are mostly finished still costs most of a full one; a waiting request grows it back to
+        `slots` rows. Each row count compiles its own programs, on first use."""
         if slots < 1:
             raise JaxspecError(f"--slots must be at least 1, got {slots}")
         self.params, self.cfg, self.tokenizer, self.base = params, cfg, tokenizer, spec.validate()
@@ -136,7 +148,8 @@ class Scheduler:
         self.slots, self.max_len, self.queue_limit, self.segment = slots, max_len, queue_limit, segment
         self.admit_rows = slots if static or admit_rows is None else admit_rows
         self.static, self.sampling, self.max_top_k, self.prefill_chunk = static, sampling, max_top_k, prefill_chunk
-        self.mesh = mesh
+        self.mesh, self.shrink = mesh, shrink
+        self.rows = slots  # rows of the running state: `slots`, or fewer after shrinking
         self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.eos_token_ids if tokenizer else ())
         self.stop_width = len(self.stop_ids) + MAX_STOP_TOKEN_IDS
         depth = max(c.strategy.spec(self.base).draft_len for c in plan.candidates) if plan else self.spec.draft_len
@@ -241,7 +254,7 @@ class Scheduler:
             if chunked:
                 self._executable("chunk", self.params, cache, args.prompts, args.lengths, jnp.int32(0), shape=(n, width))
             self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
-        self._executable("decode", self.params, self._state, jnp.int32(0))
+        self._executable("decode", self.params, self._state, jnp.int32(0), jnp.int32(0))
         self._executable("release", self._state, jnp.zeros((self.slots,), bool))
         self._executable("report", self._state, jnp.zeros((self.slots,), jnp.int32))
 
@@ -290,6 +303,8 @@ class Scheduler:
             return
         if self.static and self._running:
             return
+        if self._waiting and self.rows < self.slots:
+            self._grow()
         free = [s for s in range(self.slots) if s not in self._running]
         admitted = 0
         while free:
@@ -363,11 +378,11 @@ class Scheduler:
 
     def _admission(self, group: list[Handle], slots: list[int], n: int, width: int) -> _Admission:
         """admit's arguments after the state for `group` padded to n rows (padding rows go to slot
-        `self.slots`, which is out of range: their writes are dropped)."""
+        `self.rows`, which is out of range: their writes are dropped)."""
         ids = np.zeros((n, width), np.int32)
         lengths, seeds, limits = np.ones((n,), np.int32), np.zeros((n,), np.uint32), np.ones((n,), np.int32)
         stop = np.full((n, self.stop_width), -1, np.int32)
-        where = np.full((n,), self.slots, np.int32)
+        where = np.full((n,), self.rows, np.int32)
         where[: len(slots)] = slots
         configs = [SamplingConfig() if self.sampling is None else self.sampling] * n
         for i, h in enumerate(group):
@@ -386,15 +401,54 @@ class Scheduler:
         refining = self.refinement is not None and self.refinement.active
         iterations = planner.SEGMENT if refining else self.segment
         if refining and self.refinement.current not in self.refinement.observations:  # a strategy's first segment
-            self._state = self._call("decode", self.params, self._state, jnp.int32(0))  # loads the program: not observed
+            self._state = self._call("decode", self.params, self._state, jnp.int32(0), jnp.int32(0))  # loads the program: not observed
         before, start = self._last, time.perf_counter()
         limit = np.iinfo(np.int32).max if iterations is None else iterations
-        self._state = self._call("decode", self.params, self._state, jnp.int32(limit))
+        floor = self.rows // SHRINK_FACTOR if self._may_shrink() and len(self._running) > self.rows // SHRINK_FACTOR else 0
+        self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
         seconds = self._deliver(start)
         if refining:
             target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running)
             if target is not None:
                 self._switch(target)
+        if self._may_shrink() and 0 < len(self._running) <= self.rows // SHRINK_FACTOR:
+            self._shrink()
+
+    def _may_shrink(self) -> bool:
+        return (self.shrink and self.rows > 1 and not self._waiting and self._staged is None
+                and not (self.refinement is not None and self.refinement.active))
+
+    def _shrink(self) -> None:
+        """Moves the running rows, in slot order, into a state of the next power of two rows (padded
+        with finished rows); their requests take the new row numbers. Turns `shrink` off when the
+        device lacks the memory for both states at once."""
+        running = sorted(self._running)
+        rows = 1 << (len(running) - 1).bit_length()
+        order = running + [s for s in range(self.rows) if s not in self._running][: rows - len(running)]
+        take = self._executable("take", self.params, self._state, jnp.asarray(order, jnp.int32), shape=(rows,))
+        needed = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(take.out_info))
+        memory = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in memory and memory["bytes_limit"] - memory["bytes_in_use"] < needed:
+            log.warning("not shrinking the batch: %.1f GiB free, the smaller state needs %.1f GiB",
+                        (memory["bytes_limit"] - memory["bytes_in_use"]) / 2**30, needed / 2**30)
+            self.shrink = False
+            return
+        self._state = take(self.params, self._state, jnp.asarray(order, jnp.int32))
+        self._running = {row: self._running[slot] for row, slot in enumerate(running)}
+        for row, h in self._running.items():
+            h.slot = row
+        self.rows = rows
+
+    def _grow(self) -> None:
+        """Back to `slots` rows for waiting requests: the running rows keep their row numbers in a
+        fresh state of free rows (with none running, the next admission makes the state)."""
+        if not self._running:
+            self._state, self.rows = None, self.slots
+            return
+        full = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget(),
+                          rows=self.slots)
+        self._state = self._call("place", full, self._state, rows=self.slots)
+        self.rows = self.slots
 
     def _switch(self, target: planner.Strategy) -> None:
         """Every slot continues under `target` (`engine.switch`: exact); the slots' stats so far move
@@ -414,7 +468,7 @@ class Scheduler:
         """Hands each running request the tokens its slot committed since the last delivery and
         finishes the requests that are done; returns the seconds since `start` (when the work that
         committed them began) to the tokens' arrival on the host."""
-        since = np.zeros((self.slots,), np.int32)
+        since = np.zeros((self.rows,), np.int32)
         for slot, h in self._running.items():
             since[slot] = len(h.request.ids) + h.read
         length, done, window, stats = jax.device_get(self._call("report", self._state, jnp.asarray(since)))
@@ -424,7 +478,7 @@ class Scheduler:
         for slot, h in list(self._running.items()):
             count = int(length[slot] - since[slot])
             tokens = window[slot, :count].tolist()
-            h.read += count
+            h.tokens += tokens
             new_tokens += count
             if count and h.first_token is None:
                 h.first_token = now
@@ -465,7 +519,7 @@ class Scheduler:
 
     def _free(self, slots: list[int]) -> None:
         if slots:
-            mask = np.zeros((self.slots,), bool)
+            mask = np.zeros((self.rows,), bool)
             mask[slots] = True
             self._state = self._call("release", self._state, jnp.asarray(mask))
 
@@ -497,13 +551,14 @@ class Scheduler:
         """Whether the state's buffers are gone (donated to a program that failed)."""
         return self._state is not None and any(x.is_deleted() for x in jax.tree.leaves(self._state))
 
-    def _call(self, name: str, *args, shape: tuple = ()):
-        return self._executable(name, *args, shape=shape)(*args)
+    def _call(self, name: str, *args, shape: tuple = (), rows: int | None = None):
+        return self._executable(name, *args, shape=shape, rows=rows)(*args)
 
-    def _executable(self, name: str, *args, shape: tuple = ()):
-        """Program `name` of the current strategy for arguments of `shape`, compiled ahead of time on
-        first use (the time goes to `compile_s`)."""
-        fns = _programs(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, self.slots,
+    def _executable(self, name: str, *args, shape: tuple = (), rows: int | None = None):
+        """Program `name` of the current strategy for a state of `rows` rows (default: the running
+        state's) and arguments of `shape`, compiled ahead of time on first use (the time goes to
+        `compile_s`)."""
+        fns = _programs(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, rows or self.rows,
                         self.stop_width, self._window(), self.prefill_chunk, self.mesh)
         key = (fns, name, shape)
         if key not in self._executables:
@@ -579,6 +634,8 @@ class _Programs:
     release: Callable
     report: Callable
     switch: Callable
+    take: Callable
+    place: Callable
     blank: Callable
     chunk: Callable
 
@@ -606,6 +663,8 @@ def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: i
         release=program("release", (0,)),
         report=program("report"),
         switch=program("switch", (1,)),
+        take=program("take"),  # not donated: the running state stays whole if the smaller one fails
+        place=program("place", (0,)),
         blank=program("blank"),
         chunk=program("chunk", (1,)),
     )
@@ -616,13 +675,15 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
     static = dict(cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
     keys = jax.vmap(jax.random.key)
 
-    def empty(params, rules, budget):
-        """Every slot free (done)."""
+    def free_rows(n, params, rules, budget):
+        """A state of n free (done) rows; `rules` of n rows, or None."""
         state = engine.prefill(
-            params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), keys(jnp.zeros((slots,), jnp.uint32)),
-            max_new_tokens=jnp.ones((slots,), jnp.int32), stop_ids=-jnp.ones((slots, stop_width), jnp.int32),
+            params, jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.int32), keys(jnp.zeros((n,), jnp.uint32)),
+            max_new_tokens=jnp.ones((n,), jnp.int32), stop_ids=-jnp.ones((n, stop_width), jnp.int32),
             budget=budget, row_sampling=rules, **static)
-        return engine.release(state, jnp.ones((slots,), bool))
+        return engine.release(state, jnp.ones((n,), bool))
+
+    empty = functools.partial(free_rows, slots)
 
     def prefill(params, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
         return engine.prefill(params, prompts, prompt_len, keys(seeds), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
@@ -644,8 +705,8 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         return engine.prefill_chunk(params, cache, prompts=prompts, prompt_len=prompt_len, begin=begin, cfg=cfg,
                                     backend=spec.backend, chunk=prefill_chunk)
 
-    def decode(params, state, iterations):
-        return engine.decode(params, state, max_iterations=iterations, **static)
+    def decode(params, state, iterations, min_live):
+        return engine.decode(params, state, max_iterations=iterations, min_live=min_live, **static)
 
     def report(state, since):
         """(length, done, tokens [slots, window] from `since`, stats) for the host."""
@@ -656,5 +717,15 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
     def switch(params, state, budget):
         return engine.switch(params, state, budget, **static)
 
+    def take(params, state, rows):
+        """The state of rows `rows` [n] (n < slots), in that order: a shrunk batch."""
+        rules = None if state.sampling is None else jax.tree.map(lambda x: x[rows], state.sampling)
+        smaller = jax.eval_shape(functools.partial(free_rows, rows.shape[0]), params, rules, state.budget)
+        return engine.take_rows(state, rows, smaller)
+
+    def place(state, rows):
+        """`state` (of `slots` free rows) with its first rows replaced by the n rows of `rows`: a grown batch."""
+        return engine.write_rows(state, rows, jnp.arange(rows.length.shape[0], dtype=jnp.int32))
+
     return dict(empty=empty, prefill=prefill, start=start, admit=admit, decode=decode, release=engine.release,
-                report=report, switch=switch, blank=blank, chunk=chunk)
+                report=report, switch=switch, blank=blank, chunk=chunk, take=take, place=place)
