@@ -5,8 +5,8 @@
         [--slots 16] [--rates 1,2,4,8] [--requests 16] [--repeats 3] [--prompt-tokens 7000]
         [--new 256,1024] [--tiny] [--out DIR] [--tag T] [--plot-from JSON ...]
 
-A config is method:batching[:chunk]. For each, one server process (`python -m jaxspec.serve --method M
---batching B --slots S [--prefill-chunk C]`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines
+A config is method:batching[:chunk[:shrink]]. For each, one server process (`python -m jaxspec.serve
+--method M --batching B --slots S [--prefill-chunk C] [--shrink]`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines
 the planner's choice as it serves) is started, warmed up (its admissions compiled for the prompts' length, then one
 request) and driven by this process over HTTP/1.0 with streamed /v1/completions (prompt token ids,
 every chunk carrying its token ids) at each rate, --repeats times (the server process stays up
@@ -77,11 +77,14 @@ class Server:
 
     def __init__(self, model: str, config: str, slots: int, max_len: int, warm_up_tokens: int, log: Path):
         self.port = free_port()
-        method, batching, chunk = (config.split(":") + ["0"])[:3]
+        method, batching, chunk, shrink = (config.split(":") + ["0", ""])[:4]
+        if shrink not in ("", "shrink"):
+            raise SystemExit(f"config {config!r}: the fourth field is 'shrink' or nothing")
         fixed = [] if method in ("plain", "auto") else ["--gamma", str(GAMMA), "--ratio", str(RATIO)]
         command = [sys.executable, "-m", "jaxspec.serve", "--model", model, "--method", method, *fixed,
                    "--batching", batching, "--prefill-chunk", chunk, "--slots", str(slots), "--max-len", str(max_len),
                    "--port", str(self.port), "--queue", "10000", "--warm-up-tokens", str(warm_up_tokens)]
+        command += ["--shrink"] if shrink else []
         self.log = log
         env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/jaxspec_jit_cache")}
         env.pop("JAX_PLATFORMS")  # the server takes the accelerator

@@ -44,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--max-top-k", type=int, default=64, help="the largest top_k a request may ask for")
     p.add_argument("--shrink", action="store_true",
                    help="once at most a quarter of the slots run and none wait, decode them in fewer rows (a waiting "
-                        "request grows the state back); each smaller row count compiles on first use, stalling the running requests once")
+                        "request grows the state back); the warm-up also compiles every smaller row count")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     return p.parse_args(argv)
 

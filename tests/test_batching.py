@@ -245,34 +245,38 @@ def test_auto_switches_while_serving(params, monkeypatch):
     assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
 
 
-@pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32), id="vegas_tree"),
+@pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="vegas", gamma=3, min_tokens=32), id="vegas"),
+                                  pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32),
+                                               id="vegas_tree", marks=pytest.mark.slow),
                                   pytest.param(SpecConfig(method="quest", gamma=3, min_tokens=32), id="quest",
                                                marks=pytest.mark.slow)])
-def test_scheduler_shrinks_and_grows(params, spec, monkeypatch):
-    """With `shrink`, a server's state moves its running rows into fewer rows once at most a quarter
-    run (4 slots -> 1 row), and back to every slot when requests wait; each request, the row that
-    moved twice among them, emits its tokens alone."""
+def test_scheduler_shrinks_and_grows(params, spec):
+    """A server's scheduler with `shrink`, warmed up: once at most 2 of its 8 slots run it moves them
+    into a state of 2 rows, grows back to 8 for two waiting requests, and shrinks again; nothing
+    compiles after the warm-up, and each request, the rows that moved among them, emits its tokens
+    alone."""
     from jaxspec.serving.scheduler import Scheduler
 
     spec = spec.validate()
-    requests = [Request(50 + i, 30 + 13 * i, [60, 6, 8, 5, 20, 14][i], [GREEDY, HOT][i % 2]) for i in range(6)]
-    scheduler = Scheduler(params, CFG, None, spec, slots=4, max_len=MAX_LEN, admit_rows=None, max_top_k=32, segment=2,
-                          shrink=True)
-    tokens, finished = submit_all(scheduler, requests[:4])
-    rows = []
-    while len(finished) < 3:
+    lengths = [60, 5, 8, 6, 50, 7, 5, 9, 20, 14]  # requests 0 and 4 outlive the six short ones
+    requests = [Request(50 + i, 70 + 5 * i, n, [GREEDY, HOT][i % 2]) for i, n in enumerate(lengths)]
+    scheduler = Scheduler(params, CFG, None, spec, slots=8, max_len=MAX_LEN, max_top_k=32, segment=2, shrink=True)
+    scheduler.warm_up(128)  # the prompts' bucket
+    compiled_s = scheduler.compile_s
+    tokens, finished = submit_all(scheduler, requests[:8])
+    while len(finished) < 6:
         scheduler.step()
-        rows.append(scheduler.rows)
-    assert rows[-1] == 1 and 0 not in finished  # the longest request runs alone in a state of one row
-    later_tokens, later_finished = submit_all(scheduler, requests[4:])
+    assert scheduler.rows == 2 and sorted(h.slot for h in scheduler._running.values()) == [0, 1]
+    later_tokens, later_finished = submit_all(scheduler, requests[8:])
     scheduler.step()
-    assert scheduler.rows == 4 and len(scheduler._running) == 3  # grown back, the waiting requests admitted
-    while len(finished) < 4 or len(later_finished) < 2:
+    assert scheduler.rows == 8 and len(scheduler._running) == 4  # grown back from 2 rows, both admitted
+    while len(finished) < 8 or len(later_finished) < 2:
         scheduler.step()
-    assert scheduler.rows == 1  # shrunk again once the last requests' rows finished
-    for i, r in enumerate(requests[:4]):
+    assert scheduler.rows == 2  # shrunk again once at most 2 ran
+    assert scheduler.compile_s == compiled_s  # every program was compiled by the warm-up
+    for i, r in enumerate(requests[:8]):
         assert tokens[i] == alone(params, spec, r), i
-    for i, r in enumerate(requests[4:]):
+    for i, r in enumerate(requests[8:]):
         assert later_tokens[i] == alone(params, spec, r), i
 
 

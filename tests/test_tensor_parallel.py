@@ -180,27 +180,29 @@ def test_every_device_holds_only_its_shard(qwen3):
 @pytest.mark.slow  # 35 s; the sharded engine's tokens are checked by default above (the default run's 20 minutes)
 def test_scheduler_admissions_equal_one_device(qwen3):
     """The server's path: requests admitted one at a time into running slots, a long one prefilled in
-    chunks, rows released and reused; every request's tokens equal the one-device scheduler's."""
+    chunks, rows released and reused, the state shrunk to one row at the end; every request's tokens
+    equal the one-device scheduler's."""
     devices_needed(2)
     requests = [Request(tuple(int(t) for t in qwen3.batch.ids[b, :n]), 12 + 3 * b, GREEDY, seed=b)
-                for b, n in enumerate(qwen3.batch.lengths)] + [Request(tuple(range(3, 50)), 9, GREEDY, seed=7)]
+                for b, n in enumerate(qwen3.batch.lengths)]
+    requests += [Request(tuple(range(3 + i, 50 + i)), 9 + 15 * i, GREEDY, seed=7 + i) for i in range(3)]
 
     def serve(tp: int) -> list[tuple[int, ...]]:
         mesh = sharding.make_mesh(tp) if tp > 1 else None
         params = qwen3.params if mesh is None else sharding.shard_params(qwen3.params, QWEN3, mesh)
-        scheduler = Scheduler(params, QWEN3, None, spec("vegas", tree=(2, 1)), slots=2, max_len=256, stop_ids=(),
-                              segment=2, admit_rows=1, prefill_chunk=64, mesh=mesh)
+        scheduler = Scheduler(params, QWEN3, None, spec("vegas", tree=(2, 1)), slots=4, max_len=256, stop_ids=(),
+                              segment=2, admit_rows=1, prefill_chunk=64, mesh=mesh, shrink=True)
         tokens = {i: [] for i in range(len(requests))}
         for i, r in enumerate(requests):
             scheduler.submit(r, lambda delta, i=i: tokens[i].extend(delta.token_ids))
         while scheduler._waiting or scheduler._running or scheduler._staged:
             scheduler.step()
+        assert scheduler.rows == 1
         return [tuple(tokens[i]) for i in range(len(requests))]
 
     one = serve(1)
     assert all(len(t) == r.max_new_tokens for t, r in zip(one, requests))
     assert serve(2) == one
-
 
 @pytest.mark.parametrize("tp, message", [
     (2, "--tp 2 does not divide the model's 9 attention heads"),

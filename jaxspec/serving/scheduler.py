@@ -139,7 +139,7 @@ class Scheduler:
         at most a quarter of the state's rows run and no request waits, the running rows move into a
         state of fewer rows (the next power of two; `engine.take_rows`), since an iteration whose rows
         are mostly finished still costs most of a full one; a waiting request grows it back to
-        `slots` rows. Each row count compiles its own programs, on first use."""
+        `slots` rows. Each row count compiles its own programs, on first use or in `warm_up`."""
         if slots < 1:
             raise JaxspecError(f"--slots must be at least 1, got {slots}")
         self.params, self.cfg, self.tokenizer, self.base = params, cfg, tokenizer, spec.validate()
@@ -242,8 +242,8 @@ class Scheduler:
 
     def warm_up(self, prompt_tokens: int = MIN_PROMPT_BUCKET) -> None:
         """Compiles the empty state, the segment and the admissions of prompts of up to
-        `prompt_tokens` tokens, every group size up to `admit_rows` (nothing runs), so the first
-        requests don't wait on it."""
+        `prompt_tokens` tokens, every group size up to `admit_rows`, and with `shrink` what shrinking
+        runs (nothing decodes), so the first requests don't wait on it."""
         width = self._bucket(prompt_tokens)
         if self._state is None:
             self._state = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget())
@@ -254,9 +254,31 @@ class Scheduler:
             if chunked:
                 self._executable("chunk", self.params, cache, args.prompts, args.lengths, jnp.int32(0), shape=(n, width))
             self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
-        self._executable("decode", self.params, self._state, jnp.int32(0), jnp.int32(0))
-        self._executable("release", self._state, jnp.zeros((self.slots,), bool))
-        self._executable("report", self._state, jnp.zeros((self.slots,), jnp.int32))
+        self._compile_segment(self._state, self.slots)
+        if self.shrink:
+            self._warm_up_shrinking()
+
+    def _compile_segment(self, state: engine.DecodeState, rows: int) -> None:
+        """Compiles a segment's programs (decode, release, report) for `state` of `rows` rows."""
+        self._executable("decode", self.params, state, jnp.int32(0), jnp.int32(0), rows=rows)
+        self._executable("release", state, jnp.zeros((rows,), bool), rows=rows)
+        self._executable("report", state, jnp.zeros((rows,), jnp.int32), rows=rows)
+
+    def _warm_up_shrinking(self) -> None:
+        """Compiles, for every row count shrinking can reach, its take from each larger count, its
+        segment and its place back into every slot. The smaller states they are compiled for are
+        taken from the empty one (a third as much memory again, for the while)."""
+        states, sources = {self.slots: self._state}, [self.slots]
+        while sources:
+            rows = sources.pop(0)
+            for target in _shrink_targets(rows):
+                order = jnp.arange(target, dtype=jnp.int32)
+                take = self._executable("take", self.params, states[rows], order, shape=(target,), rows=rows)
+                if target not in states:
+                    states[target] = take(self.params, states[rows], order)
+                    self._compile_segment(states[target], target)
+                    self._executable("place", self._state, states[target], shape=(target,), rows=self.slots)
+                    sources.append(target)
 
     # --- the scheduler thread (the server's) or the caller's (the runner's) ----------------------------
 
@@ -423,7 +445,7 @@ class Scheduler:
         with finished rows); their requests take the new row numbers. Turns `shrink` off when the
         device lacks the memory for both states at once."""
         running = sorted(self._running)
-        rows = 1 << (len(running) - 1).bit_length()
+        rows = _next_pow2(len(running))
         order = running + [s for s in range(self.rows) if s not in self._running][: rows - len(running)]
         take = self._executable("take", self.params, self._state, jnp.asarray(order, jnp.int32), shape=(rows,))
         needed = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(take.out_info))
@@ -447,7 +469,7 @@ class Scheduler:
             return
         full = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget(),
                           rows=self.slots)
-        self._state = self._call("place", full, self._state, rows=self.slots)
+        self._state = self._call("place", full, self._state, shape=(self.rows,), rows=self.slots)
         self.rows = self.slots
 
     def _switch(self, target: planner.Strategy) -> None:
@@ -573,18 +595,29 @@ class Scheduler:
         return min(iterations * (self.spec.draft_len + 1) + 1, self.max_len)
 
     def _bucket(self, n: int) -> int:
-        return min(max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length()), self.max_len)
+        return min(max(MIN_PROMPT_BUCKET, _next_pow2(n)), self.max_len)
 
     def _row_bucket(self, n: int) -> int:
         """Rows of an admission of n requests: a power of two below the slot count, or every slot.
         (An admission of as many rows as slots replaces the whole state: `engine.write_rows`.)"""
         if n == self.slots:
             return n
-        rows = 1 << (n - 1).bit_length()
+        rows = _next_pow2(n)
         return rows if rows < self.slots else self.slots - 1
 
     def _rules(self, configs: list[SamplingConfig]) -> RowSampling | None:
         return None if self.sampling is not None else RowSampling.of(configs, self.max_top_k)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _shrink_targets(rows: int) -> list[int]:
+    """The row counts a state of `rows` rows can shrink to: powers of two up to the next one above
+    the most rows that may run when it shrinks."""
+    most = rows // SHRINK_FACTOR
+    return [1 << k for k in range(_next_pow2(most).bit_length())] if most else []
 
 
 def _row_stats(stats, slot: int) -> tuple:
