@@ -284,7 +284,8 @@ def test_a_batch_shrinks_as_its_rows_finish(params, monkeypatch):
     """The runner's static batch (one sampling config, no row rules) with `shrink`: rows of longer
     prompts reach the length cap first, the decode stops once at most a quarter of the 8 rows run
     (`engine.decode`'s min_live) and the batch shrinks to 2 rows; every row's tokens equal the batch's
-    without shrinking, which a row alone matches too."""
+    without shrinking, and a device without the memory for the smaller state keeps the 8 rows and
+    decodes to the end."""
     from jaxspec.runner import Batch, run_generation
     from jaxspec.serving.scheduler import Scheduler
 
@@ -300,8 +301,16 @@ def test_a_batch_shrinks_as_its_rows_finish(params, monkeypatch):
     common = dict(spec=spec, sampling=HOT, max_len=MAX_LEN, max_new_tokens=200, stop_ids=(), seed=9)
     runs = [run_generation(params, CFG, batch, shrink=s, **common) for s in (True, False)]
     assert shrunk == [2], shrunk  # a state of 2 rows shrinks no further (2 // SHRINK_FACTOR = 0)
+
+    class Full:  # a device without the memory for a second state
+        def memory_stats(self):
+            return {"bytes_limit": 1 << 30, "bytes_in_use": 1 << 30}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Full()])
+    runs.append(run_generation(params, CFG, batch, shrink=True, **common))  # turns shrinking off and decodes on
+    assert shrunk == [2, 8]
     outputs = [[g.tolist() for g in run.generated()] for run in runs]
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
     assert [len(g) for g in outputs[0]] == [min(200, MAX_LEN - n) for n in lengths]
     stats = [jax.device_get(run.output.stats) for run in runs]
     assert (stats[0].iterations == stats[1].iterations).all() and (stats[0].accepted == stats[1].accepted).all()

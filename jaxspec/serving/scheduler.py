@@ -264,21 +264,29 @@ class Scheduler:
         self._executable("release", state, jnp.zeros((rows,), bool), rows=rows)
         self._executable("report", state, jnp.zeros((rows,), jnp.int32), rows=rows)
 
-    def _warm_up_shrinking(self) -> None:
-        """Compiles, for every row count shrinking can reach, its take from each larger count, its
-        segment and its place back into every slot. The smaller states they are compiled for are
-        taken from the empty one (a third as much memory again, for the while)."""
-        states, sources = {self.slots: self._state}, [self.slots]
-        while sources:
-            rows = sources.pop(0)
-            for target in _shrink_targets(rows):
-                order = jnp.arange(target, dtype=jnp.int32)
-                take = self._executable("take", self.params, states[rows], order, shape=(target,), rows=rows)
-                if target not in states:
-                    states[target] = take(self.params, states[rows], order)
-                    self._compile_segment(states[target], target)
-                    self._executable("place", self._state, states[target], shape=(target,), rows=self.slots)
-                    sources.append(target)
+    def _warm_up_shrinking(self, rows: int | None = None, state: engine.DecodeState | None = None,
+                           warmed: set[int] | None = None) -> None:
+        """Compiles, for every row count shrinking can reach from `rows` (default: every slot), its
+        take from each larger count, its segment and its place back into every slot. The smaller
+        states they are compiled for are taken from the empty one, depth first, so at most a chain
+        of them (a third of its rows) is held at once; without the memory for that, shrinking is
+        turned off."""
+        rows, state = rows or self.slots, state if state is not None else self._state
+        warmed = set() if warmed is None else warmed  # row counts whose programs are compiled
+        for target in reversed(_shrink_targets(rows)):
+            order = jnp.arange(target, dtype=jnp.int32)
+            take = self._executable("take", self.params, state, order, shape=(target,), rows=rows)
+            if target in warmed:
+                continue
+            if not self._fits(take):
+                return
+            smaller = take(self.params, state, order)
+            self._compile_segment(smaller, target)
+            self._executable("place", self._state, smaller, shape=(target,), rows=self.slots)
+            warmed.add(target)
+            self._warm_up_shrinking(target, smaller, warmed)
+            if not self.shrink:  # a smaller count did not fit
+                return
 
     # --- the scheduler thread (the server's) or the caller's (the runner's) ----------------------------
 
@@ -448,18 +456,25 @@ class Scheduler:
         rows = _next_pow2(len(running))
         order = running + [s for s in range(self.rows) if s not in self._running][: rows - len(running)]
         take = self._executable("take", self.params, self._state, jnp.asarray(order, jnp.int32), shape=(rows,))
-        needed = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(take.out_info))
-        memory = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in memory and memory["bytes_limit"] - memory["bytes_in_use"] < needed:
-            log.warning("not shrinking the batch: %.1f GiB free, the smaller state needs %.1f GiB",
-                        (memory["bytes_limit"] - memory["bytes_in_use"]) / 2**30, needed / 2**30)
-            self.shrink = False
+        if not self._fits(take):
             return
         self._state = take(self.params, self._state, jnp.asarray(order, jnp.int32))
         self._running = {row: self._running[slot] for row, slot in enumerate(running)}
         for row, h in self._running.items():
             h.slot = row
         self.rows = rows
+
+    def _fits(self, take) -> bool:
+        """Whether the device has free memory for `take`'s smaller state beside the running one;
+        if not, shrinking is turned off (with a warning)."""
+        needed = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(take.out_info))
+        memory = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in memory and memory["bytes_limit"] - memory["bytes_in_use"] < needed:
+            log.warning("shrinking off: %.1f GiB free, a state of fewer rows needs %.1f GiB",
+                        (memory["bytes_limit"] - memory["bytes_in_use"]) / 2**30, needed / 2**30)
+            self.shrink = False
+            return False
+        return True
 
     def _grow(self) -> None:
         """Back to `slots` rows for waiting requests: the running rows keep their row numbers in a
