@@ -110,11 +110,11 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
                 else:
                     if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts
-                        row["greedy_rows_equal_plain"] = sum(a == b for a, b in zip(first_rows, plain_rows)) / len(plain_rows)
+                        row["greedy_rows_equal_plain"] = share_equal(first_rows, plain_rows)
                     if shrink:
                         shrunk_rows[spec] = first_rows
                     elif spec in shrunk_rows:  # the same seed's rows: bf16 near-ties may flip with the batch size
-                        row["rows_equal_shrunk"] = sum(a == b for a, b in zip(first_rows, shrunk_rows[spec])) / len(first_rows)
+                        row["rows_equal_shrunk"] = share_equal(first_rows, shrunk_rows[spec])
                     row["speedup"] = row["decode_tokens_per_s"] / plain_tps
                     row["ideal_speedup"] = row["tokens_per_iteration"] * row["plain_floor_s"] / row["iteration_floor_s"]
                     row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
@@ -126,6 +126,11 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
                       f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
+
+
+def share_equal(rows: list, reference: list) -> float:
+    """The share of rows equal to the reference's row."""
+    return sum(a == b for a, b in zip(rows, reference)) / len(reference)
 
 
 def draft_label(row: dict) -> str:

@@ -44,6 +44,7 @@ from jaxspec.serving.metrics import Metrics
 from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.serving.text import TextStream
 from jaxspec.tokenizer import Tokenizer
+from pallas_kernels._common import next_pow2
 
 log = logging.getLogger("jaxspec.serving")
 
@@ -246,7 +247,7 @@ class Scheduler:
         runs (nothing decodes), so the first requests don't wait on it."""
         width = self._bucket(prompt_tokens)
         if self._state is None:
-            self._state = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget())
+            self._state = self._free_state()
         chunked = self.prefill_chunk is not None and width > self.prefill_chunk
         for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
             args = self._admission([], [], n, width)
@@ -397,7 +398,7 @@ class Scheduler:
             self._state = self._call(name, self.params, *inputs, self.spec.budget(), shape=(width,))
         else:
             if self._state is None:
-                self._state = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget())
+                self._state = self._free_state()
             self._state = self._call("admit", self.params, self._state, *args, cache, shape=(n, width, cache is not None))
         now = time.perf_counter()
         for h, slot in zip(group, slots):
@@ -434,7 +435,8 @@ class Scheduler:
             self._state = self._call("decode", self.params, self._state, jnp.int32(0), jnp.int32(0))  # loads the program: not observed
         before, start = self._last, time.perf_counter()
         limit = np.iinfo(np.int32).max if iterations is None else iterations
-        floor = self.rows // SHRINK_FACTOR if self._may_shrink() and len(self._running) > self.rows // SHRINK_FACTOR else 0
+        most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
+        floor = most if len(self._running) > most else 0
         self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
         seconds = self._deliver(start)
         if refining:
@@ -445,7 +447,7 @@ class Scheduler:
             self._shrink()
 
     def _may_shrink(self) -> bool:
-        return (self.shrink and self.rows > 1 and not self._waiting and self._staged is None
+        return (self.shrink and not self._waiting and self._staged is None
                 and not (self.refinement is not None and self.refinement.active))
 
     def _shrink(self) -> None:
@@ -453,12 +455,13 @@ class Scheduler:
         with finished rows); their requests take the new row numbers. Turns `shrink` off when the
         device lacks the memory for both states at once."""
         running = sorted(self._running)
-        rows = _next_pow2(len(running))
+        rows = next_pow2(len(running))
         order = running + [s for s in range(self.rows) if s not in self._running][: rows - len(running)]
-        take = self._executable("take", self.params, self._state, jnp.asarray(order, jnp.int32), shape=(rows,))
+        order = jnp.asarray(order, jnp.int32)
+        take = self._executable("take", self.params, self._state, order, shape=(rows,))
         if not self._fits(take):
             return
-        self._state = take(self.params, self._state, jnp.asarray(order, jnp.int32))
+        self._state = take(self.params, self._state, order)
         self._running = {row: self._running[slot] for row, slot in enumerate(running)}
         for row, h in self._running.items():
             h.slot = row
@@ -482,9 +485,7 @@ class Scheduler:
         if not self._running:
             self._state, self.rows = None, self.slots
             return
-        full = self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget(),
-                          rows=self.slots)
-        self._state = self._call("place", full, self._state, shape=(self.rows,), rows=self.slots)
+        self._state = self._call("place", self._free_state(), self._state, shape=(self.rows,), rows=self.slots)
         self.rows = self.slots
 
     def _switch(self, target: planner.Strategy) -> None:
@@ -610,29 +611,30 @@ class Scheduler:
         return min(iterations * (self.spec.draft_len + 1) + 1, self.max_len)
 
     def _bucket(self, n: int) -> int:
-        return min(max(MIN_PROMPT_BUCKET, _next_pow2(n)), self.max_len)
+        return min(max(MIN_PROMPT_BUCKET, next_pow2(n)), self.max_len)
 
     def _row_bucket(self, n: int) -> int:
         """Rows of an admission of n requests: a power of two below the slot count, or every slot.
         (An admission of as many rows as slots replaces the whole state: `engine.write_rows`.)"""
         if n == self.slots:
             return n
-        rows = _next_pow2(n)
+        rows = next_pow2(n)
         return rows if rows < self.slots else self.slots - 1
+
+    def _free_state(self) -> engine.DecodeState:
+        """A state of `slots` free rows under the current strategy."""
+        return self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget(),
+                          rows=self.slots)
 
     def _rules(self, configs: list[SamplingConfig]) -> RowSampling | None:
         return None if self.sampling is not None else RowSampling.of(configs, self.max_top_k)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _shrink_targets(rows: int) -> list[int]:
     """The row counts a state of `rows` rows can shrink to: powers of two up to the next one above
     the most rows that may run when it shrinks."""
     most = rows // SHRINK_FACTOR
-    return [1 << k for k in range(_next_pow2(most).bit_length())] if most else []
+    return [1 << k for k in range(next_pow2(most).bit_length())] if most else []
 
 
 def _row_stats(stats, slot: int) -> tuple:
