@@ -37,6 +37,7 @@ from jaxspec.models import decoder, draft_weights
 from jaxspec.models.kvcache import cache_slots
 from jaxspec.decoding.spec import SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import MAX_TREE_ROWS
+from pallas_kernels.verify_attention import METRICS
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
 
@@ -125,6 +126,7 @@ def main():
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--metric", choices=METRICS, default="weight", help="the score-collecting drafters' metric")
     p.add_argument("--backend", default="pallas" if jax.default_backend() == "gpu" else "reference")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a CPU smoke test of this script")
     p.add_argument("--out", type=Path, default=common.RESULTS)
@@ -148,8 +150,8 @@ def main():
     max_len = context + 256
     slots = cache_slots(max_len + MAX_TREE_ROWS)
     k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
-    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "stages": []}
-    tuning = {m: {"gamma": args.gamma, "ratio": args.ratio} for m in args.methods}
+    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
+    tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
             if takes_draft_model(m, w)]
     for method, weights in runs:

@@ -22,7 +22,7 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.decoding import planner
 from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, run_generation, summarize
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import METHODS, PRECISIONS, SpecConfig
+from jaxspec.decoding.spec import METHODS, METRICS, PRECISIONS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
@@ -55,7 +55,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuned", type=Path, default=None,
                    help="a file from `python -m jaxspec.tune` (or bench/kv_bound.json): its gamma or tree, ratio and metric for --method")
     p.add_argument("--min-tokens", type=int, default=256, help="least KV entries a sparse drafter keeps")
-    p.add_argument("--metric", choices=("weight", "logit"), default=None, help="score of vegas/all_rows/last_accepted (default weight, or the --tuned choice)")
+    p.add_argument("--metric", choices=METRICS, default=None, help="score of vegas/all_rows/last_accepted (default weight, or the --tuned choice)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--precision", choices=PRECISIONS, default="strict",

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape
 from jaxspec.errors import JaxspecError
 from jaxspec.models.draft_weights import DRAFT_WEIGHTS, check_skip
+from pallas_kernels.verify_attention import METRICS
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "full", "ngram")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
@@ -51,7 +52,7 @@ class SpecConfig:
     ratio: float | None = 0.07
     min_tokens: int | None = 256
     k_max: int | None = None
-    metric: str = "weight"  # vegas / all_rows / last_accepted: "weight" (softmax weight) or "logit"
+    metric: str = "weight"  # vegas / all_rows / last_accepted: one of METRICS (kernels.Collect says what each is)
     ngram_min: int = 1
     ngram_max: int = 4
     backend: str = "reference"  # attention kernels: "reference" (jnp) or "pallas"
@@ -80,8 +81,8 @@ class SpecConfig:
             raise JaxspecError(f"--min-tokens must be at least 1, got {self.min_tokens}")
         if self.k_max is not None and (self.k_max < PAGE or self.k_max % PAGE):
             raise JaxspecError(f"k_max must be a positive multiple of {PAGE}, got {self.k_max}")
-        if self.metric not in ("weight", "logit"):
-            raise JaxspecError(f"--metric must be weight or logit, got {self.metric!r}")
+        if self.metric not in METRICS:
+            raise JaxspecError(f"--metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise JaxspecError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min} and {self.ngram_max}")
         if self.backend not in ("reference", "pallas"):
