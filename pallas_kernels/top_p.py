@@ -19,12 +19,14 @@ issue 16: the split path is faster up to 48 rows, one program per row from 64):
   in L1/L2 after the first read (96-192 KB at a 49K vocabulary). Pass 1 finds m; pass 2 sums Z and
   the masses above m - CUTS, which bracket the threshold in values (no lower than the bound m +
   log((1 - top_p) / V) - 1, below which all values hold less than (1 - top_p) / e <= (1 - top_p) Z);
-  pass 3 writes the values inside the bracket to a scratch row, and while they number at most
-  CAPACITY the search runs over them in registers (SPREAD pivots a pass; the mass above hi, from
-  pass 2, added to theirs). A real model's rows at T 0.7 put tens of values there; a flat row puts
-  more, and the search runs over the row instead, three pivots a pass from the same bracket. H100,
-  128 rows (bench/NOTES.md): ~68 us at a 49K vocabulary and ~173 us at 152K on rows shaped like a
-  real model's, 95 and 442 us on flat rows; the rows' count matters little up to 64.
+  pass 3 writes the values inside the bracket to a scratch row. While they number at most PAIRWISE
+  (a real model's rows at T 0.7 put tens there) each held value's mass comes from one comparison of
+  every pair: the mass above hi, from pass 2, plus that of the held values above it; the threshold
+  is the smallest held value whose mass is < top_p * Z. Up to CAPACITY the search runs over them in
+  registers (SPREAD pivots a pass); a flat row puts more, and the search runs over the row instead,
+  three pivots a pass from the same bracket. H100 at a 49K vocabulary (bench/NOTES.md): 39 us at
+  128 rows and 290 us at 896 on rows shaped like a real model's (68 and 435 with the search over
+  held values), 98 and 506 us on flat rows.
 - The split path (top_p_threshold_split) spreads each row over many programs (SPLIT_PER chunks of
   SPLIT_CHUNK logits each) and settles DIGIT_BITS bits of the key a launch, a radix search: the
   bracket is (hi - 2^level, hi], at first (key(+inf) - 2^32, key(+inf)], and a pass sums in every
@@ -60,6 +62,10 @@ NUM_WARPS = 32
 CUTS = (4.0, 8.0, 16.0)
 CAPACITY = 1024
 SPREAD = 16  # pivots a pass of the search over held values (a power of two)
+# At most this many held values take the pairwise step ([PAIRWISE, PAIRWISE] comparisons). H100, 128
+# rows of 49152 shaped like SmolLM2's: 39.1 us a call against 68.3 for the search over held values,
+# whose 8 passes took 34 us (bench/NOTES.md, issue 13).
+PAIRWISE = 128
 
 
 def _average(a, b):
@@ -118,7 +124,7 @@ def _spread(lo, hi):
     return jnp.minimum(lo + jnp.arange(1, SPREAD + 1, dtype=jnp.int32) * step, hi - 1)
 
 
-def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, held_ref, *, chunk, capacity, barrier):
+def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, held_ref, *, chunk, capacity, pairwise, barrier):
     row = pl.program_id(0)
     inv_temperature, top_p = inv_temperature_ref[row], top_p_ref[row]
     V = logits_ref.shape[1]
@@ -174,6 +180,15 @@ def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, held_ref, *, ch
     if barrier:  # the held values, written by all the program's threads, are read back by others
         plgpu.debug_barrier()
 
+    def each_pair(bracket):
+        """Every held value's mass at once; the smallest whose mass is < target (the bracket holds
+        the threshold, since masses step only at row values); padding loads as -inf, never chosen."""
+        held = jnp.arange(pairwise) < count
+        x = plgpu.load(held_ref.at[row, pl.ds(0, pairwise)], mask=held, other=-jnp.inf)
+        e = jnp.exp(x - top)
+        masses = mass_hi + jnp.sum(jnp.where(x[None, :] > x[:, None], e[None, :], 0.0), axis=1)
+        return bracket[0], float_key(jnp.min(jnp.where(held & (masses < target), x, jnp.inf)))
+
     def in_registers(bracket):
         """The search over the held values: masses are mass_hi plus theirs above each pivot."""
         x = plgpu.load(held_ref.at[row, pl.ds(0, capacity)], mask=jnp.arange(capacity) < count, other=-jnp.inf)
@@ -205,7 +220,10 @@ def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, held_ref, *, ch
 
         return lax.while_loop(lambda b: b[1] > b[0] + 1, search, bracket)
 
-    _, hi_key = lax.cond(count <= capacity, in_registers, over_row, (float_key(lo), float_key(hi)))
+    search = lambda bracket: lax.cond(count <= capacity, in_registers, over_row, bracket)
+    if pairwise:
+        search = functools.partial(lax.cond, count <= pairwise, each_pair, search)
+    _, hi_key = search((float_key(lo), float_key(hi)))
     out_ref[row] = key_float(hi_key)
 
 
@@ -337,11 +355,16 @@ def top_p_threshold_split(logits, inv_temperature, top_p, *, interpret: bool = F
 
 
 def top_p_threshold_per_row(logits, inv_temperature, top_p, *, interpret: bool = False, chunk: int = CHUNK,
-                            capacity: int = CAPACITY):
-    """The one-program-per-row path (same contract as top_p_threshold_reference)."""
+                            capacity: int = CAPACITY, pairwise: int = PAIRWISE):
+    """The one-program-per-row path (same contract as top_p_threshold_reference); `pairwise` (a power
+    of two >= 16, at most `capacity`; 0: no pairwise step) and `capacity` are the held values' limits
+    of its two steps."""
+    if pairwise > capacity:
+        raise ValueError(f"pairwise {pairwise} must not exceed capacity {capacity}")
     R, V = logits.shape
     threshold, _ = pl.pallas_call(
-        functools.partial(_kernel, chunk=min(chunk, next_pow2(V)), capacity=capacity, barrier=not interpret),
+        functools.partial(_kernel, chunk=min(chunk, next_pow2(V)), capacity=capacity, pairwise=pairwise,
+                          barrier=not interpret),
         grid=(R,),
         in_specs=[pl.no_block_spec] * 3,
         out_specs=[pl.no_block_spec] * 2,

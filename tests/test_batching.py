@@ -166,7 +166,7 @@ def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
 # plain's and ngram's admissions (no drafter state but the tokens, which every method admits) are
 # slow too: the default run's 20 minutes
 SCHEDULER_CASES = [pytest.param("vegas", None, id="vegas"), pytest.param("vegas", 32, id="vegas-chunked")] + [
-    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram") else [])
+    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram", "quest") else [])
     for m in METHODS if m not in ("vegas", "full")]
 
 

@@ -106,8 +106,11 @@ def qwen3_case():
     return Case(cfg, params, Batch(ids, lengths), max_new=48)
 
 
+# 7 drafts for every method but stream and quest (their 7 run on the random Qwen3 below, their trees on
+# SmolLM2 further on) and 1 for vegas; the rest with the slow tests
 @pytest.mark.parametrize("method, gamma", [
-    pytest.param(m, g, id=f"{m}-{g}", marks=[pytest.mark.slow] if g == 4 or (g == 1 and m != "vegas") else [])
+    pytest.param(m, g, id=f"{m}-{g}", marks=[pytest.mark.slow] if g == 4 or (g == 1 and m != "vegas")
+                 or (g == 7 and m in ("stream", "quest")) else [])
     for m in SPEC_METHODS for g in (1, 4, 7)])
 def test_greedy_lossless_smollm2(smollm2_batch, method, gamma):
     out, stats = smollm2_batch.run(SpecConfig(method=method, gamma=gamma))
@@ -157,7 +160,8 @@ def test_draft_models_lossless_qwen3(qwen3_case, method, weights, skip):
     assert out == qwen3_case.plain and stats.accepted.sum() > 0
 
 
-@pytest.mark.parametrize("method,tree,order", [(m, *TREES[i % 2]) for i, m in enumerate(SPEC_METHODS)])
+@pytest.mark.parametrize("method,tree,order", [  # ngram's tree: the random Qwen3's test below, by default
+    pytest.param(m, *TREES[i % 2], marks=[pytest.mark.slow] if m == "ngram" else []) for i, m in enumerate(SPEC_METHODS)])
 def test_tree_greedy_lossless_smollm2(smollm2_batch, method, tree, order):
     """Every method on the real model with a tree, the two shapes and orders alternating (the random
     Qwen3 below gives each method the other one)."""
@@ -339,6 +343,7 @@ def test_prefill_padding_writes_only_the_last_slot():
             assert changed[b, :n].all() and not changed[b, n:-1].any(), b
 
 
+@pytest.mark.slow  # by default test_chain_is_the_width_one_tree runs one configuration twice on one seed
 def test_same_seed_same_tokens(smollm2_batch):
     sampling = SamplingConfig(temperature=0.8, top_p=0.95)
     spec = SpecConfig(method="vegas", gamma=4)
@@ -367,11 +372,13 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("method,tree,order,weights,skip", [
-    # plain checks the harness; stream's chain samples as vegas's does (its trees run by default)
+    # plain checks the harness; stream's and ngram's chains sample as vegas's does and vegas's int8 as
+    # full's int4 (their trees and full's run by default)
     pytest.param("plain", None, "bfs", "exact", (), marks=pytest.mark.slow), ("vegas", None, "bfs", "exact", ()),
     pytest.param("stream", None, "bfs", "exact", (), marks=pytest.mark.slow),
-    ("ngram", None, "bfs", "exact", ()), ("vegas", (3, 2), "bfs", "exact", ()), ("stream", (2, 1, 2), "dfs", "exact", ()),
-    ("ngram", (2, 2), "bfs", "exact", ()), ("vegas", None, "bfs", "int8", ()), ("full", (2, 2), "bfs", "int4", (1,)),
+    pytest.param("ngram", None, "bfs", "exact", (), marks=pytest.mark.slow), ("vegas", (3, 2), "bfs", "exact", ()),
+    ("stream", (2, 1, 2), "dfs", "exact", ()), ("ngram", (2, 2), "bfs", "exact", ()),
+    pytest.param("vegas", None, "bfs", "int8", (), marks=pytest.mark.slow), ("full", (2, 2), "bfs", "int4", (1,)),
 ])
 def test_first_two_tokens_follow_the_target(method, tree, order, weights, skip):
     """Chi-square of the first two sampled tokens (V^2 = 64 cells, 12,000 rows) against the exact joint.

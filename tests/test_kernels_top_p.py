@@ -1,5 +1,5 @@
 """The sort-free nucleus threshold (pallas_kernels/top_p.py): the reference and both Pallas paths (one
-program per row, its bracket searched over held values or over the row, and the split path: each row
+program per row, its bracket's held values compared pairwise or searched, or the row searched, and the split path: each row
 over many programs), against a float64 NumPy oracle that sorts: walk from the most likely token, keep it
 while the mass before it is < top_p."""
 import jax.numpy as jnp
@@ -76,10 +76,13 @@ def test_top_p_threshold(case):
     want = oracle(logits, inv_t, top_p)
     ref = np.asarray(top_p_threshold_reference(logits, inv_t, top_p))
     np.testing.assert_array_equal(ref, want)
-    # alternating: the bracket's values held (up to 1024), or too many to hold (16): the search over the row
-    capacity = (1024, 16)[CASES.index(case) % 2]
-    per_row = np.asarray(top_p_threshold_per_row(logits, inv_t, top_p, interpret=True, chunk=256, capacity=capacity))
+    # the bracket's values held and compared pairwise (up to 128), then alternating: held and searched
+    # (the pairwise step off), or too many to hold (16): the search over the row
+    per_row = np.asarray(top_p_threshold_per_row(logits, inv_t, top_p, interpret=True, chunk=256))
     np.testing.assert_array_equal(per_row, want)
+    capacity = (1024, 16)[CASES.index(case) % 2]
+    searched = top_p_threshold_per_row(logits, inv_t, top_p, interpret=True, chunk=256, capacity=capacity, pairwise=0)
+    np.testing.assert_array_equal(np.asarray(searched), want)
     # the split path, one chunk a program or three (the last program's chunks partly past V)
     per = 1 + 2 * (CASES.index(case) % 2)
     split = np.asarray(top_p_threshold_split(logits, inv_t, top_p, interpret=True, chunk=128, per=per))
