@@ -180,24 +180,30 @@ def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, held_ref, *, ch
     if barrier:  # the held values, written by all the program's threads, are read back by others
         plgpu.debug_barrier()
 
+    def load_held(n):
+        """The first n held slots (-inf past `count`) and their weights exp(x - top)."""
+        x = plgpu.load(held_ref.at[row, pl.ds(0, n)], mask=jnp.arange(n) < count, other=-jnp.inf)
+        return x, jnp.exp(x - top)
+
+    def mass_above(x, e, values):
+        """The mass above each of `values` [k]: mass_hi plus that of the held values x (weights e)."""
+        return mass_hi + jnp.sum(jnp.where(x[None, :] > values[:, None], e[None, :], 0.0), axis=1)
+
     def each_pair(bracket):
         """Every held value's mass at once; the smallest whose mass is < target (the bracket holds
-        the threshold, since masses step only at row values); padding loads as -inf, never chosen."""
-        held = jnp.arange(pairwise) < count
-        x = plgpu.load(held_ref.at[row, pl.ds(0, pairwise)], mask=held, other=-jnp.inf)
-        e = jnp.exp(x - top)
-        masses = mass_hi + jnp.sum(jnp.where(x[None, :] > x[:, None], e[None, :], 0.0), axis=1)
-        return bracket[0], float_key(jnp.min(jnp.where(held & (masses < target), x, jnp.inf)))
+        the threshold, since masses step only at row values); padding is never chosen."""
+        x, e = load_held(pairwise)
+        chosen = (jnp.arange(pairwise) < count) & (mass_above(x, e, x) < target)
+        return bracket[0], float_key(jnp.min(jnp.where(chosen, x, jnp.inf)))
 
     def in_registers(bracket):
-        """The search over the held values: masses are mass_hi plus theirs above each pivot."""
-        x = plgpu.load(held_ref.at[row, pl.ds(0, capacity)], mask=jnp.arange(capacity) < count, other=-jnp.inf)
-        e = jnp.exp(x - top)
+        """The search over the held values, SPREAD pivots a pass."""
+        x, e = load_held(capacity)
 
         def narrow(bracket):
             lo, hi = bracket
             pivots = _spread(lo, hi)
-            masses = mass_hi + jnp.sum(jnp.where(x[None, :] > key_float(pivots)[:, None], e[None, :], 0.0), axis=1)
+            masses = mass_above(x, e, key_float(pivots))
             false = masses >= target
             return jnp.max(jnp.where(false, pivots, lo)), jnp.min(jnp.where(false, hi, pivots))
 

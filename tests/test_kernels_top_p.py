@@ -1,7 +1,7 @@
 """The sort-free nucleus threshold (pallas_kernels/top_p.py): the reference and both Pallas paths (one
-program per row, its bracket's held values compared pairwise or searched, or the row searched, and the split path: each row
-over many programs), against a float64 NumPy oracle that sorts: walk from the most likely token, keep it
-while the mass before it is < top_p."""
+program per row, its bracket's held values compared pairwise or searched, or the row searched; and the
+split path: each row over many programs), against a float64 NumPy oracle that sorts: walk from the most
+likely token, keep it while the mass before it is < top_p."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
