@@ -30,12 +30,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder, draft_weights
 from jaxspec.models.kvcache import cache_slots
-from jaxspec.decoding.spec import SpecConfig, takes_draft_model
+from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from pallas_kernels.verify_attention import METRICS
 
@@ -115,6 +116,23 @@ def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: boo
     return summary, state
 
 
+def skewed(state, balance: float, iterations: int = 10_000):
+    """The state with `iterations` past iterations a row whose lost drafts per iteration spread
+    log-uniformly over [1/balance, balance] times their mean (as if its rows drafted unevenly well), so
+    a shared budget's selections differ in size as they do in a real batch. Random weights lose every
+    draft, so each timed iteration adds depth lost drafts to every row: against 10,000 past
+    iterations the shares barely move. Unchanged at balance 1."""
+    if balance == 1:
+        return state
+    s = state.stats
+    B, depth = s.accepted_by_depth.shape
+    rate = 0.4 * np.exp(np.random.default_rng(0).uniform(-np.log(balance), np.log(balance), B))
+    lost = np.minimum(np.round(rate * iterations), iterations * depth).astype(np.int32)
+    stats = dataclasses.replace(s, iterations=jnp.full((B,), iterations, jnp.int32),
+                                accepted=jnp.asarray(iterations * depth - lost))
+    return dataclasses.replace(state, stats=stats)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("qwen3-8b", "smollm2", "llama-1b"), default="qwen3-8b")
@@ -136,6 +154,8 @@ def main():
     p.add_argument("--no-trace", action="store_true", help="wall times only, without the profiler")
     p.add_argument("--stages", default=None, type=lambda s: s.split(","),
                    help="only these stages (iteration, draft, verify, select); default all")
+    p.add_argument("--balance", type=float, default=1.0,
+                   help="sparse drafters share the budget (SpecConfig.balance); rows start with lost-draft rates spread log-uniformly over [1/B, B]")
     p.add_argument("--live", default=[], type=lambda s: [int(n) for n in s.split(",")],
                    help="also time the iteration with only the first N rows unfinished, for each N")
     args = p.parse_args()
@@ -156,10 +176,10 @@ def main():
             if takes_draft_model(m, w)]
     for method, weights in runs:
         spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None),
-                                   draft_weights=weights)
+                                   draft_weights=weights, balance=args.balance if method in SPARSE_METHODS else 1.0)
         copies = draft_weights.with_draft_weights(params, weights)
         cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
-        state = common.random_state(copies, cfg, spec, cache, context, max_len)
+        state = skewed(common.random_state(copies, cfg, spec, cache, context, max_len), spec.balance)
         stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
         B = state.length.shape[0]
         timed = [(name, fn, per_call, None) for name, (fn, per_call) in stages.items()]
@@ -170,7 +190,7 @@ def main():
             if live is not None:  # a fresh state (earlier calls moved its rows on), rows >= live finished
                 del state
                 state = common.random_state(copies, cfg, spec, common.random_cache(cfg, B, slots, jax.random.key(1)), context, max_len)
-                state = dataclasses.replace(state, done=jnp.arange(B) >= live)
+                state = dataclasses.replace(skewed(state, spec.balance), done=jnp.arange(B) >= live)
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace)
             row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms") + ("" if live is None else f" live {live}"),
                    "iterations_per_call": per_call} | summary

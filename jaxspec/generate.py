@@ -55,6 +55,9 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuned", type=Path, default=None,
                    help="a file from `python -m jaxspec.tune` (or bench/kv_bound.json): its gamma or tree, ratio and metric for --method")
     p.add_argument("--min-tokens", type=int, default=256, help="least KV entries a sparse drafter keeps")
+    p.add_argument("--balance", type=float, default=None,
+                   help="a sparse drafter's rows share the budget by their lost drafts, each within [1/B, B] of an even share "
+                        "(default 1: even, or the --tuned choice)")
     p.add_argument("--metric", choices=METRICS, default=None, help="score of vegas/all_rows/last_accepted (default weight, or the --tuned choice)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
@@ -99,7 +102,7 @@ def spec_from_args(args) -> SpecConfig:
     auto = args.method == "auto"
     if auto:
         fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
-                                          ("--group", args.group), ("--tuned", args.tuned),
+                                          ("--group", args.group), ("--tuned", args.tuned), ("--balance", args.balance),
                                           ("--draft-weights", args.draft_weights),
                                           ("--draft-skip", args.draft_skip)) if value is not None]
         if fixed:
@@ -120,6 +123,7 @@ def spec_from_args(args) -> SpecConfig:
         min_tokens=args.min_tokens, metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         backend=args.backend, precision="strict" if auto else args.precision, group=8 if args.group is None else args.group,
         draft_weights=args.draft_weights or "exact",
+        balance=args.balance if args.balance is not None else tuned.get("balance") or 1.0,
     ).validate()
 
 

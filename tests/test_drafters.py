@@ -86,7 +86,30 @@ def test_budget_rule():
     assert d.count(Budget.of(0.5, 1), jnp.array([3, 7])).tolist() == [2, 4]
 
 
+def test_shared_budget_follows_lost_drafts():
+    """Shares follow each row's lost drafts per iteration (with the prior), are clipped to [1/b, b],
+    average 1 over the unfinished rows (the selection's total is unchanged), and ignore finished rows."""
+    rng = np.random.default_rng()
+    iterations = jnp.asarray(rng.integers(20, 60, 6), jnp.int32)
+    lost = jnp.asarray(rng.integers(0, 20, 6), jnp.int32).at[2].set(2 * iterations[2])  # row 2: far above the others
+    live = jnp.array([True, True, True, True, True, False])
+    ratio = float(rng.uniform(0.02, 0.2))
+    budget = Budget.of(ratio, 16)
+    assert budget.shared(lost, iterations, live, 1.0) is budget
+    shared = np.asarray(budget.shared(lost, iterations, live, 2.0).ratio, np.float64)
+    rate = (np.asarray(lost, np.float64) + 4) / (np.asarray(iterations) + 4)
+    share = np.clip(rate / rate[:5].mean(), 0.5, 2.0)
+    np.testing.assert_allclose(shared, ratio * share / share[:5].mean(), rtol=1e-5)
+    np.testing.assert_allclose(shared[:5].mean(), ratio, rtol=1e-5)
+    assert shared[2] == shared.max() and shared[2] / shared.min() <= 4 * (1 + 1e-5)
+    finished_differs = budget.shared(lost.at[5].set(0), iterations, live, 2.0).ratio
+    np.testing.assert_allclose(np.asarray(finished_differs)[:5], shared[:5], rtol=1e-6)
+    fresh = budget.shared(jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32), live, 4.0)
+    np.testing.assert_allclose(np.asarray(fresh.ratio), ratio, rtol=1e-6)
+
+
 def test_capacity():
+    assert SpecConfig(ratio=0.07, min_tokens=256, balance=2.0).capacity(8192) == 1152  # room for twice the even share
     assert SpecConfig(ratio=0.07, min_tokens=256).capacity(8192) == 576  # ceil(573.44) -> multiple of 16
     assert SpecConfig(ratio=0.07, min_tokens=256).capacity(1000) == 256
     assert SpecConfig(ratio=0.5, min_tokens=16).capacity(100) == 64  # 50 rounded up to a page

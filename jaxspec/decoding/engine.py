@@ -361,6 +361,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     params, layer_ids = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
     B = state.length.shape[0]
     first, live = roots(state.length, state.done), ~state.done
+    budget = row_budget(spec, state.budget, state.stats, state.done)
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))
     probs = None if sampling.greedy else jnp.zeros((B, tree.rows, cfg.vocab_size), jnp.float32)
     carry = (tokens, probs, state.cache, state.drafter, key)
@@ -373,7 +374,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
             tokens, probs, cache, dstate, key = carry
             depth, rows, kids, ancestors = x
             at = DraftRows(first, depth, rows, ancestors, tree.is_chain)
-            attend, layer_xs = drafter.attend(dstate, state.budget, at)
+            attend, layer_xs = drafter.attend(dstate, budget, at)
             if layer_ids is not None:  # the selection of the layers the draft runs
                 layer_xs = jax.tree.map(lambda a: a[layer_ids], layer_xs)
             n = rows.shape[0]
@@ -453,6 +454,13 @@ def rules(sampling: SamplingConfig | None, state: DecodeState) -> Rules:
     return state.sampling if sampling is None else sampling
 
 
+def row_budget(spec: SpecConfig, budget: Budget, stats: SpecStats, done: jax.Array) -> Budget:
+    """The budget each row's drafter uses: the run's, shared among the unfinished rows by the drafts
+    each has lost so far when `spec.balance` > 1 (`Budget.shared`)."""
+    lost = stats.iterations * stats.accepted_by_depth.shape[1] - stats.accepted
+    return budget.shared(lost, stats.iterations, ~done, spec.balance)
+
+
 def roots(length: jax.Array, done: jax.Array) -> jax.Array:
     """Each row's root slot [B] (length, done [B]), where its next pass starts: the pending token's,
     length - 1. A finished row runs at slot 0 instead and writes nothing, so its attention reads one key block and
@@ -495,7 +503,8 @@ def _commit(state, cache, key, tokens, num_accepted, path, drafter, scores, node
     )
     dstate = state.drafter
     if drafter is not None:
-        dstate = drafter.after_verify(dstate, state.budget, scores, cache, roots(n, done), num_accepted, path)
+        budget = row_budget(drafter.spec, state.budget, stats, done)
+        dstate = drafter.after_verify(dstate, budget, scores, cache, roots(n, done), num_accepted, path)
     return dataclasses.replace(
         state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
     )

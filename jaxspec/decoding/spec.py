@@ -18,6 +18,8 @@ SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
 PAGE = 16  # page size of the page-granular policies (stream, quest)
+MAX_BALANCE = 8.0  # SpecConfig.balance: a row's budget within [1/8, 8] of the even share
+PRIOR_ITERATIONS = 4  # Budget.shared: pseudo-iterations every row starts with
 # SSV precision classes of NSA verification (DESIGN.md section 4c): only "strict" is lossless.
 PRECISIONS = ("strict", "reuse", "approx", "approx+reuse")
 
@@ -43,6 +45,14 @@ class SpecConfig:
     than there are candidates (DESIGN.md section 4). `k_max` is the static selection capacity (by
     default derived from ratio, min_tokens and the run's max_len); ratio and min_tokens are run-time
     values, so `compiled` strips them and a sweep over ratios compiles once.
+
+    `balance` > 1 shares the batch's budget among its rows by how many drafts each has lost per
+    iteration (`Budget.shared`): a row's ratio is scaled by a share within [1 / balance, balance],
+    shares averaging 1 over the unfinished rows, so the selection's total size is unchanged. A static
+    batch lasts as long as its slowest row, and a row loses drafts because its selection misses
+    attention mass, so more budget there shortens the batch. The output distribution is unchanged
+    (only the drafts move), but a row's drafts, and so its sampled tokens, then depend on the other
+    rows of its batch.
     """
 
     method: str = "plain"
@@ -61,6 +71,7 @@ class SpecConfig:
     group: int = 8  # NSA targets: adjacent draft rows verified per program (1: each row its own)
     draft_weights: str = "exact"  # the layer weights draft steps read: exact, int8 or int4 (models.draft_weights)
     draft_skip: tuple[int, ...] = ()  # the layers draft steps leave out (models.draft_weights), increasing
+    balance: float = 1.0  # sparse drafters: the largest share of the budget a row may take (1: every row the same)
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -99,6 +110,10 @@ class SpecConfig:
             raise JaxspecError(f"--draft-weights {self.draft_weights} needs a model drafter; {self.method} runs no draft forward")
         if self.draft_skip and self.method in ("plain", "ngram"):
             raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
+        if not (1 <= self.balance <= MAX_BALANCE and math.isfinite(self.balance)):
+            raise JaxspecError(f"--balance must be between 1 and {MAX_BALANCE:g}, got {self.balance}")
+        if self.balance != 1 and self.method not in SPARSE_METHODS:
+            raise JaxspecError(f"--balance shares a sparse drafter's budget; {self.method} keeps none")
         if list(self.draft_skip) != sorted(set(self.draft_skip)):
             raise JaxspecError(f"--draft-skip must list layers in increasing order, once each, got {list(self.draft_skip)}")
         return self
@@ -163,13 +178,14 @@ class SpecConfig:
             "group": self.group,
             "draft_weights": self.draft_weights,
             "draft_skip": list(self.draft_skip),
+            "balance": self.balance if self.method in SPARSE_METHODS else None,
         }
 
     def capacity(self, max_len: int) -> int:
         """Static selection capacity k_max for contexts up to `max_len`, a multiple of PAGE."""
         if self.k_max is not None:
             return self.k_max
-        k = max(self.min_tokens, math.ceil(self.ratio * max_len))
+        k = max(self.min_tokens, math.ceil(self.ratio * self.balance * max_len))
         return min(-(-k // PAGE) * PAGE, -(-max_len // PAGE) * PAGE)
 
     def budget(self) -> Budget:
@@ -184,7 +200,8 @@ class SpecConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """The run-time budget values (traced scalars): ratio (float32) and min_tokens (int32)."""
+    """The run-time budget values (traced scalars): ratio (float32; [B] once `shared`) and min_tokens
+    (int32)."""
 
     ratio: jax.Array
     min_tokens: jax.Array
@@ -192,3 +209,19 @@ class Budget:
     @classmethod
     def of(cls, ratio, min_tokens) -> Budget:
         return cls(jnp.asarray(ratio, jnp.float32), jnp.asarray(min_tokens, jnp.int32))
+
+    def shared(self, lost: jax.Array, iterations: jax.Array, live: jax.Array, balance: float) -> Budget:
+        """This budget with each row's ratio scaled by its share (`SpecConfig.balance`): its drafts lost
+        per iteration over the unfinished rows' mean, clipped to [1 / balance, balance], then scaled to
+        mean 1 over the unfinished rows. lost, iterations, live: [B]. Every row starts from a prior of
+        PRIOR_ITERATIONS iterations that lost one draft each, so a new row's share starts near 1."""
+        if balance == 1:
+            return self
+        live_count = jnp.sum(live)
+
+        def live_mean(x):
+            return jnp.where(live_count > 0, jnp.sum(jnp.where(live, x, 0.0)) / jnp.maximum(live_count, 1), 1.0)
+
+        rate = (lost + PRIOR_ITERATIONS) / (iterations + PRIOR_ITERATIONS).astype(jnp.float32)
+        share = jnp.clip(rate / live_mean(rate), 1 / balance, balance)
+        return Budget(self.ratio * share / live_mean(share), self.min_tokens)
