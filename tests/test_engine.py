@@ -160,8 +160,13 @@ def test_draft_models_lossless_qwen3(qwen3_case, method, weights, skip):
     assert out == qwen3_case.plain and stats.accepted.sum() > 0
 
 
-@pytest.mark.parametrize("method,tree,order", [  # ngram's tree: the random Qwen3's test below, by default
-    pytest.param(m, *TREES[i % 2], marks=[pytest.mark.slow] if m == "ngram" else []) for i, m in enumerate(SPEC_METHODS)])
+# page-selecting and model-free drafters' trees (stream, quest, ngram): both shapes on the random Qwen3
+# below, by default; here with the slow tests
+QWEN3_TREES_ONLY = ("stream", "quest", "ngram")
+
+
+@pytest.mark.parametrize("method,tree,order", [
+    pytest.param(m, *TREES[i % 2], marks=[pytest.mark.slow] if m in QWEN3_TREES_ONLY else []) for i, m in enumerate(SPEC_METHODS)])
 def test_tree_greedy_lossless_smollm2(smollm2_batch, method, tree, order):
     """Every method on the real model with a tree, the two shapes and orders alternating (the random
     Qwen3 below gives each method the other one)."""
@@ -172,11 +177,12 @@ def test_tree_greedy_lossless_smollm2(smollm2_batch, method, tree, order):
 
 
 @pytest.mark.parametrize("method,tree,order", [
-    (m, *TREES[(i + 1) % 2]) if other else pytest.param(m, *TREES[i % 2], marks=pytest.mark.slow)
+    (m, *TREES[(i + 1) % 2]) if other else
+    pytest.param(m, *TREES[i % 2], marks=[] if m in QWEN3_TREES_ONLY else [pytest.mark.slow])
     for i, m in enumerate(SPEC_METHODS) for other in (True, False)])
 def test_tree_greedy_lossless_qwen3(qwen3_case, method, tree, order):
     """Every method with both shapes and orders; by default each with the shape SmolLM2's test above
-    does not give it (the rest with the slow tests)."""
+    does not give it, and both for QWEN3_TREES_ONLY (the rest with the slow tests)."""
     out, _ = qwen3_case.run(SpecConfig(method=method, tree=tree, traversal=order, min_tokens=32).validate())
     assert out == qwen3_case.plain
 
