@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
-        [--stages iteration,draft,verify,select] [--live 128,32,4]
+        [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -13,7 +13,8 @@ round trips; one whose kernels cost more than their bytes shows which (XLA names
 the optimized HLO: `--xla_dump_to` to read them). `--sequence N` keeps the first N kernels of a stage's
 first profiled call in launch order (name, us): one layer's chain of kernels, to see what to fuse.
 `--live N,...` also times the iteration with only the first N rows unfinished (a static batch's
-tail: finished rows stay in the batch until its last row is done). Random bf16 weights (timing only). `--sampling
+tail: finished rows stay in the batch until its last row is done). `--balance B` runs the sparse
+drafters with a shared budget over rows that drafted unevenly well (`skewed`). Random bf16 weights (timing only). `--sampling
 sample` runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes
 DIR/NAME.json; prints a summary table last.
 """
@@ -117,9 +118,9 @@ def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: boo
 
 
 def skewed(state, balance: float, iterations: int = 10_000):
-    """The state with `iterations` past iterations a row whose lost drafts per iteration spread
-    log-uniformly over [1/balance, balance] times their mean (as if its rows drafted unevenly well), so
-    a shared budget's selections differ in size as they do in a real batch. Random weights lose every
+    """The state with `iterations` past iterations per row, the rows' lost drafts per iteration spread
+    log-uniformly over [1/balance, balance] times their mean (as if they drafted unevenly well), so a
+    shared budget's selections differ in size as they do in a real batch. Random weights lose every
     draft, so each timed iteration adds depth lost drafts to every row: against 10,000 past
     iterations the shares barely move. Unchanged at balance 1."""
     if balance == 1:
