@@ -198,6 +198,20 @@ def split_shapes(text: str) -> list[str]:
     return shapes
 
 
+def numbers(p: argparse.ArgumentParser, flag: str, text: str | None, ok, bounds: str) -> list[float | None]:
+    """'0.035,0.07' -> [0.035, 0.07], or [None] when the flag is not given; `p.error` unless every
+    number is `ok` (within `bounds`, as the message says)."""
+    if not text:
+        return [None]
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(ok(v) for v in values):
+        p.error(f"{flag}: comma-separated numbers in {bounds}, got {text!r}")
+    return values
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
@@ -234,18 +248,8 @@ def main():
     args.draft_weights = args.draft_weights.split(",")
     args.samplings = args.samplings.split(",")
     args.metrics = args.metrics.split(",") if args.metrics else [None]
-    try:
-        args.ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else [None]
-    except ValueError:
-        p.error(f"--ratios: comma-separated numbers in (0, 1], got {args.ratios!r}")
-    if not all(r is None or 0 < r <= 1 for r in args.ratios):
-        p.error(f"--ratios: each must be in (0, 1], got {args.ratios}")
-    try:
-        args.balances = [float(b) for b in args.balances.split(",")] if args.balances else [None]
-    except ValueError:
-        p.error(f"--balances: comma-separated numbers >= 1, got {args.balances!r}")
-    if not all(b is None or 1 <= b <= MAX_BALANCE for b in args.balances):
-        p.error(f"--balances: each must be in [1, {MAX_BALANCE:g}], got {args.balances}")
+    args.ratios = numbers(p, "--ratios", args.ratios, lambda r: 0 < r <= 1, "(0, 1]")
+    args.balances = numbers(p, "--balances", args.balances, lambda b: 1 <= b <= MAX_BALANCE, f"[1, {MAX_BALANCE:g}]")
     args.shrink = [{"on": True, "off": False}.get(x) for x in args.shrink.split(",")]
     if None in args.shrink:
         p.error("--shrink: on, off or both (comma-separated)")
