@@ -14,7 +14,8 @@ import pytest
 from scipy import stats
 
 from jaxspec.decoding.engine import top_indices
-from jaxspec.decoding.sampling import RowSampling, SamplingConfig
+from jaxspec.decoding.sampling import (RowSampling, SamplingConfig, draw, greedy_rows, process_logits, row_keys,
+                                      split_rows, uniform_rows)
 from jaxspec.decoding.tree import TreeShape, tree_accept
 from jaxspec.errors import JaxspecError
 
@@ -187,3 +188,63 @@ def test_row_rules_accept_as_each_rows_config(order):
         np.testing.assert_array_equal(path[b, : num[b] + 1], greedy[1][b, : num[b] + 1])
         np.testing.assert_array_equal(emitted[b, : num[b] + 1], greedy[2][b, : num[b] + 1])
     assert num[is_greedy].max() > 0 and num[~is_greedy].max() > 0
+
+
+def textbook_accept(key, tree, tokens, draft_probs, target_logits, cfg):
+    """The recursion of the module docstring, level by level with whole distributions: r = p at the
+    node, each child tested against r, r <- norm(max(r - q_i, 0)) after each rejection, and a draw
+    from r (or the leaf's p). Same key use as tree_accept, so the two agree token for token."""
+    B, V = tokens.shape[0], target_logits.shape[-1]
+    rows = jnp.arange(B)
+    keys = split_rows(row_keys(key, B), tree.depth * tree.max_branching + 1)
+    greedy = jnp.broadcast_to(greedy_rows(cfg, 2), (B, 1))
+    cur, alive = jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool)
+    num, emitted, final = jnp.zeros((B,), jnp.int32), jnp.zeros((B, tree.depth + 1), jnp.int32), None
+    for d in range(tree.depth):
+        r = process_logits(target_logits[rows, cur], cfg)
+        q = None if draft_probs is None else draft_probs[rows, cur]
+        kids, chosen = jnp.asarray(tree.children)[cur], jnp.full((B,), -1, jnp.int32)
+        for i in range(tree.max_branching):
+            x = tokens[rows, jnp.maximum(kids[:, i], 0)]
+            q_i, trying = jax.nn.one_hot(x, V), alive & (chosen < 0) & (kids[:, i] >= 0)
+            if q is not None:
+                mass = q.sum(-1, keepdims=True)
+                q_i, trying = jnp.where(greedy, q_i, q / jnp.maximum(mass, 1e-30)), trying & ((mass[:, 0] > 0) | greedy[:, 0])
+            accept = trying & (uniform_rows(keys[d * tree.max_branching + i]) * q_i[rows, x] < r[rows, x])
+            chosen, rejected = jnp.where(accept, kids[:, i], chosen), trying & ~accept
+            new = jnp.maximum(r - q_i, 0.0)
+            mass = new.sum(-1, keepdims=True)
+            r = jnp.where(rejected[:, None] & (mass > 0), new / jnp.where(mass > 0, mass, 1.0), r)
+            if q is not None:
+                q = jnp.where(rejected[:, None] & (jnp.arange(V) == x[:, None]), 0.0, q)
+        final = jnp.where((alive & (chosen < 0))[:, None], r, 0.0 if final is None else final)
+        step = alive & (chosen >= 0)
+        emitted = emitted.at[:, d].set(tokens[rows, jnp.maximum(chosen, 0)])
+        cur, num, alive = jnp.where(step, chosen, cur), num + step, step
+    final = jnp.where(alive[:, None], process_logits(target_logits[rows, cur], cfg), final)
+    return num, jnp.where(jnp.arange(tree.depth + 1) == num[:, None], draw(keys[-1], final)[:, None], emitted)
+
+
+@pytest.mark.parametrize("shape, one_hot, rules", [
+    ((1, 1, 1, 1), False, "top_p"), ((1, 1, 1), True, "unit"), ((3, 1, 2, 1), False, "top_p"),
+    ((1, 2, 1), False, "mixed"), ((2, 1), True, "mixed"),
+])
+def test_acceptance_equals_the_textbook_recursion(shape, one_hot, rules):
+    """tree_accept tests a one-child level at its token only and forms that level's residual once, at
+    the end; token for token it equals the whole-distribution recursion, for chains and for trees
+    mixing one-child levels with siblings, drafted and one-hot candidates, a top-p cutoff and a
+    server's mixed greedy / sampled rows."""
+    rng = np.random.default_rng(sum(shape) + 10 * one_hot)
+    tree, V, rows = TreeShape(shape), 6, 3000
+    tokens, probs, logits, _ = random_problem(rng, tree, rows, V, one_hot=False)
+    probs = None if one_hot else probs  # one-hot candidates: q is the drafted token's one-hot
+    cfg = {"unit": SAMPLE, "top_p": SamplingConfig(temperature=0.8, top_p=0.9),
+           "mixed": RowSampling.of([GREEDY if b % 4 == 0 else SAMPLE for b in range(rows)], max_top_k=0)}[rules]
+    args = (jax.random.split(jax.random.key(int(rng.integers(1 << 30))), rows), tree, jnp.asarray(tokens),
+            None if probs is None else jnp.asarray(probs), jnp.asarray(logits), cfg)
+    num, _, emitted = jax.device_get(tree_accept(*args))
+    want_num, want_emitted = jax.device_get(jax.jit(textbook_accept, static_argnums=1)(*args))
+    np.testing.assert_array_equal(num, want_num)
+    assert num.max() > 0 and num.min() < tree.depth
+    for b in range(rows):
+        np.testing.assert_array_equal(emitted[b, : num[b] + 1], want_emitted[b, : num[b] + 1])

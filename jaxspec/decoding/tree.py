@@ -14,6 +14,11 @@ child i with probability min(1, r(x_i) / q_i(x_i)), else r <- norm(max(r - q_i, 
 when every child is rejected, emit a draw from r and stop; at a leaf, emit a draw from p (the bonus).
 Each emitted token is then distributed exactly as the target's p given its prefix; with one child
 per node this is the chain's speculative sampling.
+
+The target's cutoffs (top-p thresholds and normalisers) are found for every verified row in one
+call. A level whose nodes have one child reads p and q at that child's token only, and the residual
+of the level where a row stopped is formed once, after the walk: a chain touches whole vocabulary
+rows twice (the cutoff, the final draw) instead of at every depth.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.sampling import Rules, draw, greedy_rows, process_logits, row_keys, split_rows, uniform_rows
+from jaxspec.decoding.sampling import Rules, RowSampling, cutoff, draw, greedy_rows, probs_from_cutoff, row_keys, split_rows, uniform_rows
 from jaxspec.errors import JaxspecError
 
 MAX_TREE_ROWS = 64  # verified rows per sequence: the pending token + every node
@@ -203,43 +208,80 @@ def tree_accept(
         return num_accepted, path, emitted
 
     keys = split_rows(row_keys(key, B), D * K + 1)
+    V = target_logits.shape[-1]
     greedy = jnp.broadcast_to(greedy_rows(cfg, 2), (B, 1))  # row rules' greedy rows: every child a one-hot candidate
-    final = jnp.zeros(target_logits.shape[::2], jnp.float32)  # [B, V]: the last token's distribution
+    threshold, log_norm = cutoff(target_logits, cfg, backend)  # every row's target cutoff in one call
+    # [B, rows]: a greedy row's p is the one-hot of its argmax (row rules only: a config here samples every row)
+    top = jnp.argmax(target_logits, axis=-1) if isinstance(cfg, RowSampling) else None
+    q_mass = None if draft_probs is None else jnp.sum(draft_probs, axis=-1)  # [B, rows]
+
+    def target(r):
+        """p at tree row r [B]: [B, V], as process_logits gives it."""
+        probs = probs_from_cutoff(at(target_logits, r), at(threshold, r), at(log_norm, r), cfg)
+        return probs if top is None else jnp.where(greedy, jax.nn.one_hot(at(top, r), V, dtype=jnp.float32), probs)
+
+    def sibling(q, x):
+        """(q_i [B, V], whether it can be tried [B]): the distribution child token x was drawn from,
+        given the draft's q at its parent with the earlier siblings removed (None: one-hot)."""
+        one_hot = jax.nn.one_hot(x, V, dtype=jnp.float32)
+        if q is None:
+            return one_hot, jnp.ones((B,), bool)
+        mass = jnp.sum(q, axis=-1, keepdims=True)  # a sibling drawn after q's support ran out is no candidate
+        return jnp.where(greedy, one_hot, q / jnp.maximum(mass, 1e-30)), (mass[:, 0] > 0) | greedy[:, 0]
+
+    def rejected_residual(resid, q_i):
+        """norm(max(r - q_i, 0)); zero mass has probability 0 in exact arithmetic: keep r rather than drawing token 0."""
+        new = jnp.maximum(resid - q_i, 0.0)
+        mass = jnp.sum(new, axis=-1, keepdims=True)
+        return jnp.where(mass > 0, new / jnp.where(mass > 0, mass, 1.0), resid)
+
+    final = jnp.zeros((B, V), jnp.float32)  # the stop token's distribution where a level with siblings set it
+    narrow_stop = jnp.zeros((B,), bool)  # stopped at a one-child level: its residual is formed once, at the end
     for d in range(D):
-        resid = process_logits(at(target_logits, cur), cfg, backend)
-        q = None if draft_probs is None else at(draft_probs, cur)
         kids = children[cur]
         chosen = jnp.full((B,), -1, jnp.int32)
-        for i in range(K):
-            kid = kids[:, i]
-            trying = alive & (chosen < 0) & (kid >= 0)
-            x = at(tokens, jnp.maximum(kid, 0))
-            q_i = jax.nn.one_hot(x, resid.shape[-1], dtype=jnp.float32)
-            if q is not None:  # a sibling drawn after q's support ran out is no candidate (Gumbel top-b pads with them)
-                q_mass = jnp.sum(q, axis=-1, keepdims=True)
-                trying &= (q_mass[:, 0] > 0) | greedy[:, 0]
-                q_i = jnp.where(greedy, q_i, q / jnp.maximum(q_mass, 1e-30))
-            p_x, q_x = resid[rows, x], q_i[rows, x]
-            u = uniform_rows(keys[d * K + i])
-            accept = trying & (u * q_x < p_x)  # u < p/q without dividing: q(x) = 0 accepts iff p(x) > 0
-            chosen = jnp.where(accept, kid, chosen)
-            rejected = trying & ~accept
-            new_resid = jnp.maximum(resid - q_i, 0.0)
-            mass = jnp.sum(new_resid, axis=-1, keepdims=True)
-            # Zero residual mass has probability 0 in exact arithmetic; keep r rather than drawing token 0.
-            new_resid = jnp.where(mass > 0, new_resid / jnp.where(mass > 0, mass, 1.0), resid)
-            resid = jnp.where(rejected[:, None], new_resid, resid)
-            if q is not None:  # the next sibling was drawn without replacement: x is out of its q
-                q = jnp.where(rejected[:, None] & (jnp.arange(q.shape[-1]) == x[:, None]), 0.0, q)
-        stop = alive & (chosen < 0)
-        final = jnp.where(stop[:, None], resid, final)
+        if tree.branching[d] == 1:  # one child: the test needs p and q at its token only
+            x = at(tokens, jnp.maximum(kids[:, 0], 0))
+            p_x = probs_from_cutoff(target_logits[rows, cur, x], threshold[rows, cur, 0], log_norm[rows, cur, 0], cfg)
+            if top is not None:
+                p_x = jnp.where(greedy[:, 0], (x == at(top, cur)).astype(jnp.float32), p_x)
+            q_x, trying = jnp.ones((B,), jnp.float32), alive
+            if draft_probs is not None:
+                mass = at(q_mass, cur)
+                q_x = jnp.where(greedy[:, 0], 1.0, draft_probs[rows, cur, x] / jnp.maximum(mass, 1e-30))
+                trying &= (mass > 0) | greedy[:, 0]
+            accept = trying & (uniform_rows(keys[d * K]) * q_x < p_x)  # u < p/q: q(x) = 0 accepts iff p(x) > 0
+            chosen = jnp.where(accept, kids[:, 0], chosen)
+            narrow_stop |= trying & ~accept
+        else:  # siblings: each later one is tested against the residual the earlier rejections left
+            resid = target(cur)
+            q = None if draft_probs is None else at(draft_probs, cur)
+            for i in range(K):
+                kid = kids[:, i]
+                x = at(tokens, jnp.maximum(kid, 0))
+                q_i, usable = sibling(q, x)
+                trying = alive & (chosen < 0) & (kid >= 0) & usable
+                p_x, q_x = resid[rows, x], q_i[rows, x]
+                accept = trying & (uniform_rows(keys[d * K + i]) * q_x < p_x)
+                chosen = jnp.where(accept, kid, chosen)
+                rejected = trying & ~accept
+                resid = jnp.where(rejected[:, None], rejected_residual(resid, q_i), resid)
+                if q is not None:  # the next sibling was drawn without replacement: x is out of its q
+                    q = jnp.where(rejected[:, None] & (jnp.arange(V) == x[:, None]), 0.0, q)
+            final = jnp.where((alive & (chosen < 0))[:, None], resid, final)
         step = alive & (chosen >= 0)
         emitted = emitted.at[:, d].set(jnp.where(step, at(tokens, jnp.maximum(chosen, 0)), emitted[:, d]))
         cur = jnp.where(step, chosen, cur)
         path = path.at[:, d + 1].set(cur)
         num_accepted += step
         alive = step
-    final = jnp.where(alive[:, None], process_logits(at(target_logits, cur), cfg, backend), final)
+    # cur is now the leaf (alive rows: the bonus draws from its p) or the node where the row stopped.
+    p = target(cur)
+    if 1 in tree.branching:
+        q_i, _ = sibling(None if draft_probs is None else at(draft_probs, cur),
+                         at(tokens, jnp.maximum(children[cur, 0], 0)))
+        final = jnp.where(narrow_stop[:, None], rejected_residual(p, q_i), final)
+    final = jnp.where(alive[:, None], p, final)
     last = draw(keys[-1], final)
     emitted = jnp.where(jnp.arange(D + 1) == num_accepted[:, None], last[:, None], emitted)
     return num_accepted, path, emitted
