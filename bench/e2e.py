@@ -3,6 +3,7 @@ process on the same long real-text prompts, with the ideal speed-up beside each 
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
         [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
+        [--select-every 1,2]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy] [--shrink on,off]
         [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
@@ -17,7 +18,8 @@ much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless
 `python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric) then apply to chains;
 --metrics runs the score methods with each named metric, --ratios the sparse drafters with each budget
 ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at the chosen gamma),
---balances with each budget balance (`SpecConfig.balance`: rows share the budget by their lost drafts).
+--balances with each budget balance (`SpecConfig.balance`: rows share the budget by their lost drafts),
+--select-every the score methods selecting after every N-th verification (`SpecConfig.select_every`).
 --shrink on,off runs the drafting methods with and without shrinking the batch as its rows finish
 (`run_generation`'s `shrink`, off by default as in `generate`; plain's rows finish together, so it
 runs once, with the first setting).
@@ -42,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxspec.decoding.spec import MAX_BALANCE, SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
+from jaxspec.decoding.spec import MAX_BALANCE, MAX_SELECT_EVERY, SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
@@ -54,7 +56,7 @@ GAMMA, RATIO = 6, 0.07
 
 
 def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, metric: str | None = None,
-            ratio: float | None = None, balance: float | None = None) -> SpecConfig:
+            ratio: float | None = None, balance: float | None = None, select_every: int | None = None) -> SpecConfig:
     """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig; a tuned (gamma, ratio, metric)
     replaces the chain's gamma, the ratio and the score metric (`metric` and `ratio`, when given, the
     latter two)."""
@@ -63,7 +65,8 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, m
     choice = (tuning or {}).get(method, {})
     common_args = dict(method=method, ratio=ratio or choice.get("ratio") or RATIO,
                        metric=metric or choice.get("metric") or SpecConfig.metric, backend=backend,
-                       balance=balance or choice.get("balance") or SpecConfig.balance)
+                       balance=balance or choice.get("balance") or SpecConfig.balance,
+                       select_every=select_every or choice.get("select_every") or SpecConfig.select_every)
     kind, _, value = shape.partition(":")
     if kind == "chain":
         return SpecConfig(gamma=choice.get("gamma") or int(value), **common_args).validate()
@@ -85,11 +88,12 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
-                dataclasses.replace(spec_of(m, s, backend, tuning, metric, ratio, balance), draft_weights=w, draft_skip=skip)
+                dataclasses.replace(spec_of(m, s, backend, tuning, metric, ratio, balance, every), draft_weights=w, draft_skip=skip)
                 for m in methods if m != "plain" for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])
-                for balance in (args.balances if m in SPARSE_METHODS else [None])]
+                for balance in (args.balances if m in SPARSE_METHODS else [None])
+                for every in (args.select_every if m in SCORE_METHODS else [None])]
             plain_tps = plain_rows = None
             shrunk_rows = {}  # spec -> its first run's outputs with shrinking
             runs_of = [(spec, shrink) for spec in specs for shrink in (args.shrink[:1] if spec.method == "plain" else args.shrink)]
@@ -126,6 +130,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 shape = ((row["tree"] and f"{row['traversal']}:{row['tree']}" or f"chain:{row['gamma']}") + draft_label(row)
                          + (f" {row['metric']}" if row["metric"] else "") + (f" ratio {row['ratio']}" if row["ratio"] else "")
                          + (f" balance {row['balance']:g}" if row.get("balance") not in (None, 1) else "")
+                         + (f" select every {row['select_every']}" if row.get("select_every") not in (None, 1) else "")
                          + ("" if shrink else " no shrink"))
                 print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
@@ -146,7 +151,7 @@ def draft_label(row: dict) -> str:
 def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
         ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
-        ("ratio", "ratio", ".2f"), ("balance", "balance", "g"), ("metric", "metric", "s"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
+        ("ratio", "ratio", ".2f"), ("balance", "balance", "g"), ("select every", "select_every", "d"), ("metric", "metric", "s"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
         ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"), ("shrink", "shrink", "s"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
@@ -172,6 +177,7 @@ def plot(rows: list[dict], path: Path) -> None:
                     r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r) + (
                     f" ratio {r['ratio']}" if r.get("ratio") not in (None, RATIO) else "") + (
                     f" balance {r['balance']:g}" if r.get("balance") not in (None, 1) else "") + (
+                    f" select every {r['select_every']}" if r.get("select_every") not in (None, 1) else "") + (
                     " no shrink" if r.get("shrink") == "off" else "")
                 lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
         for label, points in lines.items():
@@ -226,6 +232,8 @@ def main():
                    help="0.035,0.07: run the sparse drafters with each budget ratio (default: the --tuned choice, else 0.07)")
     p.add_argument("--balances", default=None,
                    help="1,2: run the sparse drafters with each budget balance (default: the --tuned choice, else 1)")
+    p.add_argument("--select-every", default=None,
+                   help="1,2: run the score methods selecting after every N-th verification (default: the --tuned choice, else 1)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--shrink", default="off", help="on,off: shrink the batch as its rows finish, or not, or both")
@@ -250,6 +258,8 @@ def main():
     args.metrics = args.metrics.split(",") if args.metrics else [None]
     args.ratios = numbers(p, "--ratios", args.ratios, lambda r: 0 < r <= 1, "(0, 1]")
     args.balances = numbers(p, "--balances", args.balances, lambda b: 1 <= b <= MAX_BALANCE, f"[1, {MAX_BALANCE:g}]")
+    args.select_every = [None if n is None else int(n) for n in numbers(
+        p, "--select-every", args.select_every, lambda n: n == int(n) and 1 <= n <= MAX_SELECT_EVERY, f"1..{MAX_SELECT_EVERY}")]
     args.shrink = [{"on": True, "off": False}.get(x) for x in args.shrink.split(",")]
     if None in args.shrink:
         p.error("--shrink: on, off or both (comma-separated)")

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|smollm2|llama-1b] [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
-        [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2]
+        [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -37,7 +37,7 @@ from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder, draft_weights
 from jaxspec.models.kvcache import cache_slots
-from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig, takes_draft_model
+from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from pallas_kernels.verify_attention import METRICS
 
@@ -157,6 +157,9 @@ def main():
                    help="only these stages (iteration, draft, verify, select); default all")
     p.add_argument("--balance", type=float, default=1.0,
                    help="sparse drafters share the budget (SpecConfig.balance); rows start with lost-draft rates spread log-uniformly over [1/B, B]")
+    p.add_argument("--select-every", type=int, default=1,
+                   help="score drafters select after every N-th verification (SpecConfig.select_every); "
+                        "the iteration stage then times groups of N")
     p.add_argument("--live", default=[], type=lambda s: [int(n) for n in s.split(",")],
                    help="also time the iteration with only the first N rows unfinished, for each N")
     args = p.parse_args()
@@ -177,7 +180,8 @@ def main():
             if takes_draft_model(m, w)]
     for method, weights in runs:
         spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None),
-                                   draft_weights=weights, balance=args.balance if method in SPARSE_METHODS else 1.0)
+                                   draft_weights=weights, balance=args.balance if method in SPARSE_METHODS else 1.0,
+                                   select_every=args.select_every if method in SCORE_METHODS else 1)
         copies = draft_weights.with_draft_weights(params, weights)
         cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
         state = skewed(common.random_state(copies, cfg, spec, cache, context, max_len), spec.balance)

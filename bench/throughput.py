@@ -85,8 +85,10 @@ def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeS
     static = spec.compiled(max_len)
     drafter = make_drafter(static, cfg, max_len)
     _, decode = decode_fns(cfg, spec, sampling, max_len)
-    # One decode call of STAGE_REPEATS iterations: the loop as it runs, without per-call dispatch.
-    stages = {"iteration_ms": (lambda s: decode(params, s, max_iterations=jnp.int32(STAGE_REPEATS)), STAGE_REPEATS)}
+    # One decode call of STAGE_REPEATS iterations (whole groups of select_every): the loop as it runs,
+    # without per-call dispatch.
+    repeats = -(-STAGE_REPEATS // static.select_every) * static.select_every
+    stages = {"iteration_ms": (lambda s: decode(params, s, max_iterations=jnp.int32(repeats)), repeats)}
     tree = static.shape
     rows = 1 if tree is None else tree.rows
     tokens = jnp.broadcast_to(engine.pending_tokens(state)[:, None], (state.length.shape[0], rows))

@@ -59,6 +59,9 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
                    help="a sparse drafter's rows share the budget by their lost drafts, each within [1/B, B] of an even share "
                         "(default 1: even, or the --tuned choice)")
     p.add_argument("--metric", choices=METRICS, default=None, help="score of vegas/all_rows/last_accepted (default weight, or the --tuned choice)")
+    p.add_argument("--select-every", type=int, default=None,
+                   help="vegas/all_rows/last_accepted: select after every N-th verification only; the others collect no "
+                        "scores and the drafts reuse the selection (default 1, or the --tuned choice)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--precision", choices=PRECISIONS, default="strict",
@@ -103,7 +106,7 @@ def spec_from_args(args) -> SpecConfig:
     if auto:
         fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
                                           ("--group", args.group), ("--tuned", args.tuned), ("--balance", args.balance),
-                                          ("--draft-weights", args.draft_weights),
+                                          ("--select-every", args.select_every), ("--draft-weights", args.draft_weights),
                                           ("--draft-skip", args.draft_skip)) if value is not None]
         if fixed:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
@@ -124,6 +127,7 @@ def spec_from_args(args) -> SpecConfig:
         backend=args.backend, precision="strict" if auto else args.precision, group=8 if args.group is None else args.group,
         draft_weights=args.draft_weights or "exact",
         balance=args.balance if args.balance is not None else tuned.get("balance") or 1.0,
+        select_every=args.select_every if args.select_every is not None else tuned.get("select_every") or 1,
     ).validate()
 
 

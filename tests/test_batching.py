@@ -165,20 +165,22 @@ def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
 
 # plain's and ngram's admissions (no drafter state but the tokens, which every method admits) are
 # slow too: the default run's 20 minutes
-SCHEDULER_CASES = [pytest.param("vegas", None, id="vegas"), pytest.param("vegas", 32, id="vegas-chunked")] + [
-    pytest.param(m, None, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram", "quest") else [])
+SCHEDULER_CASES = [pytest.param("vegas", None, 1, id="vegas"), pytest.param("vegas", 32, 1, id="vegas-chunked"),
+                   pytest.param("vegas", None, 3, id="vegas-select-every-3")] + [
+    pytest.param(m, None, 1, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram", "quest") else [])
     for m in METHODS if m not in ("vegas", "full")]
 
 
-@pytest.mark.parametrize("method, chunk", SCHEDULER_CASES)
-def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, method, chunk):
+@pytest.mark.parametrize("method, chunk, every", SCHEDULER_CASES)
+def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, method, chunk, every):
     """The scheduler (no tokenizer: token ids only) with three slots and group admission: five
     requests, the first three admitted in one prefill and handed their first token before any
     segment runs (with chunked prefill of 32 positions: once their last chunk is written, a chunk
-    per round), the others admitted into freed slots; each emits its tokens alone."""
+    per round), the others admitted into freed slots; each emits its tokens alone. With a selection
+    every third iteration a segment of two runs three, and its report must still hold their tokens."""
     from jaxspec.serving.scheduler import Scheduler
 
-    spec = SpecConfig(method=method, gamma=3, min_tokens=32).validate()
+    spec = SpecConfig(method=method, gamma=3, min_tokens=32, select_every=every).validate()
     requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
     scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
                           prefill_chunk=chunk)

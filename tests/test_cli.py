@@ -123,6 +123,8 @@ def test_json_batch_trees_and_quantized_drafts_are_lossless(tmp_path):
         (["--method", "vegas", "--draft-skip", "x"], "takes layers and ranges"),
         (["--method", "vegas", "--draft-skip", "/nonexistent/skip.json"], "no calibration at"),
         (["--method", "full"], "needs a cheaper draft model"),
+        (["--method", "vegas", "--select-every", "0"], "--select-every must be"),
+        (["--method", "stream", "--select-every", "2"], "stream selects otherwise"),
         (["--max-new-tokens", "many"], "many"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file"),
         (["--model", "/nonexistent/model"], "/nonexistent/model"),

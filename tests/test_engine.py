@@ -233,6 +233,22 @@ def test_shared_budget_is_lossless_and_moves_the_drafts(qwen3_case, method):
     assert not np.array_equal(stats_even.accepted, stats_shared.accepted)
 
 
+def test_selections_spaced_out_are_lossless(qwen3_case):
+    """Selecting after every third verification only (`select_every`) emits plain's tokens and drafts
+    differently from selecting every time. The drafts' tail reaches back to the last selection: with
+    a budget that covers the context the drafts are the target's own, so every one is accepted on
+    both backends only if the reference's fixed tail window is that wide."""
+    each = SpecConfig(method="vegas", gamma=4, min_tokens=32)
+    spaced = dataclasses.replace(each, select_every=3)
+    out, stats = qwen3_case.run(each)
+    out_spaced, stats_spaced = qwen3_case.run(spaced)
+    assert out == out_spaced == qwen3_case.plain
+    assert not np.array_equal(stats.accepted, stats_spaced.accepted)
+    for backend in ("reference", "pallas"):
+        _, stats_whole = qwen3_case.run(dataclasses.replace(spaced, min_tokens=4096, backend=backend))
+        assert stats_whole.accepted.sum() == 4 * stats_whole.iterations.sum() > 0
+
+
 def test_selection_is_what_the_draft_sees(smollm2_batch):
     """On the 2,000+ token row, 3 selected slots draft poorly and the default 256 draft well."""
     rate = lambda stats: stats.accepted[1] / stats.drafted[1]

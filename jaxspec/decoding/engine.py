@@ -202,18 +202,23 @@ def decode(
     min_live: jax.Array | int = 0,
 ) -> DecodeState:
     """Iterates until every row is done (or `max_iterations` more iterations, to run in segments; or
-    until at most `min_live` rows are unfinished, so a caller can shrink the batch: `take_rows`)."""
+    until at most `min_live` rows are unfinished, so a caller can shrink the batch: `take_rows`).
+    With `spec.select_every` N > 1 it runs whole groups of N iterations, so a segment may run up to
+    N - 1 iterations past `max_iterations`, and every segment ends with a selection."""
     drafter = make_drafter(spec, cfg, max_len)
-    step = _plain_step if drafter is None else _spec_step
     limit = jnp.iinfo(jnp.int32).max if max_iterations is None else max_iterations
 
     def cond(carry):
         state, i = carry
         return (jnp.sum(~state.done) > min_live) & (i < limit)
 
-    def body(carry):
+    def body(carry):  # a group of spec.select_every iterations, the last of which selects
         state, i = carry
-        return step(params, cfg, spec, sampling, drafter, state), i + 1
+        if drafter is None:
+            return _plain_step(params, cfg, spec, sampling, drafter, state), i + 1
+        for n in range(spec.select_every):
+            state = _spec_step(params, cfg, spec, sampling, drafter, state, select=n == spec.select_every - 1)
+        return state, i + spec.select_every
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
     return state
@@ -330,20 +335,21 @@ def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: Dec
     return _commit(state, cache, key, token[:, None], num_accepted, path, drafter, scores, nodes=0)
 
 
-def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState) -> DecodeState:
+def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState, select: bool = True) -> DecodeState:
     """Draft a tree, verify it in one pass, accept exactly, move the accepted path's keys into place,
-    update the selection."""
+    update the selection (`select` False: keep it, and collect no scores; `SpecConfig.select_every`)."""
     tree = spec.shape
     key, draft_key, accept_key = split_rows(state.key, 3)
     if drafter.uses_model:
         tokens, draft_probs, state = draft(params, cfg, spec, sampling, drafter, state, draft_key)
     else:
         tokens, draft_probs = drafter.propose(state.tokens, state.length, tree), None
-    logits, cache, scores = verify(params, cfg, spec, drafter, state, tokens, tree)
+    logits, cache, scores = verify(params, cfg, spec, drafter if select else None, state, tokens, tree)
     num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, rules(sampling, state),
                                               spec.backend)
     cache = compact(cache, roots(state.length, state.done), path, tree, ~state.done)
-    return _commit(state, cache, key, emitted, num_accepted, path, drafter, scores, nodes=tree.rows - 1)
+    return _commit(state, cache, key, emitted, num_accepted, path, drafter if select else None, scores,
+                   nodes=tree.rows - 1)
 
 
 def draft(params, cfg, spec, sampling, drafter, state, key):

@@ -19,6 +19,7 @@ SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
 PAGE = 16  # page size of the page-granular policies (stream, quest)
 MAX_BALANCE = 8.0  # SpecConfig.balance: a row's budget within [1/8, 8] of the even share
+MAX_SELECT_EVERY = 8  # SpecConfig.select_every: at most 7 iterations reuse a selection
 PRIOR_ITERATIONS = 4  # Budget.shared: pseudo-iterations every row starts with
 # SSV precision classes of NSA verification (DESIGN.md section 4c): only "strict" is lossless.
 PRECISIONS = ("strict", "reuse", "approx", "approx+reuse")
@@ -53,6 +54,11 @@ class SpecConfig:
     attention mass, so more budget there shortens the batch. The output distribution is unchanged
     (only the drafts move), but a row's drafts, and so its sampled tokens, then depend on the other
     rows of its batch.
+
+    `select_every` N > 1 (score drafters) selects after every N-th verification only: the N - 1
+    verifications in between collect no scores (their attention kernel skips the collection) and the
+    drafts reuse the last selection, whose tail then reaches back to it. Only the drafts change, so
+    the output distribution is unchanged; the decode loop runs whole groups of N iterations.
     """
 
     method: str = "plain"
@@ -72,6 +78,7 @@ class SpecConfig:
     draft_weights: str = "exact"  # the layer weights draft steps read: exact, int8 or int4 (models.draft_weights)
     draft_skip: tuple[int, ...] = ()  # the layers draft steps leave out (models.draft_weights), increasing
     balance: float = 1.0  # sparse drafters: the largest share of the budget a row may take (1: every row the same)
+    select_every: int = 1  # score drafters: iterations per selection (the others reuse it and collect no scores)
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -114,6 +121,11 @@ class SpecConfig:
             raise JaxspecError(f"--balance must be between 1 and {MAX_BALANCE:g}, got {self.balance}")
         if self.balance != 1 and self.method not in SPARSE_METHODS:
             raise JaxspecError(f"--balance shares a sparse drafter's budget; {self.method} keeps none")
+        if not 1 <= self.select_every <= MAX_SELECT_EVERY:
+            raise JaxspecError(f"--select-every must be between 1 and {MAX_SELECT_EVERY}, got {self.select_every}")
+        if self.select_every != 1 and self.method not in SCORE_METHODS:
+            raise JaxspecError(f"--select-every spaces the selections of a score drafter "
+                               f"({', '.join(SCORE_METHODS)}); {self.method} selects otherwise")
         if list(self.draft_skip) != sorted(set(self.draft_skip)):
             raise JaxspecError(f"--draft-skip must list layers in increasing order, once each, got {list(self.draft_skip)}")
         return self
@@ -179,6 +191,7 @@ class SpecConfig:
             "draft_weights": self.draft_weights,
             "draft_skip": list(self.draft_skip),
             "balance": self.balance if self.method in SPARSE_METHODS else None,
+            "select_every": self.select_every if self.method in SCORE_METHODS else None,
         }
 
     def capacity(self, max_len: int) -> int:

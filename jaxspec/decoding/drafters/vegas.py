@@ -59,10 +59,12 @@ class Vegas(Drafter):
         return Selection(idx[:, :, None, :], k, last + 1)
 
     def attend(self, state, budget, rows):
-        # After a verification with root slot p the tail starts at p + 1 (at most); the next root is at
-        # most p + depth + 1, and the tree's rows follow it.
+        # After a verification with root slot p the tail starts at p + 1 (at most); each iteration moves
+        # the root on by at most depth + 1 (select_every of them before the next selection), and the
+        # tree's rows follow the last root.
         tree = self.spec.shape
-        return self.sparse_attend(state.idx, state.n_idx, state.tail_start, rows, tree.depth + tree.rows)
+        reach = (self.spec.select_every - 1) * (tree.depth + 1) + tree.depth + tree.rows
+        return self.sparse_attend(state.idx, state.n_idx, state.tail_start, rows, reach)
 
 
 class AllRows(Vegas):
