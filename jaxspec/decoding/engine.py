@@ -344,12 +344,12 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
         tokens, draft_probs, state = draft(params, cfg, spec, sampling, drafter, state, draft_key)
     else:
         tokens, draft_probs = drafter.propose(state.tokens, state.length, tree), None
-    logits, cache, scores = verify(params, cfg, spec, drafter if select else None, state, tokens, tree)
+    selector = drafter if select else None  # None: verification collects no scores, the selection stays
+    logits, cache, scores = verify(params, cfg, spec, selector, state, tokens, tree)
     num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, rules(sampling, state),
                                               spec.backend)
     cache = compact(cache, roots(state.length, state.done), path, tree, ~state.done)
-    return _commit(state, cache, key, emitted, num_accepted, path, drafter if select else None, scores,
-                   nodes=tree.rows - 1)
+    return _commit(state, cache, key, emitted, num_accepted, path, selector, scores, nodes=tree.rows - 1)
 
 
 def draft(params, cfg, spec, sampling, drafter, state, key):
