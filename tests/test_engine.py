@@ -160,9 +160,10 @@ def test_draft_models_lossless_qwen3(qwen3_case, method, weights, skip):
     assert out == qwen3_case.plain and stats.accepted.sum() > 0
 
 
-# page-selecting and model-free drafters' trees (stream, quest, ngram): both shapes on the random Qwen3
-# below, by default; here with the slow tests
-QWEN3_TREES_ONLY = ("stream", "quest", "ngram")
+# trees of the drafters other than vegas (all_rows and last_accepted share its selection path; the
+# page-selecting and model-free ones): both shapes on the random Qwen3 below, by default; here with
+# the slow tests
+QWEN3_TREES_ONLY = ("all_rows", "last_accepted", "stream", "quest", "ngram")
 
 
 @pytest.mark.parametrize("method,tree,order", [
