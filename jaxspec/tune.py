@@ -77,15 +77,32 @@ def tune_method(tuner: Tuner, method: str, ratios, gammas, large_gamma: int, tol
     return fastest([chain] + [tuner.measure(method, tree.depth, chain["ratio"], tree) for tree in trees])
 
 
+# The settings a tuned choice may carry (this tool writes the first five; bench/smollm2_h100.json the
+# rest) and their JSON types; SpecConfig.validate then checks their ranges.
+TUNED_KEYS = {"gamma": int, "ratio": float, "metric": str, "tree": str, "traversal": str, "balance": float,
+              "select_every": int}
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
 def load_tuned(path: Path, method: str) -> dict:
-    """The (gamma, ratio, and tree if one won) chosen for `method` in a file written by this tool."""
+    """The (gamma, ratio, and tree if one won) chosen for `method` in a file written by this tool (or
+    by hand); a setting of the wrong type is a JaxspecError naming it."""
     try:
         methods = json.loads(path.read_text())["methods"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise JaxspecError(f"cannot read tuned file {path}: {e}") from None
-    if method not in methods:
-        raise JaxspecError(f"tuned file {path} has no entry for method {method!r} (it has {', '.join(methods)})")
-    return methods[method]
+    if not isinstance(methods, dict) or method not in methods:
+        have = ", ".join(methods) if isinstance(methods, dict) else "no methods"
+        raise JaxspecError(f"tuned file {path} has no entry for method {method!r} (it has {have})")
+    choice = methods[method]
+    if not isinstance(choice, dict):
+        raise JaxspecError(f"tuned file {path}: the entry for {method!r} must be an object, got {choice!r}")
+    for key, kind in TUNED_KEYS.items():
+        value = choice.get(key)
+        kinds = (int, float) if kind is float else kind  # a JSON number may be written without a fraction
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise JaxspecError(f"tuned file {path}: {method}.{key} must be {TYPE_NAMES[kind]}, got {value!r}")
+    return choice
 
 
 def parse_tree(text: str) -> TreeShape:

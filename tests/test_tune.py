@@ -89,3 +89,9 @@ def test_tuned_file_errors(tuned_file, tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate.main(["--method", "vegas", "--tuned", str(bad)])
     assert "cannot read tuned file" in capsys.readouterr().err
+    for setting, fragment in (({"gamma": "six"}, "vegas.gamma must be an integer"), ({"select_every": 2.5}, "vegas.select_every"),
+                              ({"ratio": True}, "vegas.ratio must be a number"), ([6], "must be an object")):
+        bad.write_text(json.dumps({"methods": {"vegas": setting}}))
+        with pytest.raises(SystemExit) as exit_info:
+            generate.main(["--method", "vegas", "--tuned", str(bad)])
+        assert exit_info.value.code == 2 and fragment in capsys.readouterr().err
