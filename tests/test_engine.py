@@ -134,9 +134,10 @@ def with_draft(case, spec: SpecConfig, weights: str, skip=()):
 
 @pytest.mark.parametrize("spec, weights, skip, least", [
     (SpecConfig(method="vegas", gamma=6), "int8", (), 0.5),
-    pytest.param(SpecConfig(method="stream", gamma=4), "int4", (), 0.3, marks=pytest.mark.slow),  # int4: full-int4
+    # int4 on the real model with the slow tests (the default run's 20 minutes); on the random Qwen3 below
+    pytest.param(SpecConfig(method="stream", gamma=4), "int4", (), 0.3, marks=pytest.mark.slow),
     (SpecConfig(method="quest", tree=(3, 2, 1)), "int8", (), 0.5),
-    (SpecConfig(method="full", gamma=4), "int4", (), 0.3),
+    pytest.param(SpecConfig(method="full", gamma=4), "int4", (), 0.3, marks=pytest.mark.slow),
     (SpecConfig(method="vegas", gamma=3), "exact", (4, 17), 0.1),
     (SpecConfig(method="full", tree=(2, 2)), "int8", (4,), 0.1),
 ], ids=["vegas-int8", "stream-int4", "quest-tree-int8", "full-int4", "vegas-skip", "full-tree-int8-skip"])
@@ -237,17 +238,16 @@ def test_shared_budget_is_lossless_and_moves_the_drafts(qwen3_case, method):
 def test_selections_spaced_out_are_lossless(qwen3_case):
     """Selecting after every third verification only (`select_every`) emits plain's tokens and drafts
     differently from selecting every time. The drafts' tail reaches back to the last selection: with
-    a budget that covers the context the drafts are the target's own, so every one is accepted on
-    both backends only if the reference's fixed tail window is that wide."""
+    a budget that covers the context the drafts are the target's own, so every one is accepted only
+    if the reference kernel's fixed tail window is that wide (the Pallas kernel's tail is traced)."""
     each = SpecConfig(method="vegas", gamma=4, min_tokens=32)
     spaced = dataclasses.replace(each, select_every=3)
     out, stats = qwen3_case.run(each)
     out_spaced, stats_spaced = qwen3_case.run(spaced)
     assert out == out_spaced == qwen3_case.plain
     assert not np.array_equal(stats.accepted, stats_spaced.accepted)
-    for backend in ("reference", "pallas"):
-        _, stats_whole = qwen3_case.run(dataclasses.replace(spaced, min_tokens=4096, backend=backend))
-        assert stats_whole.accepted.sum() == 4 * stats_whole.iterations.sum() > 0
+    _, stats_whole = qwen3_case.run(dataclasses.replace(spaced, min_tokens=4096))
+    assert stats_whole.accepted.sum() == 4 * stats_whole.iterations.sum() > 0
 
 
 def test_selection_is_what_the_draft_sees(smollm2_batch):
