@@ -87,7 +87,7 @@ def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeS
     _, decode = decode_fns(cfg, spec, sampling, max_len)
     # One decode call of STAGE_REPEATS iterations (whole groups of select_every): the loop as it runs,
     # without per-call dispatch.
-    repeats = -(-STAGE_REPEATS // static.select_every) * static.select_every
+    repeats = static.whole_groups(STAGE_REPEATS)
     stages = {"iteration_ms": (lambda s: decode(params, s, max_iterations=jnp.int32(repeats)), repeats)}
     tree = static.shape
     rows = 1 if tree is None else tree.rows

@@ -194,6 +194,11 @@ class SpecConfig:
             "select_every": self.select_every if self.method in SCORE_METHODS else None,
         }
 
+    def whole_groups(self, iterations: int) -> int:
+        """The iterations `engine.decode` runs for `max_iterations` = iterations: whole groups of
+        `select_every`."""
+        return -(-iterations // self.select_every) * self.select_every
+
     def capacity(self, max_len: int) -> int:
         """Static selection capacity k_max for contexts up to `max_len`, a multiple of PAGE."""
         if self.k_max is not None:

@@ -213,20 +213,23 @@ def tree_accept(
     threshold, log_norm = cutoff(target_logits, cfg, backend)  # every row's target cutoff in one call
     # [B, rows]: a greedy row's p is the one-hot of its argmax (row rules only: a config here samples every row)
     top = jnp.argmax(target_logits, axis=-1) if isinstance(cfg, RowSampling) else None
-    q_mass = None if draft_probs is None else jnp.sum(draft_probs, axis=-1)  # [B, rows]
+    narrow = 1 in tree.branching  # some level has one child per node
+    q_mass = jnp.sum(draft_probs, axis=-1) if narrow and draft_probs is not None else None  # [B, rows]
 
     def target(r):
         """p at tree row r [B]: [B, V], as process_logits gives it."""
         probs = probs_from_cutoff(at(target_logits, r), at(threshold, r), at(log_norm, r), cfg)
         return probs if top is None else jnp.where(greedy, jax.nn.one_hot(at(top, r), V, dtype=jnp.float32), probs)
 
-    def sibling(q, x):
+    def sibling(q, x, mass=None):
         """(q_i [B, V], whether it can be tried [B]): the distribution child token x was drawn from,
-        given the draft's q at its parent with the earlier siblings removed (None: one-hot)."""
+        given the draft's q at its parent with the earlier siblings removed (None: one-hot); `mass`
+        [B], q's sum when already known."""
         one_hot = jax.nn.one_hot(x, V, dtype=jnp.float32)
         if q is None:
             return one_hot, jnp.ones((B,), bool)
-        mass = jnp.sum(q, axis=-1, keepdims=True)  # a sibling drawn after q's support ran out is no candidate
+        # a sibling drawn after q's support ran out is no candidate
+        mass = jnp.sum(q, axis=-1, keepdims=True) if mass is None else mass[:, None]
         return jnp.where(greedy, one_hot, q / jnp.maximum(mass, 1e-30)), (mass[:, 0] > 0) | greedy[:, 0]
 
     def rejected_residual(resid, q_i):
@@ -277,9 +280,9 @@ def tree_accept(
         alive = step
     # cur is now the leaf (alive rows: the bonus draws from its p) or the node where the row stopped.
     p = target(cur)
-    if 1 in tree.branching:
-        q_i, _ = sibling(None if draft_probs is None else at(draft_probs, cur),
-                         at(tokens, jnp.maximum(children[cur, 0], 0)))
+    if narrow:
+        q = None if draft_probs is None else at(draft_probs, cur)
+        q_i, _ = sibling(q, at(tokens, jnp.maximum(children[cur, 0], 0)), None if q is None else at(q_mass, cur))
         final = jnp.where(narrow_stop[:, None], rejected_residual(p, q_i), final)
     final = jnp.where(alive[:, None], p, final)
     last = draw(keys[-1], final)

@@ -608,8 +608,7 @@ class Scheduler:
     def _window(self) -> int:
         """Tokens a report reads per slot: what the longest segment can commit, plus the first token
         (a segment runs whole groups of `select_every` iterations)."""
-        iterations = max(self.segment or self.max_len, planner.SEGMENT if self.refinement else 0)
-        iterations = -(-iterations // self.spec.select_every) * self.spec.select_every
+        iterations = self.spec.whole_groups(max(self.segment or self.max_len, planner.SEGMENT if self.refinement else 0))
         return min(iterations * (self.spec.draft_len + 1) + 1, self.max_len)
 
     def _bucket(self, n: int) -> int:
