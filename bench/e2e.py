@@ -2,11 +2,11 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
+        [--methods plain,vegas,stream,quest,ngram,auto] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
         [--select-every 1,2]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy] [--shrink on,off]
-        [--greedy-methods plain,vegas] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
+        [--greedy-methods plain,vegas,auto] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
         [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
 
 Per batch: one prefill of real-text prompts (a different local document per row, a continuation
@@ -22,7 +22,9 @@ ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at 
 --select-every the score methods selecting after every N-th verification (`SpecConfig.select_every`).
 --shrink on,off runs the drafting methods with and without shrinking the batch as its rows finish
 (`run_generation`'s `shrink`, off by default as in `generate`; plain's rows finish together, so it
-runs once, with the first setting).
+runs once, with the first setting). `auto` is `generate`'s default, `--method auto`: the planner's
+plan for the batch (the shipped table of this model and device, else the cost model), refined and
+switched as it runs; its row gives the strategy each run ended with and the ideal of the first run's.
 
 The ideal speed-up is a projection from measured acceptance and the bytes floors: tokens per
 iteration x plain step floor / iteration floor, the iteration floor being depth draft forwards over
@@ -44,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
+from jaxspec.decoding import planner
 from jaxspec.decoding.spec import MAX_BALANCE, MAX_SELECT_EVERY, SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
@@ -51,7 +54,7 @@ from jaxspec.models import draft_weights
 from jaxspec.runner import run_generation
 from pallas_kernels.verify_attention import METRICS
 
-METHODS = ("plain", "vegas", "stream", "quest", "ngram")
+METHODS = ("plain", "vegas", "stream", "quest", "ngram", "auto")
 GAMMA, RATIO = 6, 0.07
 
 
@@ -89,30 +92,39 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
                 dataclasses.replace(spec_of(m, s, backend, tuning, metric, ratio, balance, every), draft_weights=w, draft_skip=skip)
-                for m in methods if m != "plain" for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
+                for m in methods if m not in ("plain", "auto") for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])
                 for balance in (args.balances if m in SPARSE_METHODS else [None])
                 for every in (args.select_every if m in SCORE_METHODS else [None])]
             plain_tps = plain_rows = None
             shrunk_rows = {}  # spec -> its first run's outputs with shrinking
-            runs_of = [(spec, shrink) for spec in specs for shrink in (args.shrink[:1] if spec.method == "plain" else args.shrink)]
-            for spec, shrink in runs_of:
+            runs_of = [(spec, shrink, None) for spec in specs for shrink in (args.shrink[:1] if spec.method == "plain" else args.shrink)]
+            if "auto" in methods:  # generate's default: plain's spec and the planner's plan for this batch
+                plan = planner.make_plan(cfg, weight_bytes, batch=batch_size, prompt_tokens=int(batch.lengths.max()),
+                                         new_tokens=args.new, sampling=sampling)
+                if (plan.draft_weights, ()) not in with_copies:
+                    with_copies[plan.draft_weights, ()] = draft_weights.with_draft_weights(params, plan.draft_weights)
+                runs_of.append((specs[0], args.shrink[0], plan))
+            for spec, shrink, plan in runs_of:
                 runs, first_rows = [], None
+                weights = with_copies.get((plan.draft_weights, ()) if plan else (spec.draft_weights, spec.draft_skip), params)
                 for repeat in range(args.repeats):
-                    run = run_generation(with_copies.get((spec.draft_weights, spec.draft_skip), params), cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
+                    run = run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
                                          max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache),
-                                         shrink=shrink)
+                                         plan=plan, shrink=shrink)
                     measures, outputs = common.run_measures(run)
-                    runs.append(measures | {"compile_s": run.compile_s})
+                    runs.append(measures | {"compile_s": run.compile_s} | (auto_choices(run) if plan else {}))
                     first_rows = first_rows or outputs
-                described = spec.describe()
+                    if plan and repeat == 0:  # the row's floors and ideal: the first run's last strategy
+                        spec = run.auto.spec
+                described = spec.describe() | ({"method": "auto", "planned": plan.describe()} if plan else {})
                 row = {"skipped_layers": len(spec.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "shrink": "on" if shrink else "off", "runs": runs,
                        **common.median_of_runs(runs)}
                 draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, spec.draft_weights, spec.draft_skip)
                 row |= common.floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_bytes)
-                if spec.method == "plain":
+                if spec.method == "plain" and not plan:
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
                 else:
@@ -123,7 +135,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     elif spec in shrunk_rows:  # the same seed's rows: bf16 near-ties may flip with the batch size
                         row["rows_equal_shrunk"] = share_equal(first_rows, shrunk_rows[spec])
                     row["speedup"] = row["decode_tokens_per_s"] / plain_tps
-                    row["ideal_speedup"] = row["tokens_per_iteration"] * row["plain_floor_s"] / row["iteration_floor_s"]
+                    row["ideal_speedup"] = row["tokens_per_iteration"] * row["plain_floor_s"] / row.get("iteration_floor_s", row["plain_floor_s"])
                     row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
                 rows_out.append(row)
                 save()
@@ -131,10 +143,16 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                          + (f" {row['metric']}" if row["metric"] else "") + (f" ratio {row['ratio']}" if row["ratio"] else "")
                          + (f" balance {row['balance']:g}" if row.get("balance") not in (None, 1) else "")
                          + (f" select every {row['select_every']}" if row.get("select_every") not in (None, 1) else "")
-                         + ("" if shrink else " no shrink"))
-                print(f"B={batch_size} {sampling_name} {spec.method} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
+                         + ("" if shrink else " no shrink")
+                         + (f" (auto: {', '.join(r['strategy'] for r in runs)}; {sum(r['switches'] for r in runs)} switches)" if plan else ""))
+                print(f"B={batch_size} {sampling_name} {row['method']} {shape}: {row['decode_tokens_per_s']:.0f} tok/s "
                       f"(spread {row['spread_tokens_per_s']:.0f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
                       f"iteration {row['iteration_ms']:.2f} ms, degeneration {row['degeneration']:.2f}", flush=True)
+
+
+def auto_choices(run) -> dict:
+    """What an auto run ended with: its last strategy's name and how many times it switched."""
+    return {"strategy": planner.Strategy.of(run.auto.spec).name, "switches": len(run.auto.switches)}
 
 
 def share_equal(rows: list, reference: list) -> float:
@@ -173,7 +191,7 @@ def plot(rows: list[dict], path: Path) -> None:
         lines: dict[str, list] = {}
         for r in rows:
             if r["sampling"] == sampling:
-                label = r["method"] if r["method"] == "plain" else f"{r['method']} " + (
+                label = r["method"] if r["method"] in ("plain", "auto") else f"{r['method']} " + (
                     r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r) + (
                     f" ratio {r['ratio']}" if r.get("ratio") not in (None, RATIO) else "") + (
                     f" balance {r['balance']:g}" if r.get("balance") not in (None, 1) else "") + (
@@ -235,7 +253,7 @@ def main():
     p.add_argument("--select-every", default=None,
                    help="1,2: run the score methods selecting after every N-th verification (default: the --tuned choice, else 1)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
-    p.add_argument("--greedy-methods", default="plain,vegas", help="the methods run greedy (sampling runs --methods)")
+    p.add_argument("--greedy-methods", default="plain,vegas,auto", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--shrink", default="off", help="on,off: shrink the batch as its rows finish, or not, or both")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
     p.add_argument("--prompt-tokens", type=int, default=7500)
