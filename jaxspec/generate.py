@@ -175,6 +175,10 @@ def main(argv=None):
     spec = spec_from_args(args)
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
     prompts = prompts or [DEFAULT_PROMPT]
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    stream = (sys.stdout.isatty() and len(prompts) == 1 and not args.json) if args.stream is None else args.stream
+    if stream and (len(prompts) > 1 or args.json):  # before loading the model: a flag error is instant
+        raise JaxspecError("--stream prints one prompt's text as it is generated: give one prompt and no --json")
 
     if warning := gpu_unseen_warning():
         print(warning, file=sys.stderr)
@@ -186,10 +190,6 @@ def main(argv=None):
         raise JaxspecError(f"--chat: model {args.model} has no chat template")
     batch = encode_prompts(tokenizer, prompts, chat)
     max_len = resolve_max_len(batch, args.max_new_tokens, args.max_len, cfg.max_position_embeddings)
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
-    stream = (sys.stdout.isatty() and len(prompts) == 1 and not args.json) if args.stream is None else args.stream
-    if stream and (len(prompts) > 1 or args.json):
-        raise JaxspecError("--stream prints one prompt's text as it is generated: give one prompt and no --json")
     plan = None
     if auto:
         plan = planner.make_plan(
