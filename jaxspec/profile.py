@@ -8,7 +8,7 @@ the real decode loop over the strategy space and writes the ranked table that `-
     python -m jaxspec.profile --model smollm2 [--buckets 1024,2048,4096,8000] [--batch 1]
         [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
-        [--draft-weights exact,int8] [--new 48] [--repeats 3] [--budget SECONDS] [--out FILE]
+        [--draft-weights exact,int8] [--select-every 1,2] [--new 48] [--repeats 3] [--budget SECONDS] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
 setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
@@ -17,7 +17,7 @@ different document per row; chat template), each about bucket - new tokens long 
 inside the bucket, prefilled once; then plain and every strategy of the space decode `--new` tokens
 from each (seed = repeat), and the entry is the median decode tokens/s over them with its spread.
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
-draft weights (model drafters; `full` only with quantized ones).
+draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods).
 NSA models: the same x verification group x precision class (classes other than strict only when
 listed, reuse ones only with a calibrated refresh schedule); each class gets its own ranked cell.
 
@@ -47,7 +47,7 @@ from jaxspec import corpus
 from jaxspec.decoding import planner
 from jaxspec.decoding.planner import Strategy
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import METHODS, PRECISIONS, SPARSE_METHODS, SpecConfig, takes_draft_model
+from jaxspec.decoding.spec import METHODS, PRECISIONS, SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import draft_weights
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize
@@ -57,10 +57,12 @@ CALIBRATION_OFFSET = 40  # first jaxspec.corpus document of the calibration prom
 TASKS = ("continue", "question", "summary")  # row r of a calibration batch asks TASKS[r % 3]
 
 
-def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weights=("exact",)) -> list[Strategy]:
+def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weights=("exact",),
+                   select_every=(1,)) -> list[Strategy]:
     """Plain (one per precision class) first, then every method x draft shape x ratio (sparse
-    methods) x draft weights (model drafters; full only with quantized ones), on NSA models also x
-    group x precision class. Dense models verify exactly: one class (strict), group unused."""
+    methods) x draft weights (model drafters; full only with quantized ones) x selection spacing
+    (score methods), on NSA models also x group x precision class. Dense models verify exactly: one
+    class (strict), group unused."""
     if cfg.nsa is None:
         groups, precisions = (8,), ("strict",)
     space = [Strategy(precision=p) for p in precisions]
@@ -74,8 +76,10 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weig
                 for group in groups:
                     for precision in precisions:
                         for kind in kinds:
-                            space.append(Strategy(method, ratio=ratio, precision=precision, group=group,
-                                                  draft_weights=kind, **shape))
+                            for every in select_every if method in SCORE_METHODS else (1,):
+                                space.append(Strategy(method, ratio=ratio, precision=precision, group=group,
+                                                      draft_weights=kind, select_every=every if every > 1 else None,
+                                                      **shape))
     return space
 
 
@@ -133,6 +137,8 @@ def parse_args(argv):
     p.add_argument("--precisions", type=words, default=("strict",), help="NSA models: precision classes to profile")
     p.add_argument("--draft-weights", type=words, default=("exact",),
                    help="the model drafters' draft weights to profile, e.g. exact,int8 (one quantized kind)")
+    p.add_argument("--select-every", type=ints, default=(1,),
+                   help="score methods (vegas, all_rows, last_accepted): select after every N-th verification, e.g. 1,2")
     p.add_argument("--new", type=int, default=48, help="new tokens per measurement")
     p.add_argument("--repeats", type=int, default=3, help="calibration batches per bucket (median and spread)")
     p.add_argument("--budget", type=float, default=None, help="seconds of measuring; no measurement starts after them")
@@ -164,6 +170,8 @@ def check_args(args) -> None:
         SpecConfig(ratio=ratio).validate()
     for group in args.groups:
         SpecConfig(group=group).validate()
+    for every in args.select_every:
+        SpecConfig(method="vegas", select_every=every).validate()
     if args.new < 2 or args.repeats < 1 or min(args.batch) < 1 or min(args.buckets) < 1:
         raise JaxspecError("need --new >= 2, --repeats >= 1 and positive --batch and --buckets")
 
@@ -185,7 +193,8 @@ def main(argv=None):
             continue
         SpecConfig(precision=p).check_model(cfg)
         precisions.append(p)
-    space = strategy_space(cfg, args.methods, args.gammas, trees, args.ratios, args.groups, precisions, args.draft_weights)
+    space = strategy_space(cfg, args.methods, args.gammas, trees, args.ratios, args.groups, precisions, args.draft_weights,
+                           args.select_every)
     params = draft_weights.with_draft_weights(params, next((w for w in args.draft_weights if w != "exact"), "exact"))
     chat = tokenizer.has_chat_template
     prompts = {(b, bucket, r): calibration_batch(tokenizer, chat, b, bucket - args.new, r)

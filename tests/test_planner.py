@@ -27,6 +27,7 @@ NGRAM = Strategy("ngram", gamma=4)
 TREE = Strategy("vegas", tree=(3, 2, 1), traversal="dfs", ratio=0.03)
 APPROX = Strategy("vegas", gamma=4, ratio=0.07, precision="approx", group=4)
 FULL_INT8 = Strategy("full", gamma=6, draft_weights="int8")
+SPACED = Strategy("vegas", gamma=6, ratio=0.07, select_every=2)
 
 SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                       head_dim=64, intermediate_size=1536, dtype="bfloat16", max_position_embeddings=8192)
@@ -47,8 +48,17 @@ def table(cfg=SMOLLM2, cells=None) -> dict:
 
 
 def test_strategy_json_round_trip_and_spec():
-    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX, FULL_INT8):
+    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX, FULL_INT8, SPACED):
         assert Strategy.from_json(json.loads(json.dumps(s.to_json()))) == s
+    # selections spaced out: named, applied, canonical (every 1 is None, so a table written before the
+    # field, whose entries lack it, reads as every 1)
+    assert SPACED.name == "vegas g6 r0.07 every 2" and SPACED.spec(SpecConfig()).select_every == 2
+    assert Strategy.of(SPACED.spec(SpecConfig())) == SPACED and VEGAS.spec(SpecConfig(select_every=3)).select_every == 1
+    assert Strategy.of(SpecConfig(method="vegas", gamma=6, ratio=0.07, select_every=1)) == VEGAS
+    old_entry = {k: v for k, v in VEGAS.to_json().items() if k != "select_every"}
+    assert Strategy.from_json(old_entry) == VEGAS
+    with pytest.raises(JaxspecError, match="select-every"):
+        Strategy("stream", gamma=6, ratio=0.07, select_every=2).spec(SpecConfig())
     assert FULL_INT8.name == "full g6 int8" and FULL_INT8.spec(SpecConfig()).draft_weights == "int8"
     assert Strategy.of(TREE.spec(SpecConfig(backend="pallas"))) == TREE
     spec = TREE.spec(SpecConfig(backend="pallas", min_tokens=64))
@@ -283,28 +293,30 @@ def tiny(hf_checkpoints):
 
 
 def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
-    """An auto run through vegas -> plain -> ngram (decisions scripted) emits plain decoding's tokens,
-    and its stats sum the three strategies' counters."""
+    """An auto run through vegas -> plain -> vegas selecting every 2nd verification -> ngram (decisions
+    scripted) emits plain decoding's tokens, and its stats sum the four strategies' counters."""
     cfg, params, batch = tiny
-    max_len, new = 160, 120  # vegas' first segment (8 iterations) leaves the rows running
+    max_len, new = 320, 280  # three segments (8 iterations each) leave the rows running
     common = dict(sampling=SamplingConfig(), max_len=max_len, max_new_tokens=new, stop_ids=())
     reference = run_generation(params, cfg, batch, spec=SpecConfig(), **common)
 
-    script = iter([(PLAIN, "scripted"), (NGRAM, "scripted"), (NGRAM, "scripted")])
+    script = iter([(PLAIN, "scripted"), (SPACED, "scripted"), (NGRAM, "scripted")])
     monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: next(script))
-    candidates = tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (VEGAS, PLAIN, NGRAM))
+    candidates = tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (VEGAS, PLAIN, SPACED, NGRAM))
     plan = planner.Plan(candidates, VEGAS, "test", 1024)
     run = run_generation(params, cfg, batch, plan=plan, spec=SpecConfig(), **common)
     assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
-    assert [(s["from"], s["to"]) for s in run.auto.switches] == [("vegas g6 r0.07", "plain"), ("plain", "ngram g4")]
-    assert [s["iteration"] for s in run.auto.switches] == [8, 16]
+    assert [(s["from"], s["to"]) for s in run.auto.switches] == [
+        ("vegas g6 r0.07", "plain"), ("plain", "vegas g6 r0.07 every 2"), ("vegas g6 r0.07 every 2", "ngram g4")]
+    assert [s["iteration"] for s in run.auto.switches] == [8, 16, 24]
     stats = summarize(run, batch, run.auto.spec)
     assert (stats["method"], stats["method_requested"], stats["strategy"]["name"]) == ("ngram", "auto", "ngram g4")
-    assert stats["planned"]["strategy"] == "vegas g6 r0.07" and len(stats["segments"]) == 3 and stats["lossless"]
+    assert stats["planned"]["strategy"] == "vegas g6 r0.07" and len(stats["segments"]) == 4 and stats["lossless"]
+    assert [s["strategy"] for s in stats["segments"]][2] == "vegas g6 r0.07 every 2"
     assert stats["generated_tokens"] == 2 * new
     assert len(stats["acceptance_by_depth"]) == 6  # padded to vegas' depth
     out = jax.device_get(run.output.stats)
-    assert out.iterations.max() > 16 and (out.accepted <= out.drafted).all()
+    assert out.iterations.max() > 24 and (out.accepted <= out.drafted).all()
     # a table's plain choice runs straight to the end, as plain decoding does: no segments, no switch
     plain_plan = planner.Plan(candidates, PLAIN, "table:t.json", 1024)
     run = run_generation(params, cfg, batch, plan=plain_plan, spec=SpecConfig(), **common)
@@ -420,3 +432,7 @@ def test_profile_strategy_space_for_nsa_models():
     drafts = profile.strategy_space(SMOLLM2, ("plain", "vegas", "full", "ngram"), (4,), [], (0.07,), (8,), ("strict",),
                                     ("exact", "int8"))
     assert [s.name for s in drafts] == ["plain", "vegas g4 r0.07", "vegas g4 r0.07 int8", "full g4 int8", "ngram g4"]
+    # selection spacing: score methods only
+    spaced = profile.strategy_space(SMOLLM2, ("plain", "vegas", "stream", "ngram"), (4,), [], (0.07,), (8,), ("strict",),
+                                    select_every=(1, 2))
+    assert [s.name for s in spaced] == ["plain", "vegas g4 r0.07", "vegas g4 r0.07 every 2", "stream g4 r0.07", "ngram g4"]

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import pallas_kernels as kernels
 from jaxspec import files
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import PRECISIONS, SPARSE_METHODS, SpecConfig
+from jaxspec.decoding.spec import PRECISIONS, SCORE_METHODS, SPARSE_METHODS, SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import draft_weights
 from jaxspec.models.config import ModelConfig
@@ -86,9 +86,10 @@ COST_MODEL_RATIO = 0.07
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """What the planner chooses: method, draft shape (a chain of gamma, or a tree and its traversal),
-    sparse ratio, the draft's weights and, for NSA targets, the precision class and verification
-    group. Canonical: fields a method does not use are None (so equal strategies compare and hash
-    equal)."""
+    sparse ratio, the draft's weights, how often a score drafter selects (`SpecConfig.select_every`)
+    and, for NSA targets, the precision class and verification group. Canonical: fields a method does
+    not use are None, and so is select_every 1 (so equal strategies compare and hash equal, and a table
+    written before the field reads as it was measured)."""
 
     method: str = "plain"
     gamma: int | None = None
@@ -98,6 +99,7 @@ class Strategy:
     precision: str = "strict"
     group: int = 8
     draft_weights: str = "exact"
+    select_every: int | None = None
 
     @classmethod
     def of(cls, spec: SpecConfig) -> Strategy:
@@ -112,6 +114,7 @@ class Strategy:
             precision=spec.precision,
             group=spec.group,
             draft_weights=spec.draft_weights,
+            select_every=spec.select_every if spec.method in SCORE_METHODS and spec.select_every > 1 else None,
         )
 
     def spec(self, base: SpecConfig) -> SpecConfig:
@@ -120,6 +123,7 @@ class Strategy:
             base, method=self.method, gamma=base.gamma if self.gamma is None else self.gamma, tree=self.tree,
             traversal=self.traversal or "bfs", ratio=self.ratio if self.ratio is not None else base.ratio,
             precision=self.precision, group=self.group, draft_weights=self.draft_weights,
+            select_every=self.select_every or 1,
         ).validate()
 
     @property
@@ -140,7 +144,8 @@ class Strategy:
     @property
     def name(self) -> str:
         """e.g. 'plain', 'vegas g6 r0.07', 'vegas bfs:3,2,1 r0.07', 'ngram g8', '... approx group 4' (the
-        group when it is not the default 8), 'full g6 int8' (draft weights other than exact)."""
+        group when it is not the default 8), 'full g6 int8' (draft weights other than exact), 'vegas g6
+        r0.07 every 2' (selecting after every 2nd verification)."""
         parts = [self.method]
         if self.tree:
             parts.append(f"{self.traversal}:{','.join(map(str, self.tree))}")
@@ -154,6 +159,8 @@ class Strategy:
             parts.append(f"group {self.group}")
         if self.draft_weights != "exact":
             parts.append(self.draft_weights)
+        if self.select_every:
+            parts.append(f"every {self.select_every}")
         return " ".join(parts)
 
     def to_json(self) -> dict:
