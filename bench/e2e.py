@@ -116,8 +116,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     measures, outputs = common.run_measures(run)
                     runs.append(measures | {"compile_s": run.compile_s} | (auto_choices(run) if plan else {}))
                     first_rows = first_rows or outputs
-                    if plan and repeat == 0:  # the row's floors and ideal: the first run's last strategy
-                        spec = run.auto.spec
+                    if repeat == 0:  # an auto row's floors and ideal: its first run's last strategy
+                        ran = run.auto.spec if plan else spec
+                spec = ran
                 described = spec.describe() | ({"method": "auto", "planned": plan.describe()} if plan else {})
                 row = {"skipped_layers": len(spec.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "shrink": "on" if shrink else "off", "runs": runs,
