@@ -152,8 +152,10 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
 
 
 def auto_choices(run) -> dict:
-    """What an auto run ended with: its last strategy's name and how many times it switched."""
-    return {"strategy": planner.Strategy.of(run.auto.spec).name, "switches": len(run.auto.switches)}
+    """What an auto run ended with (its last strategy's name), how many times it switched, and its
+    refinement segments (each with its slowest running row's tokens per iteration)."""
+    return {"strategy": planner.Strategy.of(run.auto.spec).name, "switches": len(run.auto.switches),
+            "segments": run.auto.segments}
 
 
 def share_equal(rows: list, reference: list) -> float:

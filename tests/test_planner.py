@@ -272,6 +272,26 @@ def test_refinement_pools_a_table_entry_with_what_it_observes():
     assert planner.decide(bare, {ngram: slow}, ngram, probe_plain=False)[0] == PLAIN
 
 
+def test_observation_reports_the_slowest_running_row():
+    """A segment's slowest row is the one that gained least among the rows that ran all of it (a row
+    that finished inside the segment is not slower for it); merging weighs segments by iterations."""
+    from jaxspec.decoding.engine import SpecStats
+
+    rng = np.random.default_rng()
+    start = rng.integers(5, 50, size=4)
+    ran = np.array([8, 8, 3, 8])  # row 2 finished after 3 of the segment's 8 iterations
+    gained = np.array([40, 12, 5, 30])
+    before = (start, SpecStats(np.full(4, 2), np.zeros(4, int), np.zeros(4, int), np.zeros((4, 6), int)))
+    after = (start + gained, SpecStats(2 + ran, np.zeros(4, int), gained - ran, np.zeros((4, 6), int)))
+    seen = Observation.between(before, after, seconds=0.5)
+    assert (seen.iterations, seen.tokens, seen.slowest_tokens_per_iteration) == (8, 87, 12 / 8)
+    assert seen.tokens_per_iteration == pytest.approx(87 / 27)
+    merged = seen.merge(Observation(iterations=24, tokens=96, seconds=1.0, tokens_per_iteration=2.0,
+                                    slowest_tokens_per_iteration=1.0))
+    assert merged.slowest_tokens_per_iteration == pytest.approx((1.5 * 8 + 1.0 * 24) / 32)
+    assert merged.tokens_per_iteration == pytest.approx((87 / 27 * 8 + 2.0 * 24) / 32)
+
+
 def test_choice_discounts_a_noisy_table_win():
     """A speculative entry whose median beats plain but whose spread reaches below plain + MARGIN is
     no win (the shipped SmolLM2 table's greedy 1K bucket: ngram 1,086 +- 562 vs plain 778)."""
@@ -313,6 +333,7 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     assert (stats["method"], stats["method_requested"], stats["strategy"]["name"]) == ("ngram", "auto", "ngram g4")
     assert stats["planned"]["strategy"] == "vegas g6 r0.07" and len(stats["segments"]) == 4 and stats["lossless"]
     assert [s["strategy"] for s in stats["segments"]][2] == "vegas g6 r0.07 every 2"
+    assert stats["segments"][1]["slowest_row_tokens_per_iteration"] == 1.0  # plain: a token a row iteration
     assert stats["generated_tokens"] == 2 * new
     assert len(stats["acceptance_by_depth"]) == 6  # padded to vegas' depth
     out = jax.device_get(run.output.stats)

@@ -191,12 +191,15 @@ class Prediction:
 @dataclasses.dataclass(frozen=True)
 class Observation:
     """What a strategy did over refinement segments: loop iterations, tokens committed (all rows),
-    host-synced seconds, and accepted + 1 tokens per row iteration."""
+    host-synced seconds, accepted + 1 tokens per row iteration, and the tokens per iteration of the
+    row that gained least among those running the whole segment (a closed batch lasts as long as its
+    slowest row, which the mean does not show: reported in the segments, not yet used to decide)."""
 
     iterations: int
     tokens: int
     seconds: float
     tokens_per_iteration: float
+    slowest_tokens_per_iteration: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -207,18 +210,25 @@ class Observation:
         return self.seconds / max(self.iterations, 1)
 
     def merge(self, other: Observation) -> Observation:
+        """Both observations as one: sums, and tokens per iteration weighted by iterations."""
         n = self.iterations + other.iterations
-        tpi = (self.tokens_per_iteration * self.iterations + other.tokens_per_iteration * other.iterations) / max(n, 1)
-        return Observation(n, self.tokens + other.tokens, self.seconds + other.seconds, tpi)
+        mean = lambda a, b: None if a is None or b is None else (a * self.iterations + b * other.iterations) / max(n, 1)
+        return Observation(n, self.tokens + other.tokens, self.seconds + other.seconds,
+                           mean(self.tokens_per_iteration, other.tokens_per_iteration),
+                           mean(self.slowest_tokens_per_iteration, other.slowest_tokens_per_iteration))
 
     @classmethod
     def between(cls, before, after, seconds: float) -> Observation:
         """A segment's observation from host copies of (length [B], SpecStats) before and after it."""
         (length0, stats0), (length1, stats1) = before, after
         row_iterations = stats1.iterations - stats0.iterations
+        row_tokens = length1 - length0
         accepted = int((stats1.accepted - stats0.accepted).sum())
         total = max(int(row_iterations.sum()), 1)
-        return cls(int(row_iterations.max()), int((length1 - length0).sum()), seconds, (accepted + total) / total)
+        most = int(row_iterations.max())
+        whole = row_iterations == most  # rows that ran every iteration of the segment
+        slowest = float((row_tokens[whole] / most).min()) if most > 0 else None
+        return cls(most, int(row_tokens.sum()), seconds, (accepted + total) / total, slowest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -650,7 +660,8 @@ class Refinement:
         c = self.current
         self.observations[c] = self.observations[c].merge(seen) if c in self.observations else seen
         self.segments.append({"strategy": c.name, "iterations": seen.iterations, "tokens_per_s": seen.tokens_per_s,
-                              "tokens_per_iteration": seen.tokens_per_iteration, "iteration_s": seen.iteration_s})
+                              "tokens_per_iteration": seen.tokens_per_iteration, "iteration_s": seen.iteration_s,
+                              "slowest_row_tokens_per_iteration": seen.slowest_tokens_per_iteration})
         target, reason = (c, "") if finished or len(self.switches) == MAX_SWITCHES else decide(
             self.plan.candidates, self.observations, c, probe_plain=self.plan.source == "cost-model")
         if target == c:
