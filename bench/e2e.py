@@ -118,25 +118,26 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                     first_rows = first_rows or outputs
                     if repeat == 0:  # an auto row's floors and ideal: its first run's last strategy
                         ran = run.auto.spec if plan else spec
-                spec = ran
-                described = spec.describe() | ({"method": "auto", "planned": plan.describe()} if plan else {})
-                row = {"skipped_layers": len(spec.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
+                described = ran.describe() | ({"method": "auto", "planned": plan.describe()} if plan else {})
+                row = {"skipped_layers": len(ran.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "shrink": "on" if shrink else "off", "runs": runs,
                        **common.median_of_runs(runs)}
-                draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, spec.draft_weights, spec.draft_skip)
-                row |= common.floors(cfg, weight_bytes, spec, batch_size, context, rates, draft_bytes)
+                draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, ran.draft_weights, ran.draft_skip)
+                row |= common.floors(cfg, weight_bytes, ran, batch_size, context, rates, draft_bytes)
                 if spec.method == "plain" and not plan:
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
                 else:
                     if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts
                         row["greedy_rows_equal_plain"] = share_equal(first_rows, plain_rows)
-                    if shrink:
+                    if shrink and not plan:
                         shrunk_rows[spec] = first_rows
-                    elif spec in shrunk_rows:  # the same seed's rows: bf16 near-ties may flip with the batch size
+                    elif spec in shrunk_rows and not plan:  # the same seed's rows: bf16 near-ties may flip with the batch size
                         row["rows_equal_shrunk"] = share_equal(first_rows, shrunk_rows[spec])
                     row["speedup"] = row["decode_tokens_per_s"] / plain_tps
-                    row["ideal_speedup"] = row["tokens_per_iteration"] * row["plain_floor_s"] / row.get("iteration_floor_s", row["plain_floor_s"])
+                    # an auto run that ended on plain: its ideal is plain's (its speculative segments aside)
+                    row["ideal_speedup"] = 1.0 if ran.method == "plain" else (
+                        row["tokens_per_iteration"] * row["plain_floor_s"] / row["iteration_floor_s"])
                     row["of_ideal"] = row["speedup"] / row["ideal_speedup"]
                 rows_out.append(row)
                 save()
@@ -270,6 +271,8 @@ def main():
     if args.plot_from:
         plot([r for f in args.plot_from for r in json.loads(f.read_text())["rows"]], args.out / f"e2e{args.tag}.png")
         return
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.methods = args.methods.split(",")
     args.greedy_methods = args.greedy_methods.split(",")

@@ -78,8 +78,7 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weig
                         for kind in kinds:
                             for every in select_every if method in SCORE_METHODS else (1,):
                                 space.append(Strategy(method, ratio=ratio, precision=precision, group=group,
-                                                      draft_weights=kind, select_every=every if every > 1 else None,
-                                                      **shape))
+                                                      draft_weights=kind, select_every=every, **shape))
     return space
 
 
@@ -172,6 +171,10 @@ def check_args(args) -> None:
         SpecConfig(group=group).validate()
     for every in args.select_every:
         SpecConfig(method="vegas", select_every=every).validate()
+    if len(set(args.select_every)) < len(args.select_every):
+        raise JaxspecError(f"--select-every lists a value twice: {','.join(map(str, args.select_every))}")
+    if args.select_every != (1,) and not set(args.methods) & set(SCORE_METHODS):
+        raise JaxspecError(f"--select-every spaces the selections of {', '.join(SCORE_METHODS)}; --methods has none")
     if args.new < 2 or args.repeats < 1 or min(args.batch) < 1 or min(args.buckets) < 1:
         raise JaxspecError("need --new >= 2, --repeats >= 1 and positive --batch and --buckets")
 

@@ -55,8 +55,11 @@ def test_strategy_json_round_trip_and_spec():
     assert SPACED.name == "vegas g6 r0.07 every 2" and SPACED.spec(SpecConfig()).select_every == 2
     assert Strategy.of(SPACED.spec(SpecConfig())) == SPACED and VEGAS.spec(SpecConfig(select_every=3)).select_every == 1
     assert Strategy.of(SpecConfig(method="vegas", gamma=6, ratio=0.07, select_every=1)) == VEGAS
-    old_entry = {k: v for k, v in VEGAS.to_json().items() if k != "select_every"}
-    assert Strategy.from_json(old_entry) == VEGAS
+    assert Strategy("vegas", gamma=6, ratio=0.07, select_every=1) == VEGAS and hash(Strategy(select_every=1)) == hash(PLAIN)
+    assert "select_every" not in VEGAS.to_json() and SPACED.to_json()["select_every"] == 2  # old readers take the default
+    for bad in (0, 2.0, "2", False, 9):
+        with pytest.raises(JaxspecError, match="select-every"):
+            Strategy.from_json({**VEGAS.to_json(), "select_every": bad})
     with pytest.raises(JaxspecError, match="select-every"):
         Strategy("stream", gamma=6, ratio=0.07, select_every=2).spec(SpecConfig())
     assert FULL_INT8.name == "full g6 int8" and FULL_INT8.spec(SpecConfig()).draft_weights == "int8"
@@ -273,23 +276,26 @@ def test_refinement_pools_a_table_entry_with_what_it_observes():
 
 
 def test_observation_reports_the_slowest_running_row():
-    """A segment's slowest row is the one that gained least among the rows that ran all of it (a row
-    that finished inside the segment is not slower for it); merging weighs segments by iterations."""
+    """A segment's slowest row is the one that accepted least among the rows that ran all of it (a
+    row that finished inside the segment is not slower for it, nor is one whose last tokens its limit
+    cut); merging weighs segments by iterations and skips those without the figure."""
     from jaxspec.decoding.engine import SpecStats
 
-    rng = np.random.default_rng()
-    start = rng.integers(5, 50, size=4)
+    start = np.array([17, 30, 9, 41])
     ran = np.array([8, 8, 3, 8])  # row 2 finished after 3 of the segment's 8 iterations
-    gained = np.array([40, 12, 5, 30])
-    before = (start, SpecStats(np.full(4, 2), np.zeros(4, int), np.zeros(4, int), np.zeros((4, 6), int)))
-    after = (start + gained, SpecStats(2 + ran, np.zeros(4, int), gained - ran, np.zeros((4, 6), int)))
+    accepted = np.array([32, 4, 2, 30])
+    gained = accepted + ran
+    gained[3] -= 30  # row 3 reached its limit in the last iteration: its length was cut, not its drafts
+    before = (start, SpecStats(np.full(4, 2), np.zeros(4, int), np.full(4, 5), np.zeros((4, 6), int)))
+    after = (start + gained, SpecStats(2 + ran, np.zeros(4, int), 5 + accepted, np.zeros((4, 6), int)))
     seen = Observation.between(before, after, seconds=0.5)
-    assert (seen.iterations, seen.tokens, seen.slowest_tokens_per_iteration) == (8, 87, 12 / 8)
-    assert seen.tokens_per_iteration == pytest.approx(87 / 27)
+    assert (seen.iterations, seen.tokens, seen.slowest_tokens_per_iteration) == (8, int(gained.sum()), 12 / 8)
+    assert seen.tokens_per_iteration == pytest.approx((68 + 27) / 27)
     merged = seen.merge(Observation(iterations=24, tokens=96, seconds=1.0, tokens_per_iteration=2.0,
                                     slowest_tokens_per_iteration=1.0))
     assert merged.slowest_tokens_per_iteration == pytest.approx((1.5 * 8 + 1.0 * 24) / 32)
-    assert merged.tokens_per_iteration == pytest.approx((87 / 27 * 8 + 2.0 * 24) / 32)
+    assert merged.tokens_per_iteration == pytest.approx((95 / 27 * 8 + 2.0 * 24) / 32)
+    assert seen.merge(Observation(iterations=4, tokens=4, seconds=0.1, tokens_per_iteration=1.0)).slowest_tokens_per_iteration == 1.5
 
 
 def test_choice_discounts_a_noisy_table_win():
@@ -457,3 +463,7 @@ def test_profile_strategy_space_for_nsa_models():
     spaced = profile.strategy_space(SMOLLM2, ("plain", "vegas", "stream", "ngram"), (4,), [], (0.07,), (8,), ("strict",),
                                     select_every=(1, 2))
     assert [s.name for s in spaced] == ["plain", "vegas g4 r0.07", "vegas g4 r0.07 every 2", "stream g4 r0.07", "ngram g4"]
+    for flags, fragment in ((["--select-every", "2,2"], "twice"), (["--methods", "plain,ngram", "--select-every", "1,2"], "has none"),
+                            (["--select-every", "0"], "between 1")):
+        with pytest.raises(JaxspecError, match=fragment):
+            profile.check_args(profile.parse_args(flags))

@@ -101,6 +101,10 @@ class Strategy:
     draft_weights: str = "exact"
     select_every: int | None = None
 
+    def __post_init__(self):
+        if self.select_every == 1 and not isinstance(self.select_every, bool):  # the default, stored canonically
+            object.__setattr__(self, "select_every", None)
+
     @classmethod
     def of(cls, spec: SpecConfig) -> Strategy:
         plain = spec.method == "plain"
@@ -114,7 +118,7 @@ class Strategy:
             precision=spec.precision,
             group=spec.group,
             draft_weights=spec.draft_weights,
-            select_every=spec.select_every if spec.method in SCORE_METHODS and spec.select_every > 1 else None,
+            select_every=spec.select_every if spec.method in SCORE_METHODS else None,
         )
 
     def spec(self, base: SpecConfig) -> SpecConfig:
@@ -123,7 +127,7 @@ class Strategy:
             base, method=self.method, gamma=base.gamma if self.gamma is None else self.gamma, tree=self.tree,
             traversal=self.traversal or "bfs", ratio=self.ratio if self.ratio is not None else base.ratio,
             precision=self.precision, group=self.group, draft_weights=self.draft_weights,
-            select_every=self.select_every or 1,
+            select_every=1 if self.select_every is None else self.select_every,
         ).validate()
 
     @property
@@ -164,7 +168,10 @@ class Strategy:
         return " ".join(parts)
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "tree": list(self.tree) if self.tree else None}
+        """The fields, without select_every while it is the default (a table stays readable by
+        versions that predate the field)."""
+        fields = {**dataclasses.asdict(self), "tree": list(self.tree) if self.tree else None}
+        return {k: v for k, v in fields.items() if k != "select_every" or v is not None}
 
     @classmethod
     def from_json(cls, d: dict) -> Strategy:
@@ -210,25 +217,28 @@ class Observation:
         return self.seconds / max(self.iterations, 1)
 
     def merge(self, other: Observation) -> Observation:
-        """Both observations as one: sums, and tokens per iteration weighted by iterations."""
+        """Both observations as one: sums, and tokens per iteration weighted by iterations (the
+        slowest row's over the observations that have one)."""
         n = self.iterations + other.iterations
-        mean = lambda a, b: None if a is None or b is None else (a * self.iterations + b * other.iterations) / max(n, 1)
-        return Observation(n, self.tokens + other.tokens, self.seconds + other.seconds,
-                           mean(self.tokens_per_iteration, other.tokens_per_iteration),
-                           mean(self.slowest_tokens_per_iteration, other.slowest_tokens_per_iteration))
+        tpi = (self.tokens_per_iteration * self.iterations + other.tokens_per_iteration * other.iterations) / max(n, 1)
+        known = [(o.slowest_tokens_per_iteration, o.iterations) for o in (self, other)
+                 if o.slowest_tokens_per_iteration is not None]
+        slowest = sum(s * i for s, i in known) / max(sum(i for _, i in known), 1) if known else None
+        return Observation(n, self.tokens + other.tokens, self.seconds + other.seconds, tpi, slowest)
 
     @classmethod
     def between(cls, before, after, seconds: float) -> Observation:
         """A segment's observation from host copies of (length [B], SpecStats) before and after it."""
         (length0, stats0), (length1, stats1) = before, after
         row_iterations = stats1.iterations - stats0.iterations
-        row_tokens = length1 - length0
-        accepted = int((stats1.accepted - stats0.accepted).sum())
+        row_accepted = stats1.accepted - stats0.accepted
         total = max(int(row_iterations.sum()), 1)
         most = int(row_iterations.max())
-        whole = row_iterations == most  # rows that ran every iteration of the segment
-        slowest = float((row_tokens[whole] / most).min()) if most > 0 else None
-        return cls(most, int(row_tokens.sum()), seconds, (accepted + total) / total, slowest)
+        # accepted + 1 an iteration, as the mean counts it (a row's last tokens may be cut at its
+        # limit), over the rows that ran every iteration of the segment
+        whole = row_iterations == most
+        slowest = float(row_accepted[whole].min() + most) / most if most > 0 else None
+        return cls(most, int((length1 - length0).sum()), seconds, (int(row_accepted.sum()) + total) / total, slowest)
 
 
 @dataclasses.dataclass(frozen=True)

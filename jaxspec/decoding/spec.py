@@ -121,8 +121,9 @@ class SpecConfig:
             raise JaxspecError(f"--balance must be between 1 and {MAX_BALANCE:g}, got {self.balance}")
         if self.balance != 1 and self.method not in SPARSE_METHODS:
             raise JaxspecError(f"--balance shares a sparse drafter's budget; {self.method} keeps none")
-        if not 1 <= self.select_every <= MAX_SELECT_EVERY:
-            raise JaxspecError(f"--select-every must be between 1 and {MAX_SELECT_EVERY}, got {self.select_every}")
+        every = self.select_every
+        if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= MAX_SELECT_EVERY:
+            raise JaxspecError(f"--select-every must be an integer between 1 and {MAX_SELECT_EVERY}, got {every!r}")
         if self.select_every != 1 and self.method not in SCORE_METHODS:
             raise JaxspecError(f"--select-every spaces the selections of a score drafter "
                                f"({', '.join(SCORE_METHODS)}); {self.method} selects otherwise")
