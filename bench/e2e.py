@@ -130,7 +130,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 else:
                     if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts
                         row["greedy_rows_equal_plain"] = share_equal(first_rows, plain_rows)
-                    if shrink and not plan:
+                    if shrink and not plan:  # (auto's strategies are its own: no shrunk twin to compare with)
                         shrunk_rows[spec] = first_rows
                     elif spec in shrunk_rows and not plan:  # the same seed's rows: bf16 near-ties may flip with the batch size
                         row["rows_equal_shrunk"] = share_equal(first_rows, shrunk_rows[spec])

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import pallas_kernels as kernels
 from jaxspec import files
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import PRECISIONS, SCORE_METHODS, SPARSE_METHODS, SpecConfig
+from jaxspec.decoding.spec import PRECISIONS, SPARSE_METHODS, SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import draft_weights
 from jaxspec.models.config import ModelConfig
@@ -118,7 +118,7 @@ class Strategy:
             precision=spec.precision,
             group=spec.group,
             draft_weights=spec.draft_weights,
-            select_every=spec.select_every if spec.method in SCORE_METHODS else None,
+            select_every=spec.select_every,  # 1 (stored as None) unless a score method spaces its selections
         )
 
     def spec(self, base: SpecConfig) -> SpecConfig:
