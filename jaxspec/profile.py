@@ -8,7 +8,7 @@ the real decode loop over the strategy space and writes the ranked table that `-
     python -m jaxspec.profile --model smollm2 [--buckets 1024,2048,4096,8000] [--batch 1]
         [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
-        [--draft-weights exact,int8] [--select-every 1,2] [--new 48] [--repeats 3] [--budget SECONDS] [--out FILE]
+        [--draft-weights exact,int8] [--select-every 1,2] [--new 256] [--repeats 3] [--budget SECONDS] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
 setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
@@ -26,7 +26,8 @@ selection capacity for the whole profile, so each strategy compiles once per sam
 buckets and ratios share it. `--budget` stops starting buckets and speculative measurements after
 that many seconds of measuring (a started bucket still measures plain); the table is rewritten
 (atomically) after every cell, so a cut-off run keeps what it measured, and cells already in `--out`
-for other (batch, sampling, bucket, precision) are kept. The default file is the shipped table of
+for other (batch, sampling, bucket, precision) are kept; each cell records how it was measured (new
+tokens, repeats, date, command), since the header describes the latest run only. The default file is the shipped table of
 this model and device kind (`jaxspec/decoding/tables/`), which auto finds. A markdown summary is
 printed last.
 """
@@ -55,6 +56,7 @@ from jaxspec.tune import parse_tree
 
 CALIBRATION_OFFSET = 40  # first jaxspec.corpus document of the calibration prompts
 TASKS = ("continue", "question", "summary")  # row r of a calibration batch asks TASKS[r % 3]
+PROVENANCE = ("new_tokens", "repeats", "date", "command")  # how a cell was measured, kept in the cell
 
 
 def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weights=("exact",),
@@ -138,7 +140,8 @@ def parse_args(argv):
                    help="the model drafters' draft weights to profile, e.g. exact,int8 (one quantized kind)")
     p.add_argument("--select-every", type=ints, default=(1,),
                    help="score methods (vegas, all_rows, last_accepted): select after every N-th verification, e.g. 1,2")
-    p.add_argument("--new", type=int, default=48, help="new tokens per measurement")
+    p.add_argument("--new", type=int, default=256,
+                   help="new tokens per measurement (generate's default run; 48 understates speculation, bench/NOTES.md)")
     p.add_argument("--repeats", type=int, default=3, help="calibration batches per bucket (median and spread)")
     p.add_argument("--budget", type=float, default=None, help="seconds of measuring; no measurement starts after them")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
@@ -218,7 +221,9 @@ def main(argv=None):
     if out.is_file():
         old = planner.load_table(out)
         if old["model"]["fingerprint"] == table["model"]["fingerprint"] and old["device"] == device:
-            table["cells"] = old["cells"]
+            # the header describes this run alone: a kept cell keeps how it was measured (older tables
+            # held that in their header only)
+            table["cells"] = [{**{k: old["profile"].get(k) for k in PROVENANCE}, **cell} for cell in old["cells"]]
     print(f"{len(space)} strategies x {len(args.buckets)} buckets x {len(args.batch)} batch sizes x "
           f"{len(args.samplings)} sampling modes, {args.repeats} calibration batches each; max_len {max_len}", flush=True)
 
@@ -244,10 +249,12 @@ def main(argv=None):
                 prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
                 for precision, rows in entries.items():
                     if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
-                        planner.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens)
+                        planner.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens,
+                                         **{k: profile[k] for k in PROVENANCE})
                         measured.append(table["cells"][-1])
                 if measured:
                     planner.save_table(out, table)
+                del caches  # before the next bucket's prefill: two buckets' caches need not fit at once
     if not measured:
         raise JaxspecError("the budget ran out before the first measurement; nothing written")
     if out_of_time():

@@ -103,6 +103,10 @@ def test_buckets_and_nearest_lookup():
     bucket, predictions = planner.lookup(t, 6, "sample", 70000)  # nearest batch (8), the other sampling mode
     assert bucket == 8192 and predictions[0].tokens_per_s == 808
     assert planner.lookup(t, 32, "greedy", 1000) == (1024, [])  # batch 8 is 4x away: another regime, the cost model's
+    # a prediction's weight is the iterations its cell measured: the cell's own new tokens, else the header's
+    t["cells"][0]["new_tokens"] = 256
+    assert planner.lookup(t, 1, "greedy", 900)[1][0].iterations == 3 * 256
+    assert planner.lookup(t, 1, "greedy", 8000)[1][0].iterations == 3 * 8
 
 
 def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
@@ -443,11 +447,19 @@ def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     assert spaced in [Strategy.from_json(e["strategy"]) for e in t["cells"][0]["ranked"]]  # read back as profiled
     assert all(e["runs"] == 2 and e["tokens_per_s"] > 0 for c in t["cells"] for e in c["ranked"])
     assert "| sampling | batch | bucket |" in capsys.readouterr().out
-    # a budget spent at once keeps the cells already there and adds plain alone for a new bucket
-    profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "6", "--repeats", "1",
+    first = {k: t["cells"][0][k] for k in profile.PROVENANCE}
+    assert first["new_tokens"] == 6 and first["repeats"] == 2 and "--buckets 96" in first["command"]
+    # a budget spent at once keeps the cells already there and adds plain alone for a new bucket; the
+    # kept cell keeps how it was measured, and a cell of a table written before cells recorded it gets
+    # its old header's
+    del t["cells"][0]["repeats"]
+    planner.save_table(out, t)
+    profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "5", "--repeats", "1",
                   "--samplings", "greedy", "--budget", "0.5", "--out", str(out)])
     t = planner.load_table(out)
     assert [c["bucket"] for c in t["cells"]] == [96, 64] and [e["name"] for e in t["cells"][1]["ranked"]] == ["plain"]
+    assert {k: t["cells"][0][k] for k in profile.PROVENANCE} == first
+    assert (t["cells"][1]["new_tokens"], t["cells"][1]["repeats"], t["profile"]["new_tokens"]) == (5, 1, 5)
 
 
 def test_profile_strategy_space_for_nsa_models():

@@ -398,15 +398,15 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     cells = [c for c in cells if c["batch"] == b]
     bucket = bucket_of(context)
     bucket = nearest(bucket, {c["bucket"] for c in cells})
-    entries = [e for c in cells if c["bucket"] == bucket for e in c["ranked"]
+    entries = [(c, e) for c in cells if c["bucket"] == bucket for e in c["ranked"]
                if not (e["strategy"]["method"] == "ngram" and prompt_tokens is not None
                        and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0))]
-    new_tokens = table["profile"].get("new_tokens", 0)
+    new_tokens = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
     predictions = [
         Prediction(Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
                    float(e["iteration_s"]), float(e.get("spread_tokens_per_s", 0.0)),
-                   e.get("runs", 0) * new_tokens / float(e["tokens_per_iteration"]))
-        for e in entries
+                   e.get("runs", 0) * new_tokens(c) / float(e["tokens_per_iteration"]))
+        for c, e in entries
     ]
     return bucket, sorted(predictions, key=lambda p: -p.tokens_per_s)
 
