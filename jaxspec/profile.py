@@ -15,7 +15,8 @@ setting), batch size and context bucket: `--repeats` calibration batches of real
 documents from CALIBRATION_OFFSET on, which bench/planner.py's held-out prompts never reach; a
 different document per row; chat template), each about bucket - new tokens long so the run ends
 inside the bucket, prefilled once; then plain and every strategy of the space decode `--new` tokens
-from each (seed = repeat), and the entry is the median decode tokens/s over them with its spread.
+from a copy of its cache (seed = repeat), and the entry is the median decode tokens/s over the batches
+with its spread. One batch's cache is held at a time (it and a copy: 128 rows x 8K fit an H100).
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
 draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods).
 NSA models: the same x verification group x precision class (classes other than strict only when
@@ -23,8 +24,10 @@ listed, reuse ones only with a calibrated refresh schedule); each class gets its
 
 Compiles: one max_len (the largest bucket's prompts + new tokens), one padded prompt width and one
 selection capacity for the whole profile, so each strategy compiles once per sampling mode and the
-buckets and ratios share it. `--budget` stops starting buckets and speculative measurements after
-that many seconds of measuring (a started bucket still measures plain); the table is rewritten
+buckets and ratios share it. `--budget` stops starting buckets, a bucket's later calibration batches
+and its first batch's speculative measurements after that many seconds of measuring (a started bucket
+still measures plain; a later batch runs every strategy the first ran, so entries share their batches);
+the table is rewritten
 (atomically) after every cell, so a cut-off run keeps what it measured, and cells already in `--out`
 for other (batch, sampling, bucket, precision) are kept; each cell records how it was measured (new
 tokens, repeats, date, command), since the header describes the latest run only. The default file is the shipped table of
@@ -101,21 +104,23 @@ def padded(batch: Batch, width: int) -> Batch:
     return Batch(np.pad(batch.ids, ((0, 0), (0, width - batch.ids.shape[1]))), batch.lengths)
 
 
-def measure(params, cfg, batches, caches, spec: SpecConfig, sampling, max_len: int, new: int) -> dict:
-    """One table entry: decode `new` tokens from every calibration batch (seed = its index), the
-    median tokens/s, its spread, and medians of tokens per iteration and iteration time."""
-    rows, compile_s = [], 0.0
-    for seed, (batch, cache) in enumerate(zip(batches, caches)):
-        run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len, max_new_tokens=new,
-                             stop_ids=(), seed=seed, cache=jax.tree.map(jnp.copy, cache))
-        stats = summarize(run, batch, spec)
-        loops = max(int(np.max(jax.device_get(run.output.stats.iterations))), 1)
-        rows.append((stats["decode_tokens_per_s"], stats["tokens_per_iteration"], run.decode_s / loops))
-        compile_s += run.compile_s
-    tps, tpi, its = zip(*rows)
+def run_once(params, cfg, batch: Batch, cache, spec: SpecConfig, sampling, max_len: int, new: int, seed: int) -> tuple:
+    """(decode tokens/s, tokens per iteration, iteration seconds, compile seconds) of one strategy
+    decoding `new` tokens from a copy of a calibration batch's prefilled cache."""
+    run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len, max_new_tokens=new,
+                         stop_ids=(), seed=seed, cache=jax.tree.map(jnp.copy, cache))
+    stats = summarize(run, batch, spec)
+    loops = max(int(np.max(jax.device_get(run.output.stats.iterations))), 1)
+    return stats["decode_tokens_per_s"], stats["tokens_per_iteration"], run.decode_s / loops, run.compile_s
+
+
+def entry(runs: list[tuple]) -> dict:
+    """One table entry from a strategy's runs (one per calibration batch): the median tokens/s, its
+    spread, and medians of tokens per iteration and iteration time."""
+    tps, tpi, its, compile_s = zip(*runs)
     return {"tokens_per_s": statistics.median(tps), "spread_tokens_per_s": max(tps) - min(tps),
-            "tokens_per_iteration": statistics.median(tpi), "iteration_s": statistics.median(its), "runs": len(rows),
-            "compile_s": compile_s}
+            "tokens_per_iteration": statistics.median(tpi), "iteration_s": statistics.median(its), "runs": len(runs),
+            "compile_s": sum(compile_s)}
 
 
 def parse_args(argv):
@@ -236,16 +241,25 @@ def main(argv=None):
                     break
                 batches = [padded(prompts[b, bucket, r], width) for r in range(args.repeats)]
                 prefill = prefill_fn(cfg, max_len, args.backend, base.prefill_chunk)
-                caches = [prefill(params, jnp.asarray(x.ids), jnp.asarray(x.lengths)) for x in batches]
-                entries = {p: [] for p in precisions}
-                for strategy in space:
-                    if out_of_time() and not strategy.plain:  # a started bucket gets its plain entries
+                runs = {}  # strategy: its runs, one per calibration batch so far
+                for seed, x in enumerate(batches):  # one batch's cache at a time: held, and copied per run
+                    if seed and out_of_time():  # later batches run every strategy of the first, or none
                         break
-                    row = measure(params, cfg, batches, caches, strategy.spec(base), samplings[mode], max_len, args.new)
+                    cache = prefill(params, jnp.asarray(x.ids), jnp.asarray(x.lengths))
+                    for strategy in space if seed == 0 else list(runs):
+                        if seed == 0 and out_of_time() and not strategy.plain:  # a started bucket gets plain
+                            break
+                        runs.setdefault(strategy, []).append(run_once(params, cfg, x, cache, strategy.spec(base),
+                                                                      samplings[mode], max_len, args.new, seed))
+                    del cache
+                entries = {p: [] for p in precisions}
+                for strategy, rows in runs.items():
+                    row = entry(rows)
                     entries[strategy.precision].append({"strategy": strategy.to_json(), "name": strategy.name, **row})
                     print(f"{mode} B={b} bucket {bucket}: {strategy.name}: {row['tokens_per_s']:.1f} tok/s "
-                          f"(spread {row['spread_tokens_per_s']:.1f}), {row['tokens_per_iteration']:.2f} tokens/iteration, "
-                          f"iteration {row['iteration_s'] * 1e3:.2f} ms", flush=True)
+                          f"(spread {row['spread_tokens_per_s']:.1f}, {row['runs']} runs), "
+                          f"{row['tokens_per_iteration']:.2f} tokens/iteration, iteration {row['iteration_s'] * 1e3:.2f} ms",
+                          flush=True)
                 prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
                 for precision, rows in entries.items():
                     if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
@@ -254,7 +268,6 @@ def main(argv=None):
                         measured.append(table["cells"][-1])
                 if measured:
                     planner.save_table(out, table)
-                del caches  # before the next bucket's prefill: two buckets' caches need not fit at once
     if not measured:
         raise JaxspecError("the budget ran out before the first measurement; nothing written")
     if out_of_time():

@@ -462,6 +462,31 @@ def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     assert (t["cells"][1]["new_tokens"], t["cells"][1]["repeats"], t["profile"]["new_tokens"]) == (5, 1, 5)
 
 
+def test_profile_runs_each_calibration_batch_in_turn(hf_checkpoints, tmp_path, monkeypatch):
+    """One batch's cache at a time: a budget spent during the first batch still gives every strategy
+    it measured the same runs, and a later batch is started only in time (a clock that ticks a second
+    a reading: the start, the bucket's check, one check per strategy of the first batch, then the
+    second batch's)."""
+    prefills, real = [], profile.prefill_fn
+
+    def counting(*args):
+        fn = real(*args)
+        return lambda *a: prefills.append(1) or fn(*a)
+
+    monkeypatch.setattr(profile, "prefill_fn", counting)
+    flags = ["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "4", "--repeats", "2",
+             "--samplings", "greedy", "--methods", "plain,vegas", "--gammas", "2", "--trees", "--ratios", "0.5"]
+    for budget, runs in ((3.5, 1), (10.5, 2)):  # 2 strategies: the second batch's check reads 4 s
+        clock = iter(range(100))
+        monkeypatch.setattr(profile, "time", type("Clock", (), {"monotonic": staticmethod(lambda: next(clock))}))
+        prefills.clear()
+        out = tmp_path / f"budget{budget}.json"
+        profile.main(flags + ["--budget", str(budget), "--out", str(out)])
+        ranked = planner.load_table(out)["cells"][0]["ranked"]
+        assert sorted(e["name"] for e in ranked) == ["plain", "vegas g2 r0.5"]
+        assert [e["runs"] for e in ranked] == [runs, runs] and len(prefills) == runs
+
+
 def test_profile_strategy_space_for_nsa_models():
     nsa = SMOLLM2.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
     tree = profile.parse_tree("3,2,1")
