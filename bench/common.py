@@ -9,10 +9,8 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -22,7 +20,7 @@ import numpy as np
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
 # The step floor (DESIGN.md section 6) is the planner's cost-model base; benchmarks use the same one.
-from jaxspec.decoding.planner import kv_bytes_read, layer_attention_bytes, step_floor_s, tree_bytes  # noqa: F401
+from jaxspec.decoding.planner import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
 from jaxspec.models.kvcache import KVCache, cache_shape
 from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
@@ -50,21 +48,6 @@ SMOLLM2 = ModelConfig(
     intermediate_size=1536, rms_norm_eps=1e-5, rope=RopeConfig(theta=1e5), max_position_embeddings=8192,
     tie_word_embeddings=True, dtype="bfloat16",
 )
-
-
-def seconds_per_call(f, *args, min_run_s: float = 0.05) -> float:
-    """Median over 3 runs of back-to-back asynchronous calls, each run at least `min_run_s` long."""
-    jax.block_until_ready(f(*args))
-
-    def run(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n
-
-    n = max(1, min(1000, math.ceil(min_run_s / run(1))))
-    return statistics.median(run(n) for _ in range(3))
 
 
 def measure_rates(tiny: bool = False) -> dict:

@@ -25,14 +25,13 @@ listed, reuse ones only with a calibrated refresh schedule); each class gets its
 Compiles: one max_len (the largest bucket's prompts + new tokens), one padded prompt width and one
 selection capacity for the whole profile, so each strategy compiles once per sampling mode and the
 buckets and ratios share it. `--budget` stops starting buckets, a bucket's later calibration batches
-and its first batch's speculative measurements after that many seconds of measuring (a started bucket
-still measures plain; a later batch runs every strategy the first ran, so entries share their batches);
-the table is rewritten
-(atomically) after every cell, so a cut-off run keeps what it measured, and cells already in `--out`
-for other (batch, sampling, bucket, precision) are kept; each cell records how it was measured (new
-tokens, repeats, date, command), since the header describes the latest run only. The default file is the shipped table of
-this model and device kind (`jaxspec/decoding/tables/`), which auto finds. A markdown summary is
-printed last.
+and its first batch's speculative measurements after that many seconds of measuring (a started
+bucket still measures plain; a later batch runs every strategy the first ran, so entries share their
+batches); the table is rewritten (atomically) after every cell, so a cut-off run keeps what it
+measured, and cells already in `--out` for other (batch, sampling, bucket, precision) are kept; each
+cell records how it was measured (new tokens, repeats, date, command), since the header describes
+the latest run only. The default file is the shipped table of this model and device kind
+(`jaxspec/decoding/tables/`), which auto finds. A markdown summary is printed last.
 """
 
 from __future__ import annotations

@@ -109,6 +109,19 @@ def test_buckets_and_nearest_lookup():
     assert planner.lookup(t, 1, "greedy", 8000)[1][0].iterations == 3 * 8
 
 
+def test_bandwidth_is_timed_over_back_to_back_calls(monkeypatch):
+    """The cost model's bandwidth: calls chained with one host sync a timed run (one call timed with
+    its sync read half the H100's bandwidth), positive and finite."""
+    calls, syncs, real = [], [], jax.block_until_ready
+    f = jax.jit(lambda x: x + 1)
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: syncs.append(1) or real(x))
+    seconds = planner.seconds_per_call(lambda x: calls.append(1) or f(x), jnp.ones((1 << 16,)), min_run_s=0.2)
+    assert seconds > 0 and len(syncs) == 5 and len(calls) > 2 * len(syncs)  # warm-up, a probe, 3 timed runs
+    monkeypatch.undo()
+    planner.measure_bandwidth.cache_clear()
+    assert 0 < planner.measure_bandwidth() < float("inf")
+
+
 def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
     path = tmp_path / "t.json"
     planner.save_table(path, table())

@@ -450,21 +450,31 @@ def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, 
     return (weight_bytes + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
 
 
+def seconds_per_call(f, *args, min_run_s: float = 0.05) -> float:
+    """Median over 3 runs of back-to-back asynchronous calls, each run at least `min_run_s` long: one
+    host sync a run, so short device work is not timed together with the sync."""
+    jax.block_until_ready(f(*args))
+
+    def run(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    n = max(1, min(1000, math.ceil(min_run_s / run(1))))
+    return statistics.median(run(n) for _ in range(3))
+
+
 @functools.cache
 def measure_bandwidth() -> float:
-    """Copy bandwidth in GB/s (bytes read + written, as bench/common.measure_rates counts it): the
-    median of 5 jitted x + 1 over 256 MiB of float32 on an accelerator (past any L2), 16 MiB on the
-    CPU. Measured once per process (well under a second)."""
+    """Copy bandwidth in GB/s (bytes read + written, as bench/common.measure_rates counts it): a
+    jitted x + 1 over 256 MiB of float32 on an accelerator (past any L2), 16 MiB on the CPU, timed
+    back to back (`seconds_per_call`; one call timed with its sync read half the H100's 2,984 GB/s,
+    bench/NOTES.md). Measured once per process (well under a second)."""
     n = (1 << 26) if jax.default_backend() != "cpu" else (1 << 22)
     x = jnp.ones((n,), jnp.float32)
-    add = jax.jit(lambda x: x + 1)
-    jax.block_until_ready(add(x))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(add(x))
-        times.append(time.perf_counter() - start)
-    return 2 * x.nbytes / statistics.median(times) / 1e9
+    return 2 * x.nbytes / seconds_per_call(jax.jit(lambda x: x + 1), x) / 1e9
 
 
 def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
