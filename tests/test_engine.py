@@ -133,8 +133,9 @@ def with_draft(case, spec: SpecConfig, weights: str, skip=()):
 
 
 @pytest.mark.parametrize("spec, weights, skip, least", [
-    (SpecConfig(method="vegas", gamma=6), "int8", (), 0.5),
-    # int4 on the real model with the slow tests (the default run's 20 minutes); on the random Qwen3 below
+    # int4, and vegas's int8 chain (quest's and full's int8 trees run here, vegas's int8 on the random
+    # Qwen3 below), on the real model with the slow tests (the default run's 20 minutes)
+    pytest.param(SpecConfig(method="vegas", gamma=6), "int8", (), 0.5, marks=pytest.mark.slow),
     pytest.param(SpecConfig(method="stream", gamma=4), "int4", (), 0.3, marks=pytest.mark.slow),
     (SpecConfig(method="quest", tree=(3, 2, 1)), "int8", (), 0.5),
     pytest.param(SpecConfig(method="full", gamma=4), "int4", (), 0.3, marks=pytest.mark.slow),
@@ -213,7 +214,9 @@ def test_chain_is_the_width_one_tree(smollm2_batch):
     jax.tree.map(np.testing.assert_array_equal, stats_a, stats_b)
 
 
-@pytest.mark.parametrize("method", ["vegas", "all_rows", "last_accepted", "stream", "quest"])
+@pytest.mark.parametrize("method", [  # all_rows and last_accepted select through vegas's path: slow tests
+    "vegas", pytest.param("all_rows", marks=pytest.mark.slow), pytest.param("last_accepted", marks=pytest.mark.slow),
+    "stream", "quest"])
 def test_dense_budget_accepts_every_draft(qwen3_case, method):
     """A budget covering the whole context makes the draft the target itself: all drafts accepted,
     and with a tree the greedy path runs through first children (top-1 drafts) to full depth."""
