@@ -16,7 +16,8 @@ documents from CALIBRATION_OFFSET on, which bench/planner.py's held-out prompts 
 different document per row; chat template), each about bucket - new tokens long so the run ends
 inside the bucket, prefilled once; then plain and every strategy of the space decode `--new` tokens
 from a copy of its cache (seed = repeat), and the entry is the median decode tokens/s over the batches
-with its spread. One batch's cache is held at a time (it and a copy: 128 rows x 8K fit an H100).
+with its spread. One batch's cache is held at a time, with a copy per run (3 repeats at 128 rows x
+8K ran on an H100 with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95).
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
 draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods).
 NSA models: the same x verification group x precision class (classes other than strict only when
