@@ -181,7 +181,7 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
          shrink) -> Run:
     B = len(batch.lengths)
     scheduler = Scheduler(params, cfg, None, spec, slots=B, max_len=max_len, stop_ids=tuple(stop_ids), sampling=sampling,
-                          plan=plan, queue_limit=0, segment=PROGRESS_SEGMENT if progress else None, admit_rows=None,
+                          plan=plan, queue_limit=0, segment=PROGRESS_SEGMENT if progress else None, static=True,
                           mesh=mesh, shrink=shrink)
     seeds = np.random.SeedSequence(seed % (1 << 32)).generate_state(B)
     last, generated = {}, np.zeros((B,), np.int64)

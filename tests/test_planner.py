@@ -135,6 +135,14 @@ def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
     assert planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path).first == VEGAS
     with pytest.raises(JaxspecError, match="is for model"):
         planner.make_plan(QWEN3_8B, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path)
+    # the best chain ngram entry is kept (for replays) beyond the CANDIDATES best; an ngram tree is not
+    faster = [entry(Strategy("vegas", gamma=g, ratio=0.07), 1300 + g, 5) for g in (2, 3, 4, 5)]
+    ngram_tree = Strategy("ngram", tree=(2, 1))
+    planner.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), *faster, entry(ngram_tree, 1000, 2),
+                                                                          entry(NGRAM, 950, 2)])]))
+    kept = [c.strategy for c in planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256,
+                                                  sampling=SamplingConfig(), table=path).candidates]
+    assert [s.gamma for s in kept if s.method == "vegas"] == [5, 4, 3] and NGRAM in kept and ngram_tree not in kept
 
 
 def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):
@@ -315,6 +323,41 @@ def test_observation_reports_the_slowest_running_row():
     assert seen.merge(Observation(iterations=4, tokens=4, seconds=0.1, tokens_per_iteration=1.0)).slowest_tokens_per_iteration == 1.5
 
 
+def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
+    """Settled on vegas, the refinement watches ngram through replays of each window: a window whose
+    text ngram would copy 5 tokens an iteration switches to it (a closed batch only if its slowest row
+    copies too); once running, ngram is judged by its latest window, and one that copies nothing
+    switches back to vegas."""
+    ngram = Strategy("ngram", gamma=6)
+    candidates = (Prediction(VEGAS, 1200, 5.0, 8 * 5.0 / 1200, 50, iterations=29),
+                  Prediction(PLAIN, 900, 1.0, 8 / 900, 5, iterations=144),
+                  Prediction(ngram, 800, 2.0, 8 * 2.0 / 800, 100, iterations=40))
+    plan = planner.Plan(candidates, VEGAS, "table:t.json", 8192)
+    window = lambda tpi, slowest=None, n=64, step=8 * 5.0 / 1200: Observation(n, round(8 * n * tpi), n * step, tpi, slowest)
+    looping = Observation.replayed(np.array([60, 60, 58, 0]), np.array([12, 12, 12, 0]), np.array([True, True, True, False]))
+    assert (looping.tokens_per_iteration, looping.slowest_tokens_per_iteration) == (178 / 36, 58 / 12)
+    for closed, slowest_row_copies in ((False, False), (True, True), (True, False)):
+        r = planner.Refinement.of(plan, closed=closed)
+        assert r.observe(window(5.0, n=8), finished=False, replays={ngram: window(1.5, n=8, step=0)}) is None
+        assert not r.active and r.watching and r.replayed == (ngram,)
+        replay = looping if slowest_row_copies else dataclasses.replace(looping, slowest_tokens_per_iteration=1.0)
+        switched = r.watch(window(5.0, 4.6), finished=False, replays={ngram: replay})
+        if closed and not slowest_row_copies:
+            assert switched is None and r.current == VEGAS
+            continue
+        assert switched == ngram and "replayed" in r.switches[-1]["reason"]
+        judged = replay.slowest_tokens_per_iteration if closed else replay.tokens_per_iteration
+        assert r.watching and r.replayed == () and r.segments[-1]["replayed_tokens_per_iteration"] == {ngram.name: judged}
+        # ngram's own window at 4.9 tokens an iteration: it stays (the next window twice as long);
+        # copying nothing: back to vegas (windows of WATCH again)
+        assert r.window == planner.WATCH and r.watch(window(4.9, 4.8, step=8 * 2.0 / 800), finished=False) is None
+        assert r.window == 2 * planner.WATCH
+        assert r.watch(window(1.0, 1.0, step=8 * 2.0 / 800), finished=False) == VEGAS and r.window == planner.WATCH
+    # the switch limit ends the watch
+    r.switches += [{}] * (planner.MAX_SWITCHES - len(r.switches))
+    assert not r.watching
+
+
 def test_choice_discounts_a_noisy_table_win():
     """A speculative entry whose median beats plain but whose spread reaches below plain + MARGIN is
     no win (the shipped SmolLM2 table's greedy 1K bucket: ngram 1,086 +- 562 vs plain 778)."""
@@ -361,11 +404,55 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     assert len(stats["acceptance_by_depth"]) == 6  # padded to vegas' depth
     out = jax.device_get(run.output.stats)
     assert out.iterations.max() > 24 and (out.accepted <= out.drafted).all()
-    # a table's plain choice runs straight to the end, as plain decoding does: no segments, no switch
-    plain_plan = planner.Plan(candidates, PLAIN, "table:t.json", 1024)
-    run = run_generation(params, cfg, batch, plan=plain_plan, spec=SpecConfig(), **common)
+    # a table's plain choice runs straight to the end, as plain decoding does: no segments, no
+    # switch; with an ngram candidate it only watches it, in windows of WATCH, then 2 WATCH iterations
+    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
+    for plain_plan, windows in ((planner.Plan(candidates[:3], PLAIN, "table:t.json", 1024), 0),
+                                (planner.Plan(candidates, PLAIN, "table:t.json", 1024), 2)):  # 64 + 128 of 279 iterations
+        run = run_generation(params, cfg, batch, plan=plain_plan, spec=SpecConfig(), **common)
+        assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
+        assert [s["watch"] for s in run.auto.segments] == [True] * windows and run.auto.switches == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.05])
+def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperature):
+    """Replaying ngram over the tokens an ngram run committed takes that run's iterations, row by
+    row, greedy and sampled (a one-hot draft is accepted iff the target's draw equals it); over the
+    same text another gamma takes other counts."""
+    from jaxspec.decoding.drafters import make_drafter
+
+    cfg, params, batch = tiny
+    spec, max_len = SpecConfig(method="ngram", gamma=4), 128
+    run = run_generation(params, cfg, batch, spec=spec, sampling=SamplingConfig(temperature=temperature), max_len=max_len,
+                         max_new_tokens=90, stop_ids=(), seed=3)
+    out = jax.device_get(run.output)
+    assert (out.stats.accepted > 10).all()  # drafts accepted: matches to find
+    start, end, tokens = jnp.asarray(out.prompt_len + 1), jnp.asarray(out.length), jnp.asarray(out.tokens)  # token 1: prefill's
+    width = int((end - start).max()) + 5  # not a multiple of the replay's chunk: its last chunk is partial
+    replay = lambda s: np.asarray(jax.jit(make_drafter(s, cfg, max_len).replay, static_argnums=3)(tokens, start, end, width))
+    np.testing.assert_array_equal(replay(spec), out.stats.iterations)
+    assert (replay(dataclasses.replace(spec, gamma=2)) > out.stats.iterations).any()
+
+
+def test_auto_run_replays_ngram_and_stays_lossless(tiny, monkeypatch):
+    """A greedy auto run that starts on vegas replays ngram over the text it commits (which repeats
+    itself on this model), switches to it on the replay, watches it in windows of WATCH or more once settled,
+    and emits plain decoding's tokens whatever it switches to."""
+    cfg, params, batch = tiny
+    common = dict(sampling=SamplingConfig(), max_len=320, max_new_tokens=280, stop_ids=())
+    reference = run_generation(params, cfg, batch, spec=SpecConfig(), **common)
+    monkeypatch.setattr(planner, "WATCH", 16)
+    vegas = Strategy("vegas", gamma=4, ratio=0.07)
+    # ngram's iteration predicted 10x cheaper than vegas's: it wins once its replay copies anything
+    candidates = (Prediction(vegas, 100.0, 1.1, 0.022), Prediction(PLAIN, 90.0, 1.0, 0.022),
+                  Prediction(NGRAM, 909.0, 1.0, 0.0022))
+    run = run_generation(params, cfg, batch, plan=planner.Plan(candidates, vegas, "test", 1024), spec=SpecConfig(), **common)
     assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
-    assert run.auto.segments == [] and run.auto.switches == []
+    first = run.auto.switches[0]
+    assert (first["from"], first["to"]) == ("vegas g4 r0.07", "ngram g4") and "replayed" in first["reason"]
+    assert run.auto.segments[0]["replayed_tokens_per_iteration"]["ngram g4"] > 1
+    watched = [s for s in run.auto.segments if s["watch"]]
+    assert watched and all(s["iterations"] >= 16 for s in watched)
 
 
 def test_switch_under_sampling_keeps_shapes(tiny):

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxspec.decoding import engine, planner
+from jaxspec.decoding.drafters import make_drafter
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
@@ -144,7 +145,7 @@ class Scheduler:
         if slots < 1:
             raise JaxspecError(f"--slots must be at least 1, got {slots}")
         self.params, self.cfg, self.tokenizer, self.base = params, cfg, tokenizer, spec.validate()
-        self.refinement = planner.Refinement.of(plan) if plan else None
+        self.refinement = planner.Refinement.of(plan, closed=static) if plan else None
         self.spec = plan.first.spec(self.base) if plan else self.base  # the strategy running now
         self.slots, self.max_len, self.queue_limit, self.segment = slots, max_len, queue_limit, segment
         self.admit_rows = slots if static or admit_rows is None else admit_rows
@@ -166,6 +167,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._state: engine.DecodeState | None = None  # made by the first admission
         self._last = None  # (length, stats) host copies at the latest report, for refinement
+        self._watch_from = None  # (report, start time) where a settled refinement's watch window began
 
     # --- called from any thread ---------------------------------------------------------------------
 
@@ -400,7 +402,7 @@ class Scheduler:
             if self._state is None:
                 self._state = self._free_state()
             self._state = self._call("admit", self.params, self._state, *args, cache, shape=(n, width, cache is not None))
-        now = time.perf_counter()
+        now, self._watch_from = time.perf_counter(), None  # admitted rows restart their stats: a watch window starts after them
         for h, slot in zip(group, slots):
             h.slot, h.admitted = slot, now
             h.text = TextStream(self.tokenizer, h.request.stop) if self.tokenizer else None
@@ -430,21 +432,51 @@ class Scheduler:
         """Decodes a segment (`segment` iterations; planner.SEGMENT while refining), hands out its
         tokens, and lets the refinement switch strategy."""
         refining = self.refinement is not None and self.refinement.active
-        iterations = planner.SEGMENT if refining else self.segment
-        if refining and self.refinement.current not in self.refinement.observations:  # a strategy's first segment
+        watching = self.refinement is not None and self.refinement.watching
+        iterations = planner.SEGMENT if refining else self.refinement.window if watching and self.segment is None else self.segment
+        if (refining or watching) and self.refinement.current not in self.refinement.observations:  # a strategy's first segment
             self._state = self._call("decode", self.params, self._state, jnp.int32(0), jnp.int32(0))  # loads the program: not observed
+            self._watch_from = None
         before, start = self._last, time.perf_counter()
+        if watching and self._watch_from is None:
+            self._watch_from = (before, start)
         limit = np.iinfo(np.int32).max if iterations is None else iterations
         most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
         floor = most if len(self._running) > most else 0
         self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
         seconds = self._deliver(start)
+        target = None
         if refining:
-            target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running)
-            if target is not None:
-                self._switch(target)
+            target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running,
+                                             self._replays(before))
+        elif watching and self._last[1].iterations.max() - self._watch_from[0][1].iterations.max() >= self.refinement.window:
+            (since, began), self._watch_from = self._watch_from, None
+            seen = planner.Observation.between(since, self._last, time.perf_counter() - began)
+            target = self.refinement.watch(seen, not self._running, self._replays(since))
+        if target is not None:
+            self._switch(target)
         if self._may_shrink() and 0 < len(self._running) <= self.rows // SHRINK_FACTOR:
             self._shrink()
+
+    def _replays(self, since) -> dict:
+        """{Strategy: Observation.replayed} of the refinement's replayed strategies over the tokens
+        committed since the report `since`, by the rows that ran the whole window."""
+        whole = planner.whole_rows(since, self._last)
+        end = self._last[0]
+        start = np.where(whole, since[0], end)
+        replays = {}
+        width = next_pow2(max(int((end - start).max()), 1))  # compiled per power of two
+        for strategy in self.refinement.replayed:
+            key = ("replay", strategy, self._state.tokens.shape, width)  # tokens' width follows the running depth
+            if key not in self._executables:
+                drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
+                began = time.perf_counter()
+                replay = jax.jit(functools.partial(drafter.replay, width=width))
+                self._executables[key] = replay.lower(self._state.tokens, start, end).compile()
+                self.compile_s += time.perf_counter() - began
+            iterations = np.asarray(self._executables[key](self._state.tokens, start, end))
+            replays[strategy] = planner.Observation.replayed(end - start, iterations, whole)
+        return replays
 
     def _may_shrink(self) -> bool:
         return (self.shrink and not self._waiting and self._staged is None
@@ -462,6 +494,7 @@ class Scheduler:
         if not self._fits(take):
             return
         self._state = take(self.params, self._state, order)
+        self._watch_from = None  # a watch window's rows are those of one state
         self._running = {row: self._running[slot] for row, slot in enumerate(running)}
         for row, h in self._running.items():
             h.slot = row
@@ -483,10 +516,10 @@ class Scheduler:
         """Back to `slots` rows for waiting requests: the running rows keep their row numbers in a
         fresh state of free rows (with none running, the next admission makes the state)."""
         if not self._running:
-            self._state, self.rows = None, self.slots
+            self._state, self.rows, self._watch_from = None, self.slots, None
             return
         self._state = self._call("place", self._free_state(), self._state, shape=(self.rows,), rows=self.slots)
-        self.rows = self.slots
+        self.rows, self._watch_from = self.slots, None
 
     def _switch(self, target: planner.Strategy) -> None:
         """Every slot continues under `target` (`engine.switch`: exact); the slots' stats so far move
@@ -495,7 +528,7 @@ class Scheduler:
         for slot, h in self._running.items():
             h.before_switch = _add_row_stats(h.before_switch, _row_stats(stats, slot))
         old = self.spec
-        self.spec = target.spec(self.base)
+        self.spec, self._watch_from = target.spec(self.base), None  # the switch zeroes the stats a window counts from
         start = time.perf_counter()
         with warnings.catch_warnings():  # the old tokens buffer is donated but has the old width: expected
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")

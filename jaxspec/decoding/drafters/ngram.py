@@ -20,6 +20,7 @@ from jaxspec.decoding.drafters.base import Drafter
 from jaxspec.decoding.tree import TreeShape
 
 MAX_MATCHES = 16
+REPLAY_CHUNK = 32  # window positions proposed together by `replay` ([chunk, B, N] match tensors a pass)
 
 
 class Ngram(Drafter):
@@ -51,6 +52,36 @@ class Ngram(Drafter):
                     taken |= same
                     out = out.at[:, kid].set(token)
         return out
+
+    def replay(self, tokens: jax.Array, start: jax.Array, end: jax.Array, width: int) -> jax.Array:
+        """Iterations [B] this chain (gamma = spec.gamma) would have taken to commit each row's
+        tokens from `start` to `end` [B] (end - start <= `width`, static) of `tokens` [B, N],
+        committed by any lossless run, without running the model. Why it is exact in distribution: a
+        one-hot draft x is accepted iff the target's own draw equals x (accepted with probability
+        p(x); on rejection the residual is p without x), so verifying drafts against text the target
+        drew is verifying them against fresh draws; the planner watches ngram this way while another
+        strategy runs. The proposals at every position of the window are made at once (REPLAY_CHUNK
+        positions a pass), then a walk over the window counts the iterations."""
+        gamma = self.spec.gamma
+        tree = TreeShape.chain(gamma)
+        chunk = min(width, REPLAY_CHUNK)
+        positions = start[:, None] + jnp.arange(-(-width // chunk) * chunk, dtype=jnp.int32)  # [B, W]: a row's length
+        propose = jax.vmap(lambda length: self.propose(tokens, length, tree)[:, 1:], in_axes=1, out_axes=1)
+        B, W = positions.shape
+        drafts = jax.lax.map(propose, positions.reshape(B, W // chunk, chunk).transpose(1, 0, 2))  # [W / c, B, c, gamma]
+        drafts = drafts.transpose(1, 0, 2, 3).reshape(B, W, gamma)
+        cols = positions[:, :, None] + jnp.arange(gamma, dtype=jnp.int32)  # the tokens the drafts stand for
+        target = jnp.take_along_axis(tokens, jnp.minimum(cols, tokens.shape[1] - 1).reshape(B, -1), axis=1).reshape(cols.shape)
+        accepted = jnp.cumprod((drafts == target) & (cols < end[:, None, None]), axis=2).sum(axis=2)  # [B, W]
+
+        def step(carry):
+            length, iterations = carry
+            running = length < end
+            at = jnp.take_along_axis(accepted, jnp.clip(length - start, 0, W - 1)[:, None], axis=1)[:, 0]
+            return jnp.where(running, jnp.minimum(length + at + 1, end), length), iterations + running
+
+        _, iterations = jax.lax.while_loop(lambda c: jnp.any(c[0] < end), step, (start, jnp.zeros_like(start)))
+        return iterations
 
     def continuations(self, tokens, length, num_matches: int, depth: int):
         """The best `num_matches` continuation starts (longest n first, then most recent) and the
