@@ -203,13 +203,13 @@ def test_tree_greedy_lossless_pallas_kernels(method, tree, order):
     assert out == case.plain and stats.accepted.sum() > 0
 
 
-def test_chain_is_the_width_one_tree(smollm2_batch):
+def test_chain_is_the_width_one_tree(qwen3_case):
     """gamma 4 and the tree 1,1,1,1 are one configuration: the same tokens and statistics when sampled
     (acceptance, rejection and the residual draw; greedy trees and chains equal plain: test_tree)."""
     chain, tree = SpecConfig(method="vegas", gamma=4), SpecConfig(method="vegas", tree=(1, 1, 1, 1)).validate()
     sampling = SamplingConfig(temperature=0.8, top_p=0.95)
-    a, stats_a = smollm2_batch.run(chain, sampling=sampling, seed=3)
-    b, stats_b = smollm2_batch.run(tree, sampling=sampling, seed=3)
+    a, stats_a = qwen3_case.run(chain, sampling=sampling, seed=3)
+    b, stats_b = qwen3_case.run(tree, sampling=sampling, seed=3)
     assert a == b and 0 < stats_a.accepted.sum() < stats_a.drafted.sum()
     jax.tree.map(np.testing.assert_array_equal, stats_a, stats_b)
 
@@ -253,6 +253,7 @@ def test_selections_spaced_out_are_lossless(qwen3_case):
     assert stats_whole.accepted.sum() == 4 * stats_whole.iterations.sum() > 0
 
 
+@pytest.mark.slow  # selection quality on real text, not losslessness (~48 s of the default run's 20 minutes)
 def test_selection_is_what_the_draft_sees(smollm2_batch):
     """On the 2,000+ token row, 3 selected slots draft poorly and the default 256 draft well."""
     rate = lambda stats: stats.accepted[1] / stats.drafted[1]
@@ -278,15 +279,16 @@ def test_teacher_forced_argmax_bf16(smollm2_bf16):
     assert np.mean(np.argmax(predicted, -1) == np.array(out[0])) >= 0.9
 
 
-def test_stop_ids_and_max_tokens(smollm2_batch):
+def test_stop_ids_and_max_tokens(qwen3_case):
     """A stop id ends its row right after it (inside accepted drafts too); rows stop independently."""
-    plain = smollm2_batch.plain
+    plain = qwen3_case.plain
     stop = plain[1][5]
-    for spec in (SpecConfig(), SpecConfig(method="vegas", gamma=7)):
-        out, _ = smollm2_batch.run(spec, stop_ids=(stop,))
+    for spec in (SpecConfig(), SpecConfig(method="vegas", gamma=7, min_tokens=32)):
+        out, stats = qwen3_case.run(spec, stop_ids=(stop,))
         for row, ref in zip(out, plain):
             expected = ref[: ref.index(stop) + 1] if stop in ref else ref
             assert row == expected
+        assert spec.method == "plain" or (stats.accepted > 0).all()  # drafts accepted in every row
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(method="vegas", gamma=4, min_tokens=32),

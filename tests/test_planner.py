@@ -101,7 +101,8 @@ def test_buckets_and_nearest_lookup():
     assert planner.lookup(t, 1, "greedy", 3000)[0] == 8192  # 4096 is one doubling from 8192, two from 1024
     assert planner.lookup(t, 1, "greedy", 1500)[0] == 1024
     bucket, predictions = planner.lookup(t, 6, "sample", 70000)  # nearest batch (8), the other sampling mode
-    assert bucket == 8192 and predictions[0].tokens_per_s == 808
+    assert bucket == 8192 and predictions[0].tokens_per_s == 808 * 6 / 8  # its rate per row, for 6 rows
+    assert (predictions[0].spread, predictions[0].iteration_s) == (6 / 8, 8 / 808)
     assert planner.lookup(t, 32, "greedy", 1000) == (1024, [])  # batch 8 is 4x away: another regime, the cost model's
     # a prediction's weight is the iterations its cell measured: the cell's own new tokens, else the header's
     t["cells"][0]["new_tokens"] = 256
@@ -356,6 +357,11 @@ def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
     # the switch limit ends the watch
     r.switches += [{}] * (planner.MAX_SWITCHES - len(r.switches))
     assert not r.watching
+    # a strategy observed and replayed: its observed rate (pooled with its table's) at the replay's
+    # tokens per iteration
+    seen = {ngram: Observation(64, 640, 64 * 0.02, 1.25)}  # 500 tok/s at 1.25 tokens an iteration
+    expected = planner.corrected(candidates, seen, {ngram: Observation(0, 0, 0.0, 2.5)})[ngram]
+    assert expected == pytest.approx((8 * 800 + 64 * 500) / 72 * 2.5 / 1.25)
 
 
 def test_choice_discounts_a_noisy_table_win():
@@ -535,12 +541,12 @@ def test_cli_bad_planner_table(hf_checkpoints, tmp_path, capsys):
 def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     out = tmp_path / "table.json"
     profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "96", "--new", "6", "--repeats", "2",
-                  "--samplings", "greedy", "--methods", "plain,vegas,full", "--gammas", "2", "--trees", "dfs:2,1",
+                  "--samplings", "greedy", "--methods", "plain,vegas", "--gammas", "2", "--trees", "dfs:2,1",
                   "--ratios", "0.5", "--draft-weights", "exact,int8", "--select-every", "1,2", "--out", str(out)])
     t = planner.load_table(out)
     assert [(c["bucket"], c["sampling"], c["batch"]) for c in t["cells"]] == [(96, "greedy", 1)]
     names = [e["name"] for e in t["cells"][0]["ranked"]]
-    assert sorted(names) == ["full dfs:2,1 int8", "full g2 int8", "plain", "vegas dfs:2,1 r0.5", "vegas dfs:2,1 r0.5 every 2",
+    assert sorted(names) == ["plain", "vegas dfs:2,1 r0.5", "vegas dfs:2,1 r0.5 every 2",
                              "vegas dfs:2,1 r0.5 int8", "vegas dfs:2,1 r0.5 int8 every 2", "vegas g2 r0.5", "vegas g2 r0.5 every 2",
                              "vegas g2 r0.5 int8", "vegas g2 r0.5 int8 every 2"]
     spaced = Strategy("vegas", gamma=2, ratio=0.5, select_every=2)

@@ -126,7 +126,7 @@ def test_nsa_greedy_tokens_equal_one_device(nsa_model, spec_):
     assert nsa_model.generate(spec_, 2) == nsa_model.generate(spec_, 1)
 
 
-@pytest.mark.parametrize("spec_", [spec("vegas", gamma=6), pytest.param(spec("plain"), marks=slow),
+@pytest.mark.parametrize("spec_", [pytest.param(spec("vegas", gamma=6), marks=slow), pytest.param(spec("plain"), marks=slow),
                                    pytest.param(spec("quest", tree=(2, 2)), marks=slow),
                                    pytest.param(spec("full", draft_weights="int8"), marks=slow)])
 def test_smollm2_greedy_tokens_equal_one_device(smollm2, spec_):

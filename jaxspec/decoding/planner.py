@@ -22,8 +22,8 @@ H100); at Qwen3-8B shapes and 4 x 128K the KV read dominates and vegas runs 2.2x
    MAX_SWITCHES times. Settled, it keeps watching ngram (`Refinement.watch`): after windows of
    WATCH, 2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch: each check costs a host sync
    and a replay, so their number grows with the log of the run's length) it replays the chain ngram
-   candidates over the tokens just committed (`Ngram.replay`:
-   what ngram would have accepted, exact in distribution, at no model cost) and switches when one
+   candidates over the tokens just committed (`Ngram.replay`: what ngram would have accepted, exact
+   in distribution, at no model cost) and switches when one
    is predicted MARGIN faster than the latest window of the running strategy, or, running ngram,
    when that window falls MARGIN below a candidate; so text that starts to repeat itself late (greedy
    loops, copied passages) is caught, and left again, within the switch limit.
@@ -208,7 +208,8 @@ class Observation:
     """What a strategy did over refinement segments: loop iterations, tokens committed (all rows),
     host-synced seconds, accepted + 1 tokens per row iteration, and the tokens per iteration of the
     row that gained least among those running the whole segment (a closed batch lasts as long as its
-    slowest row, which the mean does not show: reported in the segments, not yet used to decide)."""
+    slowest row, which the mean does not show: reported in the segments, and how a closed batch's
+    refinement weighs ngram, `Refinement.closed`)."""
 
     iterations: int
     tokens: int
@@ -417,7 +418,10 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one;
     the entries of every allowed precision class, less ngram's where the run's prompt is under
     NGRAM_PROMPT_SHARE of the cell's calibration prompts. Empty when no cell has an allowed class,
-    or when the nearest profiled batch is more than a factor of 2 from `batch`."""
+    or when the nearest profiled batch is more than a factor of 2 from `batch`. A cell of another
+    batch answers at its rate per row (tokens/s and spread scaled by batch / its batch): the
+    refinement compares these rates with what the run's own rows do, and the choice between them is
+    the same at any scale."""
     cells = [c for c in table["cells"] if c["precision"] in precisions]
     if not cells:
         return bucket_of(context), []
@@ -433,9 +437,10 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
                if not (e["strategy"]["method"] == "ngram" and prompt_tokens is not None
                        and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0))]
     new_tokens = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
+    scale = batch / b
     predictions = [
-        Prediction(Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
-                   float(e["iteration_s"]), float(e.get("spread_tokens_per_s", 0.0)),
+        Prediction(Strategy.from_json(e["strategy"]), scale * float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
+                   float(e["iteration_s"]), scale * float(e.get("spread_tokens_per_s", 0.0)),
                    e.get("runs", 0) * new_tokens(c) / float(e["tokens_per_iteration"]))
         for c, e in entries
     ]
@@ -640,7 +645,7 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
 
 def corrected(candidates, observations: dict, replays: dict | None = None) -> dict:
     """Each candidate's expected tokens/s given the observations so far ({Strategy: Observation})
-    and replays of unobserved ones ({Strategy: Observation.replayed}).
+    and the latest replays ({Strategy: Observation.replayed}, ngram only).
 
     An observed strategy: its observed rate, pooled with its table rate weighted as one more segment
     (or the iterations the table measured, if fewer; the cost model's weigh nothing): one segment is
@@ -770,6 +775,7 @@ class Refinement:
         return self._switch(target, reason, seen)
 
     def _judged(self, strategy: Strategy, seen: Observation) -> Observation:
+        """`seen` as the refinement weighs it for `strategy` (see `closed`)."""
         return seen.at_slowest() if self.closed and strategy.method == "ngram" else seen
 
     def _record(self, seen: Observation, replays: dict | None, watch: bool) -> dict:
