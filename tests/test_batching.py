@@ -164,9 +164,9 @@ def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
 
 
 # plain's and ngram's admissions (no drafter state but the tokens, which every method admits) are
-# slow too: the default run's 20 minutes
+# slow too, and selections every 3rd iteration (test_engine checks them lossless): the default run's 20 minutes
 SCHEDULER_CASES = [pytest.param("vegas", None, 1, id="vegas"), pytest.param("vegas", 32, 1, id="vegas-chunked"),
-                   pytest.param("vegas", None, 3, id="vegas-select-every-3")] + [
+                   pytest.param("vegas", None, 3, id="vegas-select-every-3", marks=pytest.mark.slow)] + [
     pytest.param(m, None, 1, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram", "quest") else [])
     for m in METHODS if m not in ("vegas", "full")]
 
@@ -247,7 +247,8 @@ def test_auto_switches_while_serving(params, monkeypatch):
     assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
 
 
-@pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="vegas", gamma=3, min_tokens=32), id="vegas"),
+@pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="vegas", gamma=3, min_tokens=32), id="vegas",
+                                               marks=pytest.mark.slow),  # opt-in; the runner's shrink runs by default
                                   pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32),
                                                id="vegas_tree", marks=pytest.mark.slow),
                                   pytest.param(SpecConfig(method="quest", gamma=3, min_tokens=32), id="quest",
