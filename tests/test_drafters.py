@@ -245,6 +245,21 @@ def test_ngram_continues_the_longest_most_recent_match():
     assert drafts[:, 0].tolist() == [seq[-1] for seq, _ in rows]  # row 0: the pending token
 
 
+def test_ngram_chain_continues_the_best_of_the_tree_matches():
+    """A chain's one match (an argmax) is the first of the ranked matches a tree takes (a top-k), on
+    fresh repetitive rows of random lengths, rows without any match included."""
+    d = drafter("ngram", gamma=4, ngram_min=1, ngram_max=3)
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 3, size=(16, 64)).astype(np.int32)  # 3 tokens: every row of 24 or more matches
+    tokens[0, :10] = np.arange(10)  # no earlier occurrence of anything: no match
+    lengths = jnp.asarray(np.r_[10, rng.integers(24, 65, size=15)], jnp.int32)
+    one, found_one = d.continuations(jnp.asarray(tokens), lengths, 1, 4)
+    many, found_many = d.continuations(jnp.asarray(tokens), lengths, 8, 4)
+    np.testing.assert_array_equal(np.asarray(found_one), np.asarray(found_many)[:, :1])
+    assert not bool(found_one[0, 0]) and bool(np.asarray(found_one)[1:].all())
+    np.testing.assert_array_equal(np.asarray(one)[1:], np.asarray(many)[1:, :1])
+
+
 # --- draft trees: the nodes of one depth draft together, each seeing its own ancestors -------------
 
 TREE = TreeShape((2, 2), "dfs")  # rows: 0 root; 1 (kids 2, 3); 4 (kids 5, 6)

@@ -104,6 +104,11 @@ def test_buckets_and_nearest_lookup():
     assert bucket == 8192 and predictions[0].tokens_per_s == 808 * 6 / 8  # its rate per row, for 6 rows
     assert (predictions[0].spread, predictions[0].iteration_s) == (6 / 8, 8 / 808)
     assert planner.lookup(t, 32, "greedy", 1000) == (1024, [])  # batch 8 is 4x away: another regime, the cost model's
+    # the tail: the cell's closed-batch tokens per iteration (its tokens/s times its iteration time,
+    # per row of the cell) over its mean row's
+    assert predictions[0].tail == pytest.approx(1.0)
+    t["cells"][3]["ranked"][0]["iteration_s"] *= 0.6  # 8 rows at 808 tok/s gain 0.6 tokens a row iteration
+    assert planner.lookup(t, 6, "sample", 70000)[1][0].tail == pytest.approx(0.6)
     # a prediction's weight is the iterations its cell measured: the cell's own new tokens, else the header's
     t["cells"][0]["new_tokens"] = 256
     assert planner.lookup(t, 1, "greedy", 900)[1][0].iterations == 3 * 256
@@ -362,6 +367,30 @@ def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
     seen = {ngram: Observation(64, 640, 64 * 0.02, 1.25)}  # 500 tok/s at 1.25 tokens an iteration
     expected = planner.corrected(candidates, seen, {ngram: Observation(0, 0, 0.0, 2.5)})[ngram]
     assert expected == pytest.approx((8 * 800 + 64 * 500) / 72 * 2.5 / 1.25)
+
+
+def test_predictions_and_observations_meet_on_one_basis():
+    """A table's tokens/s is a closed batch's, its slowest row included, while its tokens per
+    iteration are its mean row's. ngram's table entry keeps half its mean rate (tail 0.5), vegas's
+    0.8. Closed, ngram is judged by its slowest row: a replay whose slowest row copies as the table's
+    closed tokens per iteration say predicts the table's rate, not half of it; vegas's mean-row
+    window is scaled by its tail. Open (rows refill, no tail): mean rows against the rates without
+    their tails."""
+    ngram = Strategy("ngram", gamma=4)
+    candidates = (Prediction(VEGAS, 1200, 5.0, 8 * 5.0 / 1200 * 0.8, tail=0.8),  # 8 rows: tail = rate x step / (rows x tpi)
+                  Prediction(PLAIN, 900, 1.0, 8 / 900),
+                  Prediction(ngram, 800, 2.0, 8 * 2.0 / 800 * 0.5, tail=0.5))
+    at_table = Observation(8, 8 * 8 * 5, 8 * candidates[0].iteration_s, 5.0)  # vegas's mean rows as the table's
+    assert at_table.tokens_per_s == pytest.approx(1500)
+    for closed in (True, False):
+        replay = Observation(0, 0, 0.0, 1.0 if closed else 2.0)  # as the table's rows did
+        expected = planner.corrected(candidates, {VEGAS: at_table}, {ngram: replay}, closed)
+        assert expected[VEGAS] == pytest.approx(1200 if closed else 1500)
+        assert expected[ngram] == pytest.approx(800 if closed else 1600)
+        assert expected[PLAIN] == pytest.approx(900)
+    # ngram observed while running, closed: its slowest row at the table's closed rate, pooled with it
+    seen = Observation(64, 64 * 8, 64 * candidates[2].iteration_s, 1.0)
+    assert planner.corrected(candidates, {ngram: seen}, closed=True)[ngram] == pytest.approx(800)
 
 
 def test_choice_discounts_a_noisy_table_win():

@@ -23,10 +23,10 @@ H100); at Qwen3-8B shapes and 4 x 128K the KV read dominates and vegas runs 2.2x
    WATCH, 2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch: each check costs a host sync
    and a replay, so their number grows with the log of the run's length) it replays the chain ngram
    candidates over the tokens just committed (`Ngram.replay`: what ngram would have accepted, exact
-   in distribution, at no model cost) and switches when one
-   is predicted MARGIN faster than the latest window of the running strategy, or, running ngram,
-   when that window falls MARGIN below a candidate; so text that starts to repeat itself late (greedy
-   loops, copied passages) is caught, and left again, within the switch limit.
+   in distribution, at no model cost) and switches when one is predicted MARGIN faster than the
+   latest window of the running strategy, or, running ngram, when that window falls MARGIN below a
+   candidate; so text that starts to repeat itself late (greedy loops, copied passages) is caught,
+   and left again, within the switch limit.
 
 A strategy is the part of a SpecConfig the planner chooses (`Strategy`); plain decoding is one, and
 it is the fallback: a speculative strategy is chosen only when it is predicted (or measured) at
@@ -201,6 +201,11 @@ class Prediction:
     iteration_s: float
     spread: float = 0.0  # of tokens_per_s over a table's repeats (max - min); 0 for the cost model
     iterations: float = 0.0  # decode iterations the table measured it over; 0 for the cost model
+    # A table's closed-batch tokens per iteration (its tokens/s times its iteration time, per row)
+    # over its mean row's, at most 1: the share of the mean rate its tokens/s kept, a static batch
+    # lasting as long as its slowest row (ngram's ~0.5-0.7, the model drafters' ~0.8-0.95 at 8-64
+    # rows on SmolLM2); 1 for the cost model.
+    tail: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,10 +443,11 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
                        and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0))]
     new_tokens = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
     scale = batch / b
+    tail = lambda e: min(1.0, float(e["tokens_per_s"]) * float(e["iteration_s"]) / (float(e["tokens_per_iteration"]) * b))
     predictions = [
         Prediction(Strategy.from_json(e["strategy"]), scale * float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
                    float(e["iteration_s"]), scale * float(e.get("spread_tokens_per_s", 0.0)),
-                   e.get("runs", 0) * new_tokens(c) / float(e["tokens_per_iteration"]))
+                   e.get("runs", 0) * new_tokens(c) / float(e["tokens_per_iteration"]), tail(e))
         for c, e in entries
     ]
     return bucket, sorted(predictions, key=lambda p: -p.tokens_per_s)
@@ -643,9 +649,16 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     return Plan(candidates, choose(candidates), source, bucket)
 
 
-def corrected(candidates, observations: dict, replays: dict | None = None) -> dict:
+def corrected(candidates, observations: dict, replays: dict | None = None, closed: bool = False) -> dict:
     """Each candidate's expected tokens/s given the observations so far ({Strategy: Observation})
-    and the latest replays ({Strategy: Observation.replayed}, ngram only).
+    and the latest replays ({Strategy: Observation.replayed}, ngram only), as `Refinement.closed`
+    judges them: in a closed batch ngram's by its slowest row, the rest by their mean row.
+
+    Predictions and observations are compared on one basis (`basis`): a table's tokens/s is a closed
+    batch's, its slowest row's tail included (`Prediction.tail`), while its tokens per iteration are
+    the mean row's; so a mean-row observation is set against the table's rate without its tail, a
+    slowest-row one against the table's rate at its closed tokens per iteration, and a closed batch's
+    expected rate then carries the table's tail (an open batch refills its rows: no tail).
 
     An observed strategy: its observed rate, pooled with its table rate weighted as one more segment
     (or the iterations the table measured, if fewer; the cost model's weigh nothing): one segment is
@@ -659,38 +672,47 @@ def corrected(candidates, observations: dict, replays: dict | None = None) -> di
     kind (model drafters share one a, ngram its own; 1 while none of the kind ran; tokens per
     iteration kept within [1, depth + 1]), and its time by tau = (observed iteration time) /
     (predicted), pooled over every observed strategy."""
+
+    def basis(c: Prediction) -> tuple[float, float, float]:
+        """(tokens/s, tokens per iteration) of `c` on the basis its observations arrive on, and the
+        factor from that basis to the run's rate."""
+        if closed and c.strategy.method == "ngram":
+            return c.tokens_per_s, c.tokens_per_iteration * c.tail, 1.0
+        return c.tokens_per_s / c.tail, c.tokens_per_iteration, c.tail if closed else 1.0
+
     by_strategy = {c.strategy: c for c in candidates}
     seen = [(by_strategy[s], o) for s, o in observations.items()]
     tau = sum(o.iteration_s for _, o in seen) / sum(p.iteration_s for p, _ in seen) if seen else 1.0
     expected = {}
     for c in candidates:
         replay = (replays or {}).get(c.strategy)
+        rate, tpi_then, to_run = basis(c)
         if c.strategy in observations:
             o, prior = observations[c.strategy], min(c.iterations, SEGMENT)
-            rate = (prior * c.tokens_per_s + o.iterations * o.tokens_per_s) / (prior + o.iterations)
-            expected[c.strategy] = rate * (replay.tokens_per_iteration / o.tokens_per_iteration if replay else 1.0)
+            pooled = (prior * rate + o.iterations * o.tokens_per_s) / (prior + o.iterations)
+            expected[c.strategy] = to_run * pooled * (replay.tokens_per_iteration / o.tokens_per_iteration if replay else 1.0)
             continue
         if replay:
             tpi = replay.tokens_per_iteration
         else:
-            same = [(p, o) for p, o in seen if p.strategy.kind == c.strategy.kind and p.tokens_per_iteration > 1]
-            a = sum(o.tokens_per_iteration - 1 for _, o in same) / sum(p.tokens_per_iteration - 1 for p, _ in same) if same else 1.0
-            tpi = 1 + a * (c.tokens_per_iteration - 1)
+            same = [(basis(p)[1], o) for p, o in seen if p.strategy.kind == c.strategy.kind and basis(p)[1] > 1]
+            a = sum(o.tokens_per_iteration - 1 for _, o in same) / sum(t - 1 for t, _ in same) if same else 1.0
+            tpi = 1 + a * (tpi_then - 1)
         tpi = min(max(tpi, 1.0), 1.0 + c.strategy.depth)
-        expected[c.strategy] = c.tokens_per_s * tpi / c.tokens_per_iteration / tau
+        expected[c.strategy] = to_run * rate * tpi / tpi_then / tau
     return expected
 
 
 def decide(candidates, observations: dict, current: Strategy, probe_plain: bool = True,
-           replays: dict | None = None) -> tuple[Strategy, str]:
+           replays: dict | None = None, closed: bool = False) -> tuple[Strategy, str]:
     """(strategy to run next, why): the candidate with the best corrected rate if it beats the
     current strategy's (its observations pooled with its table rate) by MARGIN; else, with
     `probe_plain` (cost-model plans), plain, while it is unmeasured and the current speculative
     strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step
     times can be off by that much, e.g. on a CPU, where rows cost compute: measured, a speculative
     strategy then has to beat plain by MARGIN to be switched back to); else the current one. A table's plain rate is measured on this device,
-    so table plans do not probe it. `replays`: as `corrected` takes them."""
-    expected = corrected(candidates, observations, replays)
+    so table plans do not probe it. `replays`, `closed`: as `corrected` takes them."""
+    expected = corrected(candidates, observations, replays, closed)
     best = max(expected, key=expected.get)
     now = expected[current]
     if best != current and expected[best] > now * (1 + MARGIN):
@@ -751,7 +773,8 @@ class Refinement:
         replays = self._record(seen, replays, watch=False)
         c = self.current
         target, reason = (c, "") if finished or len(self.switches) == MAX_SWITCHES else decide(
-            self.plan.candidates, self.observations, c, probe_plain=self.plan.source == "cost-model", replays=replays)
+            self.plan.candidates, self.observations, c, probe_plain=self.plan.source == "cost-model", replays=replays,
+            closed=self.closed)
         if target == c:
             self.active = False
             return None
@@ -767,7 +790,7 @@ class Refinement:
         if finished or len(self.switches) == MAX_SWITCHES:
             return None
         observations = {**self.observations, c: self._judged(c, seen)}
-        target, reason = decide(self.plan.candidates, observations, c, probe_plain=False, replays=replays)
+        target, reason = decide(self.plan.candidates, observations, c, probe_plain=False, replays=replays, closed=self.closed)
         if target == c:
             self.window *= 2
             return None

@@ -467,14 +467,10 @@ class Scheduler:
         replays = {}
         width = next_pow2(max(int((end - start).max()), 1))  # compiled per power of two
         for strategy in self.refinement.replayed:
-            key = ("replay", strategy, self._state.tokens.shape, width)  # tokens' width follows the running depth
-            if key not in self._executables:
-                drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
-                began = time.perf_counter()
-                replay = jax.jit(functools.partial(drafter.replay, width=width))
-                self._executables[key] = replay.lower(self._state.tokens, start, end).compile()
-                self.compile_s += time.perf_counter() - began
-            iterations = np.asarray(self._executables[key](self._state.tokens, start, end))
+            drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
+            replay = self._compiled(("replay", strategy, self._state.tokens.shape, width),  # tokens' width: the running depth
+                                    jax.jit(functools.partial(drafter.replay, width=width)), self._state.tokens, start, end)
+            iterations = np.asarray(replay(self._state.tokens, start, end))
             replays[strategy] = planner.Observation.replayed(end - start, iterations, whole)
         return replays
 
@@ -631,10 +627,13 @@ class Scheduler:
         `compile_s`)."""
         fns = _programs(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, rows or self.rows,
                         self.stop_width, self._window(), self.prefill_chunk, self.mesh)
-        key = (fns, name, shape)
+        return self._compiled((fns, name, shape), getattr(fns, name), *args)
+
+    def _compiled(self, key, fn, *args):
+        """`fn` (jitted) compiled ahead of time for `args` once per `key`; the time goes to `compile_s`."""
         if key not in self._executables:
             start = time.perf_counter()
-            self._executables[key] = getattr(fns, name).lower(*args).compile()
+            self._executables[key] = fn.lower(*args).compile()
             self.compile_s += time.perf_counter() - start
         return self._executables[key]
 

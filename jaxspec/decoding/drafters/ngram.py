@@ -99,8 +99,12 @@ class Ngram(Drafter):
             match &= (length >= n + 1)[:, None]
             at_start = jnp.pad(match, ((0, 0), (n, 0)))[:, :N]  # indexed by the continuation start j + n
             best_n = jnp.where(at_start, n, best_n)
-        rank = jnp.where(best_n > 0, best_n * N + slots, -1)
-        top, start = jax.lax.top_k(rank, num_matches)
+        rank = jnp.where(best_n > 0, best_n * N + slots, -1)  # distinct where found
+        if num_matches == 1:  # a chain: one reduction instead of a top-k (same answer, cheaper on the GPU)
+            start = jnp.argmax(rank, axis=1)[:, None]
+            top = jnp.take_along_axis(rank, start, axis=1)
+        else:
+            top, start = jax.lax.top_k(rank, num_matches)
         last = (length - 1)[:, None, None]
         source = jnp.minimum(start[:, :, None] + np.arange(depth), last)
         conts = jnp.take_along_axis(tokens, source.reshape(B, -1), axis=1).reshape(B, num_matches, depth)
