@@ -109,6 +109,18 @@ def test_buckets_and_nearest_lookup():
     assert predictions[0].tail == pytest.approx(1.0)
     t["cells"][3]["ranked"][0]["iteration_s"] *= 0.6  # 8 rows at 808 tok/s gain 0.6 tokens a row iteration
     assert planner.lookup(t, 6, "sample", 70000)[1][0].tail == pytest.approx(0.6)
+    # a run 4x the cell's length: a model drafter's slowest-row excess halves (1 / sqrt of the
+    # tokens), its rate with it; ngram's (its rows differ for good) and plain's stay
+    cell = t["cells"][3]
+    cell["new_tokens"], cell["ranked"] = 256, [entry(PLAIN, 808, 1, 8), entry(VEGAS, 1600, 5, 8), entry(NGRAM, 1200, 2, 8)]
+    for e in cell["ranked"][1:]:
+        e["iteration_s"] *= 0.6  # tails of 0.6: excess 2/3 over 256 tokens, 1/3 over 1,024
+    by = {p.strategy: p for p in planner.lookup(t, 8, "sample", 70000, new_tokens=1024)[1]}
+    assert (by[VEGAS].tail, by[VEGAS].tokens_per_s) == (pytest.approx(0.75), pytest.approx(1600 * 0.75 / 0.6))
+    assert (by[NGRAM].tail, by[NGRAM].tokens_per_s) == (pytest.approx(0.6), pytest.approx(1200))
+    assert (by[PLAIN].tail, by[PLAIN].tokens_per_s) == (pytest.approx(1.0), pytest.approx(808))
+    assert by[VEGAS].tokens_per_iteration == 5 and by[VEGAS].iteration_s == pytest.approx(8 * 5 / 1600 * 0.6)
+    assert planner.lookup(t, 8, "sample", 70000, new_tokens=256)[1][0].tokens_per_s == pytest.approx(1600)
     # a prediction's weight is the iterations its cell measured: the cell's own new tokens, else the header's
     t["cells"][0]["new_tokens"] = 256
     assert planner.lookup(t, 1, "greedy", 900)[1][0].iterations == 3 * 256

@@ -41,6 +41,10 @@ factor of 2 of the run's (further away the regime differs, e.g. KV reads dominat
 at batch 1: the cost model answers instead). A cell's ngram entries measure what ngram could copy
 from those prompts, so a run with a much shorter prompt does not use them (NGRAM_PROMPT_SHARE).
 
+A cell's tokens/s is a static batch's, which lasts as long as its slowest row: `Prediction.tail`
+says how much of the mean row's rate that kept, at the run's length (`run_tail`), and the refinement
+sets its observations against predictions on one basis (`corrected`).
+
 The bytes floor of a step (DESIGN.md section 6) lives here too, as the cost model's base; bench/
 uses the same functions.
 """
@@ -204,7 +208,7 @@ class Prediction:
     # A table's closed-batch tokens per iteration (its tokens/s times its iteration time, per row)
     # over its mean row's, at most 1: the share of the mean rate its tokens/s kept, a static batch
     # lasting as long as its slowest row (ngram's ~0.5-0.7, the model drafters' ~0.8-0.95 at 8-64
-    # rows on SmolLM2); 1 for the cost model.
+    # rows x 256 tokens on SmolLM2), at the run's length (`lookup`); 1 for the cost model.
     tail: float = 1.0
 
 
@@ -418,7 +422,7 @@ def load_table(path: Path) -> dict:
 
 
 def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",),
-           prompt_tokens: int | None = None) -> tuple[int, list[Prediction]]:
+           prompt_tokens: int | None = None, new_tokens: int | None = None) -> tuple[int, list[Prediction]]:
     """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
     if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one;
     the entries of every allowed precision class, less ngram's where the run's prompt is under
@@ -426,7 +430,8 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     or when the nearest profiled batch is more than a factor of 2 from `batch`. A cell of another
     batch answers at its rate per row (tokens/s and spread scaled by batch / its batch): the
     refinement compares these rates with what the run's own rows do, and the choice between them is
-    the same at any scale."""
+    the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
+    those of a run that long (`run_tail`)."""
     cells = [c for c in table["cells"] if c["precision"] in precisions]
     if not cells:
         return bucket_of(context), []
@@ -441,16 +446,29 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     entries = [(c, e) for c in cells if c["bucket"] == bucket for e in c["ranked"]
                if not (e["strategy"]["method"] == "ngram" and prompt_tokens is not None
                        and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0))]
-    new_tokens = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
-    scale = batch / b
-    tail = lambda e: min(1.0, float(e["tokens_per_s"]) * float(e["iteration_s"]) / (float(e["tokens_per_iteration"]) * b))
-    predictions = [
-        Prediction(Strategy.from_json(e["strategy"]), scale * float(e["tokens_per_s"]), float(e["tokens_per_iteration"]),
-                   float(e["iteration_s"]), scale * float(e.get("spread_tokens_per_s", 0.0)),
-                   e.get("runs", 0) * new_tokens(c) / float(e["tokens_per_iteration"]), tail(e))
-        for c, e in entries
-    ]
+    measured = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
+    predictions = []
+    for c, e in entries:
+        strategy, tps, tpi = Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"])
+        tail = min(1.0, tps * float(e["iteration_s"]) / (tpi * b))
+        if new_tokens and measured(c) and strategy.kind == "model":
+            longer = run_tail(tail, measured(c), new_tokens)
+            tail, tps = longer, tps * longer / tail
+        predictions.append(Prediction(strategy, batch / b * tps, tpi, float(e["iteration_s"]),
+                                      batch / b * float(e.get("spread_tokens_per_s", 0.0)),
+                                      e.get("runs", 0) * measured(c) / tpi, tail))
     return bucket, sorted(predictions, key=lambda p: -p.tokens_per_s)
+
+
+def run_tail(tail: float, measured_tokens: int, new_tokens: int) -> float:
+    """A model drafter's tail (`Prediction.tail`) measured over `measured_tokens` new tokens, at a
+    run of `new_tokens`. Its rows' acceptance varies iteration by iteration alike, so the slowest
+    row's excess iterations over the mean row's shrink as 1 / sqrt(tokens): on SmolLM2 at 128 rows
+    sampled, vegas g6 / g4 every 2 kept 0.80 / 0.88 of their mean rates over 256 tokens, which
+    predicts 0.89 / 0.93 at 1,024 against 0.90 / 0.92 measured (bench/NOTES.md). ngram's rows differ
+    for good (a row that loops copies, one that does not never will): its tail is kept as measured."""
+    excess = (1 / tail - 1) * math.sqrt(measured_tokens / new_tokens)
+    return 1 / (1 + excess)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -634,7 +652,7 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
         if data["model"]["fingerprint"] != fingerprint(cfg):
             raise JaxspecError(
                 f"planner table {path} is for model {data['model']['fingerprint']}, not this one ({fingerprint(cfg)})")
-        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens)
+        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens)
         source = f"table:{path}"
     if not predictions:
         bucket, source = bucket_of(context), "cost-model"
