@@ -75,7 +75,7 @@ def main(argv=None):
         plan = planner.make_plan(
             cfg, planner.tree_bytes(params), batch=args.slots, prompt_tokens=max_len // 2, new_tokens=max_len // 4,
             sampling=SamplingConfig(temperature=1.0), precisions=planner.allowed_precisions(args.precision),
-            table=args.planner_table, min_tokens=args.min_tokens,
+            table=args.planner_table, min_tokens=args.min_tokens, closed=args.batching == "static",
         )
         params = with_draft_model(params, plan.draft_weights, (), mesh)
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,

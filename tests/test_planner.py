@@ -161,6 +161,15 @@ def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
     kept = [c.strategy for c in planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256,
                                                   sampling=SamplingConfig(), table=path).candidates]
     assert [s.gamma for s in kept if s.method == "vegas"] == [5, 4, 3] and NGRAM in kept and ngram_tree not in kept
+    # a static batch waits for its slowest row, a server admitting into freed rows does not: ngram
+    # at half its mean rate in the cell is second there and first at its mean rate
+    tail = entry(NGRAM, 1100, 2, batch=4)
+    tail["iteration_s"] *= 0.5
+    planner.save_table(path, table(cells=[(4, "sample", 8192, "strict", [entry(PLAIN, 900, 1, 4), entry(VEGAS, 1400, 5, 4), tail])]))
+    run = dict(batch=4, prompt_tokens=6000, new_tokens=1024, sampling=SamplingConfig(temperature=1.0), table=path)
+    assert planner.make_plan(SMOLLM2, 1, **run).first == VEGAS
+    plan = planner.make_plan(SMOLLM2, 1, closed=False, **run)
+    assert plan.first == NGRAM and plan.candidates[0].tokens_per_s == pytest.approx(2200) and plan.candidates[0].tail == 1.0
 
 
 def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):

@@ -637,13 +637,14 @@ def paid_copies(predictions: list[Prediction]) -> list[Prediction]:
 
 def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens: int, new_tokens: int,
               sampling: SamplingConfig, precisions=("strict",), table: Path | None = None,
-              min_tokens: int = 256) -> Plan:
+              min_tokens: int = 256, closed: bool = True) -> Plan:
     """The plan of a run: candidates from `table` (or the shipped table of this model and device
     kind), else from the cost model at the run's middle context (prompt + new / 2); the CANDIDATES
     best speculative ones, the best chain ngram one (the refinement replays it while another strategy
     runs, at no model cost) and the best plain one are kept, quantized drafts only if they pay
     (`paid_copies`; `Plan.draft_weights` says which copies to make). A given table must be of this
-    model."""
+    model. Not `closed` (a server that admits into freed rows), a table's rates are its mean rows'
+    (without their tails): no row waits for the slowest."""
     context = prompt_tokens + new_tokens
     path = table or table_path(cfg, device_kind())
     predictions: list[Prediction] = []
@@ -654,6 +655,9 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
                 f"planner table {path} is for model {data['model']['fingerprint']}, not this one ({fingerprint(cfg)})")
         bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens)
         source = f"table:{path}"
+        if not closed:
+            predictions = sorted((dataclasses.replace(p, tokens_per_s=p.tokens_per_s / p.tail, spread=p.spread / p.tail, tail=1.0)
+                                  for p in predictions), key=lambda p: -p.tokens_per_s)
     if not predictions:
         bucket, source = bucket_of(context), "cost-model"
         middle = prompt_tokens + new_tokens // 2
