@@ -43,6 +43,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
+import gc
 import importlib.util
 from pathlib import Path
 
@@ -138,6 +139,17 @@ def _model(kind: str, tie: bool = False, rope_theta: float = 50000.0, **sizes):
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6))
 
 
+MAPS_HIGH = 50_000  # of the 65,530 a process may map; above it a test's end drops the compiled programs
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # no procfs: nothing to count
+        return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drops each test module's compiled programs when it ends: a full run compiles hundreds of engine
@@ -146,6 +158,17 @@ def _free_compiled_programs():
     largest module, test_engine, peaks near 48,000)."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs_when_maps_run_high():
+    """Drops the compiled programs after a test that leaves more than MAPS_HIGH maps (above the peak
+    of test_engine, whose tests share programs): a module can reach the limit too, with the slow
+    tests (test_batching's add ~5,700 maps each; its 15th segfaulted inside an XLA compile)."""
+    yield
+    if _memory_maps() > MAPS_HIGH:
+        jax.clear_caches()
+        gc.collect()  # a finished test's schedulers hold their executables until collected
 
 
 @pytest.fixture(scope="session")
