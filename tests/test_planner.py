@@ -471,11 +471,12 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
-def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperature):
+def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperature, monkeypatch):
     """Replaying ngram over the tokens an ngram run committed takes that run's iterations, row by
-    row, greedy and sampled (a one-hot draft is accepted iff the target's draw equals it); over the
-    same text another gamma takes other counts."""
-    from jaxspec.decoding.drafters import make_drafter
+    row, greedy and sampled (a one-hot draft is accepted iff the target's draw equals it), in one
+    stretch of proposals or in several (an iteration that ends past a stretch goes on from there);
+    over the same text another gamma takes other counts."""
+    from jaxspec.decoding.drafters import make_drafter, ngram
 
     cfg, params, batch = tiny
     spec, max_len = SpecConfig(method="ngram", gamma=4), 128
@@ -484,10 +485,12 @@ def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperatu
     out = jax.device_get(run.output)
     assert (out.stats.accepted > 10).all()  # drafts accepted: matches to find
     start, end, tokens = jnp.asarray(out.prompt_len + 1), jnp.asarray(out.length), jnp.asarray(out.tokens)  # token 1: prefill's
-    width = int((end - start).max()) + 5  # not a multiple of the replay's chunk: its last chunk is partial
-    replay = lambda s: np.asarray(jax.jit(make_drafter(s, cfg, max_len).replay, static_argnums=3)(tokens, start, end, width))
+    assert int((end - start).max()) < ngram.REPLAY_WIDTH  # one stretch
+    replay = lambda s: np.asarray(jax.jit(make_drafter(s, cfg, max_len).replay)(tokens, start, end))
     np.testing.assert_array_equal(replay(spec), out.stats.iterations)
     assert (replay(dataclasses.replace(spec, gamma=2)) > out.stats.iterations).any()
+    monkeypatch.setattr(ngram, "REPLAY_WIDTH", ngram.REPLAY_CHUNK)  # three stretches or more
+    np.testing.assert_array_equal(replay(spec), out.stats.iterations)
 
 
 def test_auto_run_replays_ngram_and_stays_lossless(tiny, monkeypatch):

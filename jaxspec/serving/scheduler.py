@@ -465,11 +465,10 @@ class Scheduler:
         end = self._last[0]
         start = np.where(whole, since[0], end)
         replays = {}
-        width = next_pow2(max(int((end - start).max()), 1))  # compiled per power of two
         for strategy in self.refinement.replayed:
             drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
-            replay = self._compiled(("replay", strategy, self._state.tokens.shape, width),  # tokens' width: the running depth
-                                    jax.jit(functools.partial(drafter.replay, width=width)), self._state.tokens, start, end)
+            replay = self._compiled(("replay", strategy, self._state.tokens.shape),  # tokens' width: the running depth
+                                    jax.jit(drafter.replay), self._state.tokens, start, end)
             iterations = np.asarray(replay(self._state.tokens, start, end))
             replays[strategy] = planner.Observation.replayed(end - start, iterations, whole)
         return replays

@@ -21,6 +21,7 @@ from jaxspec.decoding.tree import TreeShape
 
 MAX_MATCHES = 16
 REPLAY_CHUNK = 32  # window positions proposed together by `replay` ([chunk, B, N] match tensors a pass)
+REPLAY_WIDTH = 256  # positions `replay` proposes ahead of each row before walking them (REPLAY_CHUNK's multiple)
 
 
 class Ngram(Drafter):
@@ -53,34 +54,41 @@ class Ngram(Drafter):
                     out = out.at[:, kid].set(token)
         return out
 
-    def replay(self, tokens: jax.Array, start: jax.Array, end: jax.Array, width: int) -> jax.Array:
+    def replay(self, tokens: jax.Array, start: jax.Array, end: jax.Array) -> jax.Array:
         """Iterations [B] this chain (gamma = spec.gamma) would have taken to commit each row's
-        tokens from `start` to `end` [B] (end - start <= `width`, static) of `tokens` [B, N],
-        committed by any lossless run, without running the model. Why it is exact in distribution: a
-        one-hot draft x is accepted iff the target's own draw equals x (accepted with probability
-        p(x); on rejection the residual is p without x), so verifying drafts against text the target
-        drew is verifying them against fresh draws; the planner watches ngram this way while another
-        strategy runs. The proposals at every position of the window are made at once (REPLAY_CHUNK
-        positions a pass), then a walk over the window counts the iterations."""
-        gamma = self.spec.gamma
+        tokens from `start` to `end` [B] of `tokens` [B, N], committed by any lossless run, without
+        running the model. Why it is exact in distribution: a one-hot draft x is accepted iff the
+        target's own draw equals x (accepted with probability p(x); on rejection the residual is p
+        without x), so verifying drafts against text the target drew is verifying them against fresh
+        draws; the planner watches ngram this way while another strategy runs. The proposals at the
+        REPLAY_WIDTH positions from where each row stands are made at once (REPLAY_CHUNK a pass),
+        walked, and made again from where the walk stopped (an iteration may end past the stretch:
+        its drafts were proposed inside it), until every row reaches `end`: one program for windows
+        of any length."""
+        gamma, width = self.spec.gamma, REPLAY_WIDTH
         tree = TreeShape.chain(gamma)
-        chunk = min(width, REPLAY_CHUNK)
-        positions = start[:, None] + jnp.arange(-(-width // chunk) * chunk, dtype=jnp.int32)  # [B, W]: a row's length
         propose = jax.vmap(lambda length: self.propose(tokens, length, tree)[:, 1:], in_axes=1, out_axes=1)
-        B, W = positions.shape
-        drafts = jax.lax.map(propose, positions.reshape(B, W // chunk, chunk).transpose(1, 0, 2))  # [W / c, B, c, gamma]
-        drafts = drafts.transpose(1, 0, 2, 3).reshape(B, W, gamma)
-        cols = positions[:, :, None] + jnp.arange(gamma, dtype=jnp.int32)  # the tokens the drafts stand for
-        target = jnp.take_along_axis(tokens, jnp.minimum(cols, tokens.shape[1] - 1).reshape(B, -1), axis=1).reshape(cols.shape)
-        accepted = jnp.cumprod((drafts == target) & (cols < end[:, None, None]), axis=2).sum(axis=2)  # [B, W]
+        B = tokens.shape[0]
 
-        def step(carry):
-            length, iterations = carry
-            running = length < end
-            at = jnp.take_along_axis(accepted, jnp.clip(length - start, 0, W - 1)[:, None], axis=1)[:, 0]
-            return jnp.where(running, jnp.minimum(length + at + 1, end), length), iterations + running
+        def stretch(carry):
+            base, iterations = carry
+            positions = base[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]: a row's length
+            chunks = positions.reshape(B, width // REPLAY_CHUNK, REPLAY_CHUNK).transpose(1, 0, 2)
+            drafts = jax.lax.map(propose, chunks).transpose(1, 0, 2, 3).reshape(B, width, gamma)
+            cols = positions[:, :, None] + jnp.arange(gamma, dtype=jnp.int32)  # the tokens the drafts stand for
+            target = jnp.take_along_axis(tokens, jnp.minimum(cols, tokens.shape[1] - 1).reshape(B, -1), axis=1).reshape(cols.shape)
+            accepted = jnp.cumprod((drafts == target) & (cols < end[:, None, None]), axis=2).sum(axis=2)  # [B, W]
+            stop = jnp.minimum(end, base + width)
 
-        _, iterations = jax.lax.while_loop(lambda c: jnp.any(c[0] < end), step, (start, jnp.zeros_like(start)))
+            def step(c):
+                length, iterations = c
+                running = length < stop
+                at = jnp.take_along_axis(accepted, jnp.clip(length - base, 0, width - 1)[:, None], axis=1)[:, 0]
+                return jnp.where(running, jnp.minimum(length + at + 1, end), length), iterations + running
+
+            return jax.lax.while_loop(lambda c: jnp.any(c[0] < stop), step, (base, iterations))
+
+        _, iterations = jax.lax.while_loop(lambda c: jnp.any(c[0] < end), stretch, (start, jnp.zeros_like(start)))
         return iterations
 
     def continuations(self, tokens, length, num_matches: int, depth: int):
