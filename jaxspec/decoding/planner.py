@@ -276,6 +276,12 @@ class Observation:
         return cls(most, int((length1 - length0).sum()), seconds, (int(row_accepted.sum()) + total) / total, slowest)
 
 
+def by_slowest_row(strategy: Strategy, closed: bool) -> bool:
+    """Whether the refinement judges `strategy` by its slowest row: ngram in a closed batch, whose
+    rows differ most (`Refinement.closed`); everything else by its mean row."""
+    return closed and strategy.method == "ngram"
+
+
 def whole_rows(before, after):
     """[B] bool: the rows that ran every iteration between two host copies of (length, SpecStats)."""
     row_iterations = after[1].iterations - before[1].iterations
@@ -698,7 +704,7 @@ def corrected(candidates, observations: dict, replays: dict | None = None, close
     def basis(c: Prediction) -> tuple[float, float, float]:
         """(tokens/s, tokens per iteration) of `c` on the basis its observations arrive on, and the
         factor from that basis to the run's rate."""
-        if closed and c.strategy.method == "ngram":
+        if by_slowest_row(c.strategy, closed):
             return c.tokens_per_s, c.tokens_per_iteration * c.tail, 1.0
         return c.tokens_per_s / c.tail, c.tokens_per_iteration, c.tail if closed else 1.0
 
@@ -821,7 +827,7 @@ class Refinement:
 
     def _judged(self, strategy: Strategy, seen: Observation) -> Observation:
         """`seen` as the refinement weighs it for `strategy` (see `closed`)."""
-        return seen.at_slowest() if self.closed and strategy.method == "ngram" else seen
+        return seen.at_slowest() if by_slowest_row(strategy, self.closed) else seen
 
     def _record(self, seen: Observation, replays: dict | None, watch: bool) -> dict:
         """Pools `seen` into the current strategy's observations, appends the segment (with the
