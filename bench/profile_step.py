@@ -77,8 +77,9 @@ def top(events: list, calls: int, n: int) -> list[tuple[str, float, int]]:
     return [(n, t / calls / 1e3, count[n] // calls) for n, t in time_ns.most_common(n)]
 
 
-def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: bool = True):
-    """Times, then profiles, `calls` back-to-back calls of fn (after a warm-up); returns (summary, state).
+def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: bool = True, warmup: int = 1):
+    """Times, then profiles, `calls` back-to-back calls of fn (after `warmup` calls, the first of them
+    timed with its compile); returns (summary, state).
 
     The profiler changes what it measures (XLA runs without command buffers under it), so the wall
     time without it comes first; `trace=False` stops there (to compare XLA flags that the profiler
@@ -86,6 +87,8 @@ def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: boo
     start = time.perf_counter()
     state = jax.block_until_ready(fn(state))
     first_call = time.perf_counter() - start  # compilation included
+    for _ in range(warmup - 1):  # e.g. past XLA's first executions, which set up its command buffers
+        state = fn(state)
     start = time.perf_counter()
     for _ in range(calls):
         state = fn(state)
@@ -153,6 +156,7 @@ def main():
     p.add_argument("--top", type=int, default=12, help="kernels listed per stage, most time first")
     p.add_argument("--sequence", type=int, default=0, help="kernels kept in launch order per stage")
     p.add_argument("--no-trace", action="store_true", help="wall times only, without the profiler")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones")
     p.add_argument("--stages", default=None, type=lambda s: s.split(","),
                    help="only these stages (iteration, draft, verify, select); default all")
     p.add_argument("--balance", type=float, default=1.0,
@@ -196,7 +200,8 @@ def main():
                 del state
                 state = common.random_state(copies, cfg, spec, common.random_cache(cfg, B, slots, jax.random.key(1)), context, max_len)
                 state = dataclasses.replace(skewed(state, spec.balance), done=jnp.arange(B) >= live)
-            summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace)
+            summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace,
+                                           warmup=args.warmup)
             row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms") + ("" if live is None else f" live {live}"),
                    "iterations_per_call": per_call} | summary
             result["stages"].append(row)
