@@ -87,15 +87,18 @@ def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: boo
     start = time.perf_counter()
     state = jax.block_until_ready(fn(state))
     first_call = time.perf_counter() - start  # compilation included
-    for _ in range(warmup - 1):  # e.g. past XLA's first executions, which set up its command buffers
-        state = fn(state)
+    warmup_ms = []  # each later warm-up call alone: XLA's first executions set up its command buffers
+    for _ in range(warmup - 1):
+        start = time.perf_counter()
+        state = jax.block_until_ready(fn(state))
+        warmup_ms.append((time.perf_counter() - start) * 1e3)
     start = time.perf_counter()
     for _ in range(calls):
         state = fn(state)
     jax.block_until_ready(state)
     unprofiled = (time.perf_counter() - start) / calls
     if not trace:
-        return {"first_call_s": first_call, "wall_ms": unprofiled * 1e3}, state
+        return {"first_call_s": first_call, "warmup_ms": warmup_ms, "wall_ms": unprofiled * 1e3}, state
     with tempfile.TemporaryDirectory() as trace_dir:
         start = time.perf_counter()
         with jax.profiler.trace(trace_dir):
@@ -107,6 +110,7 @@ def profile_stage(fn, state, calls: int, n_top: int, n_sequence: int, trace: boo
     kernels = [e for name, events in lines.items() if name.startswith(("Stream", "tf_XLA")) for e in events]  # GPU streams; CPU threads
     summary = {
         "first_call_s": first_call,
+        "warmup_ms": warmup_ms,
         "wall_ms": unprofiled * 1e3,
         "wall_ms_profiled": wall * 1e3,
         "kernels_per_call": len(kernels) // calls,
