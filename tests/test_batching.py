@@ -247,6 +247,33 @@ def test_auto_switches_while_serving(params, monkeypatch):
     assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
 
 
+def test_warm_up_compiles_the_refinements_replays(params, monkeypatch):
+    """A warmed-up server refining ngram g3 replays ngram g2 over every segment and watch window,
+    and compiles nothing while it serves: the replay's program came with the warm-up (in a server a
+    compile is time the waiting requests lose)."""
+    from jaxspec.decoding import planner
+    from jaxspec.decoding.planner import Prediction, Strategy
+    from jaxspec.serving.scheduler import Scheduler
+
+    g3, g2 = Strategy("ngram", gamma=3), Strategy("ngram", gamma=2)
+    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
+    plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (g3, g2, Strategy())), g3, "test", 1024)
+    scheduler = Scheduler(params, CFG, None, SpecConfig(min_tokens=32), slots=2, max_len=MAX_LEN, plan=plan,
+                          max_top_k=32)
+    scheduler.warm_up(128)  # the prompts' bucket
+    compiled_s, programs = scheduler.compile_s, set(scheduler._executables)
+    assert ("replay", g2, scheduler._state.tokens.shape) in programs
+    requests = [Request(30 + i, 70 + 20 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # all in the 128 bucket
+    tokens, finished = submit_all(scheduler, requests)
+    while len(finished) < 3:
+        scheduler.step()
+    segments = scheduler.refinement.segments
+    assert segments and all(g2.name in s["replayed_tokens_per_iteration"] for s in segments)
+    assert set(scheduler._executables) == programs and scheduler.compile_s == compiled_s
+    for i, req in enumerate(requests):
+        assert tokens[i] == alone(params, SpecConfig(method="plain").validate(), req), i
+
+
 @pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="vegas", gamma=3, min_tokens=32), id="vegas",
                                                marks=pytest.mark.slow),  # opt-in; the runner's shrink runs by default
                                   pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32),

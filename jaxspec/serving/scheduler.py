@@ -245,8 +245,8 @@ class Scheduler:
 
     def warm_up(self, prompt_tokens: int = MIN_PROMPT_BUCKET) -> None:
         """Compiles the empty state, the segment and the admissions of prompts of up to
-        `prompt_tokens` tokens, every group size up to `admit_rows`, and with `shrink` what shrinking
-        runs (nothing decodes), so the first requests don't wait on it."""
+        `prompt_tokens` tokens, every group size up to `admit_rows`, the refinement's replays, and
+        with `shrink` what shrinking runs (nothing decodes), so the first requests don't wait on it."""
         width = self._bucket(prompt_tokens)
         if self._state is None:
             self._state = self._free_state()
@@ -258,6 +258,10 @@ class Scheduler:
                 self._executable("chunk", self.params, cache, args.prompts, args.lengths, jnp.int32(0), shape=(n, width))
             self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
         self._compile_segment(self._state, self.slots)
+        if self.refinement is not None:  # the replays of its first segments (~1 s a compile on an H100)
+            length = np.asarray(jax.device_get(self._state.length))
+            for strategy in self.refinement.replayed:
+                self._replay(strategy, length, length)
         if self.shrink:
             self._warm_up_shrinking()
 
@@ -466,12 +470,16 @@ class Scheduler:
         start = np.where(whole, since[0], end)
         replays = {}
         for strategy in self.refinement.replayed:
-            drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
-            replay = self._compiled(("replay", strategy, self._state.tokens.shape),  # tokens' width: the running depth
-                                    jax.jit(drafter.replay), self._state.tokens, start, end)
-            iterations = np.asarray(replay(self._state.tokens, start, end))
+            iterations = np.asarray(self._replay(strategy, start, end)(self._state.tokens, start, end))
             replays[strategy] = planner.Observation.replayed(end - start, iterations, whole)
         return replays
+
+    def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: np.ndarray):
+        """`strategy`'s `Ngram.replay` over the state's tokens, compiled once per strategy and tokens'
+        shape (their width is the running strategy's depth)."""
+        drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
+        return self._compiled(("replay", strategy, self._state.tokens.shape), jax.jit(drafter.replay),
+                              self._state.tokens, start, end)
 
     def _may_shrink(self) -> bool:
         return (self.shrink and not self._waiting and self._staged is None
