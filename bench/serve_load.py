@@ -266,6 +266,8 @@ def main():
                     strategy = server.model_info()
                     run.update(config=config, rate=rate, repeat=repeat, strategy=strategy["method"] if method != "auto"
                                else f"auto: {strategy['method']}")
+                    if "auto" in strategy:  # the refinement's plan, switches and segments so far
+                        run["auto"] = strategy["auto"]
                     result["runs"].append(run)
                     result["summary"] = summarize(result["runs"])
                     common.write_json(path, result)

@@ -6,6 +6,7 @@ tree; the rows already running are not disturbed; a released row stops changing.
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -250,10 +251,13 @@ def test_auto_switches_while_serving(params, monkeypatch):
 def test_warm_up_compiles_the_refinements_replays(params, monkeypatch):
     """A warmed-up server refining ngram g3 replays ngram g2 over every segment and watch window,
     and compiles nothing while it serves: the replay's program came with the warm-up (in a server a
-    compile is time the waiting requests lose)."""
+    compile is time the waiting requests lose). /v1/models reports the refinement."""
     from jaxspec.decoding import planner
+    from starlette.testclient import TestClient
+
     from jaxspec.decoding.planner import Prediction, Strategy
     from jaxspec.serving.scheduler import Scheduler
+    from jaxspec.serving.server import create_app
 
     g3, g2 = Strategy("ngram", gamma=3), Strategy("ngram", gamma=2)
     monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
@@ -269,6 +273,11 @@ def test_warm_up_compiles_the_refinements_replays(params, monkeypatch):
         scheduler.step()
     segments = scheduler.refinement.segments
     assert segments and all(g2.name in s["replayed_tokens_per_iteration"] for s in segments)
+    report = scheduler.refinement.describe()
+    assert report["planned"]["strategy"] == report["current"] == g3.name and report["switches"] == []
+    assert report["segments"] == len(segments) and not report["refining"]
+    models = TestClient(create_app(scheduler, "tiny")).get("/v1/models").json()
+    assert models["data"][0]["jaxspec"]["auto"] == json.loads(json.dumps(report))
     assert set(scheduler._executables) == programs and scheduler.compile_s == compiled_s
     for i, req in enumerate(requests):
         assert tokens[i] == alone(params, SpecConfig(method="plain").validate(), req), i

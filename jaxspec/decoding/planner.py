@@ -854,3 +854,9 @@ class Refinement:
     def lossless(self) -> bool:
         """Every strategy that ran was lossless."""
         return all(s.precision == "strict" for s in self.ran)
+
+    def describe(self) -> dict:
+        """What a server reports of its refinement (/v1/models): the plan, the strategy running now,
+        whether it still refines, its switches so far and how many segments it has judged."""
+        return {"planned": self.plan.describe(), "current": self.current.name, "refining": self.active,
+                "switches": list(self.switches), "segments": len(self.segments)}

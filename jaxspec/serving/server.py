@@ -65,7 +65,8 @@ def create_app(scheduler: Scheduler, model_name: str) -> Starlette:
     async def models(_: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "jaxspec", "max_model_len": scheduler.max_len,
-            "jaxspec": {**scheduler.spec.describe(), "slots": scheduler.slots, "max_top_k": scheduler.max_top_k},
+            "jaxspec": {**scheduler.spec.describe(), "slots": scheduler.slots, "max_top_k": scheduler.max_top_k,
+                        **({"auto": scheduler.refinement.describe()} if scheduler.refinement else {})},
         }]})
 
     async def metrics(_: HttpRequest) -> Response:
