@@ -248,10 +248,11 @@ def test_auto_switches_while_serving(params, monkeypatch):
     assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
 
 
-def test_warm_up_compiles_the_refinements_replays(params, monkeypatch):
-    """A warmed-up server refining ngram g3 replays ngram g2 over every segment and watch window,
-    and compiles nothing while it serves: the replay's program came with the warm-up (in a server a
-    compile is time the waiting requests lose). /v1/models reports the refinement."""
+def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
+    """A server warmed up for prompts of up to 128 tokens, refining ngram g3 (it replays ngram g2
+    over every segment and watch window), compiles nothing while it serves prompts of 40-90 tokens:
+    the replay and both prompt buckets came with the warm-up (in a server a compile is time the
+    waiting requests lose). /v1/models reports the refinement."""
     from jaxspec.decoding import planner
     from starlette.testclient import TestClient
 
@@ -267,7 +268,7 @@ def test_warm_up_compiles_the_refinements_replays(params, monkeypatch):
     scheduler.warm_up(128)  # the prompts' bucket
     compiled_s, programs = scheduler.compile_s, set(scheduler._executables)
     assert ("replay", g2, scheduler._state.tokens.shape) in programs
-    requests = [Request(30 + i, 70 + 20 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # all in the 128 bucket
+    requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # buckets 64 and 128
     tokens, finished = submit_all(scheduler, requests)
     while len(finished) < 3:
         scheduler.step()

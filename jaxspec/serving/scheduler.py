@@ -244,19 +244,20 @@ class Scheduler:
             self._thread.join()
 
     def warm_up(self, prompt_tokens: int = MIN_PROMPT_BUCKET) -> None:
-        """Compiles the empty state, the segment and the admissions of prompts of up to
-        `prompt_tokens` tokens, every group size up to `admit_rows`, the refinement's replays, and
+        """Compiles the empty state, the segment, the admissions of prompts of up to `prompt_tokens`
+        tokens (every prompt bucket and group size up to `admit_rows`), the refinement's replays, and
         with `shrink` what shrinking runs (nothing decodes), so the first requests don't wait on it."""
-        width = self._bucket(prompt_tokens)
         if self._state is None:
             self._state = self._free_state()
-        chunked = self.prefill_chunk is not None and width > self.prefill_chunk
-        for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
-            args = self._admission([], [], n, width)
-            cache = self._executable("blank", args.lengths, shape=(n,)).out_info if chunked else None
-            if chunked:
-                self._executable("chunk", self.params, cache, args.prompts, args.lengths, jnp.int32(0), shape=(n, width))
-            self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
+        for width in self._buckets(prompt_tokens):
+            chunked = self.prefill_chunk is not None and width > self.prefill_chunk
+            for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
+                args = self._admission([], [], n, width)
+                cache = self._executable("blank", args.lengths, shape=(n,)).out_info if chunked else None
+                if chunked:
+                    self._executable("chunk", self.params, cache, args.prompts, args.lengths, jnp.int32(0),
+                                     shape=(n, width))
+                self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
         self._compile_segment(self._state, self.slots)
         if self.refinement is not None:  # the replays of its first segments (~1 s a compile on an H100)
             length = np.asarray(jax.device_get(self._state.length))
@@ -652,6 +653,13 @@ class Scheduler:
 
     def _bucket(self, n: int) -> int:
         return min(max(MIN_PROMPT_BUCKET, next_pow2(n)), self.max_len)
+
+    def _buckets(self, prompt_tokens: int) -> list[int]:
+        """Every prompt bucket of prompts of up to `prompt_tokens` tokens, smallest first."""
+        top, widths = self._bucket(prompt_tokens), [self._bucket(1)]
+        while widths[-1] < top:
+            widths.append(self._bucket(2 * widths[-1]))
+        return widths
 
     def _row_bucket(self, n: int) -> int:
         """Rows of an admission of n requests: a power of two below the slot count, or every slot.
