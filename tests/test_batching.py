@@ -265,7 +265,7 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
     plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (g3, g2, Strategy())), g3, "test", 1024)
     scheduler = Scheduler(params, CFG, None, SpecConfig(min_tokens=32), slots=2, max_len=MAX_LEN, plan=plan,
                           max_top_k=32)
-    scheduler.warm_up(128)  # the prompts' bucket
+    scheduler.warm_up(128)  # prompts of up to 128 tokens: buckets 64 and 128
     compiled_s, programs = scheduler.compile_s, set(scheduler._executables)
     assert ("replay", g2, scheduler._state.tokens.shape) in programs
     requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # buckets 64 and 128
