@@ -248,6 +248,35 @@ def test_auto_switches_while_serving(params, monkeypatch):
     assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
 
 
+def test_an_idle_server_goes_on_refining(params, monkeypatch):
+    """A request that ends inside the refinement's first segment leaves the server idle, not its
+    choice settled: the next requests are refined on (here a scripted switch vegas -> plain), and
+    their greedy tokens are plain decoding's."""
+    from jaxspec.decoding import planner
+    from jaxspec.decoding.planner import Prediction, Strategy
+    from jaxspec.serving.scheduler import Scheduler
+
+    vegas, plain = Strategy("vegas", gamma=3, ratio=0.07), Strategy()
+    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: (plain, "scripted"))
+    plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (vegas, plain)), vegas, "test", 1024)
+    scheduler = Scheduler(params, CFG, None, SpecConfig(min_tokens=32), slots=2, max_len=MAX_LEN, plan=plan,
+                          max_top_k=32)
+    short = Request(60, 50, 2, GREEDY)  # done within the first segment's iterations
+    _, finished = submit_all(scheduler, [short])
+    while not finished:
+        scheduler.step()
+    r = scheduler.refinement
+    assert r.active and r.current == vegas and len(r.segments) == 1
+    requests = [Request(61 + i, 40 + 30 * i, 30, GREEDY) for i in range(2)]
+    tokens, finished = submit_all(scheduler, requests)
+    while len(finished) < 2:
+        scheduler.step()
+    assert [(s["from"], s["to"]) for s in r.switches] == [(vegas.name, "plain")]
+    plain_spec = SpecConfig(method="plain").validate()
+    for i, req in enumerate(requests):
+        assert tokens[i] == alone(params, plain_spec, req), i
+
+
 def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
     """A server warmed up for prompts of up to 128 tokens, refining ngram g3 (it replays ngram g2
     over every segment and watch window), compiles nothing while it serves prompts of 40-90 tokens:

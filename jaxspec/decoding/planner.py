@@ -756,8 +756,9 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
 class Refinement:
     """Refinement at run time (point 3 of the module docstring) as the scheduler drives it: the
     strategy running now, what each strategy was observed to do, the switches made and the segments
-    seen. `active` until the choice is settled: `decide` keeps the current strategy, MAX_SWITCHES
-    were made, or the rows finished. A measured table's plain choice has nothing to refine (no
+    seen. `active` until the choice is settled: `decide` keeps the current strategy, or MAX_SWITCHES
+    were made (not when the rows finished: a server goes on with its next requests). A measured
+    table's plain choice has nothing to refine (no
     drafts to observe), so it starts settled and runs as plain does. Settled, it is `watching` while
     it has ngram to watch. `closed`: a static batch (the rows it starts with are all it runs, and it
     lasts as long as its slowest row): ngram, running or replayed, is then judged by its slowest row,
@@ -797,10 +798,13 @@ class Refinement:
     def observe(self, seen: Observation, finished: bool, replays: dict | None = None) -> Strategy | None:
         """Records a segment of the current strategy (and `replays` over it, {Strategy:
         Observation.replayed}); returns the strategy to switch to, or None (and settles) when the
-        current one stays."""
+        current one stays. With every row `finished` it returns None and refines on: a server that
+        went idle refines with its next requests (a run that ended has no next segment)."""
         replays = self._record(seen, replays, watch=False)
+        if finished:
+            return None
         c = self.current
-        target, reason = (c, "") if finished or len(self.switches) == MAX_SWITCHES else decide(
+        target, reason = (c, "") if len(self.switches) == MAX_SWITCHES else decide(
             self.plan.candidates, self.observations, c, probe_plain=self.plan.source == "cost-model", replays=replays,
             closed=self.closed)
         if target == c:
