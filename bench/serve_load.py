@@ -10,13 +10,15 @@ A config is method:batching[:chunk[:shrink]]. For each, one server process (`pyt
 the planner's choice as it serves) is started, warmed up (its admissions compiled for the prompts' length, then one
 request) and driven by this process over HTTP/1.0 with streamed /v1/completions (prompt token ids,
 every chunk carrying its token ids) at each rate, --repeats times (the server process stays up
-across rates and repeats). Every config and repeat at one rate serves the same requests on the same
-arrival schedule, so configs compare on one workload and the spread is the runs' own. Static batching is the server admitting only
+across rates and repeats). Every config at one rate serves the same requests on the same arrival
+schedule, so configs compare on one workload. Repeat r samples with seeds r x requests + i (a
+process repeats its texts bit for bit under one seed), so the spread covers the sampled texts as well
+as timing. Static batching is the server admitting only
 when every slot is free (all that wait, in one prefill), so a batch holds its slots until its longest
 request ends: the static batch of `generate` placed on the arrival timeline.
 
 Requests: real-text continuation prompts of about --prompt-tokens tokens (a different document each,
-chat template), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95, seeds 0... Per run:
+chat template), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95 (seeds above). Per run:
 throughput (completion tokens over first arrival to last token), time to first token (arrival to the
 first streamed token), inter-token latency (each chunk's gap spread over its tokens), end-to-end
 latency, and tokens per iteration (from the requests' usage). Per (config, rate): the median of the
@@ -151,9 +153,11 @@ async def request(port: int, ids: list[int], max_tokens: int, seed: int, at: flo
     return {"arrival": arrival, "chunks": chunks, "usage": usage}
 
 
-async def load(port: int, ids, max_tokens, arrivals) -> list[dict]:
+async def load(port: int, ids, max_tokens, arrivals, first_seed: int = 0) -> list[dict]:
+    """Sends request i (seed first_seed + i) at arrivals[i]; returns their records."""
     t0 = time.perf_counter()
-    return await asyncio.gather(*(request(port, x, n, i, at, t0) for i, (x, n, at) in enumerate(zip(ids, max_tokens, arrivals))))
+    return await asyncio.gather(*(request(port, x, n, first_seed + i, at, t0)
+                                  for i, (x, n, at) in enumerate(zip(ids, max_tokens, arrivals))))
 
 
 def measure(records: list[dict]) -> dict:
@@ -262,7 +266,7 @@ def main():
             for rate in args.rates:
                 for repeat in range(args.repeats):
                     max_tokens, arrivals = schedule(args.requests, args.new, rate, seed=0)
-                    run = measure(asyncio.run(load(server.port, ids, max_tokens, arrivals)))
+                    run = measure(asyncio.run(load(server.port, ids, max_tokens, arrivals, repeat * len(ids))))
                     strategy = server.model_info()
                     run.update(config=config, rate=rate, repeat=repeat, strategy=strategy["method"] if method != "auto"
                                else f"auto: {strategy['method']}")
