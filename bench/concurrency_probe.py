@@ -9,6 +9,7 @@ B rows: if those cost one chain's time, they ran side by side). Run it once per 
 """
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -40,12 +41,14 @@ def layer(x, w):
     return h + (jax.nn.silu(gu[:, :FFN]) * gu[:, FFN:]) @ w["down"]
 
 
+def scanned(x, ws, unroll: int = 1):
+    """One chain through the layers, a scan over their stacked weights."""
+    return jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws, unroll=unroll)[0]
+
+
 def chains(xs, ws):
     """Each chain its own scan of the layers: no data flows between chains."""
-    out = []
-    for x in xs:
-        out.append(jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0])
-    return out
+    return [scanned(x, ws) for x in xs]
 
 
 def chains_one_scan(xs, ws):
@@ -86,14 +89,12 @@ def products(x, ws):
     return x
 
 
-def gemm_cases(B):
-    stacked = weights(jax.random.key(0))
+def gemm_cases(B, stacked):
     ws = [jax.tree.map(lambda a: a[i], stacked) for i in range(LAYERS)]
     x = jax.random.normal(jax.random.key(1), (B, HIDDEN), jnp.bfloat16)
     return {
-        f"scan, layer of {B}": (jax.jit(chains), ([x], stacked)),
-        f"scan unroll=30, layer of {B}": (jax.jit(lambda x, w: jax.lax.scan(lambda x, w: (layer(x, w), None), x, w,
-                                                                          unroll=LAYERS)[0]), (x, stacked)),
+        f"scan, layer of {B}": (jax.jit(scanned), (x, stacked)),
+        f"scan unroll=30, layer of {B}": (jax.jit(functools.partial(scanned, unroll=LAYERS)), (x, stacked)),
         f"unrolled, layer of {B}": (jax.jit(unrolled), (x, ws)),
         f"unrolled, products of {B}": (jax.jit(products), (x, ws)),
     }
@@ -111,7 +112,7 @@ def main():
     B = args.batch
     x = lambda n, seed: jax.random.normal(jax.random.key(seed), (n, HIDDEN), jnp.bfloat16)
     if args.part == "gemms":
-        rows = timed(gemm_cases(B))
+        rows = timed(gemm_cases(B, ws))
     else:
         rows = timed({
             f"one chain of {B}": (jax.jit(chains), ([x(B, 1)], ws)),

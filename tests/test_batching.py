@@ -282,9 +282,9 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
     over every segment and watch window), compiles nothing while it serves prompts of 40-90 tokens:
     the replay and both prompt buckets came with the warm-up (in a server a compile is time the
     waiting requests lose). /v1/models reports the refinement."""
-    from jaxspec.decoding import planner
     from starlette.testclient import TestClient
 
+    from jaxspec.decoding import planner
     from jaxspec.decoding.planner import Prediction, Strategy
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app
