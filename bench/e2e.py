@@ -15,7 +15,8 @@ each repeated with seeds 0.. (median and spread of decode tokens/s). Sampling (T
 the headline; greedy runs beside it for --greedy-methods (greedy SmolLM2 loops at long context,
 which inflates acceptance: degeneration, the share of repeated 4-grams in the outputs, says how
 much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless --tuned names a
-`python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric) then apply to chains;
+`python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric, and the
+settings of its `batches` for each batch: `jaxspec.tune.at_batch`) then apply to chains;
 --metrics runs the score methods with each named metric, --ratios the sparse drafters with each budget
 ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at the chosen gamma),
 --balances with each budget balance (`SpecConfig.balance`: rows share the budget by their lost drafts),
@@ -52,6 +53,7 @@ from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
 from jaxspec.runner import run_generation
+from jaxspec.tune import at_batch
 from pallas_kernels.verify_attention import METRICS
 
 METHODS = ("plain", "vegas", "stream", "quest", "ngram", "auto")
@@ -87,11 +89,12 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
     for batch_size in args.batches:
         batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new, backend)
         context = int(batch.lengths.mean()) + args.new // 2
+        tuned = {m: at_batch(choice, batch_size) for m, choice in (tuning or {}).items()}  # this batch's settings
         for sampling_name in args.samplings:
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
-                dataclasses.replace(spec_of(m, s, backend, tuning, metric, ratio, balance, every), draft_weights=w, draft_skip=skip)
+                dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every), draft_weights=w, draft_skip=skip)
                 for m in methods if m not in ("plain", "auto") for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])

@@ -27,7 +27,7 @@ from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
 from jaxspec.serving.scheduler import Request, Scheduler
-from jaxspec.tune import load_tuned
+from jaxspec.tune import at_batch, load_tuned
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
 
@@ -99,9 +99,10 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def spec_from_args(args) -> SpecConfig:
-    """The validated SpecConfig of the method flags (`--method auto`: plain, the planner's starting
-    point, with the fixed settings refused: auto chooses them)."""
+def spec_from_args(args, batch: int = 1) -> SpecConfig:
+    """The validated SpecConfig of the method flags for a batch of `batch` rows (`--tuned` settings
+    may differ per batch size; `--method auto`: plain, the planner's starting point, with the fixed
+    settings refused: auto chooses them)."""
     auto = args.method == "auto"
     if auto:
         fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
@@ -112,7 +113,7 @@ def spec_from_args(args) -> SpecConfig:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
     elif args.planner_table:
         raise JaxspecError("--planner-table is for --method auto")
-    tuned = load_tuned(args.tuned, args.method) if args.tuned else {}
+    tuned = at_batch(load_tuned(args.tuned, args.method), batch) if args.tuned else {}
     gamma = args.gamma if args.gamma is not None else tuned.get("gamma") or 6
     ratio = args.ratio if args.ratio is not None else tuned.get("ratio") or 0.07
     metric = args.metric or tuned.get("metric") or "weight"
@@ -172,9 +173,9 @@ def main(argv=None):
         raise JaxspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     auto = args.method == "auto"
-    spec = spec_from_args(args)
     prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
     prompts = prompts or [DEFAULT_PROMPT]
+    spec = spec_from_args(args, batch=len(prompts))
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     stream = (sys.stdout.isatty() and len(prompts) == 1 and not args.json) if args.stream is None else args.stream
     if stream and (len(prompts) > 1 or args.json):  # before loading the model: a flag error is instant

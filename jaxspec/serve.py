@@ -58,7 +58,7 @@ def main(argv=None):
                              ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0)):
         if value < low:
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
-    spec = spec_from_args(args)
+    spec = spec_from_args(args, batch=args.slots)  # --tuned settings for a batch of its slots
 
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app

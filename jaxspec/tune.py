@@ -78,7 +78,7 @@ def tune_method(tuner: Tuner, method: str, ratios, gammas, large_gamma: int, tol
 
 
 # The settings a tuned choice may carry (this tool writes the first five; bench/smollm2_h100.json the
-# rest) and their JSON types; SpecConfig.validate then checks their ranges.
+# rest, and per-batch ones under "batches") and their JSON types; SpecConfig.validate then checks their ranges.
 TUNED_KEYS = {"gamma": int, "ratio": float, "metric": str, "tree": str, "traversal": str, "balance": float,
               "select_every": int}
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
@@ -86,7 +86,8 @@ TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 def load_tuned(path: Path, method: str) -> dict:
     """The (gamma, ratio, and tree if one won) chosen for `method` in a file written by this tool (or
-    by hand); a setting of the wrong type is a JaxspecError naming it."""
+    by hand), with its per-batch settings (`batches`, see `at_batch`) if it has any; a setting of the
+    wrong type is a JaxspecError naming it."""
     try:
         methods = json.loads(path.read_text())["methods"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -95,14 +96,35 @@ def load_tuned(path: Path, method: str) -> dict:
         have = ", ".join(methods) if isinstance(methods, dict) else "no methods"
         raise JaxspecError(f"tuned file {path} has no entry for method {method!r} (it has {have})")
     choice = methods[method]
+    _check_settings(path, method, choice)
+    batches = choice.get("batches", {})
+    if not isinstance(batches, dict):
+        raise JaxspecError(f"tuned file {path}: {method}.batches must be an object of batch sizes, got {batches!r}")
+    for rows, setting in batches.items():
+        if not rows.isdigit() or int(rows) < 1:
+            raise JaxspecError(f"tuned file {path}: {method}.batches keys are batch sizes >= 1, got {rows!r}")
+        _check_settings(path, f"{method}.batches.{rows}", setting)
+    return choice
+
+
+def _check_settings(path: Path, name: str, choice) -> None:
     if not isinstance(choice, dict):
-        raise JaxspecError(f"tuned file {path}: the entry for {method!r} must be an object, got {choice!r}")
+        raise JaxspecError(f"tuned file {path}: the entry for {name!r} must be an object, got {choice!r}")
     for key, kind in TUNED_KEYS.items():
         value = choice.get(key)
         kinds = (int, float) if kind is float else kind  # a JSON number may be written without a fraction
         if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
-            raise JaxspecError(f"tuned file {path}: {method}.{key} must be {TYPE_NAMES[kind]}, got {value!r}")
-    return choice
+            raise JaxspecError(f"tuned file {path}: {name}.{key} must be {TYPE_NAMES[kind]}, got {value!r}")
+
+
+def at_batch(choice: dict, batch: int) -> dict:
+    """A tuned choice for a batch of `batch` rows: its settings, replaced by those of the largest size in
+    its `batches` not above `batch` ({"32": {"balance": 2}, "128": {"gamma": 10}}: 32's from 32 rows
+    up to 127, 128's from 128). What pays depends on the rows: a static batch's tail, which a shared
+    budget and longer chains cut, grows with them (bench/NOTES.md, "settings per batch")."""
+    by_rows = {int(rows): setting for rows, setting in choice.get("batches", {}).items() if int(rows) <= batch}
+    base = {key: value for key, value in choice.items() if key != "batches"}
+    return base | by_rows[max(by_rows)] if by_rows else base
 
 
 def parse_tree(text: str) -> TreeShape:

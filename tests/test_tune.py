@@ -80,6 +80,30 @@ def test_generate_takes_a_tuned_tree(hf_checkpoints, tmp_path, capsys):
     assert (stats["tree"], stats["traversal"]) == ("3,1", "bfs")
 
 
+def test_a_tuned_choice_per_batch():
+    """Each batch takes the settings of the largest listed size not above it, over the method's own."""
+    choice = {"gamma": 6, "ratio": 0.07, "select_every": 2,
+              "batches": {"128": {"gamma": 10, "balance": 2.0}, "32": {"balance": 2.0}}}
+    base = {"gamma": 6, "ratio": 0.07, "select_every": 2}
+    for batch, want in ((1, base), (31, base), (32, base | {"balance": 2.0}), (127, base | {"balance": 2.0}),
+                        (128, base | {"gamma": 10, "balance": 2.0}), (4096, base | {"gamma": 10, "balance": 2.0})):
+        assert tune.at_batch(choice, batch) == want, batch
+    assert tune.at_batch(base, 64) == base and "batches" in choice  # the choice itself is left as it was
+
+
+def test_generate_takes_the_tuned_settings_of_its_batch(hf_checkpoints, tmp_path, capsys):
+    choice = tmp_path / "choice.json"
+    choice.write_text(json.dumps({"methods": {"vegas": {"gamma": 3, "ratio": 0.5,
+                                                        "batches": {"2": {"gamma": 4, "balance": 2}}}}}))
+    run = ["--model", str(hf_checkpoints["llama"]), "--prompt", "hello there", "--max-new-tokens", "4", "--method", "vegas",
+           "--tuned", str(choice), "--json"]
+    for extra, want in (([], (3, 0.5, 1.0)), (["--prompt", "the other row"], (4, 0.5, 2.0)),
+                        (["--prompt", "the other row", "--gamma", "5"], (5, 0.5, 2.0))):  # an explicit flag wins
+        generate.main(run + extra)
+        stats = json.loads(capsys.readouterr().out)["stats"]
+        assert (stats["gamma"], stats["ratio"], stats["balance"]) == want, extra
+
+
 def test_tuned_file_errors(tuned_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         generate.main(["--method", "quest", "--tuned", str(tuned_file)])
@@ -90,7 +114,12 @@ def test_tuned_file_errors(tuned_file, tmp_path, capsys):
         generate.main(["--method", "vegas", "--tuned", str(bad)])
     assert "cannot read tuned file" in capsys.readouterr().err
     for setting, fragment in (({"gamma": "six"}, "vegas.gamma must be an integer"), ({"select_every": 2.5}, "vegas.select_every"),
-                              ({"ratio": True}, "vegas.ratio must be a number"), ([6], "must be an object")):
+                              ({"ratio": True}, "vegas.ratio must be a number"), ([6], "must be an object"),
+                              ({"batches": [128]}, "vegas.batches must be an object"),
+                              ({"batches": {"0": {}}}, "batches keys are batch sizes"),
+                              ({"batches": {"many": {}}}, "batches keys are batch sizes"),
+                              ({"batches": {"128": {"gamma": 10.5}}}, "vegas.batches.128.gamma must be an integer"),
+                              ({"batches": {"128": 10}}, "must be an object")):
         bad.write_text(json.dumps({"methods": {"vegas": setting}}))
         with pytest.raises(SystemExit) as exit_info:
             generate.main(["--method", "vegas", "--tuned", str(bad)])
