@@ -21,7 +21,8 @@ from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
 # The step floor (DESIGN.md section 6) is the planner's cost-model base; benchmarks use the same one.
 from jaxspec.decoding.planner import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
-from jaxspec.models.kvcache import KVCache, cache_shape
+from jaxspec.models.kvcache import KVCache, cache_shape, cache_slots
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
 from jaxspec.decoding.sampling import SamplingConfig
@@ -114,6 +115,14 @@ def block_means(x, block_size: int):
         blocks = x[layer].reshape(B, H, S // block_size, block_size, D).astype(jnp.float32)
         return out.at[layer].set(blocks.mean(axis=3).astype(x.dtype))
     return jax.lax.fori_loop(0, L, body, jnp.zeros((L, B, H, S // block_size, D), x.dtype))
+
+
+def random_lengths(context: int) -> tuple[int, int, int]:
+    """(max_len, cache slots, draft capacity k_max) of a random-state benchmark at `context`: room for
+    256 new tokens and a draft tree's rows, and a k_max that holds any ratio up to 0.2, so one
+    compiled capacity serves every ratio a benchmark sweeps."""
+    max_len = context + 256
+    return max_len, cache_slots(max_len + MAX_TREE_ROWS), SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
 
 
 def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array, layers: int | None = None) -> KVCache:

@@ -18,10 +18,7 @@ import jax.numpy as jnp
 
 from bench import common
 from bench.throughput import STAGE_REPEATS, spec_for
-from jaxspec.decoding.spec import SpecConfig
 from jaxspec.models import decoder
-from jaxspec.models.kvcache import cache_slots
-from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.runner import decode_fns
 
 
@@ -35,12 +32,11 @@ def main():
     args = p.parse_args()
     cfg, backend = common.SMOLLM2, "pallas" if jax.default_backend() == "gpu" else "reference"
     params = decoder.init_params(cfg, jax.random.key(0))
-    max_len = args.context + 256
-    slots = cache_slots(max_len + MAX_TREE_ROWS)
+    max_len, slots, k_max = common.random_lengths(args.context)
     result = common.run_info() | {"batch": args.batch, "context": args.context, "rows": []}
     for method in args.methods:
         spec = spec_for(method, {method: {"gamma": 6, "ratio": 0.07}}, backend,
-                        k_max=SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len) if method != "plain" else None)
+                        k_max=k_max if method != "plain" else None)
         state = common.random_state(params, cfg, spec, common.random_cache(cfg, args.batch, slots, jax.random.key(1)),
                                     args.context, max_len)
         _, decode = decode_fns(cfg, spec, common.SAMPLINGS["sample"], max_len)

@@ -36,9 +36,7 @@ import numpy as np
 from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder, draft_weights
-from jaxspec.models.kvcache import cache_slots
-from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
-from jaxspec.decoding.tree import MAX_TREE_ROWS
+from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, takes_draft_model
 from pallas_kernels.verify_attention import METRICS
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
@@ -179,9 +177,7 @@ def main():
     sampling = common.SAMPLINGS[args.sampling]
     context = 256 if args.tiny else args.context
     params = decoder.init_params(cfg, jax.random.key(0))
-    max_len = context + 256
-    slots = cache_slots(max_len + MAX_TREE_ROWS)
-    k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
+    max_len, slots, k_max = common.random_lengths(context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])

@@ -34,11 +34,9 @@ from jaxspec import corpus, files
 from jaxspec.decoding import engine
 from jaxspec.models import decoder
 from jaxspec.decoding.drafters import Drafter, make_drafter
-from jaxspec.models.kvcache import cache_slots
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
-from jaxspec.decoding.tree import MAX_TREE_ROWS
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 DEFAULT_TUNING = {m: {"gamma": 6, "ratio": 0.07} for m in METHODS}
@@ -191,9 +189,7 @@ def qwen3_part(args, rates: dict, tuning: dict, result: dict) -> None:
     weight_bytes = common.tree_bytes(params)
     contexts = (512, 1024) if args.tiny else args.contexts
     batch_size = args.qwen3_batch
-    max_len = max(contexts) + 256
-    slots = cache_slots(max_len + MAX_TREE_ROWS)
-    k_max = SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
+    max_len, slots, k_max = common.random_lengths(max(contexts))
     cache = common.random_cache(cfg, batch_size, slots, jax.random.key(1))
     for method in args.methods:
         spec = spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None)
