@@ -101,7 +101,7 @@ def load_tuned(path: Path, method: str) -> dict:
     if not isinstance(batches, dict):
         raise JaxspecError(f"tuned file {path}: {method}.batches must be an object of batch sizes, got {batches!r}")
     for rows, setting in batches.items():
-        if not rows.isdigit() or int(rows) < 1:
+        if not rows.isdecimal() or int(rows) < 1:  # isdigit admits "²", which int() refuses
             raise JaxspecError(f"tuned file {path}: {method}.batches keys are batch sizes >= 1, got {rows!r}")
         _check_settings(path, f"{method}.batches.{rows}", setting)
     return choice

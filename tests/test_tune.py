@@ -117,6 +117,7 @@ def test_tuned_file_errors(tuned_file, tmp_path, capsys):
                               ({"batches": [128]}, "vegas.batches must be an object"),
                               ({"batches": {"0": {}}}, "batches keys are batch sizes"),
                               ({"batches": {"many": {}}}, "batches keys are batch sizes"),
+                              ({"batches": {"\u00b2": {}}}, "batches keys are batch sizes"),
                               ({"batches": {"128": {"gamma": 10.5}}}, "vegas.batches.128.gamma must be an integer"),
                               ({"batches": {"128": 10}}, "must be an object")):
         bad.write_text(json.dumps({"methods": {"vegas": setting}}))
