@@ -1,6 +1,6 @@
 """The attention kernels' split-K count against its rule (`_common.num_splits`), per shape.
 
-    PYTHONPATH=. python3 bench/splits.py [--kernels sparse,verify] [--shapes NAME,...] [--splits 1,2,...] [--ratio 0.07] [--out DIR] [--tiny]
+    PYTHONPATH=. python3 bench/splits.py [--kernels sparse,verify] [--shapes NAME,...] [--splits 1,2,...] [--ratio 0.07] [--balance 1,2] [--out DIR] [--tiny]
 
 Why: the rule aimed at about 256 (batch x KV head x split) programs with at most 16 splits. With few
 KV heads at batch 1 (a 1.2B Llama's 2, SmolLM2's 3) that cap left 32-48 programs streaming the
@@ -9,8 +9,10 @@ whole cache; this sweep showed such grids want one wave of ~128 programs (the ru
 Each kernel is timed one call per layer in a scan over 8 cache layers, as the model runs it (the
 split merge included, every output element kept), for split counts 1-128 and the rule's choice,
 against the bytes it reads: the sparse kernel's gathered K and V (7% of the slots and a 16-token
-tail), the verify kernel's whole cache up to the query. Random bf16 caches; writes DIR/splits.json
-and prints a table last.
+tail), the verify kernel's whole cache up to the query. `--balance B` gives the sparse kernel's rows
+the budgets a shared budget (`SpecConfig.balance`) gives them: shares log-uniform over [1/B, B],
+scaled to mean 1 (the same total).
+Random bf16 caches; writes DIR/splits.json and prints a table last.
 """
 from __future__ import annotations
 
@@ -59,23 +61,27 @@ SHAPES = {  # kernel: {name: (B, S, Hq, Hkv, Dh, T)}; T is the query rows (the s
 TINY = {"sparse": {"tiny": (2, 512, 4, 2, 16, 1)}, "verify": {"tiny": (1, 512, 4, 2, 16, 3)}}
 
 
-def sparse_case(B, S, Hq, Hkv, Dh, T, layers, ratio=RATIO):
-    """(call(q, k, v, layer, splits), q, programs without splits, key blocks, bytes read); `ratio`
-    of the slots gathered."""
+def sparse_case(B, S, Hq, Hkv, Dh, T, layers, ratio=RATIO, balance=1.0):
+    """(call(q, k, v, layer, splits), q, programs without splits, key blocks, bytes read);
+    `ratio` of the slots gathered on average, a row's share of that within [1/balance, balance]."""
     K = math.ceil(ratio * S)
     rng = np.random.default_rng(0)
-    idx = np.stack([[rng.permutation(S - TAIL)[:K]] for _ in range(B)])[None]  # [1, B, 1, K]: one list per row
-    idx = jnp.broadcast_to(jnp.asarray(idx, jnp.int32), (layers, B, 1, K))
+    share = np.exp(rng.uniform(-math.log(balance), math.log(balance), B))
+    n_idx = np.clip(np.round(share / share.mean() * K), 1, math.ceil(balance * K)).astype(np.int32)
+    k_max = int(n_idx.max())
+    idx = np.stack([[rng.permutation(S - TAIL)[:k_max]] for _ in range(B)])[None]  # [1, B, 1, K]: one list per row
+    idx = jnp.broadcast_to(jnp.asarray(idx, jnp.int32), (layers, B, 1, k_max))
     q = jax.random.normal(jax.random.key(1), (layers, B, T, Hq, Dh), jnp.bfloat16)
-    n_idx, tail = jnp.full((B,), K, jnp.int32), jnp.full((B,), S - TAIL, jnp.int32)
+    n_idx, tail = jnp.asarray(n_idx), jnp.full((B,), S - TAIL, jnp.int32)
     pos = jnp.full((B, 1), S - 1, jnp.int32)
 
     def call(q, k, v, layer, splits):
-        return sparse_attention_pallas(q, k, v, layer, idx, n_idx, tail, pos, scale=Dh ** -0.5,
-                                       tail_capacity=TAIL, n_splits=splits, interpret=interpret_default())
+        return sparse_attention_pallas(q, k, v, layer, idx, n_idx, tail, pos, scale=Dh ** -0.5, tail_capacity=TAIL,
+                                       n_splits=splits, interpret=interpret_default())
 
-    blocks = math.ceil(K / SPARSE_BLOCK_K) + math.ceil(TAIL / SPARSE_BLOCK_K)
-    return call, q, B * Hkv * row_blocks(T, Hq // Hkv)[0], blocks, B * Hkv * (K + TAIL) * Dh * 2 * 2
+    blocks = math.ceil(k_max / SPARSE_BLOCK_K) + math.ceil(TAIL / SPARSE_BLOCK_K)
+    read = (int(n_idx.sum()) + B * TAIL) * Hkv * Dh * 2 * 2
+    return call, q, B * Hkv * row_blocks(T, Hq // Hkv)[0], blocks, read
 
 
 def verify_case(B, S, Hq, Hkv, Dh, T, layers):
@@ -90,11 +96,12 @@ def verify_case(B, S, Hq, Hkv, Dh, T, layers):
     return call, q, B * Hkv * row_blocks(T, Hq // Hkv)[0], S // VERIFY_BLOCK_K, B * Hkv * S * Dh * 2 * 2
 
 
-def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers, counts=SPLITS, ratio=RATIO):
+def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers, counts=SPLITS, ratio=RATIO, balance=1.0):
     """Rows {splits, default, us, GBps} for the rule's split count and every one of `counts` that
     fits the kernel's key blocks."""
     shape = (B, S, Hq, Hkv, Dh, T, layers)
-    call, q, programs, blocks, read = sparse_case(*shape, ratio) if kernel == "sparse" else verify_case(*shape)
+    call, q, programs, blocks, read = (sparse_case(*shape, ratio, balance) if kernel == "sparse"
+                                       else verify_case(*shape))
     keys = jax.random.split(jax.random.key(0), 2)
     k = jax.random.normal(keys[0], (layers, B, Hkv, S, Dh), jnp.bfloat16)
     v = jax.random.normal(keys[1], (layers, B, Hkv, S, Dh), jnp.bfloat16)
@@ -121,6 +128,8 @@ def main():
     p.add_argument("--splits", default=",".join(map(str, SPLITS)), type=lambda s: [int(n) for n in s.split(",") if n],
                    help="comma-separated split counts besides the rule's ('' for the rule's alone)")
     p.add_argument("--ratio", type=float, default=RATIO, help="the sparse kernel's share of the slots gathered")
+    p.add_argument("--balance", default="1", type=lambda s: [float(b) for b in s.split(",")],
+                   help="comma-separated: the sparse kernel's rows' budgets within [1/B, B] of the mean")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     args = p.parse_args()
     kernels = args.kernels.split(",")
@@ -131,14 +140,17 @@ def main():
         for name, shape in (TINY if args.tiny else SHAPES)[kernel].items():
             if args.shapes and name not in args.shapes.split(","):
                 continue
-            for row in time_shape(kernel, *shape, layers=2 if args.tiny else LAYERS, counts=args.splits,
-                                  ratio=args.ratio):
-                result["rows"].append({"kernel": kernel, "shape": name, "ratio": args.ratio if kernel == "sparse" else None, **row})
-                print(result["rows"][-1], flush=True)
-            common.write_json(args.out / "splits.json", result)
+            for balance in args.balance if kernel == "sparse" else [1.0]:
+                for row in time_shape(kernel, *shape, layers=2 if args.tiny else LAYERS, counts=args.splits,
+                                      ratio=args.ratio, balance=balance):
+                    result["rows"].append({"kernel": kernel, "shape": name, "ratio": args.ratio if kernel == "sparse" else None,
+                                           "balance": balance, **row})
+                    print(result["rows"][-1], flush=True)
+                common.write_json(args.out / "splits.json", result)
     print(common.markdown_table(result["rows"], [
-        ("kernel", "kernel", "s"), ("shape", "shape", "s"), ("splits", "splits", "d"), ("programs", "programs", "d"),
-        ("rule's", "default", "s"), ("us per call", "us", ".1f"), ("GB/s read", "GBps", ".0f")]))
+        ("kernel", "kernel", "s"), ("shape", "shape", "s"), ("balance", "balance", "g"), ("splits", "splits", "d"),
+        ("programs", "programs", "d"), ("rule's", "default", "s"),
+        ("us per call", "us", ".1f"), ("GB/s read", "GBps", ".0f")]))
 
 
 if __name__ == "__main__":
