@@ -8,7 +8,8 @@ the real decode loop over the strategy space and writes the ranked table that `-
     python -m jaxspec.profile --model smollm2 [--buckets 1024,2048,4096,8000] [--batch 1]
         [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
-        [--draft-weights exact,int8] [--select-every 1,2] [--new 256] [--repeats 3] [--budget SECONDS] [--out FILE]
+        [--draft-weights exact,int8] [--select-every 1,2] [--balances 1,2] [--new 256] [--repeats 3]
+        [--budget SECONDS] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
 setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
@@ -19,13 +20,14 @@ from a copy of its cache (seed = repeat), and the entry is the median decode tok
 with its spread. One batch's cache is held at a time, with a copy per run (3 repeats at 128 rows x
 8K ran on an H100 with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95).
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
-draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods).
+draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods) x
+`--balances` (sparse methods: the rows share the budget, `SpecConfig.balance`).
 NSA models: the same x verification group x precision class (classes other than strict only when
 listed, reuse ones only with a calibrated refresh schedule); each class gets its own ranked cell.
 
 Compiles: one max_len (the largest bucket's prompts + new tokens), one padded prompt width and one
-selection capacity for the whole profile, so each strategy compiles once per sampling mode and the
-buckets and ratios share it. `--budget` stops starting buckets, a bucket's later calibration batches
+selection capacity per balance for the whole profile, so each strategy compiles once per sampling
+mode and the buckets and ratios share it. `--budget` stops starting buckets, a bucket's later calibration batches
 and its first batch's speculative measurements after that many seconds of measuring (a started
 bucket still measures plain; a later batch runs every strategy the first ran, so entries share their
 batches); the table is rewritten (atomically) after every cell, so a cut-off run keeps what it
@@ -63,11 +65,11 @@ PROVENANCE = ("new_tokens", "repeats", "date", "command")  # how a cell was meas
 
 
 def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weights=("exact",),
-                   select_every=(1,)) -> list[Strategy]:
+                   select_every=(1,), balances=(1.0,)) -> list[Strategy]:
     """Plain (one per precision class) first, then every method x draft shape x ratio (sparse
     methods) x draft weights (model drafters; full only with quantized ones) x selection spacing
-    (score methods), on NSA models also x group x precision class. Dense models verify exactly: one
-    class (strict), group unused."""
+    (score methods) x balance (sparse methods), on NSA models also x group x precision class. Dense
+    models verify exactly: one class (strict), group unused."""
     if cfg.nsa is None:
         groups, precisions = (8,), ("strict",)
     space = [Strategy(precision=p) for p in precisions]
@@ -82,8 +84,10 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weig
                     for precision in precisions:
                         for kind in kinds:
                             for every in select_every if method in SCORE_METHODS else (1,):
-                                space.append(Strategy(method, ratio=ratio, precision=precision, group=group,
-                                                      draft_weights=kind, select_every=every, **shape))
+                                for balance in balances if method in SPARSE_METHODS else (1.0,):
+                                    space.append(Strategy(method, ratio=ratio, precision=precision, group=group,
+                                                          draft_weights=kind, select_every=every, balance=balance,
+                                                          **shape))
     return space
 
 
@@ -145,6 +149,8 @@ def parse_args(argv):
                    help="the model drafters' draft weights to profile, e.g. exact,int8 (one quantized kind)")
     p.add_argument("--select-every", type=ints, default=(1,),
                    help="score methods (vegas, all_rows, last_accepted): select after every N-th verification, e.g. 1,2")
+    p.add_argument("--balances", type=floats, default=(1.0,),
+                   help="sparse methods: the largest share of the budget a row may take (SpecConfig.balance), e.g. 1,2")
     p.add_argument("--new", type=int, default=256,
                    help="new tokens per measurement (generate's default run; 48 understates speculation, bench/NOTES.md)")
     p.add_argument("--repeats", type=int, default=3, help="calibration batches per bucket (median and spread)")
@@ -183,6 +189,12 @@ def check_args(args) -> None:
         raise JaxspecError(f"--select-every lists a value twice: {','.join(map(str, args.select_every))}")
     if args.select_every != (1,) and not set(args.methods) & set(SCORE_METHODS):
         raise JaxspecError(f"--select-every spaces the selections of {', '.join(SCORE_METHODS)}; --methods has none")
+    for balance in args.balances:
+        SpecConfig(method="vegas", balance=balance).validate()
+    if len(set(args.balances)) < len(args.balances):
+        raise JaxspecError(f"--balances lists a value twice: {','.join(map(str, args.balances))}")
+    if args.balances != (1.0,) and not set(args.methods) & set(SPARSE_METHODS):
+        raise JaxspecError(f"--balances shares the budget of {', '.join(SPARSE_METHODS)}; --methods has none")
     if args.new < 2 or args.repeats < 1 or min(args.batch) < 1 or min(args.buckets) < 1:
         raise JaxspecError("need --new >= 2, --repeats >= 1 and positive --batch and --buckets")
 
@@ -205,7 +217,7 @@ def main(argv=None):
         SpecConfig(precision=p).check_model(cfg)
         precisions.append(p)
     space = strategy_space(cfg, args.methods, args.gammas, trees, args.ratios, args.groups, precisions, args.draft_weights,
-                           args.select_every)
+                           args.select_every, args.balances)
     params = draft_weights.with_draft_weights(params, next((w for w in args.draft_weights if w != "exact"), "exact"))
     chat = tokenizer.has_chat_template
     prompts = {(b, bucket, r): calibration_batch(tokenizer, chat, b, bucket - args.new, r)
@@ -214,7 +226,9 @@ def main(argv=None):
     max_len = width + args.new
     if max_len > cfg.max_position_embeddings:
         raise JaxspecError(f"the largest bucket needs {max_len} positions; the model has {cfg.max_position_embeddings}")
-    base = SpecConfig(backend=args.backend, k_max=SpecConfig(ratio=max(args.ratios)).capacity(max_len))
+    bases = {b: SpecConfig(backend=args.backend, k_max=SpecConfig(ratio=max(args.ratios), balance=b).capacity(max_len))
+             for b in args.balances}  # a shared budget's rows take up to `balance` times the even share
+    base = bases[min(args.balances)]
 
     device = planner.device_kind()
     out = args.out or planner.table_path(cfg, device)
@@ -249,8 +263,9 @@ def main(argv=None):
                     for strategy in space if seed == 0 else list(runs):
                         if seed == 0 and out_of_time() and not strategy.plain:  # a started bucket gets plain
                             break
-                        runs.setdefault(strategy, []).append(run_once(params, cfg, x, cache, strategy.spec(base),
-                                                                      samplings[mode], max_len, args.new, seed))
+                        spec = strategy.spec(bases.get(strategy.balance or 1.0, base))
+                        runs.setdefault(strategy, []).append(run_once(params, cfg, x, cache, spec, samplings[mode],
+                                                                      max_len, args.new, seed))
                     del cache
                 entries = {p: [] for p in precisions}
                 for strategy, rows in runs.items():

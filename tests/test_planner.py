@@ -28,6 +28,7 @@ TREE = Strategy("vegas", tree=(3, 2, 1), traversal="dfs", ratio=0.03)
 APPROX = Strategy("vegas", gamma=4, ratio=0.07, precision="approx", group=4)
 FULL_INT8 = Strategy("full", gamma=6, draft_weights="int8")
 SPACED = Strategy("vegas", gamma=6, ratio=0.07, select_every=2)
+SHARED = Strategy("vegas", gamma=10, ratio=0.07, select_every=2, balance=2.0)
 
 SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                       head_dim=64, intermediate_size=1536, dtype="bfloat16", max_position_embeddings=8192)
@@ -48,7 +49,7 @@ def table(cfg=SMOLLM2, cells=None) -> dict:
 
 
 def test_strategy_json_round_trip_and_spec():
-    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX, FULL_INT8, SPACED):
+    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX, FULL_INT8, SPACED, SHARED):
         assert Strategy.from_json(json.loads(json.dumps(s.to_json()))) == s
     # selections spaced out: named, applied, canonical (every 1 is None, so a table written before the
     # field, whose entries lack it, reads as every 1)
@@ -62,6 +63,16 @@ def test_strategy_json_round_trip_and_spec():
             Strategy.from_json({**VEGAS.to_json(), "select_every": bad})
     with pytest.raises(JaxspecError, match="select-every"):
         Strategy("stream", gamma=6, ratio=0.07, select_every=2).spec(SpecConfig())
+    # a shared budget likewise: named, applied, canonical (balance 1 is None), sparse methods only
+    assert SHARED.name == "vegas g10 r0.07 every 2 balance 2" and SHARED.spec(SpecConfig()).balance == 2.0
+    assert Strategy.of(SHARED.spec(SpecConfig())) == SHARED and Strategy.of(SpecConfig(method="vegas", gamma=6, ratio=0.07)) == VEGAS
+    assert Strategy("vegas", gamma=6, ratio=0.07, balance=1.0) == VEGAS and "balance" not in VEGAS.to_json()
+    assert Strategy.of(SpecConfig(method="stream", balance=2.0)).balance == 2.0
+    for bad in (0.5, "2", True, 9, float("nan")):
+        with pytest.raises(JaxspecError, match="balance"):
+            Strategy.from_json({**VEGAS.to_json(), "balance": bad})
+    with pytest.raises(JaxspecError, match="balance"):
+        Strategy("ngram", gamma=4, balance=2.0).spec(SpecConfig())
     assert FULL_INT8.name == "full g6 int8" and FULL_INT8.spec(SpecConfig()).draft_weights == "int8"
     assert Strategy.of(TREE.spec(SpecConfig(backend="pallas"))) == TREE
     spec = TREE.spec(SpecConfig(backend="pallas", min_tokens=64))
@@ -660,7 +671,13 @@ def test_profile_strategy_space_for_nsa_models():
     spaced = profile.strategy_space(SMOLLM2, ("plain", "vegas", "stream", "ngram"), (4,), [], (0.07,), (8,), ("strict",),
                                     select_every=(1, 2))
     assert [s.name for s in spaced] == ["plain", "vegas g4 r0.07", "vegas g4 r0.07 every 2", "stream g4 r0.07", "ngram g4"]
+    # a shared budget: sparse methods only
+    shared = profile.strategy_space(SMOLLM2, ("plain", "vegas", "stream", "ngram"), (4,), [], (0.07,), (8,), ("strict",),
+                                    balances=(1.0, 2.0))
+    assert [s.name for s in shared] == ["plain", "vegas g4 r0.07", "vegas g4 r0.07 balance 2", "stream g4 r0.07",
+                                        "stream g4 r0.07 balance 2", "ngram g4"]
     for flags, fragment in ((["--select-every", "2,2"], "twice"), (["--methods", "plain,ngram", "--select-every", "1,2"], "has none"),
-                            (["--select-every", "0"], "between 1")):
+                            (["--select-every", "0"], "between 1"), (["--balances", "1,1"], "twice"),
+                            (["--methods", "plain,ngram", "--balances", "2"], "has none"), (["--balances", "0.5"], "between 1")):
         with pytest.raises(JaxspecError, match=fragment):
             profile.check_args(profile.parse_args(flags))

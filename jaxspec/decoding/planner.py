@@ -98,10 +98,11 @@ COST_MODEL_RATIO = 0.07
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """What the planner chooses: method, draft shape (a chain of gamma, or a tree and its traversal),
-    sparse ratio, the draft's weights, how often a score drafter selects (`SpecConfig.select_every`)
-    and, for NSA targets, the precision class and verification group. Canonical: fields a method does
-    not use are None, and so is select_every 1 (so equal strategies compare and hash equal, and a table
-    written before the field reads as it was measured)."""
+    sparse ratio, the draft's weights, how often a score drafter selects (`SpecConfig.select_every`),
+    how far a sparse drafter's rows share the budget (`SpecConfig.balance`) and, for NSA targets, the
+    precision class and verification group. Canonical: fields a method does not use are None, and so
+    are select_every 1 and balance 1 (so equal strategies compare and hash equal, and a table written
+    before a field reads as it was measured)."""
 
     method: str = "plain"
     gamma: int | None = None
@@ -112,10 +113,13 @@ class Strategy:
     group: int = 8
     draft_weights: str = "exact"
     select_every: int | None = None
+    balance: float | None = None
 
     def __post_init__(self):
         if self.select_every == 1 and not isinstance(self.select_every, bool):  # the default, stored canonically
             object.__setattr__(self, "select_every", None)
+        if self.balance == 1 and not isinstance(self.balance, bool):
+            object.__setattr__(self, "balance", None)
 
     @classmethod
     def of(cls, spec: SpecConfig) -> Strategy:
@@ -131,6 +135,7 @@ class Strategy:
             group=spec.group,
             draft_weights=spec.draft_weights,
             select_every=spec.select_every,  # 1 (stored as None) unless a score method spaces its selections
+            balance=spec.balance,  # 1 (stored as None) unless a sparse method shares its budget
         )
 
     def spec(self, base: SpecConfig) -> SpecConfig:
@@ -140,6 +145,7 @@ class Strategy:
             traversal=self.traversal or "bfs", ratio=self.ratio if self.ratio is not None else base.ratio,
             precision=self.precision, group=self.group, draft_weights=self.draft_weights,
             select_every=1 if self.select_every is None else self.select_every,
+            balance=1.0 if self.balance is None else self.balance,
         ).validate()
 
     @property
@@ -161,7 +167,8 @@ class Strategy:
     def name(self) -> str:
         """e.g. 'plain', 'vegas g6 r0.07', 'vegas bfs:3,2,1 r0.07', 'ngram g8', '... approx group 4' (the
         group when it is not the default 8), 'full g6 int8' (draft weights other than exact), 'vegas g6
-        r0.07 every 2' (selecting after every 2nd verification)."""
+        r0.07 every 2' (selecting after every 2nd verification), 'vegas g10 r0.07 balance 2' (a shared
+        budget)."""
         parts = [self.method]
         if self.tree:
             parts.append(f"{self.traversal}:{','.join(map(str, self.tree))}")
@@ -177,13 +184,15 @@ class Strategy:
             parts.append(self.draft_weights)
         if self.select_every:
             parts.append(f"every {self.select_every}")
+        if self.balance:
+            parts.append(f"balance {self.balance:g}")
         return " ".join(parts)
 
     def to_json(self) -> dict:
-        """The fields, without select_every while it is the default (a table stays readable by
-        versions that predate the field)."""
+        """The fields, without select_every and balance while they are the defaults (a table stays
+        readable by versions that predate them)."""
         fields = {**dataclasses.asdict(self), "tree": list(self.tree) if self.tree else None}
-        return {k: v for k, v in fields.items() if k != "select_every" or v is not None}
+        return {k: v for k, v in fields.items() if k not in ("select_every", "balance") or v is not None}
 
     @classmethod
     def from_json(cls, d: dict) -> Strategy:

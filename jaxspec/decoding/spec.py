@@ -117,8 +117,10 @@ class SpecConfig:
             raise JaxspecError(f"--draft-weights {self.draft_weights} needs a model drafter; {self.method} runs no draft forward")
         if self.draft_skip and self.method in ("plain", "ngram"):
             raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
-        if not (1 <= self.balance <= MAX_BALANCE and math.isfinite(self.balance)):
-            raise JaxspecError(f"--balance must be between 1 and {MAX_BALANCE:g}, got {self.balance}")
+        balance = self.balance
+        if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not (
+                1 <= balance <= MAX_BALANCE and math.isfinite(balance)):
+            raise JaxspecError(f"--balance must be between 1 and {MAX_BALANCE:g}, got {balance!r}")
         if self.balance != 1 and self.method not in SPARSE_METHODS:
             raise JaxspecError(f"--balance shares a sparse drafter's budget; {self.method} keeps none")
         every = self.select_every
