@@ -132,6 +132,16 @@ def test_buckets_and_nearest_lookup():
     assert (by[PLAIN].tail, by[PLAIN].tokens_per_s) == (pytest.approx(1.0), pytest.approx(808))
     assert by[VEGAS].tokens_per_iteration == 5 and by[VEGAS].iteration_s == pytest.approx(8 * 5 / 1600 * 0.6)
     assert planner.lookup(t, 8, "sample", 70000, new_tokens=256)[1][0].tokens_per_s == pytest.approx(1600)
+    # a cell measured over another run length is another cell: the run takes the nearest length by
+    # ratio (without one, the shortest), and scales its tails from there
+    longer = [entry(PLAIN, 800, 1, 8), entry(VEGAS, 1500, 5, 8), entry(SHARED, 1700, 9, 8)]
+    planner.set_cell(t, 8, "greedy", 8192, "strict", longer, new_tokens=1024)
+    assert len(t["cells"]) == 5 and t["cells"][3]["new_tokens"] == 256
+    firsts = {n: planner.lookup(t, 8, "sample", 70000, new_tokens=n)[1][0].strategy for n in (256, 500, 600, 4096, None)}
+    assert firsts == {256: VEGAS, 500: VEGAS, 600: SHARED, 4096: SHARED, None: VEGAS}
+    assert planner.lookup(t, 8, "sample", 70000, new_tokens=1024)[1][0].tokens_per_s == pytest.approx(1700)
+    planner.set_cell(t, 8, "greedy", 8192, "strict", longer[:2], new_tokens=1024)  # the same length: replaced
+    assert len(t["cells"]) == 5 and len(t["cells"][-1]["ranked"]) == 2
     # a prediction's weight is the iterations its cell measured: the cell's own new tokens, else the header's
     t["cells"][0]["new_tokens"] = 256
     assert planner.lookup(t, 1, "greedy", 900)[1][0].iterations == 3 * 256

@@ -394,8 +394,10 @@ def new_table(cfg: ModelConfig, model_name: str, device: str, backend: str, prof
 
 def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str, entries: list[dict], **info) -> None:
     """Adds (or replaces) one cell, its entries ranked by tokens_per_s. An entry is {"strategy":
-    Strategy.to_json(), "tokens_per_s", "tokens_per_iteration", "iteration_s", ...}."""
-    key = (batch, sampling, bucket, precision)
+    Strategy.to_json(), "tokens_per_s", "tokens_per_iteration", "iteration_s", ...}. Cells measured
+    over different run lengths (`info["new_tokens"]`) are different cells: `lookup` takes the
+    nearest."""
+    key = (batch, sampling, bucket, precision, info.get("new_tokens"))
     table["cells"] = [c for c in table["cells"] if _cell_key(c) != key]
     ranked = sorted(entries, key=lambda e: -e["tokens_per_s"])
     table["cells"].append({"batch": batch, "sampling": sampling, "bucket": bucket, "precision": precision, **info,
@@ -403,7 +405,7 @@ def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str
 
 
 def _cell_key(cell: dict) -> tuple:
-    return cell["batch"], cell["sampling"], cell["bucket"], cell["precision"]
+    return cell["batch"], cell["sampling"], cell["bucket"], cell["precision"], cell.get("new_tokens")
 
 
 def save_table(path: Path, table: dict) -> None:
@@ -439,7 +441,9 @@ def load_table(path: Path) -> dict:
 def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",),
            prompt_tokens: int | None = None, new_tokens: int | None = None) -> tuple[int, list[Prediction]]:
     """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
-    if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one;
+    if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one,
+    the run length nearest `new_tokens` by ratio (without it, the shortest: a short static batch
+    loses more to its slowest row, and how much differs by strategy more than `run_tail` says);
     the entries of every allowed precision class, less ngram's where the run's prompt is under
     NGRAM_PROMPT_SHARE of the cell's calibration prompts. Empty when no cell has an allowed class,
     or when the nearest profiled batch is more than a factor of 2 from `batch`. A cell of another
@@ -458,10 +462,13 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     cells = [c for c in cells if c["batch"] == b]
     bucket = bucket_of(context)
     bucket = nearest(bucket, {c["bucket"] for c in cells})
-    entries = [(c, e) for c in cells if c["bucket"] == bucket for e in c["ranked"]
+    cells = [c for c in cells if c["bucket"] == bucket]
+    measured = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
+    far = lambda n: abs(math.log(max(n, 1) / new_tokens)) if new_tokens else n
+    length = min({measured(c) for c in cells}, key=lambda n: (far(n), n))
+    entries = [(c, e) for c in cells if measured(c) == length for e in c["ranked"]
                if not (e["strategy"]["method"] == "ngram" and prompt_tokens is not None
                        and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0))]
-    measured = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
     predictions = []
     for c, e in entries:
         strategy, tps, tpi = Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"])
