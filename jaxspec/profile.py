@@ -161,6 +161,17 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def check_listed(flag: str, values: tuple, field: str, methods, takers, what: str) -> None:
+    """A list option of a SpecConfig field: each value valid, none twice, and other than the default
+    1 only with a method that takes it."""
+    for value in values:
+        SpecConfig(method="vegas", **{field: value}).validate()
+    if len(set(values)) < len(values):
+        raise JaxspecError(f"{flag} lists a value twice: {','.join(map(str, values))}")
+    if values != (1,) and not set(methods) & set(takers):
+        raise JaxspecError(f"{flag} {what} {', '.join(takers)}; --methods has none")
+
+
 def check_args(args) -> None:
     for method in args.methods:
         if method not in METHODS:
@@ -183,18 +194,9 @@ def check_args(args) -> None:
         SpecConfig(ratio=ratio).validate()
     for group in args.groups:
         SpecConfig(group=group).validate()
-    for every in args.select_every:
-        SpecConfig(method="vegas", select_every=every).validate()
-    if len(set(args.select_every)) < len(args.select_every):
-        raise JaxspecError(f"--select-every lists a value twice: {','.join(map(str, args.select_every))}")
-    if args.select_every != (1,) and not set(args.methods) & set(SCORE_METHODS):
-        raise JaxspecError(f"--select-every spaces the selections of {', '.join(SCORE_METHODS)}; --methods has none")
-    for balance in args.balances:
-        SpecConfig(method="vegas", balance=balance).validate()
-    if len(set(args.balances)) < len(args.balances):
-        raise JaxspecError(f"--balances lists a value twice: {','.join(map(str, args.balances))}")
-    if args.balances != (1.0,) and not set(args.methods) & set(SPARSE_METHODS):
-        raise JaxspecError(f"--balances shares the budget of {', '.join(SPARSE_METHODS)}; --methods has none")
+    check_listed("--select-every", args.select_every, "select_every", args.methods, SCORE_METHODS,
+                 "spaces the selections of")
+    check_listed("--balances", args.balances, "balance", args.methods, SPARSE_METHODS, "shares the budget of")
     if args.new < 2 or args.repeats < 1 or min(args.batch) < 1 or min(args.buckets) < 1:
         raise JaxspecError("need --new >= 2, --repeats >= 1 and positive --batch and --buckets")
 
