@@ -133,6 +133,8 @@ def main():
     p.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     args = p.parse_args()
     kernels = args.kernels.split(",")
+    if min(args.balance) < 1:
+        p.error("--balance: each value must be at least 1")
     if not set(kernels) <= set(SHAPES):
         p.error(f"--kernels: choose from {', '.join(SHAPES)}")
     result = common.run_info() | {"rates": common.measure_rates(args.tiny), "rows": []}

@@ -95,6 +95,11 @@ PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5}  # geometric: draft i accepted w
 COST_MODEL_RATIO = 0.07
 
 
+# Strategy fields added after tables were written: their default 1 is stored as None and left out
+# of a strategy's JSON, so older tables read as measured and older readers read newer tables.
+ONE_AS_NONE = ("select_every", "balance")
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """What the planner chooses: method, draft shape (a chain of gamma, or a tree and its traversal),
@@ -116,10 +121,10 @@ class Strategy:
     balance: float | None = None
 
     def __post_init__(self):
-        if self.select_every == 1 and not isinstance(self.select_every, bool):  # the default, stored canonically
-            object.__setattr__(self, "select_every", None)
-        if self.balance == 1 and not isinstance(self.balance, bool):
-            object.__setattr__(self, "balance", None)
+        for name in ONE_AS_NONE:  # the default 1, stored canonically
+            value = getattr(self, name)
+            if value == 1 and not isinstance(value, bool):
+                object.__setattr__(self, name, None)
 
     @classmethod
     def of(cls, spec: SpecConfig) -> Strategy:
@@ -192,7 +197,7 @@ class Strategy:
         """The fields, without select_every and balance while they are the defaults (a table stays
         readable by versions that predate them)."""
         fields = {**dataclasses.asdict(self), "tree": list(self.tree) if self.tree else None}
-        return {k: v for k, v in fields.items() if k not in ("select_every", "balance") or v is not None}
+        return {k: v for k, v in fields.items() if k not in ONE_AS_NONE or v is not None}
 
     @classmethod
     def from_json(cls, d: dict) -> Strategy:
