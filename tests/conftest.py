@@ -50,6 +50,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxspec.serving import scheduler
+
 HF_VOCAB = 400
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
@@ -142,6 +144,12 @@ def _model(kind: str, tie: bool = False, rope_theta: float = 50000.0, **sizes):
 MAPS_HIGH = 50_000  # of the 65,530 a process may map; above it a test's end drops the compiled programs
 
 
+def clear_compiled() -> None:
+    """JAX's caches and the schedulers' shared executables (which JAX's clearing does not reach)."""
+    jax.clear_caches()
+    scheduler.clear_executables()
+
+
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as f:
@@ -157,7 +165,7 @@ def _free_compiled_programs():
     into the kernel's limit of 65,530 maps (an abort inside an XLA compile after about 330 tests; the
     largest module, test_engine, peaks near 48,000)."""
     yield
-    jax.clear_caches()
+    clear_compiled()
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +175,7 @@ def _free_compiled_programs_when_maps_run_high():
     tests (test_batching's add ~5,700 maps each; its 15th segfaulted inside an XLA compile)."""
     yield
     if _memory_maps() > MAPS_HIGH:
-        jax.clear_caches()
+        clear_compiled()
         gc.collect()  # a finished test's schedulers hold their executables until collected
 
 

@@ -370,6 +370,7 @@ def test_a_batch_shrinks_as_its_rows_finish(params, monkeypatch):
     common = dict(spec=spec, sampling=HOT, max_len=MAX_LEN, max_new_tokens=200, stop_ids=(), seed=9)
     runs = [run_generation(params, CFG, batch, shrink=s, **common) for s in (True, False)]
     assert shrunk == [2], shrunk  # a state of 2 rows shrinks no further (2 // SHRINK_FACTOR = 0)
+    assert runs[1].compile_s == 0  # the first run's programs serve the next (the process's executables)
 
     class Full:  # a device without the memory for a second state
         def memory_stats(self):
@@ -377,7 +378,7 @@ def test_a_batch_shrinks_as_its_rows_finish(params, monkeypatch):
 
     monkeypatch.setattr(jax, "local_devices", lambda: [Full()])
     runs.append(run_generation(params, CFG, batch, shrink=True, **common))  # turns shrinking off and decodes on
-    assert shrunk == [2, 8]
+    assert shrunk == [2, 8] and runs[2].compile_s == 0
     outputs = [[g.tolist() for g in run.generated()] for run in runs]
     assert outputs[0] == outputs[1] == outputs[2]
     assert [len(g) for g in outputs[0]] == [min(200, MAX_LEN - n) for n in lengths]

@@ -53,6 +53,16 @@ MAX_STOP_TOKEN_IDS = 8  # stop token ids a request may add to the model's end-of
 MIN_PROMPT_BUCKET = 64  # prompts are padded to powers of two from here (one admit program per bucket)
 SHRINK_FACTOR = 4  # with `shrink`, the state shrinks once at most 1 / SHRINK_FACTOR of its rows run
 
+# Compiled programs of every scheduler of the process, by jitted function, program key and argument
+# types: a later generate call (or scheduler) of the same shapes neither compiles again nor pays a
+# program's first launch on the GPU inside its decode (~20 ms a program there: bench/NOTES.md, "auto's
+# fixed cost"). `clear_executables` drops them (the tests do, with JAX's caches).
+_EXECUTABLES: dict = {}
+
+
+def clear_executables() -> None:
+    _EXECUTABLES.clear()
+
 
 class QueueFull(Exception):
     """More requests are waiting than the queue holds (HTTP 429)."""
@@ -156,8 +166,8 @@ class Scheduler:
         self.stop_width = len(self.stop_ids) + MAX_STOP_TOKEN_IDS
         depth = max(c.strategy.spec(self.base).draft_len for c in plan.candidates) if plan else self.spec.draft_len
         self.metrics = Metrics(depth=depth)
-        self.compile_s = 0.0  # spent compiling programs (each shape once, on first use)
-        self._executables: dict = {}
+        self.compile_s = 0.0  # spent compiling programs (each shape once a process, on first use)
+        self._executables: dict = {}  # this scheduler's, by key alone: no signature to form per call
         self._lock = threading.Condition()
         self._waiting: collections.deque[Handle] = collections.deque()
         self._cancelled: set[Handle] = set()
@@ -478,9 +488,8 @@ class Scheduler:
     def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: np.ndarray):
         """`strategy`'s `Ngram.replay` over the state's tokens, compiled once per strategy and tokens'
         shape (their width is the running strategy's depth)."""
-        drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
-        return self._compiled(("replay", strategy, self._state.tokens.shape), jax.jit(drafter.replay),
-                              self._state.tokens, start, end)
+        return self._compiled(("replay", strategy, self._state.tokens.shape),
+                              _replay_program(self.cfg, strategy.spec(self.base), self.max_len), self._state.tokens, start, end)
 
     def _may_shrink(self) -> bool:
         return (self.shrink and not self._waiting and self._staged is None
@@ -638,11 +647,15 @@ class Scheduler:
         return self._compiled((fns, name, shape), getattr(fns, name), *args)
 
     def _compiled(self, key, fn, *args):
-        """`fn` (jitted) compiled ahead of time for `args` once per `key`; the time goes to `compile_s`."""
+        """`fn` (jitted) compiled ahead of time for `args` once per `key` and process (`_EXECUTABLES`);
+        the time goes to `compile_s`."""
         if key not in self._executables:
-            start = time.perf_counter()
-            self._executables[key] = fn.lower(*args).compile()
-            self.compile_s += time.perf_counter() - start
+            shared = (fn, key, _signature(args))
+            if shared not in _EXECUTABLES:
+                start = time.perf_counter()
+                _EXECUTABLES[shared] = fn.lower(*args).compile()
+                self.compile_s += time.perf_counter() - start
+            self._executables[key] = _EXECUTABLES[shared]
         return self._executables[key]
 
     def _window(self) -> int:
@@ -736,6 +749,19 @@ class _Programs:
     place: Callable
     blank: Callable
     chunk: Callable
+
+
+def _signature(args) -> tuple:
+    """What a compiled program is specific to besides its function: the arguments' tree, shapes,
+    dtypes and placements."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves)
+
+
+@functools.lru_cache(maxsize=None)
+def _replay_program(cfg, spec: SpecConfig, max_len: int) -> Callable:
+    """The jitted `Ngram.replay` of one strategy (one function per strategy: `_EXECUTABLES` keys on it)."""
+    return jax.jit(make_drafter(spec, cfg, max_len).replay)
 
 
 @functools.lru_cache(maxsize=None)
