@@ -55,7 +55,7 @@ SHRINK_FACTOR = 4  # with `shrink`, the state shrinks once at most 1 / SHRINK_FA
 
 # Compiled programs of every scheduler of the process, by jitted function, program key and argument
 # types: a later generate call (or scheduler) of the same shapes neither compiles again nor pays a
-# program's first launch on the GPU inside its decode (~20 ms a program there: bench/NOTES.md, "auto's
+# program's first launch on the GPU inside its decode (5-15 ms a program there: bench/NOTES.md, "auto's
 # fixed cost"). `clear_executables` drops them (the tests do, with JAX's caches).
 _EXECUTABLES: dict = {}
 
