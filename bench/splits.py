@@ -11,7 +11,7 @@ split merge included, every output element kept), for split counts 1-128 and the
 against the bytes it reads: the sparse kernel's gathered K and V (7% of the slots and a 16-token
 tail), the verify kernel's whole cache up to the query. `--balance B` gives the sparse kernel's rows
 the budgets a shared budget (`SpecConfig.balance`) gives them: shares log-uniform over [1/B, B],
-scaled to mean 1 (the same total).
+scaled to mean 1 (the same total), and the rule its split count for that skew.
 Random bf16 caches; writes DIR/splits.json and prints a table last.
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ SHAPES = {  # kernel: {name: (B, S, Hq, Hkv, Dh, T)}; T is the query rows (the s
     "sparse": {
         "smollm2_b128": (128, 7936, 9, 3, 64, 1),
         "smollm2_b32": (32, 7936, 9, 3, 64, 1),
+        "smollm2_b8": (8, 7936, 9, 3, 64, 1),
         "smollm2_b1": (1, 7936, 9, 3, 64, 1),
         "qwen3_b1_32k": (1, 32768, 32, 8, 128, 1),
         "qwen3_b4_32k": (4, 32768, 32, 8, 128, 1),
@@ -105,7 +106,7 @@ def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers, counts=SPLITS, ratio=RATIO,
     keys = jax.random.split(jax.random.key(0), 2)
     k = jax.random.normal(keys[0], (layers, B, Hkv, S, Dh), jnp.bfloat16)
     v = jax.random.normal(keys[1], (layers, B, Hkv, S, Dh), jnp.bfloat16)
-    default = num_splits(programs, blocks)
+    default = num_splits(programs, blocks, balance if B > 1 else 1.0)  # as Drafter.skew passes it
     rows = []
     for splits in sorted({s for s in counts if s <= blocks} | {default}):
         def run(q, k, v, splits=splits):

@@ -140,14 +140,16 @@ def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
 
 
 def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *, scale: float,
-                     tail_capacity: int, tree: TreeMask | None = None, backend: str = "reference"):
+                     tail_capacity: int, tree: TreeMask | None = None, skew: float = 1.0,
+                     backend: str = "reference"):
     """q [B, T, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], or a stack of them
     [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
     plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the cache (with a draft tree's
-    mask, of the tree's slots only the row's ancestors). Returns out [B, T, Hq, Dh] (q.dtype)."""
+    mask, of the tree's slots only the row's ancestors). Returns out [B, T, Hq, Dh] (q.dtype).
+    `skew`: how far a row's slots may exceed the rows' mean (the kernel's split count)."""
     if _is_pallas(backend):
         return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
-                                       scale=scale, tail_capacity=tail_capacity, tree=tree,
+                                       scale=scale, tail_capacity=tail_capacity, tree=tree, skew=skew,
                                        interpret=interpret_default())
     return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
                                       scale=scale, tail_capacity=tail_capacity, tree=tree)

@@ -6,6 +6,7 @@ rows and writes a normalised partial output plus its log-sum-exp; `merged` combi
 one kernel (a single split's output is final, written in the output dtype).
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +49,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def num_splits(programs: int, max_blocks: int) -> int:
+def num_splits(programs: int, max_blocks: int, skew: float = 1.0) -> int:
     """Split-K factor: `programs * splits` about TARGET_PROGRAMS (half that for fewer than
-    FEW_PROGRAMS programs), one block per split at least."""
+    FEW_PROGRAMS programs), one block per split at least. When the programs' work may differ up to
+    `skew` times its mean (rows with budgets of their own), `skew` times as many: a kernel lasts as
+    long as its longest program, and a split shortens every row's programs alike (bench/NOTES.md,
+    "the sparse kernel's splits under a shared budget")."""
     target = TARGET_PROGRAMS if programs >= FEW_PROGRAMS else TARGET_PROGRAMS // 2
-    return max(1, min(-(-target // programs), MAX_SPLITS, max_blocks))
+    return max(1, min(math.ceil(target * skew / programs), MAX_SPLITS, max_blocks))
 
 
 def split_range(split, n_splits: int, n_blocks):

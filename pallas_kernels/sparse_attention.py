@@ -145,13 +145,15 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k
 def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *,
                             scale: float, tail_capacity: int, tree: TreeMask | None = None,
                             interpret: bool = False, block_k: int = BLOCK_K,
-                            n_splits: int | None = None):
+                            n_splits: int | None = None, skew: float = 1.0):
     """Pallas-Triton kernel. Grid (B, Hkv, row blocks, n_splits): a row block is up to 16 query rows
     (more when G < 4) with the G heads of one KV head, packed as row t*G + g, so they share each
     gathered K/V block; split-K over the (traced) gathered + tail blocks, the splits merged by one
     more kernel (_common.merged).
 
-    tail_capacity only sizes the static split count. Head dim must be a power of two >= 16.
+    tail_capacity only sizes the static split count; `skew` is how far a row's gathered and tail
+    blocks may exceed the rows' mean (a shared budget's balance), which multiplies it
+    (_common.num_splits). Head dim must be a power of two >= 16.
     """
     _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree)
     B, T, Hq, Dh = q.shape
@@ -161,7 +163,7 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
         raise ValueError(f"the Pallas sparse kernel needs a power-of-two head dim >= 16, got {Dh}")
     n_blocks, rows, tile = row_blocks(T, G)
     max_blocks = pl.cdiv(idx.shape[-1], block_k) + pl.cdiv(tail_capacity, block_k)
-    n_splits = n_splits or num_splits(B * Hkv * n_blocks, max_blocks)
+    n_splits = n_splits or num_splits(B * Hkv * n_blocks, max_blocks, skew)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     stacked, idx = idx.ndim == 4, idx if idx.ndim == 4 else idx[None]
     n_idx, tail_start, idx, q_slot = (jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, idx, q_slot))

@@ -17,7 +17,7 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_reference,
 )
 from jaxspec.decoding.tree import TreeShape
-from pallas_kernels._common import merge_splits_pallas
+from pallas_kernels._common import merge_splits_pallas, num_splits
 from pallas_kernels.verify_attention import (
     Collect,
     TreeMask,
@@ -88,6 +88,14 @@ def verify_oracle(q, k_cache, v_cache, q_pos, scale, collect):
         else:
             scores = np.where(np.arange(S) <= pos[..., None], per_row, -np.inf)
     return out, lse[..., 0], scores
+
+
+def test_split_count_follows_skew():
+    """Rows whose budgets differ (a shared budget) split as many times more as their skew, within
+    the caps: SmolLM2's 384 and 96 draft programs (128 and 32 rows) at balance 2 (bench/splits.py)."""
+    assert [num_splits(384, 19), num_splits(384, 19, 2.0), num_splits(96, 19, 2.0)] == [1, 2, 6]
+    assert num_splits(96, 19, 1.5) == 4 and num_splits(24, 19, 2.0) == 19  # ceil, then one block a split
+    assert num_splits(8, 4096, 8.0) == 64  # MAX_SPLITS
 
 
 @pytest.mark.parametrize("n_splits, rows, dtype", [(43, 3, jnp.bfloat16), (5, 9, jnp.float32), (2, 16, jnp.float32)])
