@@ -16,6 +16,18 @@ def generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], capture_output=True, text=True, env=ENV, timeout=600)
 
 
+def generate_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`main` in this process, as `generate` runs it in its own (the same wrapper makes a bad input one
+    line and exit code 2; anything else raises here): the bad-argument cases without a Python start each."""
+    from jaxspec import generate as cli
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, exit_info.value.code, out, err)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
@@ -130,7 +142,13 @@ def test_json_batch_trees_and_quantized_drafts_are_lossless(tmp_path):
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
     ],
 )
-def test_bad_arguments(args, fragment):
+def test_bad_arguments(capsys, args, fragment):
+    assert_one_line_error(generate_here(capsys, *args), fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [(["--top-p", "1.5"], "top_p"), (["--method", "vegas", "--draft-skip", "40"], "layer 40")])
+def test_bad_arguments_in_their_own_process(args, fragment):
+    """As a user meets them: an argument checked before the model loads, and one checked against it."""
     assert_one_line_error(generate(*args), fragment)
 
 

@@ -29,9 +29,8 @@ from jaxspec.decoding.spec import METHODS, SpecConfig
 
 # full drafts over the whole cache, so it needs a draft model cheaper than the target: the draft-model tests
 SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full")]
-# 7 drafts run by default for every method (and 1, the other edge, for vegas) on SmolLM2, 7 on the
-# random Qwen3; the rest with the slow tests (a chain is the width-1 tree, and the trees below cover
-# the middle depths)
+# By default 7 drafts for every method on the random Qwen3 and for vegas on SmolLM2, one tree each; the
+# rest with the slow tests (a chain is the width-1 tree, and the trees below cover the middle depths)
 TREES = [((3, 2, 1), "bfs"), ((2, 2, 2), "dfs")]  # 16 and 15 verified rows
 GREEDY = SamplingConfig()
 
@@ -106,11 +105,10 @@ def qwen3_case():
     return Case(cfg, params, Batch(ids, lengths), max_new=48)
 
 
-# 7 drafts for vegas and ngram (the other drafters' 7 run on the random Qwen3 below, their trees on
-# SmolLM2 further on) and 1 for vegas; the rest with the slow tests
+# 7 drafts for vegas (every drafter's 7 run on the random Qwen3 below, vegas's tree on SmolLM2 further
+# on); the rest with the slow tests (the default run's 20 minutes)
 @pytest.mark.parametrize("method, gamma", [
-    pytest.param(m, g, id=f"{m}-{g}", marks=[pytest.mark.slow] if g == 4 or (g == 1 and m != "vegas")
-                 or (g == 7 and m not in ("vegas", "ngram")) else [])
+    pytest.param(m, g, id=f"{m}-{g}", marks=[] if (m, g) == ("vegas", 7) else [pytest.mark.slow])
     for m in SPEC_METHODS for g in (1, 4, 7)])
 def test_greedy_lossless_smollm2(smollm2_batch, method, gamma):
     out, stats = smollm2_batch.run(SpecConfig(method=method, gamma=gamma))
@@ -133,14 +131,14 @@ def with_draft(case, spec: SpecConfig, weights: str, skip=()):
 
 
 @pytest.mark.parametrize("spec, weights, skip, least", [
-    # int4, and vegas's int8 chain (quest's and full's int8 trees run here, vegas's int8 on the random
-    # Qwen3 below), on the real model with the slow tests (the default run's 20 minutes)
+    # on the real model with the slow tests (the default run's 20 minutes): the random Qwen3 below runs
+    # quantized and skipping drafts by default, and so does the sampling test further on
     pytest.param(SpecConfig(method="vegas", gamma=6), "int8", (), 0.5, marks=pytest.mark.slow),
     pytest.param(SpecConfig(method="stream", gamma=4), "int4", (), 0.3, marks=pytest.mark.slow),
-    (SpecConfig(method="quest", tree=(3, 2, 1)), "int8", (), 0.5),
+    pytest.param(SpecConfig(method="quest", tree=(3, 2, 1)), "int8", (), 0.5, marks=pytest.mark.slow),
     pytest.param(SpecConfig(method="full", gamma=4), "int4", (), 0.3, marks=pytest.mark.slow),
-    (SpecConfig(method="vegas", gamma=3), "exact", (4, 17), 0.1),
-    (SpecConfig(method="full", tree=(2, 2)), "int8", (4,), 0.1),
+    pytest.param(SpecConfig(method="vegas", gamma=3), "exact", (4, 17), 0.1, marks=pytest.mark.slow),
+    pytest.param(SpecConfig(method="full", tree=(2, 2)), "int8", (4,), 0.1, marks=pytest.mark.slow),
 ], ids=["vegas-int8", "stream-int4", "quest-tree-int8", "full-int4", "vegas-skip", "full-tree-int8-skip"])
 def test_draft_models_lossless_smollm2(smollm2_batch, spec, weights, skip, least):
     """Drafts that read quantized copies of the layer weights and leave out layers (verification
@@ -152,8 +150,9 @@ def test_draft_models_lossless_smollm2(smollm2_batch, spec, weights, skip, least
     assert stats.accepted.sum() > least * spec.draft_len * stats.iterations.sum()
 
 
-@pytest.mark.parametrize("method, weights, skip", [
-    ("vegas", "int8", ()), ("all_rows", "int4", ()), ("last_accepted", "int8", (2,)), ("full", "int4", (1,)),
+@pytest.mark.parametrize("method, weights, skip", [  # all_rows and last_accepted draft as vegas does: slow
+    ("vegas", "int8", ()), pytest.param("all_rows", "int4", (), marks=pytest.mark.slow),
+    pytest.param("last_accepted", "int8", (2,), marks=pytest.mark.slow), ("full", "int4", (1,)),
     ("stream", "exact", (3,)), ("quest", "int8", (2,)),
 ])
 def test_draft_models_lossless_qwen3(qwen3_case, method, weights, skip):
@@ -180,17 +179,17 @@ def test_tree_greedy_lossless_smollm2(smollm2_batch, method, tree, order):
 
 
 @pytest.mark.parametrize("method,tree,order", [
-    (m, *TREES[(i + 1) % 2]) if other else
-    pytest.param(m, *TREES[i % 2], marks=[] if m in QWEN3_TREES_ONLY else [pytest.mark.slow])
+    (m, *TREES[(i + 1) % 2]) if other else pytest.param(m, *TREES[i % 2], marks=pytest.mark.slow)
     for i, m in enumerate(SPEC_METHODS) for other in (True, False)])
 def test_tree_greedy_lossless_qwen3(qwen3_case, method, tree, order):
     """Every method with both shapes and orders; by default each with the shape SmolLM2's test above
-    does not give it, and both for QWEN3_TREES_ONLY (the rest with the slow tests)."""
+    does not give it (the other with the slow tests: the default run's 20 minutes)."""
     out, _ = qwen3_case.run(SpecConfig(method=method, tree=tree, traversal=order, min_tokens=32).validate())
     assert out == qwen3_case.plain
 
 
-@pytest.mark.parametrize("method,tree,order", [("vegas", (3, 2, 1), "bfs"), ("quest", (2, 2), "dfs")])
+@pytest.mark.parametrize("method,tree,order", [  # quest's kernels alone: test_kernels_quest_pages
+    ("vegas", (3, 2, 1), "bfs"), pytest.param("quest", (2, 2), "dfs", marks=pytest.mark.slow)])
 def test_tree_greedy_lossless_pallas_kernels(method, tree, order):
     """The engine on the Pallas kernels (interpret mode): multi-row sparse drafting with ancestor bits,
     tree verification with collection, Quest's dense layers with the mask; greedy equals plain."""
@@ -216,7 +215,7 @@ def test_chain_is_the_width_one_tree(qwen3_case):
 
 @pytest.mark.parametrize("method", [  # all_rows and last_accepted select through vegas's path: slow tests
     "vegas", pytest.param("all_rows", marks=pytest.mark.slow), pytest.param("last_accepted", marks=pytest.mark.slow),
-    "stream", "quest"])
+    pytest.param("stream", marks=pytest.mark.slow), "quest"])
 def test_dense_budget_accepts_every_draft(qwen3_case, method):
     """A budget covering the whole context makes the draft the target itself: all drafts accepted,
     and with a tree the greedy path runs through first children (top-1 drafts) to full depth."""
@@ -416,13 +415,15 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("method,tree,order,weights,skip", [
-    # plain checks the harness; stream's and ngram's chains sample as vegas's does and vegas's int8 as
-    # full's int4 (their trees and full's run by default)
+    # plain checks the harness; stream's and ngram's chains sample as vegas's does, stream's tree as
+    # vegas's, and draft models as the target (vegas's chain and tree, ngram's one-hot q in its tree run
+    # by default; the rest with the slow tests: the default run's 20 minutes)
     pytest.param("plain", None, "bfs", "exact", (), marks=pytest.mark.slow), ("vegas", None, "bfs", "exact", ()),
     pytest.param("stream", None, "bfs", "exact", (), marks=pytest.mark.slow),
     pytest.param("ngram", None, "bfs", "exact", (), marks=pytest.mark.slow), ("vegas", (3, 2), "bfs", "exact", ()),
-    ("stream", (2, 1, 2), "dfs", "exact", ()), ("ngram", (2, 2), "bfs", "exact", ()),
-    pytest.param("vegas", None, "bfs", "int8", (), marks=pytest.mark.slow), ("full", (2, 2), "bfs", "int4", (1,)),
+    pytest.param("stream", (2, 1, 2), "dfs", "exact", (), marks=pytest.mark.slow), ("ngram", (2, 2), "bfs", "exact", ()),
+    pytest.param("vegas", None, "bfs", "int8", (), marks=pytest.mark.slow),
+    pytest.param("full", (2, 2), "bfs", "int4", (1,), marks=pytest.mark.slow),
 ])
 def test_first_two_tokens_follow_the_target(method, tree, order, weights, skip):
     """Chi-square of the first two sampled tokens (V^2 = 64 cells, 12,000 rows) against the exact joint.

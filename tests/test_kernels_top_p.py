@@ -68,7 +68,11 @@ CASES = [  # (kind, R, V, dtype, inv_temperature, top_p)
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:4])))
+SLOW_CASES = (1, 3, 4, 10, 12)  # each kind runs by default, its second case with the slow tests (20 minutes)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id="-".join(map(str, c[:4])), marks=[pytest.mark.slow] if i in SLOW_CASES else [])
+                                  for i, c in enumerate(CASES)])
 def test_top_p_threshold(case):
     kind, R, V, dtype, inv_t, top_p = case
     rng = np.random.default_rng(CASES.index(case))

@@ -336,7 +336,10 @@ def reference(references, nsa_checkpoints, name) -> TorchNSA:
     return references[name]
 
 
-@pytest.mark.parametrize("name", list(PARITY))
+# nsa_g4 (more blocks and heads) and nsa_exact (the exact rule, also decoded in test_nsa_engine) with
+# the slow tests (the default run's 20 minutes)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in ("nsa_g4", "nsa_exact") else [])
+                                  for n in PARITY])
 def test_logits_match_reference(nsa_checkpoints, references, name):
     ref = reference(references, nsa_checkpoints, name)
     T = PARITY[name]
@@ -362,7 +365,7 @@ def test_logits_match_reference(nsa_checkpoints, references, name):
         assert relative_error(other, expected) > 1e-4
 
 
-@pytest.mark.parametrize("name, T", [("nsa_g4", 290), ("nsa_tied", 300)])
+@pytest.mark.parametrize("name, T", [pytest.param("nsa_g4", 290, marks=pytest.mark.slow), ("nsa_tied", 300)])
 def test_greedy_matches_reference(nsa_checkpoints, references, name, T):
     """Plain greedy decoding (prefill in chunks of 256, then one-token steps over the cache). nsa_g4
     (G = 4, 12 blocks): the 32 new rows lie in chunk 1, where the nsa1b rule is not exact; nsa_tied:
