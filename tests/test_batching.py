@@ -122,7 +122,8 @@ def test_admitted_mid_flight_equals_alone(params, spec):
 
 
 @pytest.mark.parametrize("spec", [pytest.param(SpecConfig(method="plain"), marks=pytest.mark.slow, id="plain"),
-                                  pytest.param(SpecConfig(method="vegas", gamma=3, min_tokens=32), id="vegas")])
+                                  pytest.param(SpecConfig(method="vegas", gamma=3, min_tokens=32), id="vegas",
+                                               marks=pytest.mark.slow)])  # the default run's 20 minutes
 def test_group_admission_drops_padding_rows(params, spec):
     """Three requests admitted in one prefill of four rows (the fourth, padding, aimed at slot 4 of
     4): each admitted row equals its request alone, the running row and the free row are untouched."""
@@ -166,7 +167,7 @@ def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
 
 # plain's and ngram's admissions (no drafter state but the tokens, which every method admits) are
 # slow too, and selections every 3rd iteration (test_engine checks them lossless): the default run's 20 minutes
-SCHEDULER_CASES = [pytest.param("vegas", None, 1, id="vegas"), pytest.param("vegas", 32, 1, id="vegas-chunked"),
+SCHEDULER_CASES = [pytest.param("vegas", None, 1, id="vegas"), pytest.param("vegas", 32, 1, id="vegas-chunked", marks=pytest.mark.slow),
                    pytest.param("vegas", None, 3, id="vegas-select-every-3", marks=pytest.mark.slow)] + [
     pytest.param(m, None, 1, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram", "quest") else [])
     for m in METHODS if m not in ("vegas", "full")]

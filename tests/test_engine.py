@@ -105,11 +105,10 @@ def qwen3_case():
     return Case(cfg, params, Batch(ids, lengths), max_new=48)
 
 
-# 7 drafts for vegas (every drafter's 7 run on the random Qwen3 below, vegas's tree on SmolLM2 further
-# on); the rest with the slow tests (the default run's 20 minutes)
-@pytest.mark.parametrize("method, gamma", [
-    pytest.param(m, g, id=f"{m}-{g}", marks=[] if (m, g) == ("vegas", 7) else [pytest.mark.slow])
-    for m in SPEC_METHODS for g in (1, 4, 7)])
+# With the slow tests (the default run's 20 minutes): every drafter's 7 run on the random Qwen3 below by
+# default, and greedy vegas on SmolLM2 through the CLI (test_cli's JSON batch)
+@pytest.mark.slow
+@pytest.mark.parametrize("method, gamma", [pytest.param(m, g, id=f"{m}-{g}") for m in SPEC_METHODS for g in (1, 4, 7)])
 def test_greedy_lossless_smollm2(smollm2_batch, method, gamma):
     out, stats = smollm2_batch.run(SpecConfig(method=method, gamma=gamma))
     assert out == smollm2_batch.plain
@@ -161,14 +160,8 @@ def test_draft_models_lossless_qwen3(qwen3_case, method, weights, skip):
     assert out == qwen3_case.plain and stats.accepted.sum() > 0
 
 
-# trees of the drafters other than vegas (all_rows and last_accepted share its selection path; the
-# page-selecting and model-free ones): both shapes on the random Qwen3 below, by default; here with
-# the slow tests
-QWEN3_TREES_ONLY = ("all_rows", "last_accepted", "stream", "quest", "ngram")
-
-
-@pytest.mark.parametrize("method,tree,order", [
-    pytest.param(m, *TREES[i % 2], marks=[pytest.mark.slow] if m in QWEN3_TREES_ONLY else []) for i, m in enumerate(SPEC_METHODS)])
+@pytest.mark.slow  # every method's trees run on the random Qwen3 below by default (the default run's 20 minutes)
+@pytest.mark.parametrize("method,tree,order", [pytest.param(m, *TREES[i % 2]) for i, m in enumerate(SPEC_METHODS)])
 def test_tree_greedy_lossless_smollm2(smollm2_batch, method, tree, order):
     """Every method on the real model with a tree, the two shapes and orders alternating (the random
     Qwen3 below gives each method the other one)."""
@@ -215,7 +208,7 @@ def test_chain_is_the_width_one_tree(qwen3_case):
 
 @pytest.mark.parametrize("method", [  # all_rows and last_accepted select through vegas's path: slow tests
     "vegas", pytest.param("all_rows", marks=pytest.mark.slow), pytest.param("last_accepted", marks=pytest.mark.slow),
-    pytest.param("stream", marks=pytest.mark.slow), "quest"])
+    pytest.param("stream", marks=pytest.mark.slow), pytest.param("quest", marks=pytest.mark.slow)])
 def test_dense_budget_accepts_every_draft(qwen3_case, method):
     """A budget covering the whole context makes the draft the target itself: all drafts accepted,
     and with a tree the greedy path runs through first children (top-1 drafts) to full depth."""
@@ -226,7 +219,7 @@ def test_dense_budget_accepts_every_draft(qwen3_case, method):
     assert stats.accepted.sum() == 3 * stats.iterations.sum() > 0
 
 
-@pytest.mark.parametrize("method", ["vegas", "stream"])
+@pytest.mark.parametrize("method", ["vegas", pytest.param("stream", marks=pytest.mark.slow)])
 def test_shared_budget_is_lossless_and_moves_the_drafts(qwen3_case, method):
     """Rows that share the budget by their lost drafts (`balance`) emit plain's tokens, and draft
     differently from an even budget (the engine passes the shared budget to the drafter)."""
@@ -261,6 +254,7 @@ def test_selection_is_what_the_draft_sees(smollm2_batch):
     assert rate(tight) < 0.6 < 0.8 < rate(default)
 
 
+@pytest.mark.slow  # bf16 near-ties on real weights (the default run's 20 minutes; bench/gpu_checks.py on the GPU)
 def test_teacher_forced_argmax_bf16(smollm2_bf16):
     """In bf16, each token vegas emits is the target argmax of its prefix (a full forward's logits)."""
     cfg, params, tokenizer = smollm2_bf16

@@ -146,6 +146,7 @@ def test_collected_scores_are_block_weights(reduce_rows):
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+@pytest.mark.slow  # the default run's 20 minutes: test_engine's batched rows run by default
 def test_batched_rows_equal_rows_alone(nsa_case):
     assert_rows_alone_equal_batched(nsa_case)
 

@@ -535,6 +535,7 @@ def test_auto_run_replays_ngram_and_stays_lossless(tiny, monkeypatch):
     assert watched and all(s["iterations"] >= 16 for s in watched)
 
 
+@pytest.mark.slow  # the default run's 20 minutes: switching is test_switching_strategies_keeps_greedy_output's
 def test_switch_under_sampling_keeps_shapes(tiny):
     """A sampled run switches from a tree to a chain: tokens, stats and drafter state take the new
     strategy's shapes and rows keep decoding."""
