@@ -106,7 +106,7 @@ def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers, counts=SPLITS, ratio=RATIO,
     keys = jax.random.split(jax.random.key(0), 2)
     k = jax.random.normal(keys[0], (layers, B, Hkv, S, Dh), jnp.bfloat16)
     v = jax.random.normal(keys[1], (layers, B, Hkv, S, Dh), jnp.bfloat16)
-    default = num_splits(programs, blocks, balance if B > 1 else 1.0)  # as Drafter.skew passes it
+    default = num_splits(programs, blocks, balance if B > 1 else 1.0)  # as sparse_attention_pallas counts it
     rows = []
     for splits in sorted({s for s in counts if s <= blocks} | {default}):
         def run(q, k, v, splits=splits):

@@ -146,7 +146,8 @@ def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
     [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
     plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the cache (with a draft tree's
     mask, of the tree's slots only the row's ancestors). Returns out [B, T, Hq, Dh] (q.dtype).
-    `skew`: how far a row's slots may exceed the rows' mean (the kernel's split count)."""
+    `skew`: how far a row's slots may exceed the rows' mean (the kernel's split count; a
+    shared budget's balance)."""
     if _is_pallas(backend):
         return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
                                        scale=scale, tail_capacity=tail_capacity, tree=tree, skew=skew,

@@ -153,7 +153,7 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
 
     tail_capacity only sizes the static split count; `skew` is how far a row's gathered and tail
     blocks may exceed the rows' mean (a shared budget's balance), which multiplies it
-    (_common.num_splits). Head dim must be a power of two >= 16.
+    (_common.num_splits) when there is more than one row. Head dim must be a power of two >= 16.
     """
     _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree)
     B, T, Hq, Dh = q.shape
@@ -163,7 +163,7 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
         raise ValueError(f"the Pallas sparse kernel needs a power-of-two head dim >= 16, got {Dh}")
     n_blocks, rows, tile = row_blocks(T, G)
     max_blocks = pl.cdiv(idx.shape[-1], block_k) + pl.cdiv(tail_capacity, block_k)
-    n_splits = n_splits or num_splits(B * Hkv * n_blocks, max_blocks, skew)
+    n_splits = n_splits or num_splits(B * Hkv * n_blocks, max_blocks, skew if B > 1 else 1.0)  # one row: no mean to exceed
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     stacked, idx = idx.ndim == 4, idx if idx.ndim == 4 else idx[None]
     n_idx, tail_start, idx, q_slot = (jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, idx, q_slot))

@@ -99,11 +99,6 @@ class Drafter:
         k = jnp.ceil(budget.ratio * context.astype(jnp.float32)).astype(jnp.int32)
         return jnp.minimum(jnp.clip(k, budget.min_tokens, self.k_max), context)
 
-    def skew(self, batch: int) -> float:
-        """How far a row's selection may exceed the rows' mean: a shared budget's balance (one row
-        has the whole budget), for the sparse kernel's split count."""
-        return self.spec.balance if batch > 1 else 1.0
-
     def sparse_attend(self, idx: jax.Array, n_idx: jax.Array, tail_start: jax.Array, rows: DraftRows,
                       tail_capacity: int) -> tuple[AttendFn, Any]:
         """Draft attention over gathered slots `idx` ([L, B, Hs, K] per layer, or [B, Hs, K] for every
@@ -116,7 +111,7 @@ class Drafter:
         def attend(layer, q, cache, _lx, _gates, carry):
             out = kernels.sparse_attention(
                 q, cache.k, cache.v, layer, idx, n_idx, tail_start, slots,
-                scale=self.scale, tail_capacity=tail_capacity, tree=mask, skew=self.skew(n_idx.shape[0]),
+                scale=self.scale, tail_capacity=tail_capacity, tree=mask, skew=self.spec.balance,
                 backend=self.spec.backend,
             )
             return out, None, carry

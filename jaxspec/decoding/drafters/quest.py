@@ -67,7 +67,7 @@ class Quest(Drafter):
         def sparse(layer, q, cache, idx):
             return kernels.sparse_attention(
                 q, cache.k, cache.v, layer, idx, n_pages * PAGE, last_page * PAGE, rows.slots,
-                scale=self.scale, tail_capacity=PAGE + self.spec.shape.rows, tree=rows.mask, skew=self.skew(B),
+                scale=self.scale, tail_capacity=PAGE + self.spec.shape.rows, tree=rows.mask, skew=self.spec.balance,
                 backend=self.spec.backend,
             )
 
