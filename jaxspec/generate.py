@@ -142,12 +142,16 @@ def load(args):
     return cfg, params, tokenizer, mesh
 
 
-def with_draft(args, spec: SpecConfig, cfg, params, mesh=None, precision: str | None = None) -> tuple[SpecConfig, dict]:
-    """The spec with --draft-skip resolved for the loaded model and checked against it (at `precision`
-    if given: auto's allowed classes), and the params with the draft's weights."""
+def check_draft(args, spec: SpecConfig, precision: str | None = None) -> SpecConfig:
+    """The spec with --draft-skip resolved for the model and checked against it (at `precision` if
+    given: auto's allowed classes), from the model's config alone: a flag that does not fit the model
+    fails before its weights load."""
+    from jaxspec.loaders import load_config
+
+    cfg = load_config(args.model, args.dtype)
     spec = dataclasses.replace(spec, draft_skip=resolve_skip(args.draft_skip, args.model, cfg.num_layers)).validate()
     dataclasses.replace(spec, precision=precision or spec.precision).check_model(cfg)
-    return spec, with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+    return spec
 
 
 def with_draft_model(params, kind: str, skip: tuple[int, ...], mesh) -> dict:
@@ -183,8 +187,9 @@ def main(argv=None):
 
     if warning := gpu_unseen_warning():
         print(warning, file=sys.stderr)
+    spec = check_draft(args, spec, precision=args.precision)  # auto: the classes it may use
     cfg, params, tokenizer, mesh = load(args)
-    spec, params = with_draft(args, spec, cfg, params, mesh, precision=args.precision)  # auto: the classes it may use
+    params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
     announce_precision(args)
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not tokenizer.has_chat_template:

@@ -19,7 +19,7 @@ import uvicorn
 from jaxspec.decoding import planner
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.generate import (add_method_flags, add_model_flags, announce_precision, load, spec_from_args, with_draft,
+from jaxspec.generate import (add_method_flags, add_model_flags, announce_precision, check_draft, load, spec_from_args,
                               with_draft_model)
 from jaxspec.runner import describe_device
 
@@ -64,8 +64,9 @@ def main(argv=None):
     from jaxspec.serving.server import create_app
 
     print(describe_device(), file=sys.stderr)
+    spec = check_draft(args, spec)
     cfg, params, tokenizer, mesh = load(args)
-    spec, params = with_draft(args, spec, cfg, params, mesh)
+    params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
     announce_precision(args)
     max_len = args.max_len or cfg.max_position_embeddings
     if max_len < 2 or max_len > cfg.max_position_embeddings:

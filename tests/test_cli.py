@@ -142,7 +142,14 @@ def test_json_batch_trees_and_quantized_drafts_are_lossless(tmp_path):
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
     ],
 )
-def test_bad_arguments(capsys, args, fragment):
+def test_bad_arguments(capsys, monkeypatch, args, fragment):
+    """Each is found before the weights load, those checked against the model from its config alone."""
+    from jaxspec import loaders
+
+    def weights_loaded(*_args, **_kwargs):
+        raise AssertionError("the weights were loaded before the arguments were checked")
+
+    monkeypatch.setattr(loaders, "load_model", weights_loaded)
     assert_one_line_error(generate_here(capsys, *args), fragment)
 
 

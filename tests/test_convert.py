@@ -17,7 +17,7 @@ import pytest
 from jaxspec import convert as convert_module
 from jaxspec.convert import convert
 from jaxspec.errors import JaxspecError
-from jaxspec.loaders import load_model, orbax
+from jaxspec.loaders import load_config, load_model, orbax
 from jaxspec.models.decoder import score
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +57,7 @@ def test_hf_round_trip_bfloat16(hf_checkpoints, tmp_path):
     assert_same_model(load_model(str(src), "bfloat16"), load_model(str(tmp_path / "ckpt"), "bfloat16"))
     cfg, params, _ = load_model(str(tmp_path / "ckpt"), "float32")  # restored at bf16, cast on load
     assert cfg.dtype == "float32" and all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    assert load_config(str(tmp_path / "ckpt"), "float32") == cfg  # from the checkpoint's config alone
 
 
 def test_config_json_round_trip(smollm2_loaded):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.loaders import load_model
+from jaxspec.loaders import load_config, load_model
 from jaxspec.models.decoder import score
 
 SENTENCE = (
@@ -100,14 +100,17 @@ def test_gguf_written_like_llama_cpp_loads_like_hf(hf_checkpoints, hf_ggufs, nam
     jax.tree.map(np.testing.assert_array_equal, params, params_hf)
     assert tok.eos_token_ids == tok_hf.eos_token_ids
     assert tok.encode(SENTENCE + " 12345 <|im_end|>") == tok_hf.encode(SENTENCE + " 12345 <|im_end|>")
+    for spec, loaded in ((hf_ggufs[name], cfg), (hf_checkpoints[name], cfg_hf)):  # the config alone: bos/eos are the tokenizer's
+        alone = load_config(str(spec), "float32")
+        assert alone.replace(bos_token_id=loaded.bos_token_id, eos_token_ids=loaded.eos_token_ids) == loaded
 
 
 # ---- bad inputs: one JaxspecError with a clear message -----------------------------------------------
 
 
-def expect_error(spec: str, *fragments: str) -> str:
+def expect_error(spec: str, *fragments: str, load=load_model) -> str:
     with pytest.raises(JaxspecError) as info:
-        load_model(spec)
+        load(spec)
     message = str(info.value)
     assert "\n" not in message
     for fragment in fragments:
@@ -120,14 +123,16 @@ def copy_checkpoint(src, dst):
     return dst
 
 
-def test_missing_path(tmp_path):
-    expect_error(str(tmp_path / "nope"), "does not exist")
+@pytest.mark.parametrize("load", [load_model, load_config])
+def test_missing_path(tmp_path, load):
+    expect_error(str(tmp_path / "nope"), "does not exist", load=load)
 
 
-def test_not_a_model(tmp_path):
+@pytest.mark.parametrize("load", [load_model, load_config])
+def test_not_a_model(tmp_path, load):
     (tmp_path / "weights.bin").write_bytes(b"1234")
-    expect_error(str(tmp_path / "weights.bin"), "not a .gguf file")
-    expect_error(str(tmp_path), "not a model directory")
+    expect_error(str(tmp_path / "weights.bin"), "not a .gguf file", load=load)
+    expect_error(str(tmp_path), "not a model directory", load=load)
 
 
 def test_truncated_safetensors(hf_checkpoints, tmp_path):
@@ -199,8 +204,14 @@ def test_truncated_gguf(hf_ggufs, tmp_path, fraction):
 
 
 def test_unsupported_gguf_architecture(hf_ggufs, rewrite_gguf, tmp_path):
-    path = rewrite_gguf(hf_ggufs["llama"], tmp_path / "x.gguf", arch="gpt2")
-    expect_error(str(path), "unsupported GGUF architecture 'gpt2'")
+    """Also through the config alone, after the same path held a good file (the reader is kept: a
+    rewritten file must be read again)."""
+    path = tmp_path / "x.gguf"
+    path.write_bytes(hf_ggufs["llama"].read_bytes())
+    assert load_config(str(path)).model_type == "llama"
+    rewrite_gguf(hf_ggufs["llama"], path, arch="gpt2")
+    for load in (load_config, load_model):
+        expect_error(str(path), "unsupported GGUF architecture 'gpt2'", load=load)
 
 
 def test_gguf_missing_tensor(hf_ggufs, rewrite_gguf, tmp_path):

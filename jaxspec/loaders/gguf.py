@@ -8,6 +8,7 @@ RoPE (Qwen2/Qwen3 GGUFs use NeoX RoPE and are stored unpermuted).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -64,13 +65,28 @@ def load(path: Path, dtype: str) -> tuple[ModelConfig, Params, Tokenizer]:
     return cfg, build_params(cfg, get), tokenizer
 
 
+def read_file_config(path: Path, dtype: str) -> ModelConfig:
+    """The config alone, from the file's header (no tensor is read)."""
+    reader = _open(path)
+    return read_config(read_metadata(reader), {t.name for t in reader.tensors}, dtype)
+
+
 def _open(path: Path) -> GGUFReader:
+    """The file's reader; the last one is kept (its header parse is seconds for a 49K-token vocabulary:
+    the CLI reads the config before the tensors), and read again if the file changed."""
     try:
-        return GGUFReader(path)
+        stat = path.stat()
+        return _reader(path.resolve(), stat.st_mtime_ns, stat.st_size)
     except OSError as e:
         raise JaxspecError(f"cannot read {path}: {e.strerror or e}") from None
     except Exception as e:  # the reader fails on bad bytes with ValueError, IndexError, struct/numpy errors
         raise JaxspecError(f"corrupt or truncated GGUF file {path}: {e}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    del mtime_ns, size  # the cache key: a rewritten file is parsed again
+    return GGUFReader(path)
 
 
 def read_metadata(reader: GGUFReader) -> dict:

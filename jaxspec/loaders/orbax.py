@@ -52,13 +52,18 @@ def save(path: Path, cfg: ModelConfig, params: Params, tokenizer: Tokenizer) -> 
     tokenizer.save(path)
 
 
+def read_saved_config(path: Path) -> ModelConfig:
+    """The checkpoint's config as saved (its dtype is the saved params')."""
+    try:
+        return config_from_json((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise JaxspecError(f"cannot read {path / CONFIG_FILE}: {e}") from None
+
+
 def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
     """Restores the params at the saved dtype, then casts to `dtype`: onto the default device, or
     with a `mesh` each leaf split as tensor parallelism splits it (no device reads a full copy)."""
-    try:
-        saved = config_from_json((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise JaxspecError(f"cannot read {path / CONFIG_FILE}: {e}") from None
+    saved = read_saved_config(path)
     shapes = param_shapes(saved)
     is_shape = lambda x: isinstance(x, tuple)
     if mesh is None:
