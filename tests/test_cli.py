@@ -18,14 +18,18 @@ def generate(*args: str) -> subprocess.CompletedProcess:
 
 def generate_here(capsys, *args: str) -> subprocess.CompletedProcess:
     """`main` in this process, as `generate` runs it in its own (the same wrapper makes a bad input one
-    line and exit code 2; anything else raises here): the bad-argument cases without a Python start each."""
+    line and exit code 2; anything else raises here), without a Python start, a model load and the
+    compiles of each run (the process keeps the GGUF reader and the compiled programs)."""
     from jaxspec import generate as cli
 
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
+    try:
         cli.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code
     out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, exit_info.value.code, out, err)
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
@@ -53,18 +57,18 @@ def batch_args(tmp_path) -> list[str]:
     return ["--prompt", "What is 2 + 2?", "--prompt-file", str(prompt_file), "--max-new-tokens", "16", "--json"]
 
 
-def run_json(*args) -> dict:
-    result = generate(*args)
+def run_json(capsys, *args) -> dict:
+    result = generate_here(capsys, *args)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
-def test_json_batch_is_lossless_across_methods(tmp_path):
+def test_json_batch_is_lossless_across_methods(capsys, tmp_path):
     """A batch: greedy vegas as a chain and the default (auto) emit plain decoding's tokens (every
     drafter's losslessness: test_engine; trees and int8 / int4 + skip drafts: the slow test below)."""
     common = batch_args(tmp_path)
-    outputs = {method: run_json(*common, "--method", method, "--gamma", "4") for method in ("plain", "vegas")}
-    outputs["auto"] = run_json(*common)  # the default: --method auto
+    outputs = {method: run_json(capsys, *common, "--method", method, "--gamma", "4") for method in ("plain", "vegas")}
+    outputs["auto"] = run_json(capsys, *common)  # the default: --method auto
     out = outputs["vegas"]
     assert out["model"] == "smollm2" and len(out["results"]) == 2
     for row in out["results"]:
@@ -84,15 +88,15 @@ def test_json_batch_is_lossless_across_methods(tmp_path):
     assert auto["method_requested"] == "auto" and auto["lossless"] and auto["planned"]["source"].startswith(("table:", "cost-model"))
 
 
-@pytest.mark.slow  # four more CLI processes (~50 s of the default run's 20 minutes)
-def test_json_batch_trees_and_quantized_drafts_are_lossless(tmp_path):
+@pytest.mark.slow  # four more CLI runs (~50 s of the default run's 20 minutes)
+def test_json_batch_trees_and_quantized_drafts_are_lossless(capsys, tmp_path):
     """The same batch: a vegas tree, vegas with int8 draft weights and full drafts with int4 weights
     skipping two layers emit plain decoding's tokens, and their stats say what ran."""
     common = batch_args(tmp_path)
-    plain = run_json(*common, "--method", "plain")
-    tree = run_json(*common, "--method", "vegas", "--tree", "3,2,1", "--traversal", "dfs")
-    int8 = run_json(*common, "--method", "vegas", "--gamma", "4", "--draft-weights", "int8")
-    int4 = run_json(*common, "--method", "full", "--gamma", "3", "--draft-weights", "int4", "--draft-skip", "4,17")
+    plain = run_json(capsys, *common, "--method", "plain")
+    tree = run_json(capsys, *common, "--method", "vegas", "--tree", "3,2,1", "--traversal", "dfs")
+    int8 = run_json(capsys, *common, "--method", "vegas", "--gamma", "4", "--draft-weights", "int8")
+    int4 = run_json(capsys, *common, "--method", "full", "--gamma", "3", "--draft-weights", "int4", "--draft-skip", "4,17")
     for out in (tree, int8, int4):
         assert [r["tokens"] for r in out["results"]] == [r["tokens"] for r in plain["results"]]
     stats = tree["stats"]
@@ -159,35 +163,35 @@ def test_bad_arguments_in_their_own_process(args, fragment):
     assert_one_line_error(generate(*args), fragment)
 
 
-def test_bad_model_files(tmp_path, hf_checkpoints):
+def test_bad_model_files(capsys, tmp_path, hf_checkpoints):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(os.urandom(4096))
-    assert_one_line_error(generate("--model", str(garbage)), "garbage.gguf")
+    assert_one_line_error(generate_here(capsys, "--model", str(garbage)), "garbage.gguf")
 
     mistral = tmp_path / "mistral"
     mistral.mkdir()
     config = json.loads((hf_checkpoints["llama"] / "config.json").read_text())
     (mistral / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    assert_one_line_error(generate("--model", str(mistral)), "mistral")
+    assert_one_line_error(generate_here(capsys, "--model", str(mistral)), "mistral")
 
     truncated = tmp_path / "truncated"
     truncated.mkdir()
     for f in hf_checkpoints["llama"].iterdir():
         data = f.read_bytes()
         (truncated / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
-    assert_one_line_error(generate("--model", str(truncated), "--prompt", "hi"), "safetensors")
+    assert_one_line_error(generate_here(capsys, "--model", str(truncated), "--prompt", "hi"), "safetensors")
 
 
-def test_prompt_errors(hf_checkpoints):
+def test_prompt_errors(capsys, hf_checkpoints):
     model = str(hf_checkpoints["llama"])
-    assert_one_line_error(generate("--model", model, "--prompt", "  "), "empty prompt")
+    assert_one_line_error(generate_here(capsys, "--model", model, "--prompt", "  "), "empty prompt")
     long_prompt = " ".join(["word"] * 50)
-    assert_one_line_error(generate("--model", model, "--no-chat", "--prompt", long_prompt, "--max-len", "8"), "--max-len")
+    assert_one_line_error(generate_here(capsys, "--model", model, "--no-chat", "--prompt", long_prompt, "--max-len", "8"), "--max-len")
 
 
-def test_prompt_longer_than_the_model_context(hf_checkpoints):
+def test_prompt_longer_than_the_model_context(capsys, hf_checkpoints):
     long_prompt = " ".join(["word"] * 400)  # the test checkpoints have 256 positions
-    assert_one_line_error(generate("--model", str(hf_checkpoints["llama"]), "--no-chat", "--prompt", long_prompt), "model's context")
+    assert_one_line_error(generate_here(capsys, "--model", str(hf_checkpoints["llama"]), "--no-chat", "--prompt", long_prompt), "model's context")
 
 
 @pytest.mark.parametrize("method", ["plain", "auto"])
@@ -209,13 +213,13 @@ def test_out_of_device_memory_is_one_line(monkeypatch, hf_checkpoints, capsys, m
     assert err[0].startswith("error: out of device memory") and "GiB of KV cache" in err[0]
 
 
-def test_stream_prints_the_same_greedy_text():
+def test_stream_prints_the_same_greedy_text(capsys):
     """--stream (one prompt through the serving scheduler) prints the text the batch path prints."""
     common = ["--prompt", "Name three colors.", "--max-new-tokens", "20", "--method", "vegas", "--gamma", "3"]
-    batch = generate(*common, "--no-stream")
-    streamed = generate(*common, "--stream")
+    batch = generate_here(capsys, *common, "--no-stream")
+    streamed = generate_here(capsys, *common, "--stream")
     assert batch.returncode == 0 and streamed.returncode == 0, streamed.stderr
     text = lambda r: r.stdout.partition("--- stats ---")[0].strip()
     assert text(streamed) == text(batch) and text(batch)
     assert "streamed" in streamed.stdout and "tokens/iteration" in streamed.stdout
-    assert_one_line_error(generate(*common, "--stream", "--json"), "--stream prints one prompt")
+    assert_one_line_error(generate_here(capsys, *common, "--stream", "--json"), "--stream prints one prompt")
