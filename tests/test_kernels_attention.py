@@ -140,7 +140,13 @@ VERIFY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(VERIFY_CASES)))
+# By default one case a path (no collection; collected rows summed or not; splits; row blocks; the 64-row
+# tile; one split); these repeat a path at another dtype or head count: the slow tests (20 minutes).
+VERIFY_SLOW = (1, 3, 4, 6, 12)
+
+
+@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i in VERIFY_SLOW else i
+                                  for i in range(len(VERIFY_CASES))])
 def test_verify_attention(case):
     B, T, Hq, Hkv, Dh, S, dtype, collect, block_k, n_splits = VERIFY_CASES[case]
     q, k_cache, v_cache = random_inputs(100 + case, (B, T, Hq, Dh), B, Hkv, S, Dh, dtype)
@@ -307,7 +313,9 @@ SPARSE_TREE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(SPARSE_TREE_CASES)))
+# Case 3 (18 rows, G=4) repeats case 0's path at fewer rows: with the slow tests (20 minutes).
+@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i == 3 else i
+                                  for i in range(len(SPARSE_TREE_CASES))])
 def test_sparse_attention_tree_depth(case):
     """The rows of one depth of a draft tree: each sees the gathered slots, the committed tail before
     the root, and its own ancestors' slots (no sibling, cousin or deeper node)."""
@@ -349,10 +357,15 @@ def path_as_chain(cache, first, path):
     return cache
 
 
-@pytest.mark.parametrize("shape,order", [((2, 2), "bfs"), ((3, 1, 2), "dfs"), ((1, 1, 1), "bfs"),
-                                         ((2, 2, 2, 2, 2), "bfs"), ((2, 2, 2, 2, 2), "dfs"),
-                                         ((3, 3, 2), "dfs")])
-@pytest.mark.parametrize("pallas", [False, True])
+TREE_VERIFY_SHAPES = [((2, 2), "bfs"), ((3, 1, 2), "dfs"), ((1, 1, 1), "bfs"), ((2, 2, 2, 2, 2), "bfs"),
+                      ((2, 2, 2, 2, 2), "dfs"), ((3, 3, 2), "dfs")]
+
+
+# By default the kernel on four shapes (a chain, a dfs tree, both multi-block trees) and the reference on
+# two; each backend's other shapes run with the slow tests (the default run's 20 minutes).
+@pytest.mark.parametrize("shape,order,pallas", [
+    (shape, order, pallas) if (i in (1, 2, 3, 5)) == pallas else pytest.param(shape, order, pallas, marks=pytest.mark.slow)
+    for pallas in (False, True) for i, (shape, order) in enumerate(TREE_VERIFY_SHAPES)])
 def test_tree_verify_equals_each_path_as_a_chain(shape, order, pallas):
     """Tree rows at slots first + t, each seeing the committed cache and its ancestors: row t's output
     equals a chain verification of its root-to-node path laid out at consecutive slots. 63 rows (two

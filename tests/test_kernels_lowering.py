@@ -96,12 +96,12 @@ def spec(shape, dtype=jnp.int32):
 @pytest.mark.parametrize("Hq, Hkv, Dh, T, collect", [
     (32, 8, 128, 1, None),
     (32, 8, 128, 10, Collect((0, 9), "weight", True)),
-    (32, 8, 128, 10, Collect((0, 9), "logit", True)),
-    (32, 8, 128, 16, Collect(tuple(range(16)), "logit", False)),
-    (32, 8, 128, 7, Collect(tuple(range(7)), "weight", False)),
+    pytest.param(32, 8, 128, 10, Collect((0, 9), "logit", True), marks=pytest.mark.slow),  # 3 slow: tiles
+    (32, 8, 128, 16, Collect(tuple(range(16)), "logit", False)),                            # of the others
+    pytest.param(32, 8, 128, 7, Collect(tuple(range(7)), "weight", False), marks=pytest.mark.slow),
     (40, 8, 64, 16, Collect((0, 15), "weight", True)),    # G=5: 80 rows -> 128-row tile
     (32, 8, 128, 64, Collect(tuple(range(64)), "weight", False)),  # 4 row blocks, 64 collected each
-    (32, 8, 128, 64, Collect((0, 63), "logit", False)),
+    pytest.param(32, 8, 128, 64, Collect((0, 63), "logit", False), marks=pytest.mark.slow),
     (9, 3, 64, 64, Collect((0, 63), "weight", True)),     # SmolLM2, G=3: 48 rows of a 64-row tile
 ])
 def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
@@ -248,7 +248,14 @@ TREE_SHAPES = [  # a 63-row draft tree's rows (nsa_tree_compressed, nsa_grouped)
 ]
 
 
-@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", NSA_SHAPES + TREE_SHAPES)
+def with_slow(shapes, slow):
+    """The shapes as parameters, those at the indices `slow` with the slow tests: by default each kernel
+    lowers at NSA-1B's 256-row tile, the 8B shapes' largest blocks, SmolLM2's one row, a float32 cache
+    and a tree's rows (the default run's 20 minutes)."""
+    return [pytest.param(*s, marks=pytest.mark.slow) if i in slow else s for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", with_slow(NSA_SHAPES + TREE_SHAPES, (0, 2, 5, 8, 10)))
 def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_compressed import nsa_compressed_pallas
     cmp = spec((24, 1, Hkv, slots // bs, Dh), dtype)
@@ -256,8 +263,8 @@ def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
                spec((1, T, Hq, Dh), dtype), cmp, cmp, spec(()), spec((1, T)))
 
 
-@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", TREE_SHAPES)
-@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype, group", with_slow(
+    [(*shape, group) for shape in TREE_SHAPES for group in (1, 8)], (0, 3)))
 def test_nsa_grouped_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype, group):
     from pallas_kernels.nsa_grouped import nsa_grouped_pallas
     tree = TreeShape((2,) * 5, "bfs")
@@ -269,7 +276,7 @@ def test_nsa_grouped_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype, group)
                rows, cache, cache, spec(()), spec((1,)), spec((1, T, Hkv, 16)), rows, spec((1, T, Hq, 3), dtype))
 
 
-@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", NSA_SHAPES)
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", with_slow(NSA_SHAPES, (0, 2, 5, 8)))
 def test_nsa_selected_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_selected import nsa_selected_pallas
     cache = spec((24, 1, Hkv, slots, Dh), dtype)

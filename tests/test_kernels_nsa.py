@@ -224,7 +224,10 @@ COMPRESSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(COMPRESSED_CASES)))
+# Cases 2 and 3 (NSA-1B's heads, G 16 in row blocks) repeat the paths of cases 0 and 1 at other head
+# counts: the slow tests (the default run's 20 minutes).
+@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i in (2, 3) else i
+                                  for i in range(len(COMPRESSED_CASES))])
 def test_nsa_compressed_pallas(case):
     B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P = COMPRESSED_CASES[case]
     rng = np.random.default_rng(100 + case)
@@ -273,7 +276,9 @@ SELECTED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(SELECTED_CASES)))
+# Case 1 (NSA-1B's heads, no window) with the slow tests (the default run's 20 minutes).
+@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i == 1 else i
+                                  for i in range(len(SELECTED_CASES))])
 def test_nsa_selected_pallas(case):
     B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype = SELECTED_CASES[case]
     rng = np.random.default_rng(200 + case)

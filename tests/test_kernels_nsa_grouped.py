@@ -72,11 +72,11 @@ def own_selection(q, k, v, k_cmp, v_cmp, first, ancestors, bs, S, rule="exact"):
 
 # ---------------------------------------------------------------- the compressed branch
 
-@pytest.mark.parametrize("shape, order, offset, rule, backend", [
+@pytest.mark.parametrize("shape, order, offset, rule, backend", [  # references of shapes the kernel runs: slow (20 minutes)
     ((2, 2), "dfs", 14, "exact", "reference"),
-    ((3, 2, 1), "bfs", 13, "nsa1b", "reference"),
+    pytest.param((3, 2, 1), "bfs", 13, "nsa1b", "reference", marks=pytest.mark.slow),
     ((3, 2, 1), "bfs", 13, "nsa1b", "pallas"),
-    ((1,) * 20, "bfs", 5, "exact", "reference"),       # a chain that completes a block inside the tree
+    pytest.param((1,) * 20, "bfs", 5, "exact", "reference", marks=pytest.mark.slow),  # a chain that completes a block inside the tree
     ((1,) * 20, "bfs", 5, "exact", "pallas"),
     ((2,) * 5, "bfs", 9, "nsa1b", "reference"),        # 63 rows
     ((2,) * 5, "bfs", 9, "nsa1b", "pallas"),
@@ -131,10 +131,10 @@ def test_group_schedule():
 
 # ---------------------------------------------------------------- exact and shared groups (references)
 
-@pytest.mark.parametrize("shape, order, groups", [
+@pytest.mark.parametrize("shape, order, groups", [  # the bfs 63-row tree and the chain: slow tests (20 minutes)
     ((3, 2, 2), "dfs", (1, 4, 8, 5)),
-    ((1,) * 16, "bfs", (4, 16)),
-    ((2,) * 5, "bfs", (8, 16)),
+    pytest.param((1,) * 16, "bfs", (4, 16), marks=pytest.mark.slow),
+    pytest.param((2,) * 5, "bfs", (8, 16), marks=pytest.mark.slow),
     ((2,) * 5, "dfs", (16, 32)),
 ])
 def test_exact_groups_equal_the_oracle_bit_for_bit(shape, order, groups):
@@ -224,7 +224,10 @@ PALLAS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(PALLAS_CASES)))
+# Cases 3, 5 and 6 (a vanilla 64-row tree, a 6-row tree at the cache's end, SmolLM2's heads in bf16)
+# repeat paths of the others: the slow tests (the default run's 20 minutes).
+@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i in (3, 5, 6) else i
+                                  for i in range(len(PALLAS_CASES))])
 def test_grouped_pallas(case):
     shape, order, group, shared, with_cmp, bs, window, Hq, Hkv, Dh, dtype, max_tile, at_end = PALLAS_CASES[case]
     tree = TreeShape(shape, order)
