@@ -165,7 +165,7 @@ def test_greedy_follows_the_argmax(order):
         np.testing.assert_array_equal(path[b, : num[b] + 1], np.arange(num[b] + 1))
 
 
-@pytest.mark.parametrize("order", ["bfs", "dfs"])
+@pytest.mark.parametrize("order", ["bfs", pytest.param("dfs", marks=pytest.mark.slow)])  # dfs: slow (20 minutes)
 def test_row_rules_accept_as_each_rows_config(order):
     """Row rules (a server's mixed batch): sampled rows accept exactly as their shared config does
     under the same keys, and greedy rows, whose drafts come with the sampled rows' q, follow the
@@ -225,8 +225,9 @@ def textbook_accept(key, tree, tokens, draft_probs, target_logits, cfg):
     return num, jnp.where(jnp.arange(tree.depth + 1) == num[:, None], draw(keys[-1], final)[:, None], emitted)
 
 
-@pytest.mark.parametrize("shape, one_hot, rules", [
-    ((1, 1, 1, 1), False, "top_p"), ((1, 1, 1), True, "unit"), ((3, 1, 2, 1), False, "top_p"),
+@pytest.mark.parametrize("shape, one_hot, rules", [  # (3, 1, 2, 1): slow, (1, 2, 1) branches (20 minutes)
+    ((1, 1, 1, 1), False, "top_p"), ((1, 1, 1), True, "unit"),
+    pytest.param((3, 1, 2, 1), False, "top_p", marks=pytest.mark.slow),
     ((1, 2, 1), False, "mixed"), ((2, 1), True, "mixed"),
 ])
 def test_acceptance_equals_the_textbook_recursion(shape, one_hot, rules):
