@@ -17,7 +17,6 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench import common
 from jaxspec.models import decoder

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import convert as convert_module
 from jaxspec.convert import convert_to_nsa
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import load_model

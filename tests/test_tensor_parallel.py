@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec import corpus, generate as generate_cli
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
-from jaxspec.models import decoder, draft_weights, sharding
+from jaxspec.models import decoder, sharding
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.models.quantize import Quantized
 from jaxspec.runner import Batch, encode_prompts, run_generation
