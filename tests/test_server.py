@@ -308,3 +308,14 @@ def test_bad_command_lines_are_one_line_errors(flags, fragment):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and lines[-1].startswith("error:") and fragment in lines[-1], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_model_flags_fail_before_the_weights_load(monkeypatch, capsys):
+    """A flag that does not fit the model (a --draft-skip layer it lacks) fails from its config alone."""
+    from jaxspec import loaders, serve
+
+    monkeypatch.setattr(loaders, "load_model", lambda *_a, **_k: pytest.fail("the weights were loaded"))
+    with pytest.raises(SystemExit) as info:
+        serve.main(["--method", "vegas", "--draft-skip", "40"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err[-1].startswith("error:") and "layer 40 does not exist" in err[-1]
