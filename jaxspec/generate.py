@@ -132,14 +132,14 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
     ).validate()
 
 
-def load(args):
+def load(args, spec: SpecConfig):
     """(cfg, params, tokenizer, mesh): the model of --model at --dtype, split over --tp devices (mesh
-    None for one)."""
+    None for one), with the draft weights of `spec` (checked first: `check_draft`)."""
     from jaxspec.loaders import load_model
 
     mesh = sharding.make_mesh(args.tp) if args.tp != 1 else None
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype, mesh=mesh)
-    return cfg, params, tokenizer, mesh
+    return cfg, with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh), tokenizer, mesh
 
 
 def check_draft(args, spec: SpecConfig, precision: str | None = None) -> SpecConfig:
@@ -188,8 +188,7 @@ def main(argv=None):
     if warning := gpu_unseen_warning():
         print(warning, file=sys.stderr)
     spec = check_draft(args, spec, precision=args.precision)  # auto: the classes it may use
-    cfg, params, tokenizer, mesh = load(args)
-    params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+    cfg, params, tokenizer, mesh = load(args, spec)
     announce_precision(args)
     chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not tokenizer.has_chat_template:

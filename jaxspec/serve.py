@@ -65,8 +65,7 @@ def main(argv=None):
 
     print(describe_device(), file=sys.stderr)
     spec = check_draft(args, spec)
-    cfg, params, tokenizer, mesh = load(args)
-    params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+    cfg, params, tokenizer, mesh = load(args, spec)
     announce_precision(args)
     max_len = args.max_len or cfg.max_position_embeddings
     if max_len < 2 or max_len > cfg.max_position_embeddings:
