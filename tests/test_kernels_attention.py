@@ -24,6 +24,7 @@ from pallas_kernels.verify_attention import (
     verify_attention_pallas,
     verify_attention_reference,
 )
+from slow_cases import slow_at
 
 LAYERS, LAYER = 3, 1
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -145,8 +146,7 @@ VERIFY_CASES = [
 VERIFY_SLOW = (1, 3, 4, 6, 12)
 
 
-@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i in VERIFY_SLOW else i
-                                  for i in range(len(VERIFY_CASES))])
+@pytest.mark.parametrize("case", slow_at(range(len(VERIFY_CASES)), VERIFY_SLOW))
 def test_verify_attention(case):
     B, T, Hq, Hkv, Dh, S, dtype, collect, block_k, n_splits = VERIFY_CASES[case]
     q, k_cache, v_cache = random_inputs(100 + case, (B, T, Hq, Dh), B, Hkv, S, Dh, dtype)
@@ -314,8 +314,7 @@ SPARSE_TREE_CASES = [
 
 
 # Case 3 (18 rows, G=4) repeats case 0's path at fewer rows: with the slow tests (20 minutes).
-@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i == 3 else i
-                                  for i in range(len(SPARSE_TREE_CASES))])
+@pytest.mark.parametrize("case", slow_at(range(len(SPARSE_TREE_CASES)), (3,)))
 def test_sparse_attention_tree_depth(case):
     """The rows of one depth of a draft tree: each sees the gathered slots, the committed tail before
     the root, and its own ancestors' slots (no sibling, cousin or deeper node)."""

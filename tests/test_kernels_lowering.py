@@ -32,6 +32,7 @@ from pallas_kernels.sparse_attention import sparse_attention_pallas
 from pallas_kernels.top_p import top_p_threshold_pallas
 from pallas_kernels.topk import select_topk_pallas
 from pallas_kernels.verify_attention import verify_attention_pallas
+from slow_cases import slow_at
 
 H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
@@ -248,14 +249,9 @@ TREE_SHAPES = [  # a 63-row draft tree's rows (nsa_tree_compressed, nsa_grouped)
 ]
 
 
-def with_slow(shapes, slow):
-    """The shapes as parameters, those at the indices `slow` with the slow tests: by default each kernel
-    lowers at NSA-1B's 256-row tile, the 8B shapes' largest blocks, SmolLM2's one row, a float32 cache
-    and a tree's rows (the default run's 20 minutes)."""
-    return [pytest.param(*s, marks=pytest.mark.slow) if i in slow else s for i, s in enumerate(shapes)]
-
-
-@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", with_slow(NSA_SHAPES + TREE_SHAPES, (0, 2, 5, 8, 10)))
+# By default each NSA kernel lowers at NSA-1B's 256-row tile, the 8B shapes' largest blocks, SmolLM2's
+# one row, a float32 cache and a tree's rows; the other shapes with the slow tests (slow_at).
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", slow_at(NSA_SHAPES + TREE_SHAPES, (0, 2, 5, 8, 10)))
 def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_compressed import nsa_compressed_pallas
     cmp = spec((24, 1, Hkv, slots // bs, Dh), dtype)
@@ -263,7 +259,7 @@ def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
                spec((1, T, Hq, Dh), dtype), cmp, cmp, spec(()), spec((1, T)))
 
 
-@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype, group", with_slow(
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype, group", slow_at(
     [(*shape, group) for shape in TREE_SHAPES for group in (1, 8)], (0, 3)))
 def test_nsa_grouped_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype, group):
     from pallas_kernels.nsa_grouped import nsa_grouped_pallas
@@ -276,7 +272,7 @@ def test_nsa_grouped_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype, group)
                rows, cache, cache, spec(()), spec((1,)), spec((1, T, Hkv, 16)), rows, spec((1, T, Hq, 3), dtype))
 
 
-@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", with_slow(NSA_SHAPES, (0, 2, 5, 8)))
+@pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", slow_at(NSA_SHAPES, (0, 2, 5, 8)))
 def test_nsa_selected_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_selected import nsa_selected_pallas
     cache = spec((24, 1, Hkv, slots, Dh), dtype)

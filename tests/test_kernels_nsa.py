@@ -24,6 +24,7 @@ from pallas_kernels.nsa_compressed import (
 )
 from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
 from test_kernels_attention import assert_close, f64, path_as_chain
+from slow_cases import slow_at
 
 LAYERS, LAYER = 3, 1
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -226,8 +227,7 @@ COMPRESSED_CASES = [
 
 # Cases 2 and 3 (NSA-1B's heads, G 16 in row blocks) repeat the paths of cases 0 and 1 at other head
 # counts: the slow tests (the default run's 20 minutes).
-@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i in (2, 3) else i
-                                  for i in range(len(COMPRESSED_CASES))])
+@pytest.mark.parametrize("case", slow_at(range(len(COMPRESSED_CASES)), (2, 3)))
 def test_nsa_compressed_pallas(case):
     B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P = COMPRESSED_CASES[case]
     rng = np.random.default_rng(100 + case)
@@ -277,8 +277,7 @@ SELECTED_CASES = [
 
 
 # Case 1 (NSA-1B's heads, no window) with the slow tests (the default run's 20 minutes).
-@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i == 1 else i
-                                  for i in range(len(SELECTED_CASES))])
+@pytest.mark.parametrize("case", slow_at(range(len(SELECTED_CASES)), (1,)))
 def test_nsa_selected_pallas(case):
     B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype = SELECTED_CASES[case]
     rng = np.random.default_rng(200 + case)

@@ -27,6 +27,7 @@ from pallas_kernels.nsa_selected import nsa_selected_reference
 from pallas_kernels.nsa_tree import nsa_tree_reference, path_slot_map, tree_paths
 from test_kernels_attention import assert_close
 from test_kernels_nsa import LAYER, LAYERS, TOL, poisoned
+from slow_cases import slow_at
 
 SLOTS = 640
 
@@ -226,8 +227,7 @@ PALLAS_CASES = [
 
 # Cases 3, 5 and 6 (a vanilla 64-row tree, a 6-row tree at the cache's end, SmolLM2's heads in bf16)
 # repeat paths of the others: the slow tests (the default run's 20 minutes).
-@pytest.mark.parametrize("case", [pytest.param(i, marks=pytest.mark.slow) if i in (3, 5, 6) else i
-                                  for i in range(len(PALLAS_CASES))])
+@pytest.mark.parametrize("case", slow_at(range(len(PALLAS_CASES)), (3, 5, 6)))
 def test_grouped_pallas(case):
     shape, order, group, shared, with_cmp, bs, window, Hq, Hkv, Dh, dtype, max_tile, at_end = PALLAS_CASES[case]
     tree = TreeShape(shape, order)
