@@ -24,6 +24,7 @@ CFG = ModelConfig(
     head_dim=16, intermediate_size=128, qk_norm=True, dtype="float32",
 )
 MAX_LEN = 320
+PROMPT_WIDTH = 256  # every prompt here is shorter
 STOP_WIDTH = 2
 GREEDY = SamplingConfig()
 HOT = SamplingConfig(temperature=0.9, top_p=0.9, top_k=20)
@@ -64,9 +65,12 @@ class Request:
 
 
 def admit(params, spec, state, slot: int, r: Request):
+    """Admits `r` into `slot`, its prompt padded to PROMPT_WIDTH positions (the scheduler pads to its
+    buckets too): one compiled admission serves every prompt here."""
     admit_fn = compiled(spec)[0]
+    ids = np.pad(r.ids, (0, PROMPT_WIDTH - len(r.ids)))
     return admit_fn(
-        params, state, jnp.asarray([slot]), jnp.asarray(r.ids[None]), jnp.asarray([len(r.ids)]),
+        params, state, jnp.asarray([slot]), jnp.asarray(ids[None]), jnp.asarray([len(r.ids)]),
         jax.random.key(r.seed)[None], jnp.asarray([r.max_new]), -jnp.ones((1, STOP_WIDTH), jnp.int32),
         RowSampling.of([r.rules], max_top_k=32),
     )

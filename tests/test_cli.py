@@ -16,6 +16,19 @@ def generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], capture_output=True, text=True, env=ENV, timeout=600)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_load_a_model():
+    """The in-process runs load each model once (a load is ~4-12 s of dequantization on CPU; the
+    loaders have their own tests): `load_model` remembers what it returned, for this module."""
+    import functools
+
+    from jaxspec import loaders
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loaders, "load_model", functools.cache(loaders.load_model))
+        yield
+
+
 def generate_here(capsys, *args: str) -> subprocess.CompletedProcess:
     """`main` in this process, as `generate` runs it in its own (the same wrapper makes a bad input one
     line and exit code 2; anything else raises here), without a Python start, a model load and the

@@ -86,7 +86,22 @@ def _open(path: Path) -> GGUFReader:
 @functools.lru_cache(maxsize=1)
 def _reader(path: Path, mtime_ns: int, size: int) -> GGUFReader:
     del mtime_ns, size  # the cache key: a rewritten file is parsed again
-    return GGUFReader(path)
+    return _PlainViews(path)
+
+
+class _PlainViews(GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map: the parse takes a view per field
+    part and dequantization splits tensors into many views, and a view of an `np.memmap` runs a
+    Python hook each time (SmolLM2's header: 3.4 -> 0.9 s; its tensors 1.5 -> 1.1 s). Same bytes,
+    still mapped, not copied."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._data = np.asarray(mapped)
 
 
 def read_metadata(reader: GGUFReader) -> dict:
