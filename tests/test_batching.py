@@ -204,6 +204,28 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
         assert finished[i].stats.completion_tokens == r.max_new and finished[i].stats.iterations > 0
 
 
+def test_the_next_segment_runs_while_the_host_reads_a_report(params, monkeypatch):
+    """Serving segments are pipelined: each segment's report is read with the next segment already
+    dispatched behind it, so the device does not wait on the host's hand-out; the
+    requests, one admitted into a slot freed meanwhile, still emit their tokens alone."""
+    from jaxspec.serving import scheduler as serving
+
+    spec = SpecConfig(method="plain").validate()
+    requests = [Request(40 + i, 30 + 20 * i, [10, 24, 12][i], [GREEDY, HOT][i % 2]) for i in range(3)]
+    scheduler = serving.Scheduler(params, CFG, None, spec, slots=2, max_len=MAX_LEN, max_top_k=32, segment=2)
+    events, call, get = [], scheduler._call, jax.device_get
+    monkeypatch.setattr(scheduler, "_call", lambda name, *a, **k: (events.append(name), call(name, *a, **k))[1])
+    monkeypatch.setattr(serving.jax, "device_get", lambda x: (events.append("read"), get(x))[1])
+    tokens, finished = submit_all(scheduler, requests)
+    while len(finished) < 3:
+        scheduler.step()
+    reads = [tuple(events[i - 2 : i]) for i, e in enumerate(events) if e == "read"]
+    assert set(reads) == {("admit", "report"), ("report", "decode")}  # admissions hand out first tokens
+    assert reads.count(("report", "decode")) >= 10  # 46 tokens in segments of 2 iterations
+    for i, r in enumerate(requests):
+        assert tokens[i] == alone(params, spec, r), i
+
+
 def test_cancel_during_chunked_prefill(params):
     """A request cancelled while its prompt is prefilled a chunk per round ends cancelled once
     admitted, and its slot goes to the next request, which emits its tokens alone."""

@@ -177,6 +177,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._state: engine.DecodeState | None = None  # made by the first admission
         self._last = None  # (length, stats) host copies at the latest report, for refinement
+        self._ahead: float | None = None  # a segment runs beyond the latest report, timed from then
         self._watch_from = None  # (report, start time) where a settled refinement's watch window began
 
     # --- called from any thread ---------------------------------------------------------------------
@@ -452,14 +453,21 @@ class Scheduler:
         if (refining or watching) and self.refinement.current not in self.refinement.observations:  # a strategy's first segment
             self._state = self._call("decode", self.params, self._state, jnp.int32(0), jnp.int32(0))  # loads the program: not observed
             self._watch_from = None
-        before, start = self._last, time.perf_counter()
+        before, start = self._last, self._ahead or time.perf_counter()
         if watching and self._watch_from is None:
             self._watch_from = (before, start)
         limit = np.iinfo(np.int32).max if iterations is None else iterations
         most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
         floor = most if len(self._running) > most else 0
-        self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
-        seconds = self._deliver(start)
+        if self._ahead is None:
+            self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
+        report = self._report()
+        ahead = self.segment is not None and not refining
+        if ahead:  # the next segment runs while the host reads this one's report
+            self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
+        seconds = self._deliver(start, report)
+        if ahead:
+            self._ahead = start + seconds
         target = None
         if refining:
             target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running,
@@ -548,15 +556,22 @@ class Scheduler:
             self._state = self._call("switch", self.params, self._state, self.spec.budget(), shape=(old,))
         self._deliver(start)  # the switch's plain step drew a token per slot
 
-    def _deliver(self, start: float) -> float:
-        """Hands each running request the tokens its slot committed since the last delivery and
-        finishes the requests that are done; returns the seconds since `start` (when the work that
-        committed them began) to the tokens' arrival on the host."""
+    def _report(self):
+        """The report program's outputs (on the device, not yet read) for the running slots' tokens
+        since the last delivery."""
         since = np.zeros((self.rows,), np.int32)
         for slot, h in self._running.items():
             since[slot] = len(h.request.ids) + h.read
-        length, done, window, stats = jax.device_get(self._call("report", self._state, jnp.asarray(since)))
-        self._last = (length, stats)
+        return since, self._call("report", self._state, jnp.asarray(since))
+
+    def _deliver(self, start: float, report=None) -> float:
+        """Hands each running request the tokens its slot committed since the last delivery (up to
+        `report`, default: all work queued so far) and finishes the requests that are done; returns
+        the seconds since `start` (when the work that committed them began) to the tokens' arrival
+        on the host."""
+        since, report = report or self._report()
+        length, done, window, stats = jax.device_get(report)
+        self._last, self._ahead = (length, stats), None
         now = time.perf_counter()
         finished, new_tokens, seconds = [], 0, now - start
         for slot, h in list(self._running.items()):
@@ -627,7 +642,7 @@ class Scheduler:
         """Fails the running requests and starts again from free slots (the state may be lost)."""
         handles = list(self._running.values()) + (self._staged.group if self._staged else [])
         self._running.clear()
-        self._state, self._staged = None, None
+        self._state, self._staged, self._ahead = None, None, None
         for h in handles:
             self._finish(h, "error", error=error)
 
