@@ -178,18 +178,23 @@ SCHEDULER_CASES = [pytest.param("vegas", None, 1, id="vegas"), pytest.param("veg
 
 
 @pytest.mark.parametrize("method, chunk, every", SCHEDULER_CASES)
-def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, method, chunk, every):
+def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, method, chunk, every, monkeypatch):
     """The scheduler (no tokenizer: token ids only) with three slots and group admission: five
     requests, the first three admitted in one prefill and handed their first token before any
     segment runs (with chunked prefill of 32 positions: once their last chunk is written, a chunk
     per round), the others admitted into freed slots; each emits its tokens alone. With a selection
-    every third iteration a segment of two runs three, and its report must still hold their tokens."""
-    from jaxspec.serving.scheduler import Scheduler
+    every third iteration a segment of two runs three, and its report must still hold their tokens.
+    Segments are pipelined: each segment's report is read with the next segment already dispatched
+    behind it (the device does not wait on the host's hand-out); admissions read theirs at once."""
+    from jaxspec.serving import scheduler as serving
 
     spec = SpecConfig(method=method, gamma=3, min_tokens=32, select_every=every).validate()
     requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
-    scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
-                          prefill_chunk=chunk)
+    scheduler = serving.Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
+                                  prefill_chunk=chunk)
+    events, call, get = [], scheduler._call, jax.device_get
+    monkeypatch.setattr(scheduler, "_call", lambda name, *a, **k: (events.append(name), call(name, *a, **k))[1])
+    monkeypatch.setattr(serving.jax, "device_get", lambda x: (events.append("read"), get(x))[1])
     tokens, finished = submit_all(scheduler, requests)
     rounds = 1 if chunk is None else -(-(max(len(r.ids) for r in requests[:3]) - 1) // chunk)  # chunks of the first group
     for _ in range(rounds - 1):
@@ -199,31 +204,12 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     assert [len(tokens[i]) for i in range(5)] == [1, 1, 1, 0, 0]
     while len(finished) < 5:
         scheduler.step()
+    reads = [tuple(events[i - 2 : i]) for i, e in enumerate(events) if e == "read"]
+    assert set(reads) <= {("report", "decode"), *((admission, "report") for admission in ("prefill", "start", "admit"))}
+    assert reads.count(("report", "decode")) >= 3
     for i, r in enumerate(requests):
         assert finished[i].finish_reason == "length" and tokens[i] == alone(params, spec, r), i
         assert finished[i].stats.completion_tokens == r.max_new and finished[i].stats.iterations > 0
-
-
-def test_the_next_segment_runs_while_the_host_reads_a_report(params, monkeypatch):
-    """Serving segments are pipelined: each segment's report is read with the next segment already
-    dispatched behind it, so the device does not wait on the host's hand-out; the
-    requests, one admitted into a slot freed meanwhile, still emit their tokens alone."""
-    from jaxspec.serving import scheduler as serving
-
-    spec = SpecConfig(method="plain").validate()
-    requests = [Request(40 + i, 30 + 20 * i, [10, 24, 12][i], [GREEDY, HOT][i % 2]) for i in range(3)]
-    scheduler = serving.Scheduler(params, CFG, None, spec, slots=2, max_len=MAX_LEN, max_top_k=32, segment=2)
-    events, call, get = [], scheduler._call, jax.device_get
-    monkeypatch.setattr(scheduler, "_call", lambda name, *a, **k: (events.append(name), call(name, *a, **k))[1])
-    monkeypatch.setattr(serving.jax, "device_get", lambda x: (events.append("read"), get(x))[1])
-    tokens, finished = submit_all(scheduler, requests)
-    while len(finished) < 3:
-        scheduler.step()
-    reads = [tuple(events[i - 2 : i]) for i, e in enumerate(events) if e == "read"]
-    assert set(reads) == {("admit", "report"), ("report", "decode")}  # admissions hand out first tokens
-    assert reads.count(("report", "decode")) >= 10  # 46 tokens in segments of 2 iterations
-    for i, r in enumerate(requests):
-        assert tokens[i] == alone(params, spec, r), i
 
 
 def test_cancel_during_chunked_prefill(params):

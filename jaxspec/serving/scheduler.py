@@ -4,8 +4,11 @@ A fixed number of slots (the batch rows of one static-shaped `engine.DecodeState
 loop in segments of a few iterations. Between segments the host, in one thread, frees the slots of
 finished and cancelled requests (`engine.release`), admits waiting requests into free slots
 (`engine.admit`: a jitted prefill of the new rows written into the running state) and hands each
-running request the tokens its slot accepted during the segment. Every slot follows its own
-request's sampling rules, seed, stop token ids and token limit (row rules: `sampling.RowSampling`);
+running request the tokens its slot accepted during the segment. Serving segments are pipelined:
+the next one is dispatched before the host reads the last one's report, so the device runs while
+the host hands out tokens; admissions, releases and a settled refinement's switches then take effect
+one segment later (while the refinement is still deciding, each segment is timed alone). Every slot
+follows its own request's sampling rules, seed, stop token ids and token limit (row rules: `sampling.RowSampling`);
 stop strings are found on the host, which then frees the slot. Speculation runs per slot as in a
 batch, with the server's one method. With `shrink`, the running rows move into a state of fewer rows
 when most slots are free and nothing waits (an iteration of mostly finished rows costs nearly a full
