@@ -96,7 +96,8 @@ def spec(method: str, **kw) -> SpecConfig:
 # not see the sharding, and their trees run there at 4 devices. By default: a tree and a draft model at
 # 2 devices, vegas at 4 (vegas at 2: sampled, below, the same tokens a seed); the rest slow (the default run's 20 minutes)
 QWEN3_CASES = [
-    pytest.param(2, spec("vegas"), marks=slow), pytest.param(2, spec("plain"), marks=slow), pytest.param(2, spec("quest"), marks=slow),
+    pytest.param(2, spec("vegas"), marks=slow), pytest.param(2, spec("plain"), marks=slow),
+    pytest.param(2, spec("quest"), marks=slow),
     pytest.param(2, spec("vegas", tree=(3, 2), traversal="dfs"), marks=slow),
     pytest.param(2, spec("vegas", draft_weights="int8"), marks=slow),
     (2, spec("full", tree=(2, 2), draft_weights="int4", draft_skip=(1,))), (4, spec("vegas")),
