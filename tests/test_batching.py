@@ -185,15 +185,17 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     per round), the others admitted into freed slots; each emits its tokens alone. With a selection
     every third iteration a segment of two runs three, and its report must still hold their tokens.
     Segments are pipelined: each segment's report is read with the next segment already dispatched
-    behind it (the device does not wait on the host's hand-out); admissions read theirs at once."""
+    behind it (on the dispatch thread: the device does not wait on the host's hand-out); admissions
+    read theirs at once."""
     from jaxspec.serving import scheduler as serving
 
     spec = SpecConfig(method=method, gamma=3, min_tokens=32, select_every=every).validate()
     requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
     scheduler = serving.Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
                                   prefill_chunk=chunk)
-    events, call, get = [], scheduler._call, jax.device_get
+    events, call, dispatch, get = [], scheduler._call, scheduler._dispatch, jax.device_get
     monkeypatch.setattr(scheduler, "_call", lambda name, *a, **k: (events.append(name), call(name, *a, **k))[1])
+    monkeypatch.setattr(scheduler, "_dispatch", lambda name, *a: (events.append(name), dispatch(name, *a))[1])
     monkeypatch.setattr(serving.jax, "device_get", lambda x: (events.append("read"), get(x))[1])
     tokens, finished = submit_all(scheduler, requests)
     rounds = 1 if chunk is None else -(-(max(len(r.ids) for r in requests[:3]) - 1) // chunk)  # chunks of the first group

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders.gguf import read_metadata
+from jaxspec.serving.text import CONTEXT, TextStream
 from jaxspec.tokenizer import Tokenizer
 
 TEXTS = [
@@ -192,3 +194,86 @@ def test_hf_bad_tokenizer_files(hf_checkpoints, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{% if %}"}')
     with pytest.raises(JaxspecError, match="cannot parse chat template"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+def full_decode_stream(tokenizer, chunks, stop=()):
+    """What a text stream hands out by definition: at each push the text of every id so far, less a
+    trailing incomplete character and the last len(longest stop) - 1 characters, cut at a stop that
+    ends past what was handed out."""
+    hold = max((len(s) for s in stop), default=1) - 1
+    ids, sent, out = [], 0, []
+    for chunk in chunks:
+        ids += chunk
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s, max(0, sent - len(s) + 1)) for s in stop) if i >= 0]
+        if cuts:
+            out.append((text[sent : min(cuts)], True))
+            return out, ""
+        end = len(text) - hold
+        while end > sent and text[end - 1] == "\ufffd":
+            end -= 1
+        out.append((text[sent:end] if end > sent else "", False))
+        sent = max(sent, end)
+    return out, text[sent:]
+
+
+class StrippedStart:
+    """A decoder that strips a text's first space (SentencePiece-style): a window's text drops the
+    space a full decode keeps."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens).removeprefix(" ")
+
+
+class Reversed(StrippedStart):
+    """A decoder whose window texts are not prefixes of longer ones' (the stream's fallback)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)[::-1]
+
+
+@pytest.mark.parametrize("wrap", [None, StrippedStart, Reversed])
+def test_text_stream_hands_out_what_a_full_decode_would(smollm2_tokenizer, wrap):
+    """Every push hands out what decoding all ids so far would (the stream decodes a few ids of context
+    only): characters split across tokens (byte tokens, emoji), invalid byte runs, special tokens
+    skipped, stop strings across pushes; random chunk sizes and stops."""
+    tokenizer = wrap(smollm2_tokenizer) if wrap else smollm2_tokenizer
+    rng = np.random.default_rng()
+    base = smollm2_tokenizer.encode("".join(TEXTS[10:14]) + " 🤖🚀 中文 日本語 ok")
+    for trial in range(12):
+        ids = list(base)
+        for _ in range(rng.integers(1, 6)):  # random tokens: lone UTF-8 bytes and special tokens among them
+            ids.insert(int(rng.integers(0, len(ids))), int(rng.integers(0, 300)))
+        cuts = np.sort(rng.choice(np.arange(1, len(ids)), size=rng.integers(1, len(ids) // 2), replace=False))
+        chunks = [c.tolist() for c in np.split(np.array(ids), cuts)]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        stop = () if trial % 3 == 0 else tuple({text[i : i + int(rng.integers(1, 5))]
+                                                for i in rng.integers(len(text) // 3, len(text), 2)})
+        want, rest = full_decode_stream(tokenizer, chunks, stop)
+        stream = TextStream(tokenizer, stop)
+        got = [stream.push(c) for c in chunks[: len(want)]]
+        assert got == want
+        assert stream.flush() == (rest if not want[-1][1] else "")
+
+
+def test_text_stream_decodes_a_few_ids_a_push(smollm2_tokenizer):
+    """A push decodes its ids with CONTEXT ids before them, whatever the length so far (decoding all
+    of them made a push O(length)); characters split across tokens (emoji) included."""
+    lengths = []
+
+    class Counting(StrippedStart):
+        def decode(self, ids, skip_special_tokens=False):
+            lengths.append(len(ids))
+            return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = smollm2_tokenizer.encode(" ".join(TEXTS) * 4)
+    stream = TextStream(Counting(smollm2_tokenizer))
+    for n, i in enumerate(ids):
+        lengths.clear()
+        pending = n - stream.done  # ids of a character not yet whole
+        stream.push([i])
+        assert max(lengths) <= CONTEXT + pending + 1
+    assert stream.text == smollm2_tokenizer.decode(ids, skip_special_tokens=True) and len(ids) > 400

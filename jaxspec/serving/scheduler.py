@@ -7,7 +7,9 @@ finished and cancelled requests (`engine.release`), admits waiting requests into
 running request the tokens its slot accepted during the segment. Serving segments are pipelined:
 the next one is dispatched before the host reads the last one's report, so the device runs while
 the host hands out tokens; admissions, releases and a settled refinement's switches then take effect
-one segment later (while the refinement is still deciding, each segment is timed alone). Every slot
+one segment later (while the refinement is still deciding, each segment is timed alone). The next
+segment's call waits on a second thread: a decode's call returns only once its loop has ended on the
+GPU (XLA reads a while loop's condition on the host every iteration), and it releases the GIL. Every slot
 follows its own request's sampling rules, seed, stop token ids and token limit (row rules: `sampling.RowSampling`);
 stop strings are found on the host, which then frees the slot. Speculation runs per slot as in a
 batch, with the server's one method. With `shrink`, the running rows move into a state of fewer rows
@@ -23,6 +25,7 @@ finish reason and statistics.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -178,6 +181,7 @@ class Scheduler:
         self._staged: _Staged | None = None  # an admission being prefilled a chunk per round
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-decode")  # `_dispatch`
         self._state: engine.DecodeState | None = None  # made by the first admission
         self._last = None  # (length, stats) host copies at the latest report, for refinement
         self._ahead: float | None = None  # a segment runs beyond the latest report, timed from then
@@ -256,6 +260,7 @@ class Scheduler:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
+        self._dispatcher.shutdown()
 
     def warm_up(self, prompt_tokens: int = MIN_PROMPT_BUCKET) -> None:
         """Compiles the empty state, the segment, the admissions of prompts of up to `prompt_tokens`
@@ -464,12 +469,11 @@ class Scheduler:
         floor = most if len(self._running) > most else 0
         if self._ahead is None:
             self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
-        report = self._report()
-        ahead = self.segment is not None and not refining
-        if ahead:  # the next segment runs while the host reads this one's report
-            self._state = self._call("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
-        seconds = self._deliver(start, report)
-        if ahead:
+        report, ahead = self._report(), None
+        if self.segment is not None and not refining:  # the next segment runs while the host reads this one's report
+            ahead = self._dispatch("decode", self.params, self._state, jnp.int32(limit), jnp.int32(floor))
+        seconds = self._deliver(start, report, ahead)
+        if ahead is not None:
             self._ahead = start + seconds
         target = None
         if refining:
@@ -567,12 +571,28 @@ class Scheduler:
             since[slot] = len(h.request.ids) + h.read
         return since, self._call("report", self._state, jnp.asarray(since))
 
-    def _deliver(self, start: float, report=None) -> float:
+    def _deliver(self, start: float, report=None, ahead: concurrent.futures.Future | None = None) -> float:
         """Hands each running request the tokens its slot committed since the last delivery (up to
         `report`, default: all work queued so far) and finishes the requests that are done; returns
         the seconds since `start` (when the work that committed them began) to the tokens' arrival
-        on the host."""
+        on the host. `ahead`: the next segment's call (`_dispatch`), running meanwhile; its state is
+        taken back before any slot is freed."""
         since, report = report or self._report()
+        try:
+            finished, done, seconds = self._hand_out(start, since, report)
+        finally:
+            if ahead is not None:
+                self._state = ahead.result()
+        self._free([h.slot for h in finished if not done[h.slot]])
+        for h in finished:
+            del self._running[h.slot]
+        with self._lock:
+            self.metrics.set_queue(len(self._waiting), len(self._running))
+        return seconds
+
+    def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], np.ndarray, float]:
+        """Reads `report` and hands each running request its tokens from `since`; returns the requests
+        that finished, the slots' done flags and the seconds from `start` to the report's arrival."""
         length, done, window, stats = jax.device_get(report)
         self._last, self._ahead = (length, stats), None
         now = time.perf_counter()
@@ -600,12 +620,7 @@ class Scheduler:
             text += h.text.flush() if h.text else ""
             self._finish(h, reason, text, tuple(tokens), row=_add_row_stats(h.before_switch, _row_stats(stats, slot)))
         self.metrics.add_segment(new_tokens, seconds)
-        self._free([h.slot for h in finished if not done[h.slot]])
-        for h in finished:
-            del self._running[h.slot]
-        with self._lock:
-            self.metrics.set_queue(len(self._waiting), len(self._running))
-        return seconds
+        return finished, done, seconds
 
     def _release_cancelled(self) -> None:
         """Frees the slots of cancelled running requests (their clients are gone)."""
@@ -655,6 +670,10 @@ class Scheduler:
 
     def _call(self, name: str, *args, shape: tuple = (), rows: int | None = None):
         return self._executable(name, *args, shape=shape, rows=rows)(*args)
+
+    def _dispatch(self, name: str, *args) -> concurrent.futures.Future:
+        """`_call` whose call waits on the dispatch thread (the program is found here)."""
+        return self._dispatcher.submit(self._executable(name, *args), *args)
 
     def _executable(self, name: str, *args, shape: tuple = (), rows: int | None = None):
         """Program `name` of the current strategy for a state of `rows` rows (default: the running
