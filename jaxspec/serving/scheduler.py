@@ -564,8 +564,8 @@ class Scheduler:
         self._deliver(start)  # the switch's plain step drew a token per slot
 
     def _report(self):
-        """The report program's outputs (on the device, not yet read) for the running slots' tokens
-        since the last delivery."""
+        """(since, the report program's output on the device, not yet read) for the running slots'
+        tokens since the last delivery."""
         since = np.zeros((self.rows,), np.int32)
         for slot, h in self._running.items():
             since[slot] = len(h.request.ids) + h.read
@@ -593,7 +593,7 @@ class Scheduler:
     def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], np.ndarray, float]:
         """Reads `report` and hands each running request its tokens from `since`; returns the requests
         that finished, the slots' done flags and the seconds from `start` to the report's arrival."""
-        length, done, window, stats = jax.device_get(report)
+        length, done, window, stats = _unpack_report(jax.device_get(report))
         self._last, self._ahead = (length, stats), None
         now = time.perf_counter()
         finished, new_tokens, seconds = [], 0, now - start
@@ -737,6 +737,13 @@ def _shrink_targets(rows: int) -> list[int]:
     return [1 << k for k in range(next_pow2(most).bit_length())] if most else []
 
 
+def _unpack_report(packed: np.ndarray) -> tuple:
+    """The report program's array as (length, done, tokens [slots, window], engine.SpecStats)."""
+    depth = int(packed[0, 5])
+    stats = engine.SpecStats(packed[:, 2], packed[:, 3], packed[:, 4], packed[:, packed.shape[1] - depth :])
+    return packed[:, 0], packed[:, 1].astype(bool), packed[:, 6 : packed.shape[1] - depth], stats
+
+
 def _row_stats(stats, slot: int) -> tuple:
     return (int(stats.iterations[slot]), int(stats.drafted[slot]), int(stats.accepted[slot]),
             tuple(int(x) for x in stats.accepted_by_depth[slot]))
@@ -872,10 +879,14 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         return engine.decode(params, state, max_iterations=iterations, min_live=min_live, **static)
 
     def report(state, since):
-        """(length, done, tokens [slots, window] from `since`, stats) for the host."""
+        """What the host reads after a segment, as one int32 array (one copy, not seven:
+        `_unpack_report`): per slot its length, done, stats and `window` tokens from `since`."""
         cols = since[:, None] + jnp.arange(window, dtype=jnp.int32)
         tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
-        return state.length, state.done, tokens, state.stats
+        s = state.stats
+        depth = jnp.full_like(state.length, s.accepted_by_depth.shape[1])
+        head = jnp.stack([state.length, state.done, s.iterations, s.drafted, s.accepted, depth], axis=1)
+        return jnp.concatenate([x.astype(jnp.int32) for x in (head, tokens, s.accepted_by_depth)], axis=1)
 
     def switch(params, state, budget):
         return engine.switch(params, state, budget, **static)
