@@ -288,8 +288,8 @@ class Scheduler:
     def _compile_segment(self, state: engine.DecodeState, rows: int) -> None:
         """Compiles a segment's programs (decode, release, report) for `state` of `rows` rows."""
         self._executable("decode", self.params, state, np.int32(0), np.int32(0), rows=rows)
-        self._executable("release", state, jnp.zeros((rows,), bool), rows=rows)
-        self._executable("report", state, jnp.zeros((rows,), jnp.int32), rows=rows)
+        self._executable("release", state, np.zeros((rows,), bool), rows=rows)
+        self._executable("report", state, np.zeros((rows,), np.int32), rows=rows)
 
     def _warm_up_shrinking(self, rows: int | None = None, state: engine.DecodeState | None = None,
                            warmed: set[int] | None = None) -> None:
