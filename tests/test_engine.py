@@ -408,6 +408,19 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
     return p1[:, None] * p2
 
 
+@pytest.fixture(scope="module")
+def tiny_rows():
+    """The chi-square tests' target, prompt, batch of 12,000 identical rows and its prefilled cache: one
+    row prefilled and repeated (prefilling the whole batch took ~8 s per case; draft weights do not
+    change the target's cache)."""
+    params = decoder.init_params(TINY, jax.random.key(7), scale=0.6)
+    prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
+    rows = 12000
+    batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))
+    one_row = prefilled(params, TINY, Batch(batch.ids[:1], batch.lengths[:1]), len(prompt) + 2)
+    return params, prompt, batch, jax.tree.map(lambda a: jnp.repeat(a, rows, axis=1), one_row)  # [L, B, ...]
+
+
 @pytest.mark.parametrize("method,tree,order,weights,skip", [
     # plain checks the harness; stream's and ngram's chains sample as vegas's does, stream's tree as
     # vegas's, and draft models as the target (vegas's chain and tree, ngram's one-hot q in its tree run
@@ -419,7 +432,7 @@ def _exact_joint(params, prompt: np.ndarray) -> np.ndarray:
     pytest.param("vegas", None, "bfs", "int8", (), marks=pytest.mark.slow),
     pytest.param("full", (2, 2), "bfs", "int4", (1,), marks=pytest.mark.slow),
 ])
-def test_first_two_tokens_follow_the_target(method, tree, order, weights, skip):
+def test_first_two_tokens_follow_the_target(tiny_rows, method, tree, order, weights, skip):
     """Chi-square of the first two sampled tokens (V^2 = 64 cells, 12,000 rows) against the exact joint.
 
     The drafters here really differ from the target (16 of 50 context slots), so the recovered-token
@@ -428,12 +441,9 @@ def test_first_two_tokens_follow_the_target(method, tree, order, weights, skip):
     weights and a skipped layer a draft model that differs from the target in its weights too. One
     batch of identical rows gives independent draws.
     """
-    params = draft_weights.with_draft_weights(decoder.init_params(TINY, jax.random.key(7), scale=0.6), weights, skip)
-    prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
-    rows = 12000
-    batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))
-    max_len = len(prompt) + 2
-    cache = prefilled(params, TINY, batch, max_len)
+    target, prompt, batch, cache = tiny_rows
+    params = draft_weights.with_draft_weights(target, weights, skip)
+    rows, max_len = len(batch.lengths), len(prompt) + 2
     spec = SpecConfig(method=method, gamma=3, tree=tree, traversal=order, ratio=0.3, min_tokens=1, ngram_min=1,
                       ngram_max=2, draft_weights=weights, draft_skip=skip).validate()
     out, stats_ = generate(params, TINY, batch, cache, spec, max_len, 2, sampling=SamplingConfig(temperature=1.0), seed=1)

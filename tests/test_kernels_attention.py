@@ -351,9 +351,19 @@ def path_as_chain(cache, first, path):
     """cache [L, B, Hkv, S, Dh] with slots first[b] + path (a tree row's root-to-node path) copied to
     the consecutive slots first[b] + 0, 1, ...: the path laid out as a chain."""
     for b in range(cache.shape[1]):
-        start = int(first[b])
-        cache = cache.at[:, b, :, start + np.arange(len(path))].set(cache[:, b, :, start + path])
+        cache = cache.at[:, b, :, first[b] + jnp.arange(len(path))].set(cache[:, b, :, first[b] + path])
     return cache
+
+
+@jax.jit
+def chain_row(q_row, k_cache, v_cache, first, path):
+    """(out, lse) of verify_attention_reference for a tree row's query q_row [B, 1, Hq, Dh] over its path
+    laid out as a chain; under jit, one compile per path length for every tree (eagerly, ~80 op
+    compiles a tree: row slices, index shapes)."""
+    k_chain, v_chain = (path_as_chain(x, first, path) for x in (k_cache, v_cache))
+    out, lse, _ = verify_attention_reference(q_row, k_chain, v_chain, LAYER, first[:, None] + len(path) - 1,
+                                             scale=q_row.shape[-1] ** -0.5)
+    return out, lse
 
 
 TREE_VERIFY_SHAPES = [((2, 2), "bfs"), ((3, 1, 2), "dfs"), ((1, 1, 1), "bfs"), ((2, 2, 2, 2, 2), "bfs"),
@@ -375,16 +385,16 @@ def test_tree_verify_equals_each_path_as_a_chain(shape, order, pallas):
     first = jnp.asarray([100, 37], jnp.int32)
     q_pos = first[:, None] + jnp.arange(T, dtype=jnp.int32)
     mask = TreeMask(first, tree.ancestors)
-    run = verify_attention_pallas if pallas else verify_attention_reference
+    attention = verify_attention_pallas if pallas else verify_attention_reference
     kw = dict(interpret=True) if pallas else {}
-    out, lse, _ = run(q, k_cache, v_cache, LAYER, q_pos, scale=Dh**-0.5, tree=mask, **kw)
+    # under jit: one compile of the whole tree's attention (eagerly, each op's compile apart)
+    run = lambda tree: jax.jit(lambda *a: attention(*a, LAYER, q_pos, scale=Dh**-0.5, tree=tree, **kw))(q, k_cache, v_cache)
+    out, lse, _ = run(mask)
     for t in range(T):
         path = np.flatnonzero(tree.ancestors[t])  # root .. t, parents first
-        k_chain, v_chain = (path_as_chain(x, first, path) for x in (k_cache, v_cache))
-        want, want_lse, _ = verify_attention_reference(q[:, t : t + 1], k_chain, v_chain, LAYER,
-                                                       first[:, None] + len(path) - 1, scale=Dh**-0.5)
+        want, want_lse = chain_row(np.asarray(q)[:, t : t + 1], k_cache, v_cache, first, jnp.asarray(path, jnp.int32))
         assert_close(out[:, t : t + 1], want, 1e-5, f"row {t}")
         assert_close(lse[:, t : t + 1], want_lse, 1e-5, f"lse row {t}")
     if max(shape) > 1:  # siblings exist: without the mask some row would see them
-        unmasked, _, _ = run(q, k_cache, v_cache, LAYER, q_pos, scale=Dh**-0.5, **kw)
+        unmasked, _, _ = run(None)
         assert not np.allclose(unmasked, out, atol=1e-3)
