@@ -61,7 +61,8 @@ def attended(d, state, budget: Budget, rows, layer: int, q=None) -> list[list[se
     x = jax.tree.map(lambda a: a[layer], layer_xs)
     if q is None:
         q = jnp.ones((B, T, CFG.num_heads, S), jnp.float32)
-    out = np.asarray(attend(jnp.int32(layer), q, probe_cache(B), x, None, ())[0])  # [B, T, Hq, S]
+    # jitted: one compile (eagerly, every op of the attention compiles on its own)
+    out = np.asarray(jax.jit(attend)(jnp.int32(layer), q, probe_cache(B), x, None, ())[0])  # [B, T, Hq, S]
     sets = []
     for b in range(B):
         per_row = []
@@ -240,7 +241,8 @@ def test_ngram_continues_the_longest_most_recent_match():
         tokens[b, : len(seq)] = seq
         tokens[b, len(seq) :] = 99  # beyond the length: never proposed
         lengths.append(len(seq))
-    drafts = np.asarray(d.propose(jnp.asarray(tokens), jnp.asarray(lengths), TreeShape.chain(3)))
+    # jitted: one compile (eagerly ~2 s, every op compiling on its own)
+    drafts = np.asarray(jax.jit(d.propose, static_argnums=2)(jnp.asarray(tokens), jnp.asarray(lengths), TreeShape.chain(3)))
     assert drafts[:, 1:].tolist() == [expected for _, expected in rows]
     assert drafts[:, 0].tolist() == [seq[-1] for seq, _ in rows]  # row 0: the pending token
 
@@ -253,8 +255,9 @@ def test_ngram_chain_continues_the_best_of_the_tree_matches():
     tokens = rng.integers(0, 3, size=(16, 64)).astype(np.int32)  # 3 tokens: every row of 24 or more matches
     tokens[0, :10] = np.arange(10)  # no earlier occurrence of anything: no match
     lengths = jnp.asarray(np.r_[10, rng.integers(24, 65, size=15)], jnp.int32)
-    one, found_one = d.continuations(jnp.asarray(tokens), lengths, 1, 4)
-    many, found_many = d.continuations(jnp.asarray(tokens), lengths, 8, 4)
+    continuations = jax.jit(d.continuations, static_argnums=(2, 3))  # eagerly, every op compiles on its own
+    one, found_one = continuations(jnp.asarray(tokens), lengths, 1, 4)
+    many, found_many = continuations(jnp.asarray(tokens), lengths, 8, 4)
     np.testing.assert_array_equal(np.asarray(found_one), np.asarray(found_many)[:, :1])
     assert not bool(found_one[0, 0]) and bool(np.asarray(found_one)[1:].all())
     np.testing.assert_array_equal(np.asarray(one)[1:], np.asarray(many)[1:, :1])
@@ -318,5 +321,5 @@ def test_ngram_tree_branches_over_distinct_earlier_continuations():
     seq = [1, 2, 3, 7, 9, 1, 2, 5, 6, 8, 1, 2, 3, 4, 0, 1, 2]
     tokens = np.full((1, 24), 99, np.int32)
     tokens[0, : len(seq)] = seq
-    drafts = np.asarray(d.propose(jnp.asarray(tokens), jnp.asarray([len(seq)]), TreeShape((2, 2))))
+    drafts = np.asarray(jax.jit(d.propose, static_argnums=2)(jnp.asarray(tokens), jnp.asarray([len(seq)]), TreeShape((2, 2))))
     assert drafts.tolist() == [[2, 3, 5, 4, 7, 6, 6]]

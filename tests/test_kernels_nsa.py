@@ -237,8 +237,8 @@ def test_nsa_compressed_pallas(case):
     q_pos = positions(rng, B, T, slots, bs)
     scale = Dh ** -0.5
     extra = extra_keys(rng, B, T, P, Hkv, Dh, dtype) if P else None
-    ref = nsa_compressed_reference(q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, block_size=bs, scale=scale,
-                                   extra=extra)
+    ref = jax.jit(functools.partial(nsa_compressed_reference, block_size=bs, scale=scale))(
+        q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, extra=extra)
     seen = (np.asarray(q_pos).max(axis=1) + 1) // bs - 1                   # last block any row sees
     options = {} if max_tile is None else {"max_tile": max_tile}
     kernel = jax.jit(functools.partial(nsa_compressed_pallas, block_size=bs, scale=scale, interpret=True,
@@ -288,7 +288,8 @@ def test_nsa_selected_pallas(case):
     idx = block_indices(rng, np.asarray(q_pos), Hkv, slots // bs, NS, bs)
     scale = Dh ** -0.5
     args = dict(block_size=bs, window=window, scale=scale)
-    ref = nsa_selected_reference(q, k_cache, v_cache, jnp.int32(LAYER), q_pos, idx, o_cmp, gates, **args)
+    ref = jax.jit(functools.partial(nsa_selected_reference, **args))(
+        q, k_cache, v_cache, jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
     last = np.asarray(q_pos).max(axis=1)
     kernel = jax.jit(functools.partial(nsa_selected_pallas, interpret=True, **args))
     got = kernel(q, poisoned(k_cache, last), poisoned(v_cache, last), jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
@@ -303,7 +304,7 @@ def test_select_blocks_radix_topk(rule, bs, NB, S):
     weights = random_weights(rng, 2, 5, 2, NB)
     q_pos = positions(rng, 2, 5, NB * bs, bs)
     select = functools.partial(select_blocks, block_size=bs, block_counts=S, rule=rule)
-    want = select(weights, q_pos, topk=lax.top_k)
+    want = jax.jit(lambda w, p: select(w, p, topk=lax.top_k))(weights, q_pos)
     got = jax.jit(lambda w, p: select(w, p, topk=functools.partial(radix_topk, interpret=True)))(weights, q_pos)
     np.testing.assert_array_equal(sorted_idx(got), sorted_idx(want))
 
@@ -336,12 +337,16 @@ def test_backend_switch_nsa():
                                                     block_size=bs, window=32, scale=0.25, backend=backend)
         return o_cmp, w, own_idx, out
 
+    @jax.jit  # eagerly, every op compiles on its own for each T (~2.5 s a T)
+    def reference_idx(q, q_pos):
+        return select_blocks(nsa_compressed_reference(q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, scale=0.25)[1],
+                             q_pos, block_size=bs, block_counts=4, rule="nsa1b")
+
     for T in (3, 20, 70):
         q = normal(rng, (B, T, Hq, Dh), jnp.float32)
         gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), jnp.float32)
         q_pos = positions(rng, B, T, slots, bs)
-        idx = select_blocks(nsa_compressed_reference(q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, scale=0.25)[1],
-                            q_pos, block_size=bs, block_counts=4, rule="nsa1b")
+        idx = reference_idx(q, q_pos)
         want = nsa(q, q_pos, gates, idx, "reference")
         got = nsa(q, q_pos, gates, idx, "pallas")
         np.testing.assert_array_equal(sorted_idx(got[2]), sorted_idx(want[2]), err_msg=f"T={T} idx")
@@ -361,13 +366,15 @@ def test_small_blocks_run_the_reference_on_the_pallas_backend():
     q = normal(rng, (B, T, Hq, Dh), jnp.float32)
     gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), jnp.float32)
     q_pos = jnp.asarray([[100, 101]], jnp.int32)
-    outs = {}
-    for backend in ("reference", "pallas"):
+
+    @functools.partial(jax.jit, static_argnames="backend")  # eagerly, every op compiles on its own per backend
+    def nsa(backend):
         o_cmp, _, idx = pallas_kernels.nsa_compressed_attention(
             q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, block_counts=3, rule="exact", scale=0.25, backend=backend)
-        outs[backend] = pallas_kernels.nsa_selected_attention(
+        return pallas_kernels.nsa_selected_attention(
             q, k_cache, v_cache, LAYER, q_pos, idx, o_cmp, gates, block_size=bs, window=16, scale=0.25, backend=backend)
-    np.testing.assert_array_equal(outs["pallas"], outs["reference"])
+
+    np.testing.assert_array_equal(nsa(backend="pallas"), nsa(backend="reference"))
 
 
 # ---------------------------------------------------------------- draft trees
@@ -391,16 +398,21 @@ def test_tree_rows_equal_their_paths_as_chains(shape, order, offset):
     first = jnp.asarray([5 * bs + offset, 9 * bs + offset], jnp.int32)
     means = lambda x: x.reshape(LAYERS, B, Hkv, S // bs, bs, Dh).mean(axis=4)
     kw = dict(block_size=bs, window=24, scale=Dh**-0.5)
-    out, weights, q_pos = nsa_tree_reference(q, k, v, means(k), means(v), LAYER, first, tree.ancestors, gates,
-                                             block_counts=3, rule="exact", **kw)
-    for t in range(T):
-        path = np.flatnonzero(tree.ancestors[t])
+    out, weights, q_pos = jax.jit(lambda q, k, v, gates: nsa_tree_reference(
+        q, k, v, means(k), means(v), LAYER, first, tree.ancestors, gates, block_counts=3, rule="exact", **kw))(q, k, v, gates)
+
+    @jax.jit  # one compile per path length (eagerly, every op compiles on its own for each row)
+    def chain_row(q_row, gates_row, path):
         k_chain, v_chain = path_as_chain(k, first, path), path_as_chain(v, first, path)
         pos = (first + len(path) - 1)[:, None]
-        np.testing.assert_array_equal(q_pos[:, t], pos[:, 0])
-        o_cmp, w = nsa_compressed_reference(q[:, t : t + 1], means(k_chain), means(v_chain), LAYER, pos,
+        o_cmp, w = nsa_compressed_reference(q_row, means(k_chain), means(v_chain), LAYER, pos,
                                             block_size=bs, scale=kw["scale"])
         idx = select_blocks(w, pos, block_size=bs, block_counts=3, rule="exact")
-        want = nsa_selected_reference(q[:, t : t + 1], k_chain, v_chain, LAYER, pos, idx, o_cmp, gates[:, t : t + 1], **kw)
+        return nsa_selected_reference(q_row, k_chain, v_chain, LAYER, pos, idx, o_cmp, gates_row, **kw), w
+
+    for t in range(T):
+        path = np.flatnonzero(tree.ancestors[t])
+        np.testing.assert_array_equal(q_pos[:, t], first + len(path) - 1)
+        want, w = chain_row(q[:, t : t + 1], gates[:, t : t + 1], path)
         assert_close(out[:, t : t + 1], want, 1e-5, f"row {t}")
         assert_close(weights[:, t : t + 1], w, 1e-5, f"row {t} weights")

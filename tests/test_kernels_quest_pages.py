@@ -63,12 +63,15 @@ def test_quest_pages(case):
     kmin, kmax = random_bounds(710 + case, (L, B, H, P, D), integer)
     k, last_page = jnp.asarray(k, jnp.int32), jnp.asarray(last_page, jnp.int32)
     atol = 0.0 if integer else 1e-4
+    # jitted once, the layer traced: one compile each for all layers
+    reference = jax.jit(lambda q, a, b, layer, last, k: quest_pages_reference(q, a, b, layer, last, k, k_max))
+    kernel = jax.jit(lambda q, a, b, layer, last, k: quest_pages_pallas(q, a, b, layer, last, k, k_max, interpret=True,
+                                                                       chunk=chunk))
     for layer in range(L):
         scores = exact_scores(q, kmin, kmax, layer)
-        ref = quest_pages_reference(q, kmin, kmax, layer, last_page, k, k_max)
+        ref = reference(q, kmin, kmax, jnp.int32(layer), last_page, k)
         assert_pages(ref, scores, last_page, k, k_max, atol)
-        got = jax.jit(lambda q, a, b, layer, last, k: quest_pages_pallas(q, a, b, layer, last, k, k_max, interpret=True,
-                                                                        chunk=chunk))(q, kmin, kmax, jnp.int32(layer), last_page, k)
+        got = kernel(q, kmin, kmax, jnp.int32(layer), last_page, k)
         assert_pages(got, scores, last_page, k, k_max, atol)
 
 

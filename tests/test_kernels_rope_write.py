@@ -35,8 +35,9 @@ def test_rope_write_equals_reference(B, T, Hq, Hkv, Dh, splits, scale, bias, qk_
     inv_freq = (1.0 / 1e4 ** (np.arange(0, Dh, 2) / Dh)).astype(np.float32)
     args = (sums, positions, write_pos, k_cache, v_cache, jnp.int32(1), jnp.int32(2), inv_freq)
     kw = dict(num_heads=Hq, rope_scale=1.25, eps=1e-6, **options)
-    want = rope_write_reference(*args, **kw)
-    got = rope_write_pallas(*args, interpret=True, **kw)
+    # under jit: one compile each (eagerly, every op of the reference and the interpreted kernel compiles on its own)
+    want = jax.jit(lambda *a: rope_write_reference(*a, **kw))(*args)
+    got = jax.jit(lambda *a: rope_write_pallas(*a, interpret=True, **kw))(*args)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     for got_cache, want_cache, before in zip(got[1:], want[1:], (k_cache, v_cache)):
         # the reference clamps the invalid token to the last slot; the kernel leaves it as it was

@@ -40,23 +40,24 @@ def test_reuse_layer_takes_the_nearest_refresh_layers_selection(model):
     keys = jax.random.split(jax.random.key(7), 4)
     qs = [jax.random.normal(k, (B, T, cfg.num_heads, cfg.head_dim), jnp.float32) for k in keys[:3]]
     gates = jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, cfg.num_heads, 3)))
-    attend = nsa.attend_fn(cfg, q_pos, "reference", refresh=jnp.asarray([True, False, True]))
+    # jitted, the layer traced: one compile for the three layers (eagerly, every op compiles on its own)
+    attend = jax.jit(nsa.attend_fn(cfg, q_pos, "reference", refresh=jnp.asarray([True, False, True])))
+    own_selection = jax.jit(lambda layer, q: kernels.nsa_compressed_attention(
+        q, cache.k_cmp, cache.v_cmp, layer, q_pos, block_size=nsa_cfg.block_size, block_counts=nsa_cfg.block_counts,
+        rule=nsa_cfg.topk_rule, scale=cfg.head_dim**-0.5))
     carry = nsa.initial_carry(cfg, q_pos, cache.num_slots, reuse=True)
     selections = []
     for layer, q in enumerate(qs):
         out, _, carry = attend(jnp.int32(layer), q, cache, None, gates, carry)
-        own = kernels.nsa_compressed_attention(q, cache.k_cmp, cache.v_cmp, layer, q_pos, block_size=nsa_cfg.block_size,
-                                               block_counts=nsa_cfg.block_counts, rule=nsa_cfg.topk_rule,
-                                               scale=cfg.head_dim**-0.5)
-        selections.append((out, carry, own))
+        selections.append((out, carry, own_selection(jnp.int32(layer), q)))
     (_, carry0, own0), (out1, carry1, own1), (_, carry2, own2) = selections
     np.testing.assert_array_equal(carry0[0], own0[2])  # layer 0 refreshes
     np.testing.assert_array_equal(carry1[0], carry0[0])  # layer 1 reuses layer 0's blocks...
     np.testing.assert_array_equal(carry1[1], carry0[1])
     assert not np.array_equal(own1[2], own0[2])  # ...which are not its own
-    expected = kernels.nsa_selected_attention(qs[1], cache.k, cache.v, 1, q_pos, carry0[0], jnp.zeros_like(qs[1]), gates,
-                                              block_size=nsa_cfg.block_size, window=nsa_cfg.window_size,
-                                              scale=cfg.head_dim**-0.5)
+    expected = jax.jit(lambda q, idx, o_cmp: kernels.nsa_selected_attention(
+        q, cache.k, cache.v, 1, q_pos, idx, o_cmp, gates, block_size=nsa_cfg.block_size, window=nsa_cfg.window_size,
+        scale=cfg.head_dim**-0.5))(qs[1], carry0[0], jnp.zeros_like(qs[1]))
     np.testing.assert_array_equal(out1, expected)  # with layer 0's blocks and no compressed branch
     np.testing.assert_array_equal(carry2[0], own2[2])  # layer 2 refreshes again
 
@@ -64,9 +65,12 @@ def test_reuse_layer_takes_the_nearest_refresh_layers_selection(model):
 def test_all_refresh_schedule_is_the_model(model):
     cfg, params = model
     tokens = jnp.asarray(random_ids([300], cfg.vocab_size, 4).ids)
-    everything = nsa_reuse.schedule_logits(params, cfg, tokens, jnp.ones(cfg.num_layers, bool))
-    np.testing.assert_allclose(everything, decoder.score(params, cfg, tokens), rtol=1e-5, atol=1e-5)
-    reused = nsa_reuse.schedule_logits(params, cfg, tokens, jnp.asarray([True, False, False]))
+    # jitted, the schedule traced: one compile for both schedules
+    schedule_logits = jax.jit(nsa_reuse.schedule_logits, static_argnums=1)
+    everything = schedule_logits(params, cfg, tokens, jnp.ones(cfg.num_layers, bool))
+    np.testing.assert_allclose(everything, jax.jit(decoder.score, static_argnums=1)(params, cfg, tokens),
+                               rtol=1e-5, atol=1e-5)
+    reused = schedule_logits(params, cfg, tokens, jnp.asarray([True, False, False]))
     assert np.abs(np.asarray(reused - everything)).max() > 1e-3
 
 
