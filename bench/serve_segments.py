@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 from bench import common
-from bench.serve_load import prompts
+from bench.serve_load import GAMMA, RATIO, prompts
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.loaders import load_model
 from jaxspec.serving.scheduler import Request, Scheduler
 
-GAMMA, RATIO = 6, 0.07
 TABLE = [("method", "method", "s"), ("segment", "segment", "s"), ("repeat", "repeat", "d"), ("tok/s", "tokens_per_s", ".0f"),
          ("tok/s all running", "running_tokens_per_s", ".0f"), ("deliveries", "deliveries", "d"),
          ("decode calls ms/delivery", "decode_call_ms", ".2f"), ("hand-out ms/delivery", "hand_out_ms", ".2f"),
