@@ -95,8 +95,8 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_star
 def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k_ref, v_ref, *refs,
                    scale, block_k, n_splits, rows, G, T, tile, tree, stacked):
     """Program (b, kv head h, row block r, split): its share of the gathered blocks (seen by every
-    row), then of the tail blocks up to the block's last q_slot (each row up to its own, and with a
-    tree only over its ancestors).
+    row) followed by the tail blocks up to the block's last q_slot (each row up to its own, and with
+    a tree only over its ancestors).
 
     Every block is a token-granular gather (slot vector of block_k rows); slots past the list or
     the tail are clamped into the cache and masked out of the softmax.
@@ -117,28 +117,24 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k
     n_tail = (jnp.maximum(jnp.max(pos) - tail_start + 1, 0) + block_k - 1) // block_k
     lo, hi = split_range(split, n_splits, n_gather + n_tail)
 
-    def attend(carry, slots, visible):
-        slots = jnp.clip(slots, 0, last_slot)
+    def block(i, carry):
+        """Block i: gathered slots while i < n_gather, then the tail's, in one loop (a second loop
+        would start its own pipeline: more dependent round trips a program)."""
+        j = i * block_k + jnp.arange(block_k)
+        gathered = idx_ref[idx_layer, b, 0 if shared else h, jnp.minimum(j, K - 1)]
+        tail = tail_start + (i - n_gather) * block_k + jnp.arange(block_k)
+        in_gather = i < n_gather
+        slots = jnp.clip(jnp.where(in_gather, gathered, tail), 0, last_slot)
+        tail_visible = tail[None, :] <= pos[:, None]
+        if tree:
+            tail_visible = tail_visible & ancestor_visible(tail[None, :] - first, lo_word, hi_word)
+        visible = jnp.where(in_gather, (j < n_idx)[None, :], tail_visible)
         k = k_ref[layer, b, h, slots, :]
         v = v_ref[layer, b, h, slots, :]
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
         return softmax_step(carry, logits, visible, v)
 
-    def gather_block(i, carry):
-        j = i * block_k + jnp.arange(block_k)
-        slots = idx_ref[idx_layer, b, 0 if shared else h, jnp.minimum(j, K - 1)]
-        return attend(carry, slots, (j < n_idx)[None, :])
-
-    def tail_block(i, carry):
-        slots = tail_start + i * block_k + jnp.arange(block_k)
-        visible = slots[None, :] <= pos[:, None]
-        if tree:
-            visible = visible & ancestor_visible(slots[None, :] - first, lo_word, hi_word)
-        return attend(carry, slots, visible)
-
-    carry = lax.fori_loop(lo, jnp.minimum(hi, n_gather), gather_block,
-                          init_carry(q.shape[0], q.shape[1]))
-    carry = lax.fori_loop(jnp.maximum(lo, n_gather) - n_gather, hi - n_gather, tail_block, carry)
+    carry = lax.fori_loop(lo, hi, block, init_carry(q.shape[0], q.shape[1]))
     store_split(o_ref, lse_ref, carry, rows * G)
 
 
