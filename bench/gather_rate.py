@@ -9,7 +9,8 @@ row requests in flight, the time follows the rows gathered, not their bytes, and
 kernel's floor, not the copy bandwidth. This measures it with nothing but the gather: each program
 loads its rows `block` at a time (the sparse kernel's loop: a block of row numbers, then those rows),
 adds them into a float32 tile, and stores its column sums. Rows are drawn at random (distinct, unsorted)
-within the program's own region of 7,936 rows, as one (row, KV head)'s cache is, or read contiguously.
+within the program's own region of 7,936 rows, as one (row, KV head)'s cache is, or read contiguously;
+and random rows whose numbers are loaded a step ahead of the rows (a loop-carried slot list).
 The sparse kernel itself is timed at the same shape in the same run (bench/splits.py's case) at
 three budgets: at 0.07 its K and V rows are about TOTAL_ROWS.
 Writes DIR/gather_rate.json and prints a table last.
@@ -37,25 +38,36 @@ BLOCK = 64
 REPEATS = 16
 
 
-def _kernel(region_ref, idx_ref, x_ref, o_ref, *, steps, block, contiguous):
+def _kernel(region_ref, idx_ref, x_ref, o_ref, *, steps, block, contiguous, ahead):
     p = pl.program_id(0)
     region = region_ref[p]
+    acc = jnp.zeros((block, x_ref.shape[2]), jnp.float32)
 
-    def body(i, acc):
-        if contiguous:
-            rows = idx_ref[p, 0] + i * block + jnp.arange(block)
-        else:
-            rows = idx_ref[p, pl.ds(i * block, block)]
-        return acc + x_ref[region, rows, :].astype(jnp.float32)
+    if ahead:  # each step loads the next block's row numbers and gathers the rows loaded the step before
+        def body_ahead(i, carry):
+            acc, rows = carry
+            following = idx_ref[p, pl.ds(jnp.minimum(i + 1, steps - 1) * block, block)]
+            return acc + x_ref[region, rows, :].astype(jnp.float32), following
 
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((block, x_ref.shape[2]), jnp.float32))
+        acc, _ = lax.fori_loop(0, steps, body_ahead, (acc, idx_ref[p, pl.ds(0, block)]))
+    else:
+        def body(i, acc):
+            if contiguous:
+                rows = idx_ref[p, 0] + i * block + jnp.arange(block)
+            else:
+                rows = idx_ref[p, pl.ds(i * block, block)]
+            return acc + x_ref[region, rows, :].astype(jnp.float32)
+
+        acc = lax.fori_loop(0, steps, body, acc)
     o_ref[p, :] = acc.sum(axis=0)
 
 
-def gather_sums(idx, x, shift, *, contiguous: bool, block: int = BLOCK, num_stages: int = 3, num_warps: int = 4):
-    """Program p adds up rows idx[p] of x[(p + shift) % regions] (contiguous: idx[p, 0] onwards); [P, W] float32."""
+def gather_sums(idx, x, shift, *, contiguous: bool, ahead: bool = False, block: int = BLOCK, num_stages: int = 3,
+                num_warps: int = 4):
+    """Program p adds up rows idx[p] of x[(p + shift) % regions] (contiguous: idx[p, 0] onwards); [P, W] float32.
+    ahead: row numbers loaded a step ahead of their rows (random rows only)."""
     P, n = idx.shape
-    kernel = functools.partial(_kernel, steps=n // block, block=block, contiguous=contiguous)
+    kernel = functools.partial(_kernel, steps=n // block, block=block, contiguous=contiguous, ahead=ahead)
     return pl.pallas_call(
         kernel, grid=(P,), in_specs=[pl.no_block_spec] * 3, out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((P, x.shape[2]), jnp.float32),
@@ -71,13 +83,13 @@ def row_numbers(P: int, n: int, region: int, contiguous: bool, seed: int = 0) ->
     return np.stack([rng.permutation(region)[:n] for _ in range(P)]).astype(np.int32)
 
 
-def time_case(x, P: int, total: int, contiguous: bool, num_stages: int, check: bool) -> dict:
+def time_case(x, P: int, total: int, contiguous: bool, num_stages: int, check: bool, ahead: bool = False) -> dict:
     """One call's time, from REPEATS calls in a scan (a call a dispatch would time the host)."""
     n = total // P
     if n % BLOCK:
         raise ValueError(f"{n} rows a program: not a multiple of {BLOCK}")
     idx = jnp.asarray(row_numbers(P, n, x.shape[1], contiguous))
-    call = functools.partial(gather_sums, contiguous=contiguous, num_stages=num_stages)
+    call = functools.partial(gather_sums, contiguous=contiguous, ahead=ahead, num_stages=num_stages)
     if check:  # the reference: the same rows, summed by XLA
         rows = idx[:, :1] + jnp.arange(n) if contiguous else idx
         want = x[(jnp.arange(P)[:, None] + 1) % x.shape[0], rows].astype(jnp.float32).sum(axis=1)
@@ -89,7 +101,8 @@ def time_case(x, P: int, total: int, contiguous: bool, num_stages: int, check: b
 
     us = common.seconds_per_call(jax.jit(run), idx, x) / REPEATS * 1e6
     row_bytes = x.shape[2] * x.dtype.itemsize
-    return {"programs": P, "rows_per_program": n, "row_bytes": row_bytes, "mode": "contiguous" if contiguous else "random",
+    mode = "contiguous" if contiguous else "random, rows a step ahead" if ahead else "random"
+    return {"programs": P, "rows_per_program": n, "row_bytes": row_bytes, "mode": mode,
             "stages": num_stages, "us": us, "Grows_per_s": total / us / 1e3, "GBps": total * row_bytes / us / 1e3}
 
 
@@ -104,12 +117,13 @@ def main():
     program_counts = (4, 8) if args.tiny else (384, 2304)
     for width in ((16, 64) if args.tiny else (16, 32, 64, 128, 256)):  # row bytes 32 .. 512
         x = jax.random.normal(jax.random.key(width), (regions, region, width), jnp.bfloat16)
-        cases = [(P, total, contiguous, 3) for contiguous in (False, True) for P in program_counts]
-        if width == 64:  # the cache's rows: no pipelining, and other row counts (the time's slope)
-            cases += [(P, total, False, 1) for P in program_counts]
-            cases += [(program_counts[0], program_counts[0] * n, False, 3) for n in (3 * BLOCK, 9 * BLOCK, 36 * BLOCK)]
-        for P, rows, contiguous, stages in cases:
-            row = time_case(x, P, rows, contiguous, stages, check=P == program_counts[0] and stages == 3)
+        cases = [(P, total, contiguous, 3, False) for contiguous in (False, True) for P in program_counts]
+        if width == 64:  # the cache's rows: no pipelining, row numbers a step ahead, other row counts (the slope)
+            cases += [(P, total, False, 1, False) for P in program_counts]
+            cases += [(P, total, False, stages, True) for P in program_counts for stages in (3, 2)]
+            cases += [(program_counts[0], program_counts[0] * n, False, 3, False) for n in (3 * BLOCK, 9 * BLOCK, 36 * BLOCK)]
+        for P, rows, contiguous, stages, ahead in cases:
+            row = time_case(x, P, rows, contiguous, stages, check=P == program_counts[0], ahead=ahead)
             result["rows"].append({"kernel": "gather", **row})
             print(row, flush=True)
             common.write_json(args.out / "gather_rate.json", result)
