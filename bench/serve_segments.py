@@ -73,9 +73,10 @@ def serve(scheduler: Scheduler, ids: list[list[int]], new: int, first_seed: int)
     wall = time.perf_counter() - start
     tokens = sum(n for deltas in times.values() for _, n in deltas)
     all_in, first_end = max(d[0][0] for d in times.values()), min(d[-1][0] for d in times.values())
-    running = sum(n for d in times.values() for t, n in d if all_in < t <= first_end)
+    window = [n for d in times.values() for t, n in d if all_in < t <= first_end]
+    steady = len(window) >= 2 * len(times)  # else one segment, or a request that ended in its first deliveries
     return {"seconds": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "running_tokens_per_s": running / (first_end - all_in) if first_end > all_in else None}
+            "running_tokens_per_s": sum(window) / (first_end - all_in) if steady else None}
 
 
 def main():
