@@ -185,32 +185,47 @@ def table(rows: list[dict]) -> str:
         ("x floor (plain)", "ratio_to_floor", ".2f"), ("degeneration", "degeneration", ".2f")])
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Decode tokens/s against batch, one line per (method, shape), one panel per sampling."""
+def tuned(row: dict, tuning: dict | None) -> bool:
+    """Whether a chain row ran its method's tuned setting at its batch (the --tuned file's, whatever
+    flags chose it), so that the plot draws a method tuned per batch as one line."""
+    if not tuning or row["method"] not in tuning or row["tree"]:
+        return False
+    choice = at_batch(tuning[row["method"]], row["batch"])
+    default = lambda value, fallback: fallback if value is None else value
+    return (row["gamma"] == choice.get("gamma", GAMMA) and row["ratio"] == choice.get("ratio")
+            and row["metric"] == choice.get("metric") and default(row["balance"], 1) == choice.get("balance", 1)
+            and default(row["select_every"], 1) == choice.get("select_every", 1))
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Decode tokens/s against batch, one line per (method, shape), one panel per sampling; a method
+    at its tuned setting (results' `tuning`, which may differ by batch) is one line, "tuned"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    samplings = sorted({r["sampling"] for r in rows}, key=lambda s: s != "sample")
+    rows = [(r, result["tuning"]) for result in results for r in result["rows"]]
+    samplings = sorted({r["sampling"] for r, _ in rows}, key=lambda s: s != "sample")
+    batches = sorted({r["batch"] for r, _ in rows})
     fig, axes = plt.subplots(1, len(samplings), figsize=(6 * len(samplings), 4.5), squeeze=False)
     for ax, sampling in zip(axes[0], samplings):
         lines: dict[str, list] = {}
-        for r in rows:
+        for r, tuning in rows:
             if r["sampling"] == sampling:
-                label = r["method"] if r["method"] in ("plain", "auto") else f"{r['method']} " + (
+                label = r["method"] if r["method"] in ("plain", "auto") else f"{r['method']} tuned" + draft_label(r) if tuned(r, tuning) else f"{r['method']} " + (
                     r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r) + (
                     f" ratio {r['ratio']}" if r.get("ratio") not in (None, RATIO) else "") + (
                     f" balance {r['balance']:g}" if r.get("balance") not in (None, 1) else "") + (
-                    f" select every {r['select_every']}" if r.get("select_every") not in (None, 1) else "") + (
-                    " no shrink" if r.get("shrink") == "off" else "")
+                    f" select every {r['select_every']}" if r.get("select_every") not in (None, 1) else "")
+                label += " shrink" if r.get("shrink") == "on" else ""
                 lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
         for label, points in lines.items():
             points.sort()
             ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] / 2 for p in points],
                         marker="o", capsize=3, label=label)
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s", title=f"SmolLM2, {sampling}")
-        ax.set_xticks(sorted({r["batch"] for r in rows}), labels=[str(b) for b in sorted({r["batch"] for r in rows})])
+        ax.set_xticks(batches, labels=[str(b) for b in batches])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -272,7 +287,7 @@ def main():
     p.add_argument("--plot-from", type=Path, nargs="+", default=None, help="plot the rows of these e2e JSON files and exit")
     args = p.parse_args()
     if args.plot_from:
-        plot([r for f in args.plot_from for r in json.loads(f.read_text())["rows"]], args.out / f"e2e{args.tag}.png")
+        plot([json.loads(f.read_text()) for f in args.plot_from], args.out / f"e2e{args.tag}.png")
         return
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -299,7 +314,7 @@ def main():
     result = common.run_info() | {"rates": rates, "tuning": tuning, "rows": []}
     path = args.out / f"e2e_{device}{args.tag}.json"
     run_rows(args, cfg, params, tokenizer, rates, result["rows"], lambda: common.write_json(path, result), tuning)
-    plot(result["rows"], path.with_suffix(".png"))
+    plot([result], path.with_suffix(".png"))
     print(table(result["rows"]))
 
 
