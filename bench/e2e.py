@@ -197,6 +197,20 @@ def tuned(row: dict, tuning: dict | None) -> bool:
             and default(row["select_every"], 1) == choice.get("select_every", 1))
 
 
+def line_label(row: dict, tuning: dict | None) -> str:
+    """A row's line in the plot: plain, auto, a method at its tuned setting, or a method and its settings."""
+    if row["method"] in ("plain", "auto"):
+        label = row["method"]
+    elif tuned(row, tuning):
+        label = f"{row['method']} tuned" + draft_label(row)
+    else:
+        label = (f"{row['method']} " + (row["tree"] and f"{row['traversal']}:{row['tree']}" or f"gamma {row['gamma']}")
+                 + draft_label(row) + (f" ratio {row['ratio']}" if row.get("ratio") not in (None, RATIO) else "")
+                 + (f" balance {row['balance']:g}" if row.get("balance") not in (None, 1) else "")
+                 + (f" select every {row['select_every']}" if row.get("select_every") not in (None, 1) else ""))
+    return label + (" shrink" if row.get("shrink") == "on" else "")
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Decode tokens/s against batch, one line per (method, shape), one panel per sampling; a method
     at its tuned setting (results' `tuning`, which may differ by batch) is one line, "tuned"."""
@@ -205,7 +219,7 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(r, result["tuning"]) for result in results for r in result["rows"]]
+    rows = [(r, result.get("tuning")) for result in results for r in result["rows"]]
     samplings = sorted({r["sampling"] for r, _ in rows}, key=lambda s: s != "sample")
     batches = sorted({r["batch"] for r, _ in rows})
     fig, axes = plt.subplots(1, len(samplings), figsize=(6 * len(samplings), 4.5), squeeze=False)
@@ -213,13 +227,7 @@ def plot(results: list[dict], path: Path) -> None:
         lines: dict[str, list] = {}
         for r, tuning in rows:
             if r["sampling"] == sampling:
-                label = r["method"] if r["method"] in ("plain", "auto") else f"{r['method']} tuned" + draft_label(r) if tuned(r, tuning) else f"{r['method']} " + (
-                    r["tree"] and f"{r['traversal']}:{r['tree']}" or f"gamma {r['gamma']}") + draft_label(r) + (
-                    f" ratio {r['ratio']}" if r.get("ratio") not in (None, RATIO) else "") + (
-                    f" balance {r['balance']:g}" if r.get("balance") not in (None, 1) else "") + (
-                    f" select every {r['select_every']}" if r.get("select_every") not in (None, 1) else "")
-                label += " shrink" if r.get("shrink") == "on" else ""
-                lines.setdefault(label, []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
+                lines.setdefault(line_label(r, tuning), []).append((r["batch"], r["decode_tokens_per_s"], r["spread_tokens_per_s"]))
         for label, points in lines.items():
             points.sort()
             ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] / 2 for p in points],
