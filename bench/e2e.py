@@ -186,15 +186,14 @@ def table(rows: list[dict]) -> str:
 
 
 def tuned(row: dict, tuning: dict | None) -> bool:
-    """Whether a chain row ran its method's tuned setting at its batch (the --tuned file's, whatever
-    flags chose it), so that the plot draws a method tuned per batch as one line."""
+    """Whether a chain row ran its method's tuned setting at its batch (the spec `spec_of` makes from the
+    --tuned file, whatever flags chose it), so that the plot draws a method tuned per batch as one line.
+    A setting missing from an older row did not exist then: it ran the default."""
     if not tuning or row["method"] not in tuning or row["tree"]:
         return False
-    choice = at_batch(tuning[row["method"]], row["batch"])
-    default = lambda value, fallback: fallback if value is None else value
-    return (row["gamma"] == choice.get("gamma", GAMMA) and row["ratio"] == choice.get("ratio")
-            and row["metric"] == choice.get("metric") and default(row["balance"], 1) == choice.get("balance", 1)
-            and default(row["select_every"], 1) == choice.get("select_every", 1))
+    choice = {row["method"]: at_batch(tuning[row["method"]], row["batch"])}
+    want = spec_of(row["method"], f"chain:{GAMMA}", "reference", choice).describe()
+    return all(row.get(key, want[key]) == want[key] for key in ("gamma", "ratio", "metric", "balance", "select_every"))
 
 
 def line_label(row: dict, tuning: dict | None) -> str:
