@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-import jaxspec  # noqa: F401  (the project's XLA flags)
+from jaxspec.xla_flags import set_gpu_flags
 import jax
 import jax.numpy as jnp
 
@@ -131,4 +131,5 @@ def main():
 
 
 if __name__ == "__main__":
+    set_gpu_flags()
     main()

@@ -1,19 +1,5 @@
-"""jaxspec: lossless self-speculative decoding (Vegas) for long-context LLM inference in JAX.
+"""jaxspec: lossless speculative decoding for long-context LLM inference in JAX, with Pallas kernels.
 
-Importing jaxspec sets two XLA GPU flags (unless XLA_FLAGS already names them), so import it before
-running anything on the GPU. The model scans over layers whose weights are stacked [L, ...]; XLA's
-Triton gemms copy each layer's slice before multiplying (0.9 TB/s of weight traffic on an H100),
-while cuBLAS gemms with dynamic-slice fusion read the slice in place (2.5 TB/s): measured in
-bench/NOTES.md ("decode step").
+Importing jaxspec changes nothing outside it: the XLA GPU flags its programs are built for are set
+by the entry points (`jaxspec.xla_flags`). docs/architecture.md maps the package.
 """
-
-import os
-
-_XLA_FLAGS = {
-    "--xla_gpu_enable_dynamic_slice_fusion": "true",
-    "--xla_gpu_enable_triton_gemm": "false",
-}
-_current = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = " ".join(
-    [_current] + [f"{flag}={value}" for flag, value in _XLA_FLAGS.items() if flag not in _current]
-).strip()

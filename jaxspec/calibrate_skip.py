@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxspec import files
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import draft_weights
+from jaxspec.xla_flags import set_gpu_flags
 
 SKIP_FILE = "draft_skip.json"
 
@@ -82,4 +83,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    set_gpu_flags()
     main()

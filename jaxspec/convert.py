@@ -33,6 +33,7 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.loaders import load_model, orbax
 from jaxspec.models import nsa_convert, nsa_reuse
 from jaxspec.models.config import NSAConfig
+from jaxspec.xla_flags import set_gpu_flags
 
 
 def convert(src: str, dst: Path, dtype: str = "bfloat16", force: bool = False) -> str:
@@ -244,4 +245,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    set_gpu_flags()
     main()

@@ -28,6 +28,7 @@ from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
 from jaxspec.serving.scheduler import Request, Scheduler
 from jaxspec.tune import at_batch, load_tuned
+from jaxspec.xla_flags import set_gpu_flags
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
 
@@ -297,4 +298,5 @@ def _print_human(results: list[dict], stats: dict) -> None:
 
 
 if __name__ == "__main__":
+    set_gpu_flags()
     main()

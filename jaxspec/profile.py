@@ -58,6 +58,7 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import draft_weights
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize
 from jaxspec.tune import parse_tree
+from jaxspec.xla_flags import set_gpu_flags
 
 CALIBRATION_OFFSET = 40  # first jaxspec.corpus document of the calibration prompts
 TASKS = ("continue", "question", "summary")  # row r of a calibration batch asks TASKS[r % 3]
@@ -307,4 +308,5 @@ def summary(cells: list[dict]) -> str:
 
 
 if __name__ == "__main__":
+    set_gpu_flags()
     main()

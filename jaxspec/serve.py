@@ -22,6 +22,7 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.generate import (add_method_flags, add_model_flags, announce_precision, check_draft, load, spec_from_args,
                               with_draft_model)
 from jaxspec.runner import describe_device
+from jaxspec.xla_flags import set_gpu_flags
 
 
 def parse_args(argv):
@@ -112,4 +113,5 @@ class DrainingServer(uvicorn.Server):
 
 
 if __name__ == "__main__":
+    set_gpu_flags()
     main()

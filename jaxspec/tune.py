@@ -24,6 +24,7 @@ from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, r
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig
 from jaxspec.decoding.tree import TreeShape
+from jaxspec.xla_flags import set_gpu_flags
 
 RATIOS = (0.02, 0.03, 0.05, 0.07, 0.1, 0.15)
 GAMMAS = (2, 4, 6, 8, 10)
@@ -198,4 +199,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    set_gpu_flags()
     main()
