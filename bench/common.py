@@ -1,7 +1,8 @@
 """Shared benchmark plumbing: device rates, timing, synthetic long-context states, floors, result files.
 
 Benchmarks run on the GPU machine as `PYTHONPATH=. python3 bench/<name>.py`; each measures the copy
-bandwidth and the bf16 matmul rate in the same run (DESIGN.md section 6) and states times against them.
+bandwidth and the bf16 matmul rate in the same run and states times against them (docs/development.md,
+"Measurement protocol").
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
-# The step floor (DESIGN.md section 6) is the planner's cost-model base; benchmarks use the same one.
+# The step floor (docs/development.md, "Measurement protocol") is the planner's cost-model base;
+# benchmarks use the same one.
 from jaxspec.decoding.planner import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
 from jaxspec.models.kvcache import KVCache, cache_shape, cache_slots
 from jaxspec.decoding.tree import MAX_TREE_ROWS
