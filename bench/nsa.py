@@ -22,7 +22,8 @@ Parts:
           "Measurement protocol") and NSA/dense. NSA floor = (weights + compressed keys/values of the
           visible blocks + S selected blocks (S*block*Hkv*Dh*2 for k+v) + window (w + T - 1 keys) +
           float32 logits) / measured copy bandwidth, all layers and rows; for T > 1 the S blocks are a
-          lower bound (the rows' union). Dense floor = (weights + every key/value up to the last row + logits) / bandwidth.
+          lower bound (the rows' union). Dense floor = (weights + every key/value up to the last row +
+          logits) / bandwidth.
   layers  jaxspec's NSA attention of one layer alone (jaxspec.models.nsa.attend_fn: compressed branch,
           selection, selected + window + gates), T = 1 and 16, and the dense attention of one layer
           (pallas verify kernel) on the same cache; microseconds per layer call.
