@@ -1,7 +1,8 @@
 """Shared benchmark plumbing: device rates, timing, synthetic long-context states, floors, result files.
 
 Benchmarks run on the GPU machine as `PYTHONPATH=. python3 bench/<name>.py`; each measures the copy
-bandwidth and the bf16 matmul rate in the same run (DESIGN.md section 6) and states times against them.
+bandwidth and the bf16 matmul rate in the same run and states times against them (docs/development.md,
+"Measurement protocol").
 """
 
 from __future__ import annotations

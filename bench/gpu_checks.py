@@ -5,8 +5,9 @@
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
-to bf16 near-ties between the top two logits (DESIGN.md section 3). Qwen3-8B and NSA-1B shapes
-(bench/nsa.py's, NSA kernels included) use random weights and a prompt of random tokens; SmolLM2 uses a real long prompt.
+to bf16 near-ties between the top two logits (docs/architecture.md, "The speculative-decoding
+contract"). Qwen3-8B and NSA-1B shapes (bench/nsa.py's, NSA kernels included) use random weights and
+a prompt of random tokens; SmolLM2 uses a real long prompt.
 Methods draft chains of 6, or the draft tree of --tree. Writes DIR/gpu_checks_<model>[_tree].json.
 """
 

@@ -1,4 +1,5 @@
-"""GPU check and benchmark of the Pallas kernels against their references and peers (DESIGN.md 6).
+"""GPU check and benchmark of the Pallas kernels against their references and peers (docs/development.md,
+"Measurement protocol").
 
     PYTHONPATH=. python3 bench/kernels.py [--quick] [--long] [--out DIR] [--budget SECONDS]
 

@@ -18,11 +18,12 @@ Parts:
   steps   a jitted loop of STEPS forward passes (decoder.forward + logits + argmax fed back) over a
           random cache sized to the context (k_cmp/v_cmp = block means of the random keys/values):
           T = 1 (a plain decode step; the engine's plain step adds only sampling and the commit) and
-          T = 16 rows (a verification pass), NSA and dense; ms per pass, the floor (DESIGN.md 6) and
-          NSA/dense. NSA floor = (weights + compressed keys/values of the visible blocks + S selected
-          blocks (S*block*Hkv*Dh*2 for k+v) + window (w + T - 1 keys) + float32 logits) / measured
-          copy bandwidth, all layers and rows; for T > 1 the S blocks are a lower bound (the rows'
-          union). Dense floor = (weights + every key/value up to the last row + logits) / bandwidth.
+          T = 16 rows (a verification pass), NSA and dense; ms per pass, the floor (docs/development.md,
+          "Measurement protocol") and NSA/dense. NSA floor = (weights + compressed keys/values of the
+          visible blocks + S selected blocks (S*block*Hkv*Dh*2 for k+v) + window (w + T - 1 keys) +
+          float32 logits) / measured copy bandwidth, all layers and rows; for T > 1 the S blocks are a
+          lower bound (the rows' union). Dense floor = (weights + every key/value up to the last row +
+          logits) / bandwidth.
   layers  jaxspec's NSA attention of one layer alone (jaxspec.models.nsa.attend_fn: compressed branch,
           selection, selected + window + gates), T = 1 and 16, and the dense attention of one layer
           (pallas verify kernel) on the same cache; microseconds per layer call.
@@ -181,7 +182,8 @@ def describe(cfg: ModelConfig) -> dict:
 # ---------------------------------------------------------------- bytes and floors
 
 def step_floor(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, T: int, bandwidth_GBps: float) -> dict:
-    """DESIGN.md 6: (weights + attention reads + float32 logits) / measured copy bandwidth."""
+    """The step floor (docs/development.md, "Measurement protocol"): (weights + attention reads + float32
+    logits) / measured copy bandwidth."""
     parts = {k: cfg.num_layers * v for k, v in common.layer_attention_bytes(cfg, batch, context, T).items()}
     parts |= {"weights": weight_bytes, "logits": batch * T * cfg.vocab_size * 4}
     total = sum(parts.values())

@@ -1,6 +1,6 @@
 """The real-weights NSA model end to end: plain NSA decoding against dense SmolLM2, and every drafter's
 tokens per iteration and decode speed on the NSA target, all in one process on the same prompts;
-with --precisions, SSV's verification per precision class (DESIGN.md section 4c).
+with --precisions, SSV's verification per precision class (docs/architecture.md, "NSA and SSV").
 
     PYTHONPATH=. python3 bench/nsa_e2e.py --nsa checkpoints/nsa-smollm2 [--dense smollm2] [--batches 1,8]
         [--prompt-tokens 7000] [--new 512] [--repeats 3] [--methods ...] [--trees 3,2,1;2,2,2]
