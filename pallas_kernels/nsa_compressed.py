@@ -3,7 +3,7 @@
 Query (b, t) at position p sees compressed block c iff (c + 1) * block_size - 1 <= p (the block is
 complete); with no visible block its output is 0. Importance of block c for a KV head = the
 compressed softmax weights of the block summed over the head's G query heads (fla's
-`parallel_nsa_topk`). Selection (DESIGN.md section 2): the query's own block p // block_size always,
+`parallel_nsa_topk`). Selection (docs/architecture.md, "NSA and SSV"): the query's own block p // block_size always,
 then the most important earlier blocks, by `rule` ("nsa1b" or "exact": see
 `jaxspec.models.config.NSAConfig`); fewer than S candidates leave -1 entries.
 

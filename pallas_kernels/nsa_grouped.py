@@ -1,4 +1,4 @@
-"""SSV grouped NSA verification of a draft tree's rows (DESIGN.md 4c, 5.4): the fast path of
+"""SSV grouped NSA verification of a draft tree's rows (docs/architecture.md, "NSA and SSV"): the fast path of
 `nsa_tree.nsa_tree_reference`, which stays the oracle.
 
 Tree row t sits at slot first + t and position p_t = first + depth(t) and attends its root-to-node
@@ -16,7 +16,7 @@ ancestor of depth j, at slot first + (that ancestor's row).
 
 Exact groups (shared=False) give each row its own selection: the output is the oracle's. A shared
 index gives the whole group one representative row's blocks: fewer blocks to load, but it changes
-the target's attention (a precision class, DESIGN.md 4c). The representative is the group's first
+the target's attention (a precision class). The representative is the group's first
 row: in BFS order the group's shallowest row (in DFS order a later row of another subtree may be
 shallower), so each of its blocks ends at or before every group row's position and no block is
 spent on a row that cannot see it; a deeper row's newest keys, which its own forced block would

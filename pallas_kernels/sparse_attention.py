@@ -4,7 +4,7 @@ Row (b, t) attends the union of (a) the gathered slots idx[b, s, :n_idx[b]] (s: 
 Hs == 1, or one per KV head, Hs == Hkv), shared by the T rows (idx may be a layer stack
 [L, B, Hs, K], read at the layer in place: a slice of a stack inside the layer scan would be copied
 before the kernel), and (b) the tail slots
-tail_start[b] .. q_slot[b, t] (DESIGN.md 4, 5.2). A chain drafts one row per step (T = 1); a draft
+tail_start[b] .. q_slot[b, t]. A chain drafts one row per step (T = 1); a draft
 tree drafts the T nodes of one depth in one step, and its `TreeMask` narrows the tail to the slots
 before the root and the row's own ancestors. The caller guarantees the gathered slots are distinct
 and below tail_start, so nothing is counted twice, and that the tail holds at most `tail_capacity`

@@ -1,4 +1,4 @@
-"""Top-k selection of KV slots: idx [..., k_max] of the k largest scores per row (DESIGN.md 5.3).
+"""Top-k selection of KV slots: idx [..., k_max] of the k largest scores per row.
 
 The first min(k, #finite scores) entries of a row are the slots of its largest scores, in any order;
 the rest are arbitrary slots in [0, S). -inf marks invalid slots; scores must not be NaN.

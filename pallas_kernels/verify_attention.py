@@ -1,7 +1,7 @@
 """Verify attention: T new query rows per sequence against the whole KV cache of one layer.
 
 Returns the attention output, the per-row log-sum-exp, and (optionally) the per-key selection scores
-that the KV-selection drafters need, collected in the same pass over the cache (DESIGN.md 4, 5.1).
+that the KV-selection drafters need, collected in the same pass over the cache.
 
 Query (b, t) sees cache slots j <= q_pos[b, t]; the new rows' keys are already in the cache, so this
 is also the causal mask among the new rows. A draft tree (`TreeMask`) narrows that: its rows sit at
