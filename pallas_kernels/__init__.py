@@ -37,21 +37,20 @@ from pallas_kernels.verify_attention import (
 )
 
 BACKENDS = ("reference", "pallas")
-# Selections up to this many scores in all run lax.top_k: on an H100 it beat the radix kernel at
-# 384 x 2048 (58 against 82 us a call) and 8 x 32K, and lost from 384 x 4096 and at [36, 1, 32K]
-# (bench/topk_rows.py, bench/kernels.py; bench/NOTES.md).
+# Selections of up to this many scores in all run lax.top_k, one XLA kernel against the radix
+# select's ~10 passes of fixed cost; longer ones (vegas's rows, Qwen3-8B's [36, 1, 32K]) take the
+# radix kernel (bench/NOTES.md, "the planner's table found again").
 TOPK_XLA_MAX = 1 << 20
 # Quest's fused page choice runs one program per (row, KV head), each streaming its row of bounds:
-# it beats XLA's scores + lax.top_k from 24 programs over SmolLM2's 496 x 64-element rows, but over
-# Qwen3-8B's 2,048 x 128 at 32K only from 128 programs (bench/quest_pages.py; bench/NOTES.md).
+# it beats XLA's scores + lax.top_k once its programs fill the GPU, or at any batch when its rows are
+# short (SmolLM2's), but not over Qwen3-8B's long rows at small batches (bench/NOTES.md, "Quest's
+# fused page choice").
 QUEST_FUSED_MIN_PROGRAMS = 128
 QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kernel runs at any batch
 # Exact layer matrices under this many elements go to the row kernel at decode row counts (one row
-# block). XLA runs SmolLM2's (< 2M elements) as multiply + reduce fusions; the kernel took SmolLM2's
-# plain step at 1 x 7.5K from 1.98 to 1.22 ms on an H100 (1.10 with its divisor splits). A 1.2B
-# Llama's q/k/v and o (4.2-4.7M) gain once the splits their epilogues sum are capped
-# (row_matmul.EPILOGUE_BYTES: plain 1.55 -> 1.50 ms); its gate/up and down (17-34M), summed by XLA,
-# were no faster, and Qwen3-8B's plain step was 4.7% slower (bench/NOTES.md, issue 13).
+# block): XLA runs small ones as multiply + reduce fusions or padded cuBLAS gemms. That covers
+# SmolLM2's and a 1.2B Llama's q/k/v and o; larger matrices gained nothing and stay with XLA
+# (bench/NOTES.md, "small exact matrices through the row kernel", "the split merge in one kernel").
 ROW_MATMUL_EXACT_ELEMENTS = 1 << 23
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",

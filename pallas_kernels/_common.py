@@ -15,10 +15,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Enough (batch x kv head x split) programs to fill an H100 (132 SMs) about twice over; grids of
+# Enough (batch x kv head x split) programs to fill a GPU of ~132 SMs about twice over; grids of
 # fewer than 16 (batch x kv head) programs aim at one wave instead, where each split's fixed cost
-# and the merge outweigh a second wave (bench/splits.py, bench/NOTES.md: a 1.2B Llama's 2 KV heads
-# at 1 x 16K want 64 splits, Qwen3-8B's 8 at 1 x 32K 16 rather than 32, SmolLM2 8 x 7.9K 11).
+# and the merge outweigh a second wave (bench/splits.py; bench/NOTES.md, "the split count at batch 1").
 TARGET_PROGRAMS = 256
 FEW_PROGRAMS = 16
 MAX_SPLITS = 64
@@ -27,7 +26,7 @@ MIN_TILE = 16
 
 
 # Query rows of one KV head go into one tile as packed row t*G + g. A tile holds at least 16 query
-# rows (so T <= 16 stays the one tile that was measured) and otherwise at most 64 packed rows: at
+# rows (so T <= 16 stays one tile) and otherwise at most 64 packed rows: at
 # Dh 128 a 128-row tile spills registers on four warps (tests/test_kernels_lowering.py); more rows
 # go to more row blocks, a grid dimension.
 MIN_BLOCK_ROWS = 16
@@ -87,7 +86,7 @@ def pack_rows(x, n_blocks: int, rows: int, tile: int, fill=0):
 def tile_positions(q_pos_ref, b, block, rows: int, G: int, tile: int):
     """Inside a kernel: the positions q_pos[b, t] [B, T] of row block `block`'s packed rows (pack_rows'
     layout, `rows` query rows of G heads), -1 on padding rows. Read here rather than packed by XLA,
-    which would run a kernel before every layer's call (bench/NOTES.md, issue 16)."""
+    which would run a kernel before every layer's call."""
     T = q_pos_ref.shape[1]
     packed = jnp.arange(tile)
     t = block * rows + packed // G
@@ -115,9 +114,9 @@ def unpack_rows(x, T: int, G: int):
 
 
 def compiler_params():
-    """Measured on an H100 (bench/NOTES.md): four warps beat eight even for 64-row tiles (193 vs
-    241 us, 4 x 32K, T=10), and three pipeline stages of 64-key blocks keep enough loads in flight
-    while the largest collecting tile still fits in shared memory."""
+    """The attention kernels' launch settings: four warps beat eight even for 64-row tiles, and three
+    pipeline stages of 64-key blocks keep enough loads in flight while the largest collecting tile
+    still fits in shared memory (bench/NOTES.md, "Verify attention")."""
     return plgpu.CompilerParams(num_warps=4, num_stages=3)
 
 
@@ -230,10 +229,10 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits: int, width:
 
 
 def merge_splits_pallas(o_part, lse_part, dtype, *, interpret: bool = False):
-    """merge_splits as one kernel, out in `dtype`. XLA ran it as three (the max, the weights, the
-    weighted sum with its conversion): 3.9 us a call at SmolLM2's batch-1 draft step on an H100,
-    1.6 us as this kernel (bench/NOTES.md, issue 13). Grid (leading entries, rows): one program a
-    row, all its splits in one tile."""
+    """merge_splits as one kernel, out in `dtype`: XLA ran it as three (the max, the weights, the
+    weighted sum with its conversion), whose fixed costs dominate small batches (bench/NOTES.md,
+    "the split merge in one kernel"). Grid (leading entries, rows): one program a row, all its
+    splits in one tile."""
     *lead, n_splits, rows, Dh = o_part.shape
     P = int(np.prod(lead))
     out, lse = pl.pallas_call(

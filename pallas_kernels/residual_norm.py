@@ -2,8 +2,8 @@
 its K splits and scaled as rope_write's rule says), then the norm of that sum, both returned.
 
 Why a kernel: XLA computed the residual stream and the two norms of a layer in five kernels (each
-norm's statistics, its scaling, and the stream's update), each ~1-2 us of fixed cost for a few
-thousand elements (bench/NOTES.md, issues 13 and 16); this is two a layer, one after the attention's
+norm's statistics, its scaling, and the stream's update), each a launch's fixed cost for a few
+thousand elements (bench/NOTES.md, "the residual stream and its norms"); this is two a layer, one after the attention's
 output product and one after the MLP's (whose norm is the next layer's, or the final one).
 """
 import functools

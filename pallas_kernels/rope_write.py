@@ -5,7 +5,7 @@ rotate them (RoPE), write k and v into the KV cache in place, and return q.
 Why a kernel: XLA ran these as five to seven kernels a layer in every decode step (q's rotation,
 and for each of k and v the cache entry read back and a select before the in-place update, which
 it keeps because a scatter's slot might be out of bounds; Qwen3's qk-norm statistics two more), each
-~1-2 us of fixed cost however little it does (bench/NOTES.md, issues 13 and 16).
+a launch's fixed cost however little it does (bench/NOTES.md, "the q/k/v epilogue in one kernel").
 
 The product arrives as `sums` [S, R, N]: S partial sums (row_matmul's K splits; S = 1 for
 XLA's product) of R >= B*T rows, row b*T + t for token t of sequence b; the columns are q (Hq heads),
@@ -102,8 +102,9 @@ def rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, la
 def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T, G, Dh, eps, rope_scale,
             has_scale, has_bias, has_norm):
     """Program (b, kv head h, token t, head j) for token t of row b: q head h * G + j for j < G, k of
-    h for j = G and v of h for j = G + 1. One head a program: a serial loop over a group's heads cost
-    a 1.2B Llama (16 q heads a KV head) ~6.7 us a layer (bench/NOTES.md, issue 13). One token a
+    h for j = G and v of h for j = G + 1. One head a program: a serial loop over a group's heads is
+    slow for large groups (a 1.2B Llama's 16 q heads a KV head; bench/NOTES.md, "rope_write one
+    head a program"). One token a
     program, so that a token's result (its qk-norm's sum order) does not depend on T: a draft step
     (T = 1) and the verification (T > 1) must round alike, or drafts are rejected."""
     refs = list(refs)

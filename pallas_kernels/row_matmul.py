@@ -6,7 +6,7 @@ the matrix once where it lies (a layer of a stack, at an index) and converts it 
 own products fall short at these shapes: it converts an int8 matrix to the activations' dtype before
 the product, it runs a small exact matrix's product (SmolLM2's, < 2M elements) as multiply + reduce
 fusions even with two rows, and a one-row cuBLAS gemm comes with a pad and a copy kernel (bench/NOTES.md,
-issues 13 and 16). Which exact matrices the kernel takes: pallas_kernels.row_matmul_reads_exact.
+"small exact matrices through the row kernel"). Which exact matrices the kernel takes: pallas_kernels.row_matmul_reads_exact.
 
 Formats (jaxspec.models.quantize):
 - exact: values [K, N] in a float dtype, no scale (scale None); w = values.
@@ -19,10 +19,10 @@ Grid: (row blocks of 16-64 rows, column blocks, K splits); x is read unpadded (a
 load as zeros), so no padding kernel runs before each product; each program streams its columns' share of K
 through an fp32 accumulator, and the consumer sums the splits (XLA, or rope_write / residual_norm,
 applying int8's column scales). The K splits are the fewest divisors of K's steps that give
-TARGET_PROGRAMS (256) programs, else one step a program: on an H100 at Qwen3-8B shapes that was the
-best of 1-16 splits for each of the four int8 matrices (gate_up: 2 splits, 50.5 us against 58.6 for 1),
-and 128 x 128 blocks on 4 warps with 3 stages beat the other tilings tried. SmolLM2's K of 576 is 9
-steps of 64: 9 splits, not 1 (its products are latency, not bytes: the shortest program wins).
+TARGET_PROGRAMS (256) programs, else one step a program: at Qwen3-8B shapes that was the best split
+count for each of the four int8 matrices, and 128 x 128 blocks on 4 warps with 3 stages beat the other
+tilings tried (bench/NOTES.md, "The product kernel against XLA"). SmolLM2's K of 576 is 9 steps of 64:
+9 splits, not 1 (its products are latency, not bytes: the shortest program wins).
 An exact product whose epilogue sums the splits takes at most epilogue_splits of them.
 """
 import jax
@@ -37,10 +37,10 @@ BLOCK_K = 128  # exact and int8: rows of K per loop step (a divisor of K: 128, 6
 BLOCK_N = 128  # columns per program (a divisor of N: 128, 64, 32 or 16)
 MAX_ROWS = 64  # rows per program: more rows take more row blocks, each reading the matrix again
 # An exact product whose consumer sums the splits itself (rope_write, residual_norm: one program a
-# row) hands it at most this many bytes of them a row (epilogue_splits). A 1.2B Llama's q/k/v and o
-# at 16 splits (147 KB a row) made those epilogues 3 and 2 us slower; at 4 its plain step went 1.55
-# -> 1.50 ms on an H100 (bench/NOTES.md, issue 13). SmolLM2's counts are under the cap; quantized
-# matrices keep the rule (Qwen3-8B's int8 counts were measured best with rope_write summing them).
+# row) hands it at most this many bytes of them a row (epilogue_splits): many splits (a 1.2B Llama's
+# q/k/v and o at 16) slow those epilogues by more than the product gains (bench/NOTES.md, "the split
+# merge in one kernel"). SmolLM2's counts are under the cap; quantized matrices keep the rule
+# (Qwen3-8B's int8 counts were measured best with rope_write summing them).
 EPILOGUE_BYTES = 40960
 
 
@@ -161,7 +161,7 @@ def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret
 
     With `layer` (an int32 scalar), values and scale carry a leading layer axis and the kernel reads
     that layer's matrix in place: a layer sliced out of a stack inside a scan would be copied by XLA
-    before the kernel reads it (bench/NOTES.md, issue 13's fused projections). The tiling arguments
+    before the kernel reads it (bench/NOTES.md, "fused layer projections"). The tiling arguments
     are for bench/row_matmul.py's sweep (int4 steps are its groups, whatever block_k says);
     `max_splits` caps the rule's split count at its largest divisor of K's steps within the cap."""
     int4, scaled = is_int4(values, scale), scale is not None
@@ -175,7 +175,7 @@ def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret
     bm = block_m or block_rows(M)
     m_blocks = -(-M // bm)
     programs = m_blocks * (N // bn)
-    if splits is None:  # the fewest that make target_programs programs, else one step each (bench/NOTES.md)
+    if splits is None:  # the fewest that make target_programs programs, else one step each (see above)
         splits = next(d for d in range(1, total + 1) if total % d == 0 and (programs * d >= target_programs or d == total))
         if max_splits is not None:
             splits = max(d for d in range(1, min(splits, max_splits) + 1) if total % d == 0)
