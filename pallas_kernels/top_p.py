@@ -12,8 +12,8 @@ test false at lo and true at hi, from (key(min x) - 1, key(m)]; each pass tests 
 quarter it, so at most 16 passes over the row settle 32-bit keys. Masked sums of non-negative terms in
 one fixed order are monotone in the mask, so the test is monotone in floating point too.
 
-Two Pallas paths, chosen by the row count (top_p_threshold_pallas; measured on an H100, bench/NOTES.md
-issue 16: the split path is faster up to 48 rows, one program per row from 64):
+Two Pallas paths, chosen by the row count (top_p_threshold_pallas: the split path for few rows, one
+program per row for many; bench/NOTES.md, "top-p at small batch"):
 
 - One program per row (top_p_threshold_per_row) loops over the row once per pass, so the row stays
   in L1/L2 after the first read (96-192 KB at a 49K vocabulary). Pass 1 finds m; pass 2 sums Z and
@@ -24,9 +24,8 @@ issue 16: the split path is faster up to 48 rows, one program per row from 64):
   every pair: the mass above hi, from pass 2, plus that of the held values above it; the threshold
   is the smallest held value whose mass is < top_p * Z. Up to CAPACITY the search runs over them in
   registers (SPREAD pivots a pass); a flat row puts more, and the search runs over the row instead,
-  three pivots a pass from the same bracket. H100 at a 49K vocabulary (bench/NOTES.md): 39 us at
-  128 rows and 290 us at 896 on rows shaped like a real model's (68 and 435 with the search over
-  held values), 98 and 506 us on flat rows.
+  three pivots a pass from the same bracket (bench/NOTES.md, "top-p over the values near the
+  threshold", "top-p's last step pairwise").
 - The split path (top_p_threshold_split) spreads each row over many programs (SPLIT_PER chunks of
   SPLIT_CHUNK logits each) and settles DIGIT_BITS bits of the key a launch, a radix search: the
   bracket is (hi - 2^level, hi], at first (key(+inf) - 2^32, key(+inf)], and a pass sums in every
@@ -51,20 +50,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import float_key, key_float, next_pow2
 
-# Logits per vector step of a pass, on 32 warps. H100, 128 x 49152 float32: 2048 on 8 warps 211 us
-# (a pass waits on one chunk's load at a time), 8192 on 32 warps 105 us (bench/NOTES.md).
+# Logits per vector step of a pass, on 32 warps: with fewer, a pass waits on one chunk's load at a
+# time (bench/NOTES.md, "sort-free top-p").
 CHUNK = 8192
 NUM_WARPS = 32
 # The per-row path measures the mass above these distances below the row's max (tempered logits) in
 # its second pass; the bracket they leave is searched over its values alone when it holds at most
-# CAPACITY of them. SmolLM2 at T 0.7 (400 positions of real text): the 0.95 nucleus ends 4.1 below the
-# max (median; 7.4 at most), and 42 (median; 517 at most) values lie within 8 of it.
+# CAPACITY of them. The cuts fit a real model's rows: SmolLM2's 0.95 nucleus at T 0.7 ends a few units
+# below the max, with tens of values within 8 of it (bench/NOTES.md, "top-p over the values near the
+# threshold").
 CUTS = (4.0, 8.0, 16.0)
 CAPACITY = 1024
 SPREAD = 16  # pivots a pass of the search over held values (a power of two)
-# At most this many held values take the pairwise step ([PAIRWISE, PAIRWISE] comparisons). H100, 128
-# rows of 49152 shaped like SmolLM2's: 39.1 us a call against 68.3 for the search over held values,
-# whose 8 passes took 34 us (bench/NOTES.md, issue 13).
+# At most this many held values take the pairwise step ([PAIRWISE, PAIRWISE] comparisons), which
+# replaces the search's 8 block-wide passes, half the kernel's time on real rows (bench/NOTES.md,
+# "top-p's last step pairwise").
 PAIRWISE = 128
 
 
@@ -234,20 +234,17 @@ def _kernel(logits_ref, inv_temperature_ref, top_p_ref, out_ref, held_ref, *, ch
 
 
 # The split path: a program sums SPLIT_PER chunks of SPLIT_CHUNK logits on SPLIT_CHUNK / 256 warps
-# (all its loads issued before it waits for the bracket). H100 (bench/NOTES.md, issue 16), us per
-# call at 1 / 8 / 32 rows x 151936: 4 chunks a program 38 / 61 / 160, 1 chunk 46 / 89 / 280, 8 chunks
-# 55 / 65 / 162 (one chunk ties four at one row within the runs' spread, loses from 8 rows on).
+# (all its loads issued before it waits for the bracket). Four chunks a program was best or within the
+# runs' spread at every row count measured (bench/NOTES.md, "top-p at small batch").
 SPLIT_CHUNK = 1024
 SPLIT_PER = 4
 DIGIT_BITS = 4  # bits of the key settled per pass (divides 32)
 SLOTS = 1 << DIGIT_BITS  # slot 0: a chunk's total; slot i >= 1: its mass above pivot i (ascending)
 KEY_INF = 0x7F800000  # float_key(+inf): no row value is above it
-# At most this many rows take the split path, more one program per row. H100, us per call at 8 / 32
-# / 64 rows, split vs per row, flat rows (3 x normal): 38 / 67 / 103 vs 100 / 89 / ~95 at 49152; 59 /
-# 155 / 303 vs 305 / 280 / ~300 at 151936. Rows shaped like a real model's: 37 / 68 / 104 vs 65 / 66 /
-# 66 at 49152; 60 / 156 / 307 vs 126 / 127 / 130 at 151936. The split path's time grows with the rows,
-# the per-row path's does not until the rows outnumber the SMs; 48 keeps flat rows on their faster
-# path (a real model's rows would gain from ~24).
+# At most this many rows take the split path, more one program per row. The split path's time grows
+# with the rows, the per-row path's does not until the rows outnumber the SMs; 48 keeps flat rows on
+# their faster path, a real model's rows would gain from ~24 (bench/NOTES.md, "top-p over the values
+# near the threshold").
 SPLIT_MAX_ROWS = 48
 
 

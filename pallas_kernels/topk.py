@@ -22,8 +22,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import float_key, next_pow2
 
-# Scores per program. H100, [36, 4, 32K]: 1024 -> 169 us, 2048 -> 157 us, 4096 -> 155 us
-# (bench/NOTES.md); 2048 keeps more programs in flight for short rows.
+# Scores per program: 2048 is about as fast as 4096 on long rows and keeps more programs in flight
+# on short ones (bench/NOTES.md, "Top-k selection").
 CHUNK = 2048
 DIGIT_BITS = 4
 RADIX = 1 << DIGIT_BITS
