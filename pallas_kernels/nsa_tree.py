@@ -1,5 +1,5 @@
 """NSA attention for the rows of a draft tree: each row attends exactly as if its root-to-node path
-were the next tokens after the committed cache (reference, any T; the SSV issue's grouped kernel is
+were the next tokens after the committed cache (reference, any T; nsa_grouped's SSV kernel is
 the fast path).
 
 Tree row t sits at slot first + t and at position first + depth(t); on its path the key at position

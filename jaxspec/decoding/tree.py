@@ -1,4 +1,4 @@
-"""Static draft trees and their exact acceptance (DESIGN.md section 4b).
+"""Static draft trees and their exact acceptance (docs/architecture.md, "Draft trees").
 
 A tree's shape is its branching per depth, b_1..b_D: the root (the pending token, verify row 0) has b_1
 children, each of those b_2, and so on; a chain of gamma drafts is the tree (1, ..., 1). Nodes are

@@ -79,9 +79,8 @@ class Quest(Drafter):
 
         def attend(layer, q, cache, _lx, _gates, carry):
             # The pages are chosen outside the cond, also for the dense layers: a cond takes its
-            # operands by value, so inside it each layer's bounds were copied first (two 24 MB
-            # copies a layer at 128 x 7.5K; bench/NOTES.md, quest's draft step). The bound stacks
-            # are read at the layer in place.
+            # operands by value, so inside it each layer's bounds would be copied first (bench/NOTES.md,
+            # "the planner's table found again"). The bound stacks are read at the layer in place.
             top = kernels.quest_pages(q, state.kmin, state.kmax, layer, last_page, jnp.maximum(n_pages, 1),
                                       self.k_max // PAGE, backend=self.spec.backend)
             idx = (top[..., None] * PAGE + offsets).reshape(B, self.cfg.num_kv_heads, -1)
