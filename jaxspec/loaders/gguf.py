@@ -92,8 +92,8 @@ def _reader(path: Path, mtime_ns: int, size: int) -> GGUFReader:
 class _PlainViews(GGUFReader):
     """gguf's reader over a plain ndarray view of its memory map: the parse takes a view per field
     part and dequantization splits tensors into many views, and a view of an `np.memmap` runs a
-    Python hook each time (SmolLM2's header: 3.4 -> 0.9 s; its tensors 1.5 -> 1.1 s). Same bytes,
-    still mapped, not copied."""
+    Python hook each time, over a million of them for SmolLM2 (bench/NOTES.md, "the next segment
+    dispatched before the host reads", its GGUF header parse). Same bytes, still mapped, not copied."""
 
     @property
     def data(self) -> np.ndarray:
