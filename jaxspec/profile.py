@@ -228,7 +228,8 @@ def main(argv=None):
     max_len = width + args.new
     if max_len > cfg.max_position_embeddings:
         raise JaxspecError(f"the largest bucket needs {max_len} positions; the model has {cfg.max_position_embeddings}")
-    bases = {b: spec_from_settings(backend=args.backend, k_max=spec_from_settings("vegas", ratio=max(args.ratios), balance=b).capacity(max_len))
+    capacity = lambda b: spec_from_settings("vegas", ratio=max(args.ratios), balance=b).capacity(max_len)
+    bases = {b: spec_from_settings(backend=args.backend, k_max=capacity(b))
              for b in args.balances}  # a shared budget's rows take up to `balance` times the even share
     base = bases[min(args.balances)]
 
@@ -281,7 +282,7 @@ def main(argv=None):
                 for precision, rows in entries.items():
                     if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
                         tables.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens,
-                                         **{k: profile[k] for k in PROVENANCE})
+                                        **{k: profile[k] for k in PROVENANCE})
                         measured.append(table["cells"][-1])
                 if measured:
                     tables.save_table(out, table)

@@ -181,7 +181,7 @@ def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
     faster = [entry(Strategy("vegas", gamma=g, ratio=0.07), 1300 + g, 5) for g in (2, 3, 4, 5)]
     ngram_tree = Strategy("ngram", tree=(2, 1))
     tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), *faster, entry(ngram_tree, 1000, 2),
-                                                                          entry(NGRAM, 950, 2)])]))
+                                                                         entry(NGRAM, 950, 2)])]))
     kept = [c.strategy for c in planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256,
                                                   sampling=SamplingConfig(), table=path).candidates]
     assert [s.gamma for s in kept if s.method == "vegas"] == [5, 4, 3] and NGRAM in kept and ngram_tree not in kept
@@ -202,7 +202,7 @@ def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):
     path = tmp_path / "t.json"
     t = table(cells=[])
     tables.set_cell(t, 1, "greedy", 1024, "strict", [entry(PLAIN, 500, 1), entry(NGRAM, 1400, 2.3), entry(FULL_INT8, 850, 7)],
-                     prompt_tokens=960)
+                    prompt_tokens=960)
     tables.save_table(path, t)
     run = dict(batch=1, new_tokens=64, sampling=SamplingConfig(), table=path)
     short = planner.make_plan(SMOLLM2, 1, prompt_tokens=47, **run)
@@ -232,8 +232,8 @@ def test_non_strict_classes_only_when_allowed(tmp_path):
     nsa = SMOLLM2.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
     path = tmp_path / "t.json"
     tables.save_table(path, table(nsa, cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 950, 5)]),
-                                               (1, "greedy", 1024, "approx", [entry(Strategy(precision="approx"), 900, 1),
-                                                                              entry(APPROX, 3000, 5)])]))
+                                              (1, "greedy", 1024, "approx", [entry(Strategy(precision="approx"), 900, 1),
+                                                                             entry(APPROX, 3000, 5)])]))
     run = dict(batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path)
     strict = planner.make_plan(nsa, 1, **run)
     assert strict.first == PLAIN and all(c.strategy.precision == "strict" for c in strict.candidates)
@@ -269,7 +269,7 @@ def test_cost_model_int8_drafts_read_fewer_bytes():
         _ = planner.Plan((by[vegas_int8], int4, by[PLAIN]), PLAIN, "cost-model", 65536).draft_weights
     # past one row block of the kernel every block reads the int8 matrix again: no int8 candidates
     assert {p.strategy.draft_weights for p in cost.cost_model(QWEN3_8B, weights, batch=128, context=4096,
-                                                                 bandwidth_GBps=3000)} == {"exact"}
+                                                              bandwidth_GBps=3000)} == {"exact"}
     int8_bytes = draft_weights.read_bytes(QWEN3_8B, weights, "int8")
     matrices = sum(np.prod(decoder.param_shapes(QWEN3_8B)["layers"][n]) for n in draft_weights.DRAFT_MATRICES)
     head = QWEN3_8B.vocab_size * QWEN3_8B.hidden_size
