@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
-# The step floor (DESIGN.md section 6) is the planner's cost-model base; benchmarks use the same one.
-from jaxspec.decoding.planner import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
+# The step floor (bytes over bandwidth) is the planner's cost-model base; benchmarks use the same one.
+from jaxspec.planner.cost import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
 from jaxspec.models.kvcache import KVCache, cache_shape, cache_slots
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec import corpus, files

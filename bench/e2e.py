@@ -16,7 +16,7 @@ the headline; greedy runs beside it for --greedy-methods (greedy SmolLM2 loops a
 which inflates acceptance: degeneration, the share of repeated 4-grams in the outputs, says how
 much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless --tuned names a
 `python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric, and the
-settings of its `batches` for each batch: `jaxspec.tune.at_batch`) then apply to chains;
+settings of its `batches` for each batch: `jaxspec.decoding.spec.at_batch`) then apply to chains;
 --metrics runs the score methods with each named metric, --ratios the sparse drafters with each budget
 ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at the chosen gamma),
 --balances with each budget balance (`SpecConfig.balance`: rows share the budget by their lost drafts),
@@ -47,13 +47,13 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxspec.decoding import planner
-from jaxspec.decoding.spec import MAX_BALANCE, MAX_SELECT_EVERY, SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
+from jaxspec import planner
+from jaxspec.decoding.spec import (MAX_BALANCE, MAX_SELECT_EVERY, SCORE_METHODS, SPARSE_METHODS, SpecConfig, at_batch,
+                                  spec_from_settings, takes_draft_model)
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
 from jaxspec.runner import run_generation
-from jaxspec.tune import at_batch
 from pallas_kernels.verify_attention import METRICS
 
 METHODS = ("plain", "vegas", "stream", "quest", "ngram", "auto")
@@ -62,21 +62,19 @@ GAMMA, RATIO = 6, 0.07
 
 def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, metric: str | None = None,
             ratio: float | None = None, balance: float | None = None, select_every: int | None = None) -> SpecConfig:
-    """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig; a tuned (gamma, ratio, metric)
-    replaces the chain's gamma, the ratio and the score metric (`metric` and `ratio`, when given, the
-    latter two)."""
+    """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig (`spec_from_settings`): the tuned
+    choice of `method` in `tuning` (its settings at the batch) sets the ratio, metric, balance and
+    select_every unless they are given, and replaces a chain's gamma (its tree is not used: the shape
+    is); plain takes none of them."""
     if method == "plain":
-        return SpecConfig(backend=backend).validate()
+        return spec_from_settings(backend=backend)
     choice = (tuning or {}).get(method, {})
-    common_args = dict(method=method, ratio=ratio or choice.get("ratio") or RATIO,
-                       metric=metric or choice.get("metric") or SpecConfig.metric, backend=backend,
-                       balance=balance or choice.get("balance") or SpecConfig.balance,
-                       select_every=select_every or choice.get("select_every") or SpecConfig.select_every)
+    settings = dict(tuned=choice, ratio=ratio, metric=metric, balance=balance, select_every=select_every, backend=backend)
     kind, _, value = shape.partition(":")
     if kind == "chain":
-        return SpecConfig(gamma=choice.get("gamma") or int(value), **common_args).validate()
+        return spec_from_settings(method, gamma=choice.get("gamma") or int(value), **settings)
     tree = TreeShape.parse(value, kind)
-    return SpecConfig(tree=tree.branching, traversal=tree.order, **common_args).validate()
+    return spec_from_settings(method, tree=tree.branching, traversal=tree.order, **settings)
 
 
 def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):

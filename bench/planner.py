@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxspec.decoding import planner
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec import planner
+from jaxspec.decoding.spec import SpecConfig, spec_from_settings
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
+from jaxspec.planner import tables
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation
 
 BASE = planner.Strategy("vegas", gamma=6, ratio=0.07)
@@ -100,7 +101,7 @@ def main():
     backend = "reference" if args.tiny else "pallas"
     cfg, params, tokenizer = load_model(args.model, dtype="float32" if args.tiny else "bfloat16")
     weight_bytes = planner.tree_bytes(params)
-    base = SpecConfig(backend=backend)
+    base = spec_from_settings(backend=backend)
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     path = args.out / f"planner_{device}.json"
     result = common.run_info() | {"rates": common.measure_rates(args.tiny), "rows": []}
@@ -127,7 +128,7 @@ def main():
     plan = plan_for(batch, args.cli_new, sampling)
     outs = run_configs(params, cfg, batch, None, plan, base, sampling, max_len, args.cli_new, tokenizer.eos_token_ids,
                        args.repeats)
-    add_rows(result, save, outs, plan, part="default run", sampling="greedy", bucket=planner.bucket_of(max_len), batch=1,
+    add_rows(result, save, outs, plan, part="default run", sampling="greedy", bucket=tables.bucket_of(max_len), batch=1,
              prompt_tokens=int(batch.lengths[0]))
     print(common.markdown_table(result["rows"], [
         ("part", "part", "s"), ("sampling", "sampling", "s"), ("bucket", "bucket", "d"), ("prompt", "prompt_tokens", "d"),

@@ -36,7 +36,7 @@ from jaxspec.models import decoder
 from jaxspec.decoding.drafters import Drafter, make_drafter
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import SpecConfig, spec_from_settings
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "ngram")
 DEFAULT_TUNING = {m: {"gamma": 6, "ratio": 0.07} for m in METHODS}
@@ -65,9 +65,11 @@ class Workload:
 
 
 def spec_for(method: str, tuning: dict, backend: str, k_max: int | None = None) -> SpecConfig:
+    """The method's SpecConfig at its tuned gamma, ratio and metric (the settings this benchmark takes
+    from a tuned file; its other settings at their defaults)."""
     choice = tuning[method] if method in tuning else DEFAULT_TUNING[method]
-    return SpecConfig(method=method, gamma=choice["gamma"] or 1, ratio=choice.get("ratio") or 0.07, backend=backend, k_max=k_max,
-                      metric=choice.get("metric", "weight")).validate()
+    tuned = {key: choice.get(key) for key in ("gamma", "ratio", "metric")}
+    return spec_from_settings(method, tuned=tuned, backend=backend, k_max=k_max)
 
 
 # ---------------------------------------------------------------- stage timing

@@ -1,6 +1,6 @@
 """`python -m jaxspec.generate`: batched generation from the command line, with speed and acceptance stats.
 
-The default `--method auto` asks the planner (`decoding.planner`) which strategy pays for this model,
+The default `--method auto` asks the planner (`jaxspec.planner`) which strategy pays for this model,
 device, context and batch (plain decoding unless speculation is measured or predicted to be faster),
 refines that choice over the first iterations and reports it. It chooses gamma, tree, ratio and
 group itself, so those flags (and --tuned) need a fixed --method. `--precision` other than strict
@@ -19,15 +19,14 @@ from pathlib import Path
 import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.decoding import planner
+from jaxspec import planner
 from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, run_generation, summarize
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import METHODS, METRICS, PRECISIONS, SpecConfig
+from jaxspec.decoding.spec import METHODS, METRICS, PRECISIONS, SpecConfig, at_batch, load_tuned, spec_from_settings
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
 from jaxspec.serving.scheduler import Request, Scheduler
-from jaxspec.tune import at_batch, load_tuned
 from jaxspec.xla_flags import set_gpu_flags
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."
@@ -114,23 +113,14 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
     elif args.planner_table:
         raise JaxspecError("--planner-table is for --method auto")
-    tuned = at_batch(load_tuned(args.tuned, args.method), batch) if args.tuned else {}
-    gamma = args.gamma if args.gamma is not None else tuned.get("gamma") or 6
-    ratio = args.ratio if args.ratio is not None else tuned.get("ratio") or 0.07
-    metric = args.metric or tuned.get("metric") or "weight"
-    tree, traversal = None, args.traversal
-    if args.tree is not None:
-        tree = TreeShape.parse(args.tree).branching
-    elif args.gamma is None and tuned.get("tree"):  # the tuned tree, unless the flags ask for a chain
-        tree, traversal = TreeShape.parse(tuned["tree"]).branching, tuned.get("traversal") or "bfs"
-    return SpecConfig(
-        method="plain" if auto else args.method, gamma=gamma, tree=tree, traversal=traversal, ratio=ratio,
-        min_tokens=args.min_tokens, metric=metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-        backend=args.backend, precision="strict" if auto else args.precision, group=8 if args.group is None else args.group,
-        draft_weights=args.draft_weights or "exact",
-        balance=args.balance if args.balance is not None else tuned.get("balance") or 1.0,
-        select_every=args.select_every if args.select_every is not None else tuned.get("select_every") or 1,
-    ).validate()
+    tuned = at_batch(load_tuned(args.tuned, args.method), batch) if args.tuned else None
+    return spec_from_settings(
+        "plain" if auto else args.method, tuned=tuned, gamma=args.gamma,
+        tree=None if args.tree is None else TreeShape.parse(args.tree).branching, traversal=args.traversal, ratio=args.ratio,
+        min_tokens=args.min_tokens, metric=args.metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        backend=args.backend, precision="strict" if auto else args.precision, group=args.group,
+        draft_weights=args.draft_weights, balance=args.balance, select_every=args.select_every,
+    )
 
 
 def load(args, spec: SpecConfig):

@@ -1,6 +1,6 @@
 """`python -m jaxspec.profile`: measure the planner's lookup table for a model on this device.
 
-Why: the planner (`decoding.planner`) picks a strategy from measurements where it has them, because
+Why: the planner (`jaxspec.planner`) picks a strategy from measurements where it has them, because
 what pays depends on the model, the device, the context, the batch and the sampling mode far more
 than a cost model can say (bench/NOTES.md: SmolLM2's steps run 6-16x their bytes floors). This runs
 the real decode loop over the strategy space and writes the ranked table that `--method auto` reads.
@@ -34,7 +34,7 @@ batches); the table is rewritten (atomically) after every cell, so a cut-off run
 measured, and cells already in `--out` for other (batch, sampling, bucket, precision) are kept; each
 cell records how it was measured (new tokens, repeats, date, command), since the header describes
 the latest run only. The default file is the shipped table of this model and device kind
-(`jaxspec/decoding/tables/`), which auto finds. A markdown summary is printed last.
+(`jaxspec/planner/tables/`), which auto finds. A markdown summary is printed last.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import corpus
-from jaxspec.decoding import planner
-from jaxspec.decoding.planner import Strategy
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import METHODS, PRECISIONS, SCORE_METHODS, SPARSE_METHODS, SpecConfig, takes_draft_model
+from jaxspec.decoding.spec import METHODS, PRECISIONS, SCORE_METHODS, SPARSE_METHODS, SpecConfig, spec_from_settings, takes_draft_model
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import draft_weights
+from jaxspec.planner import tables
+from jaxspec.planner.strategy import Strategy
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize
 from jaxspec.tune import parse_tree
 from jaxspec.xla_flags import set_gpu_flags
@@ -166,7 +166,7 @@ def check_listed(flag: str, values: tuple, field: str, methods, takers, what: st
     """A list option of a SpecConfig field: each value valid, none twice, and other than the default
     1 only with a method that takes it."""
     for value in values:
-        SpecConfig(method="vegas", **{field: value}).validate()
+        spec_from_settings("vegas", **{field: value})
     if len(set(values)) < len(values):
         raise JaxspecError(f"{flag} lists a value twice: {','.join(map(str, values))}")
     if values != (1,) and not set(methods) & set(takers):
@@ -184,17 +184,17 @@ def check_args(args) -> None:
         if precision not in PRECISIONS:
             raise JaxspecError(f"--precisions takes {', '.join(PRECISIONS)}, got {precision!r}")
     for kind in args.draft_weights:
-        SpecConfig(method="vegas", draft_weights=kind).validate()
+        spec_from_settings("vegas", draft_weights=kind)
     if len(set(args.draft_weights) - {"exact"}) > 1:
         raise JaxspecError("--draft-weights: profile exact and at most one quantized kind (a plan uses one kind of copies)")
     if "strict" not in args.precisions:
         raise JaxspecError("--precisions must include strict (the lossless class every table ranks)")
     for gamma in args.gammas:
-        SpecConfig(method="vegas", gamma=gamma).validate()
+        spec_from_settings("vegas", gamma=gamma)
     for ratio in args.ratios:
-        SpecConfig(ratio=ratio).validate()
+        spec_from_settings(ratio=ratio)
     for group in args.groups:
-        SpecConfig(group=group).validate()
+        spec_from_settings(group=group)
     check_listed("--select-every", args.select_every, "select_every", args.methods, SCORE_METHODS,
                  "spaces the selections of")
     check_listed("--balances", args.balances, "balance", args.methods, SPARSE_METHODS, "shares the budget of")
@@ -217,7 +217,7 @@ def main(argv=None):
         if p.endswith("reuse") and (cfg.nsa is None or not cfg.nsa.refresh_layers):
             print(f"skipping precision {p}: the model has no calibrated refresh/reuse schedule", file=sys.stderr)
             continue
-        SpecConfig(precision=p).check_model(cfg)
+        spec_from_settings(precision=p).check_model(cfg)
         precisions.append(p)
     space = strategy_space(cfg, args.methods, args.gammas, trees, args.ratios, args.groups, precisions, args.draft_weights,
                            args.select_every, args.balances)
@@ -229,19 +229,20 @@ def main(argv=None):
     max_len = width + args.new
     if max_len > cfg.max_position_embeddings:
         raise JaxspecError(f"the largest bucket needs {max_len} positions; the model has {cfg.max_position_embeddings}")
-    bases = {b: SpecConfig(backend=args.backend, k_max=SpecConfig(ratio=max(args.ratios), balance=b).capacity(max_len))
+    capacity = lambda b: spec_from_settings("vegas", ratio=max(args.ratios), balance=b).capacity(max_len)
+    bases = {b: spec_from_settings(backend=args.backend, k_max=capacity(b))
              for b in args.balances}  # a shared budget's rows take up to `balance` times the even share
     base = bases[min(args.balances)]
 
-    device = planner.device_kind()
-    out = args.out or planner.table_path(cfg, device)
+    device = tables.device_kind()
+    out = args.out or tables.table_path(cfg, device)
     profile = {"new_tokens": args.new, "repeats": args.repeats, "max_len": max_len, "dtype": args.dtype,
                "samplings": {k: vars(samplings[k]) for k in args.samplings},
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "command": " ".join(["python -m jaxspec.profile"] + list(sys.argv[1:] if argv is None else argv))}
-    table = planner.new_table(cfg, args.model, device, args.backend, profile)
+    table = tables.new_table(cfg, args.model, device, args.backend, profile)
     if out.is_file():
-        old = planner.load_table(out)
+        old = tables.load_table(out)
         if old["model"]["fingerprint"] == table["model"]["fingerprint"] and old["device"] == device:
             # the header describes this run alone: a kept cell keeps how it was measured (older tables
             # held that in their header only)
@@ -281,11 +282,11 @@ def main(argv=None):
                 prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
                 for precision, rows in entries.items():
                     if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
-                        planner.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens,
-                                         **{k: profile[k] for k in PROVENANCE})
+                        tables.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens,
+                                        **{k: profile[k] for k in PROVENANCE})
                         measured.append(table["cells"][-1])
                 if measured:
-                    planner.save_table(out, table)
+                    tables.save_table(out, table)
     if not measured:
         raise JaxspecError("the budget ran out before the first measurement; nothing written")
     if out_of_time():

@@ -8,7 +8,7 @@ tokens produced by the decode loop (every generated token but the first, which p
 the decode loop's wall time.
 
 `--method auto` is the same run given the planner's plan: it decodes with the planner's choice,
-refines it over the first segments (`decoding.planner.Refinement`) and switches strategy in place.
+refines it over the first segments (`planner.Refinement`) and switches strategy in place.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxspec.decoding import engine, planner
+from jaxspec import planner
+from jaxspec.decoding import engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models.kvcache import cache_bytes
 from jaxspec.decoding.sampling import SamplingConfig

@@ -16,7 +16,7 @@ import sys
 
 import uvicorn
 
-from jaxspec.decoding import planner
+from jaxspec import planner
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.generate import (add_method_flags, add_model_flags, announce_precision, check_draft, load, spec_from_args,

@@ -1,13 +1,14 @@
 """`python -m jaxspec.tune`: choose (gamma, ratio) per method for a model and a prompt set, on this device.
 
-The three steps of DESIGN.md section 6 (those of the Vegas paper):
+The tuning steps of the Vegas paper:
   1. sweep the ratio at a large gamma until tokens per iteration stabilise (the smallest ratio within
      `--tolerance` of the best tokens per iteration);
   2. sweep gamma at that ratio for decode throughput;
   3. re-adjust the ratio at that gamma for decode throughput;
   4. with `--trees`, measure each draft-tree shape at that ratio and keep it if it beats the chain.
 n-gram lookup has no ratio (steps 2 and 4 only). The choice is printed and saved as JSON, which
-`python -m jaxspec.generate --method M --tuned FILE` reads. Ratios share one compilation per gamma.
+`python -m jaxspec.generate --method M --tuned FILE` reads (`decoding.spec.load_tuned`). Ratios share one
+compilation per gamma.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import corpus, files
-from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
+from jaxspec.errors import ArgumentParser, cli_main
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig
+from jaxspec.decoding.spec import SPARSE_METHODS, spec_from_settings
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.xla_flags import set_gpu_flags
 
@@ -42,10 +43,10 @@ class Tuner:
         self.log: list[dict] = []
 
     def measure(self, method: str, gamma: int, ratio: float | None, tree: TreeShape | None = None) -> dict:
-        spec = SpecConfig(method=method, gamma=gamma, ratio=ratio or 0.07, k_max=self.k_max, backend=self.backend,
-                          tree=tree and tree.branching, traversal=tree.order if tree else "bfs")
+        spec = spec_from_settings(method, gamma=gamma, ratio=ratio, k_max=self.k_max, backend=self.backend,
+                                  tree=tree and tree.branching, traversal=tree and tree.order)
         run = run_generation(
-            self.params, self.cfg, self.batch, spec=spec.validate(), sampling=self.sampling, max_len=self.max_len,
+            self.params, self.cfg, self.batch, spec=spec, sampling=self.sampling, max_len=self.max_len,
             max_new_tokens=self.max_new, stop_ids=(), cache=jax.tree.map(jnp.copy, self.cache),
         )
         stats = jax.device_get(run.output.stats)
@@ -76,56 +77,6 @@ def tune_method(tuner: Tuner, method: str, ratios, gammas, large_gamma: int, tol
         gamma = fastest(by_gamma)["gamma"]
         chain = fastest([r for r in by_gamma if r["gamma"] == gamma] + [tuner.measure(method, gamma, r) for r in ratios])
     return fastest([chain] + [tuner.measure(method, tree.depth, chain["ratio"], tree) for tree in trees])
-
-
-# The settings a tuned choice may carry (this tool writes the first five; bench/smollm2_h100.json the
-# rest, and per-batch ones under "batches") and their JSON types; SpecConfig.validate then checks their ranges.
-TUNED_KEYS = {"gamma": int, "ratio": float, "metric": str, "tree": str, "traversal": str, "balance": float,
-              "select_every": int}
-TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
-
-
-def load_tuned(path: Path, method: str) -> dict:
-    """The (gamma, ratio, and tree if one won) chosen for `method` in a file written by this tool (or
-    by hand), with its per-batch settings (`batches`, see `at_batch`) if it has any; a setting of the
-    wrong type is a JaxspecError naming it."""
-    try:
-        methods = json.loads(path.read_text())["methods"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise JaxspecError(f"cannot read tuned file {path}: {e}") from None
-    if not isinstance(methods, dict) or method not in methods:
-        have = ", ".join(methods) if isinstance(methods, dict) else "no methods"
-        raise JaxspecError(f"tuned file {path} has no entry for method {method!r} (it has {have})")
-    choice = methods[method]
-    _check_settings(path, method, choice)
-    batches = choice.get("batches", {})
-    if not isinstance(batches, dict):
-        raise JaxspecError(f"tuned file {path}: {method}.batches must be an object of batch sizes, got {batches!r}")
-    for rows, setting in batches.items():
-        if not rows.isdecimal() or int(rows) < 1:  # isdigit admits "²", which int() refuses
-            raise JaxspecError(f"tuned file {path}: {method}.batches keys are batch sizes >= 1, got {rows!r}")
-        _check_settings(path, f"{method}.batches.{rows}", setting)
-    return choice
-
-
-def _check_settings(path: Path, name: str, choice) -> None:
-    if not isinstance(choice, dict):
-        raise JaxspecError(f"tuned file {path}: the entry for {name!r} must be an object, got {choice!r}")
-    for key, kind in TUNED_KEYS.items():
-        value = choice.get(key)
-        kinds = (int, float) if kind is float else kind  # a JSON number may be written without a fraction
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
-            raise JaxspecError(f"tuned file {path}: {name}.{key} must be {TYPE_NAMES[kind]}, got {value!r}")
-
-
-def at_batch(choice: dict, batch: int) -> dict:
-    """A tuned choice for a batch of `batch` rows: its settings, replaced by those of the largest size in
-    its `batches` not above `batch` ({"32": {"balance": 2}, "128": {"gamma": 10}}: 32's from 32 rows
-    up to 127, 128's from 128). What pays depends on the rows: a static batch's tail, which a shared
-    budget and longer chains cut, grows with them (bench/NOTES.md, "settings per batch")."""
-    by_rows = {int(rows): setting for rows, setting in choice.get("batches", {}).items() if int(rows) <= batch}
-    base = {key: value for key, value in choice.items() if key != "batches"}
-    return base | by_rows[max(by_rows)] if by_rows else base
 
 
 def parse_tree(text: str) -> TreeShape:
@@ -163,11 +114,11 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     for method in args.methods:
-        SpecConfig(method=method).validate()
+        spec_from_settings(method)
     for value in (*args.gammas, args.large_gamma or 1):
-        SpecConfig(method="vegas", gamma=value).validate()
+        spec_from_settings("vegas", gamma=value)
     for value in args.ratios:
-        SpecConfig(ratio=value).validate()
+        spec_from_settings(ratio=value)
     trees = [parse_tree(text) for text in args.trees]
     sampling = SamplingConfig(temperature=args.temperature)
 
@@ -180,7 +131,7 @@ def main(argv=None):
         prompts = [corpus.long_prompt(tokenizer, tokens, offset=9 * i) for i in range(n)]
     batch = encode_prompts(tokenizer, prompts, chat=tokenizer.has_chat_template)
     resolve_max_len(batch, args.max_new_tokens, None, cfg.max_position_embeddings)
-    k_max = SpecConfig(ratio=max(args.ratios), min_tokens=256).capacity(int(batch.lengths.max()) + args.max_new_tokens)
+    k_max = spec_from_settings(ratio=max(args.ratios), min_tokens=256).capacity(int(batch.lengths.max()) + args.max_new_tokens)
     tuner = Tuner(params, cfg, batch, args.max_new_tokens, args.backend, sampling, k_max)
     large_gamma = args.large_gamma or max(args.gammas)
     chosen = {m: tune_method(tuner, m, args.ratios, args.gammas, large_gamma, args.tolerance, trees) for m in args.methods}

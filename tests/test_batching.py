@@ -239,13 +239,13 @@ def test_auto_switches_while_serving(params, monkeypatch):
     """A scheduler given a plan refines while requests come and go: scripted decisions switch every
     slot vegas -> plain -> ngram mid-flight; each greedy request still emits plain decoding's tokens,
     and its stats count its iterations under every strategy."""
-    from jaxspec.decoding import planner
-    from jaxspec.decoding.planner import Prediction, Strategy
+    from jaxspec import planner
+    from jaxspec.planner import Prediction, Strategy, refine
     from jaxspec.serving.scheduler import Scheduler
 
     vegas, plain, ngram = Strategy("vegas", gamma=3, ratio=0.07), Strategy(), Strategy("ngram", gamma=3)
     script = iter([(plain, "scripted"), (ngram, "scripted"), (ngram, "scripted")])
-    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: next(script))
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: next(script))
     plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (vegas, plain, ngram)), vegas, "test", 1024)
     base = SpecConfig(min_tokens=32)
     scheduler = Scheduler(params, CFG, None, base, slots=2, max_len=MAX_LEN, plan=plan, max_top_k=32)
@@ -267,12 +267,12 @@ def test_an_idle_server_goes_on_refining(params, monkeypatch):
     """A request that ends inside the refinement's first segment leaves the server idle, not its
     choice settled: the next requests are refined on (here a scripted switch vegas -> plain), and
     their greedy tokens are plain decoding's."""
-    from jaxspec.decoding import planner
-    from jaxspec.decoding.planner import Prediction, Strategy
+    from jaxspec import planner
+    from jaxspec.planner import Prediction, Strategy, refine
     from jaxspec.serving.scheduler import Scheduler
 
     vegas, plain = Strategy("vegas", gamma=3, ratio=0.07), Strategy()
-    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: (plain, "scripted"))
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (plain, "scripted"))
     plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (vegas, plain)), vegas, "test", 1024)
     scheduler = Scheduler(params, CFG, None, SpecConfig(min_tokens=32), slots=2, max_len=MAX_LEN, plan=plan,
                           max_top_k=32)
@@ -299,13 +299,13 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
     waiting requests lose). /v1/models reports the refinement."""
     from starlette.testclient import TestClient
 
-    from jaxspec.decoding import planner
-    from jaxspec.decoding.planner import Prediction, Strategy
+    from jaxspec import planner
+    from jaxspec.planner import Prediction, Strategy, refine
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app
 
     g3, g2 = Strategy("ngram", gamma=3), Strategy("ngram", gamma=2)
-    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
     plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (g3, g2, Strategy())), g3, "test", 1024)
     scheduler = Scheduler(params, CFG, None, SpecConfig(min_tokens=32), slots=2, max_len=MAX_LEN, plan=plan,
                           max_top_k=32)

@@ -12,13 +12,16 @@ import numpy as np
 import pytest
 
 from jaxspec import generate, profile
-from jaxspec.decoding import planner
-from jaxspec.decoding.planner import Observation, Prediction, Strategy
+from jaxspec import planner
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, draft_weights
 from jaxspec.models.config import ModelConfig, NSAConfig
+from jaxspec.planner import cost, refine, tables
+from jaxspec.planner.plan import choose, paid_copies
+from jaxspec.planner.refine import Observation
+from jaxspec.planner.strategy import Prediction, Strategy
 from jaxspec.runner import run_generation, summarize
 
 PLAIN = Strategy()
@@ -42,9 +45,9 @@ def entry(strategy: Strategy, tokens_per_s: float, tpi: float, batch: int = 1) -
 
 
 def table(cfg=SMOLLM2, cells=None) -> dict:
-    t = planner.new_table(cfg, "test", "cpu", "reference", {"new_tokens": 8})
+    t = tables.new_table(cfg, "test", "cpu", "reference", {"new_tokens": 8})
     for cell in cells or [(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 700, 5)])]:
-        planner.set_cell(t, *cell)
+        tables.set_cell(t, *cell)
     return t
 
 
@@ -86,8 +89,8 @@ def test_table_round_trip_and_bad_files(tmp_path):
     t = table(cells=[(1, "greedy", 1024, "strict", [entry(VEGAS, 700, 5), entry(PLAIN, 900, 1)]),
                      (4, "sample", 8192, "strict", [entry(PLAIN, 2000, 1, 4), entry(TREE, 2500, 3.5, 4)])])
     path = tmp_path / "t.json"
-    planner.save_table(path, t)
-    assert planner.load_table(path) == t
+    tables.save_table(path, t)
+    assert tables.load_table(path) == t
     assert [e["strategy"]["method"] for e in t["cells"][0]["ranked"]] == ["plain", "vegas"]  # ranked on insertion
     assert not list(tmp_path.glob(".*tmp"))  # the temporary file is gone
     bad = {
@@ -100,52 +103,52 @@ def test_table_round_trip_and_bad_files(tmp_path):
     for name, text in bad.items():
         path.write_text(text)
         with pytest.raises(JaxspecError, match="cannot read planner table") as info:
-            planner.load_table(path)
+            tables.load_table(path)
         assert "\n" not in str(info.value), name
 
 
 def test_buckets_and_nearest_lookup():
-    assert [planner.bucket_of(n) for n in (10, 1024, 1025, 5000, 10**6)] == [1024, 1024, 2048, 8192, 131072]
+    assert [tables.bucket_of(n) for n in (10, 1024, 1025, 5000, 10**6)] == [1024, 1024, 2048, 8192, 131072]
     t = table(cells=[(b, "greedy", bucket, "strict", [entry(PLAIN, 100 * b + bucket / 1024, 1, b)])
                      for b in (1, 8) for bucket in (1024, 8192)])
-    assert planner.lookup(t, 1, "greedy", 900)[0] == 1024
-    assert planner.lookup(t, 1, "greedy", 3000)[0] == 8192  # 4096 is one doubling from 8192, two from 1024
-    assert planner.lookup(t, 1, "greedy", 1500)[0] == 1024
-    bucket, predictions = planner.lookup(t, 6, "sample", 70000)  # nearest batch (8), the other sampling mode
+    assert tables.lookup(t, 1, "greedy", 900)[0] == 1024
+    assert tables.lookup(t, 1, "greedy", 3000)[0] == 8192  # 4096 is one doubling from 8192, two from 1024
+    assert tables.lookup(t, 1, "greedy", 1500)[0] == 1024
+    bucket, predictions = tables.lookup(t, 6, "sample", 70000)  # nearest batch (8), the other sampling mode
     assert bucket == 8192 and predictions[0].tokens_per_s == 808 * 6 / 8  # its rate per row, for 6 rows
     assert (predictions[0].spread, predictions[0].iteration_s) == (6 / 8, 8 / 808)
-    assert planner.lookup(t, 32, "greedy", 1000) == (1024, [])  # batch 8 is 4x away: another regime, the cost model's
+    assert tables.lookup(t, 32, "greedy", 1000) == (1024, [])  # batch 8 is 4x away: another regime, the cost model's
     # the tail: the cell's closed-batch tokens per iteration (its tokens/s times its iteration time,
     # per row of the cell) over its mean row's
     assert predictions[0].tail == pytest.approx(1.0)
     t["cells"][3]["ranked"][0]["iteration_s"] *= 0.6  # 8 rows at 808 tok/s gain 0.6 tokens a row iteration
-    assert planner.lookup(t, 6, "sample", 70000)[1][0].tail == pytest.approx(0.6)
+    assert tables.lookup(t, 6, "sample", 70000)[1][0].tail == pytest.approx(0.6)
     # a run 4x the cell's length: a model drafter's slowest-row excess halves (1 / sqrt of the
     # tokens), its rate with it; ngram's (its rows differ for good) and plain's stay
     cell = t["cells"][3]
     cell["new_tokens"], cell["ranked"] = 256, [entry(PLAIN, 808, 1, 8), entry(VEGAS, 1600, 5, 8), entry(NGRAM, 1200, 2, 8)]
     for e in cell["ranked"][1:]:
         e["iteration_s"] *= 0.6  # tails of 0.6: excess 2/3 over 256 tokens, 1/3 over 1,024
-    by = {p.strategy: p for p in planner.lookup(t, 8, "sample", 70000, new_tokens=1024)[1]}
+    by = {p.strategy: p for p in tables.lookup(t, 8, "sample", 70000, new_tokens=1024)[1]}
     assert (by[VEGAS].tail, by[VEGAS].tokens_per_s) == (pytest.approx(0.75), pytest.approx(1600 * 0.75 / 0.6))
     assert (by[NGRAM].tail, by[NGRAM].tokens_per_s) == (pytest.approx(0.6), pytest.approx(1200))
     assert (by[PLAIN].tail, by[PLAIN].tokens_per_s) == (pytest.approx(1.0), pytest.approx(808))
     assert by[VEGAS].tokens_per_iteration == 5 and by[VEGAS].iteration_s == pytest.approx(8 * 5 / 1600 * 0.6)
-    assert planner.lookup(t, 8, "sample", 70000, new_tokens=256)[1][0].tokens_per_s == pytest.approx(1600)
+    assert tables.lookup(t, 8, "sample", 70000, new_tokens=256)[1][0].tokens_per_s == pytest.approx(1600)
     # a cell measured over another run length is another cell: the run takes the nearest length by
     # ratio (without one, the shortest), and scales its tails from there
     longer = [entry(PLAIN, 800, 1, 8), entry(VEGAS, 1500, 5, 8), entry(SHARED, 1700, 9, 8)]
-    planner.set_cell(t, 8, "greedy", 8192, "strict", longer, new_tokens=1024)
+    tables.set_cell(t, 8, "greedy", 8192, "strict", longer, new_tokens=1024)
     assert len(t["cells"]) == 5 and t["cells"][3]["new_tokens"] == 256
-    firsts = {n: planner.lookup(t, 8, "sample", 70000, new_tokens=n)[1][0].strategy for n in (256, 500, 600, 4096, None)}
+    firsts = {n: tables.lookup(t, 8, "sample", 70000, new_tokens=n)[1][0].strategy for n in (256, 500, 600, 4096, None)}
     assert firsts == {256: VEGAS, 500: VEGAS, 600: SHARED, 4096: SHARED, None: VEGAS}
-    assert planner.lookup(t, 8, "sample", 70000, new_tokens=1024)[1][0].tokens_per_s == pytest.approx(1700)
-    planner.set_cell(t, 8, "greedy", 8192, "strict", longer[:2], new_tokens=1024)  # the same length: replaced
+    assert tables.lookup(t, 8, "sample", 70000, new_tokens=1024)[1][0].tokens_per_s == pytest.approx(1700)
+    tables.set_cell(t, 8, "greedy", 8192, "strict", longer[:2], new_tokens=1024)  # the same length: replaced
     assert len(t["cells"]) == 5 and len(t["cells"][-1]["ranked"]) == 2
     # a prediction's weight is the iterations its cell measured: the cell's own new tokens, else the header's
     t["cells"][0]["new_tokens"] = 256
-    assert planner.lookup(t, 1, "greedy", 900)[1][0].iterations == 3 * 256
-    assert planner.lookup(t, 1, "greedy", 8000)[1][0].iterations == 3 * 8
+    assert tables.lookup(t, 1, "greedy", 900)[1][0].iterations == 3 * 256
+    assert tables.lookup(t, 1, "greedy", 8000)[1][0].iterations == 3 * 8
 
 
 def test_bandwidth_is_timed_over_back_to_back_calls(monkeypatch):
@@ -154,31 +157,31 @@ def test_bandwidth_is_timed_over_back_to_back_calls(monkeypatch):
     calls, syncs, real = [], [], jax.block_until_ready
     f = jax.jit(lambda x: x + 1)
     monkeypatch.setattr(jax, "block_until_ready", lambda x: syncs.append(1) or real(x))
-    seconds = planner.seconds_per_call(lambda x: calls.append(1) or f(x), jnp.ones((1 << 16,)), min_run_s=0.2)
+    seconds = cost.seconds_per_call(lambda x: calls.append(1) or f(x), jnp.ones((1 << 16,)), min_run_s=0.2)
     assert seconds > 0 and len(syncs) == 5 and len(calls) > 2 * len(syncs)  # warm-up, a probe, 3 timed runs
     monkeypatch.undo()
-    planner.measure_bandwidth.cache_clear()
-    assert 0 < planner.measure_bandwidth() < float("inf")
+    cost.measure_bandwidth.cache_clear()
+    assert 0 < cost.measure_bandwidth() < float("inf")
 
 
 def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
     path = tmp_path / "t.json"
-    planner.save_table(path, table())
+    tables.save_table(path, table())
     plan = planner.make_plan(SMOLLM2, 270_000_000, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(),
                              table=path)
     assert plan.first == PLAIN and plan.source == f"table:{path}" and plan.bucket == 1024
     # a speculative strategy within MARGIN of plain is not worth it either
-    planner.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 950, 5)])]))
+    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 950, 5)])]))
     assert planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path).first == PLAIN
-    planner.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 1200, 5)])]))
+    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 1200, 5)])]))
     assert planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path).first == VEGAS
     with pytest.raises(JaxspecError, match="is for model"):
         planner.make_plan(QWEN3_8B, 1, batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path)
     # the best chain ngram entry is kept (for replays) beyond the CANDIDATES best; an ngram tree is not
     faster = [entry(Strategy("vegas", gamma=g, ratio=0.07), 1300 + g, 5) for g in (2, 3, 4, 5)]
     ngram_tree = Strategy("ngram", tree=(2, 1))
-    planner.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), *faster, entry(ngram_tree, 1000, 2),
-                                                                          entry(NGRAM, 950, 2)])]))
+    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), *faster, entry(ngram_tree, 1000, 2),
+                                                                         entry(NGRAM, 950, 2)])]))
     kept = [c.strategy for c in planner.make_plan(SMOLLM2, 1, batch=1, prompt_tokens=40, new_tokens=256,
                                                   sampling=SamplingConfig(), table=path).candidates]
     assert [s.gamma for s in kept if s.method == "vegas"] == [5, 4, 3] and NGRAM in kept and ngram_tree not in kept
@@ -186,7 +189,7 @@ def test_auto_picks_plain_when_the_table_ranks_it_first(tmp_path):
     # at half its mean rate in the cell is second there and first at its mean rate
     tail = entry(NGRAM, 1100, 2, batch=4)
     tail["iteration_s"] *= 0.5
-    planner.save_table(path, table(cells=[(4, "sample", 8192, "strict", [entry(PLAIN, 900, 1, 4), entry(VEGAS, 1400, 5, 4), tail])]))
+    tables.save_table(path, table(cells=[(4, "sample", 8192, "strict", [entry(PLAIN, 900, 1, 4), entry(VEGAS, 1400, 5, 4), tail])]))
     run = dict(batch=4, prompt_tokens=6000, new_tokens=1024, sampling=SamplingConfig(temperature=1.0), table=path)
     assert planner.make_plan(SMOLLM2, 1, **run).first == VEGAS
     plan = planner.make_plan(SMOLLM2, 1, closed=False, **run)
@@ -198,9 +201,9 @@ def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):
     plans without it (the model drafter is chosen), one with a comparable prompt keeps it."""
     path = tmp_path / "t.json"
     t = table(cells=[])
-    planner.set_cell(t, 1, "greedy", 1024, "strict", [entry(PLAIN, 500, 1), entry(NGRAM, 1400, 2.3), entry(FULL_INT8, 850, 7)],
-                     prompt_tokens=960)
-    planner.save_table(path, t)
+    tables.set_cell(t, 1, "greedy", 1024, "strict", [entry(PLAIN, 500, 1), entry(NGRAM, 1400, 2.3), entry(FULL_INT8, 850, 7)],
+                    prompt_tokens=960)
+    tables.save_table(path, t)
     run = dict(batch=1, new_tokens=64, sampling=SamplingConfig(), table=path)
     short = planner.make_plan(SMOLLM2, 1, prompt_tokens=47, **run)
     assert short.first == FULL_INT8 and NGRAM not in {c.strategy for c in short.candidates}
@@ -216,21 +219,21 @@ def test_shipped_tables_are_found(smollm2_gguf):
 
     reader = gguf._open(smollm2_gguf)
     cfg = gguf.read_config(gguf.read_metadata(reader), {t.name for t in reader.tensors}, "bfloat16")
-    tables = sorted(planner.TABLES.glob("*.json"))
-    assert tables
-    for path in tables:
-        t = planner.load_table(path)
+    shipped = sorted(tables.TABLES.glob("*.json"))
+    assert shipped
+    for path in shipped:
+        t = tables.load_table(path)
         assert path.name.startswith(t["model"]["fingerprint"] + "_"), path.name
-    assert planner.table_path(cfg, "NVIDIA H100 80GB HBM3").is_file()
-    assert planner.fingerprint(cfg.replace(tp=2)) != planner.fingerprint(cfg)
+    assert tables.table_path(cfg, "NVIDIA H100 80GB HBM3").is_file()
+    assert tables.fingerprint(cfg.replace(tp=2)) != tables.fingerprint(cfg)
 
 
 def test_non_strict_classes_only_when_allowed(tmp_path):
     nsa = SMOLLM2.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
     path = tmp_path / "t.json"
-    planner.save_table(path, table(nsa, cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 950, 5)]),
-                                               (1, "greedy", 1024, "approx", [entry(Strategy(precision="approx"), 900, 1),
-                                                                              entry(APPROX, 3000, 5)])]))
+    tables.save_table(path, table(nsa, cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 950, 5)]),
+                                              (1, "greedy", 1024, "approx", [entry(Strategy(precision="approx"), 900, 1),
+                                                                             entry(APPROX, 3000, 5)])]))
     run = dict(batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(), table=path)
     strict = planner.make_plan(nsa, 1, **run)
     assert strict.first == PLAIN and all(c.strategy.precision == "strict" for c in strict.candidates)
@@ -246,16 +249,16 @@ def test_cost_model_int8_drafts_read_fewer_bytes():
     plan asks for int8 copies only where they pay; full drafts read the whole context, so at 64K
     vegas int8 beats them."""
     weights = 16_400_000_000
-    short = {p.strategy: p for p in planner.cost_model(QWEN3_8B, weights, batch=1, context=4096, bandwidth_GBps=3000)}
+    short = {p.strategy: p for p in cost.cost_model(QWEN3_8B, weights, batch=1, context=4096, bandwidth_GBps=3000)}
     vegas, vegas_int8 = VEGAS, dataclasses.replace(VEGAS, draft_weights="int8")
     assert short[vegas_int8].tokens_per_iteration == short[vegas].tokens_per_iteration
     assert short[vegas_int8].iteration_s < 0.8 * short[vegas].iteration_s
-    long = planner.cost_model(QWEN3_8B, weights, batch=1, context=65536, bandwidth_GBps=3000)
+    long = cost.cost_model(QWEN3_8B, weights, batch=1, context=65536, bandwidth_GBps=3000)
     by = {p.strategy: p for p in long}
     assert by[vegas_int8].tokens_per_s > by[FULL_INT8].tokens_per_s
     # copies cost memory: kept where an int8 strategy beats plain (64K), dropped where none does (4K)
-    assert by[vegas_int8].tokens_per_s > by[PLAIN].tokens_per_s and planner.paid_copies(long) == long
-    kept = planner.paid_copies(list(short.values()))
+    assert by[vegas_int8].tokens_per_s > by[PLAIN].tokens_per_s and paid_copies(long) == long
+    kept = paid_copies(list(short.values()))
     assert short[vegas_int8].tokens_per_s < short[PLAIN].tokens_per_s
     assert {p.strategy.draft_weights for p in kept} == {"exact"} and len(kept) == len(short) - 2
     assert vegas_int8 in [p.strategy for p in long[:3]]
@@ -265,8 +268,8 @@ def test_cost_model_int8_drafts_read_fewer_bytes():
     with pytest.raises(JaxspecError, match="one kind of copies"):
         _ = planner.Plan((by[vegas_int8], int4, by[PLAIN]), PLAIN, "cost-model", 65536).draft_weights
     # past one row block of the kernel every block reads the int8 matrix again: no int8 candidates
-    assert {p.strategy.draft_weights for p in planner.cost_model(QWEN3_8B, weights, batch=128, context=4096,
-                                                                 bandwidth_GBps=3000)} == {"exact"}
+    assert {p.strategy.draft_weights for p in cost.cost_model(QWEN3_8B, weights, batch=128, context=4096,
+                                                              bandwidth_GBps=3000)} == {"exact"}
     int8_bytes = draft_weights.read_bytes(QWEN3_8B, weights, "int8")
     matrices = sum(np.prod(decoder.param_shapes(QWEN3_8B)["layers"][n]) for n in draft_weights.DRAFT_MATRICES)
     head = QWEN3_8B.vocab_size * QWEN3_8B.hidden_size
@@ -277,52 +280,52 @@ def test_cost_model_plain_when_weights_dominate_sparse_when_kv_does():
     """SmolLM2 at batch 1 and a short context: every forward costs its launch overhead and reads the
     weights, so drafting only adds forwards; Qwen3-8B at 8 x 32K reads 2.4x its weights in KV per
     step, which a 7% draft skips."""
-    small = planner.cost_model(SMOLLM2, 270_000_000, batch=1, context=300, bandwidth_GBps=3000)
-    assert small[0].strategy.kind != "model" and planner.choose(small).kind != "model"
+    small = cost.cost_model(SMOLLM2, 270_000_000, batch=1, context=300, bandwidth_GBps=3000)
+    assert small[0].strategy.kind != "model" and choose(small).kind != "model"
     by = {p.strategy: p for p in small}
     assert by[PLAIN].tokens_per_s > by[Strategy("vegas", gamma=2, ratio=0.07)].tokens_per_s
-    large = planner.cost_model(QWEN3_8B, 16_400_000_000, batch=8, context=32768, bandwidth_GBps=3000)
+    large = cost.cost_model(QWEN3_8B, 16_400_000_000, batch=8, context=32768, bandwidth_GBps=3000)
     by = {p.strategy: p for p in large}
     vegas = max((p for p in large if p.strategy.method == "vegas"), key=lambda p: p.tokens_per_s)
     assert vegas.tokens_per_s > 1.2 * by[PLAIN].tokens_per_s
     # the floor: plain's step is the bytes floor plus 36 layers of launch overhead
-    floor = planner.step_floor_s(QWEN3_8B, 16_400_000_000, 8, 32768, 3000)
-    assert by[PLAIN].iteration_s == pytest.approx(floor + 36 * planner.LAYER_OVERHEAD_S)
+    floor = cost.step_floor_s(QWEN3_8B, 16_400_000_000, 8, 32768, 3000)
+    assert by[PLAIN].iteration_s == pytest.approx(floor + 36 * cost.LAYER_OVERHEAD_S)
     no_ngram = [p for p in large if p.strategy.method != "ngram"]
-    assert planner.choose(no_ngram).method == "vegas"
+    assert choose(no_ngram).method == "vegas"
 
 
 def test_refinement_switches_on_a_mismatch_and_not_on_a_match():
     candidates = (Prediction(VEGAS, 1200, 5.0, 5.0 / 1200), Prediction(PLAIN, 900, 1.0, 1 / 900),
                   Prediction(Strategy("stream", gamma=4, ratio=0.07), 1000, 4.0, 4.0 / 1000))
     match = {VEGAS: Observation(iterations=8, tokens=40, seconds=8 * 5.0 / 1200, tokens_per_iteration=5.0)}
-    assert planner.decide(candidates, match, VEGAS)[0] == VEGAS
+    assert refine.decide(candidates, match, VEGAS)[0] == VEGAS
     # the same iteration time but 1.5 tokens per iteration instead of 5: the model drafters' acceptance
     # falls for stream too, and plain wins
     low = {VEGAS: Observation(iterations=8, tokens=12, seconds=8 * 5.0 / 1200, tokens_per_iteration=1.5)}
-    expected = planner.corrected(candidates, low)
+    expected = refine.corrected(candidates, low)
     assert expected[VEGAS] == pytest.approx(360)
     assert expected[Strategy("stream", gamma=4, ratio=0.07)] == pytest.approx(1000 * (1 + 0.5 / 4 * 3) / 4)
-    target, reason = planner.decide(candidates, low, VEGAS)
+    target, reason = refine.decide(candidates, low, VEGAS)
     assert target == PLAIN and "plain predicted" in reason
     # twice slower steps than the table: every prediction slows down, so no switch on time alone
     slow = {VEGAS: Observation(iterations=8, tokens=40, seconds=2 * 8 * 5.0 / 1200, tokens_per_iteration=5.0)}
-    assert planner.decide(candidates, slow, VEGAS)[0] == VEGAS
+    assert refine.decide(candidates, slow, VEGAS)[0] == VEGAS
     # after plain was observed at its prediction, vegas (observed worse) is not tried again
     both = {**low, PLAIN: Observation(iterations=8, tokens=8, seconds=8 / 900, tokens_per_iteration=1.0)}
-    assert planner.decide(candidates, both, PLAIN)[0] == PLAIN
+    assert refine.decide(candidates, both, PLAIN)[0] == PLAIN
     # vegas within 25% of plain's prediction: plain is measured, then kept unless vegas is 10% faster
     tie = {VEGAS: Observation(iterations=8, tokens=32, seconds=8 * 5.0 / 1200, tokens_per_iteration=4.0)}  # 960 tok/s
-    target, reason = planner.decide(candidates, tie, VEGAS)
+    target, reason = refine.decide(candidates, tie, VEGAS)
     assert target == PLAIN and "measuring plain" in reason
     tie[PLAIN] = Observation(iterations=8, tokens=8, seconds=8 / 900, tokens_per_iteration=1.0)
-    assert planner.decide(candidates, tie, PLAIN)[0] == PLAIN
+    assert refine.decide(candidates, tie, PLAIN)[0] == PLAIN
     tie[PLAIN] = Observation(iterations=8, tokens=8, seconds=8 / 800, tokens_per_iteration=1.0)
-    assert planner.decide(candidates, tie, PLAIN)[0] == VEGAS
+    assert refine.decide(candidates, tie, PLAIN)[0] == VEGAS
     # a table's plain rate is measured: table plans do not probe it unless it is predicted 10% faster
     del tie[PLAIN]
-    assert planner.decide(candidates, tie, VEGAS, probe_plain=False)[0] == VEGAS
-    assert planner.decide(candidates, low, VEGAS, probe_plain=False)[0] == PLAIN
+    assert refine.decide(candidates, tie, VEGAS, probe_plain=False)[0] == VEGAS
+    assert refine.decide(candidates, low, VEGAS, probe_plain=False)[0] == PLAIN
 
 
 def test_refinement_pools_a_table_entry_with_what_it_observes():
@@ -335,17 +338,17 @@ def test_refinement_pools_a_table_entry_with_what_it_observes():
                   Prediction(VEGAS, 380, 5.0, 5.0 / 380, 50, iterations=29))
     step = 3.6 / 900
     slow = Observation(iterations=8, tokens=10, seconds=8 * step, tokens_per_iteration=1.25)  # 312 tok/s
-    expected = planner.corrected(candidates, {ngram: slow})
+    expected = refine.corrected(candidates, {ngram: slow})
     assert expected[ngram] == pytest.approx((8 * 900 + 8 * 312.5) / 16)
-    assert planner.decide(candidates, {ngram: slow}, ngram, probe_plain=False)[0] == ngram
+    assert refine.decide(candidates, {ngram: slow}, ngram, probe_plain=False)[0] == ngram
     nothing = lambda n: Observation(iterations=8 * n, tokens=8 * n, seconds=8 * n * step, tokens_per_iteration=1.0)
     for n, rate in ((2, 467), (4, 380)):    # plain (400) not 10% faster
-        assert planner.corrected(candidates, {ngram: nothing(n)})[ngram] == pytest.approx(rate, abs=0.5)
-        assert planner.decide(candidates, {ngram: nothing(n)}, ngram, probe_plain=False)[0] == ngram
-    assert planner.decide(candidates, {ngram: nothing(5)}, ngram, probe_plain=False)[0] == PLAIN  # 358 tok/s
+        assert refine.corrected(candidates, {ngram: nothing(n)})[ngram] == pytest.approx(rate, abs=0.5)
+        assert refine.decide(candidates, {ngram: nothing(n)}, ngram, probe_plain=False)[0] == ngram
+    assert refine.decide(candidates, {ngram: nothing(5)}, ngram, probe_plain=False)[0] == PLAIN  # 358 tok/s
     bare = tuple(dataclasses.replace(c, iterations=0.0) for c in candidates)
-    assert planner.corrected(bare, {ngram: slow})[ngram] == pytest.approx(312.5)
-    assert planner.decide(bare, {ngram: slow}, ngram, probe_plain=False)[0] == PLAIN
+    assert refine.corrected(bare, {ngram: slow})[ngram] == pytest.approx(312.5)
+    assert refine.decide(bare, {ngram: slow}, ngram, probe_plain=False)[0] == PLAIN
 
 
 def test_observation_reports_the_slowest_running_row():
@@ -398,16 +401,16 @@ def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
         assert r.watching and r.replayed == () and r.segments[-1]["replayed_tokens_per_iteration"] == {ngram.name: judged}
         # ngram's own window at 4.9 tokens an iteration: it stays (the next window twice as long);
         # copying nothing: back to vegas (windows of WATCH again)
-        assert r.window == planner.WATCH and r.watch(window(4.9, 4.8, step=8 * 2.0 / 800), finished=False) is None
-        assert r.window == 2 * planner.WATCH
-        assert r.watch(window(1.0, 1.0, step=8 * 2.0 / 800), finished=False) == VEGAS and r.window == planner.WATCH
+        assert r.window == refine.WATCH and r.watch(window(4.9, 4.8, step=8 * 2.0 / 800), finished=False) is None
+        assert r.window == 2 * refine.WATCH
+        assert r.watch(window(1.0, 1.0, step=8 * 2.0 / 800), finished=False) == VEGAS and r.window == refine.WATCH
     # the switch limit ends the watch
-    r.switches += [{}] * (planner.MAX_SWITCHES - len(r.switches))
+    r.switches += [{}] * (refine.MAX_SWITCHES - len(r.switches))
     assert not r.watching
     # a strategy observed and replayed: its observed rate (pooled with its table's) at the replay's
     # tokens per iteration
     seen = {ngram: Observation(64, 640, 64 * 0.02, 1.25)}  # 500 tok/s at 1.25 tokens an iteration
-    expected = planner.corrected(candidates, seen, {ngram: Observation(0, 0, 0.0, 2.5)})[ngram]
+    expected = refine.corrected(candidates, seen, {ngram: Observation(0, 0, 0.0, 2.5)})[ngram]
     assert expected == pytest.approx((8 * 800 + 64 * 500) / 72 * 2.5 / 1.25)
 
 
@@ -426,13 +429,13 @@ def test_predictions_and_observations_meet_on_one_basis():
     assert at_table.tokens_per_s == pytest.approx(1500)
     for closed in (True, False):
         replay = Observation(0, 0, 0.0, 1.0 if closed else 2.0)  # as the table's rows did
-        expected = planner.corrected(candidates, {VEGAS: at_table}, {ngram: replay}, closed)
+        expected = refine.corrected(candidates, {VEGAS: at_table}, {ngram: replay}, closed)
         assert expected[VEGAS] == pytest.approx(1200 if closed else 1500)
         assert expected[ngram] == pytest.approx(800 if closed else 1600)
         assert expected[PLAIN] == pytest.approx(900)
     # ngram observed while running, closed: its slowest row at the table's closed rate, pooled with it
     seen = Observation(64, 64 * 8, 64 * candidates[2].iteration_s, 1.0)
-    assert planner.corrected(candidates, {ngram: seen}, closed=True)[ngram] == pytest.approx(800)
+    assert refine.corrected(candidates, {ngram: seen}, closed=True)[ngram] == pytest.approx(800)
 
 
 def test_choice_discounts_a_noisy_table_win():
@@ -440,9 +443,9 @@ def test_choice_discounts_a_noisy_table_win():
     no win (the shipped SmolLM2 table's greedy 1K bucket: ngram 1,086 +- 562 vs plain 778)."""
     ngram = Strategy("ngram", tree=(3, 2, 1))
     noisy = (Prediction(ngram, 1086, 1.96, 1.8e-3, spread=562), Prediction(PLAIN, 778, 1.0, 1.29e-3))
-    assert planner.choose(noisy) == PLAIN
+    assert choose(noisy) == PLAIN
     steady = (Prediction(ngram, 1010, 1.68, 1.68e-3, spread=83), Prediction(PLAIN, 726, 1.0, 1.38e-3))
-    assert planner.choose(steady) == ngram
+    assert choose(steady) == ngram
 
 
 @pytest.fixture(scope="module")
@@ -464,7 +467,7 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     reference = run_generation(params, cfg, batch, spec=SpecConfig(), **common)
 
     script = iter([(PLAIN, "scripted"), (SPACED, "scripted"), (NGRAM, "scripted")])
-    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: next(script))
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: next(script))
     candidates = tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (VEGAS, PLAIN, SPACED, NGRAM))
     plan = planner.Plan(candidates, VEGAS, "test", 1024)
     run = run_generation(params, cfg, batch, plan=plan, spec=SpecConfig(), **common)
@@ -483,7 +486,7 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     assert out.iterations.max() > 24 and (out.accepted <= out.drafted).all()
     # a table's plain choice runs straight to the end, as plain decoding does: no segments, no
     # switch; with an ngram candidate it only watches it, in windows of WATCH, then 2 WATCH iterations
-    monkeypatch.setattr(planner, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
     for plain_plan, windows in ((planner.Plan(candidates[:3], PLAIN, "table:t.json", 1024), 0),
                                 (planner.Plan(candidates, PLAIN, "table:t.json", 1024), 2)):  # 64 + 128 of 279 iterations
         run = run_generation(params, cfg, batch, plan=plain_plan, spec=SpecConfig(), **common)
@@ -521,7 +524,7 @@ def test_auto_run_replays_ngram_and_stays_lossless(tiny, monkeypatch):
     cfg, params, batch = tiny
     common = dict(sampling=SamplingConfig(), max_len=320, max_new_tokens=280, stop_ids=())
     reference = run_generation(params, cfg, batch, spec=SpecConfig(), **common)
-    monkeypatch.setattr(planner, "WATCH", 16)
+    monkeypatch.setattr(refine, "WATCH", 16)
     vegas = Strategy("vegas", gamma=4, ratio=0.07)
     # ngram's iteration predicted 10x cheaper than vegas's: it wins once its replay copies anything
     candidates = (Prediction(vegas, 100.0, 1.1, 0.022), Prediction(PLAIN, 90.0, 1.0, 0.022),
@@ -580,7 +583,7 @@ def test_cli_auto_end_to_end(hf_checkpoints, tmp_path, capsys):
 
     cfg = load_model(model, "float32")[0]
     path = tmp_path / "table.json"
-    planner.save_table(path, table(cfg, cells=[(2, "greedy", 1024, "strict", [entry(PLAIN, 100, 1, 2), entry(NGRAM, 1000, 5, 2)])]))
+    tables.save_table(path, table(cfg, cells=[(2, "greedy", 1024, "strict", [entry(PLAIN, 100, 1, 2), entry(NGRAM, 1000, 5, 2)])]))
     generate.main(run + ["--planner-table", str(path)])
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["planned"] | {"candidates": None} == {"strategy": "ngram g4", "source": f"table:{path}", "bucket": 1024,
@@ -618,7 +621,7 @@ def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "96", "--new", "6", "--repeats", "2",
                   "--samplings", "greedy", "--methods", "plain,vegas", "--gammas", "2", "--trees", "dfs:2,1",
                   "--ratios", "0.5", "--select-every", "2", "--out", str(out)])
-    t = planner.load_table(out)
+    t = tables.load_table(out)
     assert [(c["bucket"], c["sampling"], c["batch"]) for c in t["cells"]] == [(96, "greedy", 1)]
     names = [e["name"] for e in t["cells"][0]["ranked"]]
     assert sorted(names) == ["plain", "vegas dfs:2,1 r0.5 every 2", "vegas g2 r0.5 every 2"]
@@ -632,10 +635,10 @@ def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     # kept cell keeps how it was measured, and a cell of a table written before cells recorded it gets
     # its old header's
     del t["cells"][0]["repeats"]
-    planner.save_table(out, t)
+    tables.save_table(out, t)
     profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "5", "--repeats", "1",
                   "--samplings", "greedy", "--budget", "0.5", "--out", str(out)])
-    t = planner.load_table(out)
+    t = tables.load_table(out)
     assert [c["bucket"] for c in t["cells"]] == [96, 64] and [e["name"] for e in t["cells"][1]["ranked"]] == ["plain"]
     assert {k: t["cells"][0][k] for k in profile.PROVENANCE} == first
     assert (t["cells"][1]["new_tokens"], t["cells"][1]["repeats"], t["profile"]["new_tokens"]) == (5, 1, 5)
@@ -661,7 +664,7 @@ def test_profile_runs_each_calibration_batch_in_turn(hf_checkpoints, tmp_path, m
         prefills.clear()
         out = tmp_path / f"budget{budget}.json"
         profile.main(flags + ["--budget", str(budget), "--out", str(out)])
-        ranked = planner.load_table(out)["cells"][0]["ranked"]
+        ranked = tables.load_table(out)["cells"][0]["ranked"]
         assert sorted(e["name"] for e in ranked) == ["plain", "vegas g2 r0.5"]
         assert [e["runs"] for e in ranked] == [runs, runs] and len(prefills) == runs
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from jaxspec import generate, tune
+from jaxspec.decoding.spec import SpecConfig, at_batch, spec_from_settings
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +88,23 @@ def test_a_tuned_choice_per_batch():
     base = {"gamma": 6, "ratio": 0.07, "select_every": 2}
     for batch, want in ((1, base), (31, base), (32, base | {"balance": 2.0}), (127, base | {"balance": 2.0}),
                         (128, base | {"gamma": 10, "balance": 2.0}), (4096, base | {"gamma": 10, "balance": 2.0})):
-        assert tune.at_batch(choice, batch) == want, batch
-    assert tune.at_batch(base, 64) == base and "batches" in choice  # the choice itself is left as it was
+        assert at_batch(choice, batch) == want, batch
+    assert at_batch(base, 64) == base and "batches" in choice  # the choice itself is left as it was
+
+
+def test_settings_given_win_over_tuned_ones_over_defaults():
+    """spec_from_settings, the one builder: a given setting wins, then the tuned choice's (0 or null:
+    unset; keys it does not know: ignored), then SpecConfig's default; the tuned tree brings its
+    traversal and applies unless a gamma or a tree is given."""
+    tuned = {"gamma": 3, "ratio": 0.5, "metric": "logit", "balance": None, "select_every": 0, "tree": "2,2",
+             "traversal": "dfs", "tokens_per_s": 9.0}
+    spec = spec_from_settings("vegas", tuned=tuned, traversal="bfs", group=None)
+    assert (spec.tree, spec.traversal, spec.gamma, spec.ratio, spec.metric) == ((2, 2), "dfs", 2, 0.5, "logit")
+    assert (spec.balance, spec.select_every, spec.group) == (1.0, 1, 8)
+    chain = spec_from_settings("vegas", tuned=tuned, gamma=4, ratio=0.1, metric="weight", backend="pallas")
+    assert (chain.tree, chain.traversal, chain.gamma, chain.ratio, chain.metric, chain.backend) == (None, "bfs", 4, 0.1, "weight", "pallas")
+    assert spec_from_settings("vegas", tuned=tuned, tree=(3, 1)).tree == (3, 1)
+    assert spec_from_settings() == SpecConfig().validate()
 
 
 def test_generate_takes_the_tuned_settings_of_its_batch(hf_checkpoints, tmp_path, capsys):

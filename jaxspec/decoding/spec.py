@@ -1,9 +1,13 @@
-"""SpecConfig: the static description of a decoding method (hashable, a `jax.jit` static argument)."""
+"""SpecConfig: the static description of a decoding method (hashable, a `jax.jit` static argument),
+and the one place that builds it from user settings (`spec_from_settings`, with the tuned files of
+`python -m jaxspec.tune`: `load_tuned`, `at_batch`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +25,7 @@ PAGE = 16  # page size of the page-granular policies (stream, quest)
 MAX_BALANCE = 8.0  # SpecConfig.balance: a row's budget within [1/8, 8] of the even share
 MAX_SELECT_EVERY = 8  # SpecConfig.select_every: at most 7 iterations reuse a selection
 PRIOR_ITERATIONS = 4  # Budget.shared: pseudo-iterations every row starts with
-# SSV precision classes of NSA verification (DESIGN.md section 4c): only "strict" is lossless.
+# SSV precision classes of NSA verification: only "strict" is lossless.
 PRECISIONS = ("strict", "reuse", "approx", "approx+reuse")
 
 
@@ -43,7 +47,7 @@ class SpecConfig:
     a chain of `gamma` drafts, the tree (1, ..., 1). With a tree, gamma is its depth.
 
     Sparse drafters select K = clamp(ceil(ratio * context), min_tokens, k_max) KV entries, never more
-    than there are candidates (DESIGN.md section 4). `k_max` is the static selection capacity (by
+    than there are candidates. `k_max` is the static selection capacity (by
     default derived from ratio, min_tokens and the run's max_len); ratio and min_tokens are run-time
     values, so `compiled` strips them and a sweep over ratios compiles once.
 
@@ -246,3 +250,67 @@ class Budget:
         rate = (lost + PRIOR_ITERATIONS) / (iterations + PRIOR_ITERATIONS).astype(jnp.float32)
         share = jnp.clip(rate / live_mean(rate), 1 / balance, balance)
         return Budget(self.ratio * share / live_mean(share), self.min_tokens)
+
+
+def spec_from_settings(method: str = "plain", *, tuned: dict | None = None, **settings) -> SpecConfig:
+    """The validated SpecConfig of `method` and user settings (SpecConfig fields): a setting given
+    (not None) wins over the `tuned` choice's (a tuned file's entry at the run's batch, `at_batch`;
+    only TUNED_KEYS, and a tuned 0 or null counts as unset), which wins over SpecConfig's default.
+    The tuned tree, with its traversal (bfs if it has none), applies unless a gamma or a tree is
+    given: a given gamma asks for a chain."""
+    given = {key: value for key, value in settings.items() if value is not None}
+    chosen = {key: value for key, value in (tuned or {}).items() if key in TUNED_KEYS and value}
+    tree, traversal = chosen.pop("tree", None), chosen.pop("traversal", None)
+    if tree and "gamma" not in given and "tree" not in given:
+        given |= {"tree": TreeShape.parse(tree).branching, "traversal": traversal or "bfs"}
+    return SpecConfig(method=method, **(chosen | given)).validate()
+
+
+# The settings a tuned choice may carry (`python -m jaxspec.tune` writes the first five; bench/smollm2_h100.json
+# the rest, and per-batch ones under "batches") and their JSON types; SpecConfig.validate then checks their ranges.
+TUNED_KEYS = {"gamma": int, "ratio": float, "metric": str, "tree": str, "traversal": str, "balance": float,
+              "select_every": int}
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+def load_tuned(path: Path, method: str) -> dict:
+    """The (gamma, ratio, and tree if one won) chosen for `method` in a file written by `python -m
+    jaxspec.tune` (or by hand), with its per-batch settings (`batches`, see `at_batch`) if it has any;
+    a setting of the wrong type is a JaxspecError naming it."""
+    try:
+        methods = json.loads(path.read_text())["methods"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise JaxspecError(f"cannot read tuned file {path}: {e}") from None
+    if not isinstance(methods, dict) or method not in methods:
+        have = ", ".join(methods) if isinstance(methods, dict) else "no methods"
+        raise JaxspecError(f"tuned file {path} has no entry for method {method!r} (it has {have})")
+    choice = methods[method]
+    _check_settings(path, method, choice)
+    batches = choice.get("batches", {})
+    if not isinstance(batches, dict):
+        raise JaxspecError(f"tuned file {path}: {method}.batches must be an object of batch sizes, got {batches!r}")
+    for rows, setting in batches.items():
+        if not rows.isdecimal() or int(rows) < 1:  # isdigit admits "²", which int() refuses
+            raise JaxspecError(f"tuned file {path}: {method}.batches keys are batch sizes >= 1, got {rows!r}")
+        _check_settings(path, f"{method}.batches.{rows}", setting)
+    return choice
+
+
+def _check_settings(path: Path, name: str, choice) -> None:
+    if not isinstance(choice, dict):
+        raise JaxspecError(f"tuned file {path}: the entry for {name!r} must be an object, got {choice!r}")
+    for key, kind in TUNED_KEYS.items():
+        value = choice.get(key)
+        kinds = (int, float) if kind is float else kind  # a JSON number may be written without a fraction
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise JaxspecError(f"tuned file {path}: {name}.{key} must be {TYPE_NAMES[kind]}, got {value!r}")
+
+
+def at_batch(choice: dict, batch: int) -> dict:
+    """A tuned choice for a batch of `batch` rows: its settings, replaced by those of the largest size in
+    its `batches` not above `batch` ({"32": {"balance": 2}, "128": {"gamma": 10}}: 32's from 32 rows
+    up to 127, 128's from 128). What pays depends on the rows: a static batch's tail, which a shared
+    budget and longer chains cut, grows with them (bench/NOTES.md, "settings per batch")."""
+    by_rows = {int(rows): setting for rows, setting in choice.get("batches", {}).items() if int(rows) <= batch}
+    base = {key: value for key, value in choice.items() if key != "batches"}
+    return base | by_rows[max(by_rows)] if by_rows else base

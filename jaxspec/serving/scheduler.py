@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxspec.decoding import engine, planner
+from jaxspec import planner
+from jaxspec.decoding import engine
 from jaxspec.decoding.drafters import make_drafter
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig

@@ -1,0 +1,166 @@
+"""The planner's cost model, without a table: bytes floors plus launch overheads, and an assumed
+acceptance (`predict`, `cost_model`); and the measurements it rests on (`measure_bandwidth`).
+
+The bytes floor of a step is what it must read and write (weights, the keys and values its attention
+reads, float32 logits) over the device's copy bandwidth (`step_floor_s`); bench/ uses the same
+functions (bench/NOTES.md, "Floors").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as kernels
+from jaxspec.models import draft_weights
+from jaxspec.models.config import ModelConfig
+from jaxspec.planner.strategy import Prediction, Strategy
+
+# Cost model assumptions (documented in cost_model).
+LAYER_OVERHEAD_S = 35e-6  # per layer and forward: launches and small kernels
+NSA_LAYER_OVERHEAD_S = 60e-6  # per layer, on top, for a forward that runs NSA attention
+ITERATION_OVERHEAD_S = 0.4e-3  # per speculative iteration: proposal, acceptance, commit
+PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5}  # geometric: draft i accepted with probability alpha^i
+COST_MODEL_RATIO = 0.07
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array in `tree` (a model's parameters: the weight bytes a forward reads)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def key_bytes(cfg: ModelConfig, batch: int) -> int:
+    """K and V bytes of one key position, one layer, `batch` sequences."""
+    return batch * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(cfg.dtype).itemsize
+
+
+def layer_attention_bytes(cfg: ModelConfig, batch: int, context: int, T: int = 1) -> dict:
+    """K+V bytes one layer's attention reads for T rows whose last row is at position context + T - 2,
+    by part. Dense: every key up to that row. NSA: the compressed blocks visible to it, S selected
+    blocks (a lower bound of the rows' union) and the rows' window (w + T - 1 keys)."""
+    per_key = key_bytes(cfg, batch)
+    last = context + T - 1  # keys up to and including the last row
+    n = cfg.nsa
+    if n is None:
+        return {"kv": per_key * last}
+    return {"compressed": per_key * (last // n.block_size),
+            "selected": per_key * min(n.block_counts * n.block_size, last),
+            "window": per_key * min(n.window_size + T - 1, last)}
+
+
+def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
+    """Bytes of keys and values one decode step over `context` tokens reads, all layers (NSA models:
+    their three branches)."""
+    return cfg.num_layers * sum(layer_attention_bytes(cfg, batch, context).values())
+
+
+def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float) -> float:
+    """The bytes floor of a decode step: (weights + KV read + float32 logits written) / measured bandwidth."""
+    logits = batch * cfg.vocab_size * 4
+    return (weight_bytes + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
+
+
+def seconds_per_call(f, *args, min_run_s: float = 0.05) -> float:
+    """Median over 3 runs of back-to-back asynchronous calls, each run at least `min_run_s` long: one
+    host sync a run, so short device work is not timed together with the sync."""
+    jax.block_until_ready(f(*args))
+
+    def run(n):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    n = max(1, min(1000, math.ceil(min_run_s / run(1))))
+    return statistics.median(run(n) for _ in range(3))
+
+
+@functools.cache
+def measure_bandwidth() -> float:
+    """Copy bandwidth in GB/s (bytes read + written, as bench/common.measure_rates counts it): a
+    jitted x + 1 over 256 MiB of float32 on an accelerator (past any L2), 16 MiB on the CPU, timed
+    back to back (`seconds_per_call`; one call timed with its sync read half the H100's 2,984 GB/s,
+    bench/NOTES.md). Measured once per process (well under a second)."""
+    n = (1 << 26) if jax.default_backend() != "cpu" else (1 << 22)
+    x = jnp.ones((n,), jnp.float32)
+    return 2 * x.nbytes / seconds_per_call(jax.jit(lambda x: x + 1), x) / 1e9
+
+
+def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
+            min_tokens: int = 256) -> Prediction:
+    """The cost model's prediction for a chain strategy (plain, a sparse drafter or ngram):
+
+      forward(keys, rows, nsa) = layers x (LAYER_OVERHEAD_S + NSA_LAYER_OVERHEAD_S if nsa)
+                                 + (weights + K/V bytes of `keys` + rows x batch x vocab x 4) / bandwidth
+      plain step  = forward(context, 1, NSA attention on NSA models)
+      iteration   = depth x draft + verify + ITERATION_OVERHEAD_S, draft = forward(K + depth + 1 keys
+                    (selection + tail), 1, dense attention, the draft's weight bytes) with K =
+                    clamp(ceil(ratio x context), min_tokens, context) (full: the context), 0 for
+                    ngram (no model); verify = forward(context, depth + 1, NSA on NSA models)
+      tokens/iteration = 1 + sum_{i=1..depth} alpha^i (geometric acceptance, PRIOR_ACCEPTANCE)
+      tokens/s = batch x tokens/iteration / iteration
+
+    The bytes term is the step floor (`step_floor_s`); the overhead term is calibrated on bench/NOTES.md: a
+    SmolLM2 step (30 layers) took ~1.3 ms against a 0.15 ms floor on the H100 (38 us per layer over
+    the floor; its steps run 6-16x their floors at batch 1) and a Qwen3-8B step 6.75 ms against 5.69
+    (29 us per layer); NSA attention adds 55-82 us per layer and pass; an ngram iteration, which
+    drafts nothing, took 0.4-0.7 ms more than a plain step (SmolLM2 chain 6: 1.69 vs 1.31 ms;
+    Qwen3-8B gamma 8 at 1 x 4K: 7.42 vs 6.75 ms), the iteration overhead. Priors: alpha 0.8 for the
+    target drafting over a sparse KV subset (below SmolLM2's measured 0.86-0.94 per draft position
+    at ratio 0.07, bench/NOTES "Acceptance", as harder text and larger models accept less), 0.5 for
+    ngram (reproduces its measured 2.1-2.5 tokens per iteration at gamma 4-8). Refinement replaces
+    both the acceptance and the time scale with what the run observes.
+    """
+    if strategy.tree is not None:
+        raise ValueError("the cost model predicts chains only; trees need a measured table")
+
+    bandwidth = bandwidth_GBps * 1e9
+
+    def forward(rows: int, draft_keys: int | None = None) -> float:
+        """`rows` rows through the target's own attention over the context, or (draft_keys) one row
+        through dense attention over draft_keys keys, reading the draft's weights."""
+        if draft_keys is None:
+            floor = step_floor_s(cfg, weight_bytes, batch, context, bandwidth_GBps)
+            overhead = LAYER_OVERHEAD_S + (NSA_LAYER_OVERHEAD_S if cfg.nsa else 0.0)
+        else:
+            draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, strategy.draft_weights)
+            floor = step_floor_s(cfg, draft_bytes, batch, 0, bandwidth_GBps)
+            floor += cfg.num_layers * key_bytes(cfg, batch) * draft_keys / bandwidth
+            overhead = LAYER_OVERHEAD_S
+        return cfg.num_layers * overhead + floor + (rows - 1) * batch * cfg.vocab_size * 4 / bandwidth
+
+    depth = strategy.depth
+    verify = forward(depth + 1)
+    if strategy.plain:
+        return Prediction(strategy, batch / verify, 1.0, verify)
+    draft = 0.0
+    if strategy.kind == "model":
+        k = context if strategy.method == "full" else min(max(math.ceil(strategy.ratio * context), min_tokens), context)
+        draft = forward(1, draft_keys=k + depth + 1)
+    alpha = PRIOR_ACCEPTANCE[strategy.kind]
+    tpi = 1 + sum(alpha**i for i in range(1, depth + 1))
+    iteration = depth * draft + verify + ITERATION_OVERHEAD_S
+    return Prediction(strategy, batch * tpi / iteration, tpi, iteration)
+
+
+def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
+               min_tokens: int = 256) -> list[Prediction]:
+    """Predictions, best first, for plain, vegas at gamma 2, 4 and 6 (ratio 0.07, the KV-bound choice
+    of bench/kv_bound.json), vegas and full at gamma 6 with int8 draft weights (int8 drafts accepted
+    as exact ones did on SmolLM2: bench/NOTES.md, issue 16; int4 lost a third of its tokens per
+    iteration there, so it is for tables and fixed methods only; batches of up to one kernel row block,
+    which reads the int8 matrix once) and ngram at gamma 4 and 8, all strict
+    (approximate precision classes and draft trees are chosen from measured tables only)."""
+    strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
+    if batch <= kernels.ROW_MATMUL_ROWS:  # a draft forward's rows in one row block: int8 bytes read once
+        strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
+                       Strategy("full", gamma=6, draft_weights="int8")]
+    strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]
+    predictions = [predict(s, cfg, weight_bytes, batch, context, bandwidth_GBps, min_tokens) for s in strategies]
+    return sorted(predictions, key=lambda p: -p.tokens_per_s)

@@ -1,0 +1,118 @@
+"""A run's plan: the candidate strategies and the first choice, from a table or the cost model.
+
+A run's candidates come from the shipped table of its model and device kind (`tables.lookup`), or,
+without one, from the cost model (`cost.cost_model`). The CANDIDATES best speculative ones, the best
+chain ngram one (the refinement replays it while another strategy runs, at no model cost) and the
+best plain one are kept; the first choice is speculative only when it is predicted MARGIN faster than
+plain (`choose`). Precision classes other than `strict` change the output distribution, so they are
+candidates only when the user allows them (`allowed_precisions`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import PRECISIONS
+from jaxspec.errors import JaxspecError
+from jaxspec.models.config import ModelConfig
+from jaxspec.planner.cost import cost_model, measure_bandwidth
+from jaxspec.planner.strategy import Prediction, Strategy
+from jaxspec.planner.tables import bucket_of, device_kind, fingerprint, load_table, lookup, sampling_mode, table_path
+
+MARGIN = 0.1  # a switch, or a speculative choice over plain, needs a predicted gain of 10%
+CANDIDATES = 3  # speculative strategies kept beside plain for refinement (each may need a compile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The candidates (ranked by prediction, plain always among them), the first choice, where the
+    predictions came from ("table:<file>" or "cost-model") and the context bucket."""
+
+    candidates: tuple[Prediction, ...]
+    first: Strategy
+    source: str
+    bucket: int
+
+    @property
+    def draft_weights(self) -> str:
+        """The draft weights whose copies the params need for these candidates ("exact": none)."""
+        kinds = {c.strategy.draft_weights for c in self.candidates} - {"exact"}
+        if len(kinds) > 1:
+            raise JaxspecError(f"a plan's candidates draft with one kind of copies, got {sorted(kinds)}")
+        return kinds.pop() if kinds else "exact"
+
+    def describe(self) -> dict:
+        first = next(c for c in self.candidates if c.strategy == self.first)
+        return {
+            "strategy": self.first.name,
+            "source": self.source,
+            "bucket": self.bucket,
+            "predicted_tokens_per_s": first.tokens_per_s,
+            "candidates": [{"strategy": c.strategy.name, "predicted_tokens_per_s": c.tokens_per_s} for c in self.candidates],
+        }
+
+
+def allowed_precisions(precision: str) -> tuple[str, ...]:
+    """The classes `--precision P` allows: strict always, plus P and the classes it combines
+    (approx+reuse allows all four)."""
+    if precision not in PRECISIONS:
+        raise JaxspecError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return tuple(p for p in PRECISIONS if p == "strict" or set(p.split("+")) <= set(precision.split("+")))
+
+
+def choose(candidates) -> Strategy:
+    """The speculative candidate with the best pessimistic rate (median - spread / 2: a table's
+    noisy win is no win) if that beats the best plain one by MARGIN, else that plain."""
+    plain = max((p for p in candidates if p.strategy.plain), key=lambda p: p.tokens_per_s)
+    speculative = [p for p in candidates if not p.strategy.plain]
+    if not speculative:
+        return plain.strategy
+    best = max(speculative, key=lambda p: p.tokens_per_s - p.spread / 2)
+    return best.strategy if best.tokens_per_s - best.spread / 2 > plain.tokens_per_s * (1 + MARGIN) else plain.strategy
+
+
+def paid_copies(predictions: list[Prediction]) -> list[Prediction]:
+    """`predictions` without those that draft with quantized weights, unless one of them is
+    predicted to beat plain: their copies cost device memory."""
+    plain = max(p.tokens_per_s for p in predictions if p.strategy.plain)
+    if any(p.tokens_per_s > plain for p in predictions if p.strategy.draft_weights != "exact"):
+        return predictions
+    return [p for p in predictions if p.strategy.draft_weights == "exact"]
+
+
+def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens: int, new_tokens: int,
+              sampling: SamplingConfig, precisions=("strict",), table: Path | None = None,
+              min_tokens: int = 256, closed: bool = True) -> Plan:
+    """The plan of a run: candidates from `table` (or the shipped table of this model and device
+    kind), else from the cost model at the run's middle context (prompt + new / 2); the CANDIDATES
+    best speculative ones, the best chain ngram one (the refinement replays it while another strategy
+    runs, at no model cost) and the best plain one are kept, quantized drafts only if they pay
+    (`paid_copies`; `Plan.draft_weights` says which copies to make). A given table must be of this
+    model. Not `closed` (a server that admits into freed rows), a table's rates are its mean rows'
+    (without their tails): no row waits for the slowest."""
+    context = prompt_tokens + new_tokens
+    path = table or table_path(cfg, device_kind())
+    predictions: list[Prediction] = []
+    if table is not None or path.is_file():
+        data = load_table(path)
+        if data["model"]["fingerprint"] != fingerprint(cfg):
+            raise JaxspecError(
+                f"planner table {path} is for model {data['model']['fingerprint']}, not this one ({fingerprint(cfg)})")
+        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens)
+        source = f"table:{path}"
+        if not closed:
+            predictions = sorted((dataclasses.replace(p, tokens_per_s=p.tokens_per_s / p.tail, spread=p.spread / p.tail, tail=1.0)
+                                  for p in predictions), key=lambda p: -p.tokens_per_s)
+    if not predictions:
+        bucket, source = bucket_of(context), "cost-model"
+        middle = prompt_tokens + new_tokens // 2
+        predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens)
+    predictions = paid_copies(predictions)
+    plain = max((p for p in predictions if p.strategy.plain), key=lambda p: p.tokens_per_s)
+    speculative = [p for p in predictions if not p.strategy.plain][:CANDIDATES]
+    ngram = next((p for p in predictions if p.strategy.method == "ngram" and p.strategy.tree is None), None)
+    speculative += [ngram] if ngram is not None and ngram not in speculative else []
+    candidates = tuple(sorted(speculative + [plain], key=lambda p: -p.tokens_per_s))
+    return Plan(candidates, choose(candidates), source, bucket)

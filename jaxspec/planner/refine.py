@@ -1,0 +1,295 @@
+"""Refinement at run time (SSV's Algorithm 1 as designed here; the paper's text was not at hand).
+
+The run starts with the plan's choice, measures its accepted tokens per iteration and iteration time
+over a segment of SEGMENT iterations (`Observation`), corrects every candidate's prediction by what it
+saw (`corrected`; a strategy's own observations are pooled with its table rate, which counts as one
+more segment), and switches (`engine.switch`, which keeps the output distribution exact) to a
+candidate predicted faster by MARGIN, or to plain when plain is unmeasured and not predicted
+PROBE_MARGIN slower (`decide`); it measures that one for a segment and decides again, at most
+MAX_SWITCHES times. Settled, it keeps watching ngram (`Refinement.watch`): after windows of WATCH,
+2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch: each check costs a host sync and a
+replay, so their number grows with the log of the run's length) it replays the chain ngram
+candidates over the tokens just committed (`Ngram.replay`: what ngram would have accepted, exact in
+distribution, at no model cost) and switches when one is predicted MARGIN faster than the latest
+window of the running strategy, or, running ngram, when that window falls MARGIN below a candidate;
+so text that starts to repeat itself late (greedy loops, copied passages) is caught, and left again,
+within the switch limit. Observations and predictions are set against each other on one basis
+(`corrected`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxspec.planner.plan import MARGIN, Plan
+from jaxspec.planner.strategy import Prediction, Strategy
+
+SEGMENT = 8  # decode iterations per refinement segment
+WATCH = 64  # decode iterations of a settled refinement's first watch window; it doubles while nothing switches
+MAX_SWITCHES = 3
+PROBE_MARGIN = 0.25  # plain is measured unless the running strategy beats its corrected prediction by 25%
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What a strategy did over refinement segments: loop iterations, tokens committed (all rows),
+    host-synced seconds, accepted + 1 tokens per row iteration, and the tokens per iteration of the
+    row that gained least among those running the whole segment (a closed batch lasts as long as its
+    slowest row, which the mean does not show: reported in the segments, and how a closed batch's
+    refinement weighs ngram, `Refinement.closed`)."""
+
+    iterations: int
+    tokens: int
+    seconds: float
+    tokens_per_iteration: float
+    slowest_tokens_per_iteration: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def iteration_s(self) -> float:
+        return self.seconds / max(self.iterations, 1)
+
+    def at_slowest(self) -> Observation:
+        """The observation as its slowest row saw it (tokens and tokens per iteration scaled to that
+        row's): the rate of a closed batch, which lasts as long as its slowest row."""
+        if not self.slowest_tokens_per_iteration:
+            return self
+        share = self.slowest_tokens_per_iteration / self.tokens_per_iteration
+        return dataclasses.replace(self, tokens=round(self.tokens * share), tokens_per_iteration=self.slowest_tokens_per_iteration)
+
+    def merge(self, other: Observation) -> Observation:
+        """Both observations as one: sums, and tokens per iteration weighted by iterations (the
+        slowest row's over the observations that have one)."""
+        n = self.iterations + other.iterations
+        tpi = (self.tokens_per_iteration * self.iterations + other.tokens_per_iteration * other.iterations) / max(n, 1)
+        known = [(o.slowest_tokens_per_iteration, o.iterations) for o in (self, other)
+                 if o.slowest_tokens_per_iteration is not None]
+        slowest = sum(s * i for s, i in known) / max(sum(i for _, i in known), 1) if known else None
+        return Observation(n, self.tokens + other.tokens, self.seconds + other.seconds, tpi, slowest)
+
+    @classmethod
+    def replayed(cls, tokens, iterations, whole) -> Observation:
+        """A replay's observation (no time: it ran no model) from per-row committed tokens and
+        replayed iterations [B] and the rows that ran the whole window [B] (for the slowest row)."""
+        total = max(int(iterations.sum()), 1)
+        ran = whole & (iterations > 0)
+        slowest = float((tokens[ran] / iterations[ran]).min()) if ran.any() else None
+        return cls(int(iterations.max(initial=0)), int(tokens.sum()), 0.0, int(tokens.sum()) / total, slowest)
+
+    @classmethod
+    def between(cls, before, after, seconds: float) -> Observation:
+        """A segment's observation from host copies of (length [B], SpecStats) before and after it."""
+        (length0, stats0), (length1, stats1) = before, after
+        row_iterations = stats1.iterations - stats0.iterations
+        row_accepted = stats1.accepted - stats0.accepted
+        total = max(int(row_iterations.sum()), 1)
+        most = int(row_iterations.max())
+        # accepted + 1 an iteration, as the mean counts it (a row's last tokens may be cut at its
+        # limit), over the rows that ran every iteration of the segment
+        whole = whole_rows(before, after)
+        slowest = float(row_accepted[whole].min() + most) / most if most > 0 else None
+        return cls(most, int((length1 - length0).sum()), seconds, (int(row_accepted.sum()) + total) / total, slowest)
+
+
+def by_slowest_row(strategy: Strategy, closed: bool) -> bool:
+    """Whether the refinement judges `strategy` by its slowest row: ngram in a closed batch, whose
+    rows differ most (`Refinement.closed`); everything else by its mean row."""
+    return closed and strategy.method == "ngram"
+
+
+def whole_rows(before, after):
+    """[B] bool: the rows that ran every iteration between two host copies of (length, SpecStats)."""
+    row_iterations = after[1].iterations - before[1].iterations
+    return row_iterations == row_iterations.max()
+
+
+def corrected(candidates, observations: dict, replays: dict | None = None, closed: bool = False) -> dict:
+    """Each candidate's expected tokens/s given the observations so far ({Strategy: Observation})
+    and the latest replays ({Strategy: Observation.replayed}, ngram only), as `Refinement.closed`
+    judges them: in a closed batch ngram's by its slowest row, the rest by their mean row.
+
+    Predictions and observations are compared on one basis (`basis`): a table's tokens/s is a closed
+    batch's, its slowest row's tail included (`Prediction.tail`), while its tokens per iteration are
+    the mean row's; so a mean-row observation is set against the table's rate without its tail, a
+    slowest-row one against the table's rate at its closed tokens per iteration, and a closed batch's
+    expected rate then carries the table's tail (an open batch refills its rows: no tail).
+
+    An observed strategy: its observed rate, pooled with its table rate weighted as one more segment
+    (or the iterations the table measured, if fewer; the cost model's weigh nothing): one segment is
+    a small sample, and acceptance drifts within a run (ngram's grows as greedy text starts to
+    repeat), so a table choice is left only when the run's own segments outweigh it.
+    A replayed one: as above if observed, at the replay's tokens per iteration (fresher: acceptance
+    drifts) over the observed ones; else its prediction at the replay's tokens per iteration, its
+    time scaled by tau (below).
+    Any other: its prediction with its accepted drafts per iteration scaled by a_k = (observed
+    accepted per iteration) / (predicted), pooled over the observed strategies of the same drafter
+    kind (model drafters share one a, ngram its own; 1 while none of the kind ran; tokens per
+    iteration kept within [1, depth + 1]), and its time by tau = (observed iteration time) /
+    (predicted), pooled over every observed strategy."""
+
+    def basis(c: Prediction) -> tuple[float, float, float]:
+        """(tokens/s, tokens per iteration) of `c` on the basis its observations arrive on, and the
+        factor from that basis to the run's rate."""
+        if by_slowest_row(c.strategy, closed):
+            return c.tokens_per_s, c.tokens_per_iteration * c.tail, 1.0
+        return c.tokens_per_s / c.tail, c.tokens_per_iteration, c.tail if closed else 1.0
+
+    by_strategy = {c.strategy: c for c in candidates}
+    seen = [(by_strategy[s], o) for s, o in observations.items()]
+    tau = sum(o.iteration_s for _, o in seen) / sum(p.iteration_s for p, _ in seen) if seen else 1.0
+    expected = {}
+    for c in candidates:
+        replay = (replays or {}).get(c.strategy)
+        rate, tpi_then, to_run = basis(c)
+        if c.strategy in observations:
+            o, prior = observations[c.strategy], min(c.iterations, SEGMENT)
+            pooled = (prior * rate + o.iterations * o.tokens_per_s) / (prior + o.iterations)
+            expected[c.strategy] = to_run * pooled * (replay.tokens_per_iteration / o.tokens_per_iteration if replay else 1.0)
+            continue
+        if replay:
+            tpi = replay.tokens_per_iteration
+        else:
+            same = [(basis(p)[1], o) for p, o in seen if p.strategy.kind == c.strategy.kind and basis(p)[1] > 1]
+            a = sum(o.tokens_per_iteration - 1 for _, o in same) / sum(t - 1 for t, _ in same) if same else 1.0
+            tpi = 1 + a * (tpi_then - 1)
+        tpi = min(max(tpi, 1.0), 1.0 + c.strategy.depth)
+        expected[c.strategy] = to_run * rate * tpi / tpi_then / tau
+    return expected
+
+
+def decide(candidates, observations: dict, current: Strategy, probe_plain: bool = True,
+           replays: dict | None = None, closed: bool = False) -> tuple[Strategy, str]:
+    """(strategy to run next, why): the candidate with the best corrected rate if it beats the
+    current strategy's (its observations pooled with its table rate) by MARGIN; else, with
+    `probe_plain` (cost-model plans), plain, while it is unmeasured and the current speculative
+    strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step
+    times can be off by that much, e.g. on a CPU, where rows cost compute: measured, a speculative
+    strategy then has to beat plain by MARGIN to be switched back to); else the current one. A table's plain rate is measured on this device,
+    so table plans do not probe it. `replays`, `closed`: as `corrected` takes them."""
+    expected = corrected(candidates, observations, replays, closed)
+    best = max(expected, key=expected.get)
+    now = expected[current]
+    if best != current and expected[best] > now * (1 + MARGIN):
+        how = "observed" if best in observations else "replayed" if best in (replays or {}) else "predicted"
+        return best, f"{best.name} {how} {expected[best]:.0f} tok/s > {current.name} expected {now:.0f} tok/s"
+    plain = max((c.strategy for c in candidates if c.strategy.plain), key=expected.get)
+    if probe_plain and not current.plain and plain not in observations and expected[plain] * (1 + PROBE_MARGIN) >= now:
+        return plain, f"plain predicted {expected[plain]:.0f} tok/s, {current.name} expected {now:.0f} tok/s: measuring plain"
+    return current, f"{current.name} expected {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"
+
+
+@dataclasses.dataclass
+class Refinement:
+    """Refinement at run time (the module's docstring) as the scheduler drives it: the
+    strategy running now, what each strategy was observed to do, the switches made and the segments
+    seen. `active` until the choice is settled: `decide` keeps the current strategy, or MAX_SWITCHES
+    were made (not when the rows finished: a server goes on with its next requests). A measured
+    table's plain choice has nothing to refine (no
+    drafts to observe), so it starts settled and runs as plain does. Settled, it is `watching` while
+    it has ngram to watch. `closed`: a static batch (the rows it starts with are all it runs, and it
+    lasts as long as its slowest row): ngram, running or replayed, is then judged by its slowest row,
+    since it leaves some rows at one token an iteration while others copy (its slowest row needed
+    2-2.3x its mean row's iterations on sampled SmolLM2, the model drafters' 1.1x; bench/NOTES.md)."""
+
+    plan: Plan
+    current: Strategy
+    active: bool
+    closed: bool = False
+    window: int = WATCH  # iterations of the next watch window
+    iterations: int = 0
+    observations: dict = dataclasses.field(default_factory=dict)
+    switches: list = dataclasses.field(default_factory=list)
+    segments: list = dataclasses.field(default_factory=list)
+    ran: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def of(cls, plan: Plan, closed: bool = False) -> Refinement:
+        return cls(plan, plan.first, active=not (plan.first.plain and plan.source != "cost-model"), closed=closed,
+                   window=WATCH, ran={plan.first})
+
+    @property
+    def replayed(self) -> tuple[Strategy, ...]:
+        """The chain ngram candidates other than the running strategy: what each segment or watch
+        window replays (`Ngram.replay`)."""
+        return tuple(c.strategy for c in self.plan.candidates
+                     if c.strategy.method == "ngram" and c.strategy.tree is None and c.strategy != self.current)
+
+    @property
+    def watching(self) -> bool:
+        """Settled, with switches left and ngram to watch: a candidate to replay, or ngram running
+        (its window may fall under a candidate's prediction)."""
+        return (not self.active and len(self.switches) < MAX_SWITCHES
+                and (bool(self.replayed) or self.current.method == "ngram"))
+
+    def observe(self, seen: Observation, finished: bool, replays: dict | None = None) -> Strategy | None:
+        """Records a segment of the current strategy (and `replays` over it, {Strategy:
+        Observation.replayed}); returns the strategy to switch to, or None (and settles) when the
+        current one stays. With every row `finished` it returns None and refines on: a server that
+        went idle refines with its next requests (a run that ended has no next segment)."""
+        replays = self._record(seen, replays, watch=False)
+        if finished:
+            return None
+        c = self.current
+        target, reason = (c, "") if len(self.switches) == MAX_SWITCHES else decide(
+            self.plan.candidates, self.observations, c, probe_plain=self.plan.source == "cost-model", replays=replays,
+            closed=self.closed)
+        if target == c:
+            self.active = False
+            return None
+        return self._switch(target, reason, seen)
+
+    def watch(self, seen: Observation, finished: bool, replays: dict | None = None) -> Strategy | None:
+        """A settled refinement's check over the latest window (`window` iterations): the running
+        strategy judged by this window alone (acceptance drifts along a run: greedy text starts to
+        loop after a few hundred tokens), ngram candidates by their replays over it, the others as
+        `corrected` predicts them; returns the strategy to switch to (staying settled), or None."""
+        replays = self._record(seen, replays, watch=True)
+        c = self.current
+        if finished or len(self.switches) == MAX_SWITCHES:
+            return None
+        observations = {**self.observations, c: self._judged(c, seen)}
+        target, reason = decide(self.plan.candidates, observations, c, probe_plain=False, replays=replays, closed=self.closed)
+        if target == c:
+            self.window *= 2
+            return None
+        self.window = WATCH
+        return self._switch(target, reason, seen)
+
+    def _judged(self, strategy: Strategy, seen: Observation) -> Observation:
+        """`seen` as the refinement weighs it for `strategy` (see `closed`)."""
+        return seen.at_slowest() if by_slowest_row(strategy, self.closed) else seen
+
+    def _record(self, seen: Observation, replays: dict | None, watch: bool) -> dict:
+        """Pools `seen` into the current strategy's observations, appends the segment (with the
+        replays' tokens per iteration as judged), and returns the replays as judged."""
+        self.iterations += seen.iterations
+        c = self.current
+        seen_judged = self._judged(c, seen)
+        self.observations[c] = self.observations[c].merge(seen_judged) if c in self.observations else seen_judged
+        replays = {s: self._judged(s, r) for s, r in (replays or {}).items()}
+        self.segments.append({"strategy": c.name, "iterations": seen.iterations, "tokens_per_s": seen.tokens_per_s,
+                              "tokens_per_iteration": seen.tokens_per_iteration, "iteration_s": seen.iteration_s,
+                              "slowest_row_tokens_per_iteration": seen.slowest_tokens_per_iteration, "watch": watch,
+                              "replayed_tokens_per_iteration": {s.name: r.tokens_per_iteration for s, r in replays.items()}})
+        return replays
+
+    def _switch(self, target: Strategy, reason: str, seen: Observation) -> Strategy:
+        self.switches.append({"iteration": self.iterations, "from": self.current.name, "to": target.name,
+                              "reason": reason, "observed_tokens_per_s": seen.tokens_per_s})
+        self.current = target
+        self.ran.add(target)
+        return target
+
+    @property
+    def lossless(self) -> bool:
+        """Every strategy that ran was lossless."""
+        return all(s.precision == "strict" for s in self.ran)
+
+    def describe(self) -> dict:
+        """What a server reports of its refinement (/v1/models): the plan, the strategy running now,
+        whether it still refines, its switches so far and how many segments it has judged."""
+        return {"planned": self.plan.describe(), "current": self.current.name, "refining": self.active,
+                "switches": list(self.switches), "segments": len(self.segments)}
