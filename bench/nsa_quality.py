@@ -5,7 +5,7 @@
         [--dtype float32] [--tiny] [--out DIR]
 
 Held-out text: the documents of `jaxspec.corpus` that the gate fit never sees
-(`nsa_convert.split_documents`), cut into consecutive windows of each context length. Each window is
+(`training.data.split_documents`), cut into consecutive windows of each context length. Each window is
 scored teacher-forced by both models (the NSA model through its own NSA attention, `decoder.forward`
 over a KV cache in chunks of --chunk tokens, which equals `decoder.score` on the whole window):
 perplexity over every position and over the window's second half (the positions with the longest
@@ -33,9 +33,10 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.loaders import load_model
 from jaxspec.models import decoder
-from jaxspec.models import nsa_convert as nc
+from jaxspec.models.config import nsa_hf_keys
 from jaxspec.models.kvcache import init_cache
 from jaxspec.runner import Batch, run_generation
+from jaxspec.training import data, nsa_gates
 
 SAMPLINGS = {"greedy": SamplingConfig(), "sampled": SamplingConfig(temperature=0.7, top_p=0.95)}
 
@@ -109,7 +110,7 @@ def quality_row(models, windows: np.ndarray, chunk: int, backend: str) -> dict:
 def prompt_ids(tokenizer, tokens: int, new: int) -> tuple[np.ndarray, np.ndarray]:
     """A held-out prompt of at most `tokens` tokens ending at a line break, and the `new` tokens that
     follow it in the text."""
-    stream = nc.token_stream(tokenizer, nc.split_documents()[1])
+    stream = data.token_stream(tokenizer, data.split_documents()[1])
     end = min(tokens, len(stream) - new)
     while end > tokens // 2 and "\n" not in tokenizer.decode([int(stream[end - 1])]):
         end -= 1
@@ -130,14 +131,14 @@ def continuations(name, cfg, params, tokenizer, prompt: np.ndarray, new: int, ba
 
 
 def gate_info(path: str) -> dict | None:
-    gates = Path(path) / nc.GATES_FILE
+    gates = Path(path) / nsa_gates.GATES_FILE
     if not gates.is_file():
         return None
-    info = nc.load_gates(gates)[1]
+    info = nsa_gates.load_gates(gates)[1]
     fingerprint = info.get("data", {}).get("heldout_sha256_16")
-    if fingerprint and fingerprint != nc.heldout_fingerprint():
+    if fingerprint and fingerprint != data.heldout_fingerprint():
         print(f"warning: the gates were fitted with other held-out documents ({fingerprint}, here "
-              f"{nc.heldout_fingerprint()}): another Python's pydoc topics? Held-out numbers may include training text.")
+              f"{data.heldout_fingerprint()}): another Python's pydoc topics? Held-out numbers may include training text.")
     return info
 
 
@@ -168,15 +169,15 @@ def main():
         raise SystemExit("error: the two models have different vocabularies")
     result = common.run_info() | {
         "dense": args.dense, "nsa": args.nsa, "dtype": args.dtype, "backend": backend,
-        "nsa_config": nc.nsa_dict(nsa_cfg.nsa), "gates": gate_info(args.nsa),
-        "heldout": {"documents": len(nc.split_documents()[1]), "sha256_16": nc.heldout_fingerprint()},
+        "nsa_config": nsa_hf_keys(nsa_cfg.nsa), "gates": gate_info(args.nsa),
+        "heldout": {"documents": len(data.split_documents()[1]), "sha256_16": data.heldout_fingerprint()},
         "rows": [],
     }
     models = [(dense_cfg, dense_params), (nsa_cfg, nsa_params)]
     for context in args.contexts:
         if context > min(dense_cfg.max_position_embeddings, nsa_cfg.max_position_embeddings):
             raise SystemExit(f"error: context {context} is longer than the models' context")
-        windows = nc.heldout_windows(tokenizer, context, args.windows)
+        windows = data.heldout_windows(tokenizer, context, args.windows)
         row = quality_row(models, windows, args.chunk, backend)
         result["rows"].append(row)
         print(f"context {context}: {row['windows']} windows, ppl dense {row['ppl_dense']:.2f} NSA {row['ppl_nsa']:.2f}, "

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/quant_acceptance.py [--windows 2] [--tokens 512] [--groups 128,64,32]
 
-Teacher-forced on held-out local text (jaxspec.models.nsa_convert.heldout_windows), float32 on any
+Teacher-forced on held-out local text (jaxspec.training.data.heldout_windows), float32 on any
 device: for each draft-weight kind (int4 at each group size), the exact rejection-sampling
 acceptance of one token at temperature 1, mean over positions of sum_v min(p_v, q_v), the greedy
 agreement of the argmaxes, and the copies' bytes. Writes bench/results/quant_acceptance_<device>.json.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from bench import common
 from jaxspec.loaders import load_model
 from jaxspec.models import decoder, draft_weights, quantize
-from jaxspec.models.nsa_convert import heldout_windows
+from jaxspec.training.data import heldout_windows
 
 
 def main():

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     if args.tokens < 2 or args.windows < 1:
         raise JaxspecError(f"need --tokens >= 2 and --windows >= 1, got {args.tokens} and {args.windows}")
     from jaxspec.loaders import load_model
-    from jaxspec.models.nsa_convert import training_batches
+    from jaxspec.training.data import training_batches
 
     out = args.out or skip_file(args.model)
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)

@@ -7,7 +7,7 @@
 The first form writes a jaxspec (orbax) checkpoint. `--to-nsa` instead writes an HF directory in
 NSA-1B's format (model_type llama-nsa) from a dense Llama model: every weight of SRC plus the NSA gate
 projections, by default the fitted SmolLM2 gates shipped in checkpoints/nsa_smollm2_gates.safetensors,
-or gates fitted now (`--fit-steps`, see `jaxspec.models.nsa_convert`; one line per 25 steps). DST also
+or gates fitted now (`--fit-steps`, see `jaxspec.training.nsa_gates`; one line per 25 steps). DST also
 holds the gates it used (nsa_gates.safetensors); `--gates-out` writes a freshly fitted gate file there
 too, as soon as the fit ends. `--to-nsa` writes float32 unless `--dtype` says otherwise.
 `--calibrate-reuse KL` also calibrates the refresh/reuse schedule of SSV's reuse precision classes
@@ -30,9 +30,10 @@ import jax
 
 from jaxspec import files
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.loaders import load_model, orbax
+from jaxspec.loaders import hf, load_model, orbax
 from jaxspec.models import nsa_convert, nsa_reuse
-from jaxspec.models.config import NSAConfig
+from jaxspec.models.config import NSAConfig, nsa_hf_keys
+from jaxspec.training import data, nsa_gates
 from jaxspec.xla_flags import set_gpu_flags
 
 
@@ -92,7 +93,7 @@ def convert_to_nsa(
         raise JaxspecError(f"--lr must be positive, got {lr}")
     if calibrate_reuse is not None and not calibrate_reuse >= 0:
         raise JaxspecError(f"--calibrate-reuse must be a KL bound >= 0, got {calibrate_reuse}")
-    path = nsa_convert.SHIPPED_GATES if gates is None else gates
+    path = nsa_gates.SHIPPED_GATES if gates is None else gates
     if not fit_steps and not path.is_file():
         if gates is None:
             raise JaxspecError(f"the shipped gate file {path} is missing: pass --gates PATH or fit with --fit-steps N")
@@ -109,12 +110,12 @@ def convert_to_nsa(
         g_proj, info = _fit(cfg, params, tokenizer, src, nsa_cfg, fit_steps, fit_tokens, fit_batch, fit_micro_batch,
                             lr, seed, log)
         if gates_out is not None:
-            nsa_convert.save_gates(gates_out, g_proj, info)
+            nsa_gates.save_gates(gates_out, g_proj, info)
             log(f"wrote {gates_out}")
     else:
-        g_proj, info = nsa_convert.load_gates(path, cfg, nsa_cfg)
+        g_proj, info = nsa_gates.load_gates(path, cfg, nsa_cfg)
         fitted_to = info.get("source_fingerprint")
-        if fitted_to and fitted_to != nsa_convert.model_fingerprint(params):
+        if fitted_to and fitted_to != nsa_gates.model_fingerprint(params):
             print(f"warning: the gates in {path} were fitted to other weights ({info.get('source')}), not {src}'s",
                   file=sys.stderr)
     nsa_cfg_model, nsa_params = nsa_convert.to_nsa(cfg, params, nsa_cfg, g_proj)
@@ -125,7 +126,7 @@ def convert_to_nsa(
         if not nsa_cfg.block_size <= calibrate_tokens <= cfg.max_position_embeddings:
             raise JaxspecError(f"--calibrate-tokens must be between {nsa_cfg.block_size} and the context "
                                f"{cfg.max_position_embeddings}, got {calibrate_tokens}")
-        tokens = next(nsa_convert.training_batches(tokenizer, calibrate_tokens, 2, seed))
+        tokens = next(data.training_batches(tokenizer, calibrate_tokens, 2, seed))
         backend = "pallas" if jax.default_backend() == "gpu" else "reference"
         log(f"calibrating the refresh/reuse schedule: KL bound {calibrate_reuse}, {tokens.shape[0]} x "
             f"{tokens.shape[1]} tokens, {backend} kernels")
@@ -134,8 +135,8 @@ def convert_to_nsa(
         log(f"refresh layers {list(layers)} ({calibration['reuse_layers']} reuse layers, KL {calibration['kl']:.4f})")
 
     def write(tmp: Path) -> None:
-        nsa_convert.write_hf(tmp, nsa_cfg_model, nsa_params, tokenizer)
-        nsa_convert.save_gates(tmp / nsa_convert.GATES_FILE, g_proj, info)
+        hf.write_hf(tmp, nsa_cfg_model, nsa_params, tokenizer)
+        nsa_gates.save_gates(tmp / nsa_gates.GATES_FILE, g_proj, info)
         if calibration is not None:
             (tmp / "nsa_reuse_calibration.json").write_text(json.dumps(calibration, indent=1))
 
@@ -152,27 +153,27 @@ def _fit(cfg, params, tokenizer, src, nsa_cfg, steps, tokens, batch, micro_batch
 
     import numpy as np
 
-    heldout = nsa_convert.heldout_windows(tokenizer, tokens, count=2)
-    batches = nsa_convert.training_batches(tokenizer, tokens, batch, seed)
+    heldout = data.heldout_windows(tokenizer, tokens, count=2)
+    batches = data.training_batches(tokenizer, tokens, batch, seed)
     log(
         f"fitting NSA gates {list(nsa_convert.gate_shape(cfg))} of {src} on {jax.devices()[0].device_kind}: "
         f"{steps} steps of {batch} x {tokens} tokens, Adam lr {lr}, loss KL(dense || NSA), "
-        f"NSA {nsa_convert.nsa_dict(nsa_cfg)}"
+        f"NSA {nsa_hf_keys(nsa_cfg)}"
     )
     zeros = np.zeros(nsa_convert.gate_shape(cfg), np.float32)
-    kl_before = nsa_convert.kl_divergence(cfg, params, zeros, heldout, nsa_cfg)
+    kl_before = nsa_gates.kl_divergence(cfg, params, zeros, heldout, nsa_cfg)
     start = time.perf_counter()
     history: list[float] = []
-    g_proj = nsa_convert.fit_gates(cfg, params, batches, steps, lr, nsa_cfg=nsa_cfg, micro_batch=micro_batch,
+    g_proj = nsa_gates.fit_gates(cfg, params, batches, steps, lr, nsa_cfg=nsa_cfg, micro_batch=micro_batch,
                                    log=log, history=history)
     fit_s = time.perf_counter() - start
-    kl_after = nsa_convert.kl_divergence(cfg, params, g_proj, heldout, nsa_cfg)
+    kl_after = nsa_gates.kl_divergence(cfg, params, g_proj, heldout, nsa_cfg)
     log(f"held-out KL(dense || NSA) on {heldout.shape[0]} x {tokens} tokens: {kl_before:.4f} at zero gates, "
         f"{kl_after:.4f} fitted")
     info = {
         "source": src,
-        "source_fingerprint": nsa_convert.model_fingerprint(params),
-        "nsa": nsa_convert.nsa_dict(nsa_cfg),
+        "source_fingerprint": nsa_gates.model_fingerprint(params),
+        "nsa": nsa_hf_keys(nsa_cfg),
         "fit": {
             "steps": steps, "tokens": tokens, "batch": batch, "micro_batch": micro_batch, "lr": lr, "seed": seed,
             "optimizer": "adam", "init": "zeros", "loss": "KL(dense || NSA), next-token distributions",
@@ -182,9 +183,9 @@ def _fit(cfg, params, tokenizer, src, nsa_cfg, steps, tokens, batch, micro_batch
         },
         "data": {
             "text": "jaxspec.corpus.documents() (CPython pydoc topics)",
-            "heldout": f"pydoc topics with crc32(name) % {nsa_convert.HELDOUT_MOD} == {nsa_convert.HELDOUT_RESIDUE}, "
+            "heldout": f"pydoc topics with crc32(name) % {data.HELDOUT_MOD} == {data.HELDOUT_RESIDUE}, "
                        "never trained on",
-            "heldout_sha256_16": nsa_convert.heldout_fingerprint(),
+            "heldout_sha256_16": data.heldout_fingerprint(),
         },
     }
     return g_proj, info
@@ -201,7 +202,7 @@ def main(argv=None) -> None:
     nsa = parser.add_argument_group("--to-nsa: a dense Llama model -> NSA HF directory (NSA-1B format)")
     nsa.add_argument("--to-nsa", action="store_true", help="write an NSA model with fitted gate projections")
     nsa.add_argument("--gates", type=Path,
-                     help=f"gate file to use (default {nsa_convert.SHIPPED_GATES.name} in checkpoints/)")
+                     help=f"gate file to use (default {nsa_gates.SHIPPED_GATES.name} in checkpoints/)")
     nsa.add_argument("--fit-steps", type=int, default=0, help="fit the gates now, for N Adam steps")
     nsa.add_argument("--fit-tokens", type=int, default=2048, help="tokens per training window")
     nsa.add_argument("--fit-batch", type=int, default=2, help="windows per step")

@@ -1,10 +1,11 @@
-"""Dense Llama -> NSA (`jaxspec.models.nsa_convert`, `python -m jaxspec.convert SRC DST --to-nsa`):
-every dense weight survives, the written HF directory (NSA-1B format) loads back with equal logits,
-the cache-free forward of the fit equals `decoder.score`, a few fit steps lower KL(dense || NSA), and
-the CLI fails in one line without leaving anything half-written.
+"""Dense Llama -> NSA (`jaxspec.models.nsa_convert`, the gate fit `jaxspec.training.nsa_gates`,
+`python -m jaxspec.convert SRC DST --to-nsa`): every dense weight survives, the written HF directory
+(NSA-1B format, `jaxspec.loaders.hf.write_hf`) loads back with equal logits, the cache-free forward of
+the fit equals `decoder.score`, a few fit steps lower KL(dense || NSA), and the CLI fails in one line
+without leaving anything half-written.
 
 Everything runs on a tiny random Llama with a byte-level BPE tokenizer trained here, written as an HF
-directory by the module's own writer (no transformers), so the file stays fast.
+directory by jaxspec's own writer (no transformers), so the file stays fast.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import corpus
 from jaxspec.convert import convert_to_nsa
 from jaxspec.errors import JaxspecError
-from jaxspec.loaders import load_model
+from jaxspec.loaders import hf, load_model
 from jaxspec.models import decoder
 from jaxspec.models import nsa_convert as nc
-from jaxspec.models.config import ModelConfig, NSAConfig
+from jaxspec.models.config import ModelConfig, NSAConfig, nsa_hf_keys
 from jaxspec.tokenizer import Tokenizer
+from jaxspec.training import data, nsa_gates
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_NSA = NSAConfig(block_size=4, block_counts=3, window_size=8, topk_rule="exact")
@@ -66,7 +69,7 @@ def dense(tokenizer, tmp_path_factory):
     cfg = tiny_config(tokenizer)
     params = random_params(cfg, 0)
     path = tmp_path_factory.mktemp("dense")
-    nc.write_hf(path, cfg, params, tokenizer)
+    hf.write_hf(path, cfg, params, tokenizer)
     return cfg, params, path
 
 
@@ -124,7 +127,7 @@ def test_to_nsa_keeps_weights_and_round_trips(tokenizer, tmp_path, tied, bias):
     if bias:
         np.testing.assert_array_equal(np.asarray(nsa_params["layers"]["bqkv"][..., qkv:]), 0)
 
-    nc.write_hf(tmp_path, nsa_cfg, nsa_params, tokenizer)
+    hf.write_hf(tmp_path, nsa_cfg, nsa_params, tokenizer)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "llama-nsa" and config["architectures"] == ["LlamaNSAForCausalLM"]
     assert (config["block_size"], config["block_counts"], config["window_size"], config["nsa_topk_rule"]) == (16, 16, 128, "exact")
@@ -157,7 +160,7 @@ def test_hf_config_rope_round_trip(tokenizer):
     for rope in (RopeConfig(theta=5e5, kind="llama3", factor=8.0, original_max_position=64),
                  RopeConfig(theta=1e4, kind="linear", factor=2.0, original_max_position=256)):
         cfg = tiny_config(tokenizer).replace(rope=rope)
-        assert ModelConfig.from_hf(nc.hf_config(cfg), dtype="float32") == cfg
+        assert ModelConfig.from_hf(hf.hf_config(cfg), dtype="float32") == cfg
 
 
 def test_to_nsa_rejects(tokenizer):
@@ -180,18 +183,18 @@ def test_nsa_logits_equals_score(dense, rule):
                                     random_gates(cfg))
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 110)), jnp.int32)
     expected = score(nsa_params, nsa_cfg, tokens)
-    np.testing.assert_allclose(np.asarray(nc.nsa_logits(nsa_params, nsa_cfg, tokens)), np.asarray(expected), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(nsa_gates.nsa_logits(nsa_params, nsa_cfg, tokens)), np.asarray(expected), atol=1e-4)
 
 
 def test_fit_gates_lowers_kl(dense):
     cfg, params, _ = dense
     tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (FIT["fit_batch"], FIT["fit_tokens"]))
     zeros = np.zeros(nc.gate_shape(cfg), np.float32)
-    before = nc.kl_divergence(cfg, params, zeros, tokens, TINY_NSA)
+    before = nsa_gates.kl_divergence(cfg, params, zeros, tokens, TINY_NSA)
     history, lines = [], []
-    g = nc.fit_gates(cfg, params, iter([tokens] * 3), 3, FIT["lr"], nsa_cfg=TINY_NSA, log_every=2, log=lines.append,
+    g = nsa_gates.fit_gates(cfg, params, iter([tokens] * 3), 3, FIT["lr"], nsa_cfg=TINY_NSA, log_every=2, log=lines.append,
                      history=history)
-    after = nc.kl_divergence(cfg, params, g, tokens, TINY_NSA)
+    after = nsa_gates.kl_divergence(cfg, params, g, tokens, TINY_NSA)
     assert g.shape == nc.gate_shape(cfg) and g.dtype == np.float32 and np.abs(g).max() > 0
     assert len(history) == 3 and history[0] == pytest.approx(before, rel=1e-4)
     assert after < before and history[-1] < history[0]
@@ -199,12 +202,12 @@ def test_fit_gates_lowers_kl(dense):
 
 
 def test_splits_are_disjoint(tokenizer):
-    train, held = nc.split_documents()
+    train, held = data.split_documents()
     assert held and train and not set(train) & set(held)
-    assert len(train) + len(held) == len(nc.corpus.documents())
-    windows = nc.heldout_windows(tokenizer, 64, count=3)
+    assert len(train) + len(held) == len(corpus.documents())
+    windows = data.heldout_windows(tokenizer, 64, count=3)
     assert windows.shape == (3, 64)
-    batch = next(nc.training_batches(tokenizer, 64, 2, seed=1))
+    batch = next(data.training_batches(tokenizer, 64, 2, seed=1))
     assert batch.shape == (2, 64) and batch.dtype == np.int32
 
 
@@ -220,9 +223,9 @@ def test_convert_with_fit_and_gate_files(dense, tmp_path):
                              log=lines.append, **FIT)
     assert summary.startswith(f"wrote {tmp_path / 'nsa'} (llama-nsa, ") and "fitted in 2 steps" in summary
     assert lines[0].startswith("fitting NSA gates [2, 12, 32]") and any("held-out KL" in line for line in lines)
-    g, info = nc.load_gates(tmp_path / "g.safetensors", cfg, TINY_NSA)
-    assert info["fit"]["steps"] == 2 and info["nsa"] == nc.nsa_dict(TINY_NSA)
-    np.testing.assert_array_equal(nc.load_gates(tmp_path / "nsa" / nc.GATES_FILE)[0], g)
+    g, info = nsa_gates.load_gates(tmp_path / "g.safetensors", cfg, TINY_NSA)
+    assert info["fit"]["steps"] == 2 and info["nsa"] == nsa_hf_keys(TINY_NSA)
+    np.testing.assert_array_equal(nsa_gates.load_gates(tmp_path / "nsa" / nsa_gates.GATES_FILE)[0], g)
     loaded_cfg, loaded_params, _ = load_model(str(tmp_path / "nsa"), "float32")
     expected_cfg, expected_params = nc.to_nsa(cfg, params, TINY_NSA, g)
     assert loaded_cfg == expected_cfg
@@ -242,7 +245,7 @@ def test_convert_calibrates_the_reuse_schedule(dense, tmp_path):
     an unbounded KL leaves layer 0 as the only refresh layer."""
     cfg, params, src = dense
     gates = tmp_path / "g.safetensors"
-    nc.save_gates(gates, random_gates(cfg), {"nsa": nc.nsa_dict(TINY_NSA)})
+    nsa_gates.save_gates(gates, random_gates(cfg), {"nsa": nsa_hf_keys(TINY_NSA)})
     lines = []
     convert_to_nsa(str(src), tmp_path / "nsa", nsa_cfg=TINY_NSA, gates=gates, calibrate_reuse=float("inf"),
                    calibrate_tokens=64, log=lines.append)
@@ -259,25 +262,25 @@ def test_convert_calibrates_the_reuse_schedule(dense, tmp_path):
 def test_gates_of_other_weights_warn(dense, tokenizer, tmp_path, capsys):
     cfg, params, src = dense
     gates = tmp_path / "g.safetensors"
-    nc.save_gates(gates, random_gates(cfg), {"nsa": nc.nsa_dict(TINY_NSA), "source": "mine",
-                                             "source_fingerprint": nc.model_fingerprint(params)})
+    nsa_gates.save_gates(gates, random_gates(cfg), {"nsa": nsa_hf_keys(TINY_NSA), "source": "mine",
+                                             "source_fingerprint": nsa_gates.model_fingerprint(params)})
     convert_to_nsa(str(src), tmp_path / "same", nsa_cfg=TINY_NSA, gates=gates)
     assert capsys.readouterr().err == ""
     other = tmp_path / "other_dense"
     other.mkdir()
-    nc.write_hf(other, cfg, random_params(cfg, 7), tokenizer)
+    hf.write_hf(other, cfg, random_params(cfg, 7), tokenizer)
     convert_to_nsa(str(other), tmp_path / "other", nsa_cfg=TINY_NSA, gates=gates)
     assert "were fitted to other weights (mine)" in capsys.readouterr().err
 
 
 def test_convert_gate_file_errors(dense, tmp_path, monkeypatch):
     cfg, _, src = dense
-    monkeypatch.setattr(nc, "SHIPPED_GATES", tmp_path / "missing.safetensors")
+    monkeypatch.setattr(nsa_gates, "SHIPPED_GATES", tmp_path / "missing.safetensors")
     with pytest.raises(JaxspecError, match="shipped gate file .* is missing"):
         convert_to_nsa(str(src), tmp_path / "a")
     wrong = tmp_path / "wrong.safetensors"
-    nc.save_gates(wrong, np.zeros((30, 27, 576), np.float32), {"nsa": nc.nsa_dict(nc.DEFAULT_NSA)})
-    monkeypatch.setattr(nc, "SHIPPED_GATES", wrong)
+    nsa_gates.save_gates(wrong, np.zeros((30, 27, 576), np.float32), {"nsa": nsa_hf_keys(nc.DEFAULT_NSA)})
+    monkeypatch.setattr(nsa_gates, "SHIPPED_GATES", wrong)
     with pytest.raises(JaxspecError, match=r"holds g_proj \[30, 27, 576\], this model needs \[2, 12, 32\]"):
         convert_to_nsa(str(src), tmp_path / "a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wrong.safetensors"]
@@ -288,13 +291,13 @@ def fail_while_writing(monkeypatch):
         (path / "config.json").write_text("{half a checkpoint")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(nc, "write_hf", write_hf)
+    monkeypatch.setattr(hf, "write_hf", write_hf)
 
 
 def test_failure_leaves_nothing(dense, tmp_path, monkeypatch):
     cfg, _, src = dense
     gates = tmp_path / "gates.safetensors"
-    nc.save_gates(gates, random_gates(cfg), {"nsa": nc.nsa_dict(TINY_NSA)})
+    nsa_gates.save_gates(gates, random_gates(cfg), {"nsa": nsa_hf_keys(TINY_NSA)})
     old = tmp_path / "old"
     old.mkdir()
     (old / "keep.txt").write_text("keep")
@@ -320,7 +323,7 @@ def test_cli_errors(dense, tmp_path, case):
         qwen = tmp_path / "qwen"
         qwen.mkdir()
         cfg = tiny_config(Tokenizer.from_hf_dir(src), bias=True)
-        nc.write_hf(qwen, cfg, random_params(cfg, 2), Tokenizer.from_hf_dir(src))
+        hf.write_hf(qwen, cfg, random_params(cfg, 2), Tokenizer.from_hf_dir(src))
         config = json.loads((qwen / "config.json").read_text())
         (qwen / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
         args = [str(qwen), str(tmp_path / "out"), "--to-nsa", "--fit-steps", "1"]  # no gate file needed

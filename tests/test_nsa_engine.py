@@ -1,4 +1,4 @@
-"""NSA targets in the engine (DESIGN.md sections 2-4): cached decoding equals a full forward, verifying
+"""NSA targets in the engine: cached decoding equals a full forward, verifying
 T rows equals T decode steps (blocks completing inside the window, rejected rows overwritten), batched
 rows equal rows alone, and every method's greedy output equals plain greedy decoding.
 
@@ -160,9 +160,10 @@ def test_real_nsa_smollm2_teacher_forced_bf16():
     from jaxspec.loaders import load_model
     from jaxspec.models import nsa_convert
     from jaxspec.runner import encode_prompts
+    from jaxspec.training import nsa_gates
 
     dense_cfg, dense_params, tokenizer = load_model("smollm2", "bfloat16")
-    g_proj, _ = nsa_convert.load_gates(nsa_convert.SHIPPED_GATES)
+    g_proj, _ = nsa_gates.load_gates(nsa_gates.SHIPPED_GATES)
     cfg, params = nsa_convert.to_nsa(dense_cfg, dense_params, nsa_convert.DEFAULT_NSA, g_proj)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     batch = encode_prompts(tokenizer, [corpus.long_prompt(tokenizer, 1500, task="continue", offset=3)], chat=True)

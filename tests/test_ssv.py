@@ -1,4 +1,4 @@
-"""SSV on NSA targets (DESIGN.md section 4c): reuse layers take exactly the nearest earlier refresh
+"""SSV on NSA targets: reuse layers take exactly the nearest earlier refresh
 layer's selection, the greedy calibration and its saved schedule, precision classes (validation,
 reporting), and the engine under each class: strict is lossless for every group size, the
 approximate classes run and are reported as such."""
@@ -15,7 +15,7 @@ from jaxspec.decoding.spec import PRECISIONS, SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, nsa, nsa_reuse
 from jaxspec.models.config import ModelConfig, NSAConfig
-from jaxspec.models.nsa_convert import hf_config
+from jaxspec.loaders.hf import hf_config
 from jaxspec.decoding import engine
 from test_nsa_engine import nsa_config, random_ids
 

@@ -1,8 +1,9 @@
-"""Hugging Face checkpoints: config.json plus one or sharded safetensors files.
+"""Hugging Face checkpoints: config.json plus one or sharded safetensors files, read (`load`) and
+written (`write_hf`, Llama-family models with their tokenizer: what `jaxspec.convert --to-nsa` writes).
 
 HF stores Linear weights as [out, in]; jaxspec multiplies x @ W, so projections are transposed here,
 q/k/v and gate/up are concatenated into one matrix each, and per-layer tensors are stacked along a
-leading layer axis (see `jaxspec.models.decoder`).
+leading layer axis (see `jaxspec.models.decoder`); the writer undoes each step with the same name map.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models.config import ModelConfig
+from jaxspec import files
 from jaxspec.errors import JaxspecError
-from jaxspec.models.decoder import Params, param_shapes
+from jaxspec.models.config import ModelConfig, nsa_hf_keys
+from jaxspec.models.decoder import Params, gate_dim, param_shapes
 
 # jaxspec layer key -> (HF names inside model.layers.{i}., concatenated along the last axis; transpose)
 LAYER_TENSORS = {
@@ -102,21 +105,118 @@ def load(path: Path, dtype: str) -> tuple[ModelConfig, Params]:
     else:
         raise JaxspecError(f"{path} has no model.safetensors or model.safetensors.index.json")
 
-    files: dict[str, object] = {}
+    opened: dict[str, object] = {}
 
     def get(name: str) -> np.ndarray:
         file = "model.safetensors" if weight_map is None else weight_map.get(name)
         if file is None:
             raise JaxspecError(f"checkpoint {path} has no tensor {name}")
         try:
-            if file not in files:
-                files[file] = safe_open(path / file, framework="numpy")
-            if name not in files[file].keys():
+            if file not in opened:
+                opened[file] = safe_open(path / file, framework="numpy")
+            if name not in opened[file].keys():
                 raise JaxspecError(f"checkpoint {path} has no tensor {name}")
-            return files[file].get_tensor(name)
+            return opened[file].get_tensor(name)
         except SafetensorError as e:
             raise JaxspecError(f"corrupt or incomplete safetensors file {path / file}: {e}") from None
         except FileNotFoundError:
             raise JaxspecError(f"missing safetensors shard {path / file}") from None
 
     return cfg, build_params(cfg, get)
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json of `cfg` in the HF Llama layout (plus NSA-1B's keys for llama-nsa models)."""
+    if cfg.model_type not in ("llama", "llama-nsa") or cfg.qk_norm:
+        raise JaxspecError(f"cannot write a {cfg.model_type!r} model as an HF Llama directory")
+    rope = cfg.rope
+    hf = {
+        "architectures": ["LlamaNSAForCausalLM" if cfg.nsa else "LlamaForCausalLM"],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": rope.theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.qkv_bias,
+        "mlp_bias": False,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0],
+        "torch_dtype": cfg.dtype,
+        "use_cache": True,
+    }
+    if rope.kind == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": rope.factor}
+        if rope.original_max_position:
+            hf["rope_scaling"]["original_max_position_embeddings"] = rope.original_max_position
+    elif rope.kind == "llama3":
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
+                              "high_freq_factor": rope.high_freq_factor,
+                              "original_max_position_embeddings": rope.original_max_position}
+    elif rope.kind == "yarn":
+        hf["rope_scaling"] = {"rope_type": "yarn", "factor": rope.factor, "beta_fast": rope.beta_fast,
+                              "beta_slow": rope.beta_slow, "attention_factor": rope.attention_factor,
+                              "original_max_position_embeddings": rope.original_max_position, "truncate": rope.truncate}
+    if cfg.nsa:
+        hf.update(nsa_hf_keys(cfg.nsa))
+        if cfg.nsa.refresh_layers:
+            hf["nsa_refresh_layers"] = list(cfg.nsa.refresh_layers)
+    return hf
+
+
+def hf_tensors(cfg: ModelConfig, params: Params) -> dict[str, jax.Array]:
+    """The params under their HF names and layouts ([out, in] projections, one tensor per layer)."""
+    shapes = param_shapes(cfg)
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    split_sizes = {
+        "wqkv": [q_dim, kv_dim, kv_dim] + ([gate_dim(cfg)] if cfg.nsa else []),
+        "bqkv": [q_dim, kv_dim, kv_dim] + ([gate_dim(cfg)] if cfg.nsa else []),
+        "w_gate_up": [cfg.intermediate_size, cfg.intermediate_size],
+    }
+    out = {}
+    for key in ("embed", "final_norm", "lm_head"):
+        if key in shapes:
+            name, transpose = TOP_TENSORS[key]
+            out[name] = params[key].T if transpose else params[key]
+    for key in shapes["layers"]:
+        names, transpose = layer_tensor_names(cfg, key), LAYER_TENSORS[key][1]
+        stacked = params["layers"][key]
+        bounds = np.cumsum(split_sizes.get(key, [stacked.shape[-1]]))[:-1]
+        for i in range(cfg.num_layers):
+            for name, part in zip(names, jnp.split(stacked[i], bounds, axis=-1)):
+                out[f"model.layers.{i}.{name}"] = part.T if transpose else part
+    return {name: jnp.asarray(x) for name, x in out.items()}
+
+
+def write_hf(path: Path, cfg: ModelConfig, params: Params, tokenizer) -> None:
+    """Writes an HF directory into the existing directory `path`: config.json, generation_config.json,
+    model.safetensors (HF names, at the params' dtype), tokenizer.json and tokenizer_config.json
+    (what `load_model` and transformers read)."""
+    from safetensors.flax import save_file
+
+    config = hf_config(cfg.replace(bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids))
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    save_file(hf_tensors(cfg, params), str(path / "model.safetensors"), metadata={"format": "pt"})
+    files.usual_mode(path / "model.safetensors")
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    token = lambda i: None if i is None else tokenizer.backend.id_to_token(i)
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token(tokenizer.bos_token_id),
+        "eos_token": token(tokenizer.eos_token_ids[0]) if tokenizer.eos_token_ids else None,
+        "model_max_length": cfg.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+    if tokenizer.chat_template:
+        tok_config["chat_template"] = tokenizer.chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")

@@ -80,8 +80,9 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class NSAConfig:
-    """Native Sparse Attention (DESIGN.md section 2): compressed blocks of `block_size` tokens, the top
-    `block_counts` blocks per query, a sliding window of `window_size` keys, gated per query head.
+    """Native Sparse Attention, as NSA-1B has it (`jaxspec.models.nsa`): compressed blocks of
+    `block_size` tokens, the top `block_counts` blocks per query, a sliding window of `window_size`
+    keys, gated per query head.
 
     `topk_rule` "nsa1b" is the rule of fla's `parallel_nsa_topk` kernel that NSA-1B was trained with:
     candidates are streamed in chunks of `block_size` compressed blocks and a running list keeps the
@@ -219,6 +220,13 @@ def nsa_from_hf(hf: dict) -> NSAConfig:
         topk_rule=hf.get("nsa_topk_rule", "nsa1b"),
         refresh_layers=hf.get("nsa_refresh_layers") or (),
     )
+
+
+def nsa_hf_keys(nsa: NSAConfig) -> dict:
+    """NSA-1B's keys of `nsa`'s attention settings (`nsa_from_hf` reads them back; the refresh/reuse
+    schedule is written apart: a gate file records these keys, which the schedule does not change)."""
+    return {"block_size": nsa.block_size, "block_counts": nsa.block_counts, "window_size": nsa.window_size,
+            "nsa_topk_rule": nsa.topk_rule}
 
 
 def rope_from_hf(hf: dict) -> RopeConfig:

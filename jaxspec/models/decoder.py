@@ -10,10 +10,20 @@ The q/k/v and gate/up projections are fused because a decode step multiplies one
 each matrix: one product per layer reads the weights at about twice the bandwidth of three small
 ones (bench/NOTES.md, "Decode step").
 
-The forward writes the new tokens' keys and values into the KV cache and then calls an injected
-`attend` function, so prefill, plain decoding, verification (with score collection) and sparse
-drafting share one model and differ only in how attention reads the cache. `attention` picks the
-model's own attention (full causal, or NSA's three gated branches: `jaxspec.models.nsa`).
+A layer (`forward`) reads as the transformer layer it is, one named step each, the fused kernel of
+each step behind it:
+    q, cache, gates = attention_inputs(h, ...)      q/k/v product; bias, qk-norm, RoPE, cache write
+    out = attend(q, cache, gates, ...)               attention (the injected backend)
+    x, h = residual_add_norm(x, out, wo, mlp_norm)   residual, then the MLP's norm
+    x, h = residual_add_norm(x, swiglu(h), w_down, next_norm)   residual, then the next layer's norm
+Each residual add is fused with the norm that follows it (kernels.residual_norm), so the stream
+arrives at a layer already normed (h; the first layer's norm runs before the loop, the last one's
+norm is the final norm).
+
+The cache write comes before the injected `attend`, so prefill, plain decoding, verification (with
+score collection) and sparse drafting share one model and differ only in how attention reads the
+cache. `attention` picks the model's own attention (full causal, or NSA's three gated branches:
+`jaxspec.models.nsa`). `sequence_forward` runs the same layers without a KV cache, for training.
 """
 
 from __future__ import annotations
@@ -162,6 +172,7 @@ def forward(
     carry: Any = (),
     layer_ids: np.ndarray | jax.Array | None = None,
     backend: str = "reference",
+    remat: bool = False,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Runs all layers on `tokens` [B, T] at `positions` [B, T] (RoPE).
 
@@ -169,17 +180,17 @@ def forward(
     (default: their positions; a draft tree's nodes share positions and differ in slots) before
     `attend` reads it; invalid tokens (padding) write nothing. `layer_xs` is a pytree with a leading
     layer axis handed to `attend` one layer at a time; `attend`'s per-layer outputs come back stacked;
-    `carry` is `attend`'s initial layer-to-layer state. `layer_ids` are the model layers of the
-    entries of params' layer stack (a draft that skips layers, `draft_weights`; default: every layer);
-    quantized matrices, norms and the per-head parameters are read in place at their stack entry.
-    `backend` runs the layer's epilogues (kernels.rope_write, kernels.residual_norm). Returns the last
-    hidden states [B, T, D] (before the final norm), the cache, and those. With the Pallas backend a
-    few rows' products with small exact matrices run the row kernel too (`InPlace`).
+    `carry` is `attend`'s initial layer-to-layer state. `layer_ids` are the cache layers of the
+    entries of params' layer stack (a draft that skips layers, `draft_weights`: the layers it keeps;
+    `sequence_forward`: 0, its one-layer cache; default: every layer); quantized matrices, norms and
+    the per-head parameters are read in place at their stack entry. `backend` runs the layer's fused
+    kernels (kernels.rope_write, kernels.residual_norm); with the Pallas backend a few rows' products
+    with small exact matrices run the row kernel too (`InPlace`). `remat` recomputes each layer in
+    the backward pass (training). Returns the last hidden states [B, T, D] (before the final norm),
+    the cache, and `attend`'s per-layer outputs.
     """
-    inv_freq, rope_scale = rope_tables(cfg)
     B, T = tokens.shape
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    write_pos = jnp.where(valid, positions if slots is None else slots, cache.k.shape[3])  # past the end: not written
+    write_pos = jnp.where(valid, positions if slots is None else slots, cache.num_slots)  # past the end: not written
 
     # Read in place at the layer's entry by the kernels (a slice of a stack passed to a kernel would be
     # copied first: a kernel a layer); the rest is sliced by the scan inside XLA's fusions. A layer's
@@ -191,41 +202,24 @@ def forward(
     stacks["next_norm"] = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
     scanned = {name: a for name, a in layers.items() if name not in in_place and name not in stacks
                and name != "attn_norm"}
-    eps = cfg.rms_norm_eps
-
-    def residual_sums(x, w, entry):
-        """The product's sums for residual_norm; under tensor parallelism summed over the shards first."""
-        sums, scale = product_sums(x, w)
-        if cfg.tp == 1:
-            return sums, scale
-        return sharding.all_reduce(product_rows(sums, scale, entry, B * T, x.dtype), cfg)[None], None
 
     def layer(state, xs):
-        x, h, cache, carry, entry = state
-        p, index, lx = xs
-        index = entry if index is None else index  # a layer stack of every layer: the entry is the layer
+        x, h, cache, carry, entry = state  # h: the stream x, normed for this layer's attention
+        p, cache_layer, lx = xs
+        cache_layer = entry if cache_layer is None else cache_layer
         p = {**p, **{name: dataclasses.replace(m, layer=entry) if isinstance(m, Quantized) else InPlace(m, entry, backend)
                      for name, m in in_place.items()}}
-        sums, scale = product_sums(h, p["wqkv"])
-        q, k_cache, v_cache = kernels.rope_write(
-            sums, positions, write_pos, cache.k, cache.v, entry, index, inv_freq, num_heads=cfg.num_heads,
-            rope_scale=rope_scale, eps=eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
-            k_norm=stacks["k_norm"], backend=backend)
-        cache = cache.written(index, write_pos, k_cache, v_cache)
-        gates = None
-        if cfg.nsa:
-            qkv = product_rows(sums, scale, entry, B * T, x.dtype, stacks["bqkv"])
-            gates = jax.nn.sigmoid(qkv[:, q_dim + 2 * kv_dim:].astype(jnp.float32)).reshape(B, T, cfg.num_heads, 3)
-        out, ly, carry = attend(index, q, cache, lx, gates, carry)
-        sums, scale = residual_sums(out.reshape(B, T, -1), p["wo"], entry)
-        x, h = kernels.residual_norm(x, sums, stacks["mlp_norm"], entry, eps=eps, scale=scale, backend=backend)
-        gate, up = jnp.split(matmul(h, p["w_gate_up"]), 2, axis=-1)
-        sums, scale = residual_sums(jax.nn.silu(gate) * up, p["w_down"], entry)
-        x, h = kernels.residual_norm(x, sums, stacks["next_norm"], entry, eps=eps, scale=scale, backend=backend)
+        q, cache, gates = attention_inputs(cfg, h, p["wqkv"], stacks, entry, positions, write_pos, cache, cache_layer,
+                                           backend)
+        out, ly, carry = attend(cache_layer, q, cache, lx, gates, carry)
+        x, h = residual_add_norm(cfg, x, out.reshape(B, T, -1), p["wo"], stacks["mlp_norm"], entry, backend)
+        x, h = residual_add_norm(cfg, x, swiglu(h, p["w_gate_up"]), p["w_down"], stacks["next_norm"], entry, backend)
         return (x, h, cache, carry, entry + 1), ly
 
+    if remat:
+        layer = jax.checkpoint(layer, prevent_cse=False)
     x = embed(params, cfg, tokens)
-    h = rms_norm(x, layers["attn_norm"][0], eps)
+    h = rms_norm(x, layers["attn_norm"][0], cfg.rms_norm_eps)
     # The entry is a counter in the carry, which XLA merges with the loop's own: the kernels read it
     # in place. An iota among the scanned inputs was sliced by a copy kernel every layer (and so is
     # layer_ids, passed only for a draft that skips layers).
@@ -233,6 +227,77 @@ def forward(
     (x, _, cache, _, _), layer_ys = jax.lax.scan(layer, (x, h, cache, carry, jnp.int32(0)), (scanned, ids, layer_xs),
                                                  length=layers["attn_norm"].shape[0])
     return x, cache, layer_ys
+
+
+def attention_inputs(cfg: ModelConfig, h: jax.Array, wqkv, stacks: dict, entry: jax.Array, positions: jax.Array,
+                     write_pos: jax.Array, cache: KVCache, cache_layer: jax.Array,
+                     backend: str) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """Self-attention's inputs from the normed stream h [B, T, D]: q [B, T, Hq, Dh], the cache with the
+    layer's keys and values written at slots `write_pos` of layer `cache_layer`, and NSA's sigmoid
+    gates [B, T, Hq, 3] (None for dense models). Behind the fused q/k/v product one kernel adds the
+    bias, normalises q and k per head (qk_norm), rotates them and writes k and v (kernels.rope_write);
+    `stacks`' bqkv, q_norm and k_norm are read at `entry`."""
+    B, T = positions.shape
+    inv_freq, rope_scale = rope_tables(cfg)
+    sums, scale = product_sums(h, wqkv)
+    q, k_cache, v_cache = kernels.rope_write(
+        sums, positions, write_pos, cache.k, cache.v, entry, cache_layer, inv_freq, num_heads=cfg.num_heads,
+        rope_scale=rope_scale, eps=cfg.rms_norm_eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
+        k_norm=stacks["k_norm"], backend=backend)
+    cache = cache.written(cache_layer, write_pos, k_cache, v_cache)
+    if not cfg.nsa:
+        return q, cache, None
+    qkv = product_rows(sums, scale, entry, B * T, h.dtype, stacks["bqkv"])
+    gate_logits = qkv[:, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim:]  # after q, k and v
+    return q, cache, jax.nn.sigmoid(gate_logits.astype(jnp.float32)).reshape(B, T, cfg.num_heads, 3)
+
+
+def residual_add_norm(cfg: ModelConfig, x: jax.Array, y: jax.Array, w, norm: jax.Array, entry: jax.Array,
+                      backend: str) -> tuple[jax.Array, jax.Array]:
+    """(x + y @ w, its RMSNorm with norm[entry]): a sublayer's output projection added to the residual
+    stream x [B, T, D], and the new stream normed for the next sublayer, in one kernel that sums the
+    product's partial sums itself (kernels.residual_norm). Under tensor parallelism the product is
+    summed over the shards first."""
+    B, T = x.shape[:2]
+    sums, scale = product_sums(y, w)
+    if cfg.tp > 1:
+        sums, scale = sharding.all_reduce(product_rows(sums, scale, entry, B * T, y.dtype), cfg)[None], None
+    return kernels.residual_norm(x, sums, norm, entry, eps=cfg.rms_norm_eps, scale=scale, backend=backend)
+
+
+def swiglu(h: jax.Array, w_gate_up) -> jax.Array:
+    """The MLP's activations silu(h W_gate) * (h W_up) [..., F]; its down projection is
+    `residual_add_norm`'s product."""
+    gate, up = jnp.split(matmul(h, w_gate_up), 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+# attend_sequence(q [B, T, Hq, Dh], k [B, T, Hkv, Dh], v [B, T, Hkv, Dh], gates [B, T, Hq, 3] or None)
+# -> out [B, T, Hq, Dh]: causal attention of a whole sequence from position 0
+SequenceAttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
+
+
+def sequence_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, attend_sequence: SequenceAttendFn,
+                     remat: bool = True) -> jax.Array:
+    """The last hidden states [B, T, D] of `tokens` [B, T] from position 0: `forward`'s layers with
+    attention over the whole sequence's keys and values instead of a KV cache, for training (the NSA
+    gate fit), where `attend_sequence` is a differentiable attention. Each layer writes its keys and
+    values into a one-layer cache of T slots, which `attend_sequence` reads whole and the next layer
+    overwrites, so no [L, ...] cache is kept; with `remat` each layer is recomputed in the backward
+    pass, so a row's memory does not grow with the number of layers. Reference kernels."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    shape = (1, B, cfg.num_kv_heads, T, cfg.head_dim)
+    one_layer = KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+    def attend(layer, q, cache, _lx, gates, carry):
+        whole = lambda c: jnp.swapaxes(c[layer], 1, 2)  # [B, T, Hkv, Dh]
+        return attend_sequence(q, whole(cache.k), whole(cache.v), gates), None, carry
+
+    num_entries = params["layers"]["attn_norm"].shape[0]
+    hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), one_layer, attend,
+                           layer_ids=np.zeros(num_entries, np.int32), remat=remat)
+    return hidden
 
 
 def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, tree=None,

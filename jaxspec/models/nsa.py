@@ -9,7 +9,7 @@ pass computes instead of a full attention row: a slot's score is the compressed 
 block (averaged over query heads, and over the collected rows as on dense models); slots of the
 query's not yet complete block score 1 (above any weight), so the most recent tokens are kept first.
 
-Verification of draft rows (a `Verification`, SSV: DESIGN.md section 4c): the rows (a draft tree, or
+Verification of draft rows (a `Verification`, SSV's grouped verification): the rows (a draft tree, or
 a chain as the tree 1, ..., 1) run the grouped kernel (`pallas_kernels.nsa_grouped`): each row
 attends its root-to-node path as if it were the next tokens, adjacent rows in groups sharing their
 loaded blocks. Exact groups are lossless; a shared index (one representative row's blocks per group)

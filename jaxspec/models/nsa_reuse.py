@@ -1,4 +1,4 @@
-"""Calibrating the refresh/reuse schedule of SSV's reuse precision classes (DESIGN.md section 4c).
+"""Calibrating the refresh/reuse schedule of SSV's reuse precision classes.
 
 A reuse layer takes the block selection of the nearest refresh layer before it and skips NSA's
 compressed branch, which saves the compressed keys' read and the top-k per layer but changes the
