@@ -30,7 +30,8 @@ from jaxspec.models.kvcache import cache_bytes
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
-from jaxspec.serving.scheduler import Request, Scheduler
+from jaxspec.serving.requests import Request
+from jaxspec.serving.scheduler import Scheduler
 from jaxspec.tokenizer import Tokenizer
 
 PROGRESS_SEGMENT = 16  # decode iterations between progress updates

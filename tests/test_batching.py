@@ -153,7 +153,7 @@ def test_group_admission_drops_padding_rows(params, spec):
 def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
     """Submits `requests` to a scheduler; returns ({i: tokens handed out}, {i: last delta}), filled as
     the scheduler runs."""
-    from jaxspec.serving.scheduler import Request as Job
+    from jaxspec.serving.requests import Request as Job
 
     tokens, finished = {i: [] for i in range(len(requests))}, {}
 
@@ -194,8 +194,8 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     scheduler = serving.Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
                                   prefill_chunk=chunk)
     events, call, dispatch, get = [], scheduler._call, scheduler._dispatch, jax.device_get
-    monkeypatch.setattr(scheduler, "_call", lambda name, *a, **k: (events.append(name), call(name, *a, **k))[1])
-    monkeypatch.setattr(scheduler, "_dispatch", lambda name, *a: (events.append(name), dispatch(name, *a))[1])
+    monkeypatch.setattr(scheduler, "_call", lambda program, *a, **k: (events.append(program.name), call(program, *a, **k))[1])
+    monkeypatch.setattr(scheduler, "_dispatch", lambda program, *a: (events.append(program.name), dispatch(program, *a))[1])
     monkeypatch.setattr(serving.jax, "device_get", lambda x: (events.append("read"), get(x))[1])
     tokens, finished = submit_all(scheduler, requests)
     rounds = 1 if chunk is None else -(-(max(len(r.ids) for r in requests[:3]) - 1) // chunk)  # chunks of the first group
@@ -217,7 +217,8 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
 def test_cancel_during_chunked_prefill(params):
     """A request cancelled while its prompt is prefilled a chunk per round ends cancelled once
     admitted, and its slot goes to the next request, which emits its tokens alone."""
-    from jaxspec.serving.scheduler import Request as Job, Scheduler
+    from jaxspec.serving.requests import Request as Job
+    from jaxspec.serving.scheduler import Scheduler
 
     spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
     long, short = Request(20, 150, 40, HOT), Request(21, 40, 12, GREEDY)
@@ -301,6 +302,7 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
 
     from jaxspec.decoding import planner
     from jaxspec.decoding.planner import Prediction, Strategy
+    from jaxspec.serving.programs import replay
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app
 
@@ -311,7 +313,7 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
                           max_top_k=32)
     scheduler.warm_up(128)  # prompts of up to 128 tokens: buckets 64 and 128
     compiled_s, programs = scheduler.compile_s, set(scheduler._executables)
-    assert ("replay", g2, scheduler._state.tokens.shape) in programs
+    assert (replay(CFG, g2.spec(scheduler.base), MAX_LEN), scheduler._state.tokens.shape) in programs
     requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # buckets 64 and 128
     tokens, finished = submit_all(scheduler, requests)
     while len(finished) < 3:
