@@ -118,13 +118,8 @@ def decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
 
 @functools.lru_cache(maxsize=None)
 def _decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
-    start = jax.jit(
-        functools.partial(engine.start, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
-    )
-    decode = jax.jit(
-        functools.partial(engine.decode, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
-    )
-    return start, decode
+    eng = engine.Engine(cfg, spec, sampling, max_len)
+    return jax.jit(eng.start, donate_argnums=1), jax.jit(eng.decode, donate_argnums=1)
 
 
 def run_generation(

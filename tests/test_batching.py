@@ -1,4 +1,4 @@
-"""Continuous batching in the engine (`engine.admit`, `engine.release`, row sampling rules): a request
+"""Continuous batching in the engine (`engine.Engine.admit`, `engine.release`, row sampling rules): a request
 admitted into a freed slot of a running batch, mid-flight, produces exactly the tokens it produces
 alone (greedy rows and sampled rows with their own seeds and rules), for every method, a chain and a
 tree; the rows already running are not disturbed; a released row stops changing."""
@@ -42,18 +42,17 @@ def prompt(seed: int, n: int) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def compiled(spec: SpecConfig):
     """(admit, decode, release) jitted for `spec`, row rules (sampling None)."""
-    static = dict(cfg=CFG, spec=spec, sampling=None, max_len=MAX_LEN)
-    admit = jax.jit(functools.partial(engine.admit, **static), donate_argnums=1)
-    decode = jax.jit(functools.partial(engine.decode, **static), donate_argnums=1)
+    eng = engine.Engine(CFG, spec, None, MAX_LEN)
+    admit, decode = jax.jit(eng.admit, donate_argnums=1), jax.jit(eng.decode, donate_argnums=1)
     return admit, decode, jax.jit(engine.release, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def empty_state(params, spec: SpecConfig, slots: int):
     """A state of `slots` free rows (every row done), as a server starts."""
-    state = engine.prefill(
-        params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), jax.random.key(0), cfg=CFG, spec=spec,
-        sampling=None, max_len=MAX_LEN, max_new_tokens=jnp.ones((slots,), jnp.int32),
+    state = engine.Engine(CFG, spec, None, MAX_LEN).prefill(
+        params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), jax.random.key(0),
+        max_new_tokens=jnp.ones((slots,), jnp.int32),
         stop_ids=-jnp.ones((slots, STOP_WIDTH), jnp.int32), row_sampling=RowSampling.of([GREEDY] * slots, max_top_k=32),
     )
     return engine.release(state, jnp.ones((slots,), bool))
@@ -369,7 +368,7 @@ def test_scheduler_shrinks_and_grows(params, spec):
 def test_a_batch_shrinks_as_its_rows_finish(params, monkeypatch):
     """The runner's static batch (one sampling config, no row rules) with `shrink`: rows of longer
     prompts reach the length cap first, the decode stops once at most a quarter of the 8 rows run
-    (`engine.decode`'s min_live) and the batch shrinks to 2 rows; every row's tokens equal the batch's
+    (`engine.Engine.decode`'s min_live) and the batch shrinks to 2 rows; every row's tokens equal the batch's
     without shrinking, and a device without the memory for the smaller state keeps the 8 rows and
     decodes to the end."""
     from jaxspec.runner import Batch, run_generation

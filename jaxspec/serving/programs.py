@@ -76,7 +76,7 @@ class Programs:
     decode: Program  # a segment: (params, state, iterations, min_live)
     release: Program  # (state, free [rows] bool)
     report: Program  # what the host reads after a segment (`unpack_report`)
-    switch: Program  # the running state under this table's strategy (`engine.switch`)
+    switch: Program  # the running state under this table's strategy (`engine.Engine.switch`)
     take: Program  # a shrunk state of chosen rows
     place: Program  # a grown state: a shrunk one's rows first in a state of free rows
     blank: Program  # an empty cache for a chunked admission
@@ -128,30 +128,29 @@ def unpack_report(packed: np.ndarray) -> tuple:
 
 def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefill_chunk) -> dict[str, Callable]:
     """The programs' functions for the model `cfg` (or one shard's view of it)."""
-    static = dict(cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
+    eng = engine.Engine(cfg, spec, sampling, max_len)
     keys = jax.vmap(jax.random.key)
 
     def free_rows(n, params, rules, budget):
         """A state of n free (done) rows; `rules` of n rows, or None."""
-        state = engine.prefill(
+        state = eng.prefill(
             params, jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.int32), keys(jnp.zeros((n,), jnp.uint32)),
             max_new_tokens=jnp.ones((n,), jnp.int32), stop_ids=-jnp.ones((n, stop_width), jnp.int32),
-            budget=budget, row_sampling=rules, **static)
+            budget=budget, row_sampling=rules)
         return engine.release(state, jnp.ones((n,), bool))
 
     empty = functools.partial(free_rows, slots)
 
     def prefill(params, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
-        return engine.prefill(params, prompts, prompt_len, keys(seeds), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                              budget=budget, row_sampling=rules, **static)
+        return eng.prefill(params, prompts, prompt_len, keys(seeds), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                           budget=budget, row_sampling=rules)
 
     def start(params, cache, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
-        return engine.start(params, cache, prompts, prompt_len, keys(seeds), budget, max_new_tokens=max_new_tokens,
-                            stop_ids=stop_ids, row_sampling=rules, **static)
+        return eng.start(params, cache, prompts, prompt_len, keys(seeds), budget, max_new_tokens=max_new_tokens,
+                         stop_ids=stop_ids, row_sampling=rules)
 
     def admit(params, state, slots_, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, cache):
-        return engine.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, cache,
-                            **static)
+        return eng.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, cache)
 
     def blank(prompt_len):
         """An empty cache for the rows of a chunked admission."""
@@ -162,7 +161,7 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
                                     backend=spec.backend, chunk=prefill_chunk)
 
     def decode(params, state, iterations, min_live):
-        return engine.decode(params, state, max_iterations=iterations, min_live=min_live, **static)
+        return eng.decode(params, state, max_iterations=iterations, min_live=min_live)
 
     def report(state, since):
         """What the host reads after a segment, as one int32 array (one copy, not seven:
@@ -175,7 +174,7 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         return jnp.concatenate([x.astype(jnp.int32) for x in (head, tokens, s.accepted_by_depth)], axis=1)
 
     def switch(params, state, budget):
-        return engine.switch(params, state, budget, **static)
+        return eng.switch(params, state, budget)
 
     def take(params, state, rows):
         """The state of rows `rows` [n] (n < slots), in that order: a shrunk batch."""

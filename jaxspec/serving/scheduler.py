@@ -3,7 +3,7 @@
 A fixed number of slots (the batch rows of one static-shaped `engine.DecodeState`) run the engine's
 loop in segments of a few iterations. Between segments the host, in one thread, frees the slots of
 finished and cancelled requests (`engine.release`), admits waiting requests into free slots
-(`engine.admit`: a jitted prefill of the new rows written into the running state) and hands each
+(`engine.Engine.admit`: a jitted prefill of the new rows written into the running state) and hands each
 running request the tokens its slot accepted during the segment. Serving segments are pipelined:
 the next one is dispatched before the host reads the last one's report, so the device runs while
 the host hands out tokens; admissions, releases and a settled refinement's switches then take effect
@@ -479,7 +479,7 @@ class Scheduler:
         self.rows, self._watch_from = self.slots, None
 
     def _switch(self, target: planner.Strategy) -> None:
-        """Every slot continues under `target` (`engine.switch`: exact); the slots' stats so far move
+        """Every slot continues under `target` (`engine.Engine.switch`: exact); the slots' stats so far move
         to their requests (the switch zeroes the state's)."""
         _, stats = self._last
         for slot, h in self._running.items():
