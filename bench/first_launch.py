@@ -1,6 +1,6 @@
 """What a compiled decode program costs on its first executions, after its compile.
 
-The serving scheduler compiles its programs ahead of time (`Scheduler._compiled`) and counts that as
+The serving scheduler compiles its programs ahead of time (`serving.programs.Program.compile`) and counts that as
 compile time, but XLA sets up a program's GPU side (its kernels' modules, its command buffers) at its
 first executions. A strategy that auto switches to mid-decode pays those inside the decode. This
 times the compile, then each of the first executions alone, for plain and vegas on random SmolLM2

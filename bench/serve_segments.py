@@ -27,7 +27,8 @@ from bench import common
 from bench.serve_load import GAMMA, RATIO, prompts
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.loaders import load_model
-from jaxspec.serving.scheduler import Request, Scheduler
+from jaxspec.serving.requests import Request
+from jaxspec.serving.scheduler import Scheduler
 
 TABLE = [("method", "method", "s"), ("segment", "segment", "s"), ("repeat", "repeat", "d"), ("tok/s", "tokens_per_s", ".0f"),
          ("tok/s all running", "running_tokens_per_s", ".0f"), ("deliveries", "deliveries", "d"),
@@ -41,7 +42,7 @@ def timed(scheduler: Scheduler, seconds: collections.Counter, counts: collection
         method = getattr(scheduler, name)
 
         def wrapper(*args, _method=method, _name=name, **kwargs):
-            key = f"{_name}:{args[0]}" if _name == "_call" else _name
+            key = f"{_name}:{args[0].name}" if _name == "_call" else _name
             start = time.perf_counter()
             try:
                 return _method(*args, **kwargs)

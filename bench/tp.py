@@ -58,14 +58,14 @@ GREEDY = SamplingConfig()
 
 def programs(cfg: ModelConfig, spec: SpecConfig, max_len: int, mesh):
     """(start, decode) of the engine for `spec`: jitted on one device (mesh None) or tensor-parallel."""
-    static = dict(spec=spec.compiled(max_len), sampling=GREEDY, max_len=max_len)
-
     def start(c):
-        return lambda p, cache, ids, n, key, budget, new, stop: engine.start(
-            p, cache, ids, n, key, budget, cfg=c, max_new_tokens=new, stop_ids=stop, **static)
+        eng = engine.Engine(c, spec.compiled(max_len), GREEDY, max_len)
+        return lambda p, cache, ids, n, key, budget, new, stop: eng.start(
+            p, cache, ids, n, key, budget, max_new_tokens=new, stop_ids=stop)
 
     def decode(c):
-        return lambda p, state, iterations: engine.decode(p, state, cfg=c, max_iterations=iterations, **static)
+        eng = engine.Engine(c, spec.compiled(max_len), GREEDY, max_len)
+        return lambda p, state, iterations: eng.decode(p, state, max_iterations=iterations)
 
     if mesh is None:
         return jax.jit(start(cfg), donate_argnums=1), jax.jit(decode(cfg), donate_argnums=1)

@@ -26,7 +26,8 @@ from jaxspec.decoding.spec import METHODS, METRICS, PRECISIONS, SpecConfig, at_b
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
-from jaxspec.serving.scheduler import Request, Scheduler
+from jaxspec.serving.requests import Request
+from jaxspec.serving.scheduler import Scheduler
 from jaxspec.xla_flags import set_gpu_flags
 
 DEFAULT_PROMPT = "Explain in a few paragraphs why the sky is blue and why sunsets are red."

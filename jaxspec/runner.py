@@ -31,7 +31,8 @@ from jaxspec.models.kvcache import cache_bytes
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
-from jaxspec.serving.scheduler import Request, Scheduler
+from jaxspec.serving.requests import Request
+from jaxspec.serving.scheduler import Scheduler
 from jaxspec.tokenizer import Tokenizer
 
 PROGRESS_SEGMENT = 16  # decode iterations between progress updates
@@ -118,13 +119,8 @@ def decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
 
 @functools.lru_cache(maxsize=None)
 def _decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):
-    start = jax.jit(
-        functools.partial(engine.start, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
-    )
-    decode = jax.jit(
-        functools.partial(engine.decode, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len), donate_argnums=1
-    )
-    return start, decode
+    eng = engine.Engine(cfg, spec, sampling, max_len)
+    return jax.jit(eng.start, donate_argnums=1), jax.jit(eng.decode, donate_argnums=1)
 
 
 def run_generation(

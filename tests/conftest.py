@@ -56,7 +56,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxspec.serving import scheduler
+from jaxspec.serving import programs
 
 HF_VOCAB = 400
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -153,7 +153,7 @@ MAPS_HIGH = 50_000  # of the 65,530 a process may map; above it a test's end dro
 def clear_compiled() -> None:
     """JAX's caches and the schedulers' shared executables (which JAX's clearing does not reach)."""
     jax.clear_caches()
-    scheduler.clear_executables()
+    programs.clear_executables()
 
 
 def _memory_maps() -> int:

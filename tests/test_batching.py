@@ -1,4 +1,4 @@
-"""Continuous batching in the engine (`engine.admit`, `engine.release`, row sampling rules): a request
+"""Continuous batching in the engine (`engine.Engine.admit`, `engine.release`, row sampling rules): a request
 admitted into a freed slot of a running batch, mid-flight, produces exactly the tokens it produces
 alone (greedy rows and sampled rows with their own seeds and rules), for every method, a chain and a
 tree; the rows already running are not disturbed; a released row stops changing."""
@@ -42,18 +42,17 @@ def prompt(seed: int, n: int) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def compiled(spec: SpecConfig):
     """(admit, decode, release) jitted for `spec`, row rules (sampling None)."""
-    static = dict(cfg=CFG, spec=spec, sampling=None, max_len=MAX_LEN)
-    admit = jax.jit(functools.partial(engine.admit, **static), donate_argnums=1)
-    decode = jax.jit(functools.partial(engine.decode, **static), donate_argnums=1)
+    eng = engine.Engine(CFG, spec, None, MAX_LEN)
+    admit, decode = jax.jit(eng.admit, donate_argnums=1), jax.jit(eng.decode, donate_argnums=1)
     return admit, decode, jax.jit(engine.release, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def empty_state(params, spec: SpecConfig, slots: int):
     """A state of `slots` free rows (every row done), as a server starts."""
-    state = engine.prefill(
-        params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), jax.random.key(0), cfg=CFG, spec=spec,
-        sampling=None, max_len=MAX_LEN, max_new_tokens=jnp.ones((slots,), jnp.int32),
+    state = engine.Engine(CFG, spec, None, MAX_LEN).prefill(
+        params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), jax.random.key(0),
+        max_new_tokens=jnp.ones((slots,), jnp.int32),
         stop_ids=-jnp.ones((slots, STOP_WIDTH), jnp.int32), row_sampling=RowSampling.of([GREEDY] * slots, max_top_k=32),
     )
     return engine.release(state, jnp.ones((slots,), bool))
@@ -153,7 +152,7 @@ def test_group_admission_drops_padding_rows(params, spec):
 def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
     """Submits `requests` to a scheduler; returns ({i: tokens handed out}, {i: last delta}), filled as
     the scheduler runs."""
-    from jaxspec.serving.scheduler import Request as Job
+    from jaxspec.serving.requests import Request as Job
 
     tokens, finished = {i: [] for i in range(len(requests))}, {}
 
@@ -194,8 +193,8 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     scheduler = serving.Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
                                   prefill_chunk=chunk)
     events, call, dispatch, get = [], scheduler._call, scheduler._dispatch, jax.device_get
-    monkeypatch.setattr(scheduler, "_call", lambda name, *a, **k: (events.append(name), call(name, *a, **k))[1])
-    monkeypatch.setattr(scheduler, "_dispatch", lambda name, *a: (events.append(name), dispatch(name, *a))[1])
+    monkeypatch.setattr(scheduler, "_call", lambda program, *a, **k: (events.append(program.name), call(program, *a, **k))[1])
+    monkeypatch.setattr(scheduler, "_dispatch", lambda program, *a: (events.append(program.name), dispatch(program, *a))[1])
     monkeypatch.setattr(serving.jax, "device_get", lambda x: (events.append("read"), get(x))[1])
     tokens, finished = submit_all(scheduler, requests)
     rounds = 1 if chunk is None else -(-(max(len(r.ids) for r in requests[:3]) - 1) // chunk)  # chunks of the first group
@@ -217,7 +216,8 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
 def test_cancel_during_chunked_prefill(params):
     """A request cancelled while its prompt is prefilled a chunk per round ends cancelled once
     admitted, and its slot goes to the next request, which emits its tokens alone."""
-    from jaxspec.serving.scheduler import Request as Job, Scheduler
+    from jaxspec.serving.requests import Request as Job
+    from jaxspec.serving.scheduler import Scheduler
 
     spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
     long, short = Request(20, 150, 40, HOT), Request(21, 40, 12, GREEDY)
@@ -301,6 +301,7 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
 
     from jaxspec import planner
     from jaxspec.planner import Prediction, Strategy, refine
+    from jaxspec.serving.programs import replay
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app
 
@@ -311,7 +312,7 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
                           max_top_k=32)
     scheduler.warm_up(128)  # prompts of up to 128 tokens: buckets 64 and 128
     compiled_s, programs = scheduler.compile_s, set(scheduler._executables)
-    assert ("replay", g2, scheduler._state.tokens.shape) in programs
+    assert (replay(CFG, g2.spec(scheduler.base), MAX_LEN), scheduler._state.tokens.shape) in programs
     requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # buckets 64 and 128
     tokens, finished = submit_all(scheduler, requests)
     while len(finished) < 3:
@@ -367,7 +368,7 @@ def test_scheduler_shrinks_and_grows(params, spec):
 def test_a_batch_shrinks_as_its_rows_finish(params, monkeypatch):
     """The runner's static batch (one sampling config, no row rules) with `shrink`: rows of longer
     prompts reach the length cap first, the decode stops once at most a quarter of the 8 rows run
-    (`engine.decode`'s min_live) and the batch shrinks to 2 rows; every row's tokens equal the batch's
+    (`engine.Engine.decode`'s min_live) and the batch shrinks to 2 rows; every row's tokens equal the batch's
     without shrinking, and a device without the memory for the smaller state keeps the 8 rows and
     decodes to the end."""
     from jaxspec.runner import Batch, run_generation

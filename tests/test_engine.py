@@ -311,14 +311,14 @@ def test_finished_rows_stop_reading_and_writing(qwen3_case, spec):
 
 
 def test_generate_inside_a_users_jit(qwen3_case):
-    """The README's library use: `engine.generate` under the caller's own jax.jit, prefill included."""
+    """The README's library use: `engine.Engine.generate` under the caller's own jax.jit, prefill included."""
     case = qwen3_case
     spec = SpecConfig(method="vegas", gamma=4, min_tokens=32)
 
     @jax.jit
     def run(params, ids, lengths, key):
-        return engine.generate(params, ids, lengths, key, cfg=case.cfg, spec=spec, sampling=GREEDY, max_len=case.max_len,
-                               max_new_tokens=case.max_new, stop_ids=jnp.array([-1], jnp.int32))
+        return engine.Engine(case.cfg, spec, GREEDY, case.max_len).generate(
+            params, ids, lengths, key, max_new_tokens=case.max_new, stop_ids=jnp.array([-1], jnp.int32))
 
     out = run(case.params, jnp.asarray(case.batch.ids), jnp.asarray(case.batch.lengths), jax.random.key(0))
     tokens, length = jax.device_get((out.tokens, out.length))

@@ -554,8 +554,7 @@ def test_switch_under_sampling_keeps_shapes(tiny):
                   key=jax.random.key(0), budget=old.budget(), max_new_tokens=jnp.int32(30), stop_ids=jnp.asarray([-1]))
     state = decode(params, state, max_iterations=jnp.int32(2))
     length = np.asarray(state.length)
-    switched = jax.jit(lambda p, s, b: engine.switch(p, s, b, cfg=cfg, spec=new.compiled(max_len), sampling=sampling,
-                                                      max_len=max_len))(params, state, new.budget())
+    switched = jax.jit(engine.Engine(cfg, new.compiled(max_len), sampling, max_len).switch)(params, state, new.budget())
     assert switched.tokens.shape == (2, max_len + 7) and switched.stats.accepted_by_depth.shape == (2, 6)
     assert (np.asarray(switched.length) == length + 1).all() and int(switched.stats.iterations.sum()) == 0
     assert (np.asarray(switched.tokens[:, :max_len])[:, : length.min()] == np.asarray(state.tokens)[:, : length.min()]).all()

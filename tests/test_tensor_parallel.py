@@ -22,7 +22,8 @@ from jaxspec.models import decoder, sharding
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.models.quantize import Quantized
 from jaxspec.runner import Batch, encode_prompts, run_generation
-from jaxspec.serving.scheduler import Request, Scheduler
+from jaxspec.serving.requests import Request
+from jaxspec.serving.scheduler import Scheduler
 
 QWEN3 = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,
                     head_dim=16, intermediate_size=128, qk_norm=True, dtype="float32", max_position_embeddings=512)

@@ -6,7 +6,7 @@ the loop's condition each iteration; at Qwen3-8B shapes the GPU idles ~0.4 ms pe
 bench/NOTES.md, "Decode step"). Rows finish independently (stop ids, max tokens) and finished rows
 stop changing and stop reading their context: a static batch keeps them until its last row is done,
 so their passes run at slot 0 and write nothing (`roots`), unless its caller moves the unfinished rows
-into a smaller batch (`decode`'s `min_live`, `take_rows`: the serving scheduler's `shrink`).
+into a smaller batch (`Engine.decode`'s `min_live`, `take_rows`: the serving scheduler's `shrink`).
 
 State invariant between iterations: row b has committed `length[b]` tokens; the KV cache holds every
 committed token but the last one (the pending token), whose keys the next pass writes. Plain decoding
@@ -22,6 +22,9 @@ Sampling is either one static `SamplingConfig` for the whole batch (`sampling`, 
 `sampling=None`, each row's own rules in `state.sampling` (a server's rows). Every row has its own key.
 Continuous batching: `admit` prefills new requests into chosen rows of a running state between
 segments of the loop (`decode` with `max_iterations`), `release` frees rows; the loop is unchanged.
+
+`Engine` holds what every step of one run shares (model config, strategy, sampling mode, length cap)
+and runs prefill, start, decode, admit, switch and generate with only the traced arguments.
 """
 
 from __future__ import annotations
@@ -82,6 +85,167 @@ class GenerateOutput:
     stats: SpecStats
 
 
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The decode program of one model, strategy, sampling mode and length cap: the static bundle
+    that every step shares, with methods that take only traced arguments. Frozen and hashable, so a
+    caller's own `jax.jit` can close over it or take it as a static argument:
+
+        eng = Engine(cfg, spec, SamplingConfig(), max_len)
+        out = jax.jit(eng.generate)(params, ids, lengths, key, max_new_tokens=64, stop_ids=eos)
+
+    `sampling`: the static config of every row, or None with each row's rules in the state
+    (`row_sampling`: a server's rows). `spec.compiled(max_len)` gives runs that differ only in their
+    budget one program (pass `spec.budget()` where a method takes a budget)."""
+
+    cfg: ModelConfig
+    spec: SpecConfig
+    sampling: SamplingConfig | None
+    max_len: int
+
+    def prefill_cache(self, params: decoder.Params, prompts: jax.Array, prompt_len: jax.Array) -> KVCache:
+        """`prefill_cache` on this engine's backend and prefill chunk."""
+        return prefill_cache(params, prompts, prompt_len, cfg=self.cfg, max_len=self.max_len, backend=self.spec.backend,
+                             chunk=self.spec.prefill_chunk)
+
+    def start(
+        self,
+        params: decoder.Params,
+        cache: KVCache,
+        prompts: jax.Array,
+        prompt_len: jax.Array,
+        key: jax.Array,
+        budget: Budget,
+        *,
+        max_new_tokens: jax.Array | int,
+        stop_ids: jax.Array,
+        row_sampling: RowSampling | None = None,
+    ) -> DecodeState:
+        """Samples each row's first token from its last prompt token, given the `prefill_cache` output.
+
+        The last prompt token runs as a one-row verification, whose attention scores seed the drafter's
+        first selection. `budget` (traced: `SpecConfig.budget()`) is the sparse budget of this run.
+        `key`: a single key or one per row [B]; `max_new_tokens`: one or per row [B]; `stop_ids`: [n]
+        for every row or [B, n] per row (-1 pads); `row_sampling`: each row's rules when `sampling` is None.
+        """
+        cfg, spec, max_len = self.cfg, self.spec, self.max_len
+        B, P = prompts.shape
+        stop_ids = jnp.asarray(stop_ids, jnp.int32)
+        gamma = spec.draft_len
+        drafter = make_drafter(spec, cfg, max_len)
+        tokens = jnp.zeros((B, max_len + gamma + 1), jnp.int32).at[:, :P].set(prompts.astype(jnp.int32))
+        zeros = jnp.zeros((B,), jnp.int32)
+        state = DecodeState(
+            tokens=tokens,
+            length=prompt_len.astype(jnp.int32),
+            prompt_len=prompt_len.astype(jnp.int32),
+            stop_len=jnp.minimum(prompt_len + max_new_tokens, max_len).astype(jnp.int32),
+            done=jnp.zeros((B,), bool),
+            stop_ids=jnp.broadcast_to(stop_ids, (B, stop_ids.shape[-1])),
+            budget=budget,
+            cache=cache,
+            drafter=drafter.init(cache, prompt_len) if drafter else (),
+            key=row_keys(key, B),
+            stats=SpecStats(zeros, zeros, zeros, jnp.zeros((B, gamma), jnp.int32)),
+            sampling=row_sampling,
+        )
+        first = _plain_step(params, cfg, spec, self.sampling, drafter, state)
+        return dataclasses.replace(first, stats=state.stats)
+
+    def prefill(self, params, prompts, prompt_len, key, *, max_new_tokens, stop_ids, budget: Budget | None = None,
+                row_sampling: RowSampling | None = None) -> DecodeState:
+        """`prefill_cache` then `start` (under `spec.budget()` unless a budget is given)."""
+        cache = self.prefill_cache(params, prompts, prompt_len)
+        return self.start(params, cache, prompts, prompt_len, key, self.spec.budget() if budget is None else budget,
+                          max_new_tokens=max_new_tokens, stop_ids=stop_ids, row_sampling=row_sampling)
+
+    def decode(
+        self,
+        params: decoder.Params,
+        state: DecodeState,
+        *,
+        max_iterations: jax.Array | int | None = None,
+        min_live: jax.Array | int = 0,
+    ) -> DecodeState:
+        """Iterates until every row is done (or `max_iterations` more iterations, to run in segments; or
+        until at most `min_live` rows are unfinished, so a caller can shrink the batch: `take_rows`).
+        With `spec.select_every` N > 1 it runs whole groups of N iterations, so a segment may run up to
+        N - 1 iterations past `max_iterations`, and every segment ends with a selection."""
+        cfg, spec, sampling = self.cfg, self.spec, self.sampling
+        drafter = make_drafter(spec, cfg, self.max_len)
+        limit = jnp.iinfo(jnp.int32).max if max_iterations is None else max_iterations
+
+        def cond(carry):
+            state, i = carry
+            return (jnp.sum(~state.done) > min_live) & (i < limit)
+
+        def body(carry):  # a group of spec.select_every iterations, the last of which selects
+            state, i = carry
+            if drafter is None:
+                return _plain_step(params, cfg, spec, sampling, drafter, state), i + 1
+            for n in range(spec.select_every):
+                state = _spec_step(params, cfg, spec, sampling, drafter, state, select=n == spec.select_every - 1)
+            return state, i + spec.select_every
+
+        state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+        return state
+
+    def admit(
+        self,
+        params: decoder.Params,
+        state: DecodeState,
+        slots: jax.Array,
+        prompts: jax.Array,
+        prompt_len: jax.Array,
+        key: jax.Array,
+        max_new_tokens: jax.Array,
+        stop_ids: jax.Array,
+        row_sampling: RowSampling | None = None,
+        cache: KVCache | None = None,
+    ) -> DecodeState:
+        """Continuous batching: prefills n new requests (prompts [n, P], keys [n], max_new_tokens [n],
+        stop_ids [n, m], row_sampling of n rows) and writes them into rows `slots` [n] of a running
+        state, leaving its other rows as they were. A server admits requests into freed slots between
+        loop segments; each new row is what `prefill` makes of it (first token drawn, drafter seeded,
+        stats zero), under the state's budget. `cache`: the prompts' KV already written (by
+        `prefill_chunk`, a chunk per round), so only `start` remains."""
+        if cache is None:
+            cache = self.prefill_cache(params, prompts, prompt_len)
+        rows = self.start(params, cache, prompts, prompt_len, key, state.budget, max_new_tokens=max_new_tokens,
+                          stop_ids=stop_ids, row_sampling=row_sampling)
+        return write_rows(state, rows, slots)
+
+    def switch(self, params: decoder.Params, state: DecodeState, budget: Budget) -> DecodeState:
+        """Continues a running decode (of any strategy) under this engine's strategy (the planner's
+        switch, `--method auto`).
+
+        Keeps the committed tokens, lengths, KV cache, key, done flags and stop rules; `tokens` takes the
+        new draft length's width. The cache layout does not depend on the strategy and holds every
+        committed token but the pending one, as after prefill, so the new drafter starts from `init` and
+        is seeded as `start` seeds it: one plain step, a one-row verification of the pending token whose
+        scores give the drafter its first selection and whose token is drawn from the target, so the
+        output distribution is unchanged. `budget` is the new spec's (traced, as in `start`). Stats start
+        again at zero (the caller sums them over strategies).
+        """
+        spec, max_len = self.spec, self.max_len
+        B = state.length.shape[0]
+        drafter = make_drafter(spec, self.cfg, max_len)
+        tokens = jnp.zeros((B, max_len + spec.draft_len + 1), jnp.int32).at[:, :max_len].set(state.tokens[:, :max_len])
+        zeros = jnp.zeros((B,), jnp.int32)
+        stats = SpecStats(zeros, zeros, zeros, jnp.zeros((B, spec.draft_len), jnp.int32))
+        state = dataclasses.replace(
+            state, tokens=tokens, budget=budget, stats=stats,
+            drafter=drafter.init(state.cache, state.length) if drafter else (),
+        )
+        return dataclasses.replace(_plain_step(params, self.cfg, spec, self.sampling, drafter, state), stats=stats)
+
+    def generate(self, params: decoder.Params, prompts: jax.Array, prompt_len: jax.Array, key: jax.Array, *,
+                 max_new_tokens: jax.Array | int, stop_ids: jax.Array) -> GenerateOutput:
+        """Prefill and decode in one traceable function (jit it, or call it inside your own jit)."""
+        state = self.prefill(params, prompts, prompt_len, key, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        return finish(self.decode(params, state), self.max_len)
+
+
 def prefill_cache(
     params: decoder.Params,
     prompts: jax.Array,
@@ -130,135 +294,8 @@ def prefill_chunk(
     return cache
 
 
-def start(
-    params: decoder.Params,
-    cache: KVCache,
-    prompts: jax.Array,
-    prompt_len: jax.Array,
-    key: jax.Array,
-    budget: Budget,
-    *,
-    cfg: ModelConfig,
-    spec: SpecConfig,
-    sampling: SamplingConfig | None,
-    max_len: int,
-    max_new_tokens: jax.Array | int,
-    stop_ids: jax.Array,
-    row_sampling: RowSampling | None = None,
-) -> DecodeState:
-    """Samples each row's first token from its last prompt token, given the `prefill_cache` output.
-
-    The last prompt token runs as a one-row verification, whose attention scores seed the drafter's
-    first selection. `budget` (traced: `SpecConfig.budget()`) is the sparse budget of this run.
-    `key`: a single key or one per row [B]; `max_new_tokens`: one or per row [B]; `stop_ids`: [n]
-    for every row or [B, n] per row (-1 pads); `sampling`: the static config of every row, or None
-    with each row's rules in `row_sampling`.
-    """
-    B, P = prompts.shape
-    stop_ids = jnp.asarray(stop_ids, jnp.int32)
-    gamma = spec.draft_len
-    drafter = make_drafter(spec, cfg, max_len)
-    tokens = jnp.zeros((B, max_len + gamma + 1), jnp.int32).at[:, :P].set(prompts.astype(jnp.int32))
-    zeros = jnp.zeros((B,), jnp.int32)
-    state = DecodeState(
-        tokens=tokens,
-        length=prompt_len.astype(jnp.int32),
-        prompt_len=prompt_len.astype(jnp.int32),
-        stop_len=jnp.minimum(prompt_len + max_new_tokens, max_len).astype(jnp.int32),
-        done=jnp.zeros((B,), bool),
-        stop_ids=jnp.broadcast_to(stop_ids, (B, stop_ids.shape[-1])),
-        budget=budget,
-        cache=cache,
-        drafter=drafter.init(cache, prompt_len) if drafter else (),
-        key=row_keys(key, B),
-        stats=SpecStats(zeros, zeros, zeros, jnp.zeros((B, gamma), jnp.int32)),
-        sampling=row_sampling,
-    )
-    first = _plain_step(params, cfg, spec, sampling, drafter, state)
-    return dataclasses.replace(first, stats=state.stats)
-
-
-def prefill(params, prompts, prompt_len, key, *, cfg, spec, sampling, max_len, max_new_tokens, stop_ids,
-            budget: Budget | None = None, row_sampling: RowSampling | None = None) -> DecodeState:
-    """`prefill_cache` then `start` (under `spec.budget()` unless a budget is given)."""
-    cache = prefill_cache(
-        params, prompts, prompt_len, cfg=cfg, max_len=max_len, backend=spec.backend, chunk=spec.prefill_chunk
-    )
-    return start(
-        params, cache, prompts, prompt_len, key, spec.budget() if budget is None else budget, cfg=cfg, spec=spec,
-        sampling=sampling, max_len=max_len, max_new_tokens=max_new_tokens, stop_ids=stop_ids, row_sampling=row_sampling,
-    )
-
-
-def decode(
-    params: decoder.Params,
-    state: DecodeState,
-    *,
-    cfg: ModelConfig,
-    spec: SpecConfig,
-    sampling: SamplingConfig | None,
-    max_len: int,
-    max_iterations: jax.Array | int | None = None,
-    min_live: jax.Array | int = 0,
-) -> DecodeState:
-    """Iterates until every row is done (or `max_iterations` more iterations, to run in segments; or
-    until at most `min_live` rows are unfinished, so a caller can shrink the batch: `take_rows`).
-    With `spec.select_every` N > 1 it runs whole groups of N iterations, so a segment may run up to
-    N - 1 iterations past `max_iterations`, and every segment ends with a selection."""
-    drafter = make_drafter(spec, cfg, max_len)
-    limit = jnp.iinfo(jnp.int32).max if max_iterations is None else max_iterations
-
-    def cond(carry):
-        state, i = carry
-        return (jnp.sum(~state.done) > min_live) & (i < limit)
-
-    def body(carry):  # a group of spec.select_every iterations, the last of which selects
-        state, i = carry
-        if drafter is None:
-            return _plain_step(params, cfg, spec, sampling, drafter, state), i + 1
-        for n in range(spec.select_every):
-            state = _spec_step(params, cfg, spec, sampling, drafter, state, select=n == spec.select_every - 1)
-        return state, i + spec.select_every
-
-    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
-    return state
-
-
 def finish(state: DecodeState, max_len: int) -> GenerateOutput:
     return GenerateOutput(state.tokens[:, :max_len], state.length, state.prompt_len, state.stats)
-
-
-def admit(
-    params: decoder.Params,
-    state: DecodeState,
-    slots: jax.Array,
-    prompts: jax.Array,
-    prompt_len: jax.Array,
-    key: jax.Array,
-    max_new_tokens: jax.Array,
-    stop_ids: jax.Array,
-    row_sampling: RowSampling | None = None,
-    cache: KVCache | None = None,
-    *,
-    cfg: ModelConfig,
-    spec: SpecConfig,
-    sampling: SamplingConfig | None,
-    max_len: int,
-) -> DecodeState:
-    """Continuous batching: prefills n new requests (prompts [n, P], keys [n], max_new_tokens [n],
-    stop_ids [n, m], row_sampling of n rows) and writes them into rows `slots` [n] of a running
-    state, leaving its other rows as they were. A server admits requests into freed slots between
-    loop segments; each new row is what `prefill` makes of it (first token drawn, drafter seeded,
-    stats zero), under the state's budget. `cache`: the prompts' KV already written (by
-    `prefill_chunk`, a chunk per round), so only `start` remains."""
-    if cache is None:
-        cache = prefill_cache(params, prompts, prompt_len, cfg=cfg, max_len=max_len, backend=spec.backend,
-                              chunk=spec.prefill_chunk)
-    rows = start(
-        params, cache, prompts, prompt_len, key, state.budget, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len,
-        max_new_tokens=max_new_tokens, stop_ids=stop_ids, row_sampling=row_sampling,
-    )
-    return write_rows(state, rows, slots)
 
 
 def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
@@ -299,30 +336,8 @@ def _batch_axis(a, b) -> int | None:
 
 def release(state: DecodeState, free: jax.Array) -> DecodeState:
     """Marks rows done (free [B] bool: cancelled requests, stop strings found by the host); a done
-    row stops changing and its slot can take the next request (`admit`)."""
+    row stops changing and its slot can take the next request (`Engine.admit`)."""
     return dataclasses.replace(state, done=state.done | free)
-
-
-def generate(
-    params: decoder.Params,
-    prompts: jax.Array,
-    prompt_len: jax.Array,
-    key: jax.Array,
-    *,
-    cfg: ModelConfig,
-    spec: SpecConfig,
-    sampling: SamplingConfig | None,
-    max_len: int,
-    max_new_tokens: jax.Array | int,
-    stop_ids: jax.Array,
-) -> GenerateOutput:
-    """Prefill and decode in one traceable function (jit it, or call it inside your own jit)."""
-    state = prefill(
-        params, prompts, prompt_len, key, cfg=cfg, spec=spec, sampling=sampling,
-        max_len=max_len, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-    )
-    state = decode(params, state, cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
-    return finish(state, max_len)
 
 
 def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: DecodeState) -> DecodeState:
@@ -514,35 +529,3 @@ def _commit(state, cache, key, tokens, num_accepted, path, drafter, scores, node
     return dataclasses.replace(
         state, tokens=new_tokens, length=length, done=done, cache=cache, drafter=dstate, key=key, stats=stats
     )
-
-
-def switch(
-    params: decoder.Params,
-    state: DecodeState,
-    budget: Budget,
-    *,
-    cfg: ModelConfig,
-    spec: SpecConfig,
-    sampling: SamplingConfig | None,
-    max_len: int,
-) -> DecodeState:
-    """Continues a running decode under another strategy `spec` (the planner's switch, `--method auto`).
-
-    Keeps the committed tokens, lengths, KV cache, key, done flags and stop rules; `tokens` takes the
-    new draft length's width. The cache layout does not depend on the strategy and holds every
-    committed token but the pending one, as after prefill, so the new drafter starts from `init` and
-    is seeded as `start` seeds it: one plain step, a one-row verification of the pending token whose
-    scores give the drafter its first selection and whose token is drawn from the target, so the
-    output distribution is unchanged. `budget` is the new spec's (traced, as in `start`). Stats start
-    again at zero (the caller sums them over strategies).
-    """
-    B = state.length.shape[0]
-    drafter = make_drafter(spec, cfg, max_len)
-    tokens = jnp.zeros((B, max_len + spec.draft_len + 1), jnp.int32).at[:, :max_len].set(state.tokens[:, :max_len])
-    zeros = jnp.zeros((B,), jnp.int32)
-    stats = SpecStats(zeros, zeros, zeros, jnp.zeros((B, spec.draft_len), jnp.int32))
-    state = dataclasses.replace(
-        state, tokens=tokens, budget=budget, stats=stats,
-        drafter=drafter.init(state.cache, state.length) if drafter else (),
-    )
-    return dataclasses.replace(_plain_step(params, cfg, spec, sampling, drafter, state), stats=stats)

@@ -202,7 +202,7 @@ class SpecConfig:
         }
 
     def whole_groups(self, iterations: int) -> int:
-        """The iterations `engine.decode` runs for `max_iterations` = iterations: whole groups of
+        """The iterations `engine.Engine.decode` runs for `max_iterations` = iterations: whole groups of
         `select_every`."""
         return -(-iterations // self.select_every) * self.select_every
 
@@ -214,7 +214,7 @@ class SpecConfig:
         return min(-(-k // PAGE) * PAGE, -(-max_len // PAGE) * PAGE)
 
     def budget(self) -> Budget:
-        """The run-time budget values as traced scalars (a `start` argument)."""
+        """The run-time budget values as traced scalars (an `engine.Engine.start` argument)."""
         return Budget.of(self.ratio, self.min_tokens)
 
     def compiled(self, max_len: int) -> SpecConfig:

@@ -1,1 +1,2 @@
-"""Serving: the scheduler (slots, admission, streaming), the OpenAI-compatible HTTP server and its metrics."""
+"""Serving: the scheduler (slots, admission, streaming), its compiled programs, the request types, the
+OpenAI-compatible HTTP server and its metrics."""

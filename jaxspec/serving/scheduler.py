@@ -3,7 +3,7 @@
 A fixed number of slots (the batch rows of one static-shaped `engine.DecodeState`) run the engine's
 loop in segments of a few iterations. Between segments the host, in one thread, frees the slots of
 finished and cancelled requests (`engine.release`), admits waiting requests into free slots
-(`engine.admit`: a jitted prefill of the new rows written into the running state) and hands each
+(`engine.Engine.admit`: a jitted prefill of the new rows written into the running state) and hands each
 running request the tokens its slot accepted during the segment. Serving segments are pipelined:
 the next one is dispatched before the host reads the last one's report, so the device runs while
 the host hands out tokens; admissions, releases and a settled refinement's switches then take effect
@@ -19,7 +19,8 @@ one), and back to every slot when requests wait.
 Requests come from other threads (the HTTP server's event loop): `submit` queues one (bounded:
 beyond `queue_limit` it raises `QueueFull`), `Handle.cancel` asks for its slot back. A request's
 listener is called from the scheduler thread with each `Delta`; the last one carries its
-finish reason and statistics.
+finish reason and statistics (the request types: `serving.requests`). The programs a scheduler
+runs are compiled from `serving.programs`' table, by strategy and row count.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import secrets
 import threading
@@ -42,14 +42,13 @@ from jax.sharding import Mesh
 
 from jaxspec import planner
 from jaxspec.decoding import engine
-from jaxspec.decoding.drafters import make_drafter
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
-from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.errors import JaxspecError
-from jaxspec.models import sharding
+from jaxspec.models.kvcache import KVCache
+from jaxspec.serving import programs
 from jaxspec.serving.metrics import Metrics
-from jaxspec.models.kvcache import KVCache, init_cache
+from jaxspec.serving.requests import Delta, Handle, QueueFull, Request, RequestStats
 from jaxspec.serving.text import TextStream
 from jaxspec.tokenizer import Tokenizer
 from pallas_kernels._common import next_pow2
@@ -59,80 +58,6 @@ log = logging.getLogger("jaxspec.serving")
 MAX_STOP_TOKEN_IDS = 8  # stop token ids a request may add to the model's end-of-sequence ids
 MIN_PROMPT_BUCKET = 64  # prompts are padded to powers of two from here (one admit program per bucket)
 SHRINK_FACTOR = 4  # with `shrink`, the state shrinks once at most 1 / SHRINK_FACTOR of its rows run
-
-# Compiled programs of every scheduler of the process, by jitted function, program key and argument
-# types: a later generate call (or scheduler) of the same shapes neither compiles again nor pays a
-# program's first launch on the GPU inside its decode (5-15 ms a program there: bench/NOTES.md, "auto's
-# fixed cost"). `clear_executables` drops them (the tests do, with JAX's caches).
-_EXECUTABLES: dict = {}
-
-
-def clear_executables() -> None:
-    _EXECUTABLES.clear()
-
-
-class QueueFull(Exception):
-    """More requests are waiting than the queue holds (HTTP 429)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One generation request: prompt token ids and how to continue them."""
-
-    ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingConfig = SamplingConfig()
-    seed: int | None = None  # None: a fresh random seed
-    stop: tuple[str, ...] = ()  # stop strings (the text ends before the first one)
-    stop_ids: tuple[int, ...] = ()  # token ids that end the request, besides the model's own
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestStats:
-    prompt_tokens: int
-    completion_tokens: int
-    iterations: int  # decode iterations the request's slot ran (its first token came from prefill)
-    drafted: int
-    accepted: int
-    accepted_by_depth: tuple[int, ...]
-    queued_s: float  # submit to admission
-    first_token_s: float  # submit to first token
-    total_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """What a request's listener receives: new text and tokens; `finish_reason` (stop, length,
-    cancelled, error) and `stats` on the last one, `error` when it failed."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    stats: RequestStats | None = None
-    error: str | None = None
-
-
-class Handle:
-    """A submitted request: its id, and `cancel` (its slot is freed before the next segment)."""
-
-    def __init__(self, scheduler: Scheduler, request: Request, listener: Callable[[Delta], None]):
-        self.id = secrets.token_hex(8)
-        self.request, self.listener, self._scheduler = request, listener, scheduler
-        self.submitted = time.perf_counter()
-        self.admitted: float | None = None
-        self.first_token: float | None = None
-        self.slot: int | None = None  # its row in the running state
-        self.tokens: list[int] = []  # every token its slot committed so far (the stop token too)
-        self.text: TextStream | None = None  # None without a tokenizer
-        self.before_switch = (0, 0, 0, ())  # the slot's stats under earlier strategies (a switch zeroes them)
-
-    @property
-    def read(self) -> int:
-        """Tokens of the slot already handed out (from the prompt's end)."""
-        return len(self.tokens)
-
-    def cancel(self) -> None:
-        self._scheduler._cancel(self)
 
 
 class Scheduler:
@@ -174,7 +99,7 @@ class Scheduler:
         depth = max(c.strategy.spec(self.base).draft_len for c in plan.candidates) if plan else self.spec.draft_len
         self.metrics = Metrics(depth=depth)
         self.compile_s = 0.0  # spent compiling programs (each shape once a process, on first use)
-        self._executables: dict = {}  # this scheduler's, by key alone: no signature to form per call
+        self._executables: dict = {}  # this scheduler's, by (program, shape): no signature to form per call
         self._lock = threading.Condition()
         self._waiting: collections.deque[Handle] = collections.deque()
         self._cancelled: set[Handle] = set()
@@ -229,7 +154,7 @@ class Scheduler:
         """Queues a checked request; raises QueueFull when more than `queue_limit` would wait beyond
         the free slots, JaxspecError when stopping or when the request cannot run."""
         self.check(request)
-        handle = Handle(self, request, listener)
+        handle = Handle(self._cancel, request, listener)
         with self._lock:
             if self._stopping:
                 raise JaxspecError("the server is shutting down")
@@ -273,11 +198,11 @@ class Scheduler:
             chunked = self.prefill_chunk is not None and width > self.prefill_chunk
             for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
                 args = self._admission([], [], n, width)
-                cache = self._executable("blank", args.lengths, shape=(n,)).out_info if chunked else None
+                cache = self._executable(self._programs().blank, args.lengths, shape=(n,)).out_info if chunked else None
                 if chunked:
-                    self._executable("chunk", self.params, cache, args.prompts, args.lengths, jnp.int32(0),
+                    self._executable(self._programs().chunk, self.params, cache, args.prompts, args.lengths, jnp.int32(0),
                                      shape=(n, width))
-                self._executable("admit", self.params, self._state, *args, cache, shape=(n, width, chunked))
+                self._executable(self._programs().admit, self.params, self._state, *args, cache, shape=(n, width, chunked))
         self._compile_segment(self._state, self.slots)
         if self.refinement is not None:  # the replays of its first segments (~1 s a compile on an H100)
             length = np.asarray(jax.device_get(self._state.length))
@@ -288,9 +213,10 @@ class Scheduler:
 
     def _compile_segment(self, state: engine.DecodeState, rows: int) -> None:
         """Compiles a segment's programs (decode, release, report) for `state` of `rows` rows."""
-        self._executable("decode", self.params, state, np.int32(0), np.int32(0), rows=rows)
-        self._executable("release", state, np.zeros((rows,), bool), rows=rows)
-        self._executable("report", state, np.zeros((rows,), np.int32), rows=rows)
+        table = self._programs(rows)
+        self._executable(table.decode, self.params, state, np.int32(0), np.int32(0))
+        self._executable(table.release, state, np.zeros((rows,), bool))
+        self._executable(table.report, state, np.zeros((rows,), np.int32))
 
     def _warm_up_shrinking(self, rows: int | None = None, state: engine.DecodeState | None = None,
                            warmed: set[int] | None = None) -> None:
@@ -303,14 +229,14 @@ class Scheduler:
         warmed = set() if warmed is None else warmed  # row counts whose programs are compiled
         for target in reversed(_shrink_targets(rows)):
             order = jnp.arange(target, dtype=jnp.int32)
-            take = self._executable("take", self.params, state, order, shape=(target,), rows=rows)
+            take = self._executable(self._programs(rows).take, self.params, state, order, shape=(target,))
             if target in warmed:
                 continue
             if not self._fits(take):
                 return
             smaller = take(self.params, state, order)
             self._compile_segment(smaller, target)
-            self._executable("place", self._state, smaller, shape=(target,), rows=self.slots)
+            self._executable(self._programs(self.slots).place, self._state, smaller, shape=(target,))
             warmed.add(target)
             self._warm_up_shrinking(target, smaller, warmed)
             if not self.shrink:  # a smaller count did not fit
@@ -396,7 +322,7 @@ class Scheduler:
         request runs) and writes its first chunk; whether that admitted it (a one-chunk prompt)."""
         n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
         args = self._admission(group, slots, n, width)
-        cache = self._call("blank", args.lengths, shape=(n,))
+        cache = self._call(self._programs().blank, args.lengths, shape=(n,))
         now = time.perf_counter()
         for h, slot in zip(group, slots):
             h.slot, h.admitted = slot, now
@@ -406,8 +332,8 @@ class Scheduler:
     def _prefill_next_chunk(self) -> bool:
         """Writes the staged admission's next chunk; after its last, admits it. Whether it did."""
         st = self._staged
-        st.cache = self._call("chunk", self.params, st.cache, st.args.prompts, st.args.lengths, jnp.int32(st.begin),
-                              shape=st.args.prompts.shape)
+        st.cache = self._call(self._programs().chunk, self.params, st.cache, st.args.prompts, st.args.lengths,
+                              jnp.int32(st.begin), shape=st.args.prompts.shape)
         st.begin += self.prefill_chunk
         if st.begin < st.end:
             return False
@@ -421,12 +347,14 @@ class Scheduler:
         args = args or self._admission(group, slots, n, width)
         if self._state is None and n == self.slots:  # every slot at once: the prefill is the state
             rows = args[1:]  # every argument but the slots
-            name, inputs = ("start", (cache, *rows)) if cache is not None else ("prefill", rows)
-            self._state = self._call(name, self.params, *inputs, self.spec.budget(), shape=(width,))
+            table = self._programs()
+            program, inputs = (table.start, (cache, *rows)) if cache is not None else (table.prefill, rows)
+            self._state = self._call(program, self.params, *inputs, self.spec.budget(), shape=(width,))
         else:
             if self._state is None:
                 self._state = self._free_state()
-            self._state = self._call("admit", self.params, self._state, *args, cache, shape=(n, width, cache is not None))
+            self._state = self._call(self._programs().admit, self.params, self._state, *args, cache,
+                                     shape=(n, width, cache is not None))
         now, self._watch_from = time.perf_counter(), None  # admitted rows restart their stats: a watch window starts after them
         for h, slot in zip(group, slots):
             h.slot, h.admitted = slot, now
@@ -460,7 +388,8 @@ class Scheduler:
         watching = self.refinement is not None and self.refinement.watching
         iterations = planner.SEGMENT if refining else self.refinement.window if watching and self.segment is None else self.segment
         if (refining or watching) and self.refinement.current not in self.refinement.observations:  # a strategy's first segment
-            self._state = self._call("decode", self.params, self._state, np.int32(0), np.int32(0))  # loads the program: not observed
+            # loads the program: not observed
+            self._state = self._call(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
             self._watch_from = None
         before, start = self._last, self._ahead or time.perf_counter()
         if watching and self._watch_from is None:
@@ -469,10 +398,10 @@ class Scheduler:
         most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
         floor = most if len(self._running) > most else 0
         if self._ahead is None:
-            self._state = self._call("decode", self.params, self._state, np.int32(limit), np.int32(floor))
+            self._state = self._call(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
         report, ahead = self._report(), None
         if self.segment is not None and not refining:  # the next segment runs while the host reads this one's report
-            ahead = self._dispatch("decode", self.params, self._state, np.int32(limit), np.int32(floor))
+            ahead = self._dispatch(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
         seconds = self._deliver(start, report, ahead)
         if ahead is not None:
             self._ahead = start + seconds
@@ -504,8 +433,8 @@ class Scheduler:
     def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: np.ndarray):
         """`strategy`'s `Ngram.replay` over the state's tokens, compiled once per strategy and tokens'
         shape (their width is the running strategy's depth)."""
-        return self._compiled(("replay", strategy, self._state.tokens.shape),
-                              _replay_program(self.cfg, strategy.spec(self.base), self.max_len), self._state.tokens, start, end)
+        return self._executable(programs.replay(self.cfg, strategy.spec(self.base), self.max_len), self._state.tokens, start,
+                                end, shape=self._state.tokens.shape)
 
     def _may_shrink(self) -> bool:
         return (self.shrink and not self._waiting and self._staged is None
@@ -519,7 +448,7 @@ class Scheduler:
         rows = next_pow2(len(running))
         order = running + [s for s in range(self.rows) if s not in self._running][: rows - len(running)]
         order = jnp.asarray(order, jnp.int32)
-        take = self._executable("take", self.params, self._state, order, shape=(rows,))
+        take = self._executable(self._programs().take, self.params, self._state, order, shape=(rows,))
         if not self._fits(take):
             return
         self._state = take(self.params, self._state, order)
@@ -547,11 +476,11 @@ class Scheduler:
         if not self._running:
             self._state, self.rows, self._watch_from = None, self.slots, None
             return
-        self._state = self._call("place", self._free_state(), self._state, shape=(self.rows,), rows=self.slots)
+        self._state = self._call(self._programs(self.slots).place, self._free_state(), self._state, shape=(self.rows,))
         self.rows, self._watch_from = self.slots, None
 
     def _switch(self, target: planner.Strategy) -> None:
-        """Every slot continues under `target` (`engine.switch`: exact); the slots' stats so far move
+        """Every slot continues under `target` (`engine.Engine.switch`: exact); the slots' stats so far move
         to their requests (the switch zeroes the state's)."""
         _, stats = self._last
         for slot, h in self._running.items():
@@ -561,7 +490,7 @@ class Scheduler:
         start = time.perf_counter()
         with warnings.catch_warnings():  # the old tokens buffer is donated but has the old width: expected
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            self._state = self._call("switch", self.params, self._state, self.spec.budget(), shape=(old,))
+            self._state = self._call(self._programs().switch, self.params, self._state, self.spec.budget(), shape=(old,))
         self._deliver(start)  # the switch's plain step drew a token per slot
 
     def _report(self):
@@ -570,7 +499,7 @@ class Scheduler:
         since = np.zeros((self.rows,), np.int32)
         for slot, h in self._running.items():
             since[slot] = len(h.request.ids) + h.read
-        return since, self._call("report", self._state, since)
+        return since, self._call(self._programs().report, self._state, since)
 
     def _deliver(self, start: float, report=None, ahead: concurrent.futures.Future | None = None) -> float:
         """Hands each running request the tokens its slot committed since the last delivery (up to
@@ -594,7 +523,7 @@ class Scheduler:
     def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], np.ndarray, float]:
         """Reads `report` and hands each running request its tokens from `since`; returns the requests
         that finished, the slots' done flags and the seconds from `start` to the report's arrival."""
-        length, done, window, stats = _unpack_report(jax.device_get(report))
+        length, done, window, stats = programs.unpack_report(jax.device_get(report))
         self._last, self._ahead = (length, stats), None
         now = time.perf_counter()
         finished, new_tokens, seconds = [], 0, now - start
@@ -639,7 +568,7 @@ class Scheduler:
         if slots:
             mask = np.zeros((self.rows,), bool)
             mask[slots] = True
-            self._state = self._call("release", self._state, mask)
+            self._state = self._call(self._programs().release, self._state, mask)
 
     def _finish(self, h: Handle, reason: str, text: str = "", tokens: tuple[int, ...] = (), error: str | None = None,
                 row: tuple = (0, 0, 0, ())) -> None:
@@ -669,34 +598,29 @@ class Scheduler:
         """Whether the state's buffers are gone (donated to a program that failed)."""
         return self._state is not None and any(x.is_deleted() for x in jax.tree.leaves(self._state))
 
-    def _call(self, name: str, *args, shape: tuple = (), rows: int | None = None):
-        """Program `name` on `args`. A segment's host values go in as numpy: a jnp scalar made here is
+    def _call(self, program: programs.Program, *args, shape: tuple = ()):
+        """`program` on `args`. A segment's host values go in as numpy: a jnp scalar made here is
         an eager dispatch of its own (~0.1 ms of the scheduler thread, three a segment)."""
-        return self._executable(name, *args, shape=shape, rows=rows)(*args)
+        return self._executable(program, *args, shape=shape)(*args)
 
-    def _dispatch(self, name: str, *args) -> concurrent.futures.Future:
+    def _dispatch(self, program: programs.Program, *args) -> concurrent.futures.Future:
         """`_call` whose call waits on the dispatch thread (the program is found here)."""
-        return self._dispatcher.submit(self._executable(name, *args), *args)
+        return self._dispatcher.submit(self._executable(program, *args), *args)
 
-    def _executable(self, name: str, *args, shape: tuple = (), rows: int | None = None):
-        """Program `name` of the current strategy for a state of `rows` rows (default: the running
-        state's) and arguments of `shape`, compiled ahead of time on first use (the time goes to
-        `compile_s`)."""
-        fns = _programs(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, rows or self.rows,
-                        self.stop_width, self._window(), self.prefill_chunk, self.mesh)
-        return self._compiled((fns, name, shape), getattr(fns, name), *args)
-
-    def _compiled(self, key, fn, *args):
-        """`fn` (jitted) compiled ahead of time for `args` once per `key` and process (`_EXECUTABLES`);
-        the time goes to `compile_s`."""
+    def _executable(self, program: programs.Program, *args, shape: tuple = ()):
+        """`program` compiled ahead of time for `args` (once a process: `programs.Program.compile`),
+        kept by (program, `shape`), what this scheduler's calls of it vary in; the time goes to
+        `compile_s`."""
+        key = (program, shape)
         if key not in self._executables:
-            shared = (fn, key, _signature(args))
-            if shared not in _EXECUTABLES:
-                start = time.perf_counter()
-                _EXECUTABLES[shared] = fn.lower(*args).compile()
-                self.compile_s += time.perf_counter() - start
-            self._executables[key] = _EXECUTABLES[shared]
+            self._executables[key], seconds = program.compile(*args)
+            self.compile_s += seconds
         return self._executables[key]
+
+    def _programs(self, rows: int | None = None) -> programs.Programs:
+        """The programs of the current strategy for a state of `rows` rows (default: the running state's)."""
+        return programs.table(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, rows or self.rows,
+                              self.stop_width, self._window(), self.prefill_chunk, self.mesh)
 
     def _window(self) -> int:
         """Tokens a report reads per slot: what the longest segment can commit, plus the first token
@@ -724,8 +648,8 @@ class Scheduler:
 
     def _free_state(self) -> engine.DecodeState:
         """A state of `slots` free rows under the current strategy."""
-        return self._call("empty", self.params, self._rules([SamplingConfig()] * self.slots), self.spec.budget(),
-                          rows=self.slots)
+        return self._call(self._programs(self.slots).empty, self.params, self._rules([SamplingConfig()] * self.slots),
+                          self.spec.budget())
 
     def _rules(self, configs: list[SamplingConfig]) -> RowSampling | None:
         return None if self.sampling is not None else RowSampling.of(configs, self.max_top_k)
@@ -736,13 +660,6 @@ def _shrink_targets(rows: int) -> list[int]:
     the most rows that may run when it shrinks."""
     most = rows // SHRINK_FACTOR
     return [1 << k for k in range(next_pow2(most).bit_length())] if most else []
-
-
-def _unpack_report(packed: np.ndarray) -> tuple:
-    """The report program's array as (length, done, tokens [slots, window], engine.SpecStats)."""
-    depth = int(packed[0, 5])
-    stats = engine.SpecStats(packed[:, 2], packed[:, 3], packed[:, 4], packed[:, packed.shape[1] - depth :])
-    return packed[:, 0], packed[:, 1].astype(bool), packed[:, 6 : packed.shape[1] - depth], stats
 
 
 def _row_stats(stats, slot: int) -> tuple:
@@ -780,127 +697,3 @@ class _Staged:
     cache: KVCache
     begin: int
     end: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Programs:
-    empty: Callable
-    prefill: Callable
-    start: Callable
-    admit: Callable
-    decode: Callable
-    release: Callable
-    report: Callable
-    switch: Callable
-    take: Callable
-    place: Callable
-    blank: Callable
-    chunk: Callable
-
-
-def _signature(args) -> tuple:
-    """What a compiled program is specific to besides its function: the arguments' tree, shapes,
-    dtypes and placements."""
-    leaves, tree = jax.tree.flatten(args)
-    return tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves)
-
-
-@functools.lru_cache(maxsize=None)
-def _replay_program(cfg, spec: SpecConfig, max_len: int) -> Callable:
-    """The jitted `Ngram.replay` of one strategy (one function per strategy: `_EXECUTABLES` keys on it)."""
-    return jax.jit(make_drafter(spec, cfg, max_len).replay)
-
-
-@functools.lru_cache(maxsize=None)
-def _programs(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, slots: int, stop_width: int,
-              window: int, prefill_chunk: int | None, mesh: Mesh | None = None) -> _Programs:
-    """The scheduler's jitted programs for one model, strategy, sampling mode and slot count;
-    those that take the state (or the prefilled cache) donate it, so it is updated in place. With a
-    `mesh`, each runs tensor-parallel over it (`models.sharding.Parallel`)."""
-    make = functools.partial(_functions, spec=spec, sampling=sampling, max_len=max_len, slots=slots,
-                             stop_width=stop_width, window=window, prefill_chunk=prefill_chunk)
-
-    def program(name: str, donate: tuple[int, ...] = ()):
-        if mesh is None:
-            return jax.jit(make(cfg)[name], donate_argnums=donate)
-        return sharding.Parallel(lambda c: make(c)[name], cfg, mesh, donate)
-
-    return _Programs(
-        empty=program("empty"),
-        prefill=program("prefill"),
-        start=program("start", (1,)),
-        admit=program("admit", (1,)),
-        decode=program("decode", (1,)),
-        release=program("release", (0,)),
-        report=program("report"),
-        switch=program("switch", (1,)),
-        take=program("take"),  # not donated: the running state stays whole if the smaller one fails
-        place=program("place", (0,)),
-        blank=program("blank"),
-        chunk=program("chunk", (1,)),
-    )
-
-
-def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefill_chunk) -> dict[str, Callable]:
-    """The programs' functions for the model `cfg` (or one shard's view of it)."""
-    static = dict(cfg=cfg, spec=spec, sampling=sampling, max_len=max_len)
-    keys = jax.vmap(jax.random.key)
-
-    def free_rows(n, params, rules, budget):
-        """A state of n free (done) rows; `rules` of n rows, or None."""
-        state = engine.prefill(
-            params, jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.int32), keys(jnp.zeros((n,), jnp.uint32)),
-            max_new_tokens=jnp.ones((n,), jnp.int32), stop_ids=-jnp.ones((n, stop_width), jnp.int32),
-            budget=budget, row_sampling=rules, **static)
-        return engine.release(state, jnp.ones((n,), bool))
-
-    empty = functools.partial(free_rows, slots)
-
-    def prefill(params, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
-        return engine.prefill(params, prompts, prompt_len, keys(seeds), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                              budget=budget, row_sampling=rules, **static)
-
-    def start(params, cache, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
-        return engine.start(params, cache, prompts, prompt_len, keys(seeds), budget, max_new_tokens=max_new_tokens,
-                            stop_ids=stop_ids, row_sampling=rules, **static)
-
-    def admit(params, state, slots_, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, cache):
-        return engine.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, cache,
-                            **static)
-
-    def blank(prompt_len):
-        """An empty cache for the rows of a chunked admission."""
-        return init_cache(cfg, prompt_len.shape[0], max_len + MAX_TREE_ROWS)
-
-    def chunk(params, cache, prompts, prompt_len, begin):
-        return engine.prefill_chunk(params, cache, prompts=prompts, prompt_len=prompt_len, begin=begin, cfg=cfg,
-                                    backend=spec.backend, chunk=prefill_chunk)
-
-    def decode(params, state, iterations, min_live):
-        return engine.decode(params, state, max_iterations=iterations, min_live=min_live, **static)
-
-    def report(state, since):
-        """What the host reads after a segment, as one int32 array (one copy, not seven:
-        `_unpack_report`): per slot its length, done, stats and `window` tokens from `since`."""
-        cols = since[:, None] + jnp.arange(window, dtype=jnp.int32)
-        tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
-        s = state.stats
-        depth = jnp.full_like(state.length, s.accepted_by_depth.shape[1])
-        head = jnp.stack([state.length, state.done, s.iterations, s.drafted, s.accepted, depth], axis=1)
-        return jnp.concatenate([x.astype(jnp.int32) for x in (head, tokens, s.accepted_by_depth)], axis=1)
-
-    def switch(params, state, budget):
-        return engine.switch(params, state, budget, **static)
-
-    def take(params, state, rows):
-        """The state of rows `rows` [n] (n < slots), in that order: a shrunk batch."""
-        rules = None if state.sampling is None else jax.tree.map(lambda x: x[rows], state.sampling)
-        smaller = jax.eval_shape(functools.partial(free_rows, rows.shape[0]), params, rules, state.budget)
-        return engine.take_rows(state, rows, smaller)
-
-    def place(state, rows):
-        """`state` (of `slots` free rows) with its first rows replaced by the n rows of `rows`: a grown batch."""
-        return engine.write_rows(state, rows, jnp.arange(rows.length.shape[0], dtype=jnp.int32))
-
-    return dict(empty=empty, prefill=prefill, start=start, admit=admit, decode=decode, release=engine.release,
-                report=report, switch=switch, blank=blank, chunk=chunk, take=take, place=place)

@@ -28,7 +28,8 @@ from starlette.routing import Route
 
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.serving.scheduler import Delta, QueueFull, Request, Scheduler
+from jaxspec.serving.requests import Delta, QueueFull, Request
+from jaxspec.serving.scheduler import Scheduler
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "stream", "stream_options", "n", "user"}

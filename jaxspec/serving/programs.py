@@ -1,0 +1,190 @@
+"""The scheduler's compiled programs: one `Programs` table per model, strategy, sampling mode and
+row count, each program an attribute (`table(...).decode`), compiled ahead of time per argument
+signature.
+
+Compiled programs are shared by every scheduler of the process (`_EXECUTABLES`, by program and
+argument signature): a later generate call (or scheduler) of the same shapes neither compiles again
+nor pays a program's first launch on the GPU inside its decode (5-15 ms a program there:
+bench/NOTES.md, "auto's fixed cost"). `clear_executables` drops them (the tests do, with JAX's caches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxspec.decoding import engine
+from jaxspec.decoding.drafters import make_drafter
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
+from jaxspec.models import sharding
+from jaxspec.models.kvcache import init_cache
+
+_EXECUTABLES: dict = {}  # {(Program, argument signature): compiled executable}
+
+
+def clear_executables() -> None:
+    _EXECUTABLES.clear()
+
+
+class Program:
+    """One jitted program (`jax.jit` or `models.sharding.Parallel`), compiled ahead of time once per
+    argument signature and process. Its executables are called, or handed to another thread to call
+    (a decode's call returns only once its loop has ended), with the arguments it was compiled for."""
+
+    def __init__(self, name: str, jitted):
+        self.name, self.jitted = name, jitted
+
+    def __repr__(self) -> str:
+        return f"Program({self.name})"
+
+    def compile(self, *args) -> tuple[Callable, float]:
+        """The executable for `args`' signature and the seconds spent compiling it now (0 when
+        this process compiled it before)."""
+        key = (self, _signature(args))
+        if key in _EXECUTABLES:
+            return _EXECUTABLES[key], 0.0
+        start = time.perf_counter()
+        _EXECUTABLES[key] = self.jitted.lower(*args).compile()
+        return _EXECUTABLES[key], time.perf_counter() - start
+
+
+def _signature(args) -> tuple:
+    """What a compiled program is specific to besides its function: the arguments' tree, shapes,
+    dtypes and placements."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The programs of one strategy and row count. Those that take the state (or the prefilled
+    cache) donate it, so it is updated in place."""
+
+    empty: Program  # (params, rules, budget) -> a state of free rows
+    prefill: Program  # every row at once: the prefill is the state
+    start: Program  # every row at once from their prompts' KV (`runner.prefill_fn`)
+    admit: Program  # rows prefilled into chosen slots of the running state
+    decode: Program  # a segment: (params, state, iterations, min_live)
+    release: Program  # (state, free [rows] bool)
+    report: Program  # what the host reads after a segment (`unpack_report`)
+    switch: Program  # the running state under this table's strategy (`engine.Engine.switch`)
+    take: Program  # a shrunk state of chosen rows
+    place: Program  # a grown state: a shrunk one's rows first in a state of free rows
+    blank: Program  # an empty cache for a chunked admission
+    chunk: Program  # one chunk of a chunked prefill
+
+
+@functools.lru_cache(maxsize=None)
+def table(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, slots: int, stop_width: int,
+          window: int, prefill_chunk: int | None, mesh: Mesh | None = None) -> Programs:
+    """The programs for one model, strategy (`SpecConfig.compiled`), sampling mode (None: each row's
+    rules) and state of `slots` rows; `window`: tokens a report reads per row. With a `mesh`, each runs
+    tensor-parallel over it (`models.sharding.Parallel`)."""
+    make = functools.partial(_functions, spec=spec, sampling=sampling, max_len=max_len, slots=slots,
+                             stop_width=stop_width, window=window, prefill_chunk=prefill_chunk)
+
+    def program(name: str, donate: tuple[int, ...] = ()) -> Program:
+        if mesh is None:
+            return Program(name, jax.jit(make(cfg)[name], donate_argnums=donate))
+        return Program(name, sharding.Parallel(lambda c: make(c)[name], cfg, mesh, donate))
+
+    return Programs(
+        empty=program("empty"),
+        prefill=program("prefill"),
+        start=program("start", (1,)),
+        admit=program("admit", (1,)),
+        decode=program("decode", (1,)),
+        release=program("release", (0,)),
+        report=program("report"),
+        switch=program("switch", (1,)),
+        take=program("take"),  # not donated: the running state stays whole if the smaller one fails
+        place=program("place", (0,)),
+        blank=program("blank"),
+        chunk=program("chunk", (1,)),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def replay(cfg, spec: SpecConfig, max_len: int) -> Program:
+    """The jitted `Ngram.replay` of one strategy (the refinement's replays of strategies not running)."""
+    return Program("replay", jax.jit(make_drafter(spec, cfg, max_len).replay))
+
+
+def unpack_report(packed: np.ndarray) -> tuple:
+    """The report program's array as (length, done, tokens [rows, window], engine.SpecStats)."""
+    depth = int(packed[0, 5])
+    stats = engine.SpecStats(packed[:, 2], packed[:, 3], packed[:, 4], packed[:, packed.shape[1] - depth :])
+    return packed[:, 0], packed[:, 1].astype(bool), packed[:, 6 : packed.shape[1] - depth], stats
+
+
+def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefill_chunk) -> dict[str, Callable]:
+    """The programs' functions for the model `cfg` (or one shard's view of it)."""
+    eng = engine.Engine(cfg, spec, sampling, max_len)
+    keys = jax.vmap(jax.random.key)
+
+    def free_rows(n, params, rules, budget):
+        """A state of n free (done) rows; `rules` of n rows, or None."""
+        state = eng.prefill(
+            params, jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.int32), keys(jnp.zeros((n,), jnp.uint32)),
+            max_new_tokens=jnp.ones((n,), jnp.int32), stop_ids=-jnp.ones((n, stop_width), jnp.int32),
+            budget=budget, row_sampling=rules)
+        return engine.release(state, jnp.ones((n,), bool))
+
+    empty = functools.partial(free_rows, slots)
+
+    def prefill(params, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
+        return eng.prefill(params, prompts, prompt_len, keys(seeds), max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                           budget=budget, row_sampling=rules)
+
+    def start(params, cache, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, budget):
+        return eng.start(params, cache, prompts, prompt_len, keys(seeds), budget, max_new_tokens=max_new_tokens,
+                         stop_ids=stop_ids, row_sampling=rules)
+
+    def admit(params, state, slots_, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, cache):
+        return eng.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, cache)
+
+    def blank(prompt_len):
+        """An empty cache for the rows of a chunked admission."""
+        return init_cache(cfg, prompt_len.shape[0], max_len + MAX_TREE_ROWS)
+
+    def chunk(params, cache, prompts, prompt_len, begin):
+        return engine.prefill_chunk(params, cache, prompts=prompts, prompt_len=prompt_len, begin=begin, cfg=cfg,
+                                    backend=spec.backend, chunk=prefill_chunk)
+
+    def decode(params, state, iterations, min_live):
+        return eng.decode(params, state, max_iterations=iterations, min_live=min_live)
+
+    def report(state, since):
+        """What the host reads after a segment, as one int32 array (one copy, not seven:
+        `unpack_report`): per slot its length, done, stats and `window` tokens from `since`."""
+        cols = since[:, None] + jnp.arange(window, dtype=jnp.int32)
+        tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
+        s = state.stats
+        depth = jnp.full_like(state.length, s.accepted_by_depth.shape[1])
+        head = jnp.stack([state.length, state.done, s.iterations, s.drafted, s.accepted, depth], axis=1)
+        return jnp.concatenate([x.astype(jnp.int32) for x in (head, tokens, s.accepted_by_depth)], axis=1)
+
+    def switch(params, state, budget):
+        return eng.switch(params, state, budget)
+
+    def take(params, state, rows):
+        """The state of rows `rows` [n] (n < slots), in that order: a shrunk batch."""
+        rules = None if state.sampling is None else jax.tree.map(lambda x: x[rows], state.sampling)
+        smaller = jax.eval_shape(functools.partial(free_rows, rows.shape[0]), params, rules, state.budget)
+        return engine.take_rows(state, rows, smaller)
+
+    def place(state, rows):
+        """`state` (of `slots` free rows) with its first rows replaced by the n rows of `rows`: a grown batch."""
+        return engine.write_rows(state, rows, jnp.arange(rows.length.shape[0], dtype=jnp.int32))
+
+    return dict(empty=empty, prefill=prefill, start=start, admit=admit, decode=decode, release=engine.release,
+                report=report, switch=switch, blank=blank, chunk=chunk, take=take, place=place)
