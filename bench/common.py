@@ -28,6 +28,11 @@ from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
+from jaxspec.xla_flags import set_gpu_flags
+
+# Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
+# set here before any of them computes anything.
+set_gpu_flags()
 
 RESULTS = Path(__file__).parent / "results"
 
