@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -178,7 +179,7 @@ def test_bad_arguments_in_their_own_process(args, fragment):
 
 def test_bad_model_files(capsys, tmp_path, hf_checkpoints):
     garbage = tmp_path / "garbage.gguf"
-    garbage.write_bytes(os.urandom(4096))
+    garbage.write_bytes(random.Random(181).randbytes(4096))
     assert_one_line_error(generate_here(capsys, "--model", str(garbage)), "garbage.gguf")
 
     mistral = tmp_path / "mistral"

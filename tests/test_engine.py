@@ -1,4 +1,4 @@
-"""The engine's promise: every method's output is the target model's own (DESIGN.md section 3).
+"""The engine's promise: every method's output is the target model's own (docs/architecture.md, "the speculative-decoding contract").
 
 Greedy outputs of every method, draft length and draft-tree shape (both traversal orders) equal plain
 greedy decoding token for token (float32, SmolLM2 and a random Qwen3), on a batch of different lengths

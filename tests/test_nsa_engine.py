@@ -1,4 +1,4 @@
-"""NSA targets in the engine (DESIGN.md sections 2-4): cached decoding equals a full forward, verifying
+"""NSA targets in the engine (docs/architecture.md, "NSA and SSV"): cached decoding equals a full forward, verifying
 T rows equals T decode steps (blocks completing inside the window, rejected rows overwritten), batched
 rows equal rows alone, and every method's greedy output equals plain greedy decoding.
 

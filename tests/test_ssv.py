@@ -1,4 +1,4 @@
-"""SSV on NSA targets (DESIGN.md section 4c): reuse layers take exactly the nearest earlier refresh
+"""SSV on NSA targets (docs/architecture.md, "NSA and SSV"): reuse layers take exactly the nearest earlier refresh
 layer's selection, the greedy calibration and its saved schedule, precision classes (validation,
 reporting), and the engine under each class: strict is lossless for every group size, the
 approximate classes run and are reported as such."""
