@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -339,6 +340,8 @@ def test_tensor_parallel_server_emits_plain_decoding(monkeypatch, model, plain_g
                                                                 "temperature": 0}).json())
 
     monkeypatch.setattr(serve.DrainingServer, "run", one_request)
+    # uvicorn's config sets up logging with dictConfig, which closes pytest's log-capture handlers
+    monkeypatch.setattr(serve.uvicorn, "Config", lambda app, **_: types.SimpleNamespace(app=app))
     serve.main(["--model", str(model), "--served-model-name", "tiny", "--max-len", str(MAX_LEN), "--tp", "2",
                 "--method", "vegas", "--gamma", "3", "--min-tokens", "16", "--slots", "2", "--warm-up-tokens", "8"])
     assert "stopped" in capsys.readouterr().err
