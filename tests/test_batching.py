@@ -213,6 +213,29 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
         assert finished[i].stats.completion_tokens == r.max_new and finished[i].stats.iterations > 0
 
 
+def test_static_batching_admits_only_into_an_empty_batch(params):
+    """`serve --batching static`'s gate: a waiting request is admitted only once every running one
+    has finished (not into the first freed slot, as continuous batching does), and emits its tokens alone."""
+    from jaxspec.serving import scheduler as serving
+
+    spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
+    requests = [Request(40, 30, 4, GREEDY), Request(41, 50, 20, GREEDY), Request(42, 40, 8, GREEDY)]
+    scheduler = serving.Scheduler(params, CFG, None, spec, slots=2, max_len=MAX_LEN, max_top_k=32, static=True)
+    tokens, finished = submit_all(scheduler, requests)
+    scheduler.admit_waiting()
+    assert [len(tokens[i]) for i in range(3)] == [1, 1, 0]
+    held_back = 0
+    while 1 not in finished:
+        scheduler.step()
+        assert not tokens[2], "admitted while a row of the static batch still ran"
+        held_back += 0 in finished
+    assert held_back > 0  # a slot stood free while request 1 ran
+    while len(finished) < 3:
+        scheduler.step()
+    for i, r in enumerate(requests):
+        assert finished[i].finish_reason == "length" and tokens[i] == alone(params, spec, r), i
+
+
 def test_cancel_during_chunked_prefill(params):
     """A request cancelled while its prompt is prefilled a chunk per round ends cancelled once
     admitted, and its slot goes to the next request, which emits its tokens alone."""

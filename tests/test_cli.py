@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -178,7 +179,7 @@ def test_bad_arguments_in_their_own_process(args, fragment):
 
 def test_bad_model_files(capsys, tmp_path, hf_checkpoints):
     garbage = tmp_path / "garbage.gguf"
-    garbage.write_bytes(os.urandom(4096))
+    garbage.write_bytes(random.Random(181).randbytes(4096))
     assert_one_line_error(generate_here(capsys, "--model", str(garbage)), "garbage.gguf")
 
     mistral = tmp_path / "mistral"
@@ -236,3 +237,53 @@ def test_stream_prints_the_same_greedy_text(capsys):
     assert text(streamed) == text(batch) and text(batch)
     assert "streamed" in streamed.stdout and "tokens/iteration" in streamed.stdout
     assert_one_line_error(generate_here(capsys, *common, "--stream", "--json"), "--stream prints one prompt")
+
+
+def tiny_args(model, *args: str) -> list[str]:
+    return ["--model", str(model), "--prompt", "The quick brown fox jumps over the lazy dog.", "--max-new-tokens", "12",
+            "--max-len", "64", "--json", *args]
+
+
+def test_approximate_precision_is_announced_and_reported(capsys, nsa_checkpoints):
+    """--precision approx on an NSA model says NOT lossless on stderr and in the human stats, and its
+    JSON stats carry `lossless: false` and the class; strict's say lossless."""
+    model = nsa_checkpoints["nsa"]
+    common = tiny_args(model, "--method", "vegas", "--gamma", "3", "--min-tokens", "16")
+    approx = generate_here(capsys, *common, "--precision", "approx")
+    assert approx.returncode == 0, approx.stderr
+    assert "precision approx: NOT lossless" in approx.stderr
+    stats = json.loads(approx.stdout)["stats"]
+    assert (stats["precision"], stats["lossless"]) == ("approx", False)
+    human = generate_here(capsys, *[a for a in common if a != "--json"], "--precision", "approx")
+    assert "precision        approx: NOT lossless" in human.stdout and "NOT lossless" in human.stderr
+    strict = generate_here(capsys, *common)
+    assert strict.returncode == 0 and "NOT lossless" not in strict.stderr + strict.stdout
+    assert (json.loads(strict.stdout)["stats"]["precision"], json.loads(strict.stdout)["stats"]["lossless"]) == ("strict", True)
+
+
+def test_draft_skip_calibrated_reads_the_saved_file(capsys, tmp_path, hf_checkpoints):
+    """`--draft-skip calibrated` reads the skip list saved beside the model (calibrate_skip's default
+    --out), drafts without those layers, and still emits plain's tokens."""
+    import shutil
+
+    from jaxspec.calibrate_skip import SKIP_FILE
+
+    model = tmp_path / "llama"
+    shutil.copytree(hf_checkpoints["llama"], model)
+    (model / SKIP_FILE).write_text(json.dumps({"skip": [1]}))
+    plain = run_json(capsys, *tiny_args(model, "--method", "plain"))
+    skipping = run_json(capsys, *tiny_args(model, "--method", "vegas", "--gamma", "3", "--draft-skip", "calibrated"))
+    assert skipping["stats"]["draft_skip"] == [1] and skipping["stats"]["draft_tokens"] > 0
+    assert [r["tokens"] for r in skipping["results"]] == [r["tokens"] for r in plain["results"]]
+
+
+def test_tensor_parallel_generate_equals_one_device(capsys, hf_checkpoints):
+    """`generate --tp 2` (conftest's simulated CPU devices) emits the tokens of one device, speculative."""
+    import jax
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest asks XLA for 4 simulated CPU devices)")
+    args = tiny_args(hf_checkpoints["llama"], "--method", "vegas", "--gamma", "3", "--min-tokens", "8")
+    one, two = run_json(capsys, *args), run_json(capsys, *args, "--tp", "2")
+    assert two["stats"]["tp"] == 2 and one["stats"]["tp"] == 1
+    assert [r["tokens"] for r in two["results"]] == [r["tokens"] for r in one["results"]]

@@ -1,5 +1,5 @@
 """NSA kernels: the Pallas kernels (interpret mode on CPU) against the jnp references, and the
-references against NumPy loops written from the formulas (DESIGN.md 2).
+references against NumPy loops written from the formulas (docs/architecture.md, "NSA and SSV").
 
 Inputs are fresh normal draws (np.random.default_rng, one seed per case). Positions per row mix 0,
 block boundaries (c*bs - 1: block c-1 just complete; c*bs: the next one not yet), the last slot and

@@ -1,4 +1,4 @@
-"""NSA-Llama models (DESIGN.md section 2) against a PyTorch reference built on fla's naive NSA oracles.
+"""NSA-Llama models (docs/architecture.md, "NSA and SSV") against a PyTorch reference built on fla's naive NSA oracles.
 
 The reference (`TorchNSA`) runs the checkpoint's Llama layers with transformers' own modules in float64
 (embeddings, norms, rotate-half RoPE, MLP, head) and NSA attention from `fla.ops.nsa.naive`:

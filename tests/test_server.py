@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -319,3 +320,32 @@ def test_model_flags_fail_before_the_weights_load(monkeypatch, capsys):
         serve.main(["--method", "vegas", "--draft-skip", "40"])
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and err[-1].startswith("error:") and "layer 40 does not exist" in err[-1]
+
+
+def test_tensor_parallel_server_emits_plain_decoding(monkeypatch, model, plain_greedy, capsys):
+    """`serve --tp 2` (conftest's simulated CPU devices), in this process: the weights split over two
+    devices, a greedy speculative completion emits plain greedy decoding's tokens."""
+    import jax
+    from starlette.testclient import TestClient
+
+    from jaxspec import serve
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest asks XLA for 4 simulated CPU devices)")
+    replies = []
+
+    def one_request(self):  # instead of listening on a port: one request through the app
+        with TestClient(self.config.app) as client:
+            replies.append(client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 16,
+                                                                "temperature": 0}).json())
+
+    monkeypatch.setattr(serve.DrainingServer, "run", one_request)
+    # uvicorn's config sets up logging with dictConfig, which closes pytest's log-capture handlers
+    monkeypatch.setattr(serve.uvicorn, "Config", lambda app, **_: types.SimpleNamespace(app=app))
+    serve.main(["--model", str(model), "--served-model-name", "tiny", "--max-len", str(MAX_LEN), "--tp", "2",
+                "--method", "vegas", "--gamma", "3", "--min-tokens", "16", "--slots", "2", "--warm-up-tokens", "8"])
+    assert "stopped" in capsys.readouterr().err
+    ids = plain_greedy.tokenizer.encode(PROMPTS[3], add_special_tokens=True)
+    want = [t for t in plain_greedy(ids, 16) if t not in plain_greedy.tokenizer.eos_token_ids]
+    choice = replies[0]["choices"][0]
+    assert choice["token_ids"] == want and replies[0]["usage"]["jaxspec"]["iterations"] > 0

@@ -5,6 +5,8 @@ approximate classes run and are reported as such."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,9 +145,32 @@ def test_reuse_changes_the_model(ssv_case):
     assert reuse_plain != ssv_case.plain
 
 
+def verified_logits(case, spec: SpecConfig) -> np.ndarray:
+    """The target's logits at every row of one verification of `spec`'s tree (random draft tokens)
+    on the case's prompts, under `spec`'s precision class."""
+    from test_engine import GREEDY
+    from jaxspec.runner import decode_fns
+
+    spec = spec.validate().check_model(case.cfg)
+    start, _ = decode_fns(case.cfg, spec, GREEDY, case.max_len)
+    state = start(case.params, jax.tree.map(jnp.copy, case.cache), jnp.asarray(case.batch.ids),
+                  jnp.asarray(case.batch.lengths), jax.random.key(0), spec.budget(),
+                  max_new_tokens=jnp.int32(case.max_new), stop_ids=jnp.asarray([-1], jnp.int32))
+    tokens = jax.random.randint(jax.random.key(8), (len(case.batch.lengths), spec.shape.rows), 0, case.cfg.vocab_size)
+    verify = jax.jit(engine.verify, static_argnums=(1, 2, 3, 6))
+    return np.asarray(verify(case.params, case.cfg, spec, None, state, tokens, spec.shape)[0])
+
+
 # both approximations in one run by default; approx alone with the slow tests (the default run's 20 minutes)
 @pytest.mark.parametrize("precision", ["approx+reuse", pytest.param("approx", marks=pytest.mark.slow)])
 def test_approximate_classes_run_end_to_end(ssv_case, precision):
-    spec = SpecConfig(method="vegas", tree=(3, 2, 1), precision=precision, group=8, min_tokens=32).validate()
-    out, stats = ssv_case.run(spec.check_model(ssv_case.cfg))
+    """An approximate class is no silent no-op: a group sharing one row's blocks verifies the same
+    tree rows to other logits than the class without it (approx: strict; approx+reuse: reuse), and
+    the run decodes to the end."""
+    spec = SpecConfig(method="vegas", tree=(3, 2, 1), precision=precision, group=8, min_tokens=32)
+    exact_groups = dataclasses.replace(spec, precision={"approx": "strict", "approx+reuse": "reuse"}[precision])
+    exact = verified_logits(ssv_case, exact_groups)
+    approx = verified_logits(ssv_case, spec)
+    assert np.abs(approx - exact).max() > 1e-3 * np.abs(exact).max()
+    out, stats = ssv_case.run(spec.validate().check_model(ssv_case.cfg))
     assert [len(o) for o in out] == [len(o) for o in ssv_case.plain] and stats.iterations.sum() > 0

@@ -1,4 +1,4 @@
-"""Draft trees (DESIGN.md section 4b): static layouts, and tree acceptance that keeps the target's
+"""Draft trees (docs/architecture.md, "draft trees"): static layouts, and tree acceptance that keeps the target's
 distribution exactly (chi-square of the first three emitted tokens against the exact joint, with
 drafted and one-hot candidates, BFS and DFS, a draft distribution with fewer tokens than children),
 and follows the argmax when greedy (a chain: the accepted prefix). The chain's speculative-sampling
