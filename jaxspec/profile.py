@@ -2,7 +2,8 @@
 
 Why: the planner (`jaxspec.planner`) picks a strategy from measurements where it has them, because
 what pays depends on the model, the device, the context, the batch and the sampling mode far more
-than a cost model can say (bench/NOTES.md: SmolLM2's steps run 6-16x their bytes floors). This runs
+than a cost model can say (small models' steps run far above their bytes floors: bench/NOTES.md,
+"Draft trees"). This runs
 the real decode loop over the strategy space and writes the ranked table that `--method auto` reads.
 
     python -m jaxspec.profile --model smollm2 [--buckets 1024,2048,4096,8000] [--batch 1]
@@ -17,8 +18,8 @@ documents from CALIBRATION_OFFSET on, which bench/planner.py's held-out prompts 
 different document per row; chat template), each about bucket - new tokens long so the run ends
 inside the bucket, prefilled once; then plain and every strategy of the space decode `--new` tokens
 from a copy of its cache (seed = repeat), and the entry is the median decode tokens/s over the batches
-with its spread. One batch's cache is held at a time, with a copy per run (3 repeats at 128 rows x
-8K ran on an H100 with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95).
+with its spread. One batch's cache is held at a time, with a copy per run (large batches at long
+contexts may need XLA_PYTHON_CLIENT_MEM_FRACTION=0.95: docs/development.md).
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
 draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods) x
 `--balances` (sparse methods: the rows share the budget, `SpecConfig.balance`).

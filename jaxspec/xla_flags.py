@@ -1,8 +1,8 @@
 """The XLA GPU flags jaxspec's programs are built for, set by the entry points and never on import.
 
 The model scans over layers whose weights are stacked [L, ...]. XLA's Triton gemms copy each layer's
-slice before multiplying; cuBLAS gemms with dynamic-slice fusion read the slice in place, at ~2.8x the
-weight bandwidth (bench/NOTES.md, "Decode step"). XLA reads XLA_FLAGS once, when its first backend
+slice before multiplying; cuBLAS gemms with dynamic-slice fusion read the slice in place, at several
+times the weight bandwidth (bench/NOTES.md, "Decode step"). XLA reads XLA_FLAGS once, when its first backend
 starts, so `set_gpu_flags` must run before the process's first JAX computation: `python -m
 jaxspec.generate` and the other entry points call it first thing; a library user on a GPU may call it
 the same way, or set the flags themselves.

@@ -2,8 +2,8 @@
 
 Everything is pure and static-shaped (batch, cache length, draft tree, selection capacity); lengths,
 positions and acceptance are traced, and no Python runs per iteration (on a GPU the host still reads
-the loop's condition each iteration; at Qwen3-8B shapes the GPU idles ~0.4 ms per step in all:
-bench/NOTES.md, "Decode step"). Rows finish independently (stop ids, max tokens) and finished rows
+the loop's condition each iteration, which leaves the GPU idle only briefly: bench/NOTES.md, "Decode
+step"). Rows finish independently (stop ids, max tokens) and finished rows
 stop changing and stop reading their context: a static batch keeps them until its last row is done,
 so their passes run at slot 0 and write nothing (`roots`), unless its caller moves the unfinished rows
 into a smaller batch (`Engine.decode`'s `min_live`, `take_rows`: the serving scheduler's `shrink`).
@@ -316,7 +316,8 @@ def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> Decod
 
 def take_rows(state: DecodeState, rows: jax.Array, like: DecodeState) -> DecodeState:
     """The state of rows `rows` [n] of `state`, in that order: a batch shrunk to its unfinished rows
-    (a finished row's iteration still costs most of a live one's: bench/NOTES.md, issue 13). `like`
+    (a finished row's iteration still costs most of a live one's: bench/NOTES.md, "a batch that
+    shrinks as its rows finish"). `like`
     is a state of n rows, or its shapes (`jax.eval_shape`), with n != B: it tells each leaf's batch
     axis. Every row goes on exactly as it would have in the whole batch: its draws depend on its own
     key alone, and its passes read only its own cache row."""
@@ -429,8 +430,8 @@ def expand(key, logits, b: int, sampling: Rules, backend: str):
 
 def top_indices(x, b: int):
     """int32 indices of the b largest entries of x [..., V], largest first (ties: the lower index).
-    One is an argmax: a reduction, where XLA's top-k kernel took 19 us over a 151936 vocabulary on an
-    H100 (bench/NOTES.md, issue 16)."""
+    One is an argmax: a reduction, cheaper than XLA's top-k kernel over a whole vocabulary
+    (bench/NOTES.md, "fewer kernels per layer")."""
     if b == 1:
         return jnp.argmax(x, axis=-1, keepdims=True).astype(jnp.int32)
     return jax.lax.top_k(x, b)[1].astype(jnp.int32)
@@ -485,8 +486,8 @@ def row_budget(spec: SpecConfig, budget: Budget, stats: SpecStats, done: jax.Arr
 def roots(length: jax.Array, done: jax.Array) -> jax.Array:
     """Each row's root slot [B] (length, done [B]), where its next pass starts: the pending token's,
     length - 1. A finished row runs at slot 0 instead and writes nothing, so its attention reads one key block and
-    its drafter selects one slot rather than its whole context (measured: bench/NOTES.md, issue 13's
-    finished rows)."""
+    its drafter selects one slot rather than its whole context (bench/NOTES.md, "finished rows stop
+    reading their context")."""
     return jnp.where(done, 0, length - 1)
 
 

@@ -103,10 +103,10 @@ def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
 
 
 # Matrices under this many elements get a one-row product's row twice, where the row kernel does not
-# take them (kernels.row_matmul_reads_exact). Measured on an H100 (bench/NOTES.md, issue 13): a 1.2B
-# Llama's q/k/v and o (4-5M elements) ran as multiply + reduce fusions at ~0.5 TB/s and become gemms;
-# Qwen3-8B's (>= 16.8M) were gemms already, so the copy would only add a kernel per layer. A bound
-# from those shapes, not XLA's own rule: SmolLM2's (< 2M) stay reduce fusions with two rows.
+# take them (kernels.row_matmul_reads_exact): XLA runs a small matrix's one-row product as slow
+# multiply + reduce fusions, and two rows make it a gemm; larger matrices are gemms already, where the
+# copy would only add a kernel. A bound from the measured shapes, not XLA's own rule (bench/NOTES.md,
+# "fused layer projections (not kept) and one-row gemms").
 REDUCED_ONE_ROW_ELEMENTS = 1 << 24
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a layer's matrices
 
@@ -127,7 +127,7 @@ def matmul(x: jax.Array, w: jax.Array | Quantized | InPlace, out_dtype=None) -> 
     """x [..., K] @ w [K, N], a single row given twice where XLA would rewrite a one-row product.
 
     XLA on a GPU rewrites one-row products: with a float32 result it converts the whole matrix to
-    float32 first (the LM head: 2.1 ms instead of 0.42 at Qwen3-8B shapes), and a small matrix's
+    float32 first (the LM head several times slower: bench/NOTES.md, "Decode step"), and a small matrix's
     product becomes multiply + reduce fusions. With two rows it is a gemm that reads the matrix in
     place (REDUCED_ONE_ROW_ELEMENTS says which matrices). A quantized matrix (a draft's copy,
     `draft_weights.Quantized`) or an `InPlace` one goes to the row kernel, which reads it in place.

@@ -1,7 +1,7 @@
 """NSA attention in the decoder: the three gated branches over the KV cache and its compressed blocks.
 
 The layer's q/k/v (post-RoPE) and gates come from the shared decoder (`decoder.forward`); the cache
-write already refreshed the compressed blocks (`kvcache.KVCache.write`). Each query row is exact on
+write already refreshed the compressed blocks (`kvcache.KVCache.written`). Each query row is exact on
 its own: its own compressed view, selection and window, so verifying T rows equals T decode steps.
 
 Score-collecting drafters (vegas, all_rows, last_accepted) on an NSA target collect what NSA's own

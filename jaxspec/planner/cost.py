@@ -21,7 +21,7 @@ from jaxspec.models import draft_weights
 from jaxspec.models.config import ModelConfig
 from jaxspec.planner.strategy import Prediction, Strategy
 
-# Cost model assumptions (documented in cost_model).
+# Cost model assumptions (`predict` says where they come from).
 LAYER_OVERHEAD_S = 35e-6  # per layer and forward: launches and small kernels
 NSA_LAYER_OVERHEAD_S = 60e-6  # per layer, on top, for a forward that runs NSA attention
 ITERATION_OVERHEAD_S = 0.4e-3  # per speculative iteration: proposal, acceptance, commit
@@ -85,8 +85,9 @@ def seconds_per_call(f, *args, min_run_s: float = 0.05) -> float:
 def measure_bandwidth() -> float:
     """Copy bandwidth in GB/s (bytes read + written, as bench/common.measure_rates counts it): a
     jitted x + 1 over 256 MiB of float32 on an accelerator (past any L2), 16 MiB on the CPU, timed
-    back to back (`seconds_per_call`; one call timed with its sync read half the H100's 2,984 GB/s,
-    bench/NOTES.md). Measured once per process (well under a second)."""
+    back to back (`seconds_per_call`: one call timed with its host sync reads about half the copy
+    rate; bench/NOTES.md, "what the default, `--method auto`, gets at each batch"). Measured once per
+    process (well under a second)."""
     n = (1 << 26) if jax.default_backend() != "cpu" else (1 << 22)
     x = jnp.ones((n,), jnp.float32)
     return 2 * x.nbytes / seconds_per_call(jax.jit(lambda x: x + 1), x) / 1e9
@@ -106,16 +107,12 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
       tokens/iteration = 1 + sum_{i=1..depth} alpha^i (geometric acceptance, PRIOR_ACCEPTANCE)
       tokens/s = batch x tokens/iteration / iteration
 
-    The bytes term is the step floor (`step_floor_s`); the overhead term is calibrated on bench/NOTES.md: a
-    SmolLM2 step (30 layers) took ~1.3 ms against a 0.15 ms floor on the H100 (38 us per layer over
-    the floor; its steps run 6-16x their floors at batch 1) and a Qwen3-8B step 6.75 ms against 5.69
-    (29 us per layer); NSA attention adds 55-82 us per layer and pass; an ngram iteration, which
-    drafts nothing, took 0.4-0.7 ms more than a plain step (SmolLM2 chain 6: 1.69 vs 1.31 ms;
-    Qwen3-8B gamma 8 at 1 x 4K: 7.42 vs 6.75 ms), the iteration overhead. Priors: alpha 0.8 for the
-    target drafting over a sparse KV subset (below SmolLM2's measured 0.86-0.94 per draft position
-    at ratio 0.07, bench/NOTES "Acceptance", as harder text and larger models accept less), 0.5 for
-    ngram (reproduces its measured 2.1-2.5 tokens per iteration at gamma 4-8). Refinement replaces
-    both the acceptance and the time scale with what the run observes.
+    The bytes term is the step floor (`step_floor_s`). The overheads are launches and small kernels,
+    which the floor does not see (small models' steps run several times their floors); they and the
+    acceptance priors (alpha below what sparse self-drafts measured, as harder text and larger models
+    accept less) were calibrated on measured steps (bench/NOTES.md, "SSV: grouped NSA verification,
+    refresh/reuse layers, the planner"). Refinement replaces both the acceptance and the time scale
+    with what the run observes.
     """
     if strategy.tree is not None:
         raise ValueError("the cost model predicts chains only; trees need a measured table")
@@ -152,9 +149,9 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
 def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
                min_tokens: int = 256) -> list[Prediction]:
     """Predictions, best first, for plain, vegas at gamma 2, 4 and 6 (ratio 0.07, the KV-bound choice
-    of bench/kv_bound.json), vegas and full at gamma 6 with int8 draft weights (int8 drafts accepted
-    as exact ones did on SmolLM2: bench/NOTES.md, issue 16; int4 lost a third of its tokens per
-    iteration there, so it is for tables and fixed methods only; batches of up to one kernel row block,
+    of bench/kv_bound.json), vegas and full at gamma 6 with int8 draft weights (int8 drafts accept as
+    exact ones do, int4 ones markedly less, so int4 is for tables and fixed methods only: bench/NOTES.md,
+    "int4, skipped layers, `full`, the quantized-matmul kernel"; batches of up to one kernel row block,
     which reads the int8 matrix once) and ngram at gamma 4 and 8, all strict
     (approximate precision classes and draft trees are chosen from measured tables only)."""
     strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]

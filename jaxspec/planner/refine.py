@@ -1,9 +1,9 @@
-"""Refinement at run time (SSV's Algorithm 1 as designed here; the paper's text was not at hand).
+"""Refinement at run time (after SSV's Algorithm 1).
 
 The run starts with the plan's choice, measures its accepted tokens per iteration and iteration time
 over a segment of SEGMENT iterations (`Observation`), corrects every candidate's prediction by what it
 saw (`corrected`; a strategy's own observations are pooled with its table rate, which counts as one
-more segment), and switches (`engine.switch`, which keeps the output distribution exact) to a
+more segment), and switches (`engine.Engine.switch`, which keeps the output distribution exact) to a
 candidate predicted faster by MARGIN, or to plain when plain is unmeasured and not predicted
 PROBE_MARGIN slower (`decide`); it measures that one for a segment and decides again, at most
 MAX_SWITCHES times. Settled, it keeps watching ngram (`Refinement.watch`): after windows of WATCH,
@@ -167,8 +167,9 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
     `probe_plain` (cost-model plans), plain, while it is unmeasured and the current speculative
     strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step
     times can be off by that much, e.g. on a CPU, where rows cost compute: measured, a speculative
-    strategy then has to beat plain by MARGIN to be switched back to); else the current one. A table's plain rate is measured on this device,
-    so table plans do not probe it. `replays`, `closed`: as `corrected` takes them."""
+    strategy then has to beat plain by MARGIN to be switched back to); else the current one. A
+    table's plain rate is measured on this device, so table plans do not probe it. `replays`,
+    `closed`: as `corrected` takes them."""
     expected = corrected(candidates, observations, replays, closed)
     best = max(expected, key=expected.get)
     now = expected[current]
@@ -191,8 +192,9 @@ class Refinement:
     drafts to observe), so it starts settled and runs as plain does. Settled, it is `watching` while
     it has ngram to watch. `closed`: a static batch (the rows it starts with are all it runs, and it
     lasts as long as its slowest row): ngram, running or replayed, is then judged by its slowest row,
-    since it leaves some rows at one token an iteration while others copy (its slowest row needed
-    2-2.3x its mean row's iterations on sampled SmolLM2, the model drafters' 1.1x; bench/NOTES.md)."""
+    since it leaves some rows at one token an iteration while others copy (its slowest row needs
+    about twice its mean row's iterations, a model drafter's barely more: bench/NOTES.md, "auto
+    watches ngram by replaying it")."""
 
     plan: Plan
     current: Strategy

@@ -132,6 +132,6 @@ class Prediction:
     iterations: float = 0.0  # decode iterations the table measured it over; 0 for the cost model
     # A table's closed-batch tokens per iteration (its tokens/s times its iteration time, per row)
     # over its mean row's, at most 1: the share of the mean rate its tokens/s kept, a static batch
-    # lasting as long as its slowest row (ngram's ~0.5-0.7, the model drafters' ~0.8-0.95 at 8-64
-    # rows x 256 tokens on SmolLM2), at the run's length (`lookup`); 1 for the cost model.
+    # lasting as long as its slowest row (ngram's the lowest: bench/NOTES.md, "the refinement's rates
+    # on one basis"), at the run's length (`lookup`); 1 for the cost model.
     tail: float = 1.0

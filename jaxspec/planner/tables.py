@@ -40,8 +40,7 @@ TABLES = Path(__file__).parent / "tables"  # shipped tables: <fingerprint>_<devi
 TABLE_FORMAT = 1
 # ngram drafts copy n-grams of the prompt and the text so far, so its tokens per iteration in a cell
 # come from the calibration prompts' text: a run whose prompt is a small share of theirs gets none of
-# that (the default CLI prompt, 47 tokens, against 960: 1.0-1.2 tokens per iteration where the cell
-# measured 1.4-2.4; bench/NOTES.md, the planner table after the kernels).
+# that (bench/NOTES.md, "the planner's table found again": "ngram and short prompts").
 NGRAM_PROMPT_SHARE = 0.25
 
 
@@ -190,9 +189,8 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
 def run_tail(tail: float, measured_tokens: int, new_tokens: int) -> float:
     """A model drafter's tail (`Prediction.tail`) measured over `measured_tokens` new tokens, at a
     run of `new_tokens`. Its rows' acceptance varies iteration by iteration alike, so the slowest
-    row's excess iterations over the mean row's shrink as 1 / sqrt(tokens): on SmolLM2 at 128 rows
-    sampled, vegas g6 / g4 every 2 kept 0.80 / 0.88 of their mean rates over 256 tokens, which
-    predicts 0.89 / 0.93 at 1,024 against 0.90 / 0.92 measured (bench/NOTES.md). ngram's rows differ
-    for good (a row that loops copies, one that does not never will): its tail is kept as measured."""
+    row's excess iterations over the mean row's shrink as 1 / sqrt(tokens) (checked against longer
+    runs: bench/NOTES.md, "a model drafter's tail at the run's length"). ngram's rows differ for good
+    (a row that loops copies, one that does not never will): its tail is kept as measured."""
     excess = (1 / tail - 1) * math.sqrt(measured_tokens / new_tokens)
     return 1 / (1 + excess)

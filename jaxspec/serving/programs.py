@@ -4,8 +4,8 @@ signature.
 
 Compiled programs are shared by every scheduler of the process (`_EXECUTABLES`, by program and
 argument signature): a later generate call (or scheduler) of the same shapes neither compiles again
-nor pays a program's first launch on the GPU inside its decode (5-15 ms a program there:
-bench/NOTES.md, "auto's fixed cost"). `clear_executables` drops them (the tests do, with JAX's caches).
+nor pays a program's first launch on the GPU inside its decode (bench/NOTES.md, "auto's fixed
+cost"). `clear_executables` drops them (the tests do, with JAX's caches).
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ class Scheduler:
                                      shape=(n, width))
                 self._executable(self._programs().admit, self.params, self._state, *args, cache, shape=(n, width, chunked))
         self._compile_segment(self._state, self.slots)
-        if self.refinement is not None:  # the replays of its first segments (~1 s a compile on an H100)
+        if self.refinement is not None:  # the replays of its first segments (each a compile)
             length = np.asarray(jax.device_get(self._state.length))
             for strategy in self.refinement.replayed:
                 self._replay(strategy, length, length)
@@ -600,7 +600,8 @@ class Scheduler:
 
     def _call(self, program: programs.Program, *args, shape: tuple = ()):
         """`program` on `args`. A segment's host values go in as numpy: a jnp scalar made here is
-        an eager dispatch of its own (~0.1 ms of the scheduler thread, three a segment)."""
+        an eager dispatch of its own on the scheduler thread (bench/NOTES.md, "where a 16-slot
+        segment's time went")."""
         return self._executable(program, *args, shape=shape)(*args)
 
     def _dispatch(self, program: programs.Program, *args) -> concurrent.futures.Future:

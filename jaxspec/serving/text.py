@@ -3,9 +3,9 @@
 A push decodes the tokens not yet final together with the CONTEXT tokens before them, and keeps what
 follows the context's own text (as vLLM does): a token can complete a character another one began,
 and a decoder may treat a text's first token differently (a stripped leading space), so tokens are
-read in context. Decoding every token so far at each push cost O(length) a push instead: ~130 us a
-request at 1K tokens, for 16 requests the GPU time of a 2-iteration segment of SmolLM2 on an H200
-(bench/NOTES.md, "Serving: where a 16-slot segment's time went"). Text is handed out as it becomes
+read in context. Decoding every token so far at each push would cost O(length) a push instead, as
+much host time as a short segment's device time for a few requests (bench/NOTES.md, "Serving: where
+a 16-slot segment's time went"). Text is handed out as it becomes
 final: text ending in an incomplete UTF-8 sequence (U+FFFD), and the last len(longest stop string)
 - 1 characters, which might begin a stop string, wait for the next tokens. A stop string ends the
 text before its first occurrence.
