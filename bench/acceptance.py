@@ -28,7 +28,7 @@ from jaxspec import corpus
 from jaxspec.runner import encode_prompts, prefill_fn, run_generation
 from jaxspec.loaders import load_model
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import SpecConfig, spec_from_settings
 
 PROMPTS = [(2000, "question", 0), (3000, "continue", 9), (4000, "summary", 18), (5000, "question", 27), (6000, "continue", 36), (7000, "question", 45)]
 SAMPLINGS = {"greedy": SamplingConfig(), "t0.6": SamplingConfig(temperature=0.6, top_p=0.95, top_k=20)}
@@ -100,7 +100,7 @@ def main():
     configs = [(s, m, g, r) for s in args.samplings for g in args.gammas for m in args.methods for r in args.ratios]
     configs += [(s, "ngram", g, None) for s in args.samplings for g in args.gammas]
     for sampling, method, gamma, ratio in [c for c in configs if c not in done]:
-        spec = SpecConfig(method=method, gamma=gamma, ratio=ratio or 0.07, min_tokens=MIN_TOKENS, k_max=k_max, backend=args.backend)
+        spec = spec_from_settings(method, gamma=gamma, ratio=ratio or 0.07, min_tokens=MIN_TOKENS, k_max=k_max, backend=args.backend)
         row = {"sampling": sampling, "method": method, "gamma": gamma, "ratio": ratio}
         row |= measure(params, cfg, batch, cache, spec, SAMPLINGS[sampling], max_len, new)
         print(row, flush=True)

@@ -27,7 +27,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.runner import decode_fns, encode_prompts, run_generation
 from jaxspec.models.kvcache import cache_bytes, cache_slots
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import SpecConfig, spec_from_settings
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 
 GRID = [(1, 4096), (4, 4096), (16, 4096), (1, 32768), (4, 32768), (16, 32768), (1, 131072)]
@@ -61,7 +61,7 @@ def qwen3_rows(args, rates: dict, save) -> list[dict]:
     device_bytes = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 1 << 62)
     rows = []
     for backend in args.backends:
-        spec = SpecConfig(backend=backend)
+        spec = spec_from_settings(backend=backend)
         for batch in sorted({b for b, _ in args.grid}):
             contexts = sorted(c for b, c in args.grid if b == batch)
             max_len = contexts[-1] + 4 * STEPS + 8
@@ -100,7 +100,7 @@ def smollm2_rows(args, rates: dict) -> list[dict]:
             batch = encode_prompts(tokenizer, prompts, chat=True)
             new = 256
             max_len = int(batch.lengths.max()) + new
-            spec = SpecConfig(backend=backend)
+            spec = spec_from_settings(backend=backend)
             run = run_generation(params, cfg, batch, spec=spec, sampling=SamplingConfig(), max_len=max_len, max_new_tokens=new, stop_ids=())
             steps = int(np.asarray(run.output.length - run.output.prompt_len).max()) - 1
             step = run.decode_s / steps

@@ -25,7 +25,7 @@ from jaxspec import corpus
 from jaxspec.models import decoder
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import METHODS, SpecConfig
+from jaxspec.decoding.spec import METHODS, spec_from_settings
 from jaxspec.decoding.tree import TreeShape
 
 NEAR_TIE = 0.05  # bf16 logits: the emitted token may trail the argmax by this much (relative)
@@ -79,8 +79,8 @@ def main():
     result = common.run_info() | {"model": args.model, "backend": backend, "prompt_tokens": batch.lengths.tolist(), "rows": []}
     tree = None if args.tree is None else TreeShape.parse(args.tree).branching
     for method in args.methods:
-        spec = SpecConfig(method=method, gamma=6, tree=tree if method != "plain" else None, traversal=args.traversal, ratio=0.07, min_tokens=64,
-                          backend=backend).validate()
+        spec = spec_from_settings(method, gamma=6, tree=tree if method != "plain" else None, traversal=args.traversal, ratio=0.07,
+                                  min_tokens=64, backend=backend)
         run = run_generation(params, cfg, batch, spec=spec, sampling=SamplingConfig(), max_len=max_len,
                              max_new_tokens=args.new, stop_ids=(), cache=jax.tree.map(jnp.copy, cache))
         stats = jax.device_get(run.output.stats)

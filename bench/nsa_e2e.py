@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import spec_from_settings
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.runner import run_generation
@@ -60,8 +60,8 @@ def run_model(name, path, methods, args, rows_out, rates):
         for sampling_name in args.samplings:
             sampling = common.SAMPLINGS[sampling_name]
             for method, tree, precision in strategies(methods, args.trees, precisions):
-                spec = SpecConfig(method=method, gamma=args.gamma, tree=tree, ratio=args.ratio, backend=backend,
-                                  precision=precision, group=args.group).validate().check_model(cfg)
+                spec = spec_from_settings(method, gamma=args.gamma, tree=tree, ratio=args.ratio, backend=backend,
+                                          precision=precision, group=args.group).check_model(cfg)
                 runs = []
                 for repeat in range(args.repeats):
                     run = run_generation(params, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,

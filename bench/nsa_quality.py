@@ -30,7 +30,7 @@ import numpy as np
 
 from bench import common
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import spec_from_settings
 from jaxspec.loaders import load_model
 from jaxspec.models import decoder
 from jaxspec.models.config import nsa_hf_keys
@@ -121,7 +121,7 @@ def continuations(name, cfg, params, tokenizer, prompt: np.ndarray, new: int, ba
     batch = Batch(prompt[None].astype(np.int32), np.asarray([len(prompt)], np.int32))
     out = {}
     for kind, sampling in SAMPLINGS.items():
-        run = run_generation(params, cfg, batch, spec=SpecConfig(method="plain", backend=backend).validate(),
+        run = run_generation(params, cfg, batch, spec=spec_from_settings("plain", backend=backend),
                              sampling=sampling, max_len=len(prompt) + new, max_new_tokens=new,
                              stop_ids=cfg.eos_token_ids, seed=seed)
         ids = run.generated()[0].tolist()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench import common
 from bench.serve_load import GAMMA, RATIO, prompts
-from jaxspec.decoding.spec import SpecConfig
+from jaxspec.decoding.spec import spec_from_settings
 from jaxspec.loaders import load_model
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
@@ -105,7 +105,7 @@ def main():
     path = args.out / f"serve_segments_{info['device'].split(' (')[0].replace(' ', '_')}{args.tag}.json"
     for method in args.methods:
         drafts = {} if method == "plain" else {"gamma": GAMMA, "ratio": RATIO}
-        spec = SpecConfig(method=method, backend=backend, **drafts)
+        spec = spec_from_settings(method, backend=backend, **drafts)
         for segment in args.segments:
             for repeat in range(args.repeats):
                 scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, segment=segment)

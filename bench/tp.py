@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from bench import common  # noqa: E402
 from jaxspec.decoding import engine  # noqa: E402
 from jaxspec.decoding.sampling import SamplingConfig  # noqa: E402
-from jaxspec.decoding.spec import SpecConfig  # noqa: E402
+from jaxspec.decoding.spec import SpecConfig, spec_from_settings  # noqa: E402
 from jaxspec.decoding.tree import MAX_TREE_ROWS  # noqa: E402
 from jaxspec.models import decoder, sharding  # noqa: E402
 from jaxspec.models.config import ModelConfig, RopeConfig  # noqa: E402
@@ -150,7 +150,7 @@ def main():
                    "context": context}
             reduces_ms = 2 * cfg.num_layers * reduce_us / 1e3 if tp > 1 else 0.0  # per forward
             for method in ("plain", "vegas"):
-                spec = SpecConfig(method=method, gamma=6, ratio=0.07, backend=backend).validate()
+                spec = spec_from_settings(method, gamma=6, ratio=0.07, backend=backend)
                 floor = common.floors(cfg, common.tree_bytes(params), spec, args.batch, context, rates)
                 forwards = 1 if method == "plain" else spec.shape.depth + 1
                 row[f"{method}_floor_ms"] = 1e3 * floor["plain_floor_s" if method == "plain" else "iteration_floor_s"] / tp + forwards * reduces_ms
