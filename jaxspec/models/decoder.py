@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as kernels
+from jaxspec.errors import JaxspecError
 from jaxspec.models import nsa, sharding
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
@@ -173,7 +174,8 @@ def forward(
     layer_ids: np.ndarray | jax.Array | None = None,
     backend: str = "reference",
     remat: bool = False,
-) -> tuple[jax.Array, KVCache, Any]:
+    capture: tuple[int, ...] = (),
+) -> tuple[jax.Array, KVCache, Any] | tuple[jax.Array, KVCache, Any, jax.Array]:
     """Runs all layers on `tokens` [B, T] at `positions` [B, T] (RoPE).
 
     Keys/values of tokens with `valid` [B, T] true are written into the cache at `slots` [B, T]
@@ -187,7 +189,10 @@ def forward(
     kernels (kernels.rope_write, kernels.residual_norm); with the Pallas backend a few rows' products
     with small exact matrices run the row kernel too (`InPlace`). `remat` recomputes each layer in
     the backward pass (training). Returns the last hidden states [B, T, D] (before the final norm),
-    the cache, and `attend`'s per-layer outputs.
+    the cache, and `attend`'s per-layer outputs; with `capture` (model layers, static) a fourth
+    value, the residual stream entering each of those layers concatenated in the order given,
+    [B, T, len(capture) * D] (transformers' `hidden_states[i]`, 0 the embeddings: EAGLE-3's
+    features). Without it the program is the one it always was.
     """
     B, T = tokens.shape
     write_pos = jnp.where(valid, positions if slots is None else slots, cache.num_slots)  # past the end: not written
@@ -202,10 +207,15 @@ def forward(
     stacks["next_norm"] = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
     scanned = {name: a for name, a in layers.items() if name not in in_place and name not in stacks
                and name != "attn_norm"}
+    num_entries = layers["attn_norm"].shape[0]
+    # capture: the buffer slot of each entry's input (len(capture): a slot that takes the uncaptured ones)
+    slot_of = jnp.asarray(capture_slots(capture, layer_ids, num_entries)) if capture else None
 
     def layer(state, xs):
-        x, h, cache, carry, entry = state  # h: the stream x, normed for this layer's attention
+        x, h, cache, carry, entry, *feats = state  # h: the stream x, normed for this layer's attention
         p, cache_layer, lx = xs
+        if capture:  # the layer's input, into its slot of the buffer
+            feats = [jax.lax.dynamic_update_slice_in_dim(feats[0], x[None], slot_of[entry], axis=0)]
         cache_layer = entry if cache_layer is None else cache_layer
         p = {**p, **{name: dataclasses.replace(m, layer=entry) if isinstance(m, Quantized) else InPlace(m, entry, backend)
                      for name, m in in_place.items()}}
@@ -214,7 +224,7 @@ def forward(
         out, ly, carry = attend(cache_layer, q, cache, lx, gates, carry)
         x, h = residual_add_norm(cfg, x, out.reshape(B, T, -1), p["wo"], stacks["mlp_norm"], entry, backend)
         x, h = residual_add_norm(cfg, x, swiglu(h, p["w_gate_up"]), p["w_down"], stacks["next_norm"], entry, backend)
-        return (x, h, cache, carry, entry + 1), ly
+        return (x, h, cache, carry, entry + 1, *feats), ly
 
     if remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
@@ -224,9 +234,31 @@ def forward(
     # in place. An iota among the scanned inputs was sliced by a copy kernel every layer (and so is
     # layer_ids, passed only for a draft that skips layers).
     ids = None if layer_ids is None else jnp.asarray(layer_ids, jnp.int32)
-    (x, _, cache, _, _), layer_ys = jax.lax.scan(layer, (x, h, cache, carry, jnp.int32(0)), (scanned, ids, layer_xs),
-                                                 length=layers["attn_norm"].shape[0])
-    return x, cache, layer_ys
+    feats = [jnp.zeros((len(capture) + 1, B, T, x.shape[-1]), x.dtype)] if capture else []
+    (x, _, cache, _, _, *feats), layer_ys = jax.lax.scan(layer, (x, h, cache, carry, jnp.int32(0), *feats),
+                                                         (scanned, ids, layer_xs), length=num_entries)
+    if not capture:
+        return x, cache, layer_ys
+    features = jnp.moveaxis(feats[0][:-1], 0, 2).reshape(B, T, -1)  # [B, T, n * D], layer by layer
+    return x, cache, layer_ys, features
+
+
+def capture_slots(capture: tuple[int, ...], layer_ids, num_entries: int) -> np.ndarray:
+    """The buffer slot [num_entries] of each layer-stack entry under `forward`'s `capture`: k for the
+    entry of capture[k] (a model layer: the entry's `layer_ids` value, or its index), len(capture) for
+    the rest. One-line errors for a layer the stack does not hold (a draft's skipped layer) or one
+    given twice."""
+    layers = np.arange(num_entries) if layer_ids is None else np.asarray(layer_ids)
+    slots = np.full(num_entries, len(capture), np.int32)
+    for k, i in enumerate(capture):
+        entries = np.flatnonzero(layers == i)
+        if i in capture[:k]:
+            raise JaxspecError(f"capture: layer {i} is given twice")
+        if len(entries) != 1:
+            raise JaxspecError(f"capture: layer {i} is not one of this forward's layers {layers.tolist()} (a skipped "
+                               f"layer has no input to capture)")
+        slots[entries[0]] = k
+    return slots
 
 
 def attention_inputs(cfg: ModelConfig, h: jax.Array, wqkv, stacks: dict, entry: jax.Array, positions: jax.Array,
