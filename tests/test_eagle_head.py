@@ -114,12 +114,20 @@ def jax_params(w):
 f32 = lambda x: jnp.asarray(x.numpy(), jnp.float32)
 
 
-def jax_prefill(params, embeds, hidden, positions, cache=None):
-    """The head over the whole sequence in one pass, slots 0.. while RoPE positions start at START."""
-    cache = eagle.init_cache(ECFG, B, 32, "float32") if cache is None else cache
+@jax.jit
+def run_head(params, cache, embeds, hidden, positions, slots):
+    """The head over rows at RoPE `positions` and cache `slots`: (draft logits, pre-norm output, cache)."""
+    out, cache = eagle.head_forward(params, ECFG, embeds, hidden, positions, jnp.ones(positions.shape, bool), cache,
+                                    slots=slots)
+    return eagle.draft_logits(params, ECFG, out), out, cache
+
+
+def jax_prefill(params, embeds, hidden, positions):
+    """Draft logits of the whole sequence in one pass, cache slots 0.. while RoPE positions start at START."""
     slots = jnp.broadcast_to(jnp.arange(positions.shape[1], dtype=jnp.int32), positions.shape)
-    return eagle.head_forward(params, ECFG, embeds, hidden, jnp.asarray(positions.numpy(), jnp.int32),
-                              jnp.ones(positions.shape, bool), cache, slots=slots)
+    logits, _, _ = run_head(params, eagle.init_cache(ECFG, B, 32, "float32"), embeds, hidden,
+                            jnp.asarray(positions.numpy(), jnp.int32), slots)
+    return logits
 
 
 def test_head_matches_the_float64_reference_as_prefill_and_as_steps():
@@ -130,16 +138,14 @@ def test_head_matches_the_float64_reference_as_prefill_and_as_steps():
     hidden = eagle.project_features(params, f32(features))
     np.testing.assert_allclose(hidden, lin_fc(w, features).numpy(), rtol=1e-5, atol=1e-5)
 
-    prenorm, _ = jax_prefill(params, f32(embeds), hidden, positions)
-    np.testing.assert_allclose(eagle.draft_logits(params, ECFG, prenorm), want.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax_prefill(params, f32(embeds), hidden, positions), want.numpy(), rtol=1e-5, atol=1e-5)
 
-    step = jax.jit(lambda cache, e, h, pos, slot: eagle.head_forward(params, ECFG, e, h, pos, jnp.ones_like(pos, bool),
-                                                                     cache, slots=slot))
     cache = eagle.init_cache(ECFG, B, 32, "float32")
     for t in range(T):
         pos = jnp.asarray(positions[:, t:t + 1].numpy(), jnp.int32)
-        out, cache = step(cache, f32(embeds[:, t:t + 1]), hidden[:, t:t + 1], pos, jnp.full((B, 1), t, jnp.int32))
-        np.testing.assert_allclose(eagle.draft_logits(params, ECFG, out), want[:, t:t + 1].numpy(), rtol=1e-5, atol=1e-5)
+        logits, out, cache = run_head(params, cache, f32(embeds[:, t:t + 1]), hidden[:, t:t + 1], pos,
+                                      jnp.full((B, 1), t, jnp.int32))
+        np.testing.assert_allclose(logits, want[:, t:t + 1].numpy(), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out, want_prenorm[:, t:t + 1].numpy(), rtol=1e-5, atol=1e-5)
 
     # a draft step feeds the head's own pre-norm output back in place of the projected feature
@@ -147,8 +153,8 @@ def test_head_matches_the_float64_reference_as_prefill_and_as_steps():
     fed_back = torch.cat([lin_fc(w, features), want_prenorm[:, -1:]], 1)
     want_next, _ = reference(w, torch.cat([embeds, next_embed], 1), fed_back, START + torch.arange(T + 1).repeat(B, 1))
     pos = jnp.full((B, 1), START + T, jnp.int32)
-    out, _ = step(cache, f32(next_embed), out, pos, jnp.full((B, 1), T, jnp.int32))
-    np.testing.assert_allclose(eagle.draft_logits(params, ECFG, out), want_next[:, -1:].numpy(), rtol=1e-5, atol=1e-5)
+    logits, _, _ = run_head(params, cache, f32(next_embed), out, pos, jnp.full((B, 1), T, jnp.int32))
+    np.testing.assert_allclose(logits, want_next[:, -1:].numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_draft_ids_and_the_target_distribution():
@@ -156,10 +162,12 @@ def test_draft_ids_and_the_target_distribution():
     d2t = params["d2t"]
     targets = np.asarray(eagle.to_target_ids(d2t, jnp.arange(ECFG.draft_vocab_size)))
     assert len(set(targets)) == ECFG.draft_vocab_size and targets.min() >= 0 and targets.max() < ECFG.vocab_size
-    draft_ids = jax.random.randint(jax.random.key(4), (B, 5), 0, ECFG.draft_vocab_size)
-    np.testing.assert_array_equal(eagle.to_target_ids(d2t, draft_ids), targets[np.asarray(draft_ids)])
+    rng = np.random.default_rng(4)
+    draft_ids = rng.integers(0, ECFG.draft_vocab_size, (B, 5))
+    np.testing.assert_array_equal(eagle.to_target_ids(d2t, draft_ids), targets[draft_ids])
 
-    probs = jax.nn.softmax(jax.random.normal(jax.random.key(5), (B, 3, ECFG.draft_vocab_size)) * 3, axis=-1)
+    logits = 3 * rng.standard_normal((B, 3, ECFG.draft_vocab_size), np.float32)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     q = np.asarray(eagle.to_target_probs(d2t, probs, ECFG.vocab_size))
     t2d = np.zeros(ECFG.vocab_size, bool)
     t2d[targets] = True
@@ -189,8 +197,8 @@ def test_loader_reads_the_public_layout(tmp_path, bin_file):
     params = jax.device_put(params)
     embeds, features, positions = inputs(7)
     want, _ = reference(w, embeds, lin_fc(w, features), positions)
-    prenorm, _ = jax_prefill(params, f32(embeds), eagle.project_features(params, f32(features)), positions)
-    np.testing.assert_allclose(eagle.draft_logits(params, ecfg, prenorm), want.numpy(), rtol=1e-5, atol=1e-5)
+    logits = jax_prefill(params, f32(embeds), eagle.project_features(params, f32(features)), positions)
+    np.testing.assert_allclose(logits, want.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_loader_defaults_and_own_embedding(tmp_path):
@@ -257,7 +265,7 @@ def test_unreadable_heads_are_one_line_errors(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_save_load_round_trip_is_exact(tmp_path, dtype):
-    params = eagle.init_params(jax.random.key(12), ECFG, jnp.dtype(dtype))
+    params = eagle.init_params(jax.random.key(12), ECFG, jnp.dtype(dtype).name)
     save_eagle(tmp_path / "head", ECFG, params)
     ecfg, loaded = load_eagle(tmp_path / "head", TARGET, dtype)
     assert ecfg == ECFG and loaded.keys() == params.keys()

@@ -23,9 +23,11 @@ The layer is the decoder's own (`decoder.attention_inputs`, `residual_add_norm`,
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.models import decoder, kvcache
 from jaxspec.models.config import ModelConfig, RopeConfig
@@ -82,16 +84,17 @@ def param_shapes(ecfg: EagleConfig) -> Params:
 
 
 def init_params(key: jax.Array, ecfg: EagleConfig, dtype, scale: float = 0.05) -> Params:
-    """Random weights (normal * scale, norms near 1) and a random sorted draft vocabulary, for tests."""
+    """Random weights (normal * scale, norms near 1) and a random sorted draft vocabulary, for tests.
+    The noise is drawn once and cut on the host: op by op, the many small shapes compile for seconds."""
     shapes = param_shapes(ecfg)
-    keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
-    params = {}
-    for name, shape in shapes.items():
-        noise = jax.random.normal(keys[name], shape, jnp.float32)
-        params[name] = (1.0 + 0.1 * noise if name.endswith("norm") else scale * noise).astype(dtype)
-    ids = jnp.sort(jax.random.choice(keys["d2t"], ecfg.vocab_size, (ecfg.draft_vocab_size,), replace=False))
-    params["d2t"] = (ids - jnp.arange(ecfg.draft_vocab_size)).astype(jnp.int32)
-    return params
+    noise_key, vocab_key = jax.random.split(key)
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    noise = np.split(np.asarray(jax.random.normal(noise_key, (sum(sizes),), jnp.float32)), np.cumsum(sizes)[:-1])
+    params = {name: (1.0 + 0.1 * x if name.endswith("norm") else scale * x).reshape(shape).astype(jnp.dtype(dtype))
+              for (name, shape), x in zip(shapes.items(), noise)}
+    ids = np.sort(np.asarray(jax.random.permutation(vocab_key, ecfg.vocab_size))[:ecfg.draft_vocab_size])
+    params["d2t"] = (ids - np.arange(ecfg.draft_vocab_size)).astype(np.int32)
+    return jax.device_put(params)
 
 
 def init_cache(ecfg: EagleConfig, batch: int, length: int, dtype: str = "bfloat16") -> KVCache:
