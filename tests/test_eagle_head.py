@@ -157,6 +157,26 @@ def test_head_matches_the_float64_reference_as_prefill_and_as_steps():
     np.testing.assert_allclose(logits, want_next[:, -1:].numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_pallas_backend_matches_the_reference():
+    """The head runs the decoder's kernels behind the backend switch (Pallas interpreted on the CPU:
+    ~15 s, so with the slow tests; the kernels themselves are tested in test_kernels_*)."""
+    params = jax_params(public_weights(13))
+    embeds, features, positions = inputs(14, 4)
+    hidden = eagle.project_features(params, f32(features))
+    pos = jnp.asarray(positions.numpy(), jnp.int32)
+    outs = []
+    for backend in ("reference", "pallas"):
+        cache = eagle.init_cache(ECFG, B, 16, "float32")
+        out, cache = eagle.head_forward(params, ECFG, f32(embeds), hidden, pos, jnp.ones(pos.shape, bool), cache,
+                                        backend=backend)
+        step, _ = eagle.head_forward(params, ECFG, f32(embeds[:, :1]), out[:, -1:], pos[:, -1:] + 1,
+                                     jnp.ones((B, 1), bool), cache, backend=backend)
+        outs.append((out, step))
+    for want, got in zip(*outs):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_draft_ids_and_the_target_distribution():
     params = eagle.init_params(jax.random.key(3), ECFG, jnp.float32)
     d2t = params["d2t"]
@@ -233,6 +253,7 @@ BAD_HEADS = {
     "missing": ({}, ("midlayer.mlp.up_proj.weight",), {}, "has no tensor midlayer.mlp.up_proj.weight"),
     "shape": ({}, (), {"lm_head.weight": torch.ones(41, 32)}, "tensor lm_head.weight has shape (41, 32), expected (40, 32)"),
     "extra": ({}, (), {"midlayer2.fc.weight": torch.ones(2)}, "unexpected tensor midlayer2.fc.weight"),
+    "d2t": ({}, (), {"d2t": torch.full((40,), 99)}, "d2t maps draft ids outside the target vocabulary 0..99"),
     "t2d": ({}, (), {"t2d": torch.ones(100, dtype=torch.bool)}, "t2d does not mark exactly the d2t target ids"),
     "two_layers": ({"num_hidden_layers": 2}, (), {}, "num_hidden_layers 2 is not supported"),
 }

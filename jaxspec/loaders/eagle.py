@@ -174,7 +174,8 @@ def check_vocabulary(ecfg: EagleConfig, d2t: np.ndarray, t2d: np.ndarray, path: 
     """d2t maps the draft vocabulary to distinct target ids, the ones t2d marks."""
     targets = np.arange(ecfg.draft_vocab_size) + d2t
     if targets.min() < 0 or targets.max() >= ecfg.vocab_size:
-        raise JaxspecError(f"EAGLE head {path}: d2t maps draft ids outside the target vocabulary 0..{ecfg.vocab_size - 1}")
+        raise JaxspecError(f"EAGLE head {path}: d2t maps draft ids outside the target vocabulary "
+                           f"0..{ecfg.vocab_size - 1}")
     if not np.array_equal(target_mask(ecfg, d2t), t2d.astype(bool)) or len(np.unique(targets)) != len(targets):
         raise JaxspecError(f"EAGLE head {path}: t2d does not mark exactly the d2t target ids")
 

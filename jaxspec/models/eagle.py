@@ -145,13 +145,14 @@ def head_forward(
     layer = jnp.int32(0)  # the cache's one layer, and the entry of the one-entry norm stack below
     no_stacks = {"bqkv": None, "q_norm": None, "k_norm": None}
 
-    x = jnp.concatenate([rms_norm(embeds, params["embed_norm"], ecfg.rms_norm_eps),
-                         rms_norm(hidden, params["hidden_norm"], ecfg.rms_norm_eps)], axis=-1)
-    q, cache, _ = decoder.attention_inputs(cfg, x, params["wqkv"], no_stacks, layer, positions, write_pos, cache,
+    eps = ecfg.rms_norm_eps
+    pair = jnp.concatenate([rms_norm(embeds, params["embed_norm"], eps), rms_norm(hidden, params["hidden_norm"], eps)],
+                           axis=-1)  # [B, T, 2H]: q, k and v read both
+    q, cache, _ = decoder.attention_inputs(cfg, pair, params["wqkv"], no_stacks, layer, positions, write_pos, cache,
                                            layer, backend)
-    out, _, _ = attend(layer, q, cache, None, None, ())
-    # residual with the pre-norm hidden, then the MLP's norm; the MLP and its residual
-    x, h = decoder.residual_add_norm(cfg, hidden, out.reshape(B, T, -1), params["wo"], params["mlp_norm"][None],
+    attn, _, _ = attend(layer, q, cache, None, None, ())
+    # the residual is the pre-norm hidden input; the MLP's norm is fused with the add
+    x, h = decoder.residual_add_norm(cfg, hidden, attn.reshape(B, T, -1), params["wo"], params["mlp_norm"][None],
                                      layer, backend)
     x = x + matmul(decoder.swiglu(h, params["w_gate_up"]), params["w_down"])
     return x, cache
