@@ -1,0 +1,178 @@
+"""The EAGLE-3 draft head: pure functions over a params pytree (issue 59; the architecture of the
+EAGLE-3 authors, SpecForge and vLLM's `llama_eagle3`).
+
+The head drafts from the target's features: the residual stream entering three of the target's
+layers (`EagleConfig.feature_layers`, HF `output_hidden_states[i]`), concatenated and projected by
+`fc` to the head's width. One Llama decoder layer (the "midlayer") reads, at each position, the
+token's embedding (the target's table) and that feature, each RMS-normed and concatenated, so its
+q/k/v read 2 x hidden; its residual is the feature itself. The head keeps its own one-layer KV cache
+over every position (`init_cache`). A final norm and an LM head over a reduced draft vocabulary give
+draft logits; draft id i is target id i + d2t[i]. Draft step k > 0 feeds the head's own output
+(`head_forward`'s pre-norm state) back in place of the projected feature.
+
+Params layout (x @ W convention; H = hidden, Ht = target hidden, F = intermediate, Vd = draft vocab):
+    fc [3 Ht, H], embed_norm [H] (the public `input_layernorm`, on the token embedding),
+    hidden_norm [H], wqkv [2H, (Hq + 2 Hkv) Dh] (q, k, v side by side), wo [Hq Dh, H],
+    mlp_norm [H] (`post_attention_layernorm`), w_gate_up [H, 2F] (gate then up), w_down [F, H],
+    final_norm [H] (`norm`), lm_head [H, Vd], d2t [Vd] int32, and embed [V, H] only when the head
+    carries its own token embedding.
+The layer is the decoder's own (`decoder.attention_inputs`, `residual_add_norm`, `swiglu`, and
+`decoder.attention` by default), so the backend switch and the cache code path are the decoder's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models import decoder, kvcache
+from jaxspec.models.config import ModelConfig, RopeConfig
+from jaxspec.models.decoder import AttendFn, Params, matmul
+from jaxspec.models.kvcache import KVCache
+from pallas_kernels.rope_write import rms_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """Shape and numerics of an EAGLE-3 head, and the target layers whose inputs are its features."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    draft_vocab_size: int
+    vocab_size: int  # the target's
+    target_hidden_size: int
+    feature_layers: tuple[int, int, int]  # target layers whose input stream is a feature (low, mid, high)
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 4096
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's and vLLM's default feature layers of an L-layer target: (2, L // 2, L - 3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def layer_config(ecfg: EagleConfig, dtype: str = "float32") -> ModelConfig:
+    """The midlayer as a one-layer Llama ModelConfig: the decoder's layer functions, attention and
+    cache take it (`dtype` is the cache's; the layer functions do not read it)."""
+    return ModelConfig(
+        model_type="llama", vocab_size=ecfg.draft_vocab_size, hidden_size=ecfg.hidden_size, num_layers=1,
+        num_heads=ecfg.num_heads, num_kv_heads=ecfg.num_kv_heads, head_dim=ecfg.head_dim,
+        intermediate_size=ecfg.intermediate_size, rms_norm_eps=ecfg.rms_norm_eps, rope=ecfg.rope,
+        max_position_embeddings=ecfg.max_position_embeddings, dtype=dtype)
+
+
+def param_shapes(ecfg: EagleConfig) -> Params:
+    """The exact shapes of a head's params (without the optional `embed` [V, H])."""
+    H, F = ecfg.hidden_size, ecfg.intermediate_size
+    q_dim, kv_dim = ecfg.num_heads * ecfg.head_dim, ecfg.num_kv_heads * ecfg.head_dim
+    return {
+        "fc": (3 * ecfg.target_hidden_size, H),
+        "embed_norm": (H,), "hidden_norm": (H,),
+        "wqkv": (2 * H, q_dim + 2 * kv_dim), "wo": (q_dim, H),
+        "mlp_norm": (H,), "w_gate_up": (H, 2 * F), "w_down": (F, H),
+        "final_norm": (H,), "lm_head": (H, ecfg.draft_vocab_size),
+        "d2t": (ecfg.draft_vocab_size,),
+    }
+
+
+def init_params(key: jax.Array, ecfg: EagleConfig, dtype, scale: float = 0.05) -> Params:
+    """Random weights (normal * scale, norms near 1) and a random sorted draft vocabulary, for tests.
+    The noise is drawn once and cut on the host: op by op, the many small shapes compile for seconds."""
+    shapes = param_shapes(ecfg)
+    noise_key, vocab_key = jax.random.split(key)
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    noise = np.split(np.asarray(jax.random.normal(noise_key, (sum(sizes),), jnp.float32)), np.cumsum(sizes)[:-1])
+    params = {name: (1.0 + 0.1 * x if name.endswith("norm") else scale * x).reshape(shape).astype(jnp.dtype(dtype))
+              for (name, shape), x in zip(shapes.items(), noise)}
+    ids = np.sort(np.asarray(jax.random.permutation(vocab_key, ecfg.vocab_size))[:ecfg.draft_vocab_size])
+    params["d2t"] = (ids - np.arange(ecfg.draft_vocab_size)).astype(np.int32)
+    return jax.device_put(params)
+
+
+def init_cache(ecfg: EagleConfig, batch: int, length: int, dtype: str = "bfloat16") -> KVCache:
+    """The head's empty KV cache: the decoder's, with one layer."""
+    return kvcache.init_cache(layer_config(ecfg, dtype), batch, length)
+
+
+def token_embeds(params: Params, target_params: Params, target_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Embeddings [B, T, H] of `tokens`: the head's own table if it carries one, else the target's."""
+    if "embed" in params:
+        return params["embed"][tokens]
+    return decoder.embed(target_params, target_cfg, tokens)
+
+
+def project_features(params: Params, features: jax.Array) -> jax.Array:
+    """The target's three feature rows, concatenated [B, T, 3 Ht], projected to the head's input [B, T, H]."""
+    return matmul(features, params["fc"])
+
+
+def head_forward(
+    params: Params,
+    ecfg: EagleConfig,
+    embeds: jax.Array,
+    hidden: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    cache: KVCache,
+    attend: AttendFn | None = None,
+    slots: jax.Array | None = None,
+    backend: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """One pass of the midlayer over T rows: token embeddings `embeds` [B, T, H] with `hidden`
+    [B, T, H] (the projected features, or at a later draft step the head's own previous output) at
+    RoPE `positions` [B, T].
+
+    Keys and values of rows with `valid` true are written into the head's cache at `slots` (default:
+    the positions) before `attend` reads it; by default each row attends causally to every cache
+    slot up to its own (`decoder.attention`; pass `decoder.attention(layer_config(ecfg), q_slot,
+    backend, tree=...)` for a draft tree's rows, which see the committed cache and their ancestors).
+    Returns the pre-norm output [B, T, H] (`draft_logits` reads it; the next draft step's `hidden`)
+    and the cache.
+    """
+    B, T, _ = embeds.shape
+    cfg = layer_config(ecfg)
+    write_pos = jnp.where(valid, positions if slots is None else slots, cache.num_slots)  # past the end: not written
+    if attend is None:
+        attend = decoder.attention(cfg, positions if slots is None else slots, backend)
+    layer = jnp.int32(0)  # the cache's one layer, and the entry of the one-entry norm stack below
+    no_stacks = {"bqkv": None, "q_norm": None, "k_norm": None}
+
+    eps = ecfg.rms_norm_eps
+    pair = jnp.concatenate([rms_norm(embeds, params["embed_norm"], eps), rms_norm(hidden, params["hidden_norm"], eps)],
+                           axis=-1)  # [B, T, 2H]: q, k and v read both
+    q, cache, _ = decoder.attention_inputs(cfg, pair, params["wqkv"], no_stacks, layer, positions, write_pos, cache,
+                                           layer, backend)
+    attn, _, _ = attend(layer, q, cache, None, None, ())
+    # the residual is the pre-norm hidden input; the MLP's norm is fused with the add
+    x, h = decoder.residual_add_norm(cfg, hidden, attn.reshape(B, T, -1), params["wo"], params["mlp_norm"][None],
+                                     layer, backend)
+    x = x + matmul(decoder.swiglu(h, params["w_gate_up"]), params["w_down"])
+    return x, cache
+
+
+def draft_logits(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array) -> jax.Array:
+    """Final norm and the draft LM head: float32 logits [B, T, Vd] over the draft vocabulary."""
+    h = rms_norm(prenorm_out, params["final_norm"], ecfg.rms_norm_eps)
+    return matmul(h, params["lm_head"], jnp.float32)
+
+
+def to_target_ids(d2t: jax.Array, draft_ids: jax.Array) -> jax.Array:
+    """Target token ids of draft ids (any shape): id + d2t[id]."""
+    return draft_ids + d2t[draft_ids]
+
+
+def to_target_probs(d2t: jax.Array, draft_probs: jax.Array, vocab_size: int) -> jax.Array:
+    """The head's distribution over the target vocabulary [..., V] from its draft-vocabulary one
+    [..., Vd] (after the logits processing, which commutes with the scatter: tokens outside the draft
+    vocabulary have logit -inf, so probability 0): the q of exact rejection sampling."""
+    targets = to_target_ids(d2t, jnp.arange(d2t.shape[0]))
+    zeros = jnp.zeros((*draft_probs.shape[:-1], vocab_size), draft_probs.dtype)
+    return zeros.at[..., targets].set(draft_probs)
