@@ -277,6 +277,8 @@ def test_draft_skip_calibrated_reads_the_saved_file(capsys, tmp_path, hf_checkpo
     assert [r["tokens"] for r in skipping["results"]] == [r["tokens"] for r in plain["results"]]
 
 
+@pytest.mark.slow  # a duplicate: serve --tp loads through the same `load` onto a mesh (test_server), and
+# test_tensor_parallel runs run_generation under a mesh
 def test_tensor_parallel_generate_equals_one_device(capsys, hf_checkpoints):
     """`generate --tp 2` (conftest's simulated CPU devices) emits the tokens of one device, speculative."""
     import jax
