@@ -91,7 +91,7 @@ SLOW = ("all_rows", "last_accepted", "stream")
 # quest by default): here only the tree runs by default, the rest are slow (the default run's 20 minutes)
 SLOW_MID_FLIGHT = SLOW + ("plain", "vegas", "quest", "ngram")
 SPECS = [pytest.param(SpecConfig(method=m, gamma=3, min_tokens=32), marks=[pytest.mark.slow] if m in SLOW_MID_FLIGHT else [], id=m)
-         for m in METHODS if m != "full"] + [  # full needs a draft model: test_engine
+         for m in METHODS if m not in ("full", "eagle")] + [  # full needs a draft model (test_engine), eagle a head (test_eagle_engine)
     pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32), id="vegas_tree")]
 
 
@@ -173,7 +173,7 @@ def submit_all(scheduler, requests: list[Request]) -> tuple[dict, dict]:
 SCHEDULER_CASES = [pytest.param("vegas", None, 1, id="vegas"), pytest.param("vegas", 32, 1, id="vegas-chunked", marks=pytest.mark.slow),
                    pytest.param("vegas", None, 3, id="vegas-select-every-3", marks=pytest.mark.slow)] + [
     pytest.param(m, None, 1, id=m, marks=[pytest.mark.slow] if m in SLOW + ("plain", "ngram", "quest") else [])
-    for m in METHODS if m not in ("vegas", "full")]
+    for m in METHODS if m not in ("vegas", "full", "eagle")]
 
 
 @pytest.mark.parametrize("method, chunk, every", SCHEDULER_CASES)

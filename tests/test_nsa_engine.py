@@ -21,7 +21,7 @@ from jaxspec.models.kvcache import init_cache
 from jaxspec.runner import Batch
 from test_engine import Case, assert_rows_alone_equal_batched, generate, prefilled
 
-SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full")]  # full: with a draft model, below
+SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full", "eagle")]  # full: with a draft model, below; eagle with a head: test_eagle_engine
 
 
 def nsa_config(rule: str = "nsa1b") -> ModelConfig:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec.decoding.engine import top_indices
+from jaxspec.decoding.sampling import top_indices
 from jaxspec.decoding.sampling import (RowSampling, SamplingConfig, draw, greedy_rows, process_logits, row_keys,
                                       split_rows, uniform_rows)
 from jaxspec.decoding.tree import TreeShape, tree_accept
@@ -126,7 +126,7 @@ def test_emitted_tokens_follow_the_target(shape, order, one_hot, support):
 
 @pytest.mark.parametrize("b", [1, 3])
 def test_a_nodes_children_are_its_top_scores(b):
-    """A node's b children (engine.expand) are its b largest scores, largest first, a tie going to the
+    """A node's b children (sampling.expand) are its b largest scores, largest first, a tie going to the
     lower index: b = 1 is an argmax, more a top-k; both against a stable numpy sort."""
     x = np.round(np.random.default_rng(b).normal(size=(4, 3, 50)), 1).astype(np.float32)  # many ties
     want = np.argsort(-x, axis=-1, kind="stable")[..., :b]

@@ -39,11 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as kernels
-from jaxspec.models import decoder, draft_weights, nsa
+from jaxspec.models import decoder, draft_weights, eagle, kvcache, nsa
 from jaxspec.models.config import ModelConfig
 from jaxspec.decoding.drafters import Drafter, DraftRows, make_drafter
-from jaxspec.models.kvcache import KVCache, init_cache
-from jaxspec.decoding.sampling import Rules, RowSampling, SamplingConfig, gumbel_rows, greedy_rows, process_logits, row_keys, sample, split_rows
+from jaxspec.models.eagle import EagleConfig
+from jaxspec.models.kvcache import KVCache
+from jaxspec.decoding.sampling import Rules, RowSampling, SamplingConfig, expand, row_keys, sample, split_rows
 from jaxspec.decoding.spec import Budget, SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS, TreeShape, tree_accept
 
@@ -106,7 +107,7 @@ class Engine:
     def prefill_cache(self, params: decoder.Params, prompts: jax.Array, prompt_len: jax.Array) -> KVCache:
         """`prefill_cache` on this engine's backend and prefill chunk."""
         return prefill_cache(params, prompts, prompt_len, cfg=self.cfg, max_len=self.max_len, backend=self.spec.backend,
-                             chunk=self.spec.prefill_chunk)
+                             chunk=self.spec.prefill_chunk, head=self.spec.eagle)
 
     def start(
         self,
@@ -228,6 +229,8 @@ class Engine:
         again at zero (the caller sums them over strategies).
         """
         spec, max_len = self.spec, self.max_len
+        if spec.method == "eagle":
+            raise ValueError("a run cannot switch to eagle: the head's cache covers only what it drafted over")
         B = state.length.shape[0]
         drafter = make_drafter(spec, self.cfg, max_len)
         tokens = jnp.zeros((B, max_len + spec.draft_len + 1), jnp.int32).at[:, :max_len].set(state.tokens[:, :max_len])
@@ -255,19 +258,23 @@ def prefill_cache(
     max_len: int,
     backend: str = "reference",
     chunk: int = 256,
+    head: EagleConfig | None = None,
 ) -> KVCache:
     """A cache holding the KV of every prompt token but the last, filled `chunk` positions at a time.
 
     prompts [B, P] are right-padded; prompt_len [B] in [1, max_len). The cache has room for max_len
-    plus any draft tree, so one prefill serves every decoding method (tests and benchmarks reuse it).
+    plus any draft tree, so one prefill serves every decoding method (tests and benchmarks reuse it);
+    with an EAGLE-3 `head` (weights in params["eagle"]) it holds the head's cache over the prompt too,
+    which only method eagle needs.
     """
     B, P = prompts.shape
     if P > max_len:
         raise ValueError(f"prompts of {P} tokens do not fit max_len {max_len}")
-    cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS)
+    cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS, head)
     chunk = min(chunk, P)
     num_chunks = -(-(P - 1) // chunk)
-    fill = functools.partial(prefill_chunk, params, prompts=prompts, prompt_len=prompt_len, cfg=cfg, backend=backend, chunk=chunk)
+    fill = functools.partial(prefill_chunk, params, prompts=prompts, prompt_len=prompt_len, cfg=cfg, backend=backend,
+                             chunk=chunk, head=head)
     return jax.lax.fori_loop(0, num_chunks, lambda c, cache: fill(cache, begin=c * chunk), cache)
 
 
@@ -281,17 +288,32 @@ def prefill_chunk(
     cfg: ModelConfig,
     backend: str,
     chunk: int,
+    head: EagleConfig | None = None,
 ) -> KVCache:
     """`cache` with the KV of prompt positions [begin, begin + chunk) written (positions before each
-    row's last token; the others are not written). Chunks in order from 0 make `prefill_cache`;
-    a server prefills a long prompt a chunk per round between decode segments (chunked prefill)."""
+    row's last token; the others are not written), the `head`'s too (an EAGLE-3 head: the target's
+    features at each position with the next prompt token). Chunks in order from 0 make
+    `prefill_cache`; a server prefills a long prompt a chunk per round between decode segments
+    (chunked prefill)."""
     positions = jnp.broadcast_to(begin + jnp.arange(chunk, dtype=jnp.int32), (prompts.shape[0], chunk))
     # positions past the prompts' width read its last column: they are not valid, so they write nothing
-    tokens = jnp.take_along_axis(prompts.astype(jnp.int32), jnp.minimum(positions, prompts.shape[1] - 1), axis=1)
+    prompt_at = lambda p: jnp.take_along_axis(prompts.astype(jnp.int32), jnp.minimum(p, prompts.shape[1] - 1), axis=1)
     valid = positions < (prompt_len - 1)[:, None]
     attend = decoder.attention(cfg, jnp.minimum(positions, cache.num_slots - 1), backend)
-    _, cache, _ = decoder.forward(params, cfg, tokens, positions, valid, cache, attend, backend=backend)
-    return cache
+    capture = () if head is None else head.feature_layers
+    _, cache, _, *features = decoder.forward(params, cfg, prompt_at(positions), positions, valid, cache, attend,
+                                             backend=backend, capture=capture)
+    if head is None:
+        return cache
+    _, head_cache = eagle.feature_forward(params["eagle"], head, params, cfg, prompt_at(positions + 1), features[0],
+                                          positions, valid, cache.head, backend)
+    return dataclasses.replace(cache, head=head_cache)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, head: EagleConfig | None = None) -> KVCache:
+    """The model's empty cache of `length` slots, with an EAGLE-3 `head`'s own beside it."""
+    cache = kvcache.init_cache(cfg, batch, length)
+    return cache if head is None else dataclasses.replace(cache, head=eagle.init_cache(head, batch, length, cfg.dtype))
 
 
 def finish(state: DecodeState, max_len: int) -> GenerateOutput:
@@ -359,7 +381,9 @@ def _spec_step(params, cfg, spec, sampling, drafter: Drafter, state: DecodeState
     if drafter.uses_model:
         tokens, draft_probs, state = draft(params, cfg, spec, sampling, drafter, state, draft_key)
     else:
-        tokens, draft_probs = drafter.propose(state.tokens, state.length, tree), None
+        tokens, draft_probs, cache, dstate = drafter.draft(params, state.tokens, state.length, state.done, state.cache,
+                                                           state.drafter, draft_key, rules(sampling, state))
+        state = dataclasses.replace(state, cache=cache, drafter=dstate)
     selector = drafter if select else None  # None: verification collects no scores, the selection stays
     logits, cache, scores = verify(params, cfg, spec, selector, state, tokens, tree)
     num_accepted, path, emitted = tree_accept(accept_key, tree, tokens, draft_probs, logits, rules(sampling, state),
@@ -416,35 +440,15 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     return tokens, probs, dataclasses.replace(state, cache=cache, drafter=dstate)
 
 
-def expand(key, logits, b: int, sampling: Rules, backend: str):
-    """A node's b children from its draft logits [B, n, V]: (tokens [B, n, b], q [B, n, V] or None when
-    greedy). Sampling draws without replacement by Gumbel top-b, in draw order (b = 1: a plain draw);
-    greedy rows (of row rules too) take the top-b logits. `key`: one per row."""
-    if sampling.greedy:
-        return top_indices(logits, b), None
-    q = process_logits(logits, sampling, backend)
-    perturbed = jnp.log(q) + gumbel_rows(key, q.shape)
-    score = jnp.where(greedy_rows(sampling, q.ndim), logits.astype(jnp.float32), perturbed)
-    return top_indices(score, b), q
-
-
-def top_indices(x, b: int):
-    """int32 indices of the b largest entries of x [..., V], largest first (ties: the lower index).
-    One is an argmax: a reduction, cheaper than XLA's top-k kernel over a whole vocabulary
-    (bench/NOTES.md, "fewer kernels per layer")."""
-    if b == 1:
-        return jnp.argmax(x, axis=-1, keepdims=True).astype(jnp.int32)
-    return jax.lax.top_k(x, b)[1].astype(jnp.int32)
-
-
 def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     """Target attention over the pending token and a drafted tree (tokens [B, rows]; tree None: the
     pending token alone, plain decoding): row t at slot first + t and position first + depth(t),
     attending the committed cache and its ancestors. NSA targets verify as `spec`'s precision class
     and group say (SSV: `models.nsa.Verification`); dense targets ignore them.
 
-    Returns float32 logits [B, rows, V], the cache with the rows' exact KV, and the selection scores
-    the drafter collects (per layer), or None.
+    Returns float32 logits [B, rows, V], the cache with the rows' exact KV, and what the drafter
+    asked the pass for: its selection scores (per layer, `collect`), the rows' features (`capture`),
+    or None.
     """
     T = tokens.shape[1]
     first = roots(state.length, state.done)
@@ -452,13 +456,15 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
     positions = slots if tree is None else first[:, None] + jnp.asarray(tree.node_depth)
     mask = None if tree is None or tree.is_chain else kernels.TreeMask(first, tree.ancestors)
     collect = None if drafter is None else drafter.collect(T)
+    capture = () if drafter is None else drafter.capture()
     verification = nsa.Verification(spec.group, spec.shared_index, spec.reuse_layers)
     attend = decoder.attention(cfg, slots, spec.backend, collect, tree=mask, verification=verification)
-    hidden, cache, scores = decoder.forward(
+    hidden, cache, scores, *features = decoder.forward(
         params, cfg, tokens, positions, jnp.broadcast_to(~state.done[:, None], tokens.shape), state.cache, attend, slots=slots,
         carry=decoder.attention_carry(cfg, slots, state.cache.num_slots, verification), backend=spec.backend,
+        capture=capture,
     )
-    return decoder.logits(params, cfg, hidden), cache, scores
+    return decoder.logits(params, cfg, hidden), cache, features[0] if capture else scores
 
 
 def compact(cache: KVCache, first: jax.Array, path: jax.Array, tree: TreeShape, live: jax.Array) -> KVCache:

@@ -238,3 +238,24 @@ def sample(key: jax.Array, logits: jax.Array, rules: Rules, backend: str = "refe
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = process_logits(logits, rules, backend)
     return draw(key, probs), probs
+
+
+def expand(key, logits, b: int, sampling: Rules, backend: str):
+    """A node's b children from its draft logits [B, n, V]: (tokens [B, n, b], q [B, n, V] or None when
+    greedy). Sampling draws without replacement by Gumbel top-b, in draw order (b = 1: a plain draw);
+    greedy rows (of row rules too) take the top-b logits. `key`: one per row."""
+    if sampling.greedy:
+        return top_indices(logits, b), None
+    q = process_logits(logits, sampling, backend)
+    perturbed = jnp.log(q) + gumbel_rows(key, q.shape)
+    score = jnp.where(greedy_rows(sampling, q.ndim), logits.astype(jnp.float32), perturbed)
+    return top_indices(score, b), q
+
+
+def top_indices(x, b: int):
+    """int32 indices of the b largest entries of x [..., V], largest first (ties: the lower index).
+    One is an argmax: a reduction, cheaper than XLA's top-k kernel over a whole vocabulary
+    (bench/NOTES.md, "fewer kernels per layer")."""
+    if b == 1:
+        return jnp.argmax(x, axis=-1, keepdims=True).astype(jnp.int32)
+    return jax.lax.top_k(x, b)[1].astype(jnp.int32)

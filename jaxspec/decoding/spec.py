@@ -15,9 +15,10 @@ import jax.numpy as jnp
 from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape
 from jaxspec.errors import JaxspecError
 from jaxspec.models.draft_weights import DRAFT_WEIGHTS, check_skip
+from jaxspec.models.eagle import EagleConfig
 from pallas_kernels.verify_attention import METRICS
 
-METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "full", "ngram")
+METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "full", "ngram", "eagle")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
@@ -31,10 +32,10 @@ PRECISIONS = ("strict", "reuse", "approx", "approx+reuse")
 
 def takes_draft_model(method: str, weights: str, skip: tuple[int, ...] = ()) -> bool:
     """Whether `method` runs with this draft model (`SpecConfig.validate` and `check_model` say why
-    not): plain and ngram run no draft forward, so only the exact weights and every layer; `full`
-    only with a draft cheaper than the model; the other drafters with any."""
+    not): plain, ngram and eagle run no draft forward of the model, so only the exact weights and
+    every layer; `full` only with a draft cheaper than the model; the other drafters with any."""
     cheaper = weights != "exact" or bool(skip)
-    if method in ("plain", "ngram"):
+    if method in ("plain", "ngram", "eagle"):
         return not cheaper
     return cheaper or method != "full"
 
@@ -83,6 +84,7 @@ class SpecConfig:
     draft_skip: tuple[int, ...] = ()  # the layers draft steps leave out (models.draft_weights), increasing
     balance: float = 1.0  # sparse drafters: the largest share of the budget a row may take (1: every row the same)
     select_every: int = 1  # score drafters: iterations per selection (the others reuse it and collect no scores)
+    eagle: EagleConfig | None = None  # method eagle: the draft head's config (its weights: params["eagle"])
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -117,10 +119,14 @@ class SpecConfig:
             raise JaxspecError(f"--group must be between 1 and {MAX_TREE_ROWS}, got {self.group}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise JaxspecError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
-        if self.draft_weights != "exact" and self.method in ("plain", "ngram"):
+        if self.draft_weights != "exact" and self.method in ("plain", "ngram", "eagle"):
             raise JaxspecError(f"--draft-weights {self.draft_weights} needs a model drafter; {self.method} runs no draft forward")
-        if self.draft_skip and self.method in ("plain", "ngram"):
+        if self.draft_skip and self.method in ("plain", "ngram", "eagle"):
             raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
+        if self.method == "eagle" and self.eagle is None:
+            raise JaxspecError("--method eagle needs a draft head: --draft-model DIR (an EAGLE-3 checkpoint)")
+        if self.method != "eagle" and self.eagle is not None:
+            raise JaxspecError(f"--draft-model is an EAGLE-3 head, which drafts with --method eagle, not {self.method}")
         balance = self.balance
         if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not (
                 1 <= balance <= MAX_BALANCE and math.isfinite(balance)):

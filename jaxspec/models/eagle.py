@@ -158,6 +158,18 @@ def head_forward(
     return x, cache
 
 
+def feature_forward(params: Params, ecfg: EagleConfig, target_params: Params, target_cfg: ModelConfig,
+                    next_tokens: jax.Array, features: jax.Array, positions: jax.Array, valid: jax.Array,
+                    cache: KVCache, backend: str = "reference") -> tuple[jax.Array, KVCache]:
+    """`head_forward` over rows of the target's own sequence: at position p, the target's features
+    there [B, T, 3 Ht] with the embedding of the token that followed (`next_tokens` [B, T], the
+    target's position p + 1), as EAGLE-3 pairs them. The prompt's prefill and the catch-up on an
+    accepted path run this; draft steps feed the head's own state instead."""
+    embeds = token_embeds(params, target_params, target_cfg, next_tokens)
+    return head_forward(params, ecfg, embeds, project_features(params, features), positions, valid, cache,
+                        backend=backend)
+
+
 def draft_logits(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array) -> jax.Array:
     """Final norm and the draft LM head: float32 logits [B, T, Vd] over the draft vocabulary."""
     h = rms_norm(prenorm_out, params["final_norm"], ecfg.rms_norm_eps)

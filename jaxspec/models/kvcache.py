@@ -11,6 +11,10 @@ what its slots last held; a query only reads blocks that end at or before its ow
 slots are all correct by then (committed, or written by earlier rows of the same pass). A block that
 completes inside a verification window is therefore seen by the later rows of that window, and one
 that held rejected drafts is recomputed by the pass that rewrites them.
+
+A run that drafts with an EAGLE-3 head keeps the head's one-layer cache in `head`, so it travels with
+the model's through prefill, admission and batch surgery; nothing else here reads or moves it (the
+head rewrites its accepted rows itself: `decoding.drafters.eagle`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class KVCache:
     v: jax.Array
     k_cmp: jax.Array | None = None  # NSA only
     v_cmp: jax.Array | None = None
+    head: KVCache | None = None  # an EAGLE-3 draft head's own one-layer cache, at the same slots (models.eagle)
 
     @property
     def num_slots(self) -> int:

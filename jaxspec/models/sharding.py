@@ -114,7 +114,7 @@ def param_specs(params: dict) -> dict:
 
     def spec(path, x):
         name = path[-1].key
-        if name not in COLUMNS + ROWS:
+        if name not in COLUMNS + ROWS or path[0].key == "eagle":  # an EAGLE-3 head runs whole on every device
             return P()
         from_end = 1 if name in COLUMNS else 2
         if not isinstance(x, Quantized):

@@ -26,7 +26,6 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.models import sharding
-from jaxspec.models.kvcache import init_cache
 
 _EXECUTABLES: dict = {}  # {(Program, argument signature): compiled executable}
 
@@ -154,11 +153,11 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
 
     def blank(prompt_len):
         """An empty cache for the rows of a chunked admission."""
-        return init_cache(cfg, prompt_len.shape[0], max_len + MAX_TREE_ROWS)
+        return engine.init_cache(cfg, prompt_len.shape[0], max_len + MAX_TREE_ROWS, spec.eagle)
 
     def chunk(params, cache, prompts, prompt_len, begin):
         return engine.prefill_chunk(params, cache, prompts=prompts, prompt_len=prompt_len, begin=begin, cfg=cfg,
-                                    backend=spec.backend, chunk=prefill_chunk)
+                                    backend=spec.backend, chunk=prefill_chunk, head=spec.eagle)
 
     def decode(params, state, iterations, min_live):
         return eng.decode(params, state, max_iterations=iterations, min_live=min_live)

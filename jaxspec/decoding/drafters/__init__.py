@@ -1,9 +1,11 @@
-"""KV-selection policies (and n-gram lookup), one file each, behind the interface of `base.Drafter`."""
+"""The drafters, one file each, behind the interface of `base.Drafter`: KV-selection policies that draft
+with the model itself, n-gram lookup, and the EAGLE-3 head."""
 
 from __future__ import annotations
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.decoding.drafters.base import Drafter, DraftRows
+from jaxspec.decoding.drafters.eagle import Eagle
 from jaxspec.decoding.drafters.full import Full
 from jaxspec.decoding.drafters.ngram import Ngram
 from jaxspec.decoding.drafters.quest import Quest
@@ -19,6 +21,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "quest": Quest,
     "full": Full,
     "ngram": Ngram,
+    "eagle": Eagle,
 }
 
 

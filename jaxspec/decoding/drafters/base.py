@@ -1,20 +1,26 @@
-"""The drafter interface: what a KV-selection policy tells the engine, and the shared budget rule.
+"""The drafter interface: what a drafter tells the engine, and the shared budget rule.
 
-A policy is one file with one `Drafter` subclass. The engine calls, per generation:
+A drafter is one file with one `Drafter` subclass. The engine calls, per generation:
     init(cache, prompt_len)                 after prefill, before the last prompt token's step
     collect(num_rows)                       which verify rows' attention scores to gather (or None)
+    capture()                               the model layers whose input stream the verify pass
+                                            exports for every row (features; default none)
     after_verify(state, budget, scores, cache, first_pos, num_accepted, path)
                                             after every verification (and after the last prompt token,
                                             with one row and num_accepted 0) and after the accepted
                                             path's keys moved to slots first_pos + d: recompute the
-                                            selection; `path` [B, depth + 1] are the accepted rows
+                                            selection; `path` [B, depth + 1] are the accepted rows;
+                                            `scores` is what the pass collected (the features with
+                                            `capture`)
+The KV-selection policies draft with the model itself (`uses_model`: the engine runs the draft
+forwards) and tell it, per draft forward:
     attend(state, budget, rows) -> (attend, layer_xs)
                                             the attention of one draft forward over `rows` (DraftRows:
                                             the tree nodes of one depth; one row for a chain)
     after_draft_step(state, cache, slots)   after each draft forward, slots [B, n] just written (e.g.
                                             metadata of written pages)
-Model-free drafters (n-gram) set `uses_model = False` and implement `propose` instead. `budget` is
-the run-time `spec.Budget`; the capacity `k_max` is static.
+The others (n-gram lookup, the EAGLE head) set `uses_model = False` and draft the whole tree
+themselves in `draft`. `budget` is the run-time `spec.Budget`; the capacity `k_max` is static.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache
 from jaxspec.models.decoder import AttendFn
 from jaxspec.decoding.spec import Budget, SpecConfig
-from jaxspec.decoding.tree import TreeShape
 
 State = Any
 
@@ -79,6 +84,9 @@ class Drafter:
     def collect(self, num_rows: int) -> kernels.Collect | None:
         return None
 
+    def capture(self) -> tuple[int, ...]:
+        return ()
+
     def after_verify(
         self, state: State, budget: Budget, scores: Any, cache: KVCache, first_pos: jax.Array,
         num_accepted: jax.Array, path: jax.Array,
@@ -91,7 +99,13 @@ class Drafter:
     def after_draft_step(self, state: State, cache: KVCache, slots: jax.Array) -> State:
         return state
 
-    def propose(self, tokens: jax.Array, length: jax.Array, tree: TreeShape) -> jax.Array:
+    def draft(self, params: Any, tokens: jax.Array, length: jax.Array, done: jax.Array, cache: KVCache, state: State,
+              key: jax.Array, rules: Any) -> tuple[jax.Array, jax.Array | None, KVCache, State]:
+        """Drafts of a drafter that runs no draft forward of the model (`uses_model` False): (tree tokens
+        [B, rows], row 0 each row's pending token, the last of its committed `tokens` [B, N] (`length`
+        [B] valid); the distributions [B, rows, V] each row's children were drawn from, None for
+        one-hot; the cache; the state). `done` [B]: finished rows; `key`: one per row; `rules`: the
+        sampling rules."""
         raise NotImplementedError
 
     def count(self, budget: Budget, context: jax.Array) -> jax.Array:

@@ -27,6 +27,10 @@ REPLAY_WIDTH = 256  # positions `replay` proposes ahead of each row before walki
 class Ngram(Drafter):
     uses_model = False
 
+    def draft(self, params, tokens, length, done, cache, state, key, rules):
+        """Proposals have no probabilities (one-hot q)."""
+        return self.propose(tokens, length, self.spec.shape), None, cache, state
+
     def propose(self, tokens: jax.Array, length: jax.Array, tree: TreeShape) -> jax.Array:
         """Tree tokens [B, rows] (row 0: the pending token) from the committed tokens [B, N]
         (first `length` [B] valid)."""

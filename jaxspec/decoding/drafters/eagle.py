@@ -1,0 +1,105 @@
+"""EAGLE-3 drafting: a learned one-layer head (`models.eagle`) drafts the tree from the target's features.
+
+Every verify pass exports the target's features (the residual stream entering the head's three
+feature layers) for its rows (`capture`). After acceptance the drafter keeps the accepted path's
+rows (`after_verify`); the next draft starts by catching the head up on them: row d of the path, at
+position first + d, pairs the target's features there with the token emitted after it, and the head
+writes its own KV at those slots (rejected rows of the last draft are overwritten, as in the target's
+cache). The catch-up row of the last emitted token gives the depth-1 drafts; each later depth runs the
+head once over that depth's nodes, their input the parent's output state in place of the target's
+features (the training-time test of EAGLE-3), at the slots of the target's tree shifted one back
+(the head's tree root is the catch-up's last row), seeing the head's committed cache and their
+ancestors.
+
+A node's children are the head's top-b draft tokens, or b draws without replacement when sampling,
+after the sampling rules' processing over the draft vocabulary; q, zero outside the draft vocabulary,
+is what they were drawn from, so verification's exact rejection sampling keeps the output the target's.
+The head's weights travel in params["eagle"]; its cache in the model's cache (`KVCache.head`), filled
+over the prompt at prefill (`engine.prefill_chunk`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as kernels
+from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.decoding.sampling import expand, split_rows
+from jaxspec.models import decoder, eagle
+from jaxspec.models.kvcache import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PathRows:
+    """The last verification's accepted path, for the next draft's catch-up."""
+
+    features: jax.Array  # [B, depth + 1, 3 Ht]: the target's features at path row d (position first + d)
+    first: jax.Array  # [B] the path's first position (the verified root's)
+    num_accepted: jax.Array  # [B] rows 0 .. num_accepted are the path's
+
+
+class Eagle(Drafter):
+    uses_model = False
+
+    def capture(self) -> tuple[int, ...]:
+        return self.spec.eagle.feature_layers
+
+    def init(self, cache: KVCache, prompt_len: jax.Array) -> PathRows:
+        if cache.head is None:
+            raise ValueError("an eagle run needs the head's cache: prefill with the spec's head (engine.prefill_cache)")
+        B = prompt_len.shape[0]
+        width = 3 * self.spec.eagle.target_hidden_size
+        zeros = jnp.zeros((B,), jnp.int32)
+        return PathRows(jnp.zeros((B, self.spec.shape.depth + 1, width), cache.k.dtype), zeros, zeros)
+
+    def after_verify(self, state, budget, scores, cache, first_pos, num_accepted, path):
+        """`scores` are the verified rows' features [B, rows, 3 Ht]; the path's rows are kept (a
+        one-row verification's padded to the tree's depth + 1)."""
+        rows = jnp.take_along_axis(scores, path[:, :, None], axis=1)
+        pad = state.features.shape[1] - rows.shape[1]
+        rows = jnp.pad(rows, ((0, 0), (0, pad), (0, 0))).astype(state.features.dtype)
+        return PathRows(rows, first_pos, num_accepted)
+
+    def draft(self, params, tokens, length, done, cache, state: PathRows, key, rules):
+        """Catch-up on the accepted path, then the tree, depth by depth (see the module docstring)."""
+        ecfg, tree, backend = self.spec.eagle, self.spec.shape, self.spec.backend
+        head = params["eagle"]
+        B, live = length.shape[0], ~done
+        path = jnp.arange(state.features.shape[1], dtype=jnp.int32)
+        positions = state.first[:, None] + path
+        emitted = jnp.take_along_axis(tokens, jnp.minimum(positions + 1, tokens.shape[1] - 1), axis=1)
+        valid = (path[None, :] <= state.num_accepted[:, None]) & live[:, None]
+        out, head_cache = eagle.feature_forward(head, ecfg, params, self.cfg, emitted, state.features, positions, valid,
+                                                cache.head, backend)
+        root = jnp.take_along_axis(out, state.num_accepted[:, None, None], axis=1)  # [B, 1, H]: the last emitted token's
+
+        first = jnp.where(done, 0, length - 2)  # the head's root slot: the catch-up's last row
+        pending = jnp.take_along_axis(tokens, (length - 1)[:, None], axis=1)[:, 0]
+        draft_tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending)
+        probs = None if rules.greedy else jnp.zeros((B, tree.rows, self.cfg.vocab_size), jnp.float32)
+        states = jnp.zeros((B, tree.rows, root.shape[-1]), root.dtype).at[:, :1].set(root)
+        keys = split_rows(key, tree.depth)
+        layer_cfg = eagle.layer_config(ecfg)
+        for depth in range(tree.depth):
+            rows = tree.rows_at(depth)
+            if depth:  # the nodes of this depth through the head, each on its parent's output state
+                slots = first[:, None] + jnp.asarray(rows)
+                mask = None if tree.is_chain else kernels.TreeMask(first, jnp.asarray(tree.ancestors[rows]))
+                embeds = eagle.token_embeds(head, params, self.cfg, draft_tokens[:, rows])
+                n = len(rows)
+                out, head_cache = eagle.head_forward(
+                    head, ecfg, embeds, states[:, tree.parent[rows]], jnp.broadcast_to((first + depth)[:, None], (B, n)),
+                    jnp.broadcast_to(live[:, None], (B, n)), head_cache,
+                    decoder.attention(layer_cfg, slots, backend, tree=mask), slots=slots, backend=backend)
+                states = states.at[:, rows].set(out)
+            logits = eagle.draft_logits(head, ecfg, states[:, rows])
+            kids = tree.children[rows][:, :tree.branching[depth]]
+            children, q = expand(keys[depth], logits, kids.shape[1], rules, backend)
+            draft_tokens = draft_tokens.at[:, kids].set(eagle.to_target_ids(head["d2t"], children))
+            if q is not None:
+                probs = probs.at[:, rows].set(eagle.to_target_probs(head["d2t"], q, self.cfg.vocab_size))
+        return draft_tokens, probs, dataclasses.replace(cache, head=head_cache), state

@@ -1,0 +1,285 @@
+"""EAGLE-3 drafting in the engine (`decoding.drafters.eagle`): lossless, and drafting what the head says.
+
+Greedy float32 output equals plain decoding (chains and trees, a random dense model, a random NSA
+model and SmolLM2 on real text); sampled outputs follow the target's distribution (chi-square, a head
+whose draft vocabulary leaves tokens out, so q is zero there); after iterations with accepted drafts
+the head's drafts equal those of a head run afresh over the committed text (its catch-up on the
+accepted path and its own KV are right: a wrong head cache would only lower acceptance, which the
+equality tests cannot see); a request admitted mid-flight, and one prefilled a chunk per round by the
+scheduler, emits what it emits alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec import corpus
+from jaxspec.decoding import engine
+from jaxspec.decoding.drafters import make_drafter
+from jaxspec.decoding.sampling import RowSampling, SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.loaders import load_model
+from jaxspec.models import decoder, eagle, kvcache
+from jaxspec.models.config import ModelConfig, NSAConfig
+from jaxspec.runner import encode_prompts
+
+GREEDY = SamplingConfig()
+HOT = SamplingConfig(temperature=1.0)
+STOP = jnp.array([-1], jnp.int32)
+CFG = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
+                  head_dim=32, intermediate_size=256, qk_norm=True, dtype="float32")
+
+
+def head_config(cfg: ModelConfig, draft_vocab: int, layers=None) -> eagle.EagleConfig:
+    return eagle.EagleConfig(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size, draft_vocab_size=draft_vocab, vocab_size=cfg.vocab_size,
+        target_hidden_size=cfg.hidden_size, rope=cfg.rope,
+        feature_layers=layers or eagle.default_feature_layers(cfg.num_layers))
+
+
+def with_head(cfg, seed: int, draft_vocab: int, layers=None, scale: float = 0.05):
+    """(random target params with a random head under "eagle", the head's config)."""
+    ecfg = head_config(cfg, draft_vocab, layers)
+    params = decoder.init_params(cfg, jax.random.key(seed), scale=0.08)
+    return {**params, "eagle": eagle.init_params(jax.random.key(seed + 1), ecfg, jnp.float32, scale)}, ecfg
+
+
+def run(params, cfg, spec, ids, lengths, max_new, sampling=GREEDY, seed=0):
+    """Generated token lists and stats of `Engine.generate`."""
+    max_len = int(max(lengths)) + max_new
+    out = jax.jit(engine.Engine(cfg, spec.validate(), sampling, max_len).generate)(
+        params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), jax.random.key(seed), max_new_tokens=max_new,
+        stop_ids=STOP)
+    tokens, length = jax.device_get((out.tokens, out.length))
+    return [tokens[b, n:length[b]].tolist() for b, n in enumerate(lengths)], jax.device_get(out.stats)
+
+
+def random_batch(lengths, vocab, seed):
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(0, vocab, n)
+    return ids, list(lengths)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    params, ecfg = with_head(CFG, 3, draft_vocab=384, layers=(0, 2, 3))
+    ids, lengths = random_batch([300, 37, 120], CFG.vocab_size, 11)
+    plain, _ = run(params, CFG, SpecConfig(), ids, lengths, 32)
+    return params, ecfg, ids, lengths, plain
+
+
+@pytest.mark.parametrize("tree, order", [(None, "bfs"), ((3, 2, 1), "bfs"), ((2, 2, 2), "dfs")])
+def test_greedy_equals_plain(dense, tree, order):
+    params, ecfg, ids, lengths, plain = dense
+    spec = SpecConfig(method="eagle", gamma=4, tree=tree, traversal=order, eagle=ecfg)
+    out, st = run(params, CFG, spec, ids, lengths, 32)
+    assert out == plain
+    assert st.drafted.sum() == (spec.validate().shape.rows - 1) * st.iterations.sum() > 0
+
+
+def fresh_children(params, cfg, ecfg, committed: np.ndarray, tree) -> dict[int, list[int]]:
+    """Reference drafts of one row: the head run afresh over the committed tokens (the target's
+    features of a full forward, paired with the next tokens, then each tree node's path one row at a
+    time on its parent's output state): row -> its children's target ids (greedy top-b)."""
+    L = len(committed)
+    tokens = jnp.asarray(committed[None])
+    positions = jnp.arange(L, dtype=jnp.int32)[None]
+    cache = kvcache.init_cache(cfg, 1, L)
+    *_, features = decoder.forward(params, cfg, tokens, positions, jnp.ones((1, L), bool), cache,
+                                   decoder.attention(cfg, positions, "reference"), capture=ecfg.feature_layers)
+    head = params["eagle"]
+    out, head_cache = eagle.feature_forward(head, ecfg, params, cfg, tokens[:, 1:], features[:, :-1], positions[:, :-1],
+                                            jnp.ones((1, L - 1), bool), eagle.init_cache(ecfg, 1, L + tree.depth, "float32"))
+    step = jax.jit(lambda token, hidden, pos, c: eagle.head_forward(
+        head, ecfg, eagle.token_embeds(head, params, cfg, token), hidden, pos, jnp.ones((1, 1), bool), c))
+    states, children, token_of = {0: out[:, -1:]}, {}, {}
+    for row in range(tree.rows):
+        if tree.node_depth[row] == tree.depth:
+            continue
+        if row:  # the node's path from the root, one head row per depth, on a fresh copy of the committed cache
+            path = [row]
+            while tree.parent[path[0]] > 0:
+                path.insert(0, int(tree.parent[path[0]]))
+            c, h = head_cache, states[0]
+            for depth, node in enumerate(path, start=1):
+                h, c = step(jnp.asarray([[token_of[node]]]), h, jnp.asarray([[L - 2 + depth]], jnp.int32), c)
+            states[row] = h
+        logits = np.asarray(eagle.draft_logits(head, ecfg, states[row]))[0, 0]
+        top = np.argsort(-logits, kind="stable")[:tree.branching[tree.node_depth[row]]]
+        children[row] = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(top))).tolist()
+        for kid, token in zip(tree.children[row], children[row]):
+            token_of[int(kid)] = token
+    return children
+
+
+@pytest.mark.parametrize("tree", [None, (2, 2, 1)])
+def test_drafts_equal_a_fresh_head_after_accepted_drafts(dense, tree):
+    """Sampled iterations (drafts accepted and rejected), then one greedy draft from the running state:
+    each node's children are those of the head run afresh over each row's committed text."""
+    params, ecfg, ids, lengths, _ = dense
+    spec = SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg).validate()
+    eng = engine.Engine(CFG, spec, HOT, max(lengths) + 40)
+    state = jax.jit(eng.prefill)(params, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(1), max_new_tokens=40,
+                                 stop_ids=STOP)
+    state = jax.jit(eng.decode)(params, state, max_iterations=6)
+    assert 0 < state.stats.accepted.sum() and not state.done.any()
+    drafter = make_drafter(spec, CFG, eng.max_len)
+    drafted, _, _, _ = jax.jit(drafter.draft, static_argnums=7)(params, state.tokens, state.length, state.done,
+                                                                state.cache, state.drafter, state.key, GREEDY)
+    drafted, tokens, length = jax.device_get((drafted, state.tokens, state.length))
+    shape = spec.shape
+    for b in range(len(lengths)):
+        children = fresh_children(params, CFG, ecfg, tokens[b, :length[b]], shape)
+        for row, kids in children.items():
+            assert drafted[b, shape.children[row][:len(kids)]].tolist() == kids, (b, row)
+
+
+def test_greedy_equals_plain_nsa():
+    """An NSA target (grouped verification, strict precision): chain and tree."""
+    cfg = ModelConfig(model_type="llama-nsa", vocab_size=512, hidden_size=128, num_layers=3, num_heads=8,
+                      num_kv_heads=2, head_dim=32, intermediate_size=256, max_position_embeddings=2048, dtype="float32",
+                      nsa=NSAConfig(block_size=16, block_counts=4, window_size=32, topk_rule="nsa1b"))
+    params, ecfg = with_head(cfg, 5, draft_vocab=256, layers=(0, 1, 2))
+    ids, lengths = random_batch([400, 90], cfg.vocab_size, 12)
+    plain, _ = run(params, cfg, SpecConfig(), ids, lengths, 24)
+    for spec in (SpecConfig(method="eagle", gamma=5, eagle=ecfg), SpecConfig(method="eagle", tree=(2, 2), eagle=ecfg)):
+        out, st = run(params, cfg, spec, ids, lengths, 24)
+        assert out == plain and st.iterations.sum() > 0
+
+
+def test_greedy_equals_plain_smollm2_real_text():
+    """SmolLM2 (float32) on ~300 tokens of real text, with a random head of SmolLM2's shape."""
+    cfg, target, tokenizer = load_model("smollm2", dtype="float32")
+    ecfg = head_config(cfg, draft_vocab=4096)
+    params = {**target, "eagle": eagle.init_params(jax.random.key(2), ecfg, jnp.float32)}
+    batch = encode_prompts(tokenizer, [corpus.long_prompt(tokenizer, 300, task="summary", offset=7)], chat=True)
+    plain, _ = run(params, cfg, SpecConfig(), batch.ids, batch.lengths.tolist(), 16)
+    for spec in (SpecConfig(method="eagle", gamma=5, eagle=ecfg), SpecConfig(method="eagle", tree=(3, 1), eagle=ecfg)):
+        out, _ = run(params, cfg, spec, batch.ids, batch.lengths.tolist(), 16)
+        assert out == plain
+
+
+TINY = ModelConfig(model_type="llama", vocab_size=8, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                   head_dim=8, intermediate_size=64, dtype="float32")
+
+
+@pytest.mark.parametrize("tree", [None, (2, 2)])
+def test_first_two_tokens_follow_the_target(tree):
+    """Chi-square of the first two sampled tokens (64 cells, 12,000 identical rows) against the exact
+    joint of teacher-forced forwards; the head's draft vocabulary holds 6 of the 8 tokens, so q is 0
+    for two of them, and drafts are both accepted and rejected."""
+    params, ecfg = with_head(TINY, 7, draft_vocab=6, scale=0.6)
+    params = {**params, **decoder.init_params(TINY, jax.random.key(7), scale=0.6)}
+    prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
+    rows, spec = 12000, SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg).validate()
+    eng = engine.Engine(TINY, spec, HOT, len(prompt) + 2)
+    one_row = jax.jit(eng.prefill_cache)(params, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)]))
+    cache = jax.tree.map(lambda a: jnp.repeat(a, rows, axis=1), one_row)
+    prompts, lengths = jnp.tile(jnp.asarray(prompt), (rows, 1)), jnp.full((rows,), len(prompt), jnp.int32)
+
+    @jax.jit
+    def sample(params, cache):
+        state = eng.start(params, cache, prompts, lengths, jax.random.key(1), spec.budget(), max_new_tokens=2,
+                          stop_ids=STOP)
+        return eng.decode(params, state)
+
+    state = sample(params, cache)
+    pairs = np.asarray(state.tokens[:, len(prompt):len(prompt) + 2])
+    assert 0 < int(state.stats.accepted.sum()) < int(state.stats.iterations.sum()) * spec.draft_len
+    V = TINY.vocab_size
+    seqs = np.concatenate([np.tile(prompt, (V, 1)), np.arange(V)[:, None]], axis=1)
+    logits = np.asarray(decoder.score(params, TINY, jnp.asarray(seqs)), np.float64)
+    p1 = np.exp(logits[0, -2] - np.logaddexp.reduce(logits[0, -2]))
+    p2 = np.exp(logits[:, -1] - np.logaddexp.reduce(logits[:, -1], axis=-1, keepdims=True))
+    expected = (p1[:, None] * p2).reshape(-1) * rows
+    counts = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
+    keep = expected >= 5
+    _, p_value = stats.chisquare(np.append(counts[keep], counts[~keep].sum()),
+                                 np.append(expected[keep], expected[~keep].sum()))
+    assert p_value > 1e-3
+
+
+def test_admitted_mid_flight_and_chunked_prefill_equal_alone(dense):
+    """Row rules: a request admitted into a running batch, one admitted into a freed slot, and the
+    scheduler's chunked prefill (the head's cache a chunk per round) emit what each emits alone."""
+    from jaxspec.serving import scheduler as serving
+    from jaxspec.serving.requests import Request
+
+    params, ecfg, ids, lengths, _ = dense
+    spec = SpecConfig(method="eagle", gamma=3, eagle=ecfg).validate()
+    eng = engine.Engine(CFG, spec, None, 400)
+    rules = [GREEDY, SamplingConfig(temperature=0.9, top_p=0.9)]
+    admit, decode = jax.jit(eng.admit), jax.jit(eng.decode)
+
+    def admitted(state, slot, b):
+        n = lengths[b]
+        return admit(params, state, jnp.asarray([slot]), jnp.asarray(ids[b:b + 1]), jnp.asarray([n]),
+                     jax.random.key(b)[None], jnp.asarray([20]), -jnp.ones((1, 1), jnp.int32),
+                     RowSampling.of([rules[b % 2]], max_top_k=0))
+
+    def empty(slots):
+        state = eng.prefill(params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), jax.random.key(0),
+                            max_new_tokens=jnp.ones((slots,), jnp.int32), stop_ids=-jnp.ones((slots, 1), jnp.int32),
+                            row_sampling=RowSampling.of([GREEDY] * slots, max_top_k=0))
+        return engine.release(state, jnp.ones((slots,), bool))
+
+    def generated(state, slot):
+        return state.tokens[slot, state.prompt_len[slot]:state.length[slot]].tolist()
+
+    alone = {b: generated(decode(params, admitted(empty(1), 0, b)), 0) for b in (0, 1, 2)}
+    state = admitted(admitted(empty(2), 0, 0), 1, 1)
+    state = decode(params, state, max_iterations=2)
+    state = admitted(engine.release(state, jnp.asarray([False, True])), 1, 2)  # 2 takes 1's slot mid-flight
+    state = decode(params, state)
+    assert generated(state, 0) == alone[0] and generated(state, 1) == alone[2]
+
+    scheduler = serving.Scheduler(params, CFG, None, spec, slots=2, max_len=400, admit_rows=None, max_top_k=0,
+                                  prefill_chunk=32)
+    got, finished = {b: [] for b in alone}, set()
+    for b in alone:
+        scheduler.submit(Request(tuple(ids[b, :lengths[b]].tolist()), 20, rules[b % 2], b),
+                         lambda delta, b=b: (got[b].extend(delta.token_ids), delta.finish_reason and finished.add(b)))
+    while len(finished) < len(alone):
+        scheduler.step()
+    assert got == alone
+
+
+def test_eagle_needs_a_head_and_no_draft_model():
+    ecfg = head_config(CFG, 128)
+    for bad, message in [(SpecConfig(method="eagle"), "needs a draft head"),
+                         (SpecConfig(method="vegas", eagle=ecfg), "drafts with --method eagle"),
+                         (SpecConfig(method="eagle", eagle=ecfg, draft_weights="int8"), "runs no draft forward")]:
+        with pytest.raises(JaxspecError, match=message):
+            bad.validate()
+    with pytest.raises(ValueError, match="cannot switch to eagle"):
+        engine.Engine(CFG, SpecConfig(method="eagle", eagle=ecfg), GREEDY, 64).switch(None, None, None)
+
+
+def test_prefill_writes_the_heads_cache_over_the_prompt(dense):
+    """The head's cache after prefill equals the head's own pass over the prompt's features at each
+    prompt position but the last, and nothing is written past them."""
+    params, ecfg, ids, lengths, _ = dense
+    spec = SpecConfig(method="eagle", gamma=2, eagle=ecfg).validate()
+    cache = engine.Engine(CFG, spec, GREEDY, 320).prefill_cache(params, jnp.asarray(ids), jnp.asarray(lengths))
+    n = lengths[1]
+    tokens = jnp.asarray(ids[1:2, :n])
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    *_, features = decoder.forward(params, CFG, tokens, positions, jnp.ones((1, n), bool),
+                                   kvcache.init_cache(CFG, 1, n), decoder.attention(CFG, positions, "reference"),
+                                   capture=ecfg.feature_layers)
+    _, ref = eagle.feature_forward(params["eagle"], ecfg, params, CFG, tokens[:, 1:], features[:, :-1],
+                                   positions[:, :-1], jnp.ones((1, n - 1), bool), eagle.init_cache(ecfg, 1, n, "float32"))
+    got = np.asarray(cache.head.k[0, 1, :, :n - 1])
+    np.testing.assert_allclose(got, np.asarray(ref.k[0, 0, :, :n - 1]), rtol=1e-5, atol=1e-5)
+    # nothing past the prompt (a fresh cache is zero); padding positions write the last slot alone, as the model's cache
+    assert not np.any(np.asarray(cache.head.k[0, 1, :, n - 1:-1]))
