@@ -26,6 +26,7 @@ from jaxspec.decoding.spec import METHODS, METRICS, PRECISIONS, SpecConfig, at_b
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
+from jaxspec.models.eagle import EagleConfig
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
 from jaxspec.xla_flags import set_gpu_flags
@@ -70,6 +71,9 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", type=int, default=None, help="NSA models: adjacent draft rows verified per program (default 8)")
     p.add_argument("--draft-weights", choices=draft_weights.DRAFT_WEIGHTS, default=None,
                    help="layer weights draft steps read: exact (default), or int8 / int4 copies made at load (verification stays exact)")
+    p.add_argument("--draft-model", type=Path, default=None,
+                   help="an EAGLE-3 draft head for --method eagle: a directory in the public layout (config.json, "
+                        "model.safetensors), e.g. checkpoints/eagle3-smollm2 (python -m jaxspec.train_eagle builds one)")
     p.add_argument("--draft-skip", default=None,
                    help="layers draft steps leave out: 3,5,10-12 | everyN | calibrated (python -m jaxspec.calibrate_skip) | a calibration file")
     p.add_argument("--planner-table", type=Path, default=None,
@@ -112,6 +116,8 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
                                           ("--draft-skip", args.draft_skip)) if value is not None]
         if fixed:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
+        if args.draft_model is not None:
+            raise JaxspecError("--draft-model drafts with --method eagle; --method auto does not consider an EAGLE head yet")
     elif args.planner_table:
         raise JaxspecError("--planner-table is for --method auto")
     tuned = at_batch(load_tuned(args.tuned, args.method), batch) if args.tuned else None
@@ -121,17 +127,36 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
         min_tokens=args.min_tokens, metric=args.metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         backend=args.backend, precision="strict" if auto else args.precision, group=args.group,
         draft_weights=args.draft_weights, balance=args.balance, select_every=args.select_every,
+        eagle=head_config(args),
     )
+
+
+def head_config(args) -> EagleConfig | None:
+    """The --draft-model head's config, checked against the model's config (None without one)."""
+    if args.draft_model is None:
+        return None
+    from jaxspec.loaders import load_config
+    from jaxspec.loaders.eagle import read_config
+
+    if not args.draft_model.is_dir():
+        raise JaxspecError(f"--draft-model {args.draft_model} is not a directory (an EAGLE-3 head's)")
+    return read_config(args.draft_model, load_config(args.model, args.dtype))
 
 
 def load(args, spec: SpecConfig):
     """(cfg, params, tokenizer, mesh): the model of --model at --dtype, split over --tp devices (mesh
-    None for one), with the draft weights of `spec` (checked first: `check_draft`)."""
+    None for one), with the draft weights of `spec` (checked first: `check_draft`) and the EAGLE-3
+    head of --draft-model under "eagle" (whole on every device)."""
     from jaxspec.loaders import load_model
+    from jaxspec.loaders.eagle import load_eagle
 
     mesh = sharding.make_mesh(args.tp) if args.tp != 1 else None
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype, mesh=mesh)
-    return cfg, with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh), tokenizer, mesh
+    params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+    if spec.eagle is not None:
+        _, head = load_eagle(args.draft_model, cfg, args.dtype)
+        params = {**params, "eagle": jax.device_put(head) if mesh is None else sharding.place({"eagle": head}, mesh)["eagle"]}
+    return cfg, params, tokenizer, mesh
 
 
 def check_draft(args, spec: SpecConfig, precision: str | None = None) -> SpecConfig:

@@ -104,9 +104,11 @@ def resolve_max_len(batch: Batch, max_new_tokens: int, max_len: int | None, mode
 
 
 @functools.lru_cache(maxsize=None)
-def prefill_fn(cfg, max_len: int, backend: str, chunk: int):
-    """jit-compiled `engine.prefill_cache`; it does not depend on the method, so runs can share its cache."""
-    return jax.jit(functools.partial(engine.prefill_cache, cfg=cfg, max_len=max_len, backend=backend, chunk=chunk))
+def prefill_fn(cfg, max_len: int, backend: str, chunk: int, head=None):
+    """jit-compiled `engine.prefill_cache`; it does not depend on the method, so runs can share its cache
+    (with an EAGLE-3 `head`, eagle's runs too)."""
+    return jax.jit(functools.partial(engine.prefill_cache, cfg=cfg, max_len=max_len, backend=backend, chunk=chunk,
+                                     head=head))
 
 
 def decode_fns(cfg, spec: SpecConfig, sampling: SamplingConfig, max_len: int):

@@ -198,6 +198,7 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
         "llama": dict(kind="llama"),
         "llama_tied": dict(kind="llama", tie=True),
         "llama_sharded": dict(kind="llama", shard="40KB"),
+        "llama_deep": dict(kind="llama", sizes=dict(num_hidden_layers=4)),  # room for an EAGLE-3 head's three feature layers
         "qwen2": dict(kind="qwen2"),
         "qwen3": dict(kind="qwen3"),
     }
@@ -205,7 +206,7 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     for seed, (name, spec) in enumerate(specs.items()):
         path = root / name
         backend = backends[spec["kind"] != "llama"]
-        model = _model(spec["kind"], spec.get("tie", False))
+        model = _model(spec["kind"], spec.get("tie", False), **spec.get("sizes", {}))
         _randomize(model, seed)
         model.save_pretrained(path, max_shard_size=spec.get("shard", "1GB"))
         if name == "qwen2":

@@ -155,6 +155,10 @@ def test_json_batch_trees_and_quantized_drafts_are_lossless(capsys, tmp_path):
         (["--method", "full"], "needs a cheaper draft model"),
         (["--method", "vegas", "--select-every", "0"], "--select-every must be"),
         (["--method", "stream", "--select-every", "2"], "stream selects otherwise"),
+        (["--method", "eagle"], "needs a draft head"),
+        (["--method", "eagle", "--draft-model", "/nonexistent/head"], "/nonexistent/head"),
+        (["--draft-model", "/nonexistent/head"], "drafts with --method eagle"),
+        (["--method", "vegas", "--draft-model", "/nonexistent/head"], "/nonexistent/head"),
         (["--max-new-tokens", "many"], "many"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file"),
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
@@ -289,3 +293,36 @@ def test_tensor_parallel_generate_equals_one_device(capsys, hf_checkpoints):
     one, two = run_json(capsys, *args), run_json(capsys, *args, "--tp", "2")
     assert two["stats"]["tp"] == 2 and one["stats"]["tp"] == 1
     assert [r["tokens"] for r in two["results"]] == [r["tokens"] for r in one["results"]]
+
+
+def random_head(model, out):
+    """A random EAGLE-3 head in the public layout that fits `model` (its config's shapes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.loaders import load_config
+    from jaxspec.loaders.eagle import save_eagle
+    from jaxspec.models import eagle
+
+    cfg = load_config(str(model), "float32")
+    ecfg = eagle.EagleConfig(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size, draft_vocab_size=cfg.vocab_size // 2, vocab_size=cfg.vocab_size,
+        target_hidden_size=cfg.hidden_size, rope=cfg.rope, feature_layers=(0, 1, 3))
+    save_eagle(out, ecfg, eagle.init_params(jax.random.key(0), ecfg, jnp.float32))
+    return out
+
+
+def test_eagle_draft_model_is_lossless_on_one_and_two_devices(capsys, tmp_path, hf_checkpoints):
+    """`--method eagle --draft-model DIR` (a head in the public layout) emits plain's tokens, and so
+    does it tensor-parallel over 2 devices (the head whole on each)."""
+    import jax
+
+    model = hf_checkpoints["llama_deep"]
+    head = random_head(model, tmp_path / "head")
+    plain = run_json(capsys, *tiny_args(model, "--method", "plain", "--dtype", "float32"))
+    eagle = tiny_args(model, "--method", "eagle", "--draft-model", str(head), "--gamma", "3", "--dtype", "float32")
+    runs = [run_json(capsys, *eagle)] + ([run_json(capsys, *eagle, "--tp", "2")] if len(jax.devices()) >= 2 else [])
+    for run in runs:
+        assert run["stats"]["method"] == "eagle" and run["stats"]["draft_tokens"] > 0
+        assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in plain["results"]]
