@@ -26,6 +26,7 @@ from jaxspec.models.kvcache import KVCache, cache_shape, cache_slots
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
+from jaxspec.training.data import split_documents
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
@@ -98,8 +99,14 @@ def floors(cfg, weight_bytes: int, spec: SpecConfig, batch: int, context: int, r
         return {"plain_floor_s": plain}
     rows = spec.shape.rows
     logits = (rows - 1) * batch * cfg.vocab_size * 4 / (bw * 1e9)
-    selected = context if spec.method == "full" else max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
-    draft = 0.0 if spec.method == "ngram" else step_floor_s(cfg, weight_bytes if draft_bytes is None else draft_bytes, batch, selected, bw)
+    if spec.method == "eagle":  # the head's weights (`draft_bytes`) and its one layer's KV of the whole context
+        head_kv = 2 * batch * context * spec.eagle.num_kv_heads * spec.eagle.head_dim * jnp.dtype(cfg.dtype).itemsize
+        draft = (draft_bytes + head_kv) / (bw * 1e9)
+    elif spec.method == "ngram":
+        draft = 0.0
+    else:
+        selected = context if spec.method == "full" else max(spec.min_tokens, int(spec.ratio * context)) + spec.shape.depth + rows
+        draft = step_floor_s(cfg, weight_bytes if draft_bytes is None else draft_bytes, batch, selected, bw)
     return {"plain_floor_s": plain, "draft_floor_s": draft, "verify_floor_s": plain + logits,
             "iteration_floor_s": spec.shape.depth * draft + plain + logits}
 
@@ -163,13 +170,18 @@ def random_state(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, con
 SAMPLINGS = {"sample": SamplingConfig(temperature=0.7, top_p=0.95), "greedy": SamplingConfig()}
 
 
-def real_text_batch(cfg, params, tokenizer, batch_size: int, prompt_tokens: int, new: int, backend: str):
+def real_text_batch(cfg, params, tokenizer, batch_size: int, prompt_tokens: int, new: int, backend: str, head=None,
+                    heldout: bool = False):
     """(batch, max_len, prefilled cache) of `batch_size` real-text continuation prompts of about
-    `prompt_tokens` tokens (a different document per row, chat template) with room for `new` tokens."""
-    prompts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i) for i in range(batch_size)]
+    `prompt_tokens` tokens (a different document per row, chat template; `heldout`: only documents
+    that trained heads never saw, `training.data`'s held-out split) with room for `new` tokens (and an
+    EAGLE-3 `head`'s cache over them: `KVCache.head`, which only eagle's runs read)."""
+    docs = split_documents()[1] if heldout else None
+    prompts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i, docs=docs)
+               for i in range(batch_size)]
     batch = encode_prompts(tokenizer, prompts, chat=True)
     max_len = int(batch.lengths.max()) + new
-    cache = prefill_fn(cfg, max_len, backend, 256)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
+    cache = prefill_fn(cfg, max_len, backend, 256, head)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
     return batch, max_len, cache
 
 

@@ -2,7 +2,7 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram,auto] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
+        [--methods plain,vegas,stream,quest,ngram,auto,eagle] [--draft-model DIR] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
         [--select-every 1,2]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy] [--shrink on,off]
@@ -53,6 +53,7 @@ from jaxspec.decoding.spec import (MAX_BALANCE, MAX_SELECT_EVERY, SCORE_METHODS,
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
+from jaxspec.loaders.eagle import load_eagle
 from jaxspec.runner import run_generation
 from pallas_kernels.verify_attention import METRICS
 
@@ -61,15 +62,17 @@ GAMMA, RATIO = 6, 0.07
 
 
 def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, metric: str | None = None,
-            ratio: float | None = None, balance: float | None = None, select_every: int | None = None) -> SpecConfig:
+            ratio: float | None = None, balance: float | None = None, select_every: int | None = None,
+            head=None) -> SpecConfig:
     """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig (`spec_from_settings`): the tuned
     choice of `method` in `tuning` (its settings at the batch) sets the ratio, metric, balance and
     select_every unless they are given, and replaces a chain's gamma (its tree is not used: the shape
-    is); plain takes none of them."""
+    is); plain takes none of them; eagle takes the head's config `head`."""
     if method == "plain":
         return spec_from_settings(backend=backend)
     choice = (tuning or {}).get(method, {})
-    settings = dict(tuned=choice, ratio=ratio, metric=metric, balance=balance, select_every=select_every, backend=backend)
+    settings = dict(tuned=choice, ratio=ratio, metric=metric, balance=balance, select_every=select_every, backend=backend,
+                    eagle=head if method == "eagle" else None)
     kind, _, value = shape.partition(":")
     if kind == "chain":
         return spec_from_settings(method, gamma=choice.get("gamma") or int(value), **settings)
@@ -77,22 +80,26 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, m
     return spec_from_settings(method, tree=tree.branching, traversal=tree.order, **settings)
 
 
-def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
-    """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each)."""
+def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, head=None):
+    """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each);
+    `head`: the config of the EAGLE-3 head in params["eagle"], for method eagle."""
     backend = "reference" if args.tiny else "pallas"
-    weight_bytes = common.tree_bytes(params)
+    weight_bytes = common.tree_bytes({k: v for k, v in params.items() if k != "eagle"})
     skips = [()] + ([draft_weights.parse_skip(args.draft_skip, cfg.num_layers)] if args.draft_skip else [])
     drafts = [(w, skip) for w in args.draft_weights for skip in skips]
     with_copies = {(w, skip): draft_weights.with_draft_weights(params, w, skip) for w, skip in drafts}
     for batch_size in args.batches:
-        batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new, backend)
+        batch, max_len, with_head = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new,
+                                                           backend, head, args.heldout)
+        cache_of = lambda spec: with_head if spec.method == "eagle" else dataclasses.replace(with_head, head=None)
         context = int(batch.lengths.mean()) + args.new // 2
         tuned = {m: at_batch(choice, batch_size) for m, choice in (tuning or {}).items()}  # this batch's settings
         for sampling_name in args.samplings:
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
-                dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every), draft_weights=w, draft_skip=skip)
+                dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every, head), draft_weights=w,
+                                    draft_skip=skip)
                 for m in methods if m not in ("plain", "auto") for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])
@@ -112,7 +119,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 weights = with_copies.get((plan.draft_weights, ()) if plan else (spec.draft_weights, spec.draft_skip), params)
                 for repeat in range(args.repeats):
                     run = run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
-                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache),
+                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache_of(spec)),
                                          plan=plan, shrink=shrink)
                     measures, outputs = common.run_measures(run)
                     runs.append(measures | {"compile_s": run.compile_s} | (auto_choices(run) if plan else {}))
@@ -123,7 +130,8 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None):
                 row = {"skipped_layers": len(ran.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "shrink": "on" if shrink else "off", "runs": runs,
                        **common.median_of_runs(runs)}
-                draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, ran.draft_weights, ran.draft_skip)
+                draft_bytes = (common.tree_bytes(params["eagle"]) if ran.method == "eagle"
+                               else draft_weights.read_bytes(cfg, weight_bytes, ran.draft_weights, ran.draft_skip))
                 row |= common.floors(cfg, weight_bytes, ran, batch_size, context, rates, draft_bytes)
                 if spec.method == "plain" and not plan:
                     plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
@@ -283,6 +291,8 @@ def main():
     p.add_argument("--greedy-methods", default="plain,vegas,auto", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--shrink", default="off", help="on,off: shrink the batch as its rows finish, or not, or both")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
+    p.add_argument("--draft-model", type=Path, default=None, help="the EAGLE-3 head that method eagle drafts with")
+    p.add_argument("--heldout", action="store_true", help="prompts from the held-out documents only (training.data)")
     p.add_argument("--prompt-tokens", type=int, default=7500)
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
@@ -314,11 +324,18 @@ def main():
         p.error(f"--metrics: choose from {', '.join(METRICS)}")
     tuning = json.loads(args.tuned.read_text())["methods"] if args.tuned else None
     rates = common.measure_rates(args.tiny)
-    cfg, params, tokenizer = load_model(args.model, dtype="float32" if args.tiny else "bfloat16")
+    dtype = "float32" if args.tiny else "bfloat16"
+    cfg, params, tokenizer = load_model(args.model, dtype=dtype)
+    head = None
+    if args.draft_model:
+        head, head_params = load_eagle(args.draft_model, cfg, dtype)
+        params = {**params, "eagle": jax.device_put(head_params)}
+    elif "eagle" in args.methods + args.greedy_methods:
+        p.error("method eagle needs --draft-model")
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     result = common.run_info() | {"rates": rates, "tuning": tuning, "rows": []}
     path = args.out / f"e2e_{device}{args.tag}.json"
-    run_rows(args, cfg, params, tokenizer, rates, result["rows"], lambda: common.write_json(path, result), tuning)
+    run_rows(args, cfg, params, tokenizer, rates, result["rows"], lambda: common.write_json(path, result), tuning, head)
     plot([result], path.with_suffix(".png"))
     print(table(result["rows"]))
 

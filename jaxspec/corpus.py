@@ -23,10 +23,12 @@ def documents() -> list[str]:
     return [topics[name].strip() for name in sorted(topics, key=lambda name: (-len(topics[name]), name))]
 
 
-def long_prompt(tokenizer: Tokenizer, tokens: int, task: str = "question", offset: int = 0) -> str:
-    """A prompt text of at most `tokens` tokens: documents from `offset` on, cut at a line to fit, then
-    the task. (A chat template, applied by the caller, adds its own few tokens.)"""
-    docs = documents()
+def long_prompt(tokenizer: Tokenizer, tokens: int, task: str = "question", offset: int = 0,
+                docs: list[str] | None = None) -> str:
+    """A prompt text of at most `tokens` tokens: documents (`docs`, default all of `documents()`) from
+    `offset` on, cut at a line to fit, then the task. (A chat template, applied by the caller, adds its
+    own few tokens.)"""
+    docs = documents() if docs is None else docs
     budget = tokens - len(tokenizer.encode(TASKS[task].format(title="x" * 40))) - 8
     parts: list[str] = []
     for i in range(len(docs)):
