@@ -157,8 +157,8 @@ def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model
     monkeypatch.setattr(training, "windows", windows)
     code, err = cli(capsys, "--model", tiny_model, "--out", parts, *SMALL, "--resume")
     assert code == 0, err
-    _, a = load_eagle(whole, training.head_config(hf.read_config(tiny_model, "float32"), 64), "float32")
-    _, b = load_eagle(parts, training.head_config(hf.read_config(tiny_model, "float32"), 64), "float32")
+    target_cfg = hf.read_config(tiny_model, "float32")
+    (_, a), (_, b) = load_eagle(whole, target_cfg, "float32"), load_eagle(parts, target_cfg, "float32")
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
