@@ -98,7 +98,9 @@ def main(argv=None) -> None:
         stream = training.load_data(out)
     else:
         rows = min(GENERATION_BATCH, -(-settings.tokens // settings.seq))
-        stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed, log)
+        backend = "pallas" if jax.default_backend() == "gpu" else "reference"  # generate's default
+        stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
+                                       backend, log)
         files.write_file(out / training.DATA_FILE, lambda tmp: training.write_data(tmp, stream))
     ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)
     log(f"draft vocabulary: {len(ids)} of {cfg.vocab_size} tokens, {np.isin(stream, ids).mean():.1%} of the data")

@@ -69,17 +69,17 @@ def prompt_ids(tokenizer, window: np.ndarray, task: str) -> list[int]:
 
 
 def self_distill(cfg: ModelConfig, params: Params, tokenizer, tokens: int, seq: int, batch: int = 256,
-                 seed: int = 0, log: Callable[[str], None] | None = None) -> np.ndarray:
+                 seed: int = 0, backend: str = "reference", log: Callable[[str], None] | None = None) -> np.ndarray:
     """At least `tokens` tokens [N] int32 of (prompt + the target's continuation) sequences of at most
     `seq` tokens each. A round prompts `batch` rows with windows of seq / 8 .. seq / 2 tokens of the
     training documents at random offsets (one of `corpus.TASKS` each) and decodes them in one
-    `Engine.generate` (one program: prompts padded to seq - 1) until each row emits a stop token or
-    fills `seq`."""
+    `Engine.generate` (one program: prompts padded to seq - 1; plain decoding on `backend`'s kernels)
+    until each row emits a stop token or fills `seq`."""
     stream = token_stream(tokenizer, split_documents()[0])
     low, high = max(seq // 8, 1), max(seq // 2, 2)
     if len(stream) < high:
         raise JaxspecError(f"the training text has {len(stream)} tokens, fewer than a prompt window of {high}")
-    generate = jax.jit(Engine(cfg, SpecConfig().validate(), SAMPLING, seq).generate)
+    generate = jax.jit(Engine(cfg, SpecConfig(backend=backend).validate(), SAMPLING, seq).generate)
     stop_ids = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
     rng = np.random.default_rng(seed)
     tasks = list(corpus.TASKS)
@@ -263,7 +263,7 @@ class Settings:
     SmolLM2-135M run on one H200: see checkpoints/README.md)."""
 
     tokens: int = 3_000_000  # self-distilled tokens (prompts and continuations)
-    steps: int = 3000
+    steps: int = 2500
     batch: int = 16
     seq: int = 2048
     ttt: int = 7  # unrolled draft steps of the training-time test
@@ -306,8 +306,9 @@ def train(cfg: ModelConfig, target_params: Params, ecfg: EagleConfig, stream: np
             if history is not None:
                 history.append(record)
             if log:
+                eta = "compile included" if step == first_step else f"{(s.steps - done) * s.batch * s.seq / rate:.0f} s to go"
                 log(f"step {done}/{s.steps}  loss {weighted:.3f}  acc {' '.join(f'{a:.2f}' for a in accs)}  "
-                    f"{rate / 1e3:,.1f}K tok/s  {now - begin:.0f} s" + ("  (compile included)" if step == first_step else ""))
+                    f"{rate / 1e3:,.1f}K tok/s  {now - begin:.0f} s ({eta})")
             pending, last = [], now
         if checkpoint and (done % checkpoint_every == 0 or done == s.steps):
             checkpoint(done, trainable, opt_state)
