@@ -1,7 +1,7 @@
 """`python -m jaxspec.train_eagle`: train an EAGLE-3 draft head for a model (`--method eagle --draft-model DIR`).
 
     python -m jaxspec.train_eagle --model M --out DIR [--tokens N] [--steps S] [--batch B] [--seq T]
-        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--resume]
+        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--seed N] [--resume]
 
 Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the training documents,
 then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
@@ -114,18 +114,18 @@ def main(argv=None) -> None:
         history, first, seconds = saved["log"], saved["step"], saved["seconds"]
     trainable, opt_state, d2t = state
 
-    def full_record(step: int, log_records: list) -> dict:
-        return {**record, "step": step, "log": log_records, "data_tokens": len(stream),
+    def full_record(step: int) -> dict:
+        return {**record, "step": step, "log": history, "data_tokens": len(stream),
                 "seconds": round(seconds + time.perf_counter() - begin, 1)}
 
     def checkpoint(step, trainable, opt_state):
         files.write_dir(out / training.STATE_DIR, lambda tmp: training.write_state(
-            tmp, trainable, opt_state, d2t, full_record(step, history)))
+            tmp, trainable, opt_state, d2t, full_record(step)))
 
     trainable, opt_state = training.train(cfg, target, ecfg, stream, trainable, opt_state, d2t, settings, first, history,
                                           checkpoint, CHECKPOINT_EVERY, log)
     head = {**jax.tree.map(lambda w: np.asarray(w.astype(args.dtype)), trainable), "d2t": np.asarray(d2t)}
-    final = full_record(settings.steps, history)
+    final = full_record(settings.steps)
 
     def write(tmp: Path) -> None:
         write_eagle(tmp, ecfg, head)
