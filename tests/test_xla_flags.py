@@ -6,7 +6,7 @@ import sys
 
 from jaxspec.xla_flags import GPU_FLAGS, set_gpu_flags
 
-IMPORT_ALL = "import jaxspec.generate, jaxspec.serve, jaxspec.tune, jaxspec.profile, jaxspec.calibrate_skip, jaxspec.convert"
+IMPORT_ALL = "import jaxspec.generate, jaxspec.serve, jaxspec.tune, jaxspec.profile, jaxspec.calibrate_skip, jaxspec.convert, jaxspec.train_eagle"
 
 
 def python(code: str) -> str:

@@ -2,7 +2,8 @@
 (a one-layer Llama config plus `draft_vocab_size`, optional `target_hidden_size` and
 `eagle_aux_hidden_state_layer_ids`) and model.safetensors (or pytorch_model.bin) with the tensors
 named in PUBLIC_NAMES. `load_eagle` reads one and checks that it fits the target model, each misfit a
-one-line JaxspecError; `save_eagle` writes the same layout (what training writes).
+one-line JaxspecError; `save_eagle` writes the same layout (`write_eagle` into a directory of
+other files too: what training writes).
 
 Linear weights are stored [out, in] and transposed to jaxspec's x @ W; q/k/v and gate/up are fused
 as in `jaxspec.models.eagle`'s params; `t2d` (a bool mask over the target vocabulary) is derived from
@@ -224,16 +225,16 @@ def public_tensors(ecfg: EagleConfig, params: Params) -> dict[str, np.ndarray]:
     return out
 
 
-def save_eagle(path: str | Path, ecfg: EagleConfig, params: Params) -> None:
-    """Writes the head at `path` (replaced atomically) in the public layout: config.json and
-    model.safetensors at the params' dtype."""
+def write_eagle(directory: Path, ecfg: EagleConfig, params: Params) -> None:
+    """Writes config.json and model.safetensors (at the params' dtype) into an existing directory."""
     from safetensors.numpy import save_file
 
     dtype = np.asarray(params["fc"]).dtype.name
+    (directory / "config.json").write_text(json.dumps(public_config(ecfg, dtype), indent=2) + "\n")
+    save_file(public_tensors(ecfg, params), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    files.usual_mode(directory / "model.safetensors")
 
-    def write(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps(public_config(ecfg, dtype), indent=2) + "\n")
-        save_file(public_tensors(ecfg, params), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        files.usual_mode(tmp / "model.safetensors")
 
-    files.write_dir(Path(path), write)
+def save_eagle(path: str | Path, ecfg: EagleConfig, params: Params) -> None:
+    """Writes the head at `path` (replaced atomically) in the public layout (`write_eagle`)."""
+    files.write_dir(Path(path), lambda tmp: write_eagle(tmp, ecfg, params))

@@ -33,6 +33,7 @@ from jaxspec.models import decoder, kvcache
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.models.decoder import AttendFn, Params, matmul
 from jaxspec.models.kvcache import KVCache
+from pallas_kernels._common import matmul_precision
 from pallas_kernels.rope_write import rms_norm
 
 
@@ -168,6 +169,69 @@ def feature_forward(params: Params, ecfg: EagleConfig, target_params: Params, ta
     embeds = token_embeds(params, target_params, target_cfg, next_tokens)
     return head_forward(params, ecfg, embeds, project_features(params, features), positions, valid, cache,
                         backend=backend)
+
+
+def ttt_forward(params: Params, ecfg: EagleConfig, target_params: Params, target_cfg: ModelConfig,
+                tokens: jax.Array, features: jax.Array, steps: int, remat: bool = False) -> jax.Array:
+    """EAGLE-3's training-time test over a teacher-forced sequence: the head's pre-norm outputs
+    [steps, B, T - 1, H] of `steps` unrolled draft steps, for rows t = 0 .. T - 2 of `tokens` [B, T]
+    with the target's `features` [B, T, 3 Ht] at those positions.
+
+    Step 0 is the inference pass over the target's own sequence (`feature_forward`): row t pairs f_t
+    with embed(x_{t+1}) at RoPE position t; its output predicts x_{t+2}. Step k >= 1 is draft depth k
+    of a chain drafted after position t along the true tokens: row t pairs the previous step's output
+    at the same t with embed(x_{t+k+1}) (teacher forcing) at position t + k, as inference places draft
+    depth k at position first + k (`decoding.drafters.eagle`, first = t), and attends to the step-0
+    keys at indices <= t and to its own chain's keys of steps 1..k at index t (`ttt_attention`); its
+    output predicts x_{t+k+2}. Rows whose tokens run past T - 1 (t + k + 1 > T - 1) read the last token
+    and are garbage, seen only by themselves: the loss masks them. Step k writes its keys at slots
+    k (T - 1) + t of one cache of `steps` blocks. `remat` recomputes each step in the backward pass.
+    """
+    B, T = tokens.shape
+    rows = T - 1
+    t = jnp.arange(rows, dtype=jnp.int32)
+    cache = init_cache(ecfg, B, steps * rows, params["fc"].dtype.name)
+    valid = jnp.ones((B, rows), bool)
+    hidden = project_features(params, features[:, :rows])
+    outs = []
+    for k in range(steps):
+        embeds = token_embeds(params, target_params, target_cfg, tokens[:, jnp.minimum(t + k + 1, T - 1)])
+        positions = jnp.broadcast_to(t + k, (B, rows))
+        slots = jnp.broadcast_to(k * rows + t, (B, rows))
+
+        def step(p, e, h, c, positions=positions, slots=slots, attend=ttt_attention(ecfg, rows, k)):
+            return head_forward(p, ecfg, e, h, positions, valid, c, attend, slots=slots)
+
+        hidden, cache = (jax.checkpoint(step) if remat else step)(params, embeds, hidden, cache)
+        outs.append(hidden)
+    return jnp.stack(outs)
+
+
+def ttt_attention(ecfg: EagleConfig, rows: int, step: int) -> AttendFn:
+    """Attention of `ttt_forward`'s step `step` over its cache (step j's keys at slots j * rows + t):
+    row t sees the step-0 keys at t' <= t and the keys of steps 1..step at t (its own chain), one
+    softmax over both. Differentiable plain jnp: the causal part is [B, Hq, T, T] float32 logits."""
+    scale, G = ecfg.head_dim**-0.5, ecfg.num_heads // ecfg.num_kv_heads
+
+    def attend(layer, q, cache, _lx, _gates, carry):
+        B, T, Hq, Dh = q.shape
+        precision = matmul_precision(q.dtype)
+        blocks = lambda c: c[layer][:, :, :(step + 1) * rows].reshape(B, -1, step + 1, rows, Dh)  # [B, Hkv, j, t, Dh]
+        k, v = blocks(cache.k), blocks(cache.v)
+        qg = q.reshape(B, T, -1, G, Dh)
+        causal = jnp.einsum("btkgd,bksd->bkgts", qg, k[:, :, 0], precision=precision,
+                            preferred_element_type=jnp.float32)
+        causal = jnp.where(jnp.arange(T)[None, :] <= jnp.arange(T)[:, None], causal, -jnp.inf)
+        chain = jnp.einsum("btkgd,bkjtd->bkgtj", qg, k[:, :, 1:], precision=precision,
+                           preferred_element_type=jnp.float32)
+        p = jax.nn.softmax(jnp.concatenate([causal, chain], axis=-1) * scale, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bksd->btkgd", p[..., :T], v[:, :, 0], precision=precision,
+                         preferred_element_type=jnp.float32)
+        out += jnp.einsum("bkgtj,bkjtd->btkgd", p[..., T:], v[:, :, 1:], precision=precision,
+                          preferred_element_type=jnp.float32)
+        return out.reshape(B, T, Hq, Dh).astype(q.dtype), None, carry
+
+    return attend
 
 
 def draft_logits(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array) -> jax.Array:

@@ -1,0 +1,144 @@
+"""`python -m jaxspec.train_eagle`: train an EAGLE-3 draft head for a model (`--method eagle --draft-model DIR`).
+
+    python -m jaxspec.train_eagle --model M --out DIR [--tokens N] [--steps S] [--batch B] [--seq T]
+        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--seed N] [--resume]
+
+Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the training documents,
+then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
+DIR gets the head in the public layout (config.json + model.safetensors, at --dtype), train_log.json
+(the progress records, settings, data size, seconds), data.npy (the generated tokens) and train_state/
+(head, optimizer, step: saved every CHECKPOINT_EVERY steps, so `--resume` continues an interrupted run
+with the same flags). DIR must be new or empty, unless resuming; the finished directory replaces it at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
+from jaxspec.xla_flags import set_gpu_flags
+
+CHECKPOINT_EVERY = 500  # steps between saved train states
+GENERATION_BATCH = 256  # rows a data round decodes at once
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def parse(argv) -> tuple:
+    """(args, Settings), the flags checked before anything is loaded or written."""
+    from jaxspec.training.eagle import Settings
+
+    d = Settings()
+    p = ArgumentParser(prog="python -m jaxspec.train_eagle", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="smollm2 | a .gguf file | HF directory | orbax checkpoint")
+    p.add_argument("--out", type=Path, required=True, help="the head's directory (new, empty, or resumed)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="self-distilled tokens to train on")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
+    p.add_argument("--seq", type=int, default=d.seq, help="tokens per training sequence (and longest generation)")
+    p.add_argument("--ttt", type=int, default=d.ttt, help="unrolled draft steps of the training-time test")
+    p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default min(32768, V / 4))")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warmup, then cosine decay)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the model's and the saved head's dtype (the head trains in float32)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--resume", action="store_true", help="continue DIR's saved run")
+    args = p.parse_args(argv)
+    settings = Settings(tokens=args.tokens, steps=args.steps, batch=args.batch, seq=args.seq, ttt=args.ttt,
+                        draft_vocab=args.draft_vocab, lr=args.lr, warmup=min(d.warmup, args.steps // 10),
+                        seed=args.seed)
+    if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not args.lr > 0:
+        raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and --lr > 0")
+    if args.ttt >= args.seq - 1:
+        raise JaxspecError(f"--ttt {args.ttt} must be below --seq - 1 ({args.seq - 1})")
+    if args.tokens < 4 * args.seq:
+        raise JaxspecError(f"--tokens {args.tokens} is fewer than 4 sequences of --seq {args.seq}")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise JaxspecError(f"--draft-vocab must be positive, got {args.draft_vocab}")
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise JaxspecError(f"--out {out} is a file")
+    if args.resume and not (out / "train_state").is_dir():
+        raise JaxspecError(f"--resume: {out} has no train_state to continue")
+    if not args.resume and out.is_dir() and any(out.iterdir()):
+        raise JaxspecError(f"--out {out} is not empty (choose a new directory, or --resume a run saved there)")
+    return args, settings
+
+
+@cli_main
+def main(argv=None) -> None:
+    args, settings = parse(argv)
+    import jax
+    import numpy as np
+
+    from jaxspec import files
+    from jaxspec.loaders import load_model
+    from jaxspec.loaders.eagle import write_eagle
+    from jaxspec.training import eagle as training
+
+    begin = time.perf_counter()
+    out = args.out
+    cfg, target, tokenizer = load_model(args.model, dtype=args.dtype)
+    if args.seq + args.ttt > cfg.max_position_embeddings:
+        raise JaxspecError(f"--seq {args.seq} + --ttt {args.ttt} is past the model's context {cfg.max_position_embeddings}")
+    settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab or training.default_draft_vocab(cfg.vocab_size))
+    ecfg = training.head_config(cfg, settings.draft_vocab)
+    record = {"model": args.model, "dtype": args.dtype, "settings": dataclasses.asdict(settings)}
+    if args.resume:
+        saved = training.read_record(out)
+        for key in ("model", "dtype", "settings"):
+            if saved.get(key) != record[key]:
+                raise JaxspecError(f"--resume: {out} was trained with {key} {saved.get(key)}, not {record[key]}")
+        stream = training.load_data(out)
+    else:
+        rows = min(GENERATION_BATCH, -(-settings.tokens // settings.seq))
+        backend = "pallas" if jax.default_backend() == "gpu" else "reference"  # generate's default
+        stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
+                                       backend, log)
+        files.write_file(out / training.DATA_FILE, lambda tmp: training.write_data(tmp, stream))
+    ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)
+    log(f"draft vocabulary: {len(ids)} of {cfg.vocab_size} tokens, {np.isin(stream, ids).mean():.1%} of the data")
+    head = training.init_head(jax.random.key(settings.seed), ecfg, ids)
+    trainable, d2t = training.trainable_part(head), head["d2t"]
+    opt, _ = training.make_step(cfg, ecfg, settings.ttt, settings.lr, settings.steps, settings.warmup)
+    state = (trainable, opt.init(trainable), d2t)
+    history, first, seconds = [], 0, 0.0
+    if args.resume:
+        state = training.load_state(out, state)
+        history, first, seconds = saved["log"], saved["step"], saved["seconds"]
+    trainable, opt_state, d2t = state
+
+    def full_record(step: int) -> dict:
+        return {**record, "step": step, "log": history, "data_tokens": len(stream),
+                "seconds": round(seconds + time.perf_counter() - begin, 1)}
+
+    def checkpoint(step, trainable, opt_state):
+        files.write_dir(out / training.STATE_DIR, lambda tmp: training.write_state(
+            tmp, trainable, opt_state, d2t, full_record(step)))
+
+    trainable, opt_state = training.train(cfg, target, ecfg, stream, trainable, opt_state, d2t, settings, first, history,
+                                          checkpoint, CHECKPOINT_EVERY, log)
+    head = {**jax.tree.map(lambda w: np.asarray(w.astype(args.dtype)), trainable), "d2t": np.asarray(d2t)}
+    final = full_record(settings.steps)
+
+    def write(tmp: Path) -> None:
+        write_eagle(tmp, ecfg, head)
+        training.write_state(tmp / training.STATE_DIR, trainable, opt_state, d2t, final)
+        training.write_data(tmp / training.DATA_FILE, stream)
+        (tmp / "train_log.json").write_text(json.dumps(final, indent=1) + "\n")
+
+    files.write_dir(out, write)
+    last = history[-1] if history else {}
+    log(f"saved {out}: {settings.steps} steps, loss {last.get('loss', float('nan')):.3f}, "
+        f"accuracy by step {last.get('acc')}, {final['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    set_gpu_flags()
+    main()

@@ -1,0 +1,189 @@
+"""Training an EAGLE-3 head (jaxspec.training.eagle, python -m jaxspec.train_eagle) on tiny random targets.
+
+The training-time test's forward is the inference head's: step 0 is `eagle.feature_forward` over the
+same rows, and step k's row t is the state the engine's drafter reaches at draft depth k after
+position t along the true tokens (`eagle.head_forward` one row at a time on a cache holding rows
+0..t only, positions as `decoding.drafters.eagle` places them). A few steps reduce the loss; the
+saved head reloads to the same outputs; the CLI self-distils, trains, resumes an interrupted run to
+the same head, and turns bad inputs into one line and exit code 2 with nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import train_eagle
+from jaxspec.loaders import hf
+from jaxspec.loaders.eagle import load_eagle, save_eagle
+from jaxspec.models import decoder, eagle, kvcache
+from jaxspec.models.config import ModelConfig
+from jaxspec.tokenizer import Tokenizer
+from jaxspec.training import eagle as training
+
+CFG = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=128, qk_norm=True, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def target():
+    params = decoder.init_params(CFG, jax.random.key(0), scale=0.4)  # peaked next-token distributions
+    ecfg = training.head_config(CFG, 96)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 12)), jnp.int32)
+    return params, ecfg, tokens
+
+
+def features_of(params, tokens, ecfg):
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    *_, features = decoder.forward(params, CFG, tokens, positions, jnp.ones((B, T), bool), kvcache.init_cache(CFG, B, T),
+                                   decoder.attention(CFG, positions, "reference"), capture=ecfg.feature_layers)
+    return features
+
+
+def test_ttt_forward_is_the_inference_head(target):
+    params, ecfg, tokens = target
+    head = eagle.init_params(jax.random.key(2), ecfg, jnp.float32, scale=0.1)
+    B, T = tokens.shape
+    steps = 3
+    features = features_of(params, tokens, ecfg)
+    outs = jax.jit(eagle.ttt_forward, static_argnums=(1, 3, 6))(head, ecfg, params, CFG, tokens, features, steps)
+    assert outs.shape == (steps, B, T - 1, ecfg.hidden_size)
+
+    positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+
+    @jax.jit
+    def committed(t):  # the head's pass over rows 0..t only (the cache a draft after position t reads)
+        return eagle.feature_forward(head, ecfg, params, CFG, tokens[:, 1:], features[:, :-1], positions,
+                                     positions <= t, eagle.init_cache(ecfg, B, T + steps, "float32"))
+
+    @jax.jit
+    def depth(token, hidden, pos, cache):  # one draft row per batch row, as the engine's chain drafts it
+        return eagle.head_forward(head, ecfg, eagle.token_embeds(head, params, CFG, token), hidden, pos,
+                                  jnp.ones((B, 1), bool), cache)
+
+    out0, _ = committed(T - 2)
+    np.testing.assert_allclose(outs[0], out0, rtol=1e-4, atol=1e-4)
+    for t in (0, 4, T - 2 - steps):
+        out, cache = committed(t)
+        h = out[:, t:t + 1]
+        for k in range(1, steps):
+            h, cache = depth(tokens[:, t + k + 1, None], h, jnp.full((B, 1), t + k, jnp.int32), cache)
+            np.testing.assert_allclose(outs[k][:, t:t + 1], h, rtol=1e-4, atol=1e-4, err_msg=f"t {t}, step {k}")
+
+
+def test_a_few_steps_reduce_the_loss_and_the_head_reloads(target, tmp_path):
+    params, ecfg, _ = target
+    stream = np.random.default_rng(3).integers(0, CFG.vocab_size, 16).astype(np.int32)  # one window: every batch
+    ids = training.draft_vocabulary(stream, CFG.vocab_size, ecfg.draft_vocab_size)
+    head = training.init_head(jax.random.key(4), ecfg, ids)
+    settings = training.Settings(tokens=len(stream), steps=8, batch=2, seq=16, ttt=3, lr=1e-2, warmup=2)
+    trainable, d2t = training.trainable_part(head), head["d2t"]
+    opt, _ = training.make_step(CFG, ecfg, settings.ttt, settings.lr, settings.steps, settings.warmup)
+    history = []
+    trainable, _ = training.train(CFG, params, ecfg, stream, trainable, opt.init(trainable), d2t, settings,
+                                  history=history)
+    assert history[-1]["step"] == 8 and len(history[0]["acc"]) == 3
+    assert history[-1]["loss"] < 0.8 * history[0]["loss"], [r["loss"] for r in history]
+
+    trained = {**trainable, "d2t": d2t}
+    save_eagle(tmp_path / "head", ecfg, trained)
+    loaded_cfg, loaded = load_eagle(tmp_path / "head", CFG, "float32")
+    assert loaded_cfg == ecfg
+    hidden = jax.random.normal(jax.random.key(5), (1, 3, ecfg.hidden_size))
+    np.testing.assert_array_equal(eagle.draft_logits(loaded, ecfg, hidden), eagle.draft_logits(trained, ecfg, hidden))
+    np.testing.assert_array_equal(loaded["d2t"], ids - np.arange(len(ids)))
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens_sorted():
+    stream = np.array([5, 5, 5, 2, 2, 9, 9, 9, 9, 7], np.int32)
+    np.testing.assert_array_equal(training.draft_vocabulary(stream, 10, 3), [2, 5, 9])
+    np.testing.assert_array_equal(training.draft_vocabulary(stream, 10, 6), [0, 1, 2, 5, 7, 9])  # then unseen, by id
+    assert training.default_draft_vocab(49152) == 12288 and training.default_draft_vocab(151936) == 32768
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CLI on a tiny HF model of 8 layers (with the llama tokenizer of conftest's hf_checkpoints)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(hf_checkpoints, tmp_path_factory):
+    cfg = ModelConfig(model_type="llama", vocab_size=400, hidden_size=32, num_layers=8, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=64, max_position_embeddings=256, dtype="float32")
+    path = tmp_path_factory.mktemp("tiny8")
+    hf.write_hf(path, cfg, decoder.init_params(cfg, jax.random.key(6), scale=0.1),
+                Tokenizer.from_hf_dir(hf_checkpoints["llama"]))
+    return path
+
+
+def cli(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    try:
+        train_eagle.main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+SMALL = ("--tokens", 200, "--seq", 32, "--steps", 4, "--batch", 2, "--ttt", 2, "--draft-vocab", 64, "--dtype", "float32")
+
+
+def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model, tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    code, err = cli(capsys, "--model", tiny_model, "--out", whole, *SMALL)
+    assert code == 0, err
+    assert "step 4/4" in err and "data:" in err
+    log = json.loads((whole / "train_log.json").read_text())
+    assert log["step"] == 4 and log["data_tokens"] >= 200 and log["settings"]["ttt"] == 2
+    assert {p.name for p in whole.iterdir()} == {"config.json", "model.safetensors", "train_log.json", "data.npy",
+                                                 "train_state"}
+
+    windows = training.windows
+
+    def interrupted(stream, seq, batch, seed, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return windows(stream, seq, batch, seed, step)
+
+    monkeypatch.setattr(train_eagle, "CHECKPOINT_EVERY", 2)
+    monkeypatch.setattr(training, "windows", interrupted)
+    assert cli(capsys, "--model", tiny_model, "--out", parts, *SMALL)[0] == 130
+    assert training.read_record(parts)["step"] == 2 and not (parts / "config.json").exists()
+    monkeypatch.setattr(training, "windows", windows)
+    code, err = cli(capsys, "--model", tiny_model, "--out", parts, *SMALL, "--resume")
+    assert code == 0, err
+    target_cfg = hf.read_config(tiny_model, "float32")
+    (_, a), (_, b) = load_eagle(whole, target_cfg, "float32"), load_eagle(parts, target_cfg, "float32")
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--model", "no/such/model"), "does not exist"),
+    (("--tokens", 100), "fewer than 4 sequences"),
+    (("--draft-vocab", 401), "--draft-vocab must be in 1..400"),
+    (("--ttt", 0), "--ttt >= 1"),
+    (("--resume",), "has no train_state"),
+])
+def test_bad_inputs_are_one_line_and_write_nothing(capsys, tiny_model, tmp_path, args, fragment):
+    defaults = {"--model": tiny_model, "--out": tmp_path / "head", **dict(zip(SMALL[::2], SMALL[1::2]))}
+    given = dict(zip(args[::2], args[1::2])) if len(args) % 2 == 0 else {args[0]: None}
+    argv = [x for k, v in {**defaults, **given}.items() for x in ((k,) if v is None else (k, v))]
+    code, err = cli(capsys, *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+    assert not (tmp_path / "head").exists()
+
+
+def test_out_that_is_a_file_or_not_empty(capsys, tiny_model, tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("keep me")
+    for out, fragment in ((tmp_path / "file", "is a file"), (tmp_path / "full", "is not empty")):
+        code, err = cli(capsys, "--model", tiny_model, "--out", out, *SMALL)
+        assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "full" / "notes.txt").read_text() == "keep me"
