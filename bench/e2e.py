@@ -2,7 +2,7 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram,auto,eagle] [--draft-model DIR] [--shapes chain:6] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
+        [--methods plain,vegas,stream,quest,ngram,auto,eagle] [--draft-model DIR] [--heldout] [--shapes chain:6,eagle=bfs:3,2,1] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
         [--select-every 1,2]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy] [--shrink on,off]
@@ -100,7 +100,8 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
             specs = [spec_of("plain", "", backend)] + [
                 dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every, head), draft_weights=w,
                                     draft_skip=skip)
-                for m in methods if m not in ("plain", "auto") for s in args.shapes for w, skip in drafts if takes_draft_model(m, w, skip)
+                for m in methods if m not in ("plain", "auto") for s in shapes_of(args.shapes, m) for w, skip in drafts
+                if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])
                 for balance in (args.balances if m in SPARSE_METHODS else [None])
@@ -218,8 +219,13 @@ def line_label(row: dict, tuning: dict | None) -> str:
 
 def plot(results: list[dict], path: Path) -> None:
     """Decode tokens/s against batch, one line per (method, shape), one panel per sampling; a method
-    at its tuned setting (results' `tuning`, which may differ by batch) is one line, "tuned"."""
-    import matplotlib
+    at its tuned setting (results' `tuning`, which may differ by batch) is one line, "tuned". Without
+    matplotlib installed, no plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot at {path}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -255,6 +261,11 @@ def split_shapes(text: str) -> list[str]:
         else:
             shapes[-1] += "," + part
     return shapes
+
+
+def shapes_of(shapes: list[str], method: str) -> list[str]:
+    """The shapes `method` runs: 'M=shape' entries are method M's only, the others every method's."""
+    return [s.partition("=")[2] if "=" in s else s for s in shapes if "=" not in s or s.partition("=")[0] == method]
 
 
 def numbers(p: argparse.ArgumentParser, flag: str, text: str | None, ok, bounds: str) -> list[float | None]:

@@ -88,11 +88,12 @@ def alone(params, spec, r: Request) -> list[int]:
 # all_rows, last_accepted and stream share vegas's and quest's paths here: with the slow tests
 SLOW = ("all_rows", "last_accepted", "stream")
 # every method's admission into running slots is also in test_scheduler_admits_groups_... (vegas and
-# quest by default): here only the tree runs by default, the rest are slow (the default run's 20 minutes)
+# quest by default): here every case is slow (the default run's 20 minutes)
 SLOW_MID_FLIGHT = SLOW + ("plain", "vegas", "quest", "ngram")
 SPECS = [pytest.param(SpecConfig(method=m, gamma=3, min_tokens=32), marks=[pytest.mark.slow] if m in SLOW_MID_FLIGHT else [], id=m)
          for m in METHODS if m not in ("full", "eagle")] + [  # full needs a draft model (test_engine), eagle a head (test_eagle_engine)
-    pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32), id="vegas_tree")]
+    pytest.param(SpecConfig(method="vegas", tree=(2, 2), traversal="dfs", min_tokens=32), id="vegas_tree",
+                 marks=pytest.mark.slow)]  # by default: the scheduler's admissions into freed slots, below
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -258,6 +259,7 @@ def test_cancel_during_chunked_prefill(params):
     assert finished["short"].finish_reason == "length" and tokens == alone(params, spec, short)
 
 
+@pytest.mark.slow  # by default: test_planner's switches keep greedy output, and its CLI auto run end to end
 def test_auto_switches_while_serving(params, monkeypatch):
     """A scheduler given a plan refines while requests come and go: scripted decisions switch every
     slot vegas -> plain -> ngram mid-flight; each greedy request still emits plain decoding's tokens,

@@ -132,7 +132,9 @@ def test_small_exact_matrices_run_the_row_kernel_in_place():
     assert np.abs(np.asarray(expected)).max() > 1.0
 
 
-@pytest.mark.parametrize("weights, skip", [("int8", ()), ("int4", ()), ("exact", (1,)), ("int4", (0, 2))])
+@pytest.mark.parametrize("weights, skip", [  # int8's and exact's stacks are read as int4's is: slow
+    pytest.param("int8", (), marks=pytest.mark.slow), ("int4", ()), pytest.param("exact", (1,), marks=pytest.mark.slow),
+    ("int4", (0, 2))])
 def test_the_draft_forward_reads_its_own_stack(weights, skip):
     """decoder.score with the draft params equals the model whose matrices are the dequantized copies
     and whose skipped layers are gone (a model of the kept layers), and differs from the exact model."""

@@ -11,7 +11,7 @@ scheduler, emits what it emits alone.
 
 from __future__ import annotations
 
-import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import load_model
+from jaxspec.loaders.eagle import load_eagle
 from jaxspec.models import decoder, eagle, kvcache
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.runner import encode_prompts
@@ -78,7 +79,8 @@ def dense():
     return params, ecfg, ids, lengths, plain
 
 
-@pytest.mark.parametrize("tree, order", [(None, "bfs"), ((3, 2, 1), "bfs"), ((2, 2, 2), "dfs")])
+@pytest.mark.parametrize("tree, order", [  # dfs shares bfs's path but the layout (test_tree): slow
+    (None, "bfs"), ((3, 2, 1), "bfs"), pytest.param((2, 2, 2), "dfs", marks=pytest.mark.slow)])
 def test_greedy_equals_plain(dense, tree, order):
     params, ecfg, ids, lengths, plain = dense
     spec = SpecConfig(method="eagle", gamma=4, tree=tree, traversal=order, eagle=ecfg)
@@ -122,7 +124,7 @@ def fresh_children(params, cfg, ecfg, committed: np.ndarray, tree) -> dict[int, 
     return children
 
 
-@pytest.mark.parametrize("tree", [None, (2, 2, 1)])
+@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow), (2, 2, 1)])  # a chain: no mask, slow
 def test_drafts_equal_a_fresh_head_after_accepted_drafts(dense, tree):
     """Sampled iterations (drafts accepted and rejected), then one greedy draft from the running state:
     each node's children are those of the head run afresh over each row's committed text."""
@@ -157,23 +159,28 @@ def test_greedy_equals_plain_nsa():
         assert out == plain and st.iterations.sum() > 0
 
 
-def test_greedy_equals_plain_smollm2_real_text():
-    """SmolLM2 (float32) on ~300 tokens of real text, with a random head of SmolLM2's shape."""
+SHIPPED_HEAD = Path(__file__).parent.parent / "checkpoints" / "eagle3-smollm2"
+
+
+def test_shipped_head_on_smollm2_real_text_is_lossless_and_accepted():
+    """SmolLM2 (float32) with the shipped head, on ~300 tokens of real text: greedy output equals
+    plain's and the head's drafts are accepted (a head that catches up wrongly, or reads the wrong
+    features, drafts worse: measured 2.1 tokens per iteration here, a random head 1.0; floor 1.5)."""
     cfg, target, tokenizer = load_model("smollm2", dtype="float32")
-    ecfg = head_config(cfg, draft_vocab=4096)
-    params = {**target, "eagle": eagle.init_params(jax.random.key(2), ecfg, jnp.float32)}
+    ecfg, head = load_eagle(SHIPPED_HEAD, cfg, "float32")
+    params = {**target, "eagle": jax.device_put(head)}
     batch = encode_prompts(tokenizer, [corpus.long_prompt(tokenizer, 300, task="summary", offset=7)], chat=True)
-    plain, _ = run(params, cfg, SpecConfig(), batch.ids, batch.lengths.tolist(), 16)
-    for spec in (SpecConfig(method="eagle", gamma=5, eagle=ecfg), SpecConfig(method="eagle", tree=(3, 1), eagle=ecfg)):
-        out, _ = run(params, cfg, spec, batch.ids, batch.lengths.tolist(), 16)
-        assert out == plain
+    plain, _ = run(params, cfg, SpecConfig(), batch.ids, batch.lengths.tolist(), 24)
+    out, st = run(params, cfg, SpecConfig(method="eagle", gamma=5, eagle=ecfg), batch.ids, batch.lengths.tolist(), 24)
+    assert out == plain  # trees: on the random models above
+    assert (len(out[0]) - 1) / st.iterations[0] > 1.5, st
 
 
 TINY = ModelConfig(model_type="llama", vocab_size=8, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                    head_dim=8, intermediate_size=64, dtype="float32")
 
 
-@pytest.mark.parametrize("tree", [None, (2, 2)])
+@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow), (2, 2)])  # the chain: width-1 tree, slow
 def test_first_two_tokens_follow_the_target(tree):
     """Chi-square of the first two sampled tokens (64 cells, 12,000 identical rows) against the exact
     joint of teacher-forced forwards; the head's draft vocabulary holds 6 of the 8 tokens, so q is 0
@@ -209,49 +216,39 @@ def test_first_two_tokens_follow_the_target(tree):
     assert p_value > 1e-3
 
 
-def test_admitted_mid_flight_and_chunked_prefill_equal_alone(dense):
-    """Row rules: a request admitted into a running batch, one admitted into a freed slot, and the
-    scheduler's chunked prefill (the head's cache a chunk per round) emit what each emits alone."""
+def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense):
+    """The scheduler (row rules, two slots, prompts prefilled 32 positions per round: the head's cache a
+    chunk per round too) admits three requests, the third into the slot the shortest one frees while
+    the other runs; each emits what it emits alone (the engine's admission into a one-row batch)."""
     from jaxspec.serving import scheduler as serving
     from jaxspec.serving.requests import Request
 
     params, ecfg, ids, lengths, _ = dense
     spec = SpecConfig(method="eagle", gamma=3, eagle=ecfg).validate()
     eng = engine.Engine(CFG, spec, None, 400)
-    rules = [GREEDY, SamplingConfig(temperature=0.9, top_p=0.9)]
+    hot = SamplingConfig(temperature=0.9, top_p=0.9)  # sampled rows: their tokens depend on their drafts
+    rules, max_new = [GREEDY, hot, hot], [8, 24, 12]
+    empty = eng.prefill(params, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), jax.random.key(0),
+                        max_new_tokens=jnp.ones((1,), jnp.int32), stop_ids=-jnp.ones((1, 1), jnp.int32),
+                        row_sampling=RowSampling.of([GREEDY], max_top_k=0))
     admit, decode = jax.jit(eng.admit), jax.jit(eng.decode)
 
-    def admitted(state, slot, b):
-        n = lengths[b]
-        return admit(params, state, jnp.asarray([slot]), jnp.asarray(ids[b:b + 1]), jnp.asarray([n]),
-                     jax.random.key(b)[None], jnp.asarray([20]), -jnp.ones((1, 1), jnp.int32),
-                     RowSampling.of([rules[b % 2]], max_top_k=0))
-
-    def empty(slots):
-        state = eng.prefill(params, jnp.zeros((slots, 1), jnp.int32), jnp.ones((slots,), jnp.int32), jax.random.key(0),
-                            max_new_tokens=jnp.ones((slots,), jnp.int32), stop_ids=-jnp.ones((slots, 1), jnp.int32),
-                            row_sampling=RowSampling.of([GREEDY] * slots, max_top_k=0))
-        return engine.release(state, jnp.ones((slots,), bool))
-
-    def generated(state, slot):
-        return state.tokens[slot, state.prompt_len[slot]:state.length[slot]].tolist()
-
-    alone = {b: generated(decode(params, admitted(empty(1), 0, b)), 0) for b in (0, 1, 2)}
-    state = admitted(admitted(empty(2), 0, 0), 1, 1)
-    state = decode(params, state, max_iterations=2)
-    state = admitted(engine.release(state, jnp.asarray([False, True])), 1, 2)  # 2 takes 1's slot mid-flight
-    state = decode(params, state)
-    assert generated(state, 0) == alone[0] and generated(state, 1) == alone[2]
+    def alone(b):
+        state = admit(params, engine.release(empty, jnp.ones((1,), bool)), jnp.asarray([0]), jnp.asarray(ids[b:b + 1]),
+                      jnp.asarray([lengths[b]]), jax.random.key(b)[None], jnp.asarray([max_new[b]]),
+                      -jnp.ones((1, 1), jnp.int32), RowSampling.of([rules[b]], max_top_k=0))
+        state = decode(params, state)
+        return state.tokens[0, state.prompt_len[0]:state.length[0]].tolist()
 
     scheduler = serving.Scheduler(params, CFG, None, spec, slots=2, max_len=400, admit_rows=None, max_top_k=0,
                                   prefill_chunk=32)
-    got, finished = {b: [] for b in alone}, set()
-    for b in alone:
-        scheduler.submit(Request(tuple(ids[b, :lengths[b]].tolist()), 20, rules[b % 2], b),
-                         lambda delta, b=b: (got[b].extend(delta.token_ids), delta.finish_reason and finished.add(b)))
-    while len(finished) < len(alone):
+    got, finished = {b: [] for b in range(3)}, []
+    for b in range(3):
+        scheduler.submit(Request(tuple(ids[b, :lengths[b]].tolist()), max_new[b], rules[b], b),
+                         lambda delta, b=b: (got[b].extend(delta.token_ids), delta.finish_reason and finished.append(b)))
+    while len(finished) < 3:
         scheduler.step()
-    assert got == alone
+    assert finished[0] == 0 and got == {b: alone(b) for b in range(3)}
 
 
 def test_eagle_needs_a_head_and_no_draft_model():

@@ -219,8 +219,10 @@ def test_tree_greedy_lossless_qwen3(qwen3_case, method, tree, order):
     assert out == qwen3_case.plain
 
 
-@pytest.mark.parametrize("method,tree,order", [  # quest's kernels alone: test_kernels_quest_pages
-    ("vegas", (3, 2, 1), "bfs"), ("vegas", None, "bfs"), pytest.param("quest", (2, 2), "dfs", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method,tree,order", [  # quest's kernels alone: test_kernels_quest_pages; the chain's
+    # single-row kernels each against their reference in test_kernels_* (and on the GPU in bench/gpu_checks): slow
+    ("vegas", (3, 2, 1), "bfs"), pytest.param("vegas", None, "bfs", marks=pytest.mark.slow),
+    pytest.param("quest", (2, 2), "dfs", marks=pytest.mark.slow)])
 def test_tree_greedy_lossless_pallas_kernels(method, tree, order):
     """The engine on the Pallas kernels (interpret mode): multi-row sparse drafting with ancestor bits,
     tree verification with collection, a chain (`--backend pallas`'s default shape), Quest's dense
@@ -389,6 +391,7 @@ def test_generate_inside_a_users_jit(qwen3_case):
     assert int(out.stats.accepted.sum()) > 0
 
 
+@pytest.mark.slow  # by default: test_batching's rows admitted into a running batch equal each row alone
 def test_batched_rows_equal_rows_alone(qwen3_case):
     assert_rows_alone_equal_batched(qwen3_case)
 
@@ -488,7 +491,8 @@ def tiny_rows():
     # plain checks the harness; stream's and ngram's chains sample as vegas's does, stream's tree as
     # vegas's, and draft models as the target (vegas's chain and tree, ngram's one-hot q in its tree run
     # by default; the rest with the slow tests: the default run's 20 minutes)
-    pytest.param("plain", None, "bfs", "exact", (), marks=pytest.mark.slow), ("vegas", None, "bfs", "exact", ()),
+    pytest.param("plain", None, "bfs", "exact", (), marks=pytest.mark.slow),
+    pytest.param("vegas", None, "bfs", "exact", (), marks=pytest.mark.slow),  # the width-1 tree of the tree cases
     pytest.param("stream", None, "bfs", "exact", (), marks=pytest.mark.slow),
     pytest.param("ngram", None, "bfs", "exact", (), marks=pytest.mark.slow), ("vegas", (3, 2), "bfs", "exact", ()),
     pytest.param("stream", (2, 1, 2), "dfs", "exact", (), marks=pytest.mark.slow), ("ngram", (2, 2), "bfs", "exact", ()),
