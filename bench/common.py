@@ -7,6 +7,7 @@ bandwidth and the bf16 matmul rate in the same run and states times against them
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.models import eagle
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
 # The step floor (bytes over bandwidth) is the planner's cost-model base; benchmarks use the same one.
@@ -138,10 +140,15 @@ def random_lengths(context: int) -> tuple[int, int, int]:
     return max_len, cache_slots(max_len + MAX_TREE_ROWS), SpecConfig(ratio=0.2, min_tokens=256).capacity(max_len)
 
 
-def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array, layers: int | None = None) -> KVCache:
+def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array, layers: int | None = None,
+                 head=None) -> KVCache:
     """A cache full of random keys/values, standing in for a long prefill in latency benchmarks (only
     `layers` layers if given); for NSA configs k_cmp/v_cmp hold the block means of those keys/values,
-    as the engine's cache writes keep them."""
+    as the engine's cache writes keep them; with an EAGLE-3 `head` (its config) the head's one-layer
+    cache too."""
+    if head is not None:
+        own = random_cache(eagle.layer_config(head, cfg.dtype), batch, num_slots, jax.random.fold_in(key, 1))
+        return dataclasses.replace(random_cache(cfg, batch, num_slots, key, layers), head=own)
     shape = cache_shape(cfg, batch, num_slots)
     if layers is not None:
         shape = (layers,) + shape[1:]

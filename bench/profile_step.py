@@ -35,7 +35,8 @@ import numpy as np
 
 from bench import common
 from bench.throughput import spec_for, stage_fns
-from jaxspec.models import decoder, draft_weights
+from jaxspec.models import decoder, draft_weights, eagle
+from jaxspec.training import eagle as eagle_training
 from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, takes_draft_model
 from pallas_kernels.verify_attention import METRICS
 
@@ -174,6 +175,8 @@ def main():
 
     models = {"qwen3-8b": common.QWEN3_8B, "smollm2": common.SMOLLM2, "llama-1b": common.LLAMA_1B}
     cfg = TINY_CFG if args.tiny else models[args.model]
+    if args.tiny and "eagle" in args.methods:  # an EAGLE-3 head reads three distinct layers: (2, L // 2, L - 3)
+        cfg = dataclasses.replace(cfg, num_layers=8)
     sampling = common.SAMPLINGS[args.sampling]
     context = 256 if args.tiny else args.context
     params = decoder.init_params(cfg, jax.random.key(0))
@@ -182,12 +185,19 @@ def main():
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
             if takes_draft_model(m, w)]
+    # eagle: a random head at the model's shapes (EAGLE-3's: the model's width, heads and MLP; the
+    # default draft vocabulary; timing only)
+    head = (eagle_training.head_config(cfg, eagle_training.default_draft_vocab(cfg.vocab_size))
+            if "eagle" in args.methods else None)
     for method, weights in runs:
-        spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None),
+        spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None,
+                                            eagle=head if method == "eagle" else None),
                                    draft_weights=weights, balance=args.balance if method in SPARSE_METHODS else 1.0,
                                    select_every=args.select_every if method in SCORE_METHODS else 1)
         copies = draft_weights.with_draft_weights(params, weights)
-        cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1))
+        if method == "eagle":
+            copies = {**copies, "eagle": eagle.init_params(jax.random.key(2), head, jnp.dtype(cfg.dtype))}
+        cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1), head=spec.eagle)
         state = skewed(common.random_state(copies, cfg, spec, cache, context, max_len), spec.balance)
         stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
         B = state.length.shape[0]
@@ -198,7 +208,8 @@ def main():
                 continue
             if live is not None:  # a fresh state (earlier calls moved its rows on), rows >= live finished
                 del state
-                state = common.random_state(copies, cfg, spec, common.random_cache(cfg, B, slots, jax.random.key(1)), context, max_len)
+                state = common.random_state(copies, cfg, spec, common.random_cache(cfg, B, slots, jax.random.key(1),
+                                                                                   head=spec.eagle), context, max_len)
                 state = dataclasses.replace(skewed(state, spec.balance), done=jnp.arange(B) >= live)
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace,
                                            warmup=args.warmup)

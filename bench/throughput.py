@@ -64,12 +64,12 @@ class Workload:
         return [corpus.long_prompt(tokenizer, lengths[i % 4], offset=11 * i) for i in range(batch)]
 
 
-def spec_for(method: str, tuning: dict, backend: str, k_max: int | None = None) -> SpecConfig:
+def spec_for(method: str, tuning: dict, backend: str, k_max: int | None = None, eagle=None) -> SpecConfig:
     """The method's SpecConfig at its tuned gamma, ratio and metric (the settings this benchmark takes
-    from a tuned file; its other settings at their defaults)."""
-    choice = tuning[method] if method in tuning else DEFAULT_TUNING[method]
+    from a tuned file; its other settings at their defaults); `eagle`: method eagle's head config."""
+    choice = tuning[method] if method in tuning else DEFAULT_TUNING.get(method, {})
     tuned = {key: choice.get(key) for key in ("gamma", "ratio", "metric")}
-    return spec_from_settings(method, tuned=tuned, backend=backend, k_max=k_max)
+    return spec_from_settings(method, tuned=tuned, backend=backend, k_max=k_max, eagle=eagle)
 
 
 # ---------------------------------------------------------------- stage timing
@@ -95,9 +95,15 @@ def stage_fns(params, cfg, spec: SpecConfig, max_len: int, state: engine.DecodeS
     if drafter is not None and drafter.uses_model:
         draft = jax.jit(lambda p, s: engine.draft(p, cfg, static, sampling, drafter, s, s.key)[2], donate_argnums=1)
         stages["draft_ms"] = (functools.partial(draft, params), 1)
-    if drafter is not None and not drafter.uses_model:
-        propose = jax.jit(lambda s: (drafter.propose(s.tokens, s.length, tree), s), donate_argnums=0)
-        stages["draft_ms"] = (lambda s: propose(s)[1], 1)
+    if drafter is not None and not drafter.uses_model:  # n-gram lookup, the EAGLE head: the tree's tokens kept
+
+        @functools.partial(jax.jit, donate_argnums=1)
+        def propose(p, s):
+            drafted, _, cache, dstate = drafter.draft(p, s.tokens, s.length, s.done, s.cache, s.drafter, s.key,
+                                                      engine.rules(sampling, s))
+            return dataclasses.replace(s, cache=cache, drafter=dstate), drafted
+
+        stages["draft_ms"] = (lambda s: propose(params, s)[0], 1)
 
     @functools.partial(jax.jit, donate_argnums=1)
     def verify(p, s):
