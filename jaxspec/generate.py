@@ -73,7 +73,8 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
                    help="layer weights draft steps read: exact (default), or int8 / int4 copies made at load (verification stays exact)")
     p.add_argument("--draft-model", type=Path, default=None,
                    help="an EAGLE-3 draft head for --method eagle: a directory in the public layout (config.json, "
-                        "model.safetensors), e.g. checkpoints/eagle3-smollm2 (python -m jaxspec.train_eagle builds one)")
+                        "model.safetensors; python -m jaxspec.train_eagle builds one); default: the head shipped for "
+                        "--model (checkpoints/eagle3-smollm2 for smollm2)")
     p.add_argument("--draft-skip", default=None,
                    help="layers draft steps leave out: 3,5,10-12 | everyN | calibrated (python -m jaxspec.calibrate_skip) | a calibration file")
     p.add_argument("--planner-table", type=Path, default=None,
@@ -131,16 +132,27 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
     )
 
 
+def head_path(args) -> Path | None:
+    """The EAGLE-3 head to draft with: --draft-model, or with --method eagle the head shipped for
+    --model (checkpoints/eagle3-smollm2 for smollm2), or None."""
+    from jaxspec.loaders.eagle import shipped_head
+
+    if args.draft_model is None and args.method == "eagle":
+        return shipped_head(args.model)
+    return args.draft_model
+
+
 def head_config(args) -> EagleConfig | None:
-    """The --draft-model head's config, checked against the model's config (None without one)."""
-    if args.draft_model is None:
+    """The head's config (`head_path`), checked against the model's config (None without a head)."""
+    path = head_path(args)
+    if path is None:
         return None
     from jaxspec.loaders import load_config
     from jaxspec.loaders.eagle import read_config
 
-    if not args.draft_model.is_dir():
-        raise JaxspecError(f"--draft-model {args.draft_model} is not a directory (an EAGLE-3 head's)")
-    return read_config(args.draft_model, load_config(args.model, args.dtype))
+    if not path.is_dir():
+        raise JaxspecError(f"--draft-model {path} is not a directory (an EAGLE-3 head's)")
+    return read_config(path, load_config(args.model, args.dtype))
 
 
 def load(args, spec: SpecConfig):
@@ -154,7 +166,7 @@ def load(args, spec: SpecConfig):
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype, mesh=mesh)
     params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
     if spec.eagle is not None:
-        _, head = load_eagle(args.draft_model, cfg, args.dtype)
+        _, head = load_eagle(head_path(args), cfg, args.dtype)
         params = {**params, "eagle": jax.device_put(head) if mesh is None else sharding.place({"eagle": head}, mesh)["eagle"]}
     return cfg, params, tokenizer, mesh
 

@@ -155,7 +155,6 @@ def test_json_batch_trees_and_quantized_drafts_are_lossless(capsys, tmp_path):
         (["--method", "full"], "needs a cheaper draft model"),
         (["--method", "vegas", "--select-every", "0"], "--select-every must be"),
         (["--method", "stream", "--select-every", "2"], "stream selects otherwise"),
-        (["--method", "eagle"], "needs a draft head"),
         (["--method", "eagle", "--draft-model", "/nonexistent/head"], "/nonexistent/head"),
         (["--draft-model", "/nonexistent/head"], "drafts with --method eagle"),
         (["--method", "vegas", "--draft-model", "/nonexistent/head"], "/nonexistent/head"),
@@ -328,3 +327,18 @@ def test_eagle_draft_model_is_lossless(capsys, tmp_path, hf_checkpoints, tp):
     for run in [run_json(capsys, *eagle, "--tp", str(tp))]:
         assert run["stats"]["method"] == "eagle" and run["stats"]["draft_tokens"] > 0
         assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in plain["results"]]
+
+
+def test_method_eagle_finds_the_shipped_head(capsys, hf_checkpoints):
+    """`--method eagle` without --draft-model drafts with the head shipped for the model (smollm2's in
+    checkpoints/); a model without one is a one-line error naming the flag."""
+    from argparse import Namespace
+
+    from jaxspec.generate import head_path
+    from jaxspec.loaders.eagle import shipped_head
+
+    assert shipped_head("smollm2") is not None and (shipped_head("smollm2") / "model.safetensors").is_file()
+    assert head_path(Namespace(model="smollm2", method="eagle", draft_model=None)) == shipped_head("smollm2")
+    assert head_path(Namespace(model="smollm2", method="vegas", draft_model=None)) is None
+    result = generate_here(capsys, *tiny_args(hf_checkpoints["llama_deep"], "--method", "eagle"))
+    assert_one_line_error(result, "needs a draft head")

@@ -124,7 +124,8 @@ class SpecConfig:
         if self.draft_skip and self.method in ("plain", "ngram", "eagle"):
             raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
         if self.method == "eagle" and self.eagle is None:
-            raise JaxspecError("--method eagle needs a draft head: --draft-model DIR (an EAGLE-3 checkpoint)")
+            raise JaxspecError("--method eagle needs a draft head: --draft-model DIR (an EAGLE-3 checkpoint; "
+                               "one ships for smollm2)")
         if self.method != "eagle" and self.eagle is not None:
             raise JaxspecError(f"--draft-model is an EAGLE-3 head, which drafts with --method eagle, not {self.method}")
         balance = self.balance

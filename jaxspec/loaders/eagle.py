@@ -181,6 +181,17 @@ def check_vocabulary(ecfg: EagleConfig, d2t: np.ndarray, t2d: np.ndarray, path: 
         raise JaxspecError(f"EAGLE head {path}: t2d does not mark exactly the d2t target ids")
 
 
+SHIPPED = {"smollm2": "eagle3-smollm2"}  # model name -> its head in the repository's checkpoints/
+
+
+def shipped_head(model: str) -> Path | None:
+    """The head the repository ships for the model named `model` (checkpoints/, beside an editable
+    install's package), or None."""
+    name = SHIPPED.get(model)
+    path = Path(__file__).resolve().parents[2] / "checkpoints" / name if name else None
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
 def load_eagle(path: str | Path, target_cfg: ModelConfig, dtype: str = "bfloat16") -> tuple[EagleConfig, Params]:
     """A head in the public layout at `path`, checked to fit `target_cfg`; params as host arrays in
     `dtype` (d2t int32). A head without its own embedding reads the target's, so then its width must
