@@ -1,19 +1,22 @@
 """Engine losslessness with the Pallas backend on the GPU (teacher-forced, bf16).
 
     PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|smollm2|PATH] [--context N] [--new N]
-        [--tree 3,2,1 [--traversal dfs]] [--tiny] [--out DIR]
+        [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
 to bf16 near-ties between the top two logits (docs/architecture.md, "The speculative-decoding
 contract"). Qwen3-8B and NSA-1B shapes (bench/nsa.py's, NSA kernels included) use random weights and
-a prompt of random tokens; SmolLM2 uses a real long prompt.
+a prompt of random tokens; SmolLM2 uses a real long prompt. Method eagle drafts with --draft-model, else
+the head shipped for the model (smollm2's), else a random head at the model's shapes (the check does
+not need a good head); a model with too few layers for a head skips it.
 Methods draft chains of 6, or the draft tree of --tree. Writes DIR/gpu_checks_<model>[_tree].json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -22,7 +25,10 @@ import numpy as np
 
 from bench import common
 from jaxspec import corpus
-from jaxspec.models import decoder
+from jaxspec.errors import JaxspecError
+from jaxspec.loaders.eagle import load_eagle, shipped_head
+from jaxspec.models import decoder, eagle
+from jaxspec.training import eagle as eagle_training
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, spec_from_settings
@@ -46,6 +52,21 @@ def teacher_forced(params, cfg, batch: Batch, generated: list[np.ndarray]) -> di
     return {"exact_argmax_fraction": exact / total, "all_within_near_tie": within, "tokens": total}
 
 
+def with_head(params, cfg, path: Path | None):
+    """(the head's config, params with the head under "eagle"): the head at `path`, else a random one at
+    the model's shapes; (None, params) when the model has too few layers for a head."""
+    if path is not None:
+        head, head_params = load_eagle(path, cfg, "bfloat16")
+    else:
+        try:
+            head = eagle_training.head_config(cfg, eagle_training.default_draft_vocab(cfg.vocab_size))
+        except JaxspecError as e:
+            print(f"eagle skipped: {e}")
+            return None, params
+        head_params = eagle.init_params(jax.random.key(3), head, jnp.dtype(cfg.dtype))
+    return head, {**params, "eagle": jax.device_put(head_params)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-8b")
@@ -55,6 +76,7 @@ def main():
     p.add_argument("--backend", default="pallas", help="pallas, or reference to tell kernel errors from bf16 effects")
     p.add_argument("--tree", default=None, help="draft this tree (e.g. 3,2,1) instead of a chain of 6")
     p.add_argument("--traversal", default="bfs")
+    p.add_argument("--draft-model", type=Path, default=None, help="method eagle's head")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
@@ -75,14 +97,20 @@ def main():
         prompts = [corpus.long_prompt(tokenizer, args.context, offset=5), corpus.long_prompt(tokenizer, args.context // 2, task="continue")]
         batch = encode_prompts(tokenizer, prompts, chat=True)
     max_len = int(batch.lengths.max()) + args.new
-    cache = prefill_fn(cfg, max_len, backend, 256)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
+    head = None
+    if "eagle" in args.methods:
+        head, params = with_head(params, cfg, args.draft_model or shipped_head(args.model))
+        if head is None:
+            args.methods = [m for m in args.methods if m != "eagle"]
+    cache = prefill_fn(cfg, max_len, backend, 256, head)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
     result = common.run_info() | {"model": args.model, "backend": backend, "prompt_tokens": batch.lengths.tolist(), "rows": []}
     tree = None if args.tree is None else TreeShape.parse(args.tree).branching
     for method in args.methods:
         spec = spec_from_settings(method, gamma=6, tree=tree if method != "plain" else None, traversal=args.traversal, ratio=0.07,
-                                  min_tokens=64, backend=backend)
+                                  min_tokens=64, backend=backend, eagle=head if method == "eagle" else None)
+        own = cache if method == "eagle" else dataclasses.replace(cache, head=None)
         run = run_generation(params, cfg, batch, spec=spec, sampling=SamplingConfig(), max_len=max_len,
-                             max_new_tokens=args.new, stop_ids=(), cache=jax.tree.map(jnp.copy, cache))
+                             max_new_tokens=args.new, stop_ids=(), cache=jax.tree.map(jnp.copy, own))
         stats = jax.device_get(run.output.stats)
         row = {"method": method, "tree": spec.describe()["tree"], "traversal": spec.describe()["traversal"], **teacher_forced(params, cfg, batch, run.generated()),
                "tokens_per_iteration": float((stats.accepted.sum() + stats.iterations.sum()) / max(stats.iterations.sum(), 1))}
