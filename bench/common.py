@@ -28,6 +28,7 @@ from jaxspec.models.kvcache import KVCache, cache_shape, cache_slots
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
+from jaxspec.training import eagle as eagle_training
 from jaxspec.training.data import split_documents
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
@@ -157,6 +158,19 @@ def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array, l
     if cfg.nsa is None:
         return KVCache(k, v)
     return KVCache(k, v, block_means(k, cfg.nsa.block_size), block_means(v, cfg.nsa.block_size))
+
+
+def random_head(cfg: ModelConfig, seed: int = 2):
+    """(config, params) of a random EAGLE-3 head at the model's shapes (EAGLE-3's: the model's width,
+    heads and MLP, the default draft vocabulary), for timing and checks that need no good head."""
+    head = eagle_training.head_config(cfg, eagle_training.default_draft_vocab(cfg.vocab_size))
+    return head, eagle.init_params(jax.random.key(seed), head, jnp.dtype(cfg.dtype))
+
+
+def cache_for(spec: SpecConfig, cache: KVCache) -> KVCache:
+    """A prefilled cache as `spec`'s runs take it: the EAGLE-3 head's cache (`KVCache.head`) only for
+    method eagle, so the other methods run the programs they always ran."""
+    return cache if spec.method == "eagle" else dataclasses.replace(cache, head=None)
 
 
 def random_prompts(cfg: ModelConfig, batch: int, context: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -89,9 +89,8 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
     drafts = [(w, skip) for w in args.draft_weights for skip in skips]
     with_copies = {(w, skip): draft_weights.with_draft_weights(params, w, skip) for w, skip in drafts}
     for batch_size in args.batches:
-        batch, max_len, with_head = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new,
-                                                           backend, head, args.heldout)
-        cache_of = lambda spec: with_head if spec.method == "eagle" else dataclasses.replace(with_head, head=None)
+        batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new,
+                                                       backend, head, args.heldout)
         context = int(batch.lengths.mean()) + args.new // 2
         tuned = {m: at_batch(choice, batch_size) for m, choice in (tuning or {}).items()}  # this batch's settings
         for sampling_name in args.samplings:
@@ -120,7 +119,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
                 weights = with_copies.get((plan.draft_weights, ()) if plan else (spec.draft_weights, spec.draft_skip), params)
                 for repeat in range(args.repeats):
                     run = run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
-                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, cache_of(spec)),
+                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, common.cache_for(spec, cache)),
                                          plan=plan, shrink=shrink)
                     measures, outputs = common.run_measures(run)
                     runs.append(measures | {"compile_s": run.compile_s} | (auto_choices(run) if plan else {}))

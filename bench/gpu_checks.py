@@ -16,7 +16,6 @@ Methods draft chains of 6, or the draft tree of --tree. Writes DIR/gpu_checks_<m
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -27,8 +26,7 @@ from bench import common
 from jaxspec import corpus
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders.eagle import load_eagle, shipped_head
-from jaxspec.models import decoder, eagle
-from jaxspec.training import eagle as eagle_training
+from jaxspec.models import decoder
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, spec_from_settings
@@ -59,11 +57,10 @@ def with_head(params, cfg, path: Path | None):
         head, head_params = load_eagle(path, cfg, "bfloat16")
     else:
         try:
-            head = eagle_training.head_config(cfg, eagle_training.default_draft_vocab(cfg.vocab_size))
+            head, head_params = common.random_head(cfg)
         except JaxspecError as e:
             print(f"eagle skipped: {e}")
             return None, params
-        head_params = eagle.init_params(jax.random.key(3), head, jnp.dtype(cfg.dtype))
     return head, {**params, "eagle": jax.device_put(head_params)}
 
 
@@ -108,9 +105,8 @@ def main():
     for method in args.methods:
         spec = spec_from_settings(method, gamma=6, tree=tree if method != "plain" else None, traversal=args.traversal, ratio=0.07,
                                   min_tokens=64, backend=backend, eagle=head if method == "eagle" else None)
-        own = cache if method == "eagle" else dataclasses.replace(cache, head=None)
         run = run_generation(params, cfg, batch, spec=spec, sampling=SamplingConfig(), max_len=max_len,
-                             max_new_tokens=args.new, stop_ids=(), cache=jax.tree.map(jnp.copy, own))
+                             max_new_tokens=args.new, stop_ids=(), cache=jax.tree.map(jnp.copy, common.cache_for(spec, cache)))
         stats = jax.device_get(run.output.stats)
         row = {"method": method, "tree": spec.describe()["tree"], "traversal": spec.describe()["traversal"], **teacher_forced(params, cfg, batch, run.generated()),
                "tokens_per_iteration": float((stats.accepted.sum() + stats.iterations.sum()) / max(stats.iterations.sum(), 1))}

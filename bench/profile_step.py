@@ -35,8 +35,7 @@ import numpy as np
 
 from bench import common
 from bench.throughput import spec_for, stage_fns
-from jaxspec.models import decoder, draft_weights, eagle
-from jaxspec.training import eagle as eagle_training
+from jaxspec.models import decoder, draft_weights
 from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, takes_draft_model
 from pallas_kernels.verify_attention import METRICS
 
@@ -185,10 +184,7 @@ def main():
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
             if takes_draft_model(m, w)]
-    # eagle: a random head at the model's shapes (EAGLE-3's: the model's width, heads and MLP; the
-    # default draft vocabulary; timing only)
-    head = (eagle_training.head_config(cfg, eagle_training.default_draft_vocab(cfg.vocab_size))
-            if "eagle" in args.methods else None)
+    head, head_params = common.random_head(cfg) if "eagle" in args.methods else (None, None)  # timing only
     for method, weights in runs:
         spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None,
                                             eagle=head if method == "eagle" else None),
@@ -196,7 +192,7 @@ def main():
                                    select_every=args.select_every if method in SCORE_METHODS else 1)
         copies = draft_weights.with_draft_weights(params, weights)
         if method == "eagle":
-            copies = {**copies, "eagle": eagle.init_params(jax.random.key(2), head, jnp.dtype(cfg.dtype))}
+            copies = {**copies, "eagle": head_params}
         cache = common.random_cache(cfg, args.batch, slots, jax.random.key(1), head=spec.eagle)
         state = skewed(common.random_state(copies, cfg, spec, cache, context, max_len), spec.balance)
         stages, state = stage_fns(copies, cfg, spec, max_len, state, sampling)
