@@ -27,7 +27,7 @@ from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle
-from jaxspec.models import decoder, eagle, kvcache
+from jaxspec.models import decoder, eagle
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.runner import encode_prompts
 
@@ -96,9 +96,7 @@ def fresh_children(params, cfg, ecfg, committed: np.ndarray, tree) -> dict[int, 
     L = len(committed)
     tokens = jnp.asarray(committed[None])
     positions = jnp.arange(L, dtype=jnp.int32)[None]
-    cache = kvcache.init_cache(cfg, 1, L)
-    *_, features = decoder.forward(params, cfg, tokens, positions, jnp.ones((1, L), bool), cache,
-                                   decoder.attention(cfg, positions, "reference"), capture=ecfg.feature_layers)
+    _, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
     head = params["eagle"]
     out, head_cache = eagle.feature_forward(head, ecfg, params, cfg, tokens[:, 1:], features[:, :-1], positions[:, :-1],
                                             jnp.ones((1, L - 1), bool), eagle.init_cache(ecfg, 1, L + tree.depth, "float32"))
@@ -271,9 +269,7 @@ def test_prefill_writes_the_heads_cache_over_the_prompt(dense):
     n = lengths[1]
     tokens = jnp.asarray(ids[1:2, :n])
     positions = jnp.arange(n, dtype=jnp.int32)[None]
-    *_, features = decoder.forward(params, CFG, tokens, positions, jnp.ones((1, n), bool),
-                                   kvcache.init_cache(CFG, 1, n), decoder.attention(CFG, positions, "reference"),
-                                   capture=ecfg.feature_layers)
+    _, features = decoder.score(params, CFG, tokens, capture=ecfg.feature_layers)
     _, ref = eagle.feature_forward(params["eagle"], ecfg, params, CFG, tokens[:, 1:], features[:, :-1],
                                    positions[:, :-1], jnp.ones((1, n - 1), bool), eagle.init_cache(ecfg, 1, n, "float32"))
     got = np.asarray(cache.head.k[0, 1, :, :n - 1])

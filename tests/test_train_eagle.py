@@ -20,7 +20,7 @@ import pytest
 from jaxspec import train_eagle
 from jaxspec.loaders import hf
 from jaxspec.loaders.eagle import load_eagle, save_eagle
-from jaxspec.models import decoder, eagle, kvcache
+from jaxspec.models import decoder, eagle
 from jaxspec.models.config import ModelConfig
 from jaxspec.tokenizer import Tokenizer
 from jaxspec.training import eagle as training
@@ -37,20 +37,12 @@ def target():
     return params, ecfg, tokens
 
 
-def features_of(params, tokens, ecfg):
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    *_, features = decoder.forward(params, CFG, tokens, positions, jnp.ones((B, T), bool), kvcache.init_cache(CFG, B, T),
-                                   decoder.attention(CFG, positions, "reference"), capture=ecfg.feature_layers)
-    return features
-
-
 def test_ttt_forward_is_the_inference_head(target):
     params, ecfg, tokens = target
     head = eagle.init_params(jax.random.key(2), ecfg, jnp.float32, scale=0.1)
     B, T = tokens.shape
     steps = 3
-    features = features_of(params, tokens, ecfg)
+    _, features = decoder.score(params, CFG, tokens, capture=ecfg.feature_layers)
     outs = jax.jit(eagle.ttt_forward, static_argnums=(1, 3, 6))(head, ecfg, params, CFG, tokens, features, steps)
     assert outs.shape == (steps, B, T - 1, ecfg.hidden_size)
 

@@ -365,12 +365,16 @@ def attention_carry(cfg: ModelConfig, q_slot: jax.Array, num_slots: int, verific
 
 
 def score(params: Params, cfg: ModelConfig, tokens: jax.Array, backend: str = "reference",
-          layer_ids: np.ndarray | jax.Array | None = None) -> jax.Array:
+          layer_ids: np.ndarray | jax.Array | None = None,
+          capture: tuple[int, ...] = ()) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Teacher-forced float32 logits [B, T, V] of a full forward over `tokens` [B, T] from position 0
-    (of the model whose layer stack is `layer_ids`' layers: see `forward`)."""
+    (of the model whose layer stack is `layer_ids`' layers: see `forward`); with `capture`, (logits,
+    the features of those layers [B, T, len(capture) * D]: `forward`'s)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cache = init_cache(cfg, B, T)
-    hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache, attention(cfg, positions, backend),
-                           layer_ids=layer_ids, backend=backend)
-    return logits(params, cfg, hidden)
+    hidden, _, _, *features = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), cache,
+                                      attention(cfg, positions, backend), layer_ids=layer_ids, backend=backend,
+                                      capture=capture)
+    out = logits(params, cfg, hidden)
+    return (out, features[0]) if capture else out

@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import corpus, files
+from jaxspec import corpus
 from jaxspec.decoding.engine import Engine
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.models import decoder, eagle, kvcache
+from jaxspec.models import decoder, eagle
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.eagle import EagleConfig
 from jaxspec.training.data import split_documents, token_stream
@@ -173,12 +173,7 @@ class Teacher:
 
 def teacher(target_params: Params, cfg: ModelConfig, ecfg: EagleConfig, d2t: jax.Array, tokens: jax.Array) -> Teacher:
     """A teacher-forced forward of the target from position 0: its features and next-token distributions."""
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, _, _, features = decoder.forward(
-        target_params, cfg, tokens, positions, jnp.ones((B, T), bool), kvcache.init_cache(cfg, B, T),
-        decoder.attention(cfg, positions, "reference"), capture=ecfg.feature_layers)
-    logits = decoder.logits(target_params, cfg, hidden)  # [B, T, V] float32
+    logits, features = decoder.score(target_params, cfg, tokens, capture=ecfg.feature_layers)  # [B, T, V] float32
     ids = eagle.to_target_ids(d2t, jnp.arange(ecfg.draft_vocab_size))
     in_vocab = jnp.zeros(cfg.vocab_size, bool).at[ids].set(True)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
