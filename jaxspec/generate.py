@@ -72,9 +72,9 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=draft_weights.DRAFT_WEIGHTS, default=None,
                    help="layer weights draft steps read: exact (default), or int8 / int4 copies made at load (verification stays exact)")
     p.add_argument("--draft-model", type=Path, default=None,
-                   help="an EAGLE-3 draft head for --method eagle: a directory in the public layout (config.json, "
-                        "model.safetensors; python -m jaxspec.train_eagle builds one); default: the head shipped for "
-                        "--model (checkpoints/eagle3-smollm2 for smollm2)")
+                   help="an EAGLE-3 draft head for --method eagle (and among auto's strategies): a directory in the "
+                        "public layout (config.json, model.safetensors; python -m jaxspec.train_eagle builds one); "
+                        "default: the head shipped for --model (checkpoints/eagle3-smollm2 for smollm2)")
     p.add_argument("--draft-skip", default=None,
                    help="layers draft steps leave out: 3,5,10-12 | everyN | calibrated (python -m jaxspec.calibrate_skip) | a calibration file")
     p.add_argument("--planner-table", type=Path, default=None,
@@ -117,35 +117,40 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
                                           ("--draft-skip", args.draft_skip)) if value is not None]
         if fixed:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
-        if args.draft_model is not None:
-            raise JaxspecError("--draft-model drafts with --method eagle; --method auto does not consider an EAGLE head yet")
     elif args.planner_table:
         raise JaxspecError("--planner-table is for --method auto")
     tuned = at_batch(load_tuned(args.tuned, args.method), batch) if args.tuned else None
+    head = head_config(args)  # checked before any weights load
     return spec_from_settings(
         "plain" if auto else args.method, tuned=tuned, gamma=args.gamma,
         tree=None if args.tree is None else TreeShape.parse(args.tree).branching, traversal=args.traversal, ratio=args.ratio,
         min_tokens=args.min_tokens, metric=args.metric, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         backend=args.backend, precision="strict" if auto else args.precision, group=args.group,
         draft_weights=args.draft_weights, balance=args.balance, select_every=args.select_every,
-        eagle=head_config(args),
+        eagle=None if auto else head,  # auto: the plan says whether it drafts with the head
     )
 
 
 def head_path(args) -> Path | None:
-    """The EAGLE-3 head to draft with: --draft-model, or with --method eagle the head shipped for
+    """The EAGLE-3 head of the run: --draft-model, or with --method eagle or auto the head shipped for
     --model (checkpoints/eagle3-smollm2 for smollm2), or None."""
     from jaxspec.loaders.eagle import shipped_head
 
-    if args.draft_model is None and args.method == "eagle":
+    if args.draft_model is None and args.method in ("eagle", "auto"):
         return shipped_head(args.model)
     return args.draft_model
 
 
 def head_config(args) -> EagleConfig | None:
     """The head's config (`head_path`), checked against the model's config (None without a head)."""
+    if args.draft_model is not None and args.method not in ("eagle", "auto"):
+        raise JaxspecError(f"--draft-model is an EAGLE-3 head, which drafts with --method eagle (or auto), "
+                           f"not {args.method}")
     path = head_path(args)
     if path is None:
+        if args.method == "eagle":
+            raise JaxspecError("--method eagle needs a draft head: --draft-model DIR (an EAGLE-3 checkpoint; "
+                               "one ships for smollm2)")
         return None
     from jaxspec.loaders import load_config
     from jaxspec.loaders.eagle import read_config
@@ -160,15 +165,37 @@ def load(args, spec: SpecConfig):
     None for one), with the draft weights of `spec` (checked first: `check_draft`) and the EAGLE-3
     head of --draft-model under "eagle" (whole on every device)."""
     from jaxspec.loaders import load_model
-    from jaxspec.loaders.eagle import load_eagle
 
     mesh = sharding.make_mesh(args.tp) if args.tp != 1 else None
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype, mesh=mesh)
     params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
     if spec.eagle is not None:
-        _, head = load_eagle(head_path(args), cfg, args.dtype)
-        params = {**params, "eagle": jax.device_put(head) if mesh is None else sharding.place({"eagle": head}, mesh)["eagle"]}
+        params = with_head(params, args, cfg, mesh)
     return cfg, params, tokenizer, mesh
+
+
+def with_head(params, args, cfg, mesh) -> dict:
+    """`params` with the EAGLE-3 head of `head_path` under "eagle" (whole on every device)."""
+    from jaxspec.loaders.eagle import load_eagle
+
+    _, head = load_eagle(head_path(args), cfg, args.dtype)
+    return {**params, "eagle": jax.device_put(head) if mesh is None else sharding.place({"eagle": head}, mesh)["eagle"]}
+
+
+def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner.Plan, SpecConfig, dict]:
+    """--method auto: the plan for a run of `run` (`planner.make_plan`'s run arguments), with the head
+    of `head_path`, if any, among its strategies; and the spec and params it starts with (the head's
+    config and weights when the plan starts with eagle, the draft weights' copies its candidates need)."""
+    from jaxspec.loaders.eagle import head_fingerprint
+
+    head = head_config(args)
+    plan = planner.make_plan(cfg, planner.tree_bytes(params), precisions=planner.allowed_precisions(args.precision),
+                             table=args.planner_table, min_tokens=args.min_tokens, head=head,
+                             head_id=head and head_fingerprint(head_path(args)), **run)
+    params = with_draft_model(params, plan.draft_weights, (), mesh)
+    if plan.first.method == "eagle":
+        spec, params = dataclasses.replace(spec, eagle=head), with_head(params, args, cfg, mesh)
+    return plan, spec, params
 
 
 def check_draft(args, spec: SpecConfig, precision: str | None = None) -> SpecConfig:
@@ -226,12 +253,9 @@ def main(argv=None):
     max_len = resolve_max_len(batch, args.max_new_tokens, args.max_len, cfg.max_position_embeddings)
     plan = None
     if auto:
-        plan = planner.make_plan(
-            cfg, planner.tree_bytes(params), batch=len(batch.lengths), prompt_tokens=int(batch.lengths.max()),
-            new_tokens=min(args.max_new_tokens, max_len - int(batch.lengths.max())), sampling=sampling,
-            precisions=planner.allowed_precisions(args.precision), table=args.planner_table, min_tokens=args.min_tokens,
-        )
-        params = with_draft_model(params, plan.draft_weights, (), mesh)
+        plan, spec, params = plan_auto(args, spec, cfg, params, mesh, batch=len(batch.lengths),
+                                       prompt_tokens=int(batch.lengths.max()), sampling=sampling,
+                                       new_tokens=min(args.max_new_tokens, max_len - int(batch.lengths.max())))
     if stream:
         return _stream(params, cfg, tokenizer, spec, plan, batch, sampling, max_len, args, mesh)
     common = dict(sampling=sampling, max_len=max_len, max_new_tokens=args.max_new_tokens,

@@ -9,7 +9,7 @@ the real decode loop over the strategy space and writes the ranked table that `-
     python -m jaxspec.profile --model smollm2 [--buckets 1024,2048,4096,8000] [--batch 1]
         [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
-        [--draft-weights exact,int8] [--select-every 1,2] [--balances 1,2] [--new 256] [--repeats 3]
+        [--draft-weights exact,int8] [--select-every 1,2] [--balances 1,2] [--draft-model DIR] [--new 256] [--repeats 3]
         [--budget SECONDS] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
@@ -23,6 +23,8 @@ contexts may need XLA_PYTHON_CLIENT_MEM_FRACTION=0.95: docs/development.md).
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
 draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods) x
 `--balances` (sparse methods: the rows share the budget, `SpecConfig.balance`).
+Method eagle drafts with the EAGLE-3 head of `--draft-model` (default: the head shipped for the
+model); its entries record the head's fingerprint, and a run with another head does not use them.
 NSA models: the same x verification group x precision class (classes other than strict only when
 listed, reuse ones only with a calibrated refresh schedule); each class gets its own ranked cell.
 
@@ -153,6 +155,9 @@ def parse_args(argv):
                    help="score methods (vegas, all_rows, last_accepted): select after every N-th verification, e.g. 1,2")
     p.add_argument("--balances", type=floats, default=(1.0,),
                    help="sparse methods: the largest share of the budget a row may take (SpecConfig.balance), e.g. 1,2")
+    p.add_argument("--draft-model", type=Path, default=None,
+                   help="the EAGLE-3 head of --methods eagle (default: the head shipped for --model); its entries "
+                        "record it, and answer only for runs with that head")
     p.add_argument("--new", type=int, default=256,
                    help="new tokens per measurement (generate's default run; 48 understates speculation, bench/NOTES.md)")
     p.add_argument("--repeats", type=int, default=3, help="calibration batches per bucket (median and spread)")
@@ -211,8 +216,17 @@ def main(argv=None):
     samplings = {"greedy": SamplingConfig(), "sample": SamplingConfig(temperature=args.temperature, top_p=args.top_p)}
 
     from jaxspec.loaders import load_model
+    from jaxspec.loaders.eagle import head_fingerprint, load_eagle, shipped_head
 
+    head_dir = (args.draft_model or shipped_head(args.model)) if "eagle" in args.methods else None
+    if "eagle" in args.methods and head_dir is None:
+        raise JaxspecError(f"--methods eagle needs a draft head: --draft-model DIR (none ships for {args.model})")
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
+    head, head_id = None, None
+    if head_dir is not None:  # every strategy's cache then carries the head's: one prefill serves them all
+        head, weights = load_eagle(head_dir, cfg, args.dtype)
+        params = {**params, "eagle": jax.device_put(weights)}
+        head_id = head_fingerprint(Path(head_dir))
     precisions = []
     for p in args.precisions:
         if p.endswith("reuse") and (cfg.nsa is None or not cfg.nsa.refresh_layers):
@@ -231,7 +245,7 @@ def main(argv=None):
     if max_len > cfg.max_position_embeddings:
         raise JaxspecError(f"the largest bucket needs {max_len} positions; the model has {cfg.max_position_embeddings}")
     capacity = lambda b: spec_from_settings("vegas", ratio=max(args.ratios), balance=b).capacity(max_len)
-    bases = {b: spec_from_settings(backend=args.backend, k_max=capacity(b))
+    bases = {b: spec_from_settings(backend=args.backend, k_max=capacity(b), eagle=head)
              for b in args.balances}  # a shared budget's rows take up to `balance` times the even share
     base = bases[min(args.balances)]
 
@@ -259,7 +273,7 @@ def main(argv=None):
                 if out_of_time():
                     break
                 batches = [padded(prompts[b, bucket, r], width) for r in range(args.repeats)]
-                prefill = prefill_fn(cfg, max_len, args.backend, base.prefill_chunk)
+                prefill = prefill_fn(cfg, max_len, args.backend, base.prefill_chunk, head)
                 runs = {}  # strategy: its runs, one per calibration batch so far
                 for seed, x in enumerate(batches):  # one batch's cache at a time: held, and copied per run
                     if seed and out_of_time():  # later batches run every strategy of the first, or none
@@ -275,7 +289,9 @@ def main(argv=None):
                 entries = {p: [] for p in precisions}
                 for strategy, rows in runs.items():
                     row = entry(rows)
-                    entries[strategy.precision].append({"strategy": strategy.to_json(), "name": strategy.name, **row})
+                    measured_with = {"head": head_id} if strategy.method == "eagle" else {}
+                    entries[strategy.precision].append({"strategy": strategy.to_json(), "name": strategy.name,
+                                                        **measured_with, **row})
                     print(f"{mode} B={b} bucket {bucket}: {strategy.name}: {row['tokens_per_s']:.1f} tok/s "
                           f"(spread {row['spread_tokens_per_s']:.1f}, {row['runs']} runs), "
                           f"{row['tokens_per_iteration']:.2f} tokens/iteration, iteration {row['iteration_s'] * 1e3:.2f} ms",

@@ -16,11 +16,9 @@ import sys
 
 import uvicorn
 
-from jaxspec import planner
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.generate import (add_method_flags, add_model_flags, announce_precision, check_draft, load, spec_from_args,
-                              with_draft_model)
+from jaxspec.generate import add_method_flags, add_model_flags, announce_precision, check_draft, load, plan_auto, spec_from_args
 from jaxspec.runner import describe_device
 from jaxspec.xla_flags import set_gpu_flags
 
@@ -73,12 +71,9 @@ def main(argv=None):
         raise JaxspecError(f"--max-len must be in [2, {cfg.max_position_embeddings}] for this model, got {max_len}")
     plan = None
     if args.method == "auto":
-        plan = planner.make_plan(
-            cfg, planner.tree_bytes(params), batch=args.slots, prompt_tokens=max_len // 2, new_tokens=max_len // 4,
-            sampling=SamplingConfig(temperature=1.0), precisions=planner.allowed_precisions(args.precision),
-            table=args.planner_table, min_tokens=args.min_tokens, closed=args.batching == "static",
-        )
-        params = with_draft_model(params, plan.draft_weights, (), mesh)
+        plan, spec, params = plan_auto(args, spec, cfg, params, mesh, batch=args.slots, prompt_tokens=max_len // 2,
+                                       new_tokens=max_len // 4, sampling=SamplingConfig(temperature=1.0),
+                                       closed=args.batching == "static")
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
                           segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
                           prefill_chunk=args.prefill_chunk or None,

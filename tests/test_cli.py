@@ -156,8 +156,8 @@ def test_json_batch_trees_and_quantized_drafts_are_lossless(capsys, tmp_path):
         (["--method", "vegas", "--select-every", "0"], "--select-every must be"),
         (["--method", "stream", "--select-every", "2"], "stream selects otherwise"),
         (["--method", "eagle", "--draft-model", "/nonexistent/head"], "/nonexistent/head"),
-        (["--draft-model", "/nonexistent/head"], "drafts with --method eagle"),
-        (["--method", "vegas", "--draft-model", "/nonexistent/head"], "/nonexistent/head"),
+        (["--draft-model", "/nonexistent/head"], "/nonexistent/head"),
+        (["--method", "vegas", "--draft-model", "/nonexistent/head"], "drafts with --method eagle (or auto)"),
         (["--max-new-tokens", "many"], "many"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file"),
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
@@ -294,39 +294,37 @@ def test_tensor_parallel_generate_equals_one_device(capsys, hf_checkpoints):
     assert [r["tokens"] for r in two["results"]] == [r["tokens"] for r in one["results"]]
 
 
-def random_head(model, out):
-    """A random EAGLE-3 head in the public layout that fits `model` (its config's shapes)."""
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: the head whole on each device
+def test_eagle_draft_model_is_lossless(capsys, tmp_path, hf_checkpoints, llama_deep_head, tp):
+    """`--method eagle --draft-model DIR` (a head in the public layout) emits plain's tokens, on one
+    device and tensor-parallel over 2 (the head whole on each); so does `--method auto` with the head,
+    given a planner table that measured it (auto then starts with eagle)."""
     import jax
-    import jax.numpy as jnp
 
     from jaxspec.loaders import load_config
-    from jaxspec.loaders.eagle import save_eagle
-    from jaxspec.models import eagle
-
-    cfg = load_config(str(model), "float32")
-    ecfg = eagle.EagleConfig(
-        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size, draft_vocab_size=cfg.vocab_size // 2, vocab_size=cfg.vocab_size,
-        target_hidden_size=cfg.hidden_size, rope=cfg.rope, feature_layers=(0, 1, 3))
-    save_eagle(out, ecfg, eagle.init_params(jax.random.key(0), ecfg, jnp.float32))
-    return out
-
-
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: the head whole on each device
-def test_eagle_draft_model_is_lossless(capsys, tmp_path, hf_checkpoints, tp):
-    """`--method eagle --draft-model DIR` (a head in the public layout) emits plain's tokens, on one
-    device and tensor-parallel over 2 (the head whole on each)."""
-    import jax
+    from jaxspec.loaders.eagle import head_fingerprint
+    from jaxspec.planner import Strategy, tables
 
     if len(jax.devices()) < tp:
         pytest.skip(f"needs {tp} devices")
     model = hf_checkpoints["llama_deep"]
-    head = random_head(model, tmp_path / "head")
+    head = llama_deep_head
     plain = run_json(capsys, *tiny_args(model, "--method", "plain", "--dtype", "float32"))
     eagle = tiny_args(model, "--method", "eagle", "--draft-model", str(head), "--gamma", "3", "--dtype", "float32")
     for run in [run_json(capsys, *eagle, "--tp", str(tp))]:
         assert run["stats"]["method"] == "eagle" and run["stats"]["draft_tokens"] > 0
         assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in plain["results"]]
+    if tp == 1:
+        table = tables.new_table(load_config(str(model), "float32"), "test", "cpu", "reference", {"new_tokens": 12})
+        measured = lambda strategy, rate, tpi: {"strategy": strategy.to_json(), "tokens_per_s": rate, "runs": 3,
+                                                "tokens_per_iteration": tpi, "iteration_s": tpi / rate}
+        tables.set_cell(table, 1, "greedy", 1024, "strict", [measured(Strategy(), 100, 1), {
+            **measured(Strategy("eagle", gamma=3), 300, 3), "head": head_fingerprint(head)}])
+        tables.save_table(tmp_path / "table.json", table)
+        auto = run_json(capsys, *tiny_args(model, "--draft-model", str(head), "--dtype", "float32", "--planner-table",
+                                           str(tmp_path / "table.json")))
+        assert auto["stats"]["planned"]["strategy"] == "eagle g3" and auto["stats"]["lossless"]
+        assert [r["tokens"] for r in auto["results"]] == [r["tokens"] for r in plain["results"]]
 
 
 def test_method_eagle_finds_the_shipped_head(capsys, hf_checkpoints):
@@ -339,6 +337,7 @@ def test_method_eagle_finds_the_shipped_head(capsys, hf_checkpoints):
 
     assert shipped_head("smollm2") is not None and (shipped_head("smollm2") / "model.safetensors").is_file()
     assert head_path(Namespace(model="smollm2", method="eagle", draft_model=None)) == shipped_head("smollm2")
+    assert head_path(Namespace(model="smollm2", method="auto", draft_model=None)) == shipped_head("smollm2")
     assert head_path(Namespace(model="smollm2", method="vegas", draft_model=None)) is None
     result = generate_here(capsys, *tiny_args(hf_checkpoints["llama_deep"], "--method", "eagle"))
     assert_one_line_error(result, "needs a draft head")

@@ -251,13 +251,39 @@ def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense):
 
 def test_eagle_needs_a_head_and_no_draft_model():
     ecfg = head_config(CFG, 128)
-    for bad, message in [(SpecConfig(method="eagle"), "needs a draft head"),
-                         (SpecConfig(method="vegas", eagle=ecfg), "drafts with --method eagle"),
-                         (SpecConfig(method="eagle", eagle=ecfg, draft_weights="int8"), "runs no draft forward")]:
-        with pytest.raises(JaxspecError, match=message):
-            bad.validate()
+    with pytest.raises(JaxspecError, match="runs no draft forward"):
+        SpecConfig(method="eagle", eagle=ecfg, draft_weights="int8").validate()
+    with pytest.raises(ValueError, match="needs a draft head"):
+        make_drafter(SpecConfig(method="eagle").validate(), CFG, 64)
     with pytest.raises(ValueError, match="cannot switch to eagle"):
         engine.Engine(CFG, SpecConfig(method="eagle", eagle=ecfg), GREEDY, 64).switch(None, None, None)
+
+
+def test_auto_starts_with_eagle_and_switches_away_losslessly(dense, monkeypatch):
+    """A plan that starts with eagle, its refinement scripted to switch to plain and then ngram, serves
+    three greedy requests in two slots: the third is admitted after the switches (its cache carries the
+    head's, like the running rows') and each emits plain decoding's tokens."""
+    from jaxspec import planner
+    from jaxspec.planner import refine
+    from jaxspec.serving.requests import Request
+    from jaxspec.serving.scheduler import Scheduler
+
+    params, ecfg, ids, lengths, plain = dense
+    eagle3, plain_strategy, ngram = planner.Strategy("eagle", gamma=3), planner.Strategy(), planner.Strategy("ngram", gamma=2)
+    script = iter([plain_strategy, ngram])
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (next(script, current), "scripted"))
+    candidates = tuple(planner.Prediction(s, 100.0, 2.0, 0.02) for s in (eagle3, plain_strategy, ngram))
+    scheduler = Scheduler(params, CFG, None, SpecConfig(eagle=ecfg), slots=2, max_len=400, admit_rows=None,
+                          plan=planner.Plan(candidates, eagle3, "test", 1024))
+    max_new = [32, 20, 32]
+    got, finished = {b: [] for b in range(3)}, []
+    for b in range(3):
+        scheduler.submit(Request(tuple(ids[b, :lengths[b]].tolist()), max_new[b], GREEDY, b),
+                         lambda delta, b=b: (got[b].extend(delta.token_ids), delta.finish_reason and finished.append(b)))
+    while len(finished) < 3:
+        scheduler.step()
+    assert [(s["from"], s["to"]) for s in scheduler.refinement.switches] == [("eagle g3", "plain"), ("plain", "ngram g2")]
+    assert finished[0] == 1 and got == {b: plain[b][:max_new[b]] for b in range(3)}
 
 
 def test_prefill_writes_the_heads_cache_over_the_prompt(dense):

@@ -211,6 +211,54 @@ def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):
     assert planner.make_plan(SMOLLM2, 1, prompt_tokens=240, **run).first == NGRAM  # a quarter of 960: kept
 
 
+def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, monkeypatch):
+    """A table's eagle entries answer only for runs with the head they measured; without them a head
+    gets the cost model's eagle predictions at the table's time scale; the best eagle strategy is a
+    candidate only as the first choice (a run cannot switch into eagle), and the refinement never
+    switches into it nor leaves it to probe plain."""
+    from jaxspec.models.eagle import EagleConfig
+
+    head = EagleConfig(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                       draft_vocab_size=12288, vocab_size=49152, target_hidden_size=576, feature_layers=(2, 15, 27))
+    monkeypatch.setattr(planner.plan, "measure_bandwidth", lambda: 4000.0)
+    eagle3, eagle5 = Strategy("eagle", gamma=3), Strategy("eagle", gamma=5)
+    measured = lambda s, rate, tpi, h="h1": {**entry(s, rate, tpi), "head": h}
+    path = tmp_path / "t.json"
+    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [
+        entry(PLAIN, 900, 1), measured(eagle5, 2000, 3.5), measured(eagle3, 1900, 2.8), measured(eagle3, 5000, 3, "h2"),
+        entry(VEGAS, 1000, 4), entry(NGRAM, 1200, 2)])]))
+    run = dict(batch=1, prompt_tokens=400, new_tokens=256, sampling=SamplingConfig(), table=path)
+    assert eagle3 in [p.strategy for p in tables.lookup(tables.load_table(path), 1, "greedy", 600, head="h1")[1]]
+    assert not any(p.strategy.method == "eagle" for p in tables.lookup(tables.load_table(path), 1, "greedy", 600)[1])
+    plan = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h1", **run)
+    assert plan.first == eagle5 and [c.strategy for c in plan.candidates] == [eagle5, NGRAM, VEGAS, PLAIN]
+    assert plan.candidates[0].tokens_per_s == 2000 and plan.source == f"table:{path}"
+    assert all(c.strategy.method != "eagle" for c in planner.make_plan(SMOLLM2, 1, **run).candidates)  # no head
+    # a head the table did not measure: the cost model's eagle at the table's plain rate over its own
+    plan = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h3", **run)
+    model = cost.cost_model(SMOLLM2, 270_000_000, 1, 528, 4000.0, 256, head)
+    scale = 900 / next(p for p in model if p.strategy.plain).tokens_per_s
+    best = max((p for p in model if p.strategy.method == "eagle"), key=lambda p: p.tokens_per_s)
+    assert plan.source == f"table:{path} (eagle: cost model)"
+    assert plan.first == best.strategy and plan.candidates[0].tokens_per_s == pytest.approx(best.tokens_per_s * scale)
+    # eagle measured below vegas: vegas first, and eagle not among the candidates
+    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [
+        entry(PLAIN, 900, 1), measured(eagle5, 1100, 3.5), entry(VEGAS, 2000, 4)])]))
+    plan = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h1", **run)
+    assert plan.first == VEGAS and [c.strategy for c in plan.candidates] == [VEGAS, PLAIN]
+    # the refinement: eagle is left for a faster candidate, never probes plain, is never switched into
+    candidates = (Prediction(eagle5, 2000, 3.5, 3.5 / 2000), Prediction(PLAIN, 900, 1.0, 1 / 900),
+                  Prediction(VEGAS, 1000, 4.0, 4.0 / 1000))
+    seen = lambda tokens, iteration_s: Observation(iterations=8, tokens=tokens, seconds=8 * iteration_s,
+                                                   tokens_per_iteration=tokens / 8)
+    target, reason = refine.decide(candidates, {VEGAS: seen(32, 0.004)}, VEGAS)  # 1000 tok/s
+    assert target == PLAIN and "measuring plain" in reason  # vegas probes plain
+    assert refine.decide(candidates, {eagle5: seen(14, 3.5 / 2000)}, eagle5)[0] == eagle5  # eagle does not
+    assert refine.decide(candidates, {eagle5: seen(8, 3.5 / 2000)}, eagle5)[0] == VEGAS  # 571 tok/s: left for a faster one
+    ran = {eagle5: seen(28, 3.5 / 2000), PLAIN: seen(8, 1 / 500)}
+    assert refine.decide(candidates, ran, PLAIN)[0] == VEGAS  # not eagle, observed at 2000 tok/s
+
+
 def test_shipped_tables_are_found(smollm2_gguf):
     """A shipped table is named by its model's fingerprint, and the shipped SmolLM2's (read from its
     GGUF, as generate does) finds its table: a config change that moves the fingerprint fails here
@@ -641,6 +689,28 @@ def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     assert [c["bucket"] for c in t["cells"]] == [96, 64] and [e["name"] for e in t["cells"][1]["ranked"]] == ["plain"]
     assert {k: t["cells"][0][k] for k in profile.PROVENANCE} == first
     assert (t["cells"][1]["new_tokens"], t["cells"][1]["repeats"], t["profile"]["new_tokens"]) == (5, 1, 5)
+
+
+def test_profile_measures_eagle_with_its_head(hf_checkpoints, llama_deep_head, tmp_path, capsys):
+    """--methods eagle measures the --draft-model head; its entries record the head, so a run with
+    that head plans with them and a run without it does not."""
+    from jaxspec.loaders.eagle import head_fingerprint
+
+    out = tmp_path / "table.json"
+    profile.main(["--model", str(hf_checkpoints["llama_deep"]), "--buckets", "96", "--new", "6", "--repeats", "1",
+                  "--samplings", "greedy", "--methods", "plain,eagle", "--gammas", "2", "--trees", "2,1",
+                  "--draft-model", str(llama_deep_head), "--out", str(out)])
+    cell = tables.load_table(out)["cells"][0]
+    assert sorted(e["name"] for e in cell["ranked"]) == ["eagle bfs:2,1", "eagle g2", "plain"]
+    heads = {e["name"]: e.get("head") for e in cell["ranked"]}
+    assert heads == {"plain": None, "eagle g2": head_fingerprint(llama_deep_head), "eagle bfs:2,1": heads["eagle g2"]}
+    table = tables.load_table(out)
+    assert {p.strategy.method for p in tables.lookup(table, 1, "greedy", 96, head=heads["eagle g2"])[1]} == {"plain", "eagle"}
+    assert {p.strategy.method for p in tables.lookup(table, 1, "greedy", 96)[1]} == {"plain"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        profile.main(["--model", str(hf_checkpoints["llama"]), "--methods", "plain,eagle", "--out", str(out)])
+    assert capsys.readouterr().err.startswith("error: --methods eagle needs a draft head")
 
 
 def test_profile_runs_each_calibration_batch_in_turn(hf_checkpoints, tmp_path, monkeypatch):

@@ -84,7 +84,9 @@ class SpecConfig:
     draft_skip: tuple[int, ...] = ()  # the layers draft steps leave out (models.draft_weights), increasing
     balance: float = 1.0  # sparse drafters: the largest share of the budget a row may take (1: every row the same)
     select_every: int = 1  # score drafters: iterations per selection (the others reuse it and collect no scores)
-    eagle: EagleConfig | None = None  # method eagle: the draft head's config (its weights: params["eagle"])
+    # The run's EAGLE-3 draft head (its weights: params["eagle"]): the KV cache carries the head's cache,
+    # and method eagle drafts with it (an auto run that starts with eagle keeps it after switching away).
+    eagle: EagleConfig | None = None
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -123,11 +125,6 @@ class SpecConfig:
             raise JaxspecError(f"--draft-weights {self.draft_weights} needs a model drafter; {self.method} runs no draft forward")
         if self.draft_skip and self.method in ("plain", "ngram", "eagle"):
             raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
-        if self.method == "eagle" and self.eagle is None:
-            raise JaxspecError("--method eagle needs a draft head: --draft-model DIR (an EAGLE-3 checkpoint; "
-                               "one ships for smollm2)")
-        if self.method != "eagle" and self.eagle is not None:
-            raise JaxspecError(f"--draft-model is an EAGLE-3 head, which drafts with --method eagle, not {self.method}")
         balance = self.balance
         if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not (
                 1 <= balance <= MAX_BALANCE and math.isfinite(balance)):

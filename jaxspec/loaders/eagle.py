@@ -12,8 +12,10 @@ as in `jaxspec.models.eagle`'s params; `t2d` (a bool mask over the target vocabu
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -190,6 +192,18 @@ def shipped_head(model: str) -> Path | None:
     name = SHIPPED.get(model)
     path = Path(__file__).resolve().parents[2] / "checkpoints" / name if name else None
     return path if path is not None and (path / "config.json").is_file() else None
+
+
+def head_fingerprint(path: Path) -> str:
+    """A head's id for the planner's tables, which record the head an eagle entry measured:
+    'eagle3-<draft vocabulary>-<hash of config.json and the weights file>' (a retrained head is
+    another head)."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors", "pytorch_model.bin"):
+        if (path / name).is_file():
+            digest.update((path / name).read_bytes())
+    vocab = json.loads((path / "config.json").read_text()).get("draft_vocab_size")
+    return f"eagle3-{vocab}-{digest.hexdigest()[:10]}"
 
 
 def load_eagle(path: str | Path, target_cfg: ModelConfig, dtype: str = "bfloat16") -> tuple[EagleConfig, Params]:

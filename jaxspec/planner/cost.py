@@ -17,15 +17,20 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.models import draft_weights
+from jaxspec.models import draft_weights, eagle
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.eagle import EagleConfig
 from jaxspec.planner.strategy import Prediction, Strategy
 
 # Cost model assumptions (`predict` says where they come from).
 LAYER_OVERHEAD_S = 35e-6  # per layer and forward: launches and small kernels
 NSA_LAYER_OVERHEAD_S = 60e-6  # per layer, on top, for a forward that runs NSA attention
 ITERATION_OVERHEAD_S = 0.4e-3  # per speculative iteration: proposal, acceptance, commit
-PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5}  # geometric: draft i accepted with probability alpha^i
+PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5, "eagle": 0.7}  # geometric: draft i accepted with probability alpha^i
+# eagle's prior and the overhead of an EAGLE-3 head step (a chain of small kernels): the shipped
+# SmolLM2 head's at 1K tokens, sampled (bench/NOTES.md, "Issue 59: EAGLE-3 drafting, the first
+# shipped head and its first end-to-end numbers"; at 7.5K it accepts less)
+HEAD_STEP_OVERHEAD_S = 0.1e-3
 COST_MODEL_RATIO = 0.07
 
 
@@ -93,9 +98,19 @@ def measure_bandwidth() -> float:
     return 2 * x.nbytes / seconds_per_call(jax.jit(lambda x: x + 1), x) / 1e9
 
 
+def head_step_bytes(head: EagleConfig, cfg: ModelConfig, batch: int, context: int) -> int:
+    """Bytes one step of an EAGLE-3 draft head reads and writes: its weights, its own K and V over
+    `context` positions, and float32 logits over its draft vocabulary."""
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    weights = sum(math.prod(shape) for shape in eagle.param_shapes(head).values()) * itemsize
+    kv = batch * context * head.num_kv_heads * head.head_dim * 2 * itemsize
+    return weights + kv + batch * head.draft_vocab_size * 4
+
+
 def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
-            min_tokens: int = 256) -> Prediction:
-    """The cost model's prediction for a chain strategy (plain, a sparse drafter or ngram):
+            min_tokens: int = 256, head: EagleConfig | None = None) -> Prediction:
+    """The cost model's prediction for a chain strategy (plain, a sparse drafter, ngram, or eagle with
+    the draft head `head`):
 
       forward(keys, rows, nsa) = layers x (LAYER_OVERHEAD_S + NSA_LAYER_OVERHEAD_S if nsa)
                                  + (weights + K/V bytes of `keys` + rows x batch x vocab x 4) / bandwidth
@@ -103,7 +118,8 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
       iteration   = depth x draft + verify + ITERATION_OVERHEAD_S, draft = forward(K + depth + 1 keys
                     (selection + tail), 1, dense attention, the draft's weight bytes) with K =
                     clamp(ceil(ratio x context), min_tokens, context) (full: the context), 0 for
-                    ngram (no model); verify = forward(context, depth + 1, NSA on NSA models)
+                    ngram (no model), HEAD_STEP_OVERHEAD_S + `head_step_bytes` / bandwidth for eagle;
+                    verify = forward(context, depth + 1, NSA on NSA models)
       tokens/iteration = 1 + sum_{i=1..depth} alpha^i (geometric acceptance, PRIOR_ACCEPTANCE)
       tokens/s = batch x tokens/iteration / iteration
 
@@ -140,6 +156,8 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
     if strategy.kind == "model":
         k = context if strategy.method == "full" else min(max(math.ceil(strategy.ratio * context), min_tokens), context)
         draft = forward(1, draft_keys=k + depth + 1)
+    elif strategy.kind == "eagle":
+        draft = HEAD_STEP_OVERHEAD_S + head_step_bytes(head, cfg, batch, context) / bandwidth
     alpha = PRIOR_ACCEPTANCE[strategy.kind]
     tpi = 1 + sum(alpha**i for i in range(1, depth + 1))
     iteration = depth * draft + verify + ITERATION_OVERHEAD_S
@@ -147,17 +165,19 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
 
 
 def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
-               min_tokens: int = 256) -> list[Prediction]:
+               min_tokens: int = 256, head: EagleConfig | None = None) -> list[Prediction]:
     """Predictions, best first, for plain, vegas at gamma 2, 4 and 6 (ratio 0.07, the KV-bound choice
     of bench/kv_bound.json), vegas and full at gamma 6 with int8 draft weights (int8 drafts accept as
     exact ones do, int4 ones markedly less, so int4 is for tables and fixed methods only: bench/NOTES.md,
     "int4, skipped layers, `full`, the quantized-matmul kernel"; batches of up to one kernel row block,
-    which reads the int8 matrix once) and ngram at gamma 4 and 8, all strict
-    (approximate precision classes and draft trees are chosen from measured tables only)."""
+    which reads the int8 matrix once), ngram at gamma 4 and 8 and, given the run's draft `head`, eagle
+    at gamma 3 and 5, all strict (approximate precision classes and draft trees are chosen from
+    measured tables only)."""
     strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
     if batch <= kernels.ROW_MATMUL_ROWS:  # a draft forward's rows in one row block: int8 bytes read once
         strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
                        Strategy("full", gamma=6, draft_weights="int8")]
     strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]
-    predictions = [predict(s, cfg, weight_bytes, batch, context, bandwidth_GBps, min_tokens) for s in strategies]
+    strategies += [Strategy("eagle", gamma=g) for g in (3, 5)] if head is not None else []
+    predictions = [predict(s, cfg, weight_bytes, batch, context, bandwidth_GBps, min_tokens, head) for s in strategies]
     return sorted(predictions, key=lambda p: -p.tokens_per_s)

@@ -6,6 +6,11 @@ chain ngram one (the refinement replays it while another strategy runs, at no mo
 best plain one are kept; the first choice is speculative only when it is predicted MARGIN faster than
 plain (`choose`). Precision classes other than `strict` change the output distribution, so they are
 candidates only when the user allows them (`allowed_precisions`).
+
+A run with an EAGLE-3 draft head (`head`) has eagle strategies among the predictions: the table's,
+if it measured this head, else the cost model's, their time scale set by the table's plain
+(`eagle_predictions`). A run cannot switch into eagle (the head's cache covers only what it drafted
+over: `engine.Engine.switch`), so the best eagle strategy is a candidate only as the first choice.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import PRECISIONS
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.eagle import EagleConfig
 from jaxspec.planner.cost import cost_model, measure_bandwidth
 from jaxspec.planner.strategy import Prediction, Strategy
 from jaxspec.planner.tables import bucket_of, device_kind, fingerprint, load_table, lookup, sampling_mode, table_path
@@ -82,17 +88,31 @@ def paid_copies(predictions: list[Prediction]) -> list[Prediction]:
     return [p for p in predictions if p.strategy.draft_weights == "exact"]
 
 
+def eagle_predictions(predictions: list[Prediction], cfg: ModelConfig, weight_bytes: int, batch: int, context: int,
+                      head: EagleConfig, min_tokens: int) -> list[Prediction]:
+    """The cost model's eagle predictions for a head that a table did not measure, scaled by the
+    table's plain rate over the cost model's (the table has measured this device's steps, which run
+    above their bytes floors by more than the cost model's overheads say)."""
+    model = cost_model(cfg, weight_bytes, batch, context, measure_bandwidth(), min_tokens, head)
+    scale = max(p.tokens_per_s for p in predictions if p.strategy.plain) / next(p for p in model if p.strategy.plain).tokens_per_s
+    return [dataclasses.replace(p, tokens_per_s=p.tokens_per_s * scale, iteration_s=p.iteration_s / scale)
+            for p in model if p.strategy.method == "eagle"]
+
+
 def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens: int, new_tokens: int,
               sampling: SamplingConfig, precisions=("strict",), table: Path | None = None,
-              min_tokens: int = 256, closed: bool = True) -> Plan:
+              min_tokens: int = 256, closed: bool = True, head: EagleConfig | None = None,
+              head_id: str | None = None) -> Plan:
     """The plan of a run: candidates from `table` (or the shipped table of this model and device
     kind), else from the cost model at the run's middle context (prompt + new / 2); the CANDIDATES
     best speculative ones, the best chain ngram one (the refinement replays it while another strategy
     runs, at no model cost) and the best plain one are kept, quantized drafts only if they pay
     (`paid_copies`; `Plan.draft_weights` says which copies to make). A given table must be of this
     model. Not `closed` (a server that admits into freed rows), a table's rates are its mean rows'
-    (without their tails): no row waits for the slowest."""
+    (without their tails): no row waits for the slowest. `head`, `head_id`: the run's EAGLE-3 draft
+    head and its `loaders.eagle.head_fingerprint` (the module docstring says how eagle is planned)."""
     context = prompt_tokens + new_tokens
+    middle = prompt_tokens + new_tokens // 2
     path = table or table_path(cfg, device_kind())
     predictions: list[Prediction] = []
     if table is not None or path.is_file():
@@ -100,19 +120,26 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
         if data["model"]["fingerprint"] != fingerprint(cfg):
             raise JaxspecError(
                 f"planner table {path} is for model {data['model']['fingerprint']}, not this one ({fingerprint(cfg)})")
-        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens)
+        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens,
+                                     head_id)
         source = f"table:{path}"
         if not closed:
-            predictions = sorted((dataclasses.replace(p, tokens_per_s=p.tokens_per_s / p.tail, spread=p.spread / p.tail, tail=1.0)
-                                  for p in predictions), key=lambda p: -p.tokens_per_s)
+            predictions = [dataclasses.replace(p, tokens_per_s=p.tokens_per_s / p.tail, spread=p.spread / p.tail, tail=1.0)
+                           for p in predictions]
+        if predictions and head is not None and not any(p.strategy.method == "eagle" for p in predictions):
+            predictions += eagle_predictions(predictions, cfg, weight_bytes, batch, middle, head, min_tokens)
+            source += " (eagle: cost model)"
     if not predictions:
         bucket, source = bucket_of(context), "cost-model"
-        middle = prompt_tokens + new_tokens // 2
-        predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens)
-    predictions = paid_copies(predictions)
+        predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens, head)
+    predictions = sorted(paid_copies(predictions), key=lambda p: -p.tokens_per_s)
+    eagle = next((p for p in predictions if p.strategy.method == "eagle"), None)  # the best one only
+    predictions = [p for p in predictions if p.strategy.method != "eagle" or p is eagle]
     plain = max((p for p in predictions if p.strategy.plain), key=lambda p: p.tokens_per_s)
     speculative = [p for p in predictions if not p.strategy.plain][:CANDIDATES]
     ngram = next((p for p in predictions if p.strategy.method == "ngram" and p.strategy.tree is None), None)
     speculative += [ngram] if ngram is not None and ngram not in speculative else []
     candidates = tuple(sorted(speculative + [plain], key=lambda p: -p.tokens_per_s))
-    return Plan(candidates, choose(candidates), source, bucket)
+    first = choose(candidates)
+    candidates = tuple(c for c in candidates if c.strategy.method != "eagle" or c.strategy == first)
+    return Plan(candidates, first, source, bucket)

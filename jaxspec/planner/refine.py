@@ -168,16 +168,20 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
     strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step
     times can be off by that much, e.g. on a CPU, where rows cost compute: measured, a speculative
     strategy then has to beat plain by MARGIN to be switched back to); else the current one. A
-    table's plain rate is measured on this device, so table plans do not probe it. `replays`,
-    `closed`: as `corrected` takes them."""
+    table's plain rate is measured on this device, so table plans do not probe it. A run cannot
+    switch into eagle (`engine.Engine.switch`), so eagle is never a target, and is left only for a
+    candidate predicted faster (a probe could not come back). `replays`, `closed`: as `corrected`
+    takes them."""
     expected = corrected(candidates, observations, replays, closed)
+    expected = {s: rate for s, rate in expected.items() if s == current or s.method != "eagle"}
     best = max(expected, key=expected.get)
     now = expected[current]
     if best != current and expected[best] > now * (1 + MARGIN):
         how = "observed" if best in observations else "replayed" if best in (replays or {}) else "predicted"
         return best, f"{best.name} {how} {expected[best]:.0f} tok/s > {current.name} expected {now:.0f} tok/s"
     plain = max((c.strategy for c in candidates if c.strategy.plain), key=expected.get)
-    if probe_plain and not current.plain and plain not in observations and expected[plain] * (1 + PROBE_MARGIN) >= now:
+    if (probe_plain and not current.plain and current.method != "eagle" and plain not in observations
+            and expected[plain] * (1 + PROBE_MARGIN) >= now):
         return plain, f"plain predicted {expected[plain]:.0f} tok/s, {current.name} expected {now:.0f} tok/s: measuring plain"
     return current, f"{current.name} expected {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"
 

@@ -61,7 +61,7 @@ class Strategy:
         """This strategy's SpecConfig (its unset fields at their defaults: `spec_from_settings`) with
         `base`'s other fields (backend, min_tokens, k_max, metric, n-gram sizes); validated."""
         settings = dataclasses.asdict(self)
-        rest = {k: v for k, v in dataclasses.asdict(base).items() if k not in settings}
+        rest = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name not in settings}  # eagle kept whole
         return spec_from_settings(**settings, **rest)
 
     @property
@@ -76,8 +76,8 @@ class Strategy:
     @property
     def kind(self) -> str:
         """Whose acceptance this strategy shares: "model" (the target drafting over a KV subset),
-        "ngram", or "none" (plain)."""
-        return "none" if self.plain else "ngram" if self.method == "ngram" else "model"
+        "ngram", "eagle" (the run's draft head) or "none" (plain)."""
+        return "none" if self.plain else self.method if self.method in ("ngram", "eagle") else "model"
 
     @property
     def name(self) -> str:

@@ -11,7 +11,9 @@ bucket at its top (prompts of bucket - new tokens). A table without that bucket 
 nearest profiled one (by log distance), and from the nearest profiled batch size if it is within a
 factor of 2 of the run's (further away the regime differs, e.g. KV reads dominate at batch 16 and not
 at batch 1: the cost model answers instead). A cell's ngram entries measure what ngram could copy
-from those prompts, so a run with a much shorter prompt does not use them (NGRAM_PROMPT_SHARE).
+from those prompts, so a run with a much shorter prompt does not use them (NGRAM_PROMPT_SHARE). An
+eagle entry records the draft head it measured (`loaders.eagle.head_fingerprint`): it answers only
+for runs with that head.
 
 A cell's tokens/s is a static batch's, which lasts as long as its slowest row: `Prediction.tail`
 says how much of the mean row's rate that kept, at the run's length (`run_tail`).
@@ -143,18 +145,21 @@ def load_table(path: Path) -> dict:
 
 
 def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",),
-           prompt_tokens: int | None = None, new_tokens: int | None = None) -> tuple[int, list[Prediction]]:
+           prompt_tokens: int | None = None, new_tokens: int | None = None,
+           head: str | None = None) -> tuple[int, list[Prediction]]:
     """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
     if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one,
     the run length nearest `new_tokens` by ratio (without it, the shortest: a short static batch
     loses more to its slowest row, and how much differs by strategy more than `run_tail` says);
     the entries of every allowed precision class, less ngram's where the run's prompt is under
-    NGRAM_PROMPT_SHARE of the cell's calibration prompts. Empty when no cell has an allowed class,
+    NGRAM_PROMPT_SHARE of the cell's calibration prompts, and less eagle's but those measured with the
+    run's draft head (`head`: its `loaders.eagle.head_fingerprint`, which an eagle entry records). Empty when no cell has an allowed class,
     or when the nearest profiled batch is more than a factor of 2 from `batch`. A cell of another
     batch answers at its rate per row (tokens/s and spread scaled by batch / its batch): the
     refinement compares these rates with what the run's own rows do, and the choice between them is
     the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
     those of a run that long (`run_tail`)."""
+    mismatched = lambda e: e["strategy"]["method"] == "eagle" and e.get("head") != head  # another head's acceptance
     cells = [c for c in table["cells"] if c["precision"] in precisions]
     if not cells:
         return bucket_of(context), []
@@ -172,12 +177,12 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     length = min({measured(c) for c in cells}, key=lambda n: (far(n), n))
     entries = [(c, e) for c in cells if measured(c) == length for e in c["ranked"]
                if not (e["strategy"]["method"] == "ngram" and prompt_tokens is not None
-                       and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0))]
+                       and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0)) and not mismatched(e)]
     predictions = []
     for c, e in entries:
         strategy, tps, tpi = Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"])
         tail = min(1.0, tps * float(e["iteration_s"]) / (tpi * b))
-        if new_tokens and measured(c) and strategy.kind == "model":
+        if new_tokens and measured(c) and strategy.kind in ("model", "eagle"):
             longer = run_tail(tail, measured(c), new_tokens)
             tail, tps = longer, tps * longer / tail
         predictions.append(Prediction(strategy, batch / b * tps, tpi, float(e["iteration_s"]),
@@ -187,7 +192,7 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
 
 
 def run_tail(tail: float, measured_tokens: int, new_tokens: int) -> float:
-    """A model drafter's tail (`Prediction.tail`) measured over `measured_tokens` new tokens, at a
+    """A model drafter's or the draft head's tail (`Prediction.tail`) measured over `measured_tokens` new tokens, at a
     run of `new_tokens`. Its rows' acceptance varies iteration by iteration alike, so the slowest
     row's excess iterations over the mean row's shrink as 1 / sqrt(tokens) (checked against longer
     runs: bench/NOTES.md, "a model drafter's tail at the run's length"). ngram's rows differ for good

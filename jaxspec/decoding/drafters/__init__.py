@@ -30,4 +30,6 @@ def make_drafter(spec: SpecConfig, cfg: ModelConfig, max_len: int) -> Drafter | 
     selection capacity is `spec.capacity(max_len)`."""
     if spec.method == "plain":
         return None
+    if spec.method == "eagle" and spec.eagle is None:
+        raise ValueError("method eagle needs a draft head: SpecConfig.eagle (its weights in params['eagle'])")
     return DRAFTERS[spec.method](spec, cfg, spec.capacity(max_len))
