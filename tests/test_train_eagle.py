@@ -10,6 +10,7 @@ the same head, and turns bad inputs into one line and exit code 2 with nothing w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -153,6 +154,29 @@ def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model
     (_, a), (_, b) = load_eagle(whole, target_cfg, "float32"), load_eagle(parts, target_cfg, "float32")
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeypatch):
+    """The pre-query template is the chat template up to the user's message; the target's own requests
+    are whole messages (they ended with a stop token); and self_distill prompts CHAT_SHARE of a
+    round's rows with such requests through the chat template."""
+    from jaxspec.loaders import load_model
+
+    cfg, params, tokenizer = load_model(str(tiny_model), "float32")
+    prefix = training.query_prefix(tokenizer)
+    whole = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}],
+                                                           add_generation_prompt=False))
+    assert whole[:len(prefix)] == prefix and tokenizer.decode(whole[len(prefix):]).startswith("hello there")
+    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(range(0, cfg.vocab_size, 4)))  # a quarter of the ids end a request
+    requests = training.asker(cfg, tokenizer, 16, "reference")(params, jax.random.key(0))
+    assert 0 < len(requests) <= 16 and all(r == r.strip() and r for r in requests)
+    asked = []
+    monkeypatch.setattr(training, "asker", lambda *_: lambda params, key: asked.append(key) or ["tell me about fish", "why"])
+    stream = training.self_distill(cfg, params, tokenizer, 300, 96, batch=4)
+    text = lambda ids: " " + " ".join(map(str, ids)) + " "
+    for request in ("tell me about fish", "why"):
+        assert text(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": request}]))) in text(stream)
+    assert len(asked) >= 1
 
 
 @pytest.mark.parametrize("args, fragment", [

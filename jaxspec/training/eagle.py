@@ -8,9 +8,11 @@
     write_state / read_record / load_state                the resumable train state
 
 Data: prompts are windows of `training.data`'s training documents (the held-out ones are never
-used), with one of `corpus.TASKS` through the chat template when the model has one; the target
-continues them with jaxspec's batched decoding (temperature 0.7, top-p 0.95) until it stops or the
-sequence reaches `seq` tokens. Prompt and continuation, concatenated sequence after sequence, are
+used), with one of `corpus.TASKS` through the chat template when the model has one; with a chat
+template, CHAT_SHARE of the prompts are instead short requests the target wrote itself (`ask`: it
+continues its template up to where a user's message starts, as Magpie does), so the head also sees
+the target answering ordinary chat. The target continues the prompts with jaxspec's batched
+decoding (temperature 0.7, top-p 0.95) until it stops or the sequence reaches `seq` tokens. Prompt and continuation, concatenated sequence after sequence, are
 the token stream; training windows are random [B, seq] cuts of it. A window may span two sequences:
 the labels are the target's own distributions over that window (teacher-forced), so what the head
 learns is still the target.
@@ -50,6 +52,9 @@ Params = decoder.Params
 
 TTT_DECAY = 0.8  # step k's loss weight is TTT_DECAY ** k (EAGLE-3, SpecForge)
 SAMPLING = SamplingConfig(temperature=0.7, top_p=0.95)
+CHAT_SHARE = 0.5  # of the prompts, with a chat template: a request the target wrote itself (`ask`)
+QUERY_TOKENS = 96  # the longest such request
+QUERY_SAMPLING = SamplingConfig(temperature=1.0)  # Magpie's: the target's own spread of requests
 INIT_SCALE = 0.02  # std of the random weights (HF Llama's initializer_range)
 
 
@@ -68,38 +73,78 @@ def prompt_ids(tokenizer, window: np.ndarray, task: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": content}]))
 
 
+def query_prefix(tokenizer) -> list[int]:
+    """The chat template's tokens up to where a user's message starts (Magpie's pre-query template):
+    a conversation's opening, system prompt included, with the user's turn begun."""
+    marker = "\x00request\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False)
+    return tokenizer.encode(text[:text.index(marker)])
+
+
+def asker(cfg: ModelConfig, tokenizer, rows: int, backend: str) -> Callable[[Params, jax.Array], list[str]]:
+    """ask(params, key) -> requests: `rows` user messages the target writes itself, continuing
+    `query_prefix` at temperature 1 (one `Engine.generate` program); a message that does not end
+    within QUERY_TOKENS, or is empty, is left out."""
+    prefix = query_prefix(tokenizer)
+    generate = jax.jit(Engine(cfg, SpecConfig(backend=backend).validate(), QUERY_SAMPLING, len(prefix) + QUERY_TOKENS).generate)
+    stop_ids = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
+    ids = jnp.asarray(np.tile(np.asarray(prefix, np.int32), (rows, 1)))
+    lengths = jnp.full((rows,), len(prefix), jnp.int32)
+
+    def ask(params: Params, key: jax.Array) -> list[str]:
+        out = generate(params, ids, lengths, key, max_new_tokens=QUERY_TOKENS, stop_ids=stop_ids)
+        tokens, length = jax.device_get((out.tokens, out.length))
+        requests = []
+        for row, n in zip(tokens, length):
+            message = row[len(prefix):n].tolist()
+            if message and message[-1] in cfg.eos_token_ids:  # it ended: a whole request
+                requests.append(tokenizer.decode(message[:-1], skip_special_tokens=True).strip())
+        return [r for r in requests if r]
+
+    return ask
+
+
 def self_distill(cfg: ModelConfig, params: Params, tokenizer, tokens: int, seq: int, batch: int = 256,
                  seed: int = 0, backend: str = "reference", log: Callable[[str], None] | None = None) -> np.ndarray:
     """At least `tokens` tokens [N] int32 of (prompt + the target's continuation) sequences of at most
     `seq` tokens each. A round prompts `batch` rows with windows of seq / 8 .. seq / 2 tokens of the
-    training documents at random offsets (one of `corpus.TASKS` each) and decodes them in one
-    `Engine.generate` (one program: prompts padded to seq - 1; plain decoding on `backend`'s kernels)
-    until each row emits a stop token or fills `seq`."""
+    training documents at random offsets (one of `corpus.TASKS` each), CHAT_SHARE of them instead
+    with a request the target wrote itself (`asker`) when it has a chat template, and decodes them in
+    one `Engine.generate` (one program: prompts padded to seq - 1; plain decoding on `backend`'s
+    kernels) until each row emits a stop token or fills `seq`."""
     stream = token_stream(tokenizer, split_documents()[0])
     low, high = max(seq // 8, 1), max(seq // 2, 2)
     if len(stream) < high:
         raise JaxspecError(f"the training text has {len(stream)} tokens, fewer than a prompt window of {high}")
     generate = jax.jit(Engine(cfg, SpecConfig(backend=backend).validate(), SAMPLING, seq).generate)
+    ask = asker(cfg, tokenizer, int(batch * CHAT_SHARE), backend) if tokenizer.has_chat_template and CHAT_SHARE else None
     stop_ids = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
     rng = np.random.default_rng(seed)
     tasks = list(corpus.TASKS)
     sequences, total, start = [], 0, time.perf_counter()
     while total < tokens:
+        key = jax.random.key(seed * 1_000_003 + len(sequences))
+        requests = ask(params, jax.random.fold_in(key, 1)) if ask else []
         ids = np.zeros((batch, seq - 1), np.int32)
         lengths = np.zeros(batch, np.int32)
         for b in range(batch):
-            size = int(rng.integers(low, high + 1))
-            at = int(rng.integers(0, len(stream) - size + 1))
-            prompt = prompt_ids(tokenizer, stream[at:at + size], tasks[int(rng.integers(len(tasks)))])[-(seq - 1):]
+            if b < len(requests):
+                prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": requests[b]}]))
+            else:
+                size = int(rng.integers(low, high + 1))
+                at = int(rng.integers(0, len(stream) - size + 1))
+                prompt = prompt_ids(tokenizer, stream[at:at + size], tasks[int(rng.integers(len(tasks)))])
+            prompt = prompt[-(seq - 1):]
             ids[b, :len(prompt)], lengths[b] = prompt, len(prompt)
-        out = generate(params, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed * 1_000_003 + len(sequences)),
+        out = generate(params, jnp.asarray(ids), jnp.asarray(lengths), key,
                        max_new_tokens=jnp.asarray(seq - lengths), stop_ids=stop_ids)
         out_tokens, out_length = jax.device_get((out.tokens, out.length))
         sequences += [out_tokens[b, :out_length[b]].astype(np.int32) for b in range(batch)]
         total += int(out_length.sum())
         if log:
             log(f"data: {total:,}/{tokens:,} tokens ({len(sequences)} sequences of {total // len(sequences)} on "
-                f"average), {total / (time.perf_counter() - start):,.0f} tok/s")
+                f"average, {len(requests)} of the last {batch} prompted by the target's own requests), "
+                f"{total / (time.perf_counter() - start):,.0f} tok/s")
     return np.concatenate(sequences)
 
 
