@@ -212,10 +212,10 @@ def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):
 
 
 def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, monkeypatch):
-    """A table's eagle entries answer only for runs with the head they measured; without them a head
-    gets the cost model's eagle predictions at the table's time scale; the best eagle strategy is a
-    candidate only as the first choice (a run cannot switch into eagle), and the refinement never
-    switches into it nor leaves it to probe plain."""
+    """A table's eagle entries answer only for runs with the head they measured and a prompt like the
+    cell's; without a table the cost model predicts eagle; the best eagle strategy is a candidate only
+    as the first choice (a run cannot switch into eagle), and the refinement never switches into it
+    nor leaves it to probe plain."""
     from jaxspec.models.eagle import EagleConfig
 
     head = EagleConfig(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
@@ -224,9 +224,11 @@ def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, mo
     eagle3, eagle5 = Strategy("eagle", gamma=3), Strategy("eagle", gamma=5)
     measured = lambda s, rate, tpi, h="h1": {**entry(s, rate, tpi), "head": h}
     path = tmp_path / "t.json"
-    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [
+    t = table(cells=[])
+    tables.set_cell(t, 1, "greedy", 1024, "strict", [
         entry(PLAIN, 900, 1), measured(eagle5, 2000, 3.5), measured(eagle3, 1900, 2.8), measured(eagle3, 5000, 3, "h2"),
-        entry(VEGAS, 1000, 4), entry(NGRAM, 1200, 2)])]))
+        entry(VEGAS, 1000, 4), entry(NGRAM, 1200, 2)], prompt_tokens=800)
+    tables.save_table(path, t)
     run = dict(batch=1, prompt_tokens=400, new_tokens=256, sampling=SamplingConfig(), table=path)
     assert eagle3 in [p.strategy for p in tables.lookup(tables.load_table(path), 1, "greedy", 600, head="h1")[1]]
     assert not any(p.strategy.method == "eagle" for p in tables.lookup(tables.load_table(path), 1, "greedy", 600)[1])
@@ -234,13 +236,15 @@ def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, mo
     assert plan.first == eagle5 and [c.strategy for c in plan.candidates] == [eagle5, NGRAM, VEGAS, PLAIN]
     assert plan.candidates[0].tokens_per_s == 2000 and plan.source == f"table:{path}"
     assert all(c.strategy.method != "eagle" for c in planner.make_plan(SMOLLM2, 1, **run).candidates)  # no head
-    # a head the table did not measure: the cost model's eagle at the table's plain rate over its own
-    plan = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h3", **run)
-    model = cost.cost_model(SMOLLM2, 270_000_000, 1, 528, 4000.0, 256, head)
-    scale = 900 / next(p for p in model if p.strategy.plain).tokens_per_s
-    best = max((p for p in model if p.strategy.method == "eagle"), key=lambda p: p.tokens_per_s)
-    assert plan.source == f"table:{path} (eagle: cost model)"
-    assert plan.first == best.strategy and plan.candidates[0].tokens_per_s == pytest.approx(best.tokens_per_s * scale)
+    assert planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h3", **run).first == NGRAM  # another head's
+    short = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h1", **{**run, "prompt_tokens": 150})
+    assert short.first == VEGAS  # under a quarter of the cell's prompt: neither eagle's nor ngram's entries
+    # without a table: the cost model's eagle (gamma 3 and 5), a candidate only as the first choice
+    assert {p.strategy for p in cost.cost_model(SMOLLM2, 270_000_000, 1, 528, 4000.0, 256, head)} >= {eagle3, eagle5}
+    assert not {eagle3, eagle5} & {p.strategy for p in cost.cost_model(SMOLLM2, 270_000_000, 1, 528, 4000.0, 256)}
+    plan = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h3", **{**run, "table": None})
+    assert plan.source == "cost-model" and all(c.strategy.method != "eagle" or c.strategy == plan.first
+                                               for c in plan.candidates)
     # eagle measured below vegas: vegas first, and eagle not among the candidates
     tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [
         entry(PLAIN, 900, 1), measured(eagle5, 1100, 3.5), entry(VEGAS, 2000, 4)])]))

@@ -26,10 +26,11 @@ from jaxspec.planner.strategy import Prediction, Strategy
 LAYER_OVERHEAD_S = 35e-6  # per layer and forward: launches and small kernels
 NSA_LAYER_OVERHEAD_S = 60e-6  # per layer, on top, for a forward that runs NSA attention
 ITERATION_OVERHEAD_S = 0.4e-3  # per speculative iteration: proposal, acceptance, commit
-PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5, "eagle": 0.7}  # geometric: draft i accepted with probability alpha^i
-# eagle's prior and the overhead of an EAGLE-3 head step (a chain of small kernels): the shipped
-# SmolLM2 head's at 1K tokens, sampled (bench/NOTES.md, "Issue 59: EAGLE-3 drafting, the first
-# shipped head and its first end-to-end numbers"; at 7.5K it accepts less)
+PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5, "eagle": 0.6}  # geometric: draft i accepted with probability alpha^i
+# eagle's prior sits between what the shipped SmolLM2 head accepts on documents (~0.7) and on short
+# chat requests (~0.35) (bench/NOTES.md, "Issue 59: eagle in the planner"); the overhead of an EAGLE-3
+# head step (a chain of small kernels) is that head's at SmolLM2's width (bench/NOTES.md, "Issue 59:
+# EAGLE-3 drafting, the first shipped head and its first end-to-end numbers")
 HEAD_STEP_OVERHEAD_S = 0.1e-3
 COST_MODEL_RATIO = 0.07
 

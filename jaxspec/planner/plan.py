@@ -7,10 +7,11 @@ best plain one are kept; the first choice is speculative only when it is predict
 plain (`choose`). Precision classes other than `strict` change the output distribution, so they are
 candidates only when the user allows them (`allowed_precisions`).
 
-A run with an EAGLE-3 draft head (`head`) has eagle strategies among the predictions: the table's,
-if it measured this head, else the cost model's, their time scale set by the table's plain
-(`eagle_predictions`). A run cannot switch into eagle (the head's cache covers only what it drafted
-over: `engine.Engine.switch`), so the best eagle strategy is a candidate only as the first choice.
+A run with an EAGLE-3 draft head (`head`) has eagle strategies among the predictions: a table's
+entries for this head, or the cost model's without a table's answer (a head's acceptance depends on the kind
+of text too much for a prior to stand beside measurements). A run cannot switch into eagle (the
+head's cache covers only what it drafted over: `engine.Engine.switch`), so the best eagle strategy is
+a candidate only as the first choice.
 """
 
 from __future__ import annotations
@@ -88,17 +89,6 @@ def paid_copies(predictions: list[Prediction]) -> list[Prediction]:
     return [p for p in predictions if p.strategy.draft_weights == "exact"]
 
 
-def eagle_predictions(predictions: list[Prediction], cfg: ModelConfig, weight_bytes: int, batch: int, context: int,
-                      head: EagleConfig, min_tokens: int) -> list[Prediction]:
-    """The cost model's eagle predictions for a head that a table did not measure, scaled by the
-    table's plain rate over the cost model's (the table has measured this device's steps, which run
-    above their bytes floors by more than the cost model's overheads say)."""
-    model = cost_model(cfg, weight_bytes, batch, context, measure_bandwidth(), min_tokens, head)
-    scale = max(p.tokens_per_s for p in predictions if p.strategy.plain) / next(p for p in model if p.strategy.plain).tokens_per_s
-    return [dataclasses.replace(p, tokens_per_s=p.tokens_per_s * scale, iteration_s=p.iteration_s / scale)
-            for p in model if p.strategy.method == "eagle"]
-
-
 def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens: int, new_tokens: int,
               sampling: SamplingConfig, precisions=("strict",), table: Path | None = None,
               min_tokens: int = 256, closed: bool = True, head: EagleConfig | None = None,
@@ -112,7 +102,6 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     (without their tails): no row waits for the slowest. `head`, `head_id`: the run's EAGLE-3 draft
     head and its `loaders.eagle.head_fingerprint` (the module docstring says how eagle is planned)."""
     context = prompt_tokens + new_tokens
-    middle = prompt_tokens + new_tokens // 2
     path = table or table_path(cfg, device_kind())
     predictions: list[Prediction] = []
     if table is not None or path.is_file():
@@ -126,11 +115,9 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
         if not closed:
             predictions = [dataclasses.replace(p, tokens_per_s=p.tokens_per_s / p.tail, spread=p.spread / p.tail, tail=1.0)
                            for p in predictions]
-        if predictions and head is not None and not any(p.strategy.method == "eagle" for p in predictions):
-            predictions += eagle_predictions(predictions, cfg, weight_bytes, batch, middle, head, min_tokens)
-            source += " (eagle: cost model)"
     if not predictions:
         bucket, source = bucket_of(context), "cost-model"
+        middle = prompt_tokens + new_tokens // 2
         predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens, head)
     predictions = sorted(paid_copies(predictions), key=lambda p: -p.tokens_per_s)
     eagle = next((p for p in predictions if p.strategy.method == "eagle"), None)  # the best one only

@@ -11,9 +11,9 @@ bucket at its top (prompts of bucket - new tokens). A table without that bucket 
 nearest profiled one (by log distance), and from the nearest profiled batch size if it is within a
 factor of 2 of the run's (further away the regime differs, e.g. KV reads dominate at batch 16 and not
 at batch 1: the cost model answers instead). A cell's ngram entries measure what ngram could copy
-from those prompts, so a run with a much shorter prompt does not use them (NGRAM_PROMPT_SHARE). An
-eagle entry records the draft head it measured (`loaders.eagle.head_fingerprint`): it answers only
-for runs with that head.
+from those prompts, so a run with a much shorter prompt does not use them (PROMPT_SHARE); nor does
+it use eagle's, which measure the head on those prompts' kind of text. An eagle entry records the
+draft head it measured (`loaders.eagle.head_fingerprint`): it answers only for runs with that head.
 
 A cell's tokens/s is a static batch's, which lasts as long as its slowest row: `Prediction.tail`
 says how much of the mean row's rate that kept, at the run's length (`run_tail`).
@@ -42,8 +42,11 @@ TABLES = Path(__file__).parent / "tables"  # shipped tables: <fingerprint>_<devi
 TABLE_FORMAT = 1
 # ngram drafts copy n-grams of the prompt and the text so far, so its tokens per iteration in a cell
 # come from the calibration prompts' text: a run whose prompt is a small share of theirs gets none of
-# that (bench/NOTES.md, "the planner's table found again": "ngram and short prompts").
-NGRAM_PROMPT_SHARE = 0.25
+# that (bench/NOTES.md, "the planner's table found again": "ngram and short prompts"). A draft head's
+# acceptance depends on the kind of text: measured on the calibration prompts' documents, it says
+# little of a short chat request's (bench/NOTES.md, "Issue 59: eagle in the planner").
+PROMPT_SHARE = 0.25
+PROMPT_DRAFTERS = ("ngram", "eagle")  # whose cell entries need a prompt like the cell's
 
 
 def bucket_of(context: int, buckets=BUCKETS) -> int:
@@ -151,10 +154,10 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one,
     the run length nearest `new_tokens` by ratio (without it, the shortest: a short static batch
     loses more to its slowest row, and how much differs by strategy more than `run_tail` says);
-    the entries of every allowed precision class, less ngram's where the run's prompt is under
-    NGRAM_PROMPT_SHARE of the cell's calibration prompts, and less eagle's but those measured with the
-    run's draft head (`head`: its `loaders.eagle.head_fingerprint`, which an eagle entry records). Empty when no cell has an allowed class,
-    or when the nearest profiled batch is more than a factor of 2 from `batch`. A cell of another
+    the entries of every allowed precision class, less ngram's and eagle's where the run's prompt is
+    under PROMPT_SHARE of the cell's calibration prompts, and less eagle's but those measured with the
+    run's draft head (`head`: its `loaders.eagle.head_fingerprint`, which an eagle entry records).
+    Empty when no cell has an allowed class, or when the nearest profiled batch is more than a factor of 2 from `batch`. A cell of another
     batch answers at its rate per row (tokens/s and spread scaled by batch / its batch): the
     refinement compares these rates with what the run's own rows do, and the choice between them is
     the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
@@ -176,8 +179,8 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     far = lambda n: abs(math.log(max(n, 1) / new_tokens)) if new_tokens else n
     length = min({measured(c) for c in cells}, key=lambda n: (far(n), n))
     entries = [(c, e) for c in cells if measured(c) == length for e in c["ranked"]
-               if not (e["strategy"]["method"] == "ngram" and prompt_tokens is not None
-                       and prompt_tokens < NGRAM_PROMPT_SHARE * c.get("prompt_tokens", 0)) and not mismatched(e)]
+               if not (e["strategy"]["method"] in PROMPT_DRAFTERS and prompt_tokens is not None
+                       and prompt_tokens < PROMPT_SHARE * c.get("prompt_tokens", 0)) and not mismatched(e)]
     predictions = []
     for c, e in entries:
         strategy, tps, tpi = Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"])
