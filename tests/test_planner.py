@@ -667,18 +667,27 @@ def test_cli_bad_planner_table(hf_checkpoints, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: cannot read planner table")
 
 
-def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
-    out = tmp_path / "table.json"
-    profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "96", "--new", "6", "--repeats", "2",
-                  "--samplings", "greedy", "--methods", "plain,vegas", "--gammas", "2", "--trees", "dfs:2,1",
-                  "--ratios", "0.5", "--select-every", "2", "--out", str(out)])
+def test_profile_writes_a_valid_table(hf_checkpoints, llama_deep_head, tmp_path, capsys):
+    """The table's cell ranks every strategy of the space (read back as profiled); eagle's entries
+    record the --draft-model head, so a run with that head plans with them and one without does not."""
+    from jaxspec.loaders.eagle import head_fingerprint
+
+    out, model = tmp_path / "table.json", str(hf_checkpoints["llama_deep"])
+    profile.main(["--model", model, "--buckets", "96", "--new", "6", "--repeats", "2", "--samplings", "greedy",
+                  "--methods", "plain,vegas,eagle", "--gammas", "2", "--trees", "dfs:2,1", "--ratios", "0.5",
+                  "--select-every", "2", "--draft-model", str(llama_deep_head), "--out", str(out)])
     t = tables.load_table(out)
     assert [(c["bucket"], c["sampling"], c["batch"]) for c in t["cells"]] == [(96, "greedy", 1)]
     names = [e["name"] for e in t["cells"][0]["ranked"]]
-    assert sorted(names) == ["plain", "vegas dfs:2,1 r0.5 every 2", "vegas g2 r0.5 every 2"]
+    assert sorted(names) == ["eagle dfs:2,1", "eagle g2", "plain", "vegas dfs:2,1 r0.5 every 2", "vegas g2 r0.5 every 2"]
     spaced = Strategy("vegas", gamma=2, ratio=0.5, select_every=2)
     assert spaced in [Strategy.from_json(e["strategy"]) for e in t["cells"][0]["ranked"]]  # read back as profiled
     assert all(e["runs"] == 2 and e["tokens_per_s"] > 0 for c in t["cells"] for e in c["ranked"])
+    heads = {e["name"]: e.get("head") for e in t["cells"][0]["ranked"]}
+    assert {heads["eagle g2"], heads["eagle dfs:2,1"]} == {head_fingerprint(llama_deep_head)}
+    assert {v for name, v in heads.items() if not name.startswith("eagle")} == {None}
+    methods = lambda head: {p.strategy.method for p in tables.lookup(t, 1, "greedy", 96, head=head)[1]}
+    assert methods(heads["eagle g2"]) == {"plain", "vegas", "eagle"} and methods(None) == {"plain", "vegas"}
     assert "| sampling | batch | bucket |" in capsys.readouterr().out
     first = {k: t["cells"][0][k] for k in profile.PROVENANCE}
     assert first["new_tokens"] == 6 and first["repeats"] == 2 and "--buckets 96" in first["command"]
@@ -687,32 +696,14 @@ def test_profile_writes_a_valid_table(hf_checkpoints, tmp_path, capsys):
     # its old header's
     del t["cells"][0]["repeats"]
     tables.save_table(out, t)
-    profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "5", "--repeats", "1",
+    profile.main(["--model", model, "--buckets", "64", "--new", "5", "--repeats", "1",
                   "--samplings", "greedy", "--budget", "0.5", "--out", str(out)])
     t = tables.load_table(out)
     assert [c["bucket"] for c in t["cells"]] == [96, 64] and [e["name"] for e in t["cells"][1]["ranked"]] == ["plain"]
     assert {k: t["cells"][0][k] for k in profile.PROVENANCE} == first
     assert (t["cells"][1]["new_tokens"], t["cells"][1]["repeats"], t["profile"]["new_tokens"]) == (5, 1, 5)
-
-
-def test_profile_measures_eagle_with_its_head(hf_checkpoints, llama_deep_head, tmp_path, capsys):
-    """--methods eagle measures the --draft-model head; its entries record the head, so a run with
-    that head plans with them and a run without it does not."""
-    from jaxspec.loaders.eagle import head_fingerprint
-
-    out = tmp_path / "table.json"
-    profile.main(["--model", str(hf_checkpoints["llama_deep"]), "--buckets", "96", "--new", "6", "--repeats", "1",
-                  "--samplings", "greedy", "--methods", "plain,eagle", "--gammas", "2", "--trees", "2,1",
-                  "--draft-model", str(llama_deep_head), "--out", str(out)])
-    cell = tables.load_table(out)["cells"][0]
-    assert sorted(e["name"] for e in cell["ranked"]) == ["eagle bfs:2,1", "eagle g2", "plain"]
-    heads = {e["name"]: e.get("head") for e in cell["ranked"]}
-    assert heads == {"plain": None, "eagle g2": head_fingerprint(llama_deep_head), "eagle bfs:2,1": heads["eagle g2"]}
-    table = tables.load_table(out)
-    assert {p.strategy.method for p in tables.lookup(table, 1, "greedy", 96, head=heads["eagle g2"])[1]} == {"plain", "eagle"}
-    assert {p.strategy.method for p in tables.lookup(table, 1, "greedy", 96)[1]} == {"plain"}
     capsys.readouterr()
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit):  # no head ships for this model
         profile.main(["--model", str(hf_checkpoints["llama"]), "--methods", "plain,eagle", "--out", str(out)])
     assert capsys.readouterr().err.startswith("error: --methods eagle needs a draft head")
 
