@@ -48,17 +48,22 @@ def parse(argv) -> tuple:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the model's and the saved head's dtype (the head trains in float32)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--chat-share", type=float, default=d.chat_share,
+                   help="share of the prompts that are requests the model wrote itself (with a chat template; the "
+                        "rest are documentation tasks)")
     p.add_argument("--resume", action="store_true", help="continue DIR's saved run")
     args = p.parse_args(argv)
     settings = Settings(tokens=args.tokens, steps=args.steps, batch=args.batch, seq=args.seq, ttt=args.ttt,
                         draft_vocab=args.draft_vocab, lr=args.lr, warmup=min(d.warmup, args.steps // 10),
-                        seed=args.seed)
+                        seed=args.seed, chat_share=args.chat_share)
     if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not args.lr > 0:
         raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and --lr > 0")
     if args.ttt >= args.seq - 1:
         raise JaxspecError(f"--ttt {args.ttt} must be below --seq - 1 ({args.seq - 1})")
     if args.tokens < 4 * args.seq:
         raise JaxspecError(f"--tokens {args.tokens} is fewer than 4 sequences of --seq {args.seq}")
+    if not 0 <= args.chat_share <= 1:
+        raise JaxspecError(f"--chat-share must be in [0, 1], got {args.chat_share}")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise JaxspecError(f"--draft-vocab must be positive, got {args.draft_vocab}")
     out = args.out
@@ -100,7 +105,7 @@ def main(argv=None) -> None:
         rows = min(GENERATION_BATCH, -(-settings.tokens // settings.seq))
         backend = "pallas" if jax.default_backend() == "gpu" else "reference"  # generate's default
         stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
-                                       backend, log)
+                                       backend, log, settings.chat_share)
         files.write_file(out / training.DATA_FILE, lambda tmp: training.write_data(tmp, stream))
     ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)
     log(f"draft vocabulary: {len(ids)} of {cfg.vocab_size} tokens, {np.isin(stream, ids).mean():.1%} of the data")

@@ -158,7 +158,7 @@ def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model
 
 def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeypatch):
     """The pre-query template is the chat template up to the user's message; the target's own requests
-    are whole messages (they ended with a stop token); and self_distill prompts CHAT_SHARE of a
+    are whole messages (they ended with a stop token); and self_distill prompts `chat_share` of a
     round's rows with such requests through the chat template."""
     from jaxspec.loaders import load_model
 
@@ -184,6 +184,7 @@ def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeyp
     (("--tokens", 100), "fewer than 4 sequences"),
     (("--draft-vocab", 401), "--draft-vocab must be in 1..400"),
     (("--ttt", 0), "--ttt >= 1"),
+    (("--chat-share", 1.5), "--chat-share must be in [0, 1]"),
     (("--resume",), "has no train_state"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(capsys, tiny_model, tmp_path, args, fragment):

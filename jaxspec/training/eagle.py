@@ -9,7 +9,7 @@
 
 Data: prompts are windows of `training.data`'s training documents (the held-out ones are never
 used), with one of `corpus.TASKS` through the chat template when the model has one; with a chat
-template, CHAT_SHARE of the prompts are instead short requests the target wrote itself (`ask`: it
+template, a share of the prompts (`chat_share`) are instead short requests the target wrote itself (`ask`: it
 continues its template up to where a user's message starts, as Magpie does), so the head also sees
 the target answering ordinary chat. The target continues the prompts with jaxspec's batched
 decoding (temperature 0.7, top-p 0.95) until it stops or the sequence reaches `seq` tokens. Prompt and continuation, concatenated sequence after sequence, are
@@ -52,7 +52,6 @@ Params = decoder.Params
 
 TTT_DECAY = 0.8  # step k's loss weight is TTT_DECAY ** k (EAGLE-3, SpecForge)
 SAMPLING = SamplingConfig(temperature=0.7, top_p=0.95)
-CHAT_SHARE = 0.5  # of the prompts, with a chat template: a request the target wrote itself (`ask`)
 QUERY_TOKENS = 96  # the longest such request
 QUERY_SAMPLING = SamplingConfig(temperature=1.0)  # Magpie's: the target's own spread of requests
 INIT_SCALE = 0.02  # std of the random weights (HF Llama's initializer_range)
@@ -105,10 +104,11 @@ def asker(cfg: ModelConfig, tokenizer, rows: int, backend: str) -> Callable[[Par
 
 
 def self_distill(cfg: ModelConfig, params: Params, tokenizer, tokens: int, seq: int, batch: int = 256,
-                 seed: int = 0, backend: str = "reference", log: Callable[[str], None] | None = None) -> np.ndarray:
+                 seed: int = 0, backend: str = "reference", log: Callable[[str], None] | None = None,
+                 chat_share: float = 0.5) -> np.ndarray:
     """At least `tokens` tokens [N] int32 of (prompt + the target's continuation) sequences of at most
     `seq` tokens each. A round prompts `batch` rows with windows of seq / 8 .. seq / 2 tokens of the
-    training documents at random offsets (one of `corpus.TASKS` each), CHAT_SHARE of them instead
+    training documents at random offsets (one of `corpus.TASKS` each), `chat_share` of them instead
     with a request the target wrote itself (`asker`) when it has a chat template, and decodes them in
     one `Engine.generate` (one program: prompts padded to seq - 1; plain decoding on `backend`'s
     kernels) until each row emits a stop token or fills `seq`."""
@@ -117,7 +117,8 @@ def self_distill(cfg: ModelConfig, params: Params, tokenizer, tokens: int, seq: 
     if len(stream) < high:
         raise JaxspecError(f"the training text has {len(stream)} tokens, fewer than a prompt window of {high}")
     generate = jax.jit(Engine(cfg, SpecConfig(backend=backend).validate(), SAMPLING, seq).generate)
-    ask = asker(cfg, tokenizer, int(batch * CHAT_SHARE), backend) if tokenizer.has_chat_template and CHAT_SHARE else None
+    asked = int(batch * chat_share) if tokenizer.has_chat_template else 0
+    ask = asker(cfg, tokenizer, asked, backend) if asked else None
     stop_ids = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
     rng = np.random.default_rng(seed)
     tasks = list(corpus.TASKS)
@@ -311,6 +312,7 @@ class Settings:
     lr: float = 5e-4
     warmup: int = 100
     seed: int = 0
+    chat_share: float = 0.5  # of the prompts, with a chat template: requests the target wrote itself
 
 
 LOG_SECONDS = 5.0  # a progress line at most this often (and at the first and last step)
