@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import corpus, files
-from jaxspec.errors import ArgumentParser, cli_main
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SPARSE_METHODS, spec_from_settings
@@ -115,6 +115,9 @@ def main(argv=None):
     args = parse_args(argv)
     for method in args.methods:
         spec_from_settings(method)
+        if method == "eagle":
+            raise JaxspecError("tune has no ratio or selection to tune for eagle: measure its --gamma and --tree "
+                               "with python -m jaxspec.profile --methods eagle")
     for value in (*args.gammas, args.large_gamma or 1):
         spec_from_settings("vegas", gamma=value)
     for value in args.ratios:

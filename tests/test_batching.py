@@ -288,6 +288,7 @@ def test_auto_switches_while_serving(params, monkeypatch):
     assert first.iterations > 2 * planner.SEGMENT and len(first.accepted_by_depth) == 3 and first.drafted > 0
 
 
+@pytest.mark.slow  # the default run's 20 minutes: the refinement's segments are test_planner's, a server's test_server's
 def test_an_idle_server_goes_on_refining(params, monkeypatch):
     """A request that ends inside the refinement's first segment leaves the server idle, not its
     choice settled: the next requests are refined on (here a scripted switch vegas -> plain), and

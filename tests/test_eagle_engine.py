@@ -79,8 +79,9 @@ def dense():
     return params, ecfg, ids, lengths, plain
 
 
-@pytest.mark.parametrize("tree, order", [  # dfs shares bfs's path but the layout (test_tree): slow
-    (None, "bfs"), ((3, 2, 1), "bfs"), pytest.param((2, 2, 2), "dfs", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tree, order", [  # dfs shares bfs's path but the layout (test_tree), and the chain runs in
+    # the shipped head's test and test_cli's: slow
+    pytest.param(None, "bfs", marks=pytest.mark.slow), ((3, 2, 1), "bfs"), pytest.param((2, 2, 2), "dfs", marks=pytest.mark.slow)])
 def test_greedy_equals_plain(dense, tree, order):
     params, ecfg, ids, lengths, plain = dense
     spec = SpecConfig(method="eagle", gamma=4, tree=tree, traversal=order, eagle=ecfg)

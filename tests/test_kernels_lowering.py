@@ -194,7 +194,8 @@ def test_merge_splits_lowers(check_cuda, P, splits, rows, Dh):
                spec((P, splits, rows, Dh), jnp.float32), spec((P, splits, rows), jnp.float32))
 
 
-@pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [(L, 1, 32, 8, S // 16, 128), (30, 128, 9, 3, 496, 64)])
+@pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [  # Qwen3-8B's at batch 1: slow (the default run's 20 minutes)
+    pytest.param(L, 1, 32, 8, S // 16, 128, marks=pytest.mark.slow), (30, 128, 9, 3, 496, 64)])
 def test_quest_pages_lowers(check_cuda, Lq, Bq, Hq, H, P, Dh):
     """Qwen3-8B's pages at 1 x 32K, SmolLM2's at 128 x 7.9K (a masked last chunk)."""
     bounds = spec((Lq, Bq, H, P, Dh), jnp.bfloat16)
@@ -202,14 +203,14 @@ def test_quest_pages_lowers(check_cuda, Lq, Bq, Hq, H, P, Dh):
                spec((Bq, 1, Hq, Dh), jnp.bfloat16), bounds, bounds, spec(()), spec((Bq,)), spec((Bq,)))
 
 
-@pytest.mark.parametrize("S_", [S, 4000])   # 4000: a masked last chunk
+@pytest.mark.parametrize("S_", [pytest.param(S, marks=pytest.mark.slow), 4000])  # 4000: a masked last chunk; S slow
 def test_select_topk_lowers(check_cuda, S_):
     check_cuda(lambda s, k: select_topk_pallas(s, S_ // 14, k),
                    spec((L, B, S_), jnp.float32), spec((L, B)))
 
 
-@pytest.mark.parametrize("rows, V, dtype", [(896, 49152, jnp.float32), (128, 151936, jnp.float32),
-                                            (32, 49152, jnp.bfloat16), (1, 151936, jnp.float32)])
+@pytest.mark.parametrize("rows, V, dtype", [(896, 49152, jnp.float32), (128, 151936, jnp.float32),  # one row: slow
+                                            (32, 49152, jnp.bfloat16), pytest.param(1, 151936, jnp.float32, marks=pytest.mark.slow)])
 def test_top_p_threshold_lowers(check_cuda, rows, V, dtype):
     """SmolLM2's vocabulary at a batch-128 chain's verification rows, Qwen3's at a draft step (one
     program per row), and the split path (<= 48 rows): SmolLM2 at batch 32, Qwen3 at batch 1."""

@@ -546,7 +546,7 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
         assert [s["watch"] for s in run.auto.segments] == [True] * windows and run.auto.switches == []
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.05])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 0.05])  # greedy: a special case, slow
 def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperature, monkeypatch):
     """Replaying ngram over the tokens an ngram run committed takes that run's iterations, row by
     row, greedy and sampled (a one-hot draft is accepted iff the target's draw equals it), in one

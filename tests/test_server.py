@@ -322,6 +322,7 @@ def test_model_flags_fail_before_the_weights_load(monkeypatch, capsys):
     assert info.value.code == 2 and err[-1].startswith("error:") and "layer 40 does not exist" in err[-1]
 
 
+@pytest.mark.slow  # the default run's 20 minutes: --tp's tokens are test_tensor_parallel's, the server's path the others here
 def test_tensor_parallel_server_emits_plain_decoding(monkeypatch, model, plain_greedy, capsys):
     """`serve --tp 2` (conftest's simulated CPU devices), in this process: the weights split over two
     devices, a greedy speculative completion emits plain greedy decoding's tokens."""

@@ -120,6 +120,9 @@ def test_generate_takes_the_tuned_settings_of_its_batch(hf_checkpoints, tmp_path
 
 
 def test_tuned_file_errors(tuned_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # before any model loads
+        tune.main(["--model", "/nonexistent/model", "--methods", "plain,eagle"])
+    assert exit_info.value.code == 2 and "tune has no ratio or selection to tune for eagle" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         generate.main(["--method", "quest", "--tuned", str(tuned_file)])
     assert exit_info.value.code == 2 and "no entry for method 'quest'" in capsys.readouterr().err
