@@ -8,10 +8,10 @@ plain (`choose`). Precision classes other than `strict` change the output distri
 candidates only when the user allows them (`allowed_precisions`).
 
 A run with an EAGLE-3 draft head (`head`) has eagle strategies among the predictions: a table's
-entries for this head, or the cost model's without a table's answer (a head's acceptance depends on the kind
-of text too much for a prior to stand beside measurements). A run cannot switch into eagle (the
-head's cache covers only what it drafted over: `engine.Engine.switch`), so the best eagle strategy is
-a candidate only as the first choice.
+entries for this head, or the cost model's without a table's answer (a head's acceptance depends on
+the kind of text too much for a prior to stand beside measurements). A run cannot switch into eagle
+(the head's cache covers only what it drafted over: `engine.Engine.switch`), so the best eagle
+strategy is a candidate only as the first choice.
 """
 
 from __future__ import annotations
