@@ -26,6 +26,7 @@ from jaxspec.decoding.spec import METHODS, METRICS, PRECISIONS, SpecConfig, at_b
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
+from jaxspec.models.config import ModelConfig
 from jaxspec.models.eagle import EagleConfig
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
@@ -141,8 +142,9 @@ def head_path(args) -> Path | None:
     return args.draft_model
 
 
-def head_config(args) -> EagleConfig | None:
-    """The head's config (`head_path`), checked against the model's config (None without a head)."""
+def head_config(args, cfg: ModelConfig | None = None) -> EagleConfig | None:
+    """The head's config (`head_path`), checked against the model's config (`cfg`, read from --model
+    if not given; None without a head)."""
     if args.draft_model is not None and args.method not in ("eagle", "auto"):
         raise JaxspecError(f"--draft-model is an EAGLE-3 head, which drafts with --method eagle (or auto), "
                            f"not {args.method}")
@@ -157,7 +159,7 @@ def head_config(args) -> EagleConfig | None:
 
     if not path.is_dir():
         raise JaxspecError(f"--draft-model {path} is not a directory (an EAGLE-3 head's)")
-    return read_config(path, load_config(args.model, args.dtype))
+    return read_config(path, cfg or load_config(args.model, args.dtype))
 
 
 def load(args, spec: SpecConfig):
@@ -188,7 +190,7 @@ def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner
     config and weights when the plan starts with eagle, the draft weights' copies its candidates need)."""
     from jaxspec.loaders.eagle import head_fingerprint
 
-    head = head_config(args)
+    head = head_config(args, cfg)
     plan = planner.make_plan(cfg, planner.tree_bytes(params), precisions=planner.allowed_precisions(args.precision),
                              table=args.planner_table, min_tokens=args.min_tokens, head=head,
                              head_id=head and head_fingerprint(head_path(args)), **run)

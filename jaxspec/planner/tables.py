@@ -157,7 +157,8 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     the entries of every allowed precision class, less ngram's and eagle's where the run's prompt is
     under PROMPT_SHARE of the cell's calibration prompts, and less eagle's but those measured with the
     run's draft head (`head`: its `loaders.eagle.head_fingerprint`, which an eagle entry records).
-    Empty when no cell has an allowed class, or when the nearest profiled batch is more than a factor of 2 from `batch`. A cell of another
+    Empty when no cell has an allowed class, or when the nearest profiled batch is more than a factor
+    of 2 from `batch`. A cell of another
     batch answers at its rate per row (tokens/s and spread scaled by batch / its batch): the
     refinement compares these rates with what the run's own rows do, and the choice between them is
     the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
@@ -195,8 +196,8 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
 
 
 def run_tail(tail: float, measured_tokens: int, new_tokens: int) -> float:
-    """A model drafter's or the draft head's tail (`Prediction.tail`) measured over `measured_tokens` new tokens, at a
-    run of `new_tokens`. Its rows' acceptance varies iteration by iteration alike, so the slowest
+    """A model drafter's or the draft head's tail (`Prediction.tail`) measured over `measured_tokens`
+    new tokens, at a run of `new_tokens`. Its rows' acceptance varies iteration by iteration alike, so the slowest
     row's excess iterations over the mean row's shrink as 1 / sqrt(tokens) (checked against longer
     runs: bench/NOTES.md, "a model drafter's tail at the run's length"). ngram's rows differ for good
     (a row that loops copies, one that does not never will): its tail is kept as measured."""
