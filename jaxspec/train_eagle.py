@@ -7,8 +7,9 @@ Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the
 then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
 DIR gets the head in the public layout (config.json + model.safetensors, at --dtype), train_log.json
 (the progress records, settings, data size, seconds), data.npy (the generated tokens) and train_state/
-(head, optimizer, step: saved every CHECKPOINT_EVERY steps, so `--resume` continues an interrupted run
-with the same flags). DIR must be new or empty, unless resuming; the finished directory replaces it at once.
+(head, optimizer, step: saved once the data are generated and every CHECKPOINT_EVERY steps, so
+`--resume` continues an interrupted run with the same flags without generating the data again).
+DIR must be new or empty, unless resuming; the finished directory replaces it at once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.xla_flags import set_gpu_flags
 
-CHECKPOINT_EVERY = 500  # steps between saved train states
+CHECKPOINT_EVERY = 100  # steps between saved train states
 GENERATION_BATCH = 256  # rows a data round decodes at once
 
 
@@ -127,6 +128,8 @@ def main(argv=None) -> None:
         files.write_dir(out / training.STATE_DIR, lambda tmp: training.write_state(
             tmp, trainable, opt_state, d2t, full_record(step)))
 
+    if not args.resume:  # the data are the slow part: a run stopped at any step resumes without them
+        checkpoint(0, trainable, opt_state)
     trainable, opt_state = training.train(cfg, target, ecfg, stream, trainable, opt_state, d2t, settings, first, history,
                                           checkpoint, CHECKPOINT_EVERY, log)
     head = {**jax.tree.map(lambda w: np.asarray(w.astype(args.dtype)), trainable), "d2t": np.asarray(d2t)}

@@ -136,18 +136,23 @@ def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model
     assert {p.name for p in whole.iterdir()} == {"config.json", "model.safetensors", "train_log.json", "data.npy",
                                                  "train_state"}
 
-    windows = training.windows
+    windows, stop = training.windows, [1]
 
     def interrupted(stream, seq, batch, seed, step):
-        if step == 3:
+        if step == stop[0]:
             raise KeyboardInterrupt
         return windows(stream, seq, batch, seed, step)
 
     monkeypatch.setattr(train_eagle, "CHECKPOINT_EVERY", 2)
     monkeypatch.setattr(training, "windows", interrupted)
+    # stopped before the first checkpoint: the data and step 0 are saved, so a resume skips the data
     assert cli(capsys, "--model", tiny_model, "--out", parts, *SMALL)[0] == 130
+    assert training.read_record(parts)["step"] == 0 and not (parts / "config.json").exists()
+    stop[0] = 3
+    code, err = cli(capsys, "--model", tiny_model, "--out", parts, *SMALL, "--resume")
+    assert code == 130 and "data:" not in err
     assert training.read_record(parts)["step"] == 2 and not (parts / "config.json").exists()
-    monkeypatch.setattr(training, "windows", windows)
+    stop[0] = None
     code, err = cli(capsys, "--model", tiny_model, "--out", parts, *SMALL, "--resume")
     assert code == 0, err
     target_cfg = hf.read_config(tiny_model, "float32")
