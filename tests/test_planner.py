@@ -466,6 +466,28 @@ def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
     assert expected == pytest.approx((8 * 800 + 64 * 500) / 72 * 2.5 / 1.25)
 
 
+def test_watch_leaves_a_model_drafter_that_does_badly_on_this_text():
+    """Settled on a model drafter (here eagle, chosen from its table entry), the refinement keeps
+    watching it with nothing to replay: all its windows pooled, which outweigh its table rate as they
+    add up, so a drafter that accepts less on this run's text than on the table's is left for plain;
+    one within MARGIN of plain stays. Plain running has nothing to watch."""
+    eagle5 = Strategy("eagle", gamma=5)
+    candidates = (Prediction(eagle5, 2000, 3.5, 3.5 / 2000, iterations=29), Prediction(PLAIN, 900, 1.0, 1 / 900, iterations=144))
+    plan = planner.Plan(candidates, eagle5, "table:t.json", 8192)
+    window = lambda n, tpi: Observation(n, round(n * tpi), n * 3.5 / 2000, tpi)  # the table's iteration time
+    for tpi, left in ((1.0, True), (1.5, False)):  # 571 and 857 tok/s against plain's 900
+        r = planner.Refinement.of(plan)
+        assert r.observe(window(8, tpi), finished=False) is None  # one segment pooled with 2000: stays
+        assert not r.active and r.watching and r.replayed == ()
+        switched = r.watch(window(64, tpi), finished=False)
+        if left:
+            assert switched == PLAIN and r.switches[-1]["from"] == eagle5.name and not r.watching
+            continue
+        assert switched is None and r.window == 2 * refine.WATCH
+        assert r.watch(window(128, tpi), finished=False) is None and r.watching
+        assert r.observations[eagle5].iterations == 8 + 64 + 128  # pooled, not the latest window alone
+
+
 def test_predictions_and_observations_meet_on_one_basis():
     """A table's tokens/s is a closed batch's, its slowest row included, while its tokens per
     iteration are its mean row's. ngram's table entry keeps half its mean rate (tail 0.5), vegas's

@@ -6,14 +6,16 @@ saw (`corrected`; a strategy's own observations are pooled with its table rate, 
 more segment), and switches (`engine.Engine.switch`, which keeps the output distribution exact) to a
 candidate predicted faster by MARGIN, or to plain when plain is unmeasured and not predicted
 PROBE_MARGIN slower (`decide`); it measures that one for a segment and decides again, at most
-MAX_SWITCHES times. Settled, it keeps watching ngram (`Refinement.watch`): after windows of WATCH,
-2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch: each check costs a host sync and a
-replay, so their number grows with the log of the run's length) it replays the chain ngram
-candidates over the tokens just committed (`Ngram.replay`: what ngram would have accepted, exact in
-distribution, at no model cost) and switches when one is predicted MARGIN faster than the latest
-window of the running strategy, or, running ngram, when that window falls MARGIN below a candidate;
-so text that starts to repeat itself late (greedy loops, copied passages) is caught, and left again,
-within the switch limit. Observations and predictions are set against each other on one basis
+MAX_SWITCHES times. Settled, it keeps watching (`Refinement.watch`) while a speculative strategy runs
+or ngram could: after windows of WATCH, 2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch:
+each check costs a host sync and a replay, so their number grows with the log of the run's length) it
+replays the chain ngram candidates over the tokens just committed (`Ngram.replay`: what ngram would
+have accepted, exact in distribution, at no model cost) and switches when one is predicted MARGIN
+faster than the running strategy, or when the running one falls MARGIN below any candidate. ngram is
+judged by the latest window (text that starts to repeat itself late, greedy loops and copied passages,
+is caught, and left again, within the switch limit); a model drafter by all its windows pooled (its
+acceptance follows the kind of text, and as the windows add up they outweigh its table rate: a table
+choice that does badly on this run's text is left). Observations and predictions are set against each other on one basis
 (`corrected`).
 """
 
@@ -225,10 +227,9 @@ class Refinement:
 
     @property
     def watching(self) -> bool:
-        """Settled, with switches left and ngram to watch: a candidate to replay, or ngram running
-        (its window may fall under a candidate's prediction)."""
-        return (not self.active and len(self.switches) < MAX_SWITCHES
-                and (bool(self.replayed) or self.current.method == "ngram"))
+        """Settled, with switches left and something to watch: a candidate to replay, or a speculative
+        strategy running (it may fall under a candidate's prediction)."""
+        return not self.active and len(self.switches) < MAX_SWITCHES and (bool(self.replayed) or not self.current.plain)
 
     def observe(self, seen: Observation, finished: bool, replays: dict | None = None) -> Strategy | None:
         """Records a segment of the current strategy (and `replays` over it, {Strategy:
@@ -248,15 +249,16 @@ class Refinement:
         return self._switch(target, reason, seen)
 
     def watch(self, seen: Observation, finished: bool, replays: dict | None = None) -> Strategy | None:
-        """A settled refinement's check over the latest window (`window` iterations): the running
-        strategy judged by this window alone (acceptance drifts along a run: greedy text starts to
-        loop after a few hundred tokens), ngram candidates by their replays over it, the others as
-        `corrected` predicts them; returns the strategy to switch to (staying settled), or None."""
+        """A settled refinement's check over the latest window (`window` iterations): running ngram
+        judged by this window alone (its acceptance drifts along a run: greedy text starts to loop
+        after a few hundred tokens), a running model drafter by all it did (`_record` pooled this
+        window in), ngram candidates by their replays over the window, the others as `corrected`
+        predicts them; returns the strategy to switch to (staying settled), or None."""
         replays = self._record(seen, replays, watch=True)
         c = self.current
         if finished or len(self.switches) == MAX_SWITCHES:
             return None
-        observations = {**self.observations, c: self._judged(c, seen)}
+        observations = {**self.observations, c: self._judged(c, seen)} if c.method == "ngram" else self.observations
         target, reason = decide(self.plan.candidates, observations, c, probe_plain=False, replays=replays, closed=self.closed)
         if target == c:
             self.window *= 2
