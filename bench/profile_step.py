@@ -4,6 +4,7 @@
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
+        [--head-contexts full,selected]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -161,6 +162,8 @@ def main():
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones")
     p.add_argument("--stages", default=None, type=lambda s: s.split(","),
                    help="only these stages (iteration, draft, verify, select); default all")
+    p.add_argument("--head-contexts", default=["full"], type=lambda s: s.split(","),
+                   help="eagle: the head's context, full and/or selected (--ratio of the context, as vegas selects)")
     p.add_argument("--balance", type=float, default=1.0,
                    help="sparse drafters share the budget (SpecConfig.balance); rows start with lost-draft rates spread log-uniformly over [1/B, B]")
     p.add_argument("--select-every", type=int, default=1,
@@ -182,13 +185,13 @@ def main():
     max_len, slots, k_max = common.random_lengths(context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
-    runs = [(m, w) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
-            if takes_draft_model(m, w)]
+    runs = [(m, w, c) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
+            for c in (args.head_contexts if m == "eagle" else ["full"]) if takes_draft_model(m, w)]
     head, head_params = common.random_head(cfg) if "eagle" in args.methods else (None, None)  # timing only
-    for method, weights in runs:
+    for method, weights, head_context in runs:
         spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None,
                                             eagle=head if method == "eagle" else None),
-                                   draft_weights=weights, balance=args.balance if method in SPARSE_METHODS else 1.0,
+                                   draft_weights=weights, head_context=head_context, balance=args.balance if method in SPARSE_METHODS else 1.0,
                                    select_every=args.select_every if method in SCORE_METHODS else 1)
         copies = draft_weights.with_draft_weights(params, weights)
         if method == "eagle":
@@ -209,7 +212,8 @@ def main():
                 state = dataclasses.replace(skewed(state, spec.balance), done=jnp.arange(B) >= live)
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace,
                                            warmup=args.warmup)
-            row = {"method": method, "draft_weights": weights, "stage": name.removesuffix("_ms") + ("" if live is None else f" live {live}"),
+            row = {"method": method if head_context == "full" else f"{method} ({head_context} context)",
+                   "draft_weights": weights, "stage": name.removesuffix("_ms") + ("" if live is None else f" live {live}"),
                    "iterations_per_call": per_call} | summary
             result["stages"].append(row)
             if args.no_trace:

@@ -11,6 +11,7 @@ scheduler, emits what it emits alone.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -88,6 +89,34 @@ def test_greedy_equals_plain(dense, tree, order):
     out, st = run(params, CFG, spec, ids, lengths, 32)
     assert out == plain
     assert st.drafted.sum() == (spec.validate().shape.rows - 1) * st.iterations.sum() > 0
+
+
+def test_selected_head_context_is_lossless_and_is_the_full_context_when_it_keeps_everything(dense):
+    """head_context "selected": greedy output equals plain with a selection of 16 slots; from one
+    running state (sampled iterations: drafts accepted and rejected), a selection that keeps every
+    slot before the root drafts what the whole cache does, and one of 16 slots drafts otherwise (the
+    selection is what the head reads)."""
+    params, ecfg, ids, lengths, plain = dense
+    small = dict(method="eagle", tree=(3, 2, 1), eagle=ecfg, head_context="selected", ratio=0.01, min_tokens=16)
+    out, st = run(params, CFG, SpecConfig(**small), ids, lengths, 32)
+    assert out == plain and st.accepted.sum() > 0
+    everything = SpecConfig(**{**small, "ratio": 1.0, "min_tokens": 512}).validate()
+    eng = engine.Engine(CFG, everything, HOT, max(lengths) + 40)
+    state = jax.jit(eng.prefill)(params, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(1), max_new_tokens=40,
+                                 stop_ids=STOP)
+    state = jax.jit(eng.decode)(params, state, max_iterations=5)
+    assert 0 < state.stats.accepted.sum() and not state.done.any()
+    assert (np.asarray(state.drafter.selection.n_idx) == np.asarray(state.drafter.first)).all()  # every slot before the root
+
+    def drafts(spec, drafter_state):
+        drafter = make_drafter(spec.validate(), CFG, eng.max_len)
+        return np.asarray(jax.jit(drafter.draft, static_argnums=7)(params, state.tokens, state.length, state.done, state.cache,
+                                                                   drafter_state, state.key, GREEDY)[0])
+
+    whole = drafts(SpecConfig(**{**small, "head_context": "full"}), dataclasses.replace(state.drafter, selection=None))
+    np.testing.assert_array_equal(drafts(everything, state.drafter), whole)
+    few = dataclasses.replace(state.drafter.selection, n_idx=jnp.minimum(state.drafter.selection.n_idx, 16))
+    assert (drafts(everything, dataclasses.replace(state.drafter, selection=few)) != whole).any()
 
 
 def fresh_children(params, cfg, ecfg, committed: np.ndarray, tree) -> dict[int, list[int]]:

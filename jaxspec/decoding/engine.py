@@ -448,7 +448,7 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
 
     Returns float32 logits [B, rows, V], the cache with the rows' exact KV, and what the drafter
     asked the pass for: its selection scores (per layer, `collect`), the rows' features (`capture`),
-    or None.
+    both as (scores, features), or None.
     """
     T = tokens.shape[1]
     first = roots(state.length, state.done)
@@ -464,7 +464,8 @@ def verify(params, cfg, spec, drafter, state, tokens, tree: TreeShape | None):
         carry=decoder.attention_carry(cfg, slots, state.cache.num_slots, verification), backend=spec.backend,
         capture=capture,
     )
-    return decoder.logits(params, cfg, hidden), cache, features[0] if capture else scores
+    collected = (scores, features[0]) if capture and collect else features[0] if capture else scores
+    return decoder.logits(params, cfg, hidden), cache, collected
 
 
 def compact(cache: KVCache, first: jax.Array, path: jax.Array, tree: TreeShape, live: jax.Array) -> KVCache:

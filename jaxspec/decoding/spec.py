@@ -21,6 +21,7 @@ from pallas_kernels.verify_attention import METRICS
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "full", "ngram", "eagle")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
+HEAD_CONTEXTS = ("full", "selected")  # SpecConfig.head_context
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
 PAGE = 16  # page size of the page-granular policies (stream, quest)
 MAX_BALANCE = 8.0  # SpecConfig.balance: a row's budget within [1/8, 8] of the even share
@@ -87,6 +88,10 @@ class SpecConfig:
     # The run's EAGLE-3 draft head (its weights: params["eagle"]): the KV cache carries the head's cache,
     # and method eagle drafts with it (an auto run that starts with eagle keeps it after switching away).
     eagle: EagleConfig | None = None
+    # method eagle: the head attends its whole KV cache ("full"), or ("selected") the slots the target's
+    # last verification scored highest on its top layer, chosen as vegas chooses (ratio, min_tokens,
+    # metric), plus the tail since that verification
+    head_context: str = "full"
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -125,6 +130,10 @@ class SpecConfig:
             raise JaxspecError(f"--draft-weights {self.draft_weights} needs a model drafter; {self.method} runs no draft forward")
         if self.draft_skip and self.method in ("plain", "ngram", "eagle"):
             raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
+        if self.head_context not in HEAD_CONTEXTS:
+            raise JaxspecError(f"--head-context must be one of {', '.join(HEAD_CONTEXTS)}, got {self.head_context!r}")
+        if self.head_context != "full" and self.method != "eagle":
+            raise JaxspecError(f"--head-context {self.head_context} is the eagle head's; {self.method} has no head")
         balance = self.balance
         if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not (
                 1 <= balance <= MAX_BALANCE and math.isfinite(balance)):
@@ -175,6 +184,11 @@ class SpecConfig:
         return self.precision.endswith("reuse")
 
     @property
+    def selects_head_context(self) -> bool:
+        """Eagle's head attends a selection of its cache (`head_context`)."""
+        return self.method == "eagle" and self.head_context == "selected"
+
+    @property
     def draft_len(self) -> int:
         """Most drafts accepted per iteration: the tree's depth (0 for plain decoding)."""
         return 0 if self.method == "plain" else self.gamma
@@ -194,8 +208,9 @@ class SpecConfig:
             "tree": ",".join(map(str, self.tree)) if self.tree and self.method != "plain" else None,
             "traversal": self.traversal if self.tree and self.method != "plain" else None,
             "nodes": self.shape.rows - 1 if self.shape else 0,
-            "ratio": self.ratio if self.method in SPARSE_METHODS else None,
-            "metric": self.metric if self.method in SCORE_METHODS else None,
+            "ratio": self.ratio if self.method in SPARSE_METHODS or self.selects_head_context else None,
+            "metric": self.metric if self.method in SCORE_METHODS or self.selects_head_context else None,
+            "head_context": self.head_context if self.method == "eagle" else None,
             "precision": self.precision,
             "lossless": self.lossless,
             "group": self.group,

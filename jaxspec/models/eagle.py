@@ -161,13 +161,14 @@ def head_forward(
 
 def feature_forward(params: Params, ecfg: EagleConfig, target_params: Params, target_cfg: ModelConfig,
                     next_tokens: jax.Array, features: jax.Array, positions: jax.Array, valid: jax.Array,
-                    cache: KVCache, backend: str = "reference") -> tuple[jax.Array, KVCache]:
+                    cache: KVCache, backend: str = "reference", attend: AttendFn | None = None) -> tuple[jax.Array, KVCache]:
     """`head_forward` over rows of the target's own sequence: at position p, the target's features
     there [B, T, 3 Ht] with the embedding of the token that followed (`next_tokens` [B, T], the
     target's position p + 1), as EAGLE-3 pairs them. The prompt's prefill and the catch-up on an
-    accepted path run this; draft steps feed the head's own state instead."""
+    accepted path run this; draft steps feed the head's own state instead. `attend`: as `head_forward`
+    takes it (default causal over the whole cache)."""
     embeds = token_embeds(params, target_params, target_cfg, next_tokens)
-    return head_forward(params, ecfg, embeds, project_features(params, features), positions, valid, cache,
+    return head_forward(params, ecfg, embeds, project_features(params, features), positions, valid, cache, attend,
                         backend=backend)
 
 

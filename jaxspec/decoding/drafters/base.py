@@ -11,7 +11,7 @@ A drafter is one file with one `Drafter` subclass. The engine calls, per generat
                                             path's keys moved to slots first_pos + d: recompute the
                                             selection; `path` [B, depth + 1] are the accepted rows;
                                             `scores` is what the pass collected (the features with
-                                            `capture`)
+                                            `capture`; (scores, features) with both)
 The KV-selection policies draft with the model itself (`uses_model`: the engine runs the draft
 forwards) and tell it, per draft forward:
     attend(state, budget, rows) -> (attend, layer_xs)
@@ -66,6 +66,16 @@ class DraftRows:
         return None if self.chain else kernels.TreeMask(self.first, self.ancestors)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Slots chosen from verification scores (`Drafter.select`): drafts attend them plus the tail."""
+
+    idx: jax.Array  # [L, B, 1, k_max] selected slots per layer (first n_idx valid)
+    n_idx: jax.Array  # [B]
+    tail_start: jax.Array  # [B] first slot after the selection's prefix
+
+
 @dataclasses.dataclass(frozen=True)
 class Drafter:
     spec: SpecConfig
@@ -113,19 +123,26 @@ class Drafter:
         k = jnp.ceil(budget.ratio * context.astype(jnp.float32)).astype(jnp.int32)
         return jnp.minimum(jnp.clip(k, budget.min_tokens, self.k_max), context)
 
+    def select(self, budget: Budget, scores: jax.Array, last: jax.Array) -> Selection:
+        """Top-K of `scores` [L, B, S] over candidate slots [0, last]; later slots are -inf already."""
+        k = self.count(budget, last + 1)
+        idx = kernels.select_topk(scores, self.k_max, k[None, :], backend=self.spec.backend)
+        return Selection(idx[:, :, None, :], k, last + 1)
+
     def sparse_attend(self, idx: jax.Array, n_idx: jax.Array, tail_start: jax.Array, rows: DraftRows,
-                      tail_capacity: int) -> tuple[AttendFn, Any]:
+                      tail_capacity: int, scale: float | None = None) -> tuple[AttendFn, Any]:
         """Draft attention over gathered slots `idx` ([L, B, Hs, K] per layer, or [B, Hs, K] for every
         layer) plus the tail from tail_start to each row's slot, of the tree's slots only the row's
-        ancestors. The kernel reads a layer stack at the layer in place (not through layer_xs, whose
-        slice would be copied before it)."""
+        ancestors (`scale`: the model's by default). The kernel reads a layer stack at the layer in
+        place (not through layer_xs, whose slice would be copied before it)."""
 
         slots, mask = rows.slots, rows.mask  # outside the layer loop: inside, XLA would recompute them every layer
+        scale = self.scale if scale is None else scale
 
         def attend(layer, q, cache, _lx, _gates, carry):
             out = kernels.sparse_attention(
                 q, cache.k, cache.v, layer, idx, n_idx, tail_start, slots,
-                scale=self.scale, tail_capacity=tail_capacity, tree=mask, skew=self.spec.balance,
+                scale=scale, tail_capacity=tail_capacity, tree=mask, skew=self.spec.balance,
                 backend=self.spec.backend,
             )
             return out, None, carry

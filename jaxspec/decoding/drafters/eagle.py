@@ -16,6 +16,12 @@ after the sampling rules' processing over the draft vocabulary; q, zero outside 
 is what they were drawn from, so verification's exact rejection sampling keeps the output the target's.
 The head's weights travel in params["eagle"]; its cache in the model's cache (`KVCache.head`), filled
 over the prompt at prefill (`engine.prefill_chunk`).
+
+With `SpecConfig.head_context` "selected" the head attends a selection of its cache instead of all of
+it: the verify pass also collects vegas's scores (rows 0 and the last), and after each verification
+the top layer's scores pick the head's slots before the verified root (K as vegas's budget); the
+catch-up and every draft depth attend those slots plus the tail from the root on (the path and the
+tree). At long context the head's read of its whole cache is its largest; only the drafts change.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.decoding.drafters.base import Drafter, DraftRows, Selection
 from jaxspec.decoding.sampling import expand, split_rows
 from jaxspec.models import decoder, eagle
 from jaxspec.models.kvcache import KVCache
+from pallas_kernels.verify_attention import mask_scores
 
 
 @jax.tree_util.register_dataclass
@@ -40,6 +47,7 @@ class PathRows:
     features: jax.Array  # [B, depth + 1, 3 Ht]: the target's features at path row d (position first + d)
     first: jax.Array  # [B] the path's first position (the verified root's)
     num_accepted: jax.Array  # [B] rows 0 .. num_accepted are the path's
+    selection: Selection | None  # the head's context with head_context "selected" (one layer), else None
 
 
 class Eagle(Drafter):
@@ -48,21 +56,43 @@ class Eagle(Drafter):
     def capture(self) -> tuple[int, ...]:
         return self.spec.eagle.feature_layers
 
+    def collect(self, num_rows: int) -> kernels.Collect | None:
+        """Vegas's scores (rows 0 and the last) when the head attends a selection."""
+        if not self.spec.selects_head_context:
+            return None
+        return kernels.Collect(rows=(0, num_rows - 1) if num_rows > 1 else (0,), metric=self.spec.metric, reduce_rows=True)
+
     def init(self, cache: KVCache, prompt_len: jax.Array) -> PathRows:
         if cache.head is None:
             raise ValueError("an eagle run needs the head's cache: prefill with the spec's head (engine.prefill_cache)")
         B = prompt_len.shape[0]
         width = 3 * self.spec.eagle.target_hidden_size
         zeros = jnp.zeros((B,), jnp.int32)
-        return PathRows(jnp.zeros((B, self.spec.shape.depth + 1, width), cache.k.dtype), zeros, zeros)
+        selection = Selection(jnp.zeros((1, B, 1, self.k_max), jnp.int32), zeros, zeros) if self.spec.selects_head_context else None
+        return PathRows(jnp.zeros((B, self.spec.shape.depth + 1, width), cache.k.dtype), zeros, zeros, selection)
 
     def after_verify(self, state, budget, scores, cache, first_pos, num_accepted, path):
-        """`scores` are the verified rows' features [B, rows, 3 Ht]; the path's rows are kept (a
-        one-row verification's padded to the tree's depth + 1)."""
+        """`scores` are the verified rows' features [B, rows, 3 Ht] (with a selected context, (scores,
+        features)); the path's rows are kept (a one-row verification's padded to the tree's depth + 1)
+        and the selection is taken over the slots before the root (the root's on are the tail)."""
+        selection = None
+        if self.spec.selects_head_context:
+            top, scores = scores[0][-1:], scores[1]
+            selection = self.select(budget, mask_scores(top, first_pos - 1), first_pos - 1)
         rows = jnp.take_along_axis(scores, path[:, :, None], axis=1)
         pad = state.features.shape[1] - rows.shape[1]
         rows = jnp.pad(rows, ((0, 0), (0, pad), (0, 0))).astype(state.features.dtype)
-        return PathRows(rows, first_pos, num_accepted)
+        return PathRows(rows, first_pos, num_accepted, selection)
+
+    def context(self, selection: Selection | None, rows: DraftRows):
+        """The head's attention for `rows`: causal over its whole cache (tree rows: the committed cache
+        and their ancestors), or the `selection` plus the tail from the last verified root, which
+        reaches over the accepted path and the tree (depth + rows slots)."""
+        if selection is None:
+            return decoder.attention(eagle.layer_config(self.spec.eagle), rows.slots, self.spec.backend, tree=rows.mask)
+        tree = self.spec.shape
+        return self.sparse_attend(selection.idx, selection.n_idx, selection.tail_start, rows, tree.depth + tree.rows,
+                                  scale=self.spec.eagle.head_dim**-0.5)[0]
 
     def draft(self, params, tokens, length, done, cache, state: PathRows, key, rules):
         """Catch-up on the accepted path, then the tree, depth by depth (see the module docstring)."""
@@ -73,8 +103,9 @@ class Eagle(Drafter):
         positions = state.first[:, None] + path
         emitted = jnp.take_along_axis(tokens, jnp.minimum(positions + 1, tokens.shape[1] - 1), axis=1)
         valid = (path[None, :] <= state.num_accepted[:, None]) & live[:, None]
+        catch_up = DraftRows(state.first, jnp.int32(0), path, None, chain=True)  # row d at slot first + d, causal
         out, head_cache = eagle.feature_forward(head, ecfg, params, self.cfg, emitted, state.features, positions, valid,
-                                                cache.head, backend)
+                                                cache.head, backend, self.context(state.selection, catch_up))
         root = jnp.take_along_axis(out, state.num_accepted[:, None, None], axis=1)  # [B, 1, H]: the last emitted token's
 
         first = jnp.where(done, 0, length - 2)  # the head's root slot: the catch-up's last row
@@ -83,18 +114,16 @@ class Eagle(Drafter):
         probs = None if rules.greedy else jnp.zeros((B, tree.rows, self.cfg.vocab_size), jnp.float32)
         states = jnp.zeros((B, tree.rows, root.shape[-1]), root.dtype).at[:, :1].set(root)
         keys = split_rows(key, tree.depth)
-        layer_cfg = eagle.layer_config(ecfg)
         for depth in range(tree.depth):
             rows = tree.rows_at(depth)
             if depth:  # the nodes of this depth through the head, each on its parent's output state
-                slots = first[:, None] + jnp.asarray(rows)
-                mask = None if tree.is_chain else kernels.TreeMask(first, jnp.asarray(tree.ancestors[rows]))
+                nodes = DraftRows(first, jnp.int32(depth), jnp.asarray(rows), jnp.asarray(tree.ancestors[rows]), tree.is_chain)
                 embeds = eagle.token_embeds(head, params, self.cfg, draft_tokens[:, rows])
                 n = len(rows)
                 out, head_cache = eagle.head_forward(
-                    head, ecfg, embeds, states[:, tree.parent[rows]], jnp.broadcast_to((first + depth)[:, None], (B, n)),
-                    jnp.broadcast_to(live[:, None], (B, n)), head_cache,
-                    decoder.attention(layer_cfg, slots, backend, tree=mask), slots=slots, backend=backend)
+                    head, ecfg, embeds, states[:, tree.parent[rows]], jnp.broadcast_to(nodes.position[:, None], (B, n)),
+                    jnp.broadcast_to(live[:, None], (B, n)), head_cache, self.context(state.selection, nodes),
+                    slots=nodes.slots, backend=backend)
                 states = states.at[:, rows].set(out)
             logits = eagle.draft_logits(head, ecfg, states[:, rows])
             kids = tree.children[rows][:, :tree.branching[depth]]

@@ -15,22 +15,11 @@ up to its accepted row, whose scores move with the path's keys.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.decoding.drafters.base import Drafter, Selection
 from pallas_kernels.verify_attention import mask_scores
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Selection:
-    idx: jax.Array  # [L, B, 1, k_max] selected slots per layer (first n_idx valid)
-    n_idx: jax.Array  # [B]
-    tail_start: jax.Array  # [B] first slot after the selection's prefix
 
 
 class Vegas(Drafter):
@@ -51,12 +40,6 @@ class Vegas(Drafter):
 
     def after_verify(self, state, budget, scores, cache, first_pos, num_accepted, path):
         return self.select(budget, scores, first_pos)
-
-    def select(self, budget, scores: jax.Array, last: jax.Array) -> Selection:
-        """Top-K of `scores` [L, B, S] over candidate slots [0, last]; later slots are -inf already."""
-        k = self.count(budget, last + 1)
-        idx = kernels.select_topk(scores, self.k_max, k[None, :], backend=self.spec.backend)
-        return Selection(idx[:, :, None, :], k, last + 1)
 
     def attend(self, state, budget, rows):
         # After a verification with root slot p the tail starts at p + 1 (at most); each iteration moves
