@@ -20,6 +20,8 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
+from pallas_kernels.moe import moe_experts_pallas, moe_experts_reference
+from pallas_kernels.moe import supported as moe_supported
 from pallas_kernels.quest_pages import quest_pages_pallas, quest_pages_reference
 from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
@@ -53,7 +55,7 @@ QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kerne
 # (bench/NOTES.md, "small exact matrices through the row kernel", "the split merge in one kernel").
 ROW_MATMUL_EXACT_ELEMENTS = 1 << 23
 
-__all__ = ["BACKENDS", "Collect", "TreeMask", "nsa_compressed_attention", "nsa_selected_attention",
+__all__ = ["BACKENDS", "Collect", "TreeMask", "moe_experts", "nsa_compressed_attention", "nsa_selected_attention",
            "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write", "row_matmul", "row_matmul_partials", "row_matmul_reads_exact", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
@@ -94,6 +96,22 @@ def row_matmul_reads_exact(values, rows: int, backend: str) -> bool:
     kernel (ROW_MATMUL_EXACT_ELEMENTS): the decoder then reads that matrix in place at its layer."""
     return (_is_pallas(backend) and rows <= ROW_MATMUL_ROWS and values.shape[-2] * values.shape[-1] < ROW_MATMUL_EXACT_ELEMENTS
             and row_matmul_supported(values, None))
+
+
+def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None, b_down=None,
+                activation: str = "silu", backend: str = "reference"):
+    """float32 [T, D]: a mixture-of-experts layer's routed experts for rows x [T, D], each row through
+    its experts expert_ids [T, k] (distinct within a row) weighted by expert_weights [T, k] and summed
+    (pallas_kernels/moe.py defines the products and the activations, "silu" or "gpt_oss"). The stacks
+    w_gate_up [L, E, D, 2F] (gate columns, then up), w_down [L, E, F, D] and the optional biases
+    b_gate_up [L, E, 2F], b_down [L, E, D] are read in place at `layer`. The Pallas kernel reads each
+    routed expert's weights once and the others not at all (XLA's grouped product reads far more at
+    decode row counts); it covers D and F that are multiples of 16, others run the reference."""
+    options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
+    if _is_pallas(backend) and moe_supported(w_gate_up, w_down):
+        return moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer,
+                                  interpret=interpret_default(), **options)
+    return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, **options)
 
 
 def rope_write(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *, num_heads: int,

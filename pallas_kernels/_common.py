@@ -48,6 +48,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def divisor(n: int, block: int) -> int | None:
+    """The largest power-of-two tile <= block (and >= MIN_TILE) that divides n; None if none does."""
+    while block >= MIN_TILE and n % block:
+        block //= 2
+    return block if block >= MIN_TILE else None
+
+
 def num_splits(programs: int, max_blocks: int, skew: float = 1.0) -> int:
     """Split-K factor: `programs * splits` about TARGET_PROGRAMS (half that for fewer than
     FEW_PROGRAMS programs), one block per split at least. When the programs' work may differ up to

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, next_pow2
+from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, next_pow2
 
 BLOCK_K = 128  # exact and int8: rows of K per loop step (a divisor of K: 128, 64, 32 or 16)
 BLOCK_N = 128  # columns per program (a divisor of N: 128, 64, 32 or 16)
@@ -95,20 +95,14 @@ def epilogue_splits(N: int) -> int:
     return max(1, EPILOGUE_BYTES // (4 * N))
 
 
-def _divisor(n: int, block: int) -> int | None:
-    while block >= MIN_TILE and n % block:
-        block //= 2
-    return block if block >= MIN_TILE else None
-
-
 def supported(values, scale) -> bool:
     """Whether the kernel covers this product (others run the reference); values and scale as
     row_matmul_pallas takes them, with or without a leading layer axis."""
     int4 = is_int4(values, scale)
     rows, N = values.shape[-2:]
     K = 2 * rows if int4 else rows
-    step = K // scale.shape[-2] if int4 else _divisor(K, BLOCK_K)
-    return _divisor(N, BLOCK_N) is not None and step is not None and step % (2 * MIN_TILE) == 0
+    step = K // scale.shape[-2] if int4 else divisor(K, BLOCK_K)
+    return divisor(N, BLOCK_N) is not None and step is not None and step % (2 * MIN_TILE) == 0
 
 
 def block_rows(M: int) -> int:
@@ -169,8 +163,8 @@ def row_matmul_pallas(x, values, scale, out_dtype=None, *, layer=None, interpret
         values, scale, layer = values[None], None if scale is None else scale[None], 0
     M, K = x.shape
     N = values.shape[-1]
-    bn = _divisor(N, block_n)
-    step_k = K // scale.shape[1] if int4 else _divisor(K, block_k)
+    bn = divisor(N, block_n)
+    step_k = K // scale.shape[1] if int4 else divisor(K, block_k)
     total = K // step_k
     bm = block_m or block_rows(M)
     m_blocks = -(-M // bm)

@@ -1,0 +1,225 @@
+"""The routed experts of a mixture-of-experts layer: each token row through its k experts' gated MLPs,
+weighted by the router and summed.
+
+result[t] = sum_j weight[t, j] * ((a_e(x[t]) @ w_down[layer, e]) + b_down[layer, e]), e = ids[t, j],
+where a_e is the activation of h = x[t] @ w_gate_up[layer, e] + b_gate_up[layer, e] (gate columns
+h[:F], up columns h[F:]):
+- "silu" (Qwen3-MoE): a = silu(g) * u;
+- "gpt_oss" (gpt-oss's clamped SwiGLU): g = min(g, 7), u = clip(u, -7, 7), a = (u + 1) * g * sigmoid(1.702 g).
+  transformers' GptOssExperts interleaves the gate and up columns; the loader de-interleaves them into
+  this layout.
+Products take x's dtype as operands (the weights converted in registers) and accumulate in float32;
+the activations a enter the down product in x's dtype, as the model's own MLP does.
+
+A decode or verification step routes a few rows to a few of E experts, so the layer's time is the
+routed experts' bytes over the memory bandwidth. XLA's grouped product (lax.ragged_dot, the reference
+here) reads far more than the routed experts at these row counts, hence the kernel: the T*k (token,
+expert) assignments are sorted by expert (XLA, a few small kernels), and each distinct expert hit gets
+a slot (min(E, T*k) slots, static). Two calls, each a grid of (slot, column block): a slot past the
+distinct experts returns at once, reading nothing; otherwise the program streams its expert's column
+block of the weights through float32 accumulators for every row of that expert (row blocks of a
+dynamic count; one block in the common case, so each routed weight is read once), x's rows gathered
+by token inside the kernel. The first call writes the activations [T*k, F] (x's dtype, sorted order),
+the second the experts' outputs [T*k, D] float32; XLA weights them and sums each token's k. The
+weight stacks are read in place at the traced `layer`: a layer sliced out of a stack inside the
+decoder's layer scan would be copied first (bench/NOTES.md, "fused layer projections").
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, next_pow2
+
+ACTIVATIONS = ("silu", "gpt_oss")
+GPT_OSS_LIMIT = 7.0  # gpt-oss's clamp of the gate (above) and the up projection (both sides)
+GPT_OSS_ALPHA = 1.702  # gpt-oss's sigmoid slope
+BLOCK_K = 64  # rows of the weights per loop step (a divisor of D or F: 64, 32 or 16)
+GATE_UP_COLUMNS = 64  # the first call's columns per program, of the gate and of the up half each
+DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
+MAX_ROWS = 64  # rows per row block: an expert's further rows take further blocks, re-reading its tile
+
+
+def activate(gate, up, activation: str):
+    """The gated activation of float32 gate and up columns (the module docstring's formulas)."""
+    if activation == "silu":
+        return jax.nn.silu(gate) * up
+    if activation != "gpt_oss":
+        raise ValueError(f"unknown MoE activation {activation!r}: expected one of {ACTIVATIONS}")
+    gate = jnp.minimum(gate, GPT_OSS_LIMIT)
+    up = jnp.clip(up, -GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+    return (up + 1.0) * gate * jax.nn.sigmoid(GPT_OSS_ALPHA * gate)
+
+
+def _route(expert_ids, num_experts: int):
+    """(order [T*k]: the assignments t*k + j sorted by expert, stable; sizes [E]: rows per expert)."""
+    flat = expert_ids.reshape(-1)
+    return jnp.argsort(flat, stable=True).astype(jnp.int32), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def _combine(y, order, expert_weights):
+    """float32 [T, D]: each token's k expert outputs (rows of y [>= T*k, D] in sorted order) weighted
+    and summed; a gather of each token's rows rather than a scatter-add, so the sum's order is fixed."""
+    T, k = expert_weights.shape
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+    return jnp.einsum("tkd,tk->td", y[position].reshape(T, k, -1), expert_weights,
+                      precision=lax.Precision.HIGHEST)
+
+
+def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
+                          b_down=None, activation: str = "silu"):
+    """The routed experts through XLA's grouped product (lax.ragged_dot) over the sorted assignments,
+    at layer `layer` of the stacks; correct for any shape. float32 [T, D]."""
+    k = expert_ids.shape[1]
+    order, sizes = _route(expert_ids, w_gate_up.shape[1])
+    expert = expert_ids.reshape(-1)[order]
+    h = lax.ragged_dot(x[order // k], w_gate_up[layer].astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    if b_gate_up is not None:
+        h = h + b_gate_up[layer, expert].astype(jnp.float32)
+    F = w_down.shape[-2]
+    a = activate(h[:, :F], h[:, F:], activation).astype(x.dtype)
+    y = lax.ragged_dot(a, w_down[layer].astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    if b_down is not None:
+        y = y + b_down[layer, expert].astype(jnp.float32)
+    return _combine(y, order, expert_weights)
+
+
+def supported(w_gate_up, w_down) -> bool:
+    """Whether the kernel covers these stacks (others run the reference): D and F multiples of 16,
+    the smallest Triton tile (Qwen3-30B-A3B's 2048 and 768, gpt-oss-20b's 2880 = 45 x 64 are)."""
+    D, F = w_down.shape[-1], w_down.shape[-2]
+    return w_gate_up.shape[-2:] == (D, 2 * F) and divisor(D, MIN_TILE) is not None and divisor(F, MIN_TILE) is not None
+
+
+def block_rows(assignments: int, slots: int) -> int:
+    """Rows per row block: twice an expert's mean rows (random routing's busiest experts stay in one
+    block), a power of two from 16 to MAX_ROWS."""
+    return min(max(MIN_TILE, next_pow2(2 * -(-assignments // slots))), MAX_ROWS)
+
+
+def column_block(N: int, widest: int, slots: int) -> int:
+    """Columns per program: the widest divisor of N up to `widest` that still gives TARGET_PROGRAMS
+    (slot, column block) programs, else the narrowest: a decode step's few experts need narrow blocks
+    to fill the GPU."""
+    block = divisor(N, widest)
+    while block > MIN_TILE and slots * (N // block) < TARGET_PROGRAMS and N % (block // 2) == 0:
+        block //= 2
+    return block
+
+
+def _slot_rows(slots_ref, bm: int, body):
+    """Inside a kernel: body(start, real) for each row block of this program's slot (real [bm]: the
+    block's rows inside the slot's range), nothing for a slot past the distinct experts."""
+    s = pl.program_id(0)
+    lo, hi = slots_ref[1, s], slots_ref[2, s]
+
+    @pl.when(hi > lo)
+    def _():
+        def block(r, carry):
+            start = lo + r * bm
+            body(start, start + jnp.arange(bm) < hi)
+            return carry
+
+        lax.fori_loop(0, (hi - lo + bm - 1) // bm, block, 0)
+
+
+def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, w_ref, *refs, bm: int, bk: int, bf: int,
+                    activation: str, biased: bool):
+    b_ref, a_ref = refs if biased else (None, *refs)
+    j = pl.program_id(1)
+    e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
+    F = a_ref.shape[1]
+    gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)
+
+    def rows(start, real):
+        tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
+
+        def step(i, acc):
+            x = x_ref[tokens, pl.ds(i * bk, bk)]  # rows past the range read token 0, are not stored
+            w_gate = w_ref[layer, e, pl.ds(i * bk, bk), gate].astype(x.dtype)
+            w_up = w_ref[layer, e, pl.ds(i * bk, bk), up].astype(x.dtype)
+            return (acc[0] + jnp.dot(x, w_gate, preferred_element_type=jnp.float32),
+                    acc[1] + jnp.dot(x, w_up, preferred_element_type=jnp.float32))
+
+        zeros = jnp.zeros((bm, bf), jnp.float32)
+        g, u = lax.fori_loop(0, x_ref.shape[1] // bk, step, (zeros, zeros))
+        if biased:
+            g = g + b_ref[layer, e, gate].astype(jnp.float32)[None, :]
+            u = u + b_ref[layer, e, up].astype(jnp.float32)[None, :]
+        a = activate(g, u, activation)
+        plgpu.store(a_ref.at[pl.ds(start, bm), pl.ds(j * bf, bf)], a.astype(a_ref.dtype), mask=real[:, None])
+
+    _slot_rows(slots_ref, bm, rows)
+
+
+def _down_kernel(layer_ref, slots_ref, a_ref, w_ref, *refs, bm: int, bk: int, bd: int, biased: bool):
+    b_ref, y_ref = refs if biased else (None, *refs)
+    cols = pl.ds(pl.program_id(1) * bd, bd)
+    e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
+
+    def rows(start, real):
+        def step(i, acc):
+            a = plgpu.load(a_ref.at[pl.ds(start, bm), pl.ds(i * bk, bk)], mask=real[:, None], other=0.0)
+            w = w_ref[layer, e, pl.ds(i * bk, bk), cols].astype(a.dtype)
+            return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
+
+        y = lax.fori_loop(0, a_ref.shape[1] // bk, step, jnp.zeros((bm, bd), jnp.float32))
+        if biased:
+            y = y + b_ref[layer, e, cols].astype(jnp.float32)[None, :]
+        plgpu.store(y_ref.at[pl.ds(start, bm), cols], y, mask=real[:, None])
+
+    _slot_rows(slots_ref, bm, rows)
+
+
+def _slots(sizes, num_slots: int):
+    """int32 [3, num_slots]: each distinct expert hit (ascending) with its [start, end) in the sorted
+    assignments; slots past the distinct experts have start = end = 0."""
+    hit = sizes > 0
+    (expert,) = jnp.nonzero(hit, size=num_slots, fill_value=0)
+    ends = jnp.cumsum(sizes)
+    valid = jnp.arange(num_slots) < hit.sum()
+    start = jnp.where(valid, (ends - sizes)[expert], 0)
+    return jnp.stack([expert, start, jnp.where(valid, ends[expert], 0)]).astype(jnp.int32)
+
+
+def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
+                       b_down=None, activation: str = "silu", interpret: bool = False, num_warps: int = 4,
+                       num_stages: int = 3):
+    """The kernels' routed experts (the reference's result, summed in another order), float32 [T, D];
+    the stacks read in place at `layer` (an int32 scalar). Shapes: `supported`."""
+    T, k = expert_ids.shape
+    E, D = w_gate_up.shape[1], x.shape[1]
+    F = w_down.shape[-2]
+    N, S = T * k, min(E, T * k)
+    order, sizes = _route(expert_ids, E)
+    slots = _slots(sizes, S)
+    bm = block_rows(N, S)
+    tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
+    a = pl.pallas_call(
+        functools.partial(_gate_up_kernel, bm=bm, bk=divisor(D, BLOCK_K), bf=bf, activation=activation,
+                          biased=b_gate_up is not None),
+        grid=(S, F // bf),
+        in_specs=[pl.no_block_spec] * (5 + (b_gate_up is not None)),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((N + bm, F), x.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_gate_up",
+    )(layer, slots, tokens, x, w_gate_up, *[b for b in (b_gate_up,) if b is not None])
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, bm=bm, bk=divisor(F, BLOCK_K), bd=bd, biased=b_down is not None),
+        grid=(S, D // bd),
+        in_specs=[pl.no_block_spec] * (4 + (b_down is not None)),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_down",
+    )(layer, slots, a, w_down, *[b for b in (b_down,) if b is not None])
+    return _combine(y, order, expert_weights)
