@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, next_pow2
+from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, matmul_precision, next_pow2
 
 ACTIVATIONS = ("silu", "gpt_oss")
 GPT_OSS_LIMIT = 7.0  # gpt-oss's clamp of the gate (above) and the up projection (both sides)
@@ -76,12 +76,14 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, laye
     k = expert_ids.shape[1]
     order, sizes = _route(expert_ids, w_gate_up.shape[1])
     expert = expert_ids.reshape(-1)[order]
-    h = lax.ragged_dot(x[order // k], w_gate_up[layer].astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    product = functools.partial(lax.ragged_dot, group_sizes=sizes, precision=matmul_precision(x.dtype),
+                                preferred_element_type=jnp.float32)
+    h = product(x[order // k], w_gate_up[layer].astype(x.dtype))
     if b_gate_up is not None:
         h = h + b_gate_up[layer, expert].astype(jnp.float32)
     F = w_down.shape[-2]
     a = activate(h[:, :F], h[:, F:], activation).astype(x.dtype)
-    y = lax.ragged_dot(a, w_down[layer].astype(x.dtype), sizes, preferred_element_type=jnp.float32)
+    y = product(a, w_down[layer].astype(x.dtype))
     if b_down is not None:
         y = y + b_down[layer, expert].astype(jnp.float32)
     return _combine(y, order, expert_weights)

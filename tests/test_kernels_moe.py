@@ -1,0 +1,95 @@
+"""moe_experts (pallas_kernels/moe.py): the routed-experts kernel in interpret mode and its ragged_dot
+reference against a float64 loop over each token's experts, at layer 1 of 3-layer stacks, fresh random
+inputs (gate/up products large enough that gpt-oss's clamps bite). The kernel also gets poisoned stacks:
+NaN in every other layer and in every expert no token routes to, which it must never read. Interpret
+mode fills unwritten kernel outputs with NaN, so a row the kernel forgot shows too."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pallas_kernels
+
+L, LAYER, E, K, D, F = 3, 1, 8, 2, 96, 48  # D: three 32-row steps; F: three 16-column blocks
+
+
+def make_inputs(seed: int, T: int, dtype, biased: bool, experts=range(E)):
+    """(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down): rows routed to K
+    distinct experts among `experts`, router weights normalised, stacks and x in `dtype`."""
+    keys = jax.random.split(jax.random.key(seed), 7)
+    experts = np.asarray(experts)
+    choice = jnp.argsort(jax.random.uniform(keys[0], (T, len(experts))), axis=1)[:, :K]
+    ids = jnp.asarray(experts)[choice].astype(jnp.int32)
+    weights = jax.nn.softmax(jax.random.normal(keys[1], (T, K)), axis=1)
+    x = jax.random.normal(keys[2], (T, D), dtype)
+    w_gate_up = (4 / D ** 0.5 * jax.random.normal(keys[3], (L, E, D, 2 * F))).astype(dtype)
+    w_down = (F ** -0.5 * jax.random.normal(keys[4], (L, E, F, D))).astype(dtype)
+    b_gate_up = jax.random.normal(keys[5], (L, E, 2 * F), dtype) if biased else None
+    b_down = jax.random.normal(keys[6], (L, E, D), dtype) if biased else None
+    return x, ids, weights, w_gate_up, w_down, b_gate_up, b_down
+
+
+def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation: str):
+    """The definition, token by token in float64 (the activations rounded to x's dtype, as both
+    implementations feed them to the down product)."""
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    bf16 = x.dtype == jnp.bfloat16
+    x, weights, w_gate_up, w_down = f64(x), f64(weights), f64(w_gate_up[LAYER]), f64(w_down[LAYER])
+    out = np.zeros(x.shape)
+    for t, j in np.ndindex(*ids.shape):
+        e = int(ids[t, j])
+        h = x[t] @ w_gate_up[e] + (0 if b_gate_up is None else f64(b_gate_up[LAYER, e]))
+        g, u = h[:F], h[F:]
+        if activation == "silu":
+            a = g / (1 + np.exp(-g)) * u
+        else:
+            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+            a = (u + 1) * g / (1 + np.exp(-1.702 * g))
+        if bf16:
+            a = a.astype(ml_dtypes.bfloat16).astype(np.float64)
+        y = a @ w_down[e] + (0 if b_down is None else f64(b_down[LAYER, e]))
+        out[t] += weights[t, j] * y
+    return out
+
+
+def run(backend: str, inputs, activation: str):
+    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
+    return np.asarray(pallas_kernels.moe_experts(x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER),
+                                                 b_gate_up=b_gate_up, b_down=b_down, activation=activation,
+                                                 backend=backend))
+
+
+@pytest.mark.parametrize("T, activation, biased, dtype, experts", [
+    (1, "silu", False, jnp.bfloat16, range(E)),     # a decode step: 2 slots
+    (5, "gpt_oss", True, jnp.float32, range(E)),    # slots past the distinct experts hit
+    (64, "silu", True, jnp.float32, range(E)),      # a verification's rows, 16 an expert: 32-row blocks
+    (64, "gpt_oss", False, jnp.bfloat16, range(E)),
+    (130, "gpt_oss", True, jnp.bfloat16, (0, 3, 5)),  # ~87 rows an expert: two 64-row blocks each
+])
+def test_moe_experts_equal_float64_loop(T, activation, biased, dtype, experts):
+    inputs = make_inputs(T, T, dtype, biased, experts)
+    want = loop_float64(*inputs, activation)
+    scale = np.abs(want).max()
+    tol = 1e-5 if dtype == jnp.float32 else 4e-3
+    for backend in pallas_kernels.BACKENDS:
+        got = run(backend, inputs, activation)
+        assert got.shape == (T, D) and got.dtype == np.float32, f"{backend}: shape {got.shape} dtype {got.dtype}"
+        assert np.isfinite(got).all(), f"{backend}: non-finite output"
+        err = np.abs(got - want).max() / scale
+        assert err < tol, f"{backend} T={T} {activation} biased={biased}: max error {err:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_moe_kernel_never_reads_unrouted_experts(T):
+    """NaN in every layer but LAYER and in every expert of LAYER no row routes to (weights and biases):
+    the kernel's output is finite and equal to the clean stacks' output."""
+    inputs = make_inputs(100 + T, T, jnp.bfloat16, True, experts=(1, 4, 6, 7))
+    x, ids, weights, *stacks = inputs
+    routed = np.zeros((L, E), bool)
+    routed[LAYER, np.unique(np.asarray(ids))] = True
+    poison = lambda a: jnp.where(routed.reshape(L, E, *[1] * (a.ndim - 2)), a, jnp.nan)
+    clean = run("pallas", inputs, "gpt_oss")
+    poisoned = run("pallas", (x, ids, weights, *map(poison, stacks)), "gpt_oss")
+    assert np.isfinite(poisoned).all(), f"T={T}: the kernel read an unrouted expert or another layer (NaN in its output)"
+    np.testing.assert_array_equal(poisoned, clean, err_msg=f"T={T}: poisoned stacks changed the output")
