@@ -187,6 +187,13 @@ def _slots(sizes, num_slots: int):
     return jnp.stack([expert, start, jnp.where(valid, ends[expert], 0)]).astype(jnp.int32)
 
 
+def _slot_call(kernel, name: str, grid, out_shape, args, bias, *, params, interpret: bool):
+    """One of the two calls: refs in, one ref out, the optional bias last."""
+    args = args if bias is None else [*args, bias]
+    return pl.pallas_call(kernel, grid=grid, in_specs=[pl.no_block_spec] * len(args), out_specs=pl.no_block_spec,
+                          out_shape=out_shape, compiler_params=params, interpret=interpret, name=name)(*args)
+
+
 def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
                        b_down=None, activation: str = "silu", interpret: bool = False, num_warps: int = 4,
                        num_stages: int = 3):
@@ -201,27 +208,14 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     bm = block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    call = functools.partial(_slot_call, params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                             interpret=interpret)
     bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
-    a = pl.pallas_call(
-        functools.partial(_gate_up_kernel, bm=bm, bk=divisor(D, BLOCK_K), bf=bf, activation=activation,
-                          biased=b_gate_up is not None),
-        grid=(S, F // bf),
-        in_specs=[pl.no_block_spec] * (5 + (b_gate_up is not None)),
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((N + bm, F), x.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="moe_gate_up",
-    )(layer, slots, tokens, x, w_gate_up, *[b for b in (b_gate_up,) if b is not None])
-    y = pl.pallas_call(
-        functools.partial(_down_kernel, bm=bm, bk=divisor(F, BLOCK_K), bd=bd, biased=b_down is not None),
-        grid=(S, D // bd),
-        in_specs=[pl.no_block_spec] * (4 + (b_down is not None)),
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
-        compiler_params=params,
-        interpret=interpret,
-        name="moe_down",
-    )(layer, slots, a, w_down, *[b for b in (b_down,) if b is not None])
+    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=divisor(D, BLOCK_K), bf=bf, activation=activation,
+                               biased=b_gate_up is not None),
+             "moe_gate_up", (S, F // bf), jax.ShapeDtypeStruct((N + bm, F), x.dtype),
+             [layer, slots, tokens, x, w_gate_up], b_gate_up)
+    y = call(functools.partial(_down_kernel, bm=bm, bk=divisor(F, BLOCK_K), bd=bd, biased=b_down is not None),
+             "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
+             [layer, slots, a, w_down], b_down)
     return _combine(y, order, expert_weights)
