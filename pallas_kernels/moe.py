@@ -37,7 +37,11 @@ from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, matmul_pr
 ACTIVATIONS = ("silu", "gpt_oss")
 GPT_OSS_LIMIT = 7.0  # gpt-oss's clamp of the gate (above) and the up projection (both sides)
 GPT_OSS_ALPHA = 1.702  # gpt-oss's sigmoid slope
-BLOCK_K = 64  # rows of the weights per loop step (a divisor of D or F: 64, 32 or 16)
+# Rows of the weights per loop step: a divisor of D or F, BLOCK_K or more so that a step's weight tile
+# keeps STEP_ELEMENTS (a 64 x 64 tile's) however narrow the column block (a first choice, for
+# bench/moe.py to tune).
+BLOCK_K = 64
+STEP_ELEMENTS = 64 * 64
 GATE_UP_COLUMNS = 64  # the first call's columns per program, of the gate and of the up half each
 DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
 MAX_ROWS = 64  # rows per row block: an expert's further rows take further blocks, re-reading its tile
@@ -110,6 +114,11 @@ def column_block(N: int, widest: int, slots: int) -> int:
     while block > MIN_TILE and slots * (N // block) < TARGET_PROGRAMS and N % (block // 2) == 0:
         block //= 2
     return block
+
+
+def step_rows(K: int, columns: int) -> int:
+    """Rows of the weights per loop step over K for a `columns`-wide block (BLOCK_K, STEP_ELEMENTS)."""
+    return divisor(K, max(BLOCK_K, STEP_ELEMENTS // columns))
 
 
 def _slot_rows(slots_ref, bm: int, body):
@@ -211,11 +220,11 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     call = functools.partial(_slot_call, params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                              interpret=interpret)
     bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
-    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=divisor(D, BLOCK_K), bf=bf, activation=activation,
+    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step_rows(D, bf), bf=bf, activation=activation,
                                biased=b_gate_up is not None),
              "moe_gate_up", (S, F // bf), jax.ShapeDtypeStruct((N + bm, F), x.dtype),
              [layer, slots, tokens, x, w_gate_up], b_gate_up)
-    y = call(functools.partial(_down_kernel, bm=bm, bk=divisor(F, BLOCK_K), bd=bd, biased=b_down is not None),
+    y = call(functools.partial(_down_kernel, bm=bm, bk=step_rows(F, bd), bd=bd, biased=b_down is not None),
              "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
              [layer, slots, a, w_down], b_down)
     return _combine(y, order, expert_weights)
