@@ -6,8 +6,7 @@ where a_e is the activation of h = x[t] @ w_gate_up[layer, e] + b_gate_up[layer,
 h[:F], up columns h[F:]):
 - "silu" (Qwen3-MoE): a = silu(g) * u;
 - "gpt_oss" (gpt-oss's clamped SwiGLU): g = min(g, 7), u = clip(u, -7, 7), a = (u + 1) * g * sigmoid(1.702 g).
-  transformers' GptOssExperts interleaves the gate and up columns; the loader de-interleaves them into
-  this layout.
+  gpt-oss's checkpoints interleave the gate and up columns: a loader splits them into this layout.
 Products take x's dtype as operands (the weights converted in registers) and accumulate in float32;
 the activations a enter the down product in x's dtype, as the model's own MLP does.
 
