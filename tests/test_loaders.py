@@ -33,7 +33,7 @@ def transformers_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(tokens)).logits.numpy()
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_sharded", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama_sharded", "qwen2", "qwen3", "qwen3_moe"])
 def test_hf_logits_match_transformers(hf_checkpoints, name):
     import torch
     import transformers

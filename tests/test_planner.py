@@ -17,7 +17,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, draft_weights
-from jaxspec.models.config import ModelConfig, NSAConfig
+from jaxspec.models.config import ModelConfig, MoEConfig, NSAConfig
 from jaxspec.planner import cost, refine, tables
 from jaxspec.planner.plan import choose, paid_copies
 from jaxspec.planner.refine import Observation
@@ -345,6 +345,29 @@ def test_cost_model_plain_when_weights_dominate_sparse_when_kv_does():
     assert by[PLAIN].iteration_s == pytest.approx(floor + 36 * cost.LAYER_OVERHEAD_S)
     no_ngram = [p for p in large if p.strategy.method != "ngram"]
     assert choose(no_ngram).method == "vegas"
+
+
+def test_cost_model_moe_rows_read_the_experts_they_hit():
+    """At Qwen3-30B-A3B's shapes one token reads 8 of each layer's 128 experts, a verify pass of 7
+    rows the expected distinct ones (~47), so its floor is dearer than a plain step's by those
+    experts' bytes; a dense model reads all its weights at any row count."""
+    moe = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                      num_kv_heads=4, head_dim=128, intermediate_size=6144, qk_norm=True,
+                      moe=MoEConfig(num_experts=128, top_k=8, expert_size=768, norm_topk_prob=True))
+    expert = 3 * 2048 * 768 * 2
+    rest = 3_000_000_000
+    total = rest + 48 * 128 * expert
+    assert cost.weight_bytes_read(moe, total, 1) == rest + 48 * 8 * expert
+    hit = 128 * (1 - (120 / 128) ** 7)
+    assert 44 < hit < 50 and cost.weight_bytes_read(moe, total, 7) == pytest.approx(rest + 48 * hit * expert, abs=1)
+    assert cost.weight_bytes_read(moe, total, 10_000) == pytest.approx(total)
+    assert cost.weight_bytes_read(QWEN3_8B, 16_400_000_000, 7) == 16_400_000_000
+    plain, verify = (cost.step_floor_s(moe, total, 1, 4096, 4000, rows) for rows in (1, 7))
+    assert verify - plain == pytest.approx(48 * (hit - 8) * expert / 4e12, rel=1e-6)
+    vegas = cost.predict(Strategy("vegas", gamma=6, ratio=0.07), moe, total, 1, 4096, 4000)
+    dense_rows = cost.predict(Strategy("vegas", gamma=6, ratio=0.07), moe.replace(model_type="qwen3", moe=None),
+                              total, 1, 4096, 4000)
+    assert vegas.iteration_s < dense_rows.iteration_s  # fewer weight bytes than a dense model of that size
 
 
 def test_refinement_switches_on_a_mismatch_and_not_on_a_match():

@@ -153,12 +153,15 @@ class SpecConfig:
     def check_model(self, cfg) -> SpecConfig:
         """Raises JaxspecError if the model cannot run this config: skipped layers must exist and
         leave one (and `full` needs a draft cheaper than the model: the skip list is only known with
-        the model); approximate precision classes need an NSA model, `reuse` one with a calibrated
-        refresh/reuse schedule."""
+        the model); quantized drafts need a dense model; approximate precision classes need an NSA
+        model, `reuse` one with a calibrated refresh/reuse schedule."""
         check_skip(self.draft_skip, cfg.num_layers)
         if self.method == "full" and self.draft_weights == "exact" and not self.draft_skip:
             raise JaxspecError("--method full drafts over the whole cache, so it needs a cheaper draft model: "
                                "--draft-weights int8|int4 or --draft-skip")
+        if self.draft_weights != "exact" and cfg.moe is not None:
+            raise JaxspecError(f"--draft-weights {self.draft_weights} quantizes a dense model's layer matrices; "
+                               "a mixture-of-experts model drafts with its exact weights")
         if self.precision != "strict" and cfg.nsa is None:
             raise JaxspecError(f"--precision {self.precision} needs an NSA model (dense models verify exactly)")
         if self.reuse_layers and not cfg.nsa.refresh_layers:

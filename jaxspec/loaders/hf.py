@@ -32,6 +32,13 @@ LAYER_TENSORS = {
     "mlp_norm": (("post_attention_layernorm.weight",), False),
     "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
     "w_down": (("mlp.down_proj.weight",), True),
+    "router": (("mlp.gate.weight",), True),
+}
+# MoE models: the experts' tensors inside model.layers.{i}.mlp.experts.{e}., stacked over the experts
+# (the layout of the released Qwen3-MoE checkpoints, and what transformers' save_pretrained writes)
+EXPERT_TENSORS = {
+    "moe_gate_up": (("gate_proj.weight", "up_proj.weight"), True),
+    "moe_down": (("down_proj.weight",), True),
 }
 # NSA models (llama-nsa) append the gate projection to the fused q/k/v matrix (and bias)
 NSA_GATE = {"wqkv": "self_attn.g_proj.weight", "bqkv": "self_attn.g_proj.bias"}
@@ -57,7 +64,8 @@ def read_config(path: Path, dtype: str) -> ModelConfig:
 
 def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
     """Assembles the params pytree from `get(hf_name) -> array`, checking every shape, as host
-    (numpy) arrays: `load_model` places them (on one device, or split over a mesh).
+    (numpy) arrays: `load_model` places them (on one device, or split over a mesh). Each layer stack
+    is filled in place, so a model's host copy peaks near its own size.
 
     Shared by the safetensors and GGUF loaders (GGUF names are mapped to HF names first).
     """
@@ -79,13 +87,19 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
         for key in ("embed", "final_norm", "lm_head")
         if key in shapes
     }
-    params["layers"] = {
-        key: np.stack(
-            [tensor(tuple(f"model.layers.{i}.{n}" for n in layer_tensor_names(cfg, key)), LAYER_TENSORS[key][1], shape[1:])
-             for i in range(shape[0])]
-        )
-        for key, shape in shapes["layers"].items()
-    }
+    def stack(key: str, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        for i in range(shape[0]):
+            if key in EXPERT_TENSORS:
+                names, transpose = EXPERT_TENSORS[key]
+                for e in range(shape[1]):
+                    out[i, e] = tensor(tuple(f"model.layers.{i}.mlp.experts.{e}.{n}" for n in names), transpose, shape[2:])
+            else:
+                names = tuple(f"model.layers.{i}.{n}" for n in layer_tensor_names(cfg, key))
+                out[i] = tensor(names, LAYER_TENSORS[key][1], shape[1:])
+        return out
+
+    params["layers"] = {key: stack(key, shape) for key, shape in shapes["layers"].items()}
     return params
 
 

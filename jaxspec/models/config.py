@@ -1,6 +1,7 @@
 """Model configuration: one frozen, hashable dataclass, so it can be a static argument of `jax.jit`.
 
-It covers the Llama family (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) and NSA-Llama
+It covers the Llama family (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm), Qwen3-MoE
+(`qwen3_moe`: Qwen3's attention, routed experts in place of the MLP, `MoEConfig`) and NSA-Llama
 (`llama-nsa`, the format of NSA-1B: Llama plus Native Sparse Attention, `NSAConfig`), and is built
 from a Hugging Face `config.json` dict or from GGUF metadata (see `jaxspec.loaders`).
 """
@@ -14,7 +15,9 @@ import numpy as np
 
 from jaxspec.errors import JaxspecError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "llama-nsa")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "llama-nsa")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_ACTIVATIONS = ("silu", "gpt_oss")
 NSA_TOPK_RULES = ("nsa1b", "exact")
 MAX_NSA_BLOCK = 128  # compressed blocks tile the cache slots (kvcache.SLOT_ALIGN)
 
@@ -125,6 +128,31 @@ class NSAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts in place of every layer's MLP (`jaxspec.models.moe`): `num_experts` experts of
+    `expert_size` columns, `top_k` of them per token. `router` "softmax_topk" (Qwen3-MoE): softmax over
+    all experts, the top k, renormalised to sum 1 when `norm_topk_prob`; "topk_softmax" (gpt-oss):
+    the top k logits, softmaxed over those k. `activation` "silu": silu(gate) * up; "gpt_oss": the
+    clamped SwiGLU of gpt-oss. `bias`: the router and the experts carry biases (gpt-oss)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    activation: str = "silu"
+    bias: bool = False
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise JaxspecError(f"num_experts_per_tok must be between 1 and num_experts ({self.num_experts}), got {self.top_k}")
+        if self.expert_size < 1:
+            raise JaxspecError(f"moe_intermediate_size must be positive, got {self.expert_size}")
+        if self.router not in MOE_ROUTERS or self.activation not in MOE_ACTIVATIONS:
+            raise JaxspecError(f"unknown MoE router {self.router!r} or activation {self.activation!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a decoder; `dtype` is the parameter and KV-cache dtype."""
 
@@ -146,6 +174,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
     nsa: NSAConfig | None = None  # set for llama-nsa models only
+    moe: MoEConfig | None = None  # set for mixture-of-experts models only: every layer's MLP is routed experts
     # tensor parallelism: > 1 makes this one shard's view of the model (`models.sharding.local_config`:
     # its heads and MLP columns, the model's vocabulary size), run per device under shard_map
     tp: int = 1
@@ -161,6 +190,10 @@ class ModelConfig:
             raise JaxspecError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         if (self.model_type == "llama-nsa") != (self.nsa is not None):
             raise JaxspecError(f"model type {self.model_type!r} {'needs' if self.nsa is None else 'takes no'} NSA settings")
+        if (self.model_type == "qwen3_moe") != (self.moe is not None):
+            raise JaxspecError(f"model type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE settings")
+        if self.moe is not None and self.tp > 1:
+            raise JaxspecError("tensor parallelism over mixture-of-experts models is not supported yet (--tp 1)")
         if self.nsa is not None and self.nsa.window_size > self.max_position_embeddings:
             raise JaxspecError(
                 f"NSA window_size {self.nsa.window_size} is larger than the context ({self.max_position_embeddings})"
@@ -200,14 +233,29 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 dtype=dtype,
                 nsa=nsa_from_hf(hf) if model_type == "llama-nsa" else None,
+                moe=moe_from_hf(hf) if model_type == "qwen3_moe" else None,
             )
         except KeyError as e:
             raise JaxspecError(f"config.json is missing {e.args[0]!r}") from None
+
+
+def moe_from_hf(hf: dict) -> MoEConfig:
+    """Qwen3-MoE's keys: `num_experts` (or `num_local_experts`), `num_experts_per_tok`,
+    `moe_intermediate_size`, `norm_topk_prob` (false when absent, as transformers reads it);
+    every layer must be an MoE layer (`decoder_sparse_step` 1, no `mlp_only_layers`), as in the
+    released Qwen3-MoE models: one stacked layer scan has one MLP kind."""
+    step, dense = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise JaxspecError(f"models mixing dense and MoE layers are not supported (decoder_sparse_step {step}, "
+                           f"mlp_only_layers {dense})")
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # the released configs' name, transformers 5's
+    return MoEConfig(num_experts=int(experts), top_k=int(hf["num_experts_per_tok"]),
+                     expert_size=int(hf["moe_intermediate_size"]), norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def nsa_from_hf(hf: dict) -> NSAConfig:

@@ -5,7 +5,10 @@ Params layout (x @ W convention; L = num_layers, D = hidden, F = intermediate, D
     layers: attn_norm [L, D], wqkv [L, D, (Hq + 2 Hkv) Dh (+ 3 Hq)] (q, k, v side by side, then for NSA
             models the gate logits, (compressed, selected, window) per query head), wo [L, Hq*Dh, D],
             bqkv [L, (Hq + 2 Hkv) Dh] (qkv_bias only), q_norm/k_norm [L, Dh] (qk_norm only),
-            mlp_norm [L, D], w_gate_up [L, D, 2F] (gate then up), w_down [L, F, D].
+            mlp_norm [L, D], w_gate_up [L, D, 2F] (gate then up), w_down [L, F, D];
+            mixture-of-experts models (cfg.moe) have instead router [L, D, E] (router_bias [L, E]) and
+            the experts' moe_gate_up [L, E, D, 2Fe], moe_down [L, E, Fe, D] (with biases
+            moe_gate_up_bias [L, E, 2Fe], moe_down_bias [L, E, D]): `jaxspec.models.moe`.
 The q/k/v and gate/up projections are fused because a decode step multiplies one or a few rows by
 each matrix: one product per layer reads the weights at about twice the bandwidth of three small
 ones (bench/NOTES.md, "Decode step").
@@ -16,6 +19,7 @@ each step behind it:
     out = attend(q, cache, gates, ...)               attention (the injected backend)
     x, h = residual_add_norm(x, out, wo, mlp_norm)   residual, then the MLP's norm
     x, h = residual_add_norm(x, swiglu(h), w_down, next_norm)   residual, then the next layer's norm
+                                                     (an MoE layer: its routed experts' output instead)
 Each residual add is fused with the norm that follows it (kernels.residual_norm), so the stream
 arrives at a layer already normed (h; the first layer's norm runs before the loop, the last one's
 norm is the final norm).
@@ -38,7 +42,7 @@ import numpy as np
 
 import pallas_kernels as kernels
 from jaxspec.errors import JaxspecError
-from jaxspec.models import nsa, sharding
+from jaxspec.models import moe, nsa, sharding
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache, init_cache
 from jaxspec.models.quantize import Quantized
@@ -66,9 +70,11 @@ def param_shapes(cfg: ModelConfig) -> Params:
         "wqkv": (L, D, q_dim + 2 * kv_dim + gate_dim(cfg)),
         "wo": (L, q_dim, D),
         "mlp_norm": (L, D),
-        "w_gate_up": (L, D, 2 * F),
-        "w_down": (L, F, D),
     }
+    if cfg.moe is None:
+        layers.update(w_gate_up=(L, D, 2 * F), w_down=(L, F, D))
+    else:
+        layers.update(moe.param_shapes(cfg.moe, L, D))
     if cfg.qkv_bias:
         layers.update(bqkv=(L, q_dim + 2 * kv_dim + gate_dim(cfg)))
     if cfg.qk_norm:
@@ -205,8 +211,9 @@ def forward(
                 or (name in MATRICES and kernels.row_matmul_reads_exact(m, B * T, backend))}
     stacks = {name: layers.get(name) for name in ("bqkv", "q_norm", "k_norm", "mlp_norm")}
     stacks["next_norm"] = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
+    experts = {name: a for name, a in layers.items() if name in moe.EXPERT_STACKS}  # read in place by the kernel
     scanned = {name: a for name, a in layers.items() if name not in in_place and name not in stacks
-               and name != "attn_norm"}
+               and name not in experts and name != "attn_norm"}
     num_entries = layers["attn_norm"].shape[0]
     # capture: the buffer slot of each entry's input (len(capture): a slot that takes the uncaptured ones)
     slot_of = jnp.asarray(capture_slots(capture, layer_ids, num_entries)) if capture else None
@@ -223,7 +230,11 @@ def forward(
                                            backend)
         out, ly, carry = attend(cache_layer, q, cache, lx, gates, carry)
         x, h = residual_add_norm(cfg, x, out.reshape(B, T, -1), p["wo"], stacks["mlp_norm"], entry, backend)
-        x, h = residual_add_norm(cfg, x, swiglu(h, p["w_gate_up"]), p["w_down"], stacks["next_norm"], entry, backend)
+        if cfg.moe is None:
+            x, h = residual_add_norm(cfg, x, swiglu(h, p["w_gate_up"]), p["w_down"], stacks["next_norm"], entry, backend)
+        else:
+            x, h = residual_add_norm(cfg, x, moe.experts(cfg.moe, h, p, experts, entry, backend), None, stacks["next_norm"],
+                                     entry, backend)
         return (x, h, cache, carry, entry + 1, *feats), ly
 
     if remat:
@@ -288,10 +299,11 @@ def residual_add_norm(cfg: ModelConfig, x: jax.Array, y: jax.Array, w, norm: jax
                       backend: str) -> tuple[jax.Array, jax.Array]:
     """(x + y @ w, its RMSNorm with norm[entry]): a sublayer's output projection added to the residual
     stream x [B, T, D], and the new stream normed for the next sublayer, in one kernel that sums the
-    product's partial sums itself (kernels.residual_norm). Under tensor parallelism the product is
-    summed over the shards first."""
+    product's partial sums itself (kernels.residual_norm). `w` None: y is the sublayer's output
+    itself (float32 [B, T, D]: an MoE layer's). Under tensor parallelism the product is summed over
+    the shards first."""
     B, T = x.shape[:2]
-    sums, scale = product_sums(y, w)
+    sums, scale = product_sums(y, w) if w is not None else (y.reshape(1, B * T, -1), None)
     if cfg.tp > 1:
         sums, scale = sharding.all_reduce(product_rows(sums, scale, entry, B * T, y.dtype), cfg)[None], None
     return kernels.residual_norm(x, sums, norm, entry, eps=cfg.rms_norm_eps, scale=scale, backend=backend)

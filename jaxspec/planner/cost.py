@@ -65,10 +65,25 @@ def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
     return cfg.num_layers * sum(layer_attention_bytes(cfg, batch, context).values())
 
 
-def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float) -> float:
-    """The bytes floor of a decode step: (weights + KV read + float32 logits written) / measured bandwidth."""
+def weight_bytes_read(cfg: ModelConfig, weight_bytes: int, tokens: int) -> int:
+    """The weight bytes a forward over `tokens` rows reads: a dense model's `weight_bytes`; of a
+    mixture-of-experts model's experts only those hit, in expectation E (1 - (1 - k/E)^tokens) a
+    layer for rows routed evenly to k of E experts (one token: k; a verify pass of many rows: more)."""
+    if cfg.moe is None:
+        return weight_bytes
+    E, k = cfg.moe.num_experts, cfg.moe.top_k
+    expert = 3 * cfg.hidden_size * cfg.moe.expert_size * jnp.dtype(cfg.dtype).itemsize
+    hit = E * (1 - (1 - k / E) ** tokens)
+    return round(weight_bytes - cfg.num_layers * (E - hit) * expert)
+
+
+def step_floor_s(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
+                 rows: int = 1) -> float:
+    """The bytes floor of a decode step of `rows` rows a sequence: (the weights it reads + KV read +
+    float32 logits written) / measured bandwidth."""
     logits = batch * cfg.vocab_size * 4
-    return (weight_bytes + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
+    weights = weight_bytes_read(cfg, weight_bytes, batch * rows)
+    return (weights + kv_bytes_read(cfg, batch, context) + logits) / (bandwidth_GBps * 1e9)
 
 
 def seconds_per_call(f, *args, min_run_s: float = 0.05) -> float:
@@ -114,7 +129,8 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
     the draft head `head`):
 
       forward(keys, rows, nsa) = layers x (LAYER_OVERHEAD_S + NSA_LAYER_OVERHEAD_S if nsa)
-                                 + (weights + K/V bytes of `keys` + rows x batch x vocab x 4) / bandwidth
+                                 + (weights read + K/V bytes of `keys` + rows x batch x vocab x 4) / bandwidth
+                                 (weights read: an MoE model's rows hit more experts: `weight_bytes_read`)
       plain step  = forward(context, 1, NSA attention on NSA models)
       iteration   = depth x draft + verify + ITERATION_OVERHEAD_S, draft = forward(K + depth + 1 keys
                     (selection + tail), 1, dense attention, the draft's weight bytes) with K =
@@ -140,7 +156,7 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
         """`rows` rows through the target's own attention over the context, or (draft_keys) one row
         through dense attention over draft_keys keys, reading the draft's weights."""
         if draft_keys is None:
-            floor = step_floor_s(cfg, weight_bytes, batch, context, bandwidth_GBps)
+            floor = step_floor_s(cfg, weight_bytes, batch, context, bandwidth_GBps, rows)
             overhead = LAYER_OVERHEAD_S + (NSA_LAYER_OVERHEAD_S if cfg.nsa else 0.0)
         else:
             draft_bytes = draft_weights.read_bytes(cfg, weight_bytes, strategy.draft_weights)
@@ -175,7 +191,7 @@ def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, ba
     at gamma 3 and 5, all strict (approximate precision classes and draft trees are chosen from
     measured tables only)."""
     strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
-    if batch <= kernels.ROW_MATMUL_ROWS:  # a draft forward's rows in one row block: int8 bytes read once
+    if batch <= kernels.ROW_MATMUL_ROWS and cfg.moe is None:  # a draft forward's rows in one row block: int8 read once
         strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
                        Strategy("full", gamma=6, draft_weights="int8")]
     strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]
