@@ -40,10 +40,11 @@ def leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if p.name.startswith(".")]
 
 
-def test_hf_round_trip_float32(hf_checkpoints, tmp_path):
-    src = hf_checkpoints["qwen2"]
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])
+def test_hf_round_trip_float32(hf_checkpoints, tmp_path, name):
+    src = hf_checkpoints[name]
     summary = convert(str(src), tmp_path / "ckpt", "float32")
-    assert summary.startswith(f"wrote {tmp_path / 'ckpt'} (qwen2, ")
+    assert summary.startswith(f"wrote {tmp_path / 'ckpt'} ({name}, ")
     original, restored = load_model(str(src), "float32"), load_model(str(tmp_path / "ckpt"), "float32")
     assert_same_model(original, restored)
     tokens = jnp.asarray([original[2].encode("The quick brown fox jumps over the lazy dog.")])

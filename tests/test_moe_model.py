@@ -17,7 +17,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import load_model
-from jaxspec.models import decoder, moe
+from jaxspec.models import decoder, moe, sharding
 from jaxspec.models.config import ModelConfig, MoEConfig
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
@@ -115,7 +115,7 @@ def test_refused_in_one_line(tmp_path):
     with pytest.raises(JaxspecError, match="between 1 and num_experts"):
         ModelConfig.from_hf({**hf, "num_experts_per_tok": 5})
     with pytest.raises(JaxspecError, match="tensor parallelism"):
-        CFG.replace(tp=2)
+        sharding.check(CFG, 2)
     with pytest.raises(JaxspecError, match="exact weights"):
         SpecConfig(method="vegas", draft_weights="int8").validate().check_model(CFG)
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "moe_intermediate_size"}))

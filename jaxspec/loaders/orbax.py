@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.models import sharding
-from jaxspec.models.config import ModelConfig, NSAConfig, RopeConfig
+from jaxspec.models.config import ModelConfig, MoEConfig, NSAConfig, RopeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.decoder import Params, param_shapes
 from jaxspec.tokenizer import Tokenizer
@@ -40,6 +40,7 @@ def config_from_json(text: str) -> ModelConfig:
     fields["rope"] = RopeConfig(**fields["rope"])
     fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
     fields["nsa"] = NSAConfig(**fields["nsa"]) if fields.get("nsa") else None
+    fields["moe"] = MoEConfig(**fields["moe"]) if fields.get("moe") else None
     return ModelConfig(**fields)
 
 

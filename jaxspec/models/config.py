@@ -192,8 +192,6 @@ class ModelConfig:
             raise JaxspecError(f"model type {self.model_type!r} {'needs' if self.nsa is None else 'takes no'} NSA settings")
         if (self.model_type == "qwen3_moe") != (self.moe is not None):
             raise JaxspecError(f"model type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE settings")
-        if self.moe is not None and self.tp > 1:
-            raise JaxspecError("tensor parallelism over mixture-of-experts models is not supported yet (--tp 1)")
         if self.nsa is not None and self.nsa.window_size > self.max_position_embeddings:
             raise JaxspecError(
                 f"NSA window_size {self.nsa.window_size} is larger than the context ({self.max_position_embeddings})"

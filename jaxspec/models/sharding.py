@@ -45,7 +45,9 @@ ROWS = ("wo", "w_down", "embed")  # split along the second-to-last axis (embed's
 # --- configuration ------------------------------------------------------------------------------------
 
 def check(cfg: ModelConfig, tp: int) -> None:
-    """One-line errors for a `--tp` that does not divide the model."""
+    """One-line errors for a `--tp` that does not divide the model (or a model it cannot split yet)."""
+    if cfg.moe is not None and tp > 1:
+        raise JaxspecError(f"--tp {tp}: tensor parallelism over mixture-of-experts models is not supported yet")
     counts = (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
               ("MLP columns", cfg.intermediate_size), ("vocabulary entries", cfg.vocab_size))
     for name, n in counts:
