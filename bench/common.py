@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models import eagle
-from jaxspec.models.config import ModelConfig, RopeConfig
+from jaxspec.models.config import ModelConfig, MoEConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
 # The step floor (bytes over bandwidth) is the planner's cost-model base; benchmarks use the same one.
 from jaxspec.planner.cost import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
@@ -44,6 +44,14 @@ QWEN3_8B = ModelConfig(
     model_type="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
     head_dim=128, intermediate_size=12288, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6),
     max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
+)
+
+# Qwen3-30B-A3B's shapes: 48 layers of Qwen3 attention, each MLP 128 experts of 768 columns, 8 routed a token
+QWEN3_30B_A3B = ModelConfig(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+    head_dim=128, intermediate_size=6144, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6),
+    max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
+    moe=MoEConfig(num_experts=128, top_k=8, expert_size=768, norm_topk_prob=True),
 )
 
 # A 1.2B Llama shape (Llama-3.2-1B-like, 2 KV heads as NSA-1B): small enough to be launch-bound at batch 1

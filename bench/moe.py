@@ -24,7 +24,8 @@ from jax import lax
 from bench import common
 import pallas_kernels as kernels
 
-QWEN3_30B_A3B = dict(D=2048, F=768, E=128, k=8)
+QWEN3_30B_A3B = dict(D=common.QWEN3_30B_A3B.hidden_size, F=common.QWEN3_30B_A3B.moe.expert_size,
+                     E=common.QWEN3_30B_A3B.moe.num_experts, k=common.QWEN3_30B_A3B.moe.top_k)
 TINY = dict(D=64, F=32, E=8, k=2)
 LAYERS = 2
 REPEATS = 8

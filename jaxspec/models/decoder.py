@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -85,14 +86,21 @@ def param_shapes(cfg: ModelConfig) -> Params:
     return shapes
 
 
+LAYERWISE_INIT_ELEMENTS = 1 << 28  # a larger random stack is drawn a layer at a time (no whole float32 copy)
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random weights (normal * scale, norms near 1) at the config's shapes, e.g. Qwen3-8B for latency."""
+    """Random weights (normal * scale, norms near 1) at the config's shapes, e.g. Qwen3-8B for latency.
+    A stack over LAYERWISE_INIT_ELEMENTS (an MoE model's experts: Qwen3-30B-A3B's are 19G elements)
+    is drawn layer by layer into its final dtype."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))
     keys = jax.random.split(key, len(flat))
     dtype = jnp.dtype(cfg.dtype)
 
     @functools.partial(jax.jit, static_argnums=(1, 2))
     def make(k, shape, is_norm):
+        if math.prod(shape) > LAYERWISE_INIT_ELEMENTS:
+            return jax.lax.map(lambda k: make(k, shape[1:], is_norm), jax.random.split(k, shape[0]))
         noise = jax.random.normal(k, shape, jnp.float32)
         return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
 
