@@ -144,33 +144,36 @@ def residual_norm(x, sums, weight, entry, *, eps: float, scale=None, backend: st
 
 
 def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
-                     collect: Collect | None = None, tree: TreeMask | None = None, backend: str = "reference"):
+                     collect: Collect | None = None, tree: TreeMask | None = None, sinks=None, lo=None,
+                     backend: str = "reference"):
     """q [B, T, Hq, Dh] against layer `layer` of the cache [L, B, Hkv, S, Dh]; row (b, t) sees slots
-    <= q_pos[b, t] (and, with a draft tree's mask, of the tree's rows only its ancestors). Returns
+    <= q_pos[b, t] (and, with a draft tree's mask, of the tree's rows only its ancestors; with lo
+    [B, T], none below lo[b, t]: a sliding window). sinks [L, Hq] (read at `layer`): each head's sink
+    logit joins its softmax's denominator, in the lse and the collected weights too. Returns
     out [B, T, Hq, Dh] (q.dtype), lse [B, T, Hq] fp32, and the selection scores asked for by
     `collect` (None without it). The Pallas kernel covers T <= 64; larger T run the reference."""
+    options = dict(scale=scale, collect=collect, tree=tree, sinks=sinks, lo=lo)
     if _is_pallas(backend):
-        return verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, scale=scale,
-                                       collect=collect, tree=tree, interpret=interpret_default())
-    return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, scale=scale,
-                                      collect=collect, tree=tree)
+        return verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, interpret=interpret_default(), **options)
+    return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, **options)
 
 
 def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *, scale: float,
-                     tail_capacity: int, tree: TreeMask | None = None, skew: float = 1.0,
-                     backend: str = "reference"):
+                     tail_capacity: int, tree: TreeMask | None = None, sinks=None, lo=None,
+                     skew: float = 1.0, backend: str = "reference"):
     """q [B, T, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], or a stack of them
     [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
     plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the cache (with a draft tree's
-    mask, of the tree's slots only the row's ancestors). Returns out [B, T, Hq, Dh] (q.dtype).
+    mask, of the tree's slots only the row's ancestors; with lo [B, T], of both parts no slot below
+    lo[b, t]: a sliding window). sinks [L, Hq] (read at `layer`): each head's sink logit joins its
+    softmax's denominator. Returns out [B, T, Hq, Dh] (q.dtype).
     `skew`: how far a row's slots may exceed the rows' mean (the kernel's split count; a
     shared budget's balance)."""
+    options = dict(scale=scale, tail_capacity=tail_capacity, tree=tree, sinks=sinks, lo=lo)
     if _is_pallas(backend):
-        return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
-                                       scale=scale, tail_capacity=tail_capacity, tree=tree, skew=skew,
-                                       interpret=interpret_default())
-    return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot,
-                                      scale=scale, tail_capacity=tail_capacity, tree=tree)
+        return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, skew=skew,
+                                       interpret=interpret_default(), **options)
+    return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, **options)
 
 
 def quest_pages(q, kmin, kmax, layer, last_page, k, k_max: int, *, backend: str = "reference"):

@@ -90,15 +90,22 @@ def pack_rows(x, n_blocks: int, rows: int, tile: int, fill=0):
     return jnp.pad(x, [(0, 0), (0, 0), (0, tile - rows * G)] + rest, constant_values=fill)
 
 
-def tile_positions(q_pos_ref, b, block, rows: int, G: int, tile: int):
+def tile_positions(q_pos_ref, b, block, rows: int, G: int, tile: int, fill=-1):
     """Inside a kernel: the positions q_pos[b, t] [B, T] of row block `block`'s packed rows (pack_rows'
-    layout, `rows` query rows of G heads), -1 on padding rows. Read here rather than packed by XLA,
+    layout, `rows` query rows of G heads), `fill` on padding rows. Read here rather than packed by XLA,
     which would run a kernel before every layer's call."""
     T = q_pos_ref.shape[1]
     packed = jnp.arange(tile)
     t = block * rows + packed // G
     real = (packed < rows * G) & (t < T)
-    return jnp.where(real, q_pos_ref[b, jnp.minimum(t, T - 1)], -1)
+    return jnp.where(real, q_pos_ref[b, jnp.minimum(t, T - 1)], fill)
+
+
+def tile_sinks(sinks_ref, layer, h, G: int, tile: int, split):
+    """Inside a kernel: the sink logits sinks[layer, h*G + g] (sinks [L, Hq]) of KV head h's packed
+    rows, fp32; -inf outside split 0, since the split merge must count each sink once."""
+    sinks = sinks_ref[layer, h * G + jnp.arange(tile) % G].astype(jnp.float32)
+    return jnp.where(split == 0, sinks, -jnp.inf)
 
 
 def tile_queries(q_ref, b, h, block, rows: int, G: int, tile: int, T: int):
@@ -148,11 +155,27 @@ def matmul_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
-def init_carry(rows: int, head_dim: int):
-    """Online-softmax state: unnormalised output, running max (-inf: nothing seen), running sum."""
-    return (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+def init_carry(rows: int, head_dim: int, sinks=None):
+    """Online-softmax state: unnormalised output, running max (-inf: nothing seen), running sum.
+
+    sinks [rows] (fp32, -inf: none) start it as one seen key of that logit and value 0: each row's
+    denominator gains exp(sink - m), its output has no term (an attention sink)."""
+    o = jnp.zeros((rows, head_dim), jnp.float32)
+    if sinks is None:
+        return o, jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    return o, sinks, (sinks > -jnp.inf).astype(jnp.float32)
+
+
+def softmax_weights(logits, sinks, layer):
+    """The references' softmax: (weights, lse) of masked logits [B, Hkv, T, G, N] over the keys. With
+    sinks [L, Hq], layer `layer`'s sink logit of each head joins its denominator (a row that sees no
+    key then weighs every key 0, and its lse is the sink)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    if sinks is not None:
+        Hkv, G = logits.shape[1], logits.shape[3]
+        sink = lax.dynamic_index_in_dim(sinks, layer, 0, keepdims=False).astype(jnp.float32)
+        lse = jnp.logaddexp(lse, sink.reshape(Hkv, 1, G))
+    return jnp.exp(logits - lse[..., None]), lse
 
 
 def softmax_step(carry, logits, mask, v):

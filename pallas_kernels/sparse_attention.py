@@ -8,7 +8,8 @@ tail_start[b] .. q_slot[b, t]. A chain drafts one row per step (T = 1); a draft
 tree drafts the T nodes of one depth in one step, and its `TreeMask` narrows the tail to the slots
 before the root and the row's own ancestors. The caller guarantees the gathered slots are distinct
 and below tail_start, so nothing is counted twice, and that the tail holds at most `tail_capacity`
-slots.
+slots. Optionally a row sees no slot below lo[b, t] (a sliding window: gathered or tail), and each
+head's sink logit joins its softmax's denominator (gpt-oss's attention sinks: a key of value 0).
 
 The Pallas kernel packs the T rows with their G heads into row blocks as verify attention does
 (`_common.row_blocks`): every program gathers the selected keys once for its whole row block.
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.verify_attention import TreeMask, ancestor_visible, tree_words
+from pallas_kernels.verify_attention import TreeMask, ancestor_visible, check_options, option_inputs, tree_words
 from pallas_kernels._common import (
     MIN_TILE,
     compiler_params,
@@ -31,20 +32,22 @@ from pallas_kernels._common import (
     num_splits,
     row_blocks,
     softmax_step,
+    softmax_weights,
     split_outputs,
     split_range,
     store_split,
     tile_positions,
     tile_queries,
+    tile_sinks,
     unpack_rows,
 )
 
 BLOCK_K = 64
 
 
-def _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree):
+def _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree, sinks, lo):
     B, T, Hq, Dh = q.shape
-    _, Bk, Hkv, _, Dk = k_cache.shape
+    L, Bk, Hkv, _, Dk = k_cache.shape
     if (Bk, Dk) != (B, Dh) or v_cache.shape != k_cache.shape or Hq % Hkv:
         raise ValueError(f"shapes do not match: q {q.shape}, k_cache {k_cache.shape}, "
                          f"v_cache {v_cache.shape}")
@@ -55,14 +58,16 @@ def _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree):
             raise ValueError(f"{name} must be [B] = [{B}], got {x.shape}")
     if q_slot.shape != (B, T):
         raise ValueError(f"q_slot must be [B, T] = {(B, T)}, got {q_slot.shape}")
+    check_options(sinks, lo, L, Hq, B, T)
     if tree is not None and tree.ancestors.shape[0] != T:
         raise ValueError(f"TreeMask.ancestors must have T={T} rows, got {tree.ancestors.shape}")
 
 
 def sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *,
-                               scale: float, tail_capacity: int, tree: TreeMask | None = None):
+                               scale: float, tail_capacity: int, tree: TreeMask | None = None,
+                               sinks=None, lo=None):
     """Plain jnp: gathers the selected keys and a tail_capacity-long tail window, masks, softmax."""
-    _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree)
+    _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree, sinks, lo)
     B, T, Hq, Dh = q.shape
     Hkv, S = k_cache.shape[2], k_cache.shape[3]
     G, K = Hq // Hkv, idx.shape[-1]
@@ -73,30 +78,37 @@ def sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_star
     tail = tail_start[:, None] + jnp.arange(tail_capacity)  # [B, C]
     slots = jnp.concatenate([jnp.broadcast_to(idx, (B, Hkv, K)),
                              jnp.broadcast_to(tail[:, None], (B, Hkv, tail_capacity))], axis=2)
+    if lo is not None:  # [B, Hkv, T, K + C]: a gathered slot's bound differs by KV head
+        above = slots[:, :, None, :] >= lo[:, None, :, None]
     slots = jnp.clip(slots, 0, S - 1)[..., None]
     tail_seen = tail[:, None, :] <= q_slot[..., None]  # [B, T, C]
     if tree is not None:
         tail_seen &= tree.visible(jnp.broadcast_to(tail[:, None, :], tail_seen.shape),
                                   jnp.broadcast_to(jnp.arange(T), (B, T)))
     gathered = jnp.broadcast_to((jnp.arange(K) < n_idx[:, None])[:, None, :], (B, T, K))
-    visible = jnp.concatenate([gathered, tail_seen], axis=2)  # [B, T, K + C]
+    visible = jnp.concatenate([gathered, tail_seen], axis=2)[:, None]  # [B, 1, T, K + C]
+    if lo is not None:
+        visible = visible & above
     keys = jnp.take_along_axis(k, slots, axis=2)
     values = jnp.take_along_axis(v, slots, axis=2)
     q5 = jnp.moveaxis(q.reshape(B, T, Hkv, G, Dh), 2, 1)  # [B, Hkv, T, G, Dh]
     logits = jnp.einsum("bktgd,bknd->bktgn", q5, keys,
                         precision=precision, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(visible[:, None, :, None], logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    logits = jnp.where(visible[:, :, :, None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1) if sinks is None else softmax_weights(logits, sinks, layer)[0]
+    p = p.astype(v.dtype)
     out = jnp.einsum("bktgn,bknd->bktgd", p, values, precision=precision,
                      preferred_element_type=jnp.float32)
     return jnp.moveaxis(out, 1, 2).reshape(B, T, Hq, Dh).astype(q.dtype)
 
 
 def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k_ref, v_ref, *refs,
-                   scale, block_k, n_splits, rows, G, T, tile, tree, stacked):
+                   scale, block_k, n_splits, rows, G, T, tile, tree, stacked, sinks, window):
     """Program (b, kv head h, row block r, split): its share of the gathered blocks (seen by every
     row) followed by the tail blocks up to the block's last q_slot (each row up to its own, and with
-    a tree only over its ancestors).
+    a tree only over its ancestors). With lower bounds (`window`) each row sees no slot below its
+    own, and the tail starts at the block's lowest. Split 0 starts its rows' softmax with their
+    heads' sinks.
 
     Every block is a token-granular gather (slot vector of block_k rows); slots past the list or
     the tail are clamped into the cache and masked out of the softmax.
@@ -109,10 +121,15 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k
     q = tile_queries(q_ref, b, h, r, rows, G, tile, T)
     pos = tile_positions(q_slot_ref, b, r, rows, G, tile)
     if tree:
-        first_ref, words_ref, o_ref, lse_ref = refs
+        first_ref, words_ref, *refs = refs
         first, lo_word, hi_word = first_ref[b], words_ref[0], words_ref[1]
-    else:
-        o_ref, lse_ref = refs
+    if sinks:
+        sinks_ref, *refs = refs
+    if window:
+        lo_ref, *refs = refs
+        row_lo = tile_positions(lo_ref, b, r, rows, G, tile, fill=jnp.iinfo(jnp.int32).max)
+        tail_start = jnp.maximum(tail_start, jnp.min(row_lo))
+    o_ref, lse_ref = refs
     n_gather = (n_idx + block_k - 1) // block_k
     n_tail = (jnp.maximum(jnp.max(pos) - tail_start + 1, 0) + block_k - 1) // block_k
     lo, hi = split_range(split, n_splits, n_gather + n_tail)
@@ -124,23 +141,27 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, q_ref, k
         gathered = idx_ref[idx_layer, b, 0 if shared else h, jnp.minimum(j, K - 1)]
         tail = tail_start + (i - n_gather) * block_k + jnp.arange(block_k)
         in_gather = i < n_gather
-        slots = jnp.clip(jnp.where(in_gather, gathered, tail), 0, last_slot)
+        wanted = jnp.where(in_gather, gathered, tail)
+        slots = jnp.clip(wanted, 0, last_slot)
         tail_visible = tail[None, :] <= pos[:, None]
         if tree:
             tail_visible = tail_visible & ancestor_visible(tail[None, :] - first, lo_word, hi_word)
         visible = jnp.where(in_gather, (j < n_idx)[None, :], tail_visible)
+        if window:
+            visible = visible & (wanted[None, :] >= row_lo[:, None])
         k = k_ref[layer, b, h, slots, :]
         v = v_ref[layer, b, h, slots, :]
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
         return softmax_step(carry, logits, visible, v)
 
-    carry = lax.fori_loop(lo, hi, block, init_carry(q.shape[0], q.shape[1]))
+    sink = tile_sinks(sinks_ref, layer, h, G, tile, split) if sinks else None
+    carry = lax.fori_loop(lo, hi, block, init_carry(q.shape[0], q.shape[1], sink))
     store_split(o_ref, lse_ref, carry, rows * G)
 
 
 def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *,
                             scale: float, tail_capacity: int, tree: TreeMask | None = None,
-                            interpret: bool = False, block_k: int = BLOCK_K,
+                            sinks=None, lo=None, interpret: bool = False, block_k: int = BLOCK_K,
                             n_splits: int | None = None, skew: float = 1.0):
     """Pallas-Triton kernel. Grid (B, Hkv, row blocks, n_splits): a row block is up to 16 query rows
     (more when G < 4) with the G heads of one KV head, packed as row t*G + g, so they share each
@@ -149,9 +170,11 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
 
     tail_capacity only sizes the static split count; `skew` is how far a row's gathered and tail
     blocks may exceed the rows' mean (a shared budget's balance), which multiplies it
-    (_common.num_splits) when there is more than one row. Head dim must be a power of two >= 16.
+    (_common.num_splits) when there is more than one row. Sinks join split 0's online softmax as a
+    key of value 0 (`_common.init_carry`), so the merge counts each once. Head dim must be a power of
+    two >= 16.
     """
-    _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree)
+    _check(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, tree, sinks, lo)
     B, T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
@@ -164,13 +187,16 @@ def sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, 
     stacked, idx = idx.ndim == 4, idx if idx.ndim == 4 else idx[None]
     n_idx, tail_start, idx, q_slot = (jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, idx, q_slot))
     kernel = functools.partial(_sparse_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=rows, G=G, T=T, tile=tile, tree=tree is not None, stacked=stacked)
+                               rows=rows, G=G, T=T, tile=tile, tree=tree is not None, stacked=stacked,
+                               sinks=sinks is not None, window=lo is not None)
     in_specs = [pl.no_block_spec] * 8
     args = [layer, n_idx, tail_start, idx, q_slot, q.reshape(B, T * Hq, Dh), k_cache, v_cache]
     if tree is not None:  # without a tree no mask inputs at all (zeros would cost a kernel per layer)
         first, words = tree_words(tree, G, n_blocks, rows, tile)
         in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
         args += [first, words]
+    specs, extra = option_inputs(sinks, lo)
+    in_specs, args = in_specs + specs, args + extra
     out_specs, out_shape = split_outputs(B, Hkv, n_blocks, n_splits, rows * G, Dh, q.dtype)
     o_part, lse_part = pl.pallas_call(
         kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

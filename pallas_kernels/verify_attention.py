@@ -7,6 +7,8 @@ Query (b, t) sees cache slots j <= q_pos[b, t]; the new rows' keys are already i
 is also the causal mask among the new rows. A draft tree (`TreeMask`) narrows that: its rows sit at
 slots first[b] + t, and row t sees a slot j >= first[b] only if row j - first[b] is t or one of its
 ancestors. With a chain's mask (every earlier row an ancestor) that is the causal mask again.
+Optionally a row sees no slot below lo[b, t] (a sliding window), and each head's sink logit joins its
+softmax's denominator (gpt-oss's attention sinks: a key of value 0, in the returned lse too).
 
 The Pallas kernel covers T <= 64 (a draft tree's largest verify) in row blocks of GQA-packed rows
 (`_common.row_blocks`: T <= 16 is one block); larger T (prefill chunks) run the reference.
@@ -32,11 +34,13 @@ from pallas_kernels._common import (
     pack_rows,
     row_blocks,
     softmax_step,
+    softmax_weights,
     split_outputs,
     split_range,
     store_split,
     tile_positions,
     tile_queries,
+    tile_sinks,
     unpack_rows,
 )
 
@@ -51,11 +55,12 @@ class Collect:
     """Which verify rows become per-key selection scores, and how.
 
     rows: sorted distinct indices into T. metric "weight": exp(scale*q.k - lse_row), 0 where the
-    row cannot see the key (key > q_pos of the row); "logit": scale*q.k, unmasked, so that its
-    mean over rows and heads is one dot product with the mean query. Scores are means over all Hq
-    heads. reduce_rows=True also averages the rows -> [B, S], -inf past q_pos[b, rows[0]]; False
-    keeps one score row per collected row -> [B, R, S], -inf past q_pos[b, rows[i]]. With rising
-    positions (every live sequence) the two metrics see the same keys.
+    row cannot see the key (key > q_pos of the row, or below its lo); "logit": scale*q.k, unmasked,
+    so that its mean over rows and heads is one dot product with the mean query. Scores are means
+    over all Hq heads. reduce_rows=True also averages the rows -> [B, S], -inf where row rows[0]
+    cannot see (past its q_pos, below its lo); False keeps one score row per collected row
+    -> [B, R, S], -inf where row rows[i] cannot see. With rising positions (every live sequence) the
+    two metrics see the same keys.
     """
     rows: tuple[int, ...]
     metric: str
@@ -118,43 +123,67 @@ def tree_words(tree: TreeMask, G: int, n_blocks: int, rows: int, tile: int):
     return tree.first.astype(jnp.int32), pack_rows(words, n_blocks, rows, tile)
 
 
-def _check(q, k_cache, v_cache, q_pos, collect, tree):
+def option_inputs(sinks, lo):
+    """(in_specs, args): the kernels' inputs for the options given (None: no input at all)."""
+    args = [x for x in (sinks, None if lo is None else lo.astype(jnp.int32)) if x is not None]
+    return [pl.no_block_spec] * len(args), args
+
+
+def _check(q, k_cache, v_cache, q_pos, collect, tree, sinks, lo):
     B, T, Hq, Dh = q.shape
-    _, Bk, Hkv, _, Dk = k_cache.shape
+    L, Bk, Hkv, _, Dk = k_cache.shape
     if (Bk, Dk) != (B, Dh) or v_cache.shape != k_cache.shape or Hq % Hkv:
         raise ValueError(f"shapes do not match: q {q.shape}, k_cache {k_cache.shape}, "
                          f"v_cache {v_cache.shape}")
     if q_pos.shape != (B, T):
         raise ValueError(f"q_pos must be [B, T] = {(B, T)}, got {q_pos.shape}")
+    check_options(sinks, lo, L, Hq, B, T)
     if collect is not None and collect.rows[-1] >= T:
         raise ValueError(f"Collect.rows {collect.rows} out of range for T={T}")
     if tree is not None and tree.ancestors.shape[0] != T:
         raise ValueError(f"TreeMask.ancestors must have T={T} rows, got {tree.ancestors.shape}")
 
 
-def mask_scores(scores, pos):
-    """-inf at slots j > pos: scores [..., S], pos [...]."""
-    return jnp.where(jnp.arange(scores.shape[-1]) <= pos[..., None], scores, -jnp.inf)
+def check_options(sinks, lo, L: int, Hq: int, B: int, T: int):
+    """The attention kernels' optional sinks [L, Hq] and lower bounds lo [B, T]."""
+    if sinks is not None and sinks.shape != (L, Hq):
+        raise ValueError(f"sinks must be [L, Hq] = {(L, Hq)}, got {sinks.shape}")
+    if lo is not None and lo.shape != (B, T):
+        raise ValueError(f"lo must be [B, T] = {(B, T)}, got {lo.shape}")
 
 
-def collected_scores(logits, lse, pos, collect: Collect):
-    """Selection scores from the collected rows' logits [B, Hkv, R, G, S], lse [B, Hkv, R, G], pos [B, R].
+def seen_slots(S: int, pos, lo=None):
+    """[..., S] bool: the slots j with lo <= j <= pos, for pos and lo [...] (lo None: from slot 0)."""
+    slots = jnp.arange(S)
+    seen = slots <= pos[..., None]
+    return seen if lo is None else seen & (slots >= lo[..., None])
 
-    Logits past the output mask may be garbage (even NaN): they are masked, never used.
+
+def mask_scores(scores, pos, lo=None):
+    """-inf at slots j > pos (and j < lo): scores [..., S], pos and lo [...]."""
+    return jnp.where(seen_slots(scores.shape[-1], pos, lo), scores, -jnp.inf)
+
+
+def collected_scores(logits, lse, pos, lo, collect: Collect):
+    """Selection scores from the collected rows' logits [B, Hkv, R, G, S], lse [B, Hkv, R, G], pos and
+    lo (or None) [B, R].
+
+    Logits outside the output mask may be garbage (even NaN): they are masked, never used.
     """
     if collect.metric == "weight":
-        visible = jnp.arange(logits.shape[-1]) <= pos[:, None, :, None, None]
+        visible = seen_slots(logits.shape[-1], pos, lo)[:, None, :, None, :]
         logits = jnp.where(visible, jnp.exp(logits - lse[..., None]), 0.0)
     per_row = logits.mean(axis=(1, 3))
     if collect.reduce_rows:
-        return mask_scores(per_row.mean(axis=1), pos[:, 0])
-    return mask_scores(per_row, pos)
+        return mask_scores(per_row.mean(axis=1), pos[:, 0], None if lo is None else lo[:, 0])
+    return mask_scores(per_row, pos, lo)
 
 
 def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: float,
-                               collect: Collect | None = None, tree: TreeMask | None = None):
+                               collect: Collect | None = None, tree: TreeMask | None = None,
+                               sinks=None, lo=None):
     """Plain jnp: any T. Materialises [B, Hq, T, S] fp32 logits (fine for tests and prefill chunks)."""
-    _check(q, k_cache, v_cache, q_pos, collect, tree)
+    _check(q, k_cache, v_cache, q_pos, collect, tree, sinks, lo)
     B, T, Hq, Dh = q.shape
     Hkv, S = k_cache.shape[2], k_cache.shape[3]
     G = Hq // Hkv
@@ -164,28 +193,29 @@ def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: floa
     q5 = jnp.moveaxis(q.reshape(B, T, Hkv, G, Dh), 2, 1)
     logits = jnp.einsum("bktgd,bksd->bktgs", q5, k, precision=precision,
                         preferred_element_type=jnp.float32) * scale
-    visible = jnp.arange(S) <= q_pos[:, None, :, None, None]
+    visible = seen_slots(S, q_pos, lo)[:, None, :, None, :]
     if tree is not None:
         slots = jnp.broadcast_to(jnp.arange(S), (B, T, S))
         seen = tree.visible(slots, jnp.broadcast_to(jnp.arange(T), (B, T)))  # [B, T, S]
         visible = visible & seen[:, None, :, None, :]
-    masked = jnp.where(visible, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(masked, axis=-1)
-    p = jnp.exp(masked - lse[..., None]).astype(v.dtype)
-    out = jnp.einsum("bktgs,bksd->bktgd", p, v, precision=precision,
+    p, lse = softmax_weights(jnp.where(visible, logits, -jnp.inf), sinks, layer)
+    out = jnp.einsum("bktgs,bksd->bktgd", p.astype(v.dtype), v, precision=precision,
                      preferred_element_type=jnp.float32)
     scores = None
     if collect is not None:
         rows = np.asarray(collect.rows)
-        scores = collected_scores(logits[:, :, rows], lse[:, :, rows], q_pos[:, rows], collect)
+        scores = collected_scores(logits[:, :, rows], lse[:, :, rows], q_pos[:, rows],
+                                  None if lo is None else lo[:, rows], collect)
     out = jnp.moveaxis(out, 1, 2).reshape(B, T, Hq, Dh).astype(q.dtype)
     return out, jnp.moveaxis(lse, 1, 2).reshape(B, T, Hq), scores
 
 
 def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
-                   scale, block_k, n_splits, rows, G, T, tile, picked, n_collect, collect_rows, tree):
+                   scale, block_k, n_splits, rows, G, T, tile, picked, n_collect, collect_rows, tree,
+                   sinks, window):
     """Program (b, kv head h, row block r, split): the split's share of the key blocks up to the
-    last slot any row of the block (or any collected row, `picked`) can see.
+    last slot any row of the block (or any collected row, `picked`) can see, and with lower bounds
+    (`window`) from the first such slot. Split 0 starts its rows' softmax with their heads' sinks.
 
     With collection, a second small tile of query rows (qc: the row block's share of the collected
     rows, `collect_rows` of them) is multiplied with every key block and its scaled logits are
@@ -194,6 +224,10 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
     b, h, r, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     if tree:
         first_ref, words_ref, *refs = refs
+    if sinks:
+        sinks_ref, *refs = refs
+    if window:
+        lo_ref, *refs = refs
     if n_collect:
         qc_ref, o_ref, lse_ref, scores_ref = refs
         qc = qc_ref[...]
@@ -210,7 +244,16 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
     for row in picked:  # static: each block reads keys up to every collected row's too
         end = jnp.maximum(end, q_pos_ref[b, row])
     n_blocks = (end + block_k) // block_k
-    lo, hi = split_range(split, n_splits, n_blocks)
+    if window:  # blocks below every row's lower bound (and every collected row's) are never read
+        row_lo = tile_positions(lo_ref, b, r, rows, G, tile, fill=jnp.iinfo(jnp.int32).max)
+        begin = jnp.min(row_lo)
+        for row in picked:
+            begin = jnp.minimum(begin, lo_ref[b, row])
+        begin = jnp.maximum(begin, 0) // block_k
+        lo, hi = split_range(split, n_splits, n_blocks - begin)
+        lo, hi = begin + lo, begin + hi
+    else:
+        lo, hi = split_range(split, n_splits, n_blocks)
 
     def body(i, carry):
         start = pl.multiple_of(i * block_k, block_k)
@@ -223,11 +266,14 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
                         collected.astype(scores_ref.dtype), mask=c_real)
         slots = start + jnp.arange(block_k)[None, :]
         visible = slots <= pos[:, None]
+        if window:
+            visible = visible & (slots >= row_lo[:, None])
         if tree:
             visible = visible & ancestor_visible(slots - first, lo_word, hi_word)
         return softmax_step(carry, logits, visible, v)
 
-    carry = lax.fori_loop(lo, hi, body, init_carry(q.shape[0], q.shape[1]))
+    sink = tile_sinks(sinks_ref, layer, h, G, tile, split) if sinks else None
+    carry = lax.fori_loop(lo, hi, body, init_carry(q.shape[0], q.shape[1], sink))
     store_split(o_ref, lse_ref, carry, rows * G)
 
 
@@ -247,7 +293,8 @@ def _collect_tile(q5, collect: Collect):
 
 def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
                             collect: Collect | None = None, tree: TreeMask | None = None,
-                            interpret: bool = False, block_k: int = BLOCK_K, n_splits: int | None = None):
+                            sinks=None, lo=None, interpret: bool = False, block_k: int = BLOCK_K,
+                            n_splits: int | None = None):
     """Pallas-Triton kernel for T <= 64 (decode, chain and tree verification); larger T use the
     reference.
 
@@ -255,13 +302,15 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     the G heads of one KV head, packed as row t*G + g; split-K over the keys the block can see
     (blocks past its max q_pos are never read), the splits' log-sum-exp merge in one more kernel
     (_common.merged). Collected rows are shared out evenly over the row blocks, and each block then
-    reads keys up to the largest collected q_pos too. Head dim must be a power of two >= 16.
+    reads keys up to the largest collected q_pos too (and from the smallest collected lo). Sinks join
+    split 0's online softmax as a key of value 0 (`_common.init_carry`), so the merged output and lse
+    count each once. Head dim must be a power of two >= 16.
     """
-    _check(q, k_cache, v_cache, q_pos, collect, tree)
+    _check(q, k_cache, v_cache, q_pos, collect, tree, sinks, lo)
     B, T, Hq, Dh = q.shape
     if T > MAX_PALLAS_ROWS:
         return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, scale=scale,
-                                          collect=collect, tree=tree)
+                                          collect=collect, tree=tree, sinks=sinks, lo=lo)
     Hkv, S = k_cache.shape[2], k_cache.shape[3]
     G = Hq // Hkv
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
@@ -280,6 +329,8 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
         first, words = tree_words(tree, G, n_blocks, rows, tile)
         in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
         args += [first, words]
+    specs, extra = option_inputs(sinks, lo)
+    in_specs, args = in_specs + specs, args + extra
     out_specs, out_shape = split_outputs(B, Hkv, n_blocks, n_splits, rows * G, Dh, q.dtype)
     n_collect = collect_rows = 0
     if collect is not None:
@@ -297,7 +348,8 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
 
     kernel = functools.partial(_verify_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
                                rows=rows, G=G, T=T, tile=tile, picked=() if collect is None else collect.rows,
-                               n_collect=n_collect, collect_rows=collect_rows, tree=tree is not None)
+                               n_collect=n_collect, collect_rows=collect_rows, tree=tree is not None,
+                               sinks=sinks is not None, window=lo is not None)
     outs = pl.pallas_call(kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape,
                           compiler_params=compiler_params(), interpret=interpret,
@@ -307,13 +359,14 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     scores = None
     if collect is not None:
         picked = np.asarray(collect.rows)
-        pos_c = q_pos[:, picked]
+        pos_c, lo_c = q_pos[:, picked], None if lo is None else lo[:, picked]
         if collect.metric == "weight":
             raw = outs[2].reshape(B, Hkv, len(picked), G, S).astype(jnp.float32)
             lse_c = jnp.moveaxis(lse.reshape(B, T, Hkv, G)[:, picked], 2, 1)
-            scores = collected_scores(raw, lse_c, pos_c, collect)
+            scores = collected_scores(raw, lse_c, pos_c, lo_c, collect)
+        elif collect.reduce_rows:
+            mean = outs[2].sum(axis=1) / (Hq * len(picked))
+            scores = mask_scores(mean[:, 0], pos_c[:, 0], None if lo is None else lo_c[:, 0])
         else:
-            mean = outs[2].sum(axis=1) / (Hq * (len(picked) if collect.reduce_rows else 1))
-            scores = mask_scores(mean[:, 0] if collect.reduce_rows else mean,
-                                 pos_c[:, 0] if collect.reduce_rows else pos_c)
+            scores = mask_scores(outs[2].sum(axis=1) / Hq, pos_c, lo_c)
     return out, lse, scores
