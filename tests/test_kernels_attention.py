@@ -64,30 +64,42 @@ def verify_positions(seed, B, T, S):
     return jnp.asarray(np.stack(pos), jnp.int32)
 
 
-def verify_oracle(q, k_cache, v_cache, q_pos, scale, collect):
+def verify_oracle(q, k_cache, v_cache, q_pos, scale, collect, sinks=None, lo=None, tree=None):
+    """Row (b, t) sees slots lo[b, t] <= j <= q_pos[b, t] (lo None: 0), with tree = (first, ancestors)
+    of the tree's slots only its ancestors; sinks [Hq] join every denominator. Collected weights are
+    0, and scores -inf, where the row cannot see the slot by q_pos and lo (the tree aside)."""
     q, k, v, q_pos = f64(q), f64(k_cache[LAYER]), f64(v_cache[LAYER]), np.asarray(q_pos)
     G = q.shape[2] // k.shape[1]
     S = k.shape[2]
     k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     logits = np.einsum("bthd,bhsd->bths", q, k) * scale
-    visible = np.arange(S) <= q_pos[:, :, None, None]
+    seen = np.arange(S) <= q_pos[:, :, None, None]
+    if lo is not None:
+        seen = seen & (np.arange(S) >= np.asarray(lo)[:, :, None, None])
+    visible = seen
+    if tree is not None:
+        first, ancestors = tree
+        rel = np.arange(S) - np.asarray(first)[:, None]                           # [B, S]
+        R = ancestors.shape[1]
+        ancestor = np.where((rel >= 0) & (rel < R), ancestors[:, np.clip(rel, 0, R - 1)], rel < 0)
+        visible = visible & np.moveaxis(ancestor, 0, 1)[:, :, None, :]
     masked = np.where(visible, logits, -np.inf)
     m = masked.max(-1, keepdims=True)
-    lse = m + np.log(np.exp(masked - m).sum(-1, keepdims=True))
+    sink = -np.inf if sinks is None else f64(sinks)[:, None]
+    m = np.maximum(m, sink)
+    lse = m + np.log(np.exp(masked - m).sum(-1, keepdims=True) + np.exp(sink - m))
     out = np.einsum("bths,bhsd->bthd", np.exp(masked - lse), v)
     scores = None
     if collect is not None:
         rows = list(collect.rows)
-        pos = q_pos[:, rows]
         metric = logits[:, rows]
         if collect.metric == "weight":
-            visible = np.arange(S) <= pos[:, :, None, None]
-            metric = np.where(visible, np.exp(metric - lse[:, rows]), 0.0)
+            metric = np.where(seen[:, rows], np.exp(metric - lse[:, rows]), 0.0)
         per_row = metric.mean(axis=2)
         if collect.reduce_rows:
-            scores = np.where(np.arange(S) <= pos[:, :1], per_row.mean(axis=1), -np.inf)
+            scores = np.where(seen[:, rows[0], 0], per_row.mean(axis=1), -np.inf)
         else:
-            scores = np.where(np.arange(S) <= pos[..., None], per_row, -np.inf)
+            scores = np.where(seen[:, rows, 0], per_row, -np.inf)
     return out, lse[..., 0], scores
 
 
@@ -191,6 +203,72 @@ def test_collect_validation():
                                    scale=1.0, collect=Collect((0, 2), "logit", True))
 
 
+def poisoned(cache, lo):
+    """cache [L, B, Hkv, S, Dh] with layer LAYER's slots below every row's lo [B, T] poisoned (keys NaN,
+    values huge, both finite for v: a weight of 0 times them is 0): reading them must not show."""
+    below = jnp.arange(cache.shape[3]) < jnp.min(lo, axis=1)[:, None]               # [B, S]
+    return cache.at[LAYER].set(jnp.where(below[:, None, :, None], jnp.nan, cache[LAYER]))
+
+
+def poisoned_values(cache, lo):
+    below = jnp.arange(cache.shape[3]) < jnp.min(lo, axis=1)[:, None]
+    return cache.at[LAYER].set(jnp.where(below[:, None, :, None], 1e30, cache[LAYER]))
+
+
+WINDOW_CASES = [
+    # (sinks, window, tree shape, collect, dtype, block_k, n_splits); vegas collects rows 0 and last
+    (True, None, None, Collect((0, 6), "weight", True), jnp.float32, 32, 3),
+    (False, 40, None, Collect((0, 3, 6), "logit", False), jnp.bfloat16, 32, None),
+    (True, 70, None, Collect((0, 6), "weight", True), jnp.float32, 32, 3),
+    (True, 45, None, Collect((0, 6), "logit", True), jnp.bfloat16, 64, 1),
+    (True, 50, (2, 2), Collect((0, 6), "weight", False), jnp.float32, 32, 2),
+]
+
+
+@pytest.mark.parametrize("case", range(len(WINDOW_CASES)))
+def test_verify_attention_sinks_and_window(case):
+    """Sinks [L, Hq] (read at the layer) in every denominator, the lse and the collected weights; rows
+    seeing no slot below lo = q_pos - window + 1 (negative for the sequence starting at 0; 7 rows'
+    bounds in different key blocks). Both backends against float64, on caches poisoned below every
+    row's bound."""
+    sinks_on, window, shape, collect, dtype, block_k, n_splits = WINDOW_CASES[case]
+    B, Hq, Hkv, Dh, S = 3, 8, 2, 64, 256
+    tree = None if shape is None else TreeShape(shape, "dfs")
+    T = 7
+    q, k_cache, v_cache = random_inputs(400 + case, (B, T, Hq, Dh), B, Hkv, S, Dh, dtype)
+    q_pos = verify_positions(400 + case, B, T, S)
+    mask = None
+    if tree is not None:
+        first = q_pos[:, 0]
+        mask = TreeMask(first, tree.ancestors)
+    sinks = 2 * jax.random.normal(jax.random.key(case), (LAYERS, Hq)) if sinks_on else None
+    lo = None if window is None else q_pos - window + 1
+    scale = Dh ** -0.5
+    want = verify_oracle(q, k_cache, v_cache, q_pos, scale, collect, None if sinks is None else sinks[LAYER], lo,
+                         None if tree is None else (np.asarray(first), tree.ancestors))
+    if lo is not None:
+        k_cache, v_cache = poisoned(k_cache, lo), poisoned_values(v_cache, lo)
+    options = dict(scale=scale, collect=collect, tree=mask, sinks=sinks, lo=lo)
+    ref = jax.jit(lambda *a: verify_attention_reference(*a, **options))(q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+    got = jax.jit(lambda *a: verify_attention_pallas(*a, interpret=True, block_k=block_k, n_splits=n_splits,
+                                                     **options))(q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+    for name, g, r, w in zip(("out", "lse", "scores"), got, ref, want):
+        assert_close(r, w, TOL[dtype], f"reference {name}")
+        assert_close(g, w, 2 * TOL[dtype], f"pallas {name}")
+
+
+def test_verify_attention_options_default_to_none():
+    """sinks=None, lo=None is the call without them, output for output."""
+    q, k_cache, v_cache = random_inputs(9, (2, 3, 4, 64), 2, 2, 128, 64, jnp.float32)
+    q_pos = jnp.asarray([[60, 61, 62], [125, 126, 127]], jnp.int32)
+    collect = Collect((0, 2), "weight", True)
+    for attention, kw in ((verify_attention_reference, {}), (verify_attention_pallas, dict(interpret=True))):
+        plain = attention(q, k_cache, v_cache, LAYER, q_pos, scale=0.125, collect=collect, **kw)
+        none = attention(q, k_cache, v_cache, LAYER, q_pos, scale=0.125, collect=collect, sinks=None, lo=None, **kw)
+        for a, b in zip(plain, none):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---------------------------------------------------------------- sparse attention
 
 def sparse_inputs(seed, B, Hs, K, S, n_idx, tail_start):
@@ -204,9 +282,10 @@ def sparse_inputs(seed, B, Hs, K, S, n_idx, tail_start):
 
 
 def sparse_oracle(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, scale, first=None,
-                  ancestors=None):
+                  ancestors=None, sinks=None, lo=None):
     """Row (b, t) attends idx[b, s, :n_idx[b]] and the tail tail_start[b] .. q_slot[b, t]; with a
-    tree, the tail's committed slots [tail_start, first) and the row's ancestors' slots instead."""
+    tree, the tail's committed slots [tail_start, first) and the row's ancestors' slots instead;
+    with lo, of these the slots >= lo[b, t]. sinks [Hq] join every denominator."""
     q, k, v = f64(q), f64(k_cache[LAYER]), f64(v_cache[LAYER])
     B, T, Hq, _ = q.shape
     Hkv = k.shape[1]
@@ -222,9 +301,13 @@ def sparse_oracle(q, k_cache, v_cache, idx, n_idx, tail_start, q_slot, scale, fi
             for h in range(Hq):
                 s = 0 if idx.shape[1] == 1 else h // G
                 slots = np.concatenate([idx[b, s, :n_idx[b]], tail])
+                if lo is not None:
+                    slots = slots[slots >= lo[b, t]]
                 logits = k[b, h // G, slots] @ q[b, t, h] * scale
-                p = np.exp(logits - logits.max())
-                out[b, t, h] = p @ v[b, h // G, slots] / p.sum()
+                sink = -np.inf if sinks is None else float(sinks[h])
+                m = max(logits.max(initial=-np.inf), sink)
+                p = np.exp(logits - m)
+                out[b, t, h] = p @ v[b, h // G, slots] / (p.sum() + np.exp(sink - m))
     return out
 
 
@@ -398,3 +481,73 @@ def test_tree_verify_equals_each_path_as_a_chain(shape, order, pallas):
     if max(shape) > 1:  # siblings exist: without the mask some row would see them
         unmasked, _, _ = run(None)
         assert not np.allclose(unmasked, out, atol=1e-3)
+
+
+SPARSE_WINDOW_CASES = [
+    # (sinks, window, tree depth, Hs, dtype, block_k, n_splits)
+    (True, None, None, 2, jnp.float32, 16, 3),
+    (False, 40, None, 2, jnp.bfloat16, 16, None),
+    (True, 40, None, 1, jnp.float32, 16, 2),
+    (True, 30, 3, 2, jnp.float32, 16, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SPARSE_WINDOW_CASES)))
+def test_sparse_attention_sinks_and_window(case):
+    """Sinks [L, Hq] in every denominator; rows seeing no gathered or tail slot below lo = q_slot -
+    window + 1: sequence 0's bounds cut its gathered slots, sequence 1's its tail, sequence 2 gathers
+    nothing; with sinks, sequence 3's row 0 sees no slot at all (out 0). Three rows (or a draft tree's
+    depth) per sequence, both backends against float64, on caches poisoned below every row's bound."""
+    sinks_on, window, depth, Hs, dtype, block_k, n_splits = SPARSE_WINDOW_CASES[case]
+    B, Hq, Hkv, Dh, S, K = 4, 8, 2, 64, 384, 24
+    n_idx, tail_start = (24, 10, 0, 6), np.array([120, 60, 200, 300])
+    first = ancestors = mask = None
+    if depth is None:
+        T = 3
+        q_slot = tail_start[:, None] + np.array([20, 80, 5, 30])[:, None] + np.arange(T)
+    else:
+        tree = TreeShape((2, 2, 2), "dfs")
+        rows = np.flatnonzero(tree.node_depth == depth)
+        ancestors, T = tree.ancestors[rows], len(rows)
+        first = tail_start + np.array([20, 80, 5, 30])
+        q_slot = first[:, None] + rows
+        mask = TreeMask(jnp.asarray(first, jnp.int32), ancestors)
+    q, k_cache, v_cache = random_inputs(500 + case, (B, T, Hq, Dh), B, Hkv, S, Dh, dtype)
+    idx = sparse_inputs(500 + case, B, Hs, K, S, n_idx, tail_start)
+    sinks = 2 * jax.random.normal(jax.random.key(case), (LAYERS, Hq)) if sinks_on else None
+    lo = None
+    if window is not None:
+        lo = q_slot - window + 1
+        if sinks_on:
+            lo[3, 0] = q_slot[3].max() + 1
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_slot)]
+    capacity = int((q_slot.max(axis=1) - tail_start).max()) + 1
+    scale = Dh ** -0.5
+    want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale, first, ancestors,
+                         None if sinks is None else np.asarray(sinks[LAYER]), lo)
+    if lo is not None:
+        k_cache, v_cache = poisoned(k_cache, lo), poisoned_values(v_cache, lo)
+        lo = jnp.asarray(lo, jnp.int32)
+    args = (q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
+    options = dict(scale=scale, tail_capacity=capacity, tree=mask, sinks=sinks, lo=lo)
+    ref = jax.jit(lambda *a: sparse_attention_reference(*a, **options))(*args)
+    got = jax.jit(lambda *a: sparse_attention_pallas(*a, interpret=True, block_k=block_k, n_splits=n_splits,
+                                                     **options))(*args)
+    assert_close(ref, want, TOL[dtype], "reference")
+    assert_close(got, want, 2 * TOL[dtype], "pallas")
+    if sinks_on and window is not None:
+        assert not np.asarray(got[3, 0]).any() and not np.asarray(ref[3, 0]).any()
+
+
+def test_sparse_attention_options_default_to_none():
+    """sinks=None, lo=None is the call without them, output for output."""
+    Hq, Hkv, Hs, Dh, S, K, n_idx, tail_start, q_pos, dtype, block_k, n_splits = SPARSE_CASES[0]
+    B = len(n_idx)
+    q, k_cache, v_cache = random_inputs(590, (B, 1, Hq, Dh), B, Hkv, S, Dh, dtype)
+    idx = sparse_inputs(590, B, Hs, K, S, n_idx, tail_start)
+    args = (q, k_cache, v_cache, LAYER, idx, *[jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_pos)])
+    args = args[:-1] + (args[-1][:, None],)
+    for attention, kw in ((sparse_attention_reference, {}), (sparse_attention_pallas, dict(interpret=True))):
+        plain = attention(*args, scale=0.125, tail_capacity=32, **kw)
+        none = attention(*args, scale=0.125, tail_capacity=32, sinks=None, lo=None, **kw)
+        np.testing.assert_array_equal(np.asarray(plain), np.asarray(none))
