@@ -124,6 +124,20 @@ def test_tree_verify_attention_lowers(check_cuda, shape):
                spec((B, tree.rows, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, tree.rows)), spec((B,)))
 
 
+@pytest.mark.parametrize("shape", [None, (2, 2, 2, 2, 2)])
+def test_verify_attention_with_sinks_and_window_lowers(check_cuda, shape):
+    """gpt-oss's options: sinks [L, Hq] and lower bounds [B, T], with vegas's collection (rows 0 and
+    last) on 10 rows and on a 5-deep binary tree (63 rows, 4 row blocks)."""
+    tree = None if shape is None else TreeShape(shape, "dfs")
+    T = 10 if tree is None else tree.rows
+    cache = spec((L, B, 8, S, 64), jnp.bfloat16)
+    check_cuda(lambda q, k, v, layer, pos, sinks, lo, first: verify_attention_pallas(
+                   q, k, v, layer, pos, scale=64 ** -0.5, collect=Collect((0, T - 1), "weight", True),
+                   tree=None if tree is None else TreeMask(first, tree.ancestors), sinks=sinks, lo=lo),
+               spec((B, T, 64, 64), jnp.bfloat16), cache, cache, spec(()), spec((B, T)),
+               spec((L, 64), jnp.bfloat16), spec((B, T)), spec((B,)))
+
+
 @pytest.mark.parametrize("Hs", [1, 8])
 def test_sparse_attention_lowers(check_cuda, Hs):
     cache = spec((L, B, 8, S, 128), jnp.bfloat16)
@@ -144,6 +158,19 @@ def test_tree_sparse_attention_lowers(check_cuda, Hq, Hkv, Dh, Hs):
                    tree=TreeMask(first, tree.ancestors[rows])),
                spec((B, len(rows), Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)))
+
+
+def test_tree_sparse_attention_with_sinks_and_window_lowers(check_cuda):
+    """gpt-oss's options on the deepest 32 rows of a 5-deep binary tree (two row blocks, G=8)."""
+    tree = TreeShape((2, 2, 2, 2, 2), "bfs")
+    rows = np.flatnonzero(tree.node_depth == 5)
+    cache = spec((L, B, 8, S, 64), jnp.bfloat16)
+    check_cuda(lambda q, k, v, layer, idx, n_idx, tail_start, q_slot, first, sinks, lo: sparse_attention_pallas(
+                   q, k, v, layer, idx, n_idx, tail_start, q_slot, scale=64 ** -0.5, tail_capacity=80,
+                   tree=TreeMask(first, tree.ancestors[rows]), sinks=sinks, lo=lo),
+               spec((B, len(rows), 64, 64), jnp.bfloat16), cache, cache, spec(()), spec((B, 8, 2294)),
+               spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)), spec((L, 64), jnp.bfloat16),
+               spec((B, len(rows))))
 
 
 @pytest.mark.parametrize("Hq, Hkv, Dh, T, splits, qk_norm", [
