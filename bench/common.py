@@ -54,6 +54,18 @@ QWEN3_30B_A3B = ModelConfig(
     moe=MoEConfig(num_experts=128, top_k=8, expert_size=768, norm_topk_prob=True),
 )
 
+# gpt-oss-20b's shapes: 24 layers alternating sliding-window (128 keys, from the first) and full attention
+# with sinks and biases, 64 query / 8 KV heads of 64, each MLP 32 experts of 2,880 columns, 4 routed a
+# token (bf16 here: the released MXFP4 experts are dequantized at load)
+GPT_OSS_20B = ModelConfig(
+    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+    head_dim=64, intermediate_size=2880, rms_norm_eps=1e-5, max_position_embeddings=131072, qkv_bias=True,
+    o_bias=True, sinks=True, sliding_window=128, sliding_layers=tuple(range(0, 24, 2)), dtype="bfloat16",
+    rope=RopeConfig(theta=150000.0, kind="yarn", factor=32.0, original_max_position=4096, truncate=False),
+    moe=MoEConfig(num_experts=32, top_k=4, expert_size=2880, router="topk_softmax", norm_topk_prob=False,
+                  activation="gpt_oss", bias=True),
+)
+
 # A 1.2B Llama shape (Llama-3.2-1B-like, 2 KV heads as NSA-1B): small enough to be launch-bound at batch 1
 LLAMA_1B = ModelConfig(
     model_type="llama", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=2,

@@ -1,6 +1,6 @@
-"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B, Qwen3-30B-A3B, SmolLM2 or 1.2B Llama shapes.
+"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B, Qwen3-30B-A3B, gpt-oss-20b, SmolLM2 or 1.2B Llama shapes.
 
-    PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|qwen3-30b-a3b|smollm2|llama-1b] [--methods plain,vegas]
+    PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|smollm2|llama-1b] [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
@@ -142,7 +142,8 @@ def skewed(state, balance: float, iterations: int = 10_000):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b", "smollm2", "llama-1b"), default="qwen3-8b")
+    p.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "smollm2", "llama-1b"),
+                   default="qwen3-8b")
     p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
     p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
     p.add_argument("--draft-weights", default="exact", type=lambda s: s.split(","),
@@ -175,8 +176,8 @@ def main():
 
     from bench.decode import TINY_CFG
 
-    models = {"qwen3-8b": common.QWEN3_8B, "qwen3-30b-a3b": common.QWEN3_30B_A3B, "smollm2": common.SMOLLM2,
-              "llama-1b": common.LLAMA_1B}
+    models = {"qwen3-8b": common.QWEN3_8B, "qwen3-30b-a3b": common.QWEN3_30B_A3B, "gpt-oss-20b": common.GPT_OSS_20B,
+              "smollm2": common.SMOLLM2, "llama-1b": common.LLAMA_1B}
     cfg = TINY_CFG if args.tiny else models[args.model]
     if args.tiny and "eagle" in args.methods:  # an EAGLE-3 head reads three distinct layers: (2, L // 2, L - 3)
         cfg = dataclasses.replace(cfg, num_layers=8)

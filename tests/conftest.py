@@ -151,6 +151,10 @@ def _model(kind: str, tie: bool = False, rope_theta: float = 50000.0, **sizes):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=rope_theta))
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1e6))
+    if kind == "gpt_oss":  # sliding-window layers of 8 keys between full ones, sinks, 2 of 8 experts of 64 columns
+        config = transformers.GptOssConfig(**{**common, "intermediate_size": 64}, head_dim=16, num_local_experts=8,
+                                           num_experts_per_tok=2, sliding_window=8)
+        return transformers.GptOssForCausalLM(config)
     if kind == "qwen3_moe":  # every layer routes each token to 2 of 8 experts of 48 columns
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, head_dim=32, rope_theta=1e6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -213,6 +217,7 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
         "qwen2": dict(kind="qwen2"),
         "qwen3": dict(kind="qwen3"),
         "qwen3_moe": dict(kind="qwen3_moe", sizes=dict(num_hidden_layers=4)),
+        "gpt_oss": dict(kind="gpt_oss", sizes=dict(num_hidden_layers=4)),
     }
     paths = {}
     for seed, (name, spec) in enumerate(specs.items()):

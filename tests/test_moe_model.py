@@ -70,23 +70,29 @@ def test_greedy_tokens_equal_transformers(hf_checkpoints):
     assert np.asarray(out.tokens)[0, 19:35].tolist() == want
 
 
-@pytest.fixture(scope="module")
-def moe_model():
-    params = decoder.init_params(CFG, jax.random.key(7), scale=0.08)
-    rng = np.random.default_rng(11)
-    lengths = [300, 37, 120]
-    ids = np.zeros((3, 300), np.int32)
+def random_model(cfg: ModelConfig, seed: int, lengths: list[int]):
+    """(random params of `cfg`, random prompts [B, max(lengths)] of `lengths`, plain decoding's greedy
+    tokens of them): what a drafter's output must equal."""
+    params = decoder.init_params(cfg, jax.random.key(seed), scale=0.08)
+    rng = np.random.default_rng(seed + 1)
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
     for b, n in enumerate(lengths):
-        ids[b, :n] = rng.integers(0, CFG.vocab_size, n)
-    return params, ids, lengths, run(params, SpecConfig(), ids, lengths)
+        ids[b, :n] = rng.integers(0, cfg.vocab_size, n)
+    return params, ids, lengths, greedy(cfg, params, SpecConfig(), ids, lengths)
 
 
-def run(params, spec, ids, lengths, max_new=24):
-    out = jax.jit(engine.Engine(CFG, spec.validate(), SamplingConfig(), max(lengths) + max_new).generate)(
+def greedy(cfg: ModelConfig, params, spec: SpecConfig, ids, lengths, max_new=24) -> list[list[int]]:
+    """Each row's greedy tokens under `spec` (`Engine.generate`)."""
+    out = jax.jit(engine.Engine(cfg, spec.validate(), SamplingConfig(), max(lengths) + max_new).generate)(
         params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), jax.random.key(0), max_new_tokens=max_new,
         stop_ids=STOP)
     tokens, length = jax.device_get((out.tokens, out.length))
     return [tokens[b, n:length[b]].tolist() for b, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return random_model(CFG, 7, [300, 37, 120])
 
 
 # The MoE layer is the same in every draft and verify pass: a chain and a tree cover its rows in the
@@ -100,7 +106,7 @@ def run(params, spec, ids, lengths, max_new=24):
 ], ids=["vegas", "stream", "quest", "ngram", "vegas tree"])
 def test_every_drafter_equals_plain(moe_model, spec):
     params, ids, lengths, plain = moe_model
-    assert run(params, spec, ids, lengths) == plain
+    assert greedy(CFG, params, spec, ids, lengths) == plain
 
 
 def test_refused_in_one_line(tmp_path):

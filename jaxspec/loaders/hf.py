@@ -33,13 +33,43 @@ LAYER_TENSORS = {
     "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
     "w_down": (("mlp.down_proj.weight",), True),
     "router": (("mlp.gate.weight",), True),
+    "router_bias": (("mlp.router.bias",), False),
+    "bo": (("self_attn.o_proj.bias",), False),
+    "sinks": (("self_attn.sinks",), False),
 }
+ROUTER_NAMES = {"gpt_oss": "mlp.router.weight"}  # the router's weight where not Qwen3-MoE's mlp.gate.weight
 # MoE models: the experts' tensors inside model.layers.{i}.mlp.experts.{e}., stacked over the experts
 # (the layout of the released Qwen3-MoE checkpoints, and what transformers' save_pretrained writes)
 EXPERT_TENSORS = {
     "moe_gate_up": (("gate_proj.weight", "up_proj.weight"), True),
     "moe_down": (("down_proj.weight",), True),
 }
+# gpt-oss: each layer's experts in one tensor inside model.layers.{i}.mlp.experts. (x @ W layout), the
+# gate and up columns interleaved (gate even, up odd), or the released MXFP4 form of the matrices
+# (NAME_blocks [E, out, in / 32, 16] of packed 4-bit values, NAME_scales [E, out, in / 32] exponents)
+GPT_OSS_EXPERTS = {"moe_gate_up": "gate_up_proj", "moe_down": "down_proj", "moe_gate_up_bias": "gate_up_proj_bias",
+                   "moe_down_bias": "down_proj_bias"}
+MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                        np.float32)  # a 4-bit code's value (e2m1)
+
+
+def mxfp4_matrix(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 [E, in, out] of MXFP4 blocks [E, out, G, 16] uint8 (two codes a byte, the low nibble
+    first) and scales [E, out, G] uint8 (a power of two per 32 values, biased by 127)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = np.ldexp(MXFP4_VALUES[codes], scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*values.shape[:-2], -1).swapaxes(-1, -2)
+
+
+def gpt_oss_experts(key: str, layer: int, get: Callable[[str], np.ndarray], has: Callable[[str], bool]) -> np.ndarray:
+    """Layer `layer`'s expert tensor `key` of a gpt-oss checkpoint in jaxspec's layout (gate columns
+    then up columns)."""
+    name = f"model.layers.{layer}.mlp.experts.{GPT_OSS_EXPERTS[key]}"
+    if key in ("moe_gate_up", "moe_down") and not has(name):
+        w = mxfp4_matrix(np.asarray(get(name + "_blocks")), np.asarray(get(name + "_scales")))
+    else:
+        w = np.asarray(get(name))
+    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1) if key.startswith("moe_gate_up") else w
 # NSA models (llama-nsa) append the gate projection to the fused q/k/v matrix (and bias)
 NSA_GATE = {"wqkv": "self_attn.g_proj.weight", "bqkv": "self_attn.g_proj.bias"}
 TOP_TENSORS = {
@@ -51,6 +81,8 @@ TOP_TENSORS = {
 
 def layer_tensor_names(cfg: ModelConfig, key: str) -> tuple[str, ...]:
     """The HF names (inside model.layers.{i}.) that make up the jaxspec layer tensor `key`, in order."""
+    if key == "router" and cfg.model_type in ROUTER_NAMES:
+        return (ROUTER_NAMES[cfg.model_type],)
     return LAYER_TENSORS[key][0] + ((NSA_GATE[key],) if cfg.nsa and key in NSA_GATE else ())
 
 
@@ -62,12 +94,13 @@ def read_config(path: Path, dtype: str) -> ModelConfig:
     return ModelConfig.from_hf(hf, dtype=dtype)
 
 
-def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
+def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool] = lambda _: True) -> Params:
     """Assembles the params pytree from `get(hf_name) -> array`, checking every shape, as host
     (numpy) arrays: `load_model` places them (on one device, or split over a mesh). Each layer stack
     is filled in place, so a model's host copy peaks near its own size.
 
-    Shared by the safetensors and GGUF loaders (GGUF names are mapped to HF names first).
+    Shared by the safetensors and GGUF loaders (GGUF names are mapped to HF names first); `has(name)`
+    says whether a tensor exists (gpt-oss's experts come in two forms).
     """
     shapes = param_shapes(cfg)
     dtype = jnp.dtype(cfg.dtype)
@@ -90,7 +123,12 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> Params:
     def stack(key: str, shape: tuple[int, ...]) -> np.ndarray:
         out = np.empty(shape, dtype)
         for i in range(shape[0]):
-            if key in EXPERT_TENSORS:
+            if cfg.model_type == "gpt_oss" and key in GPT_OSS_EXPERTS:
+                w = gpt_oss_experts(key, i, get, has)
+                if w.shape != shape[1:]:
+                    raise JaxspecError(f"gpt-oss expert tensor {key} of layer {i} has shape {w.shape}, expected {shape[1:]}")
+                out[i] = w
+            elif key in EXPERT_TENSORS:
                 names, transpose = EXPERT_TENSORS[key]
                 for e in range(shape[1]):
                     out[i, e] = tensor(tuple(f"model.layers.{i}.mlp.experts.{e}.{n}" for n in names), transpose, shape[2:])
@@ -121,22 +159,33 @@ def load(path: Path, dtype: str) -> tuple[ModelConfig, Params]:
 
     opened: dict[str, object] = {}
 
-    def get(name: str) -> np.ndarray:
+    def file_of(name: str):
+        """The open safetensors file that should hold `name`, or None when the index names none."""
         file = "model.safetensors" if weight_map is None else weight_map.get(name)
         if file is None:
-            raise JaxspecError(f"checkpoint {path} has no tensor {name}")
+            return None
         try:
             if file not in opened:
                 opened[file] = safe_open(path / file, framework="numpy")
-            if name not in opened[file].keys():
-                raise JaxspecError(f"checkpoint {path} has no tensor {name}")
-            return opened[file].get_tensor(name)
         except SafetensorError as e:
             raise JaxspecError(f"corrupt or incomplete safetensors file {path / file}: {e}") from None
         except FileNotFoundError:
             raise JaxspecError(f"missing safetensors shard {path / file}") from None
+        return opened[file]
 
-    return cfg, build_params(cfg, get)
+    def has(name: str) -> bool:
+        f = file_of(name)
+        return f is not None and name in f.keys()
+
+    def get(name: str) -> np.ndarray:
+        if not has(name):
+            raise JaxspecError(f"checkpoint {path} has no tensor {name}")
+        try:
+            return file_of(name).get_tensor(name)
+        except SafetensorError as e:
+            raise JaxspecError(f"corrupt or incomplete safetensors file {path}: {e}") from None
+
+    return cfg, build_params(cfg, get, has)
 
 
 def hf_config(cfg: ModelConfig) -> dict:

@@ -41,6 +41,7 @@ def config_from_json(text: str) -> ModelConfig:
     fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
     fields["nsa"] = NSAConfig(**fields["nsa"]) if fields.get("nsa") else None
     fields["moe"] = MoEConfig(**fields["moe"]) if fields.get("moe") else None
+    fields["sliding_layers"] = tuple(fields.get("sliding_layers", ()))
     return ModelConfig(**fields)
 
 

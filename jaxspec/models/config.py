@@ -1,7 +1,9 @@
 """Model configuration: one frozen, hashable dataclass, so it can be a static argument of `jax.jit`.
 
 It covers the Llama family (Llama/SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm), Qwen3-MoE
-(`qwen3_moe`: Qwen3's attention, routed experts in place of the MLP, `MoEConfig`) and NSA-Llama
+(`qwen3_moe`: Qwen3's attention, routed experts in place of the MLP, `MoEConfig`), gpt-oss (`gpt_oss`:
+biased attention with a learned sink logit per head, sliding-window layers between full ones, YaRN
+RoPE, routed experts with biases and a clamped SwiGLU) and NSA-Llama
 (`llama-nsa`, the format of NSA-1B: Llama plus Native Sparse Attention, `NSAConfig`), and is built
 from a Hugging Face `config.json` dict or from GGUF metadata (see `jaxspec.loaders`).
 """
@@ -15,7 +17,8 @@ import numpy as np
 
 from jaxspec.errors import JaxspecError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "llama-nsa")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "llama-nsa")
+MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
 MOE_ROUTERS = ("softmax_topk", "topk_softmax")
 MOE_ACTIVATIONS = ("silu", "gpt_oss")
 NSA_TOPK_RULES = ("nsa1b", "exact")
@@ -175,6 +178,10 @@ class ModelConfig:
     dtype: str = "bfloat16"
     nsa: NSAConfig | None = None  # set for llama-nsa models only
     moe: MoEConfig | None = None  # set for mixture-of-experts models only: every layer's MLP is routed experts
+    o_bias: bool = False  # a bias on the attention's output projection (gpt-oss)
+    sinks: bool = False  # a learned sink logit per layer and query head in every softmax's denominator (gpt-oss)
+    sliding_window: int = 0  # the keys a sliding-window layer sees: the last `sliding_window` positions
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend a sliding window (the others: every key)
     # tensor parallelism: > 1 makes this one shard's view of the model (`models.sharding.local_config`:
     # its heads and MLP columns, the model's vocabulary size), run per device under shard_map
     tp: int = 1
@@ -190,8 +197,11 @@ class ModelConfig:
             raise JaxspecError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
         if (self.model_type == "llama-nsa") != (self.nsa is not None):
             raise JaxspecError(f"model type {self.model_type!r} {'needs' if self.nsa is None else 'takes no'} NSA settings")
-        if (self.model_type == "qwen3_moe") != (self.moe is not None):
+        if (self.model_type in MOE_MODEL_TYPES) != (self.moe is not None):
             raise JaxspecError(f"model type {self.model_type!r} {'needs' if self.moe is None else 'takes no'} MoE settings")
+        if self.sliding_layers and not (self.sliding_window > 0 and max(self.sliding_layers) < self.num_layers):
+            raise JaxspecError(f"sliding-window layers {list(self.sliding_layers)} need a positive sliding_window and "
+                               f"layers below {self.num_layers}")
         if self.nsa is not None and self.nsa.window_size > self.max_position_embeddings:
             raise JaxspecError(
                 f"NSA window_size {self.nsa.window_size} is larger than the context ({self.max_position_embeddings})"
@@ -231,22 +241,38 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+                o_bias=model_type == "gpt_oss" and bool(hf.get("attention_bias", False)),
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                sinks=model_type == "gpt_oss",
+                sliding_window=int(hf.get("sliding_window") or 0) if model_type == "gpt_oss" else 0,
+                sliding_layers=sliding_layers(hf) if model_type == "gpt_oss" else (),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 dtype=dtype,
                 nsa=nsa_from_hf(hf) if model_type == "llama-nsa" else None,
-                moe=moe_from_hf(hf) if model_type == "qwen3_moe" else None,
+                moe=moe_from_hf(hf) if model_type in MOE_MODEL_TYPES else None,
             )
         except KeyError as e:
             raise JaxspecError(f"config.json is missing {e.args[0]!r}") from None
 
 
+def sliding_layers(hf: dict) -> tuple[int, ...]:
+    """gpt-oss's sliding-window layers: `layer_types` (else every other layer from the first, its default)."""
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(int(hf["num_hidden_layers"]))]
+    return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+
+
 def moe_from_hf(hf: dict) -> MoEConfig:
-    """Qwen3-MoE's keys: `num_experts` (or `num_local_experts`), `num_experts_per_tok`,
-    `moe_intermediate_size`, `norm_topk_prob` (false when absent, as transformers reads it);
-    every layer must be an MoE layer (`decoder_sparse_step` 1, no `mlp_only_layers`), as in the
-    released Qwen3-MoE models: one stacked layer scan has one MLP kind."""
+    """gpt-oss: `num_local_experts` experts of `intermediate_size`, `num_experts_per_tok` a token, the
+    router's top-k logits softmaxed, biases, the clamped SwiGLU. Qwen3-MoE's keys: `num_experts` (or
+    `num_local_experts`), `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob` (false when
+    absent, as transformers reads it); every layer must be an MoE layer (`decoder_sparse_step` 1, no
+    `mlp_only_layers`), as in the released Qwen3-MoE models: one stacked layer scan has one MLP kind."""
+    if hf["model_type"] == "gpt_oss":
+        return MoEConfig(num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
+                         expert_size=int(hf["intermediate_size"]), router="topk_softmax", norm_topk_prob=False,
+                         activation="gpt_oss", bias=True)
     step, dense = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
     if step != 1 or dense:
         raise JaxspecError(f"models mixing dense and MoE layers are not supported (decoder_sparse_step {step}, "

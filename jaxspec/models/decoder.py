@@ -4,7 +4,8 @@ Params layout (x @ W convention; L = num_layers, D = hidden, F = intermediate, D
     embed [V, D], final_norm [D], lm_head [D, V] (absent when embeddings are tied),
     layers: attn_norm [L, D], wqkv [L, D, (Hq + 2 Hkv) Dh (+ 3 Hq)] (q, k, v side by side, then for NSA
             models the gate logits, (compressed, selected, window) per query head), wo [L, Hq*Dh, D],
-            bqkv [L, (Hq + 2 Hkv) Dh] (qkv_bias only), q_norm/k_norm [L, Dh] (qk_norm only),
+            bqkv [L, (Hq + 2 Hkv) Dh] (qkv_bias only), bo [L, D] (o_bias only), sinks [L, Hq]
+            (sinks only), q_norm/k_norm [L, Dh] (qk_norm only),
             mlp_norm [L, D], w_gate_up [L, D, 2F] (gate then up), w_down [L, F, D];
             mixture-of-experts models (cfg.moe) have instead router [L, D, E] (router_bias [L, E]) and
             the experts' moe_gate_up [L, E, D, 2Fe], moe_down [L, E, Fe, D] (with biases
@@ -52,8 +53,9 @@ from pallas_kernels.rope_write import apply_rope, rms_norm  # noqa: F401 (the la
 
 Params = dict[str, Any]
 # attend(layer, q [B,T,Hq,Dh], cache, layer_x, gates, carry) -> (out [B,T,Hq,Dh], layer_y, carry);
-# gates [B,T,Hq,3] are NSA's sigmoid gates (None for dense models; attention that is not NSA's ignores
-# them); carry goes from layer to layer (NSA reuse layers take an earlier layer's selection from it)
+# gates are the model's attention inputs besides q and the cache: NSA's sigmoid gates [B,T,Hq,3],
+# gpt-oss's `SinkWindow`, else None (attention that is not that model's ignores them); carry goes
+# from layer to layer (NSA reuse layers take an earlier layer's selection from it)
 AttendFn = Callable[[jax.Array, jax.Array, KVCache, Any, Any, Any], tuple[jax.Array, Any, Any]]
 
 
@@ -80,6 +82,10 @@ def param_shapes(cfg: ModelConfig) -> Params:
         layers.update(bqkv=(L, q_dim + 2 * kv_dim + gate_dim(cfg)))
     if cfg.qk_norm:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.o_bias:
+        layers.update(bo=(L, D))
+    if cfg.sinks:
+        layers.update(sinks=(L, cfg.num_heads))
     shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
@@ -217,7 +223,7 @@ def forward(
     layers = params["layers"]
     in_place = {name: m for name, m in layers.items() if isinstance(m, Quantized)
                 or (name in MATRICES and kernels.row_matmul_reads_exact(m, B * T, backend))}
-    stacks = {name: layers.get(name) for name in ("bqkv", "q_norm", "k_norm", "mlp_norm")}
+    stacks = {name: layers.get(name) for name in ("bqkv", "q_norm", "k_norm", "mlp_norm", "sinks")}
     stacks["next_norm"] = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
     experts = {name: a for name, a in layers.items() if name in moe.EXPERT_STACKS}  # read in place by the kernel
     scanned = {name: a for name, a in layers.items() if name not in in_place and name not in stacks
@@ -236,7 +242,11 @@ def forward(
                      for name, m in in_place.items()}}
         q, cache, gates = attention_inputs(cfg, h, p["wqkv"], stacks, entry, positions, write_pos, cache, cache_layer,
                                            backend)
+        if cfg.sinks:  # gpt-oss: its attention's inputs besides q and the cache
+            gates = SinkWindow(stacks["sinks"], lowest_slots(cfg, positions, cache_layer))
         out, ly, carry = attend(cache_layer, q, cache, lx, gates, carry)
+        if cfg.o_bias:
+            x = x + p["bo"]
         x, h = residual_add_norm(cfg, x, out.reshape(B, T, -1), p["wo"], stacks["mlp_norm"], entry, backend)
         if cfg.moe is None:
             x, h = residual_add_norm(cfg, x, swiglu(h, p["w_gate_up"]), p["w_down"], stacks["next_norm"], entry, backend)
@@ -260,6 +270,31 @@ def forward(
         return x, cache, layer_ys
     features = jnp.moveaxis(feats[0][:-1], 0, 2).reshape(B, T, -1)  # [B, T, n * D], layer by layer
     return x, cache, layer_ys, features
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SinkWindow:
+    """gpt-oss attention's inputs besides q and the cache, handed to `attend` in NSA's gates' place:
+    the model's sink logits [L, Hq] (the kernels read the attended layer's row in place) and the
+    lowest cache slot each query row sees [B, T] (a sliding-window layer's position - W + 1, 0 on
+    full-attention layers)."""
+
+    sinks: jax.Array
+    lo: jax.Array
+
+
+def sink_window(gates) -> dict:
+    """The attention kernels' `sinks` and `lo` arguments from an attend's gates (none unless gpt-oss's)."""
+    return {"sinks": gates.sinks, "lo": gates.lo} if isinstance(gates, SinkWindow) else {}
+
+
+def lowest_slots(cfg: ModelConfig, positions: jax.Array, layer: jax.Array) -> jax.Array:
+    """[B, T] the lowest slot rows at `positions` see at model layer `layer` (traced): the sliding
+    window's first on `cfg.sliding_layers`, else 0. A committed key's slot is its position, and a draft
+    tree's own keys lie within any window larger than its depth."""
+    sliding = jnp.asarray(np.isin(np.arange(cfg.num_layers), cfg.sliding_layers))[layer]
+    return jnp.where(sliding, jnp.maximum(positions - cfg.sliding_window + 1, 0), 0).astype(jnp.int32)
 
 
 def capture_slots(capture: tuple[int, ...], layer_ids, num_entries: int) -> np.ndarray:
@@ -362,9 +397,10 @@ def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, t
     if cfg.nsa:
         attend = nsa.attend_fn(cfg, q_slot, backend, collect, tree, verification)
     else:
-        def attend(layer, q, cache, _, _gates, carry):
+        def attend(layer, q, cache, _, gates, carry):
             out, _, scores = kernels.verify_attention(
-                q, cache.k, cache.v, layer, q_slot, scale=cfg.head_dim**-0.5, collect=collect, tree=tree, backend=backend
+                q, cache.k, cache.v, layer, q_slot, scale=cfg.head_dim**-0.5, collect=collect, tree=tree,
+                backend=backend, **sink_window(gates)
             )
             return out, scores, carry
 

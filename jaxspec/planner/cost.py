@@ -61,8 +61,10 @@ def layer_attention_bytes(cfg: ModelConfig, batch: int, context: int, T: int = 1
 
 def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
     """Bytes of keys and values one decode step over `context` tokens reads, all layers (NSA models:
-    their three branches)."""
-    return cfg.num_layers * sum(layer_attention_bytes(cfg, batch, context).values())
+    their three branches; a sliding-window layer: its window)."""
+    full = sum(layer_attention_bytes(cfg, batch, context).values())
+    window = key_bytes(cfg, batch) * min(context, cfg.sliding_window)
+    return (cfg.num_layers - len(cfg.sliding_layers)) * full + len(cfg.sliding_layers) * window
 
 
 def weight_bytes_read(cfg: ModelConfig, weight_bytes: int, tokens: int) -> int:

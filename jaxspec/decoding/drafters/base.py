@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import pallas_kernels as kernels
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kvcache import KVCache
+from jaxspec.models import decoder
 from jaxspec.models.decoder import AttendFn
 from jaxspec.decoding.spec import Budget, SpecConfig
 
@@ -139,11 +140,11 @@ class Drafter:
         slots, mask = rows.slots, rows.mask  # outside the layer loop: inside, XLA would recompute them every layer
         scale = self.scale if scale is None else scale
 
-        def attend(layer, q, cache, _lx, _gates, carry):
+        def attend(layer, q, cache, _lx, gates, carry):
             out = kernels.sparse_attention(
                 q, cache.k, cache.v, layer, idx, n_idx, tail_start, slots,
                 scale=scale, tail_capacity=tail_capacity, tree=mask, skew=self.spec.balance,
-                backend=self.spec.backend,
+                backend=self.spec.backend, **decoder.sink_window(gates),
             )
             return out, None, carry
 

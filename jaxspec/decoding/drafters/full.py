@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pallas_kernels as kernels
 from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.models import decoder
 
 
 class Full(Drafter):
     def attend(self, state, budget, rows):
-        def attend(layer, q, cache, _, _gates, carry):
+        def attend(layer, q, cache, _, gates, carry):
             out, _, _ = kernels.verify_attention(q, cache.k, cache.v, layer, rows.slots, scale=self.scale,
-                                                 tree=rows.mask, backend=self.spec.backend)
+                                                 tree=rows.mask, backend=self.spec.backend, **decoder.sink_window(gates))
             return out, None, carry
 
         return attend, None

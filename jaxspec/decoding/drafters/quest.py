@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as kernels
 from jaxspec.decoding.drafters.base import Drafter
+from jaxspec.models import decoder
 from jaxspec.models.kvcache import KVCache
 from jaxspec.decoding.spec import PAGE
 
@@ -64,27 +65,28 @@ class Quest(Drafter):
         n_pages = jnp.minimum(-(-self.count(budget, rows.position + 1) // PAGE) - 1, last_page)
         offsets = jnp.arange(PAGE, dtype=jnp.int32)
 
-        def sparse(layer, q, cache, idx):
+        def sparse(layer, q, cache, idx, extras):
             return kernels.sparse_attention(
                 q, cache.k, cache.v, layer, idx, n_pages * PAGE, last_page * PAGE, rows.slots,
                 scale=self.scale, tail_capacity=PAGE + self.spec.shape.rows, tree=rows.mask, skew=self.spec.balance,
-                backend=self.spec.backend,
+                backend=self.spec.backend, **extras,
             )
 
-        def dense(layer, q, cache, idx):
+        def dense(layer, q, cache, idx, extras):
             out, _, _ = kernels.verify_attention(
-                q, cache.k, cache.v, layer, rows.slots, scale=self.scale, tree=rows.mask, backend=self.spec.backend
+                q, cache.k, cache.v, layer, rows.slots, scale=self.scale, tree=rows.mask, backend=self.spec.backend,
+                **extras,
             )
             return out
 
-        def attend(layer, q, cache, _lx, _gates, carry):
+        def attend(layer, q, cache, _lx, gates, carry):
             # The pages are chosen outside the cond, also for the dense layers: a cond takes its
             # operands by value, so inside it each layer's bounds would be copied first (bench/NOTES.md,
             # "the planner's table found again"). The bound stacks are read at the layer in place.
             top = kernels.quest_pages(q, state.kmin, state.kmax, layer, last_page, jnp.maximum(n_pages, 1),
                                       self.k_max // PAGE, backend=self.spec.backend)
             idx = (top[..., None] * PAGE + offsets).reshape(B, self.cfg.num_kv_heads, -1)
-            out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, idx)
+            out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, idx, decoder.sink_window(gates))
             return out, None, carry
 
         return attend, None

@@ -1,0 +1,134 @@
+"""gpt-oss models: logits and greedy tokens against transformers' GptOssForCausalLM (eager attention,
+float32, a tiny random checkpoint saved with save_pretrained: sinks, biased attention, sliding-window
+layers of 8 keys between full ones, YaRN RoPE, 2 of 8 experts a token), prompts longer than the
+window; the released MXFP4 expert form loading to the same weights as the unquantized one (the
+dequantization against transformers' own); drafters lossless on a random gpt-oss model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decoding import engine
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.loaders import hf, load_model
+from jaxspec.models.config import ModelConfig, MoEConfig, RopeConfig
+from jaxspec.models.decoder import score
+from test_moe_model import greedy, random_model
+
+STOP = jnp.array([-1], jnp.int32)
+
+
+def transformers_model(path):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+def test_config_and_logits_equal_transformers(hf_checkpoints):
+    import torch
+
+    path = hf_checkpoints["gpt_oss"]
+    cfg, params, _ = load_model(str(path), "float32")
+    assert (cfg.sinks, cfg.o_bias, cfg.qkv_bias, cfg.sliding_window, cfg.sliding_layers) == (True, True, True, 8, (0, 2))
+    assert cfg.moe == MoEConfig(8, 2, 64, router="topk_softmax", norm_topk_prob=False, activation="gpt_oss", bias=True)
+    assert cfg.rope.kind == "yarn" and not cfg.rope.truncate
+    tokens = np.random.default_rng(2).integers(1, cfg.vocab_size, (2, 30))  # well past the window of 8
+    with torch.no_grad():
+        want = transformers_model(path)(torch.from_numpy(tokens)).logits.numpy()
+    ours = np.asarray(score(params, cfg, jnp.asarray(tokens)))
+    assert np.abs(ours - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_greedy_tokens_equal_transformers(hf_checkpoints):
+    import torch
+
+    path = hf_checkpoints["gpt_oss"]
+    cfg, params, _ = load_model(str(path), "float32")
+    prompt = np.random.default_rng(3).integers(1, cfg.vocab_size, (1, 21))
+    with torch.no_grad():
+        want = transformers_model(path).generate(torch.from_numpy(prompt), max_new_tokens=16, do_sample=False,
+                                                 eos_token_id=None, pad_token_id=0)[0, 21:].tolist()
+    out = jax.jit(engine.Engine(cfg, SpecConfig(), SamplingConfig(), 40).generate)(
+        params, jnp.asarray(prompt, jnp.int32), jnp.asarray([21], jnp.int32), jax.random.key(0), max_new_tokens=16,
+        stop_ids=STOP)
+    assert np.asarray(out.tokens)[0, 21:37].tolist() == want
+
+
+def test_mxfp4_experts_load_as_their_dequantized_weights(hf_checkpoints, tmp_path):
+    """The released form: each expert matrix as NAME_blocks + NAME_scales. Our dequantization equals
+    transformers' on random codes and exponents, and a checkpoint in that form loads to the weights
+    of the same checkpoint written unquantized."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(4)
+    src = hf_checkpoints["gpt_oss"]
+    cfg = hf.read_config(src, "float32")
+    E, D, F = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_size
+    tensors = load_file(src / "model.safetensors")
+    for i in range(cfg.num_layers):
+        for name, (rows, cols) in (("gate_up_proj", (2 * F, D)), ("down_proj", (D, F))):
+            blocks = rng.integers(0, 256, (E, rows, cols // 32, 16), dtype=np.uint8)
+            scales = rng.integers(120, 130, (E, rows, cols // 32), dtype=np.uint8)
+            want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+            np.testing.assert_array_equal(hf.mxfp4_matrix(blocks, scales), want.numpy())
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            tensors[key] = want.numpy()
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    for out, keep in ((plain, lambda k: not k.endswith(("_blocks", "_scales"))),
+                      (packed, lambda k: not k.endswith(("gate_up_proj", "down_proj")))):
+        shutil.copytree(src, out)
+        save_file({k: v for k, v in tensors.items() if keep(k)}, str(out / "model.safetensors"))
+    a, b = load_model(str(plain), "float32")[1], load_model(str(packed), "float32")[1]
+    for name in ("moe_gate_up", "moe_down"):
+        np.testing.assert_array_equal(np.asarray(a["layers"][name]), np.asarray(b["layers"][name]))
+
+
+CFG = ModelConfig(model_type="gpt_oss", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
+                  head_dim=32, intermediate_size=64, qkv_bias=True, o_bias=True, sinks=True, sliding_window=16,
+                  sliding_layers=(0, 2), dtype="float32",
+                  rope=RopeConfig(theta=150000.0, kind="yarn", factor=32.0, original_max_position=4096, truncate=False),
+                  moe=MoEConfig(8, 2, 64, router="topk_softmax", norm_topk_prob=False, activation="gpt_oss", bias=True))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, 5, [200, 37, 90])
+
+
+# vegas selects over every layer, and a sliding-window layer's draft sees its selection within the
+# window; the tree verifies against the window and the sinks too. Stream and quest: slow.
+@pytest.mark.parametrize("spec", [
+    SpecConfig(method="vegas", gamma=4, ratio=0.1, min_tokens=16),
+    SpecConfig(method="vegas", tree=(3, 2, 1), ratio=0.1, min_tokens=16),
+    pytest.param(SpecConfig(method="stream", gamma=4, ratio=0.1, min_tokens=16), marks=pytest.mark.slow),
+    pytest.param(SpecConfig(method="quest", gamma=4, ratio=0.1, min_tokens=16), marks=pytest.mark.slow),
+], ids=["vegas", "vegas tree", "stream", "quest"])
+def test_drafters_equal_plain(model, spec):
+    params, ids, lengths, plain = model
+    assert greedy(CFG, params, spec, ids, lengths) == plain
+
+
+def test_refused_in_one_line(hf_checkpoints, tmp_path):
+    with pytest.raises(JaxspecError, match="draft-skip"):
+        SpecConfig(method="vegas", draft_skip=(1,)).validate().check_model(CFG)
+    with pytest.raises(JaxspecError, match="sliding-window layers"):
+        CFG.replace(sliding_layers=(0, 4))
+    path = tmp_path / "broken"
+    shutil.copytree(hf_checkpoints["gpt_oss"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(JaxspecError, match="gate_up"):
+        load_model(str(path), "float32")
