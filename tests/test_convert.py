@@ -40,7 +40,7 @@ def leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe", "gpt_oss"])
 def test_hf_round_trip_float32(hf_checkpoints, tmp_path, name):
     src = hf_checkpoints[name]
     summary = convert(str(src), tmp_path / "ckpt", "float32")
