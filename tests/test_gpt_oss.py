@@ -109,13 +109,14 @@ def model():
 
 
 # vegas selects over every layer, and a sliding-window layer's draft sees its selection within the
-# window; the tree verifies against the window and the sinks too. Stream and quest: slow.
+# window; the tree verifies against the window and the sinks too. Stream, quest and ngram: slow.
 @pytest.mark.parametrize("spec", [
     SpecConfig(method="vegas", gamma=4, ratio=0.1, min_tokens=16),
     SpecConfig(method="vegas", tree=(3, 2, 1), ratio=0.1, min_tokens=16),
     pytest.param(SpecConfig(method="stream", gamma=4, ratio=0.1, min_tokens=16), marks=pytest.mark.slow),
     pytest.param(SpecConfig(method="quest", gamma=4, ratio=0.1, min_tokens=16), marks=pytest.mark.slow),
-], ids=["vegas", "vegas tree", "stream", "quest"])
+    pytest.param(SpecConfig(method="ngram", gamma=4), marks=pytest.mark.slow),
+], ids=["vegas", "vegas tree", "stream", "quest", "ngram"])
 def test_drafters_equal_plain(model, spec):
     params, ids, lengths, plain = model
     assert greedy(CFG, params, spec, ids, lengths) == plain
