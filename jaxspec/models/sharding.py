@@ -38,18 +38,18 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.quantize import Quantized
 
 AXIS = "tp"
-COLUMNS = ("wqkv", "bqkv", "w_gate_up", "lm_head", "draft_head")  # split along the last axis
-ROWS = ("wo", "w_down", "embed")  # split along the second-to-last axis (embed's rows: the vocabulary)
+# split along the last axis (sinks [L, Hq]: by query head, each shard's heads in order)
+COLUMNS = ("wqkv", "bqkv", "w_gate_up", "moe_gate_up", "moe_gate_up_bias", "sinks", "lm_head", "draft_head")
+ROWS = ("wo", "w_down", "moe_down", "embed")  # split along the second-to-last axis (embed's rows: the vocabulary)
 
 
 # --- configuration ------------------------------------------------------------------------------------
 
 def check(cfg: ModelConfig, tp: int) -> None:
-    """One-line errors for a `--tp` that does not divide the model (or a model it cannot split yet)."""
-    if cfg.moe is not None and tp > 1:
-        raise JaxspecError(f"--tp {tp}: tensor parallelism over mixture-of-experts models is not supported yet")
-    counts = (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-              ("MLP columns", cfg.intermediate_size), ("vocabulary entries", cfg.vocab_size))
+    """One-line errors for a `--tp` that does not divide the model."""
+    mlp = ("MLP columns", cfg.intermediate_size) if cfg.moe is None else ("expert columns", cfg.moe.expert_size)
+    counts = (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), mlp,
+              ("vocabulary entries", cfg.vocab_size))
     for name, n in counts:
         if n % tp:
             raise JaxspecError(f"--tp {tp} does not divide the model's {n} {name}")
@@ -65,9 +65,11 @@ def make_mesh(tp: int) -> Mesh:
 
 
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """One shard's view of the model: its query heads, KV heads and MLP columns (`cfg.tp` = tp)."""
-    return cfg.replace(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-                       intermediate_size=cfg.intermediate_size // tp, tp=tp)
+    """One shard's view of the model: its query heads, KV heads and MLP (or every expert's) columns
+    (`cfg.tp` = tp)."""
+    mlp = (dict(intermediate_size=cfg.intermediate_size // tp) if cfg.moe is None
+           else dict(moe=dataclasses.replace(cfg.moe, expert_size=cfg.moe.expert_size // tp)))
+    return cfg.replace(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp, tp=tp, **mlp)
 
 
 # --- collectives the decoder calls (no-ops without tensor parallelism) --------------------------------
@@ -104,6 +106,13 @@ def mean_over_shards(scores: Any, cfg: ModelConfig) -> Any:
     return jax.lax.pmean(scores, AXIS)
 
 
+def first_shard_only(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x on shard 0, zeros on the others: a replicated term that a later `all_reduce` counts once."""
+    if cfg.tp == 1:
+        return x
+    return jnp.where(jax.lax.axis_index(AXIS) == 0, x, jnp.zeros_like(x))
+
+
 # --- parameters ---------------------------------------------------------------------------------------
 
 def _split(ndim: int, from_end: int) -> P:
@@ -135,8 +144,11 @@ def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
     parts = [(0, q), (q, kv), (q + kv, kv)] + ([(q + 2 * kv, 3 * Hq)] if cfg.nsa else [])
     shard = lambda s, parts: np.concatenate([start + s * (n // tp) + np.arange(n // tp) for start, n in parts])
     qkv = np.concatenate([shard(s, parts) for s in range(tp)])
-    gate_up = np.concatenate([shard(s, [(0, F), (F, F)]) for s in range(tp)])
-    return {"wqkv": qkv, "bqkv": qkv, "w_gate_up": gate_up}
+    gate_up = lambda F: np.concatenate([shard(s, [(0, F), (F, F)]) for s in range(tp)])
+    if cfg.moe is None:
+        return {"wqkv": qkv, "bqkv": qkv, "w_gate_up": gate_up(F)}
+    experts = gate_up(cfg.moe.expert_size)  # every expert's [gate_s | up_s], and its bias's
+    return {"wqkv": qkv, "bqkv": qkv, "moe_gate_up": experts, "moe_gate_up_bias": experts}
 
 
 def place(params: dict, mesh: Mesh) -> dict:
