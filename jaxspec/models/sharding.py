@@ -7,10 +7,16 @@ state with a KV-head axis, by KV heads; the embeddings and the LM head by vocabu
 matrices are stored in the *TP layout*: their columns reordered so that shard s's block is
 [q_s | k_s | v_s | gates_s] (gate_up: [gate_s | up_s]), so each device sees an ordinary fused matrix
 of its own heads. Query head h uses KV head h // G, and shard s holds query heads [s Hq/tp, ...) and
-KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices. norms are replicated.
+KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices (gpt-oss's sinks
+[L, Hq] split with them). norms are replicated. Mixture-of-experts models split every expert's
+columns as the dense MLP's (`jaxspec.models.moe`): moe_gate_up and its bias in the TP layout
+[gate_s | up_s] of each expert, moe_down by rows; the router is replicated, so every device routes
+identically. A bias added after a row-split product is replicated and counted once: gpt-oss's o
+bias goes into the replicated stream before the all-reduce's residual add, the experts' down bias
+into shard 0's share of the sum (`first_shard_only`).
 
 Execution. A program (`Parallel`) runs under `shard_map`, each device on one shard's view of the
-model (`local_config`: its heads and MLP columns; the vocabulary keeps the model's size). Everything
+model (`local_config`: its heads and MLP or expert columns; the vocabulary keeps the model's size). Everything
 that is not split (tokens, lengths, keys, sampling, acceptance, the drafters' bookkeeping) is
 computed identically on every device. The decoder calls the collectives below in four places:
 `embed` (each device looks up its vocabulary rows, then a sum), `all_reduce` after o and after down,
