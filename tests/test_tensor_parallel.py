@@ -148,8 +148,8 @@ def test_nsa_greedy_tokens_equal_one_device(nsa_model, spec_):
 
 
 # vegas at 4 devices, plain at 2 by default; vegas at 2 and plain at 4 with the slow tests
-@pytest.mark.parametrize("tp, spec_", [(2, spec("plain")), pytest.param(2, spec("vegas"), marks=slow), (4, spec("vegas")),
-                                       pytest.param(4, spec("plain"), marks=slow)])
+@pytest.mark.parametrize("tp, spec_", [(2, spec("plain")), pytest.param(2, spec("vegas"), marks=slow),
+                                       (4, spec("vegas")), pytest.param(4, spec("plain"), marks=slow)])
 def test_qwen3_moe_greedy_tokens_equal_one_device(qwen3_moe, tp, spec_):
     """Every expert's columns split over the devices, the router replicated."""
     devices_needed(tp)
@@ -236,7 +236,8 @@ def test_moe_device_holds_only_its_shard(gpt_oss):
         "attn_norm", "mlp_norm", "router", "router_bias", "bo", "moe_down_bias")}
     standard = np.asarray(gpt_oss.params["layers"]["moe_gate_up"])
     f = F // tp
-    for s, block in enumerate(sorted(params["layers"]["moe_gate_up"].addressable_shards, key=lambda b: b.index[3].start)):
+    blocks = sorted(params["layers"]["moe_gate_up"].addressable_shards, key=lambda b: b.index[3].start)
+    for s, block in enumerate(blocks):
         want = np.concatenate([standard[..., s * f:(s + 1) * f], standard[..., F + s * f:F + (s + 1) * f]], axis=-1)
         np.testing.assert_array_equal(np.asarray(block.data), want)
 

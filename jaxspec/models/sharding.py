@@ -16,9 +16,10 @@ bias goes into the replicated stream before the all-reduce's residual add, the e
 into shard 0's share of the sum (`first_shard_only`).
 
 Execution. A program (`Parallel`) runs under `shard_map`, each device on one shard's view of the
-model (`local_config`: its heads and MLP or expert columns; the vocabulary keeps the model's size). Everything
-that is not split (tokens, lengths, keys, sampling, acceptance, the drafters' bookkeeping) is
-computed identically on every device. The decoder calls the collectives below in four places:
+model (`local_config`: its heads and MLP or expert columns; the vocabulary keeps the model's size).
+Everything that is not split (tokens, lengths, keys, sampling, acceptance, the drafters' bookkeeping)
+is computed identically on every device. The decoder calls the collectives below in four places (and
+an MoE layer `first_shard_only` on its down bias):
 `embed` (each device looks up its vocabulary rows, then a sum), `all_reduce` after o and after down,
 `gather_vocab` on the logits, and `mean_over_shards` on the selection scores collected in a
 verification (vegas averages its scores over all query heads: one reduction per layer, so every
