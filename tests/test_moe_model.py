@@ -5,6 +5,7 @@ configurations refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -120,8 +121,9 @@ def test_refused_in_one_line(tmp_path):
         ModelConfig.from_hf({**hf, "decoder_sparse_step": 2})
     with pytest.raises(JaxspecError, match="between 1 and num_experts"):
         ModelConfig.from_hf({**hf, "num_experts_per_tok": 5})
-    with pytest.raises(JaxspecError, match="tensor parallelism"):
-        sharding.check(CFG, 2)
+    sharding.check(CFG, 2)  # tensor parallelism: every expert's columns split (test_tensor_parallel)
+    with pytest.raises(JaxspecError, match="^--tp 2 does not divide the model's 63 expert columns$"):
+        sharding.check(CFG.replace(moe=dataclasses.replace(CFG.moe, expert_size=63)), 2)
     with pytest.raises(JaxspecError, match="exact weights"):
         SpecConfig(method="vegas", draft_weights="int8").validate().check_model(CFG)
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "moe_intermediate_size"}))

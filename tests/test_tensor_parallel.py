@@ -1,10 +1,12 @@
 """Tensor parallelism (`models.sharding`, `--tp`) on simulated CPU devices (conftest sets 4): every
-method, draft trees, draft models, NSA targets and the serving scheduler produce the same greedy
-tokens over 2 and 4 devices as on one; each device holds only its shard of the weights and the KV
-cache (no replicated full matrices); a `--tp` that does not divide the heads is a one-line error.
+method, draft trees, draft models, NSA targets, mixture-of-experts models and the serving scheduler
+produce the same greedy tokens over 2 and 4 devices as on one; each device holds only its shard of
+the weights and the KV cache (no replicated full matrices); a `--tp` that does not divide the heads
+is a one-line error.
 
-Random float32 models (a Qwen3 with 8 query / 4 KV heads, an NSA-Llama with 8 / 2) and SmolLM2 (9 / 3
-heads: it divides only by 3) with a real-text prompt.
+Random float32 models (a Qwen3 with 8 query / 4 KV heads, an NSA-Llama with 8 / 2, a Qwen3-MoE with
+8 / 4 and a gpt-oss with 8 / 2: test_moe_model's and test_gpt_oss's with fewer layers) and SmolLM2
+(9 / 3 heads: it divides only by 3) with a real-text prompt.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from jaxspec.models.quantize import Quantized
 from jaxspec.runner import Batch, encode_prompts, run_generation
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
+from test_gpt_oss import CFG as GPT_OSS_CFG
+from test_moe_model import CFG as QWEN3_MOE_CFG
 
 QWEN3 = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,
                     head_dim=16, intermediate_size=128, qk_norm=True, dtype="float32", max_position_embeddings=512)
 NSA = ModelConfig(model_type="llama-nsa", vocab_size=256, hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
                   head_dim=32, intermediate_size=256, max_position_embeddings=1024, dtype="float32",
                   nsa=NSAConfig(block_size=16, block_counts=4, window_size=32))
+QWEN3_MOE = QWEN3_MOE_CFG.replace(num_layers=2, num_kv_heads=4)  # experts of 64 columns: 16 a device at tp 4
+GPT_OSS = GPT_OSS_CFG.replace(num_layers=2, sliding_layers=(0,))  # a window of 16 keys, then a full layer
 GREEDY = SamplingConfig()
 slow = pytest.mark.slow
 
@@ -82,6 +88,18 @@ def nsa_model():
 
 
 @pytest.fixture(scope="module")
+def qwen3_moe():
+    params = decoder.init_params(QWEN3_MOE, jax.random.key(13), scale=0.08)
+    return Model(QWEN3_MOE, params, random_batch(QWEN3_MOE, [90, 37], seed=6), max_new=16)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    params = decoder.init_params(GPT_OSS, jax.random.key(14), scale=0.08)
+    return Model(GPT_OSS, params, random_batch(GPT_OSS, [70, 29], seed=7), max_new=16)
+
+
+@pytest.fixture(scope="module")
 def smollm2(smollm2_loaded):
     cfg, params, tokenizer = smollm2_loaded
     batch = encode_prompts(tokenizer, [corpus.long_prompt(tokenizer, 600, task="continue", offset=5)], chat=True)
@@ -127,6 +145,23 @@ def test_qwen3_greedy_tokens_equal_one_device(qwen3, tp, spec_):
 def test_nsa_greedy_tokens_equal_one_device(nsa_model, spec_):
     devices_needed(2)
     assert nsa_model.generate(spec_, 2) == nsa_model.generate(spec_, 1)
+
+
+# vegas at 4 devices, plain at 2 by default; vegas at 2 and plain at 4 with the slow tests
+@pytest.mark.parametrize("tp, spec_", [(2, spec("plain")), pytest.param(2, spec("vegas"), marks=slow),
+                                       (4, spec("vegas")), pytest.param(4, spec("plain"), marks=slow)])
+def test_qwen3_moe_greedy_tokens_equal_one_device(qwen3_moe, tp, spec_):
+    """Every expert's columns split over the devices, the router replicated."""
+    devices_needed(tp)
+    assert qwen3_moe.generate(spec_, tp) == qwen3_moe.generate(spec_, 1)
+
+
+@pytest.mark.parametrize("spec_", [spec("plain"), spec("vegas")])
+def test_gpt_oss_greedy_tokens_equal_one_device(gpt_oss, spec_):
+    """gpt-oss's sinks split by query head, its expert biases with the experts' columns, its down and
+    o biases added once; prompts past the sliding window."""
+    devices_needed(2)
+    assert gpt_oss.generate(spec_, 2) == gpt_oss.generate(spec_, 1)
 
 
 @pytest.mark.parametrize("spec_", [pytest.param(spec("vegas", gamma=6), marks=slow), pytest.param(spec("plain"), marks=slow),
@@ -181,6 +216,30 @@ def test_every_device_holds_only_its_shard(qwen3):
     scheduler.admit_waiting()
     cache = scheduler.state.cache
     assert cache.k.sharding.shard_shape(cache.k.shape) == (L, 2, cfg.num_kv_heads // tp, cache.num_slots, Dh)
+
+
+def test_moe_device_holds_only_its_shard(gpt_oss):
+    """gpt-oss's leaves: each device holds 1/tp of every expert (its [gate_s | up_s] columns of each,
+    in the TP layout, and their down rows) and of the sinks; only the norms, the router and the
+    biases added once (o, the experts' down) are replicated."""
+    devices_needed(2)
+    cfg, tp = GPT_OSS, 2
+    params = sharding.shard_params(gpt_oss.params, cfg, sharding.make_mesh(tp))
+    L, D, Hq, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.moe.num_experts, cfg.moe.expert_size
+    layers = {name: a.sharding.shard_shape(a.shape) for name, a in params["layers"].items()}
+    assert {name: layers[name] for name in ("sinks", "moe_gate_up", "moe_gate_up_bias", "moe_down")} == {
+        "sinks": (L, Hq // tp), "moe_gate_up": (L, E, D, 2 * F // tp), "moe_gate_up_bias": (L, E, 2 * F // tp),
+        "moe_down": (L, E, F // tp, D)}
+    replicated = {jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_leaves_with_path(params)
+                  if a.sharding.is_fully_replicated}
+    assert replicated == {"['final_norm']"} | {f"['layers']['{name}']" for name in (
+        "attn_norm", "mlp_norm", "router", "router_bias", "bo", "moe_down_bias")}
+    standard = np.asarray(gpt_oss.params["layers"]["moe_gate_up"])
+    f = F // tp
+    blocks = sorted(params["layers"]["moe_gate_up"].addressable_shards, key=lambda b: b.index[3].start)
+    for s, block in enumerate(blocks):
+        want = np.concatenate([standard[..., s * f:(s + 1) * f], standard[..., F + s * f:F + (s + 1) * f]], axis=-1)
+        np.testing.assert_array_equal(np.asarray(block.data), want)
 
 
 @pytest.mark.slow  # 35 s; the sharded engine's tokens are checked by default above (the default run's 20 minutes)

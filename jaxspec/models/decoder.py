@@ -251,7 +251,7 @@ def forward(
         if cfg.moe is None:
             x, h = residual_add_norm(cfg, x, swiglu(h, p["w_gate_up"]), p["w_down"], stacks["next_norm"], entry, backend)
         else:
-            x, h = residual_add_norm(cfg, x, moe.experts(cfg.moe, h, p, experts, entry, backend), None, stacks["next_norm"],
+            x, h = residual_add_norm(cfg, x, moe.experts(cfg, h, p, experts, entry, backend), None, stacks["next_norm"],
                                      entry, backend)
         return (x, h, cache, carry, entry + 1, *feats), ly
 

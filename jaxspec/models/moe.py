@@ -2,11 +2,18 @@
 layer's output is the routed experts' SwiGLU outputs weighted by the router (`config.MoEConfig`).
 
     ids, weights = route(moe, h, router, router_bias)     the k experts of each row and their weights
-    y = experts(moe, h, layer_params, stacks, entry, ...)  the layer's output, float32 [B, T, D]
+    y = experts(cfg, h, layer_params, stacks, entry, ...)  the layer's output, float32 [B, T, D]
 
 The experts' stacks [L, E, ...] are read in place at the layer's entry by the experts kernel
 (pallas_kernels.moe_experts): a layer's slice of them would be copied first, and a decode step reads
 only the experts its rows were routed to. Routing is computed in float32.
+
+Tensor parallelism (`jaxspec.models.sharding`) splits every expert's columns as the dense MLP's: a
+device holds the gate and up columns [gate_s | up_s] of every expert and the matching rows of its
+down matrix, so each device reads 1/tp of each routed expert at any row count, through the dense
+model's layout and its one all-reduce after the down product. The router is replicated: every
+device routes identically. Splitting whole experts across devices instead (each device the rows
+routed to its experts, an all-to-all or a masked sum) is the alternative, left unmeasured.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.models.config import MoEConfig
+from jaxspec.models import sharding
+from jaxspec.models.config import ModelConfig, MoEConfig
 
 EXPERT_STACKS = ("moe_gate_up", "moe_down", "moe_gate_up_bias", "moe_down_bias")  # [L, E, ...]: read in place
 
@@ -43,12 +51,20 @@ def route(moe: MoEConfig, h: jax.Array, router: jax.Array, router_bias: jax.Arra
     return ids, weights
 
 
-def experts(moe: MoEConfig, h: jax.Array, layer: dict, stacks: dict, entry: jax.Array, backend: str) -> jax.Array:
-    """The MoE layer's output float32 [B, T, D] for the normed stream h [B, T, D]: `layer` holds this
-    layer's router (a slice of the scan), `stacks` the experts' whole stacks, read at `entry`."""
+def experts(cfg: ModelConfig, h: jax.Array, layer: dict, stacks: dict, entry: jax.Array, backend: str) -> jax.Array:
+    """The MoE layer's output float32 [B, T, D] for the normed stream h [B, T, D] (under tensor
+    parallelism this device's share of it, summed by the caller's all-reduce): `layer` holds this
+    layer's router (a slice of the scan), `stacks` the experts' whole stacks, read at `entry`. Split
+    over devices, the routed down bias is a replicated term: shard 0 alone adds it, so the sum counts
+    it once and stays a float32 sum of the kernel's own terms (no change to the all-reduce)."""
     B, T, D = h.shape
-    ids, weights = route(moe, h, layer["router"], layer.get("router_bias"))
+    ids, weights = route(cfg.moe, h, layer["router"], layer.get("router_bias"))
+    b_down = stacks.get("moe_down_bias")
     out = kernels.moe_experts(h.reshape(B * T, D), ids, weights, stacks["moe_gate_up"], stacks["moe_down"], entry,
-                              b_gate_up=stacks.get("moe_gate_up_bias"), b_down=stacks.get("moe_down_bias"),
-                              activation=moe.activation, backend=backend)
+                              b_gate_up=stacks.get("moe_gate_up_bias"), b_down=b_down if cfg.tp == 1 else None,
+                              activation=cfg.moe.activation, backend=backend)
+    if b_down is not None and cfg.tp > 1:
+        bias = jnp.einsum("nkd,nk->nd", b_down[entry, ids].astype(jnp.float32), weights,
+                          precision=jax.lax.Precision.HIGHEST)
+        out = out + sharding.first_shard_only(bias, cfg)
     return out.reshape(B, T, D)

@@ -7,12 +7,19 @@ state with a KV-head axis, by KV heads; the embeddings and the LM head by vocabu
 matrices are stored in the *TP layout*: their columns reordered so that shard s's block is
 [q_s | k_s | v_s | gates_s] (gate_up: [gate_s | up_s]), so each device sees an ordinary fused matrix
 of its own heads. Query head h uses KV head h // G, and shard s holds query heads [s Hq/tp, ...) and
-KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices. norms are replicated.
+KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices (gpt-oss's sinks
+[L, Hq] split with them). norms are replicated. Mixture-of-experts models split every expert's
+columns as the dense MLP's (`jaxspec.models.moe`): moe_gate_up and its bias in the TP layout
+[gate_s | up_s] of each expert, moe_down by rows; the router is replicated, so every device routes
+identically. A bias added after a row-split product is replicated and counted once: gpt-oss's o
+bias goes into the replicated stream before the all-reduce's residual add, the experts' down bias
+into shard 0's share of the sum (`first_shard_only`).
 
 Execution. A program (`Parallel`) runs under `shard_map`, each device on one shard's view of the
-model (`local_config`: its heads and MLP columns; the vocabulary keeps the model's size). Everything
-that is not split (tokens, lengths, keys, sampling, acceptance, the drafters' bookkeeping) is
-computed identically on every device. The decoder calls the collectives below in four places:
+model (`local_config`: its heads and MLP or expert columns; the vocabulary keeps the model's size).
+Everything that is not split (tokens, lengths, keys, sampling, acceptance, the drafters' bookkeeping)
+is computed identically on every device. The decoder calls the collectives below in four places (and
+an MoE layer `first_shard_only` on its down bias):
 `embed` (each device looks up its vocabulary rows, then a sum), `all_reduce` after o and after down,
 `gather_vocab` on the logits, and `mean_over_shards` on the selection scores collected in a
 verification (vegas averages its scores over all query heads: one reduction per layer, so every
@@ -38,18 +45,18 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.quantize import Quantized
 
 AXIS = "tp"
-COLUMNS = ("wqkv", "bqkv", "w_gate_up", "lm_head", "draft_head")  # split along the last axis
-ROWS = ("wo", "w_down", "embed")  # split along the second-to-last axis (embed's rows: the vocabulary)
+# split along the last axis (sinks [L, Hq]: by query head, each shard's heads in order)
+COLUMNS = ("wqkv", "bqkv", "w_gate_up", "moe_gate_up", "moe_gate_up_bias", "sinks", "lm_head", "draft_head")
+ROWS = ("wo", "w_down", "moe_down", "embed")  # split along the second-to-last axis (embed's rows: the vocabulary)
 
 
 # --- configuration ------------------------------------------------------------------------------------
 
 def check(cfg: ModelConfig, tp: int) -> None:
-    """One-line errors for a `--tp` that does not divide the model (or a model it cannot split yet)."""
-    if cfg.moe is not None and tp > 1:
-        raise JaxspecError(f"--tp {tp}: tensor parallelism over mixture-of-experts models is not supported yet")
-    counts = (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-              ("MLP columns", cfg.intermediate_size), ("vocabulary entries", cfg.vocab_size))
+    """One-line errors for a `--tp` that does not divide the model."""
+    mlp = ("MLP columns", cfg.intermediate_size) if cfg.moe is None else ("expert columns", cfg.moe.expert_size)
+    counts = (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), mlp,
+              ("vocabulary entries", cfg.vocab_size))
     for name, n in counts:
         if n % tp:
             raise JaxspecError(f"--tp {tp} does not divide the model's {n} {name}")
@@ -65,9 +72,11 @@ def make_mesh(tp: int) -> Mesh:
 
 
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """One shard's view of the model: its query heads, KV heads and MLP columns (`cfg.tp` = tp)."""
-    return cfg.replace(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-                       intermediate_size=cfg.intermediate_size // tp, tp=tp)
+    """One shard's view of the model: its query heads, KV heads and MLP (or every expert's) columns
+    (`cfg.tp` = tp)."""
+    mlp = (dict(intermediate_size=cfg.intermediate_size // tp) if cfg.moe is None
+           else dict(moe=dataclasses.replace(cfg.moe, expert_size=cfg.moe.expert_size // tp)))
+    return cfg.replace(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp, tp=tp, **mlp)
 
 
 # --- collectives the decoder calls (no-ops without tensor parallelism) --------------------------------
@@ -104,6 +113,13 @@ def mean_over_shards(scores: Any, cfg: ModelConfig) -> Any:
     return jax.lax.pmean(scores, AXIS)
 
 
+def first_shard_only(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x on shard 0, zeros on the others: a replicated term that a later `all_reduce` counts once."""
+    if cfg.tp == 1:
+        return x
+    return jnp.where(jax.lax.axis_index(AXIS) == 0, x, jnp.zeros_like(x))
+
+
 # --- parameters ---------------------------------------------------------------------------------------
 
 def _split(ndim: int, from_end: int) -> P:
@@ -135,8 +151,11 @@ def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
     parts = [(0, q), (q, kv), (q + kv, kv)] + ([(q + 2 * kv, 3 * Hq)] if cfg.nsa else [])
     shard = lambda s, parts: np.concatenate([start + s * (n // tp) + np.arange(n // tp) for start, n in parts])
     qkv = np.concatenate([shard(s, parts) for s in range(tp)])
-    gate_up = np.concatenate([shard(s, [(0, F), (F, F)]) for s in range(tp)])
-    return {"wqkv": qkv, "bqkv": qkv, "w_gate_up": gate_up}
+    gate_up = lambda F: np.concatenate([shard(s, [(0, F), (F, F)]) for s in range(tp)])
+    if cfg.moe is None:
+        return {"wqkv": qkv, "bqkv": qkv, "w_gate_up": gate_up(F)}
+    experts = gate_up(cfg.moe.expert_size)  # every expert's [gate_s | up_s], and its bias's
+    return {"wqkv": qkv, "bqkv": qkv, "moe_gate_up": experts, "moe_gate_up_bias": experts}
 
 
 def place(params: dict, mesh: Mesh) -> dict:
