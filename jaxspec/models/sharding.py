@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.quantize import Quantized
+from pallas_kernels.moe import MXFP4
 
 AXIS = "tp"
 COLUMNS = ("wqkv", "bqkv", "w_gate_up", "lm_head", "draft_head")  # split along the last axis
@@ -112,7 +113,8 @@ def _split(ndim: int, from_end: int) -> P:
 
 def param_specs(params: dict) -> dict:
     """The PartitionSpec of every params leaf (quantized draft copies included: an int8 matrix's
-    per-column scales follow its columns; int4's group scales follow its rows too)."""
+    per-column scales follow its columns; int4's group scales follow its rows too). An MXFP4 expert
+    stack is one leaf here, replicated as every expert stack is (`check` refuses MoE over --tp > 1)."""
 
     def spec(path, x):
         name = path[-1].key
@@ -125,7 +127,7 @@ def param_specs(params: dict) -> dict:
         return Quantized(_split(x.values.ndim, from_end), _split(x.scale.ndim, from_end) if scale_split else P(),
                          None, x.backend)
 
-    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, Quantized))
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, (Quantized, MXFP4)))
 
 
 def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
