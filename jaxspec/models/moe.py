@@ -6,7 +6,8 @@ layer's output is the routed experts' SwiGLU outputs weighted by the router (`co
 
 The experts' stacks [L, E, ...] are read in place at the layer's entry by the experts kernel
 (pallas_kernels.moe_experts): a layer's slice of them would be copied first, and a decode step reads
-only the experts its rows were routed to. Routing is computed in float32.
+only the experts its rows were routed to; an MXFP4 stack (gpt-oss's released experts, kept packed)
+is decoded in the kernel's registers. Routing is computed in float32.
 """
 
 from __future__ import annotations
