@@ -1,15 +1,18 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
-    PYTHONPATH=. python3 bench/moe.py [--rows 1,8,32,128] [--out DIR] [--tiny]
+    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--out DIR] [--tiny]
 
-At Qwen3-30B-A3B's expert shapes (bf16, D 2048, F 768, 128 experts, 8 routed a row) and T rows with
-random routing, it times pallas_kernels.moe_experts on both backends: the kernel, and the reference
-(lax.ragged_dot) as the decoder's layer scan would call it, at a traced layer of the stacks. The floor
-is the routed experts' bytes: the distinct experts hit times one expert's bytes, over the copy bandwidth
-measured in the same run. Each timed call is one of REPEATS in a scan, each with its own routing and
+With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
+experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
+experts, 4 routed a row), and T rows with random routing, it times pallas_kernels.moe_experts on both
+backends: the kernel, and the reference (lax.ragged_dot; MXFP4 dequantized first) as the decoder's
+layer scan would call it, at a traced layer of the stacks. The floor is the routed experts' bytes
+(MXFP4: packed bytes and scales): the distinct experts hit times one expert's bytes, over the copy
+bandwidth measured in the same run. Each timed call is one of REPEATS in a scan, each with its own routing and
 alternating between the two layers of the stacks, so no call finds its experts in L2. The kernel's
-output is checked against the reference first. Writes DIR/moe.json (--tiny: moe_tiny.json, small
-shapes on the CPU, the kernel in interpret mode: a smoke test of this script) and prints a table last.
+output is checked against the reference first. Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny:
+moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke
+test of this script) and prints a table last.
 """
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from jax import lax
 
 from bench import common
 import pallas_kernels as kernels
+from pallas_kernels.moe import MXFP4
 
-QWEN3_30B_A3B = dict(D=common.QWEN3_30B_A3B.hidden_size, F=common.QWEN3_30B_A3B.moe.expert_size,
-                     E=common.QWEN3_30B_A3B.moe.num_experts, k=common.QWEN3_30B_A3B.moe.top_k)
+expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
+SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}
 TINY = dict(D=64, F=32, E=8, k=2)
 LAYERS = 2
 REPEATS = 8
@@ -53,15 +57,31 @@ def layer_fn(backend: str):
     return run
 
 
+def random_stacks(fmt: str, shape: dict):
+    """(w_gate_up, w_down) of LAYERS layers: standard-normal bf16, or MXFP4 of random codes and
+    scales 2^-7..2^-1."""
+    D, F, E = shape["D"], shape["F"], shape["E"]
+
+    def stack(key, K, N):
+        if fmt == "bf16":
+            return common.random_layers(key, (LAYERS, E, K, N), jnp.bfloat16)
+        k1, k2 = jax.random.split(key)
+        return MXFP4(jax.random.bits(k1, (LAYERS, E, N, K // 2), jnp.uint8),
+                     jax.random.randint(k2, (LAYERS, E, N, K // 32), 120, 127).astype(jnp.uint8))
+
+    return stack(jax.random.key(0), D, 2 * F), stack(jax.random.key(1), F, D)
+
+
 def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float) -> dict:
-    D, F, E, k = shape["D"], shape["F"], shape["E"], shape["k"]
+    D, E, k = shape["D"], shape["E"], shape["k"]
     x = jax.random.normal(jax.random.key(T), (T, D), jnp.bfloat16)
     ids, weights = routing(jax.random.key(1000 + T), repeats, T, E, k)
     layer = jnp.int32(1)
     want, got = (kernels.moe_experts(x, ids[0], weights[0], *stacks, layer, backend=b) for b in kernels.BACKENDS)
     err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
     distinct = float(np.mean([len(np.unique(np.asarray(i))) for i in ids]))
-    floor_us = distinct * 3 * D * F * 2 / (bw * 1e9) * 1e6
+    expert_bytes = sum(a.nbytes for a in jax.tree.leaves(stacks)) / (LAYERS * E)
+    floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": err}
     for backend in kernels.BACKENDS:
         us = common.seconds_per_call(layer_fn(backend), x, ids, weights, *stacks) / repeats * 1e6
@@ -71,18 +91,19 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--format", choices=tuple(SHAPES), default="bf16",
+                   help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
-    shape, repeats = (TINY, 2) if args.tiny else (QWEN3_30B_A3B, REPEATS)
+    shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
-    result = common.run_info() | {"shape": shape, "layers": LAYERS, "repeats": repeats,
+    result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
                                   "rates": common.measure_rates(args.tiny), "rows": []}
-    D, F, E = shape["D"], shape["F"], shape["E"]
-    stacks = (common.random_layers(jax.random.key(0), (LAYERS, E, D, 2 * F), jnp.bfloat16),
-              common.random_layers(jax.random.key(1), (LAYERS, E, F, D), jnp.bfloat16))
-    path = args.out / ("moe_tiny.json" if args.tiny else "moe.json")
+    stacks = random_stacks(args.format, shape)
+    name = "moe" + ("_mxfp4" if args.format == "mxfp4" else "") + ("_tiny" if args.tiny else "")
+    path = args.out / f"{name}.json"
     for T in rows:
         result["rows"].append(time_rows(T, shape, repeats, stacks, result["rates"]["copy_GBps"]))
         print(result["rows"][-1], flush=True)

@@ -104,7 +104,8 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_ga
     its experts expert_ids [T, k] (distinct within a row) weighted by expert_weights [T, k] and summed
     (pallas_kernels/moe.py defines the products and the activations, "silu" or "gpt_oss"). The stacks
     w_gate_up [L, E, D, 2F] (gate columns, then up), w_down [L, E, F, D] and the optional biases
-    b_gate_up [L, E, 2F], b_down [L, E, D] are read in place at `layer`. The Pallas kernel reads each
+    b_gate_up [L, E, 2F], b_down [L, E, D] are read in place at `layer`; either stack may be an
+    `MXFP4` one (gpt-oss's packed experts, decoded in the kernel's registers). The Pallas kernel reads each
     routed expert's weights once and the others not at all (XLA's grouped product reads far more at
     decode row counts); it covers D and F that are multiples of 16, others run the reference."""
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)

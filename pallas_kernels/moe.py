@@ -22,7 +22,13 @@ by token inside the kernel. The first call writes the activations [T*k, F] (x's 
 the second the experts' outputs [T*k, D] float32; XLA weights them and sums each token's k. The
 weight stacks are read in place at the traced `layer`: a layer sliced out of a stack inside the
 decoder's layer scan would be copied first (bench/NOTES.md, "fused layer projections").
+
+Either stack may be `MXFP4` (gpt-oss's released expert form, 4.25 bits a weight instead of 16): the
+kernel then reads each routed expert's packed bytes and scales once and decodes them in registers
+(`decode`), so the bytes floor is a quarter of bf16's. The reference decodes the layer's whole stack
+with the same function and runs the float path.
 """
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +50,51 @@ STEP_ELEMENTS = 64 * 64
 GATE_UP_COLUMNS = 64  # the first call's columns per program, of the gate and of the up half each
 DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
 MAX_ROWS = 64  # rows per row block: an expert's further rows take further blocks, re-reading its tile
+MXFP4_GROUP = 32  # MXFP4: values of K per scale
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP4:
+    """A stack of matrices W [..., K, N] (x @ W) in MXFP4, gpt-oss's released expert form kept packed:
+    blocks [..., N, K/2] uint8, row n holding W[:, n] two e2m1 codes a byte (even k in the low nibble,
+    odd k in the high one), and scales [..., N, K/32] uint8, W[k, n] = e2m1 x 2^(scale - 127) for
+    each MXFP4_GROUP values of K. Rows are output columns, as in the checkpoint: a kernel's tile of
+    [columns, K step / 2] bytes is contiguous along K (the checkpoint's blocks reshaped, no re-pack)."""
+
+    blocks: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The matrices' shape [..., K, N], as a float stack's."""
+        *lead, N, half = self.blocks.shape
+        return (*lead, 2 * half, N)
+
+
+def e2m1(codes):
+    """float32 values of 4-bit e2m1 codes (int32 0..15: sign, 2-bit exponent, 1-bit mantissa):
+    0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, in integer arithmetic (a kernel has no tables)."""
+    magnitude = codes & 7
+    exponent, mantissa = magnitude >> 1, magnitude & 1
+    twice = jnp.where(exponent == 0, mantissa, (2 + mantissa) << jnp.maximum(exponent - 1, 0))
+    value = twice.astype(jnp.float32) * 0.5
+    return jnp.where(codes >= 8, -value, value)
+
+
+def decode(blocks, scales):
+    """float32 [..., 2n]: the values of MXFP4 bytes `blocks` [..., n] (the low nibble's code first)
+    with each byte's scale `scales` [..., n], code x 2^(scale - 127), the power of two built from its
+    exponent bits (scale 255 is inf, as a poisoned scale should be; 0 decodes as 0, not 2^-127)."""
+    codes = blocks.astype(jnp.int32)
+    power = lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
+    pairs = jnp.stack([e2m1(codes & 15) * power, e2m1(codes >> 4) * power], axis=-1)
+    return pairs.reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
+
+
+def dequantize(w: MXFP4):
+    """float32 [..., K, N]: the matrices of an MXFP4 stack."""
+    return jnp.swapaxes(decode(w.blocks, jnp.repeat(w.scales, MXFP4_GROUP // 2, axis=-1)), -1, -2)
 
 
 def activate(gate, up, activation: str):
@@ -75,18 +126,20 @@ def _combine(y, order, expert_weights):
 def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
                           b_down=None, activation: str = "silu"):
     """The routed experts through XLA's grouped product (lax.ragged_dot) over the sorted assignments,
-    at layer `layer` of the stacks; correct for any shape. float32 [T, D]."""
+    at layer `layer` of the stacks (an MXFP4 stack's layer dequantized first); correct for any shape.
+    float32 [T, D]."""
     k = expert_ids.shape[1]
     order, sizes = _route(expert_ids, w_gate_up.shape[1])
     expert = expert_ids.reshape(-1)[order]
     product = functools.partial(lax.ragged_dot, group_sizes=sizes, precision=matmul_precision(x.dtype),
                                 preferred_element_type=jnp.float32)
-    h = product(x[order // k], w_gate_up[layer].astype(x.dtype))
+    at_layer = lambda w: dequantize(jax.tree.map(lambda a: a[layer], w)) if isinstance(w, MXFP4) else w[layer]
+    h = product(x[order // k], at_layer(w_gate_up).astype(x.dtype))
     if b_gate_up is not None:
         h = h + b_gate_up[layer, expert].astype(jnp.float32)
     F = w_down.shape[-2]
     a = activate(h[:, :F], h[:, F:], activation).astype(x.dtype)
-    y = product(a, w_down[layer].astype(x.dtype))
+    y = product(a, at_layer(w_down).astype(x.dtype))
     if b_down is not None:
         y = y + b_down[layer, expert].astype(jnp.float32)
     return _combine(y, order, expert_weights)
@@ -94,7 +147,8 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, laye
 
 def supported(w_gate_up, w_down) -> bool:
     """Whether the kernel covers these stacks (others run the reference): D and F multiples of 16,
-    the smallest Triton tile (Qwen3-30B-A3B's 2048 and 768, gpt-oss-20b's 2880 = 45 x 64 are)."""
+    the smallest Triton tile (Qwen3-30B-A3B's 2048 and 768, gpt-oss-20b's 2880 = 45 x 64 are); an
+    MXFP4 stack's K steps hold whole scale groups then (K is a multiple of 32)."""
     D, F = w_down.shape[-1], w_down.shape[-2]
     return w_gate_up.shape[-2:] == (D, 2 * F) and divisor(D, MIN_TILE) is not None and divisor(F, MIN_TILE) is not None
 
@@ -136,9 +190,25 @@ def _slot_rows(slots_ref, bm: int, body):
         lax.fori_loop(0, (hi - lo + bm - 1) // bm, block, 0)
 
 
-def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, w_ref, *refs, bm: int, bk: int, bf: int,
-                    activation: str, biased: bool):
-    b_ref, a_ref = refs if biased else (None, *refs)
+def _product(load_x, w_refs, layer, e, k0: int, bk: int, cols):
+    """Inside a kernel: float32 [rows, columns] = x's columns [k0, k0 + bk) (load_x(slice), in x's
+    dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
+    MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
+    registers (a transposed product)."""
+    x = load_x(pl.ds(k0, bk))
+    if len(w_refs) == 1:
+        return jnp.dot(x, w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype), preferred_element_type=jnp.float32)
+    blocks_ref, scales_ref = w_refs
+    blocks = blocks_ref[layer, e, cols, pl.ds(k0 // 2, bk // 2)]
+    groups = scales_ref[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)]
+    scales = jnp.broadcast_to(groups[:, :, None], (*groups.shape, MXFP4_GROUP // 2)).reshape(blocks.shape)
+    w = decode(blocks, scales).astype(x.dtype)
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk: int, bf: int, activation: str,
+                    packed: bool, biased: bool):
+    w_refs, (*b_ref, a_ref) = refs[:1 + packed], refs[1 + packed:]
     j = pl.program_id(1)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
     F = a_ref.shape[1]
@@ -146,39 +216,34 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, w_ref, *refs, bm: i
 
     def rows(start, real):
         tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
+        load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
 
         def step(i, acc):
-            x = x_ref[tokens, pl.ds(i * bk, bk)]  # rows past the range read token 0, are not stored
-            w_gate = w_ref[layer, e, pl.ds(i * bk, bk), gate].astype(x.dtype)
-            w_up = w_ref[layer, e, pl.ds(i * bk, bk), up].astype(x.dtype)
-            return (acc[0] + jnp.dot(x, w_gate, preferred_element_type=jnp.float32),
-                    acc[1] + jnp.dot(x, w_up, preferred_element_type=jnp.float32))
+            return (acc[0] + _product(load_x, w_refs, layer, e, i * bk, bk, gate),
+                    acc[1] + _product(load_x, w_refs, layer, e, i * bk, bk, up))
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
         g, u = lax.fori_loop(0, x_ref.shape[1] // bk, step, (zeros, zeros))
         if biased:
-            g = g + b_ref[layer, e, gate].astype(jnp.float32)[None, :]
-            u = u + b_ref[layer, e, up].astype(jnp.float32)[None, :]
+            g = g + b_ref[0][layer, e, gate].astype(jnp.float32)[None, :]
+            u = u + b_ref[0][layer, e, up].astype(jnp.float32)[None, :]
         a = activate(g, u, activation)
         plgpu.store(a_ref.at[pl.ds(start, bm), pl.ds(j * bf, bf)], a.astype(a_ref.dtype), mask=real[:, None])
 
     _slot_rows(slots_ref, bm, rows)
 
 
-def _down_kernel(layer_ref, slots_ref, a_ref, w_ref, *refs, bm: int, bk: int, bd: int, biased: bool):
-    b_ref, y_ref = refs if biased else (None, *refs)
+def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool):
+    w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
 
     def rows(start, real):
-        def step(i, acc):
-            a = plgpu.load(a_ref.at[pl.ds(start, bm), pl.ds(i * bk, bk)], mask=real[:, None], other=0.0)
-            w = w_ref[layer, e, pl.ds(i * bk, bk), cols].astype(a.dtype)
-            return acc + jnp.dot(a, w, preferred_element_type=jnp.float32)
-
+        load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
+        step = lambda i, acc: acc + _product(load_a, w_refs, layer, e, i * bk, bk, cols)
         y = lax.fori_loop(0, a_ref.shape[1] // bk, step, jnp.zeros((bm, bd), jnp.float32))
         if biased:
-            y = y + b_ref[layer, e, cols].astype(jnp.float32)[None, :]
+            y = y + b_ref[0][layer, e, cols].astype(jnp.float32)[None, :]
         plgpu.store(y_ref.at[pl.ds(start, bm), cols], y, mask=real[:, None])
 
     _slot_rows(slots_ref, bm, rows)
@@ -195,9 +260,10 @@ def _slots(sizes, num_slots: int):
     return jnp.stack([expert, start, jnp.where(valid, ends[expert], 0)]).astype(jnp.int32)
 
 
-def _slot_call(kernel, name: str, grid, out_shape, args, bias, *, params, interpret: bool):
-    """One of the two calls: refs in, one ref out, the optional bias last."""
-    args = args if bias is None else [*args, bias]
+def _slot_call(kernel, name: str, grid, out_shape, args, w, bias, *, params, interpret: bool):
+    """One of the two calls: refs in, one ref out; the weights (an MXFP4 stack: its blocks and
+    scales) after `args`, the optional bias last."""
+    args = [*args, *(jax.tree.leaves(w))] + ([] if bias is None else [bias])
     return pl.pallas_call(kernel, grid=grid, in_specs=[pl.no_block_spec] * len(args), out_specs=pl.no_block_spec,
                           out_shape=out_shape, compiler_params=params, interpret=interpret, name=name)(*args)
 
@@ -206,7 +272,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
                        b_down=None, activation: str = "silu", interpret: bool = False, num_warps: int = 4,
                        num_stages: int = 3):
     """The kernels' routed experts (the reference's result, summed in another order), float32 [T, D];
-    the stacks read in place at `layer` (an int32 scalar). Shapes: `supported`."""
+    the stacks (float or MXFP4) read in place at `layer` (an int32 scalar). Shapes: `supported`."""
     T, k = expert_ids.shape
     E, D = w_gate_up.shape[1], x.shape[1]
     F = w_down.shape[-2]
@@ -220,10 +286,11 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
                              interpret=interpret)
     bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
     a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step_rows(D, bf), bf=bf, activation=activation,
-                               biased=b_gate_up is not None),
+                               packed=isinstance(w_gate_up, MXFP4), biased=b_gate_up is not None),
              "moe_gate_up", (S, F // bf), jax.ShapeDtypeStruct((N + bm, F), x.dtype),
-             [layer, slots, tokens, x, w_gate_up], b_gate_up)
-    y = call(functools.partial(_down_kernel, bm=bm, bk=step_rows(F, bd), bd=bd, biased=b_down is not None),
+             [layer, slots, tokens, x], w_gate_up, b_gate_up)
+    y = call(functools.partial(_down_kernel, bm=bm, bk=step_rows(F, bd), bd=bd, packed=isinstance(w_down, MXFP4),
+                               biased=b_down is not None),
              "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
-             [layer, slots, a, w_down], b_down)
+             [layer, slots, a], w_down, b_down)
     return _combine(y, order, expert_weights)

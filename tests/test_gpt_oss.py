@@ -1,8 +1,8 @@
 """gpt-oss models: logits and greedy tokens against transformers' GptOssForCausalLM (eager attention,
 float32, a tiny random checkpoint saved with save_pretrained: sinks, biased attention, sliding-window
 layers of 8 keys between full ones, YaRN RoPE, 2 of 8 experts a token), prompts longer than the
-window; the released MXFP4 expert form loading to the same weights as the unquantized one (the
-dequantization against transformers' own); drafters lossless on a random gpt-oss model."""
+window; the released MXFP4 expert form loading packed, to the same weights and logits as the
+unquantized one (the dequantization against transformers' own); drafters lossless on a random gpt-oss model."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.loaders import hf, load_model
 from jaxspec.models.config import ModelConfig, MoEConfig, RopeConfig
 from jaxspec.models.decoder import score
+from pallas_kernels.moe import MXFP4, dequantize
 from test_moe_model import greedy, random_model
 
 STOP = jnp.array([-1], jnp.int32)
@@ -64,10 +65,11 @@ def test_greedy_tokens_equal_transformers(hf_checkpoints):
     assert np.asarray(out.tokens)[0, 21:37].tolist() == want
 
 
-def test_mxfp4_experts_load_as_their_dequantized_weights(hf_checkpoints, tmp_path):
+def test_mxfp4_experts_load_packed_as_their_dequantized_weights(hf_checkpoints, tmp_path):
     """The released form: each expert matrix as NAME_blocks + NAME_scales. Our dequantization equals
-    transformers' on random codes and exponents, and a checkpoint in that form loads to the weights
-    of the same checkpoint written unquantized."""
+    transformers' on random codes and exponents; a checkpoint in that form loads packed (MXFP4 stacks,
+    the non-expert params in float32), to the weights and the logits of the same checkpoint written
+    unquantized."""
     import torch
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -82,7 +84,7 @@ def test_mxfp4_experts_load_as_their_dequantized_weights(hf_checkpoints, tmp_pat
             blocks = rng.integers(0, 256, (E, rows, cols // 32, 16), dtype=np.uint8)
             scales = rng.integers(120, 130, (E, rows, cols // 32), dtype=np.uint8)
             want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
-            np.testing.assert_array_equal(hf.mxfp4_matrix(blocks, scales), want.numpy())
+            np.testing.assert_array_equal(np.asarray(dequantize(hf.mxfp4(blocks, scales))), want.numpy())
             key = f"model.layers.{i}.mlp.experts.{name}"
             tensors[key] = want.numpy()
             tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
@@ -91,9 +93,14 @@ def test_mxfp4_experts_load_as_their_dequantized_weights(hf_checkpoints, tmp_pat
                       (packed, lambda k: not k.endswith(("gate_up_proj", "down_proj")))):
         shutil.copytree(src, out)
         save_file({k: v for k, v in tensors.items() if keep(k)}, str(out / "model.safetensors"))
-    a, b = load_model(str(plain), "float32")[1], load_model(str(packed), "float32")[1]
+    (_, a, _), (_, b, _) = load_model(str(plain), "float32"), load_model(str(packed), "float32")
     for name in ("moe_gate_up", "moe_down"):
-        np.testing.assert_array_equal(np.asarray(a["layers"][name]), np.asarray(b["layers"][name]))
+        assert isinstance(b["layers"][name], MXFP4) and b["layers"][name].blocks.dtype == jnp.uint8
+        np.testing.assert_array_equal(np.asarray(a["layers"][name]), np.asarray(dequantize(b["layers"][name])))
+    assert b["layers"]["wqkv"].dtype == jnp.float32
+    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 20)))
+    want, got = (np.asarray(score(params, cfg, tokens)) for params in (a, b))
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
 CFG = ModelConfig(model_type="gpt_oss", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,

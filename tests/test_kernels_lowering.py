@@ -23,7 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
-from pallas_kernels.moe import moe_experts_pallas
+from pallas_kernels.moe import MXFP4, moe_experts_pallas
 from pallas_kernels.quest_pages import quest_pages_pallas
 from pallas_kernels._common import merge_splits_pallas
 from pallas_kernels.residual_norm import residual_norm_pallas
@@ -215,18 +215,22 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
                spec((M, K), jnp.bfloat16), values, scale, spec(()))
 
 
-@pytest.mark.parametrize("T, E, D, F, k, activation", [
-    (1, 128, 2048, 768, 8, "silu"),       # Qwen3-30B-A3B, a decode step: 8 slots, 16-row blocks
-    (512, 128, 2048, 768, 8, "silu"),     # a prefill chunk: 64-row blocks
-    (64, 32, 2880, 2880, 4, "gpt_oss"),   # gpt-oss-20b (biases), D = F = 45 x 64
+@pytest.mark.parametrize("T, E, D, F, k, activation, packed", [
+    (1, 128, 2048, 768, 8, "silu", False),       # Qwen3-30B-A3B, a decode step: 8 slots, 16-row blocks
+    (512, 128, 2048, 768, 8, "silu", False),     # a prefill chunk: 64-row blocks
+    (64, 32, 2880, 2880, 4, "gpt_oss", False),   # gpt-oss-20b (biases), D = F = 45 x 64
+    (1, 32, 2880, 2880, 4, "gpt_oss", True),     # gpt-oss-20b's released MXFP4 experts, decoded in registers
+    (64, 32, 2880, 2880, 4, "gpt_oss", True),
 ])
-def test_moe_experts_lowers(check_cuda, T, E, D, F, k, activation):
+def test_moe_experts_lowers(check_cuda, T, E, D, F, k, activation, packed):
     biased = activation == "gpt_oss"
+    stack = lambda K, N: (MXFP4(spec((2, E, N, K // 2), jnp.uint8), spec((2, E, N, K // 32), jnp.uint8)) if packed
+                          else spec((2, E, K, N), jnp.bfloat16))
     check_cuda(lambda x, ids, w, w_gate_up, w_down, layer, b_gate_up, b_down: moe_experts_pallas(
                    x, ids, w, w_gate_up, w_down, layer, b_gate_up=b_gate_up, b_down=b_down, activation=activation),
-               spec((T, D), jnp.bfloat16), spec((T, k)), spec((T, k), jnp.float32),
-               spec((2, E, D, 2 * F), jnp.bfloat16), spec((2, E, F, D), jnp.bfloat16), spec(()),
-               spec((2, E, 2 * F), jnp.bfloat16) if biased else None, spec((2, E, D), jnp.bfloat16) if biased else None)
+               spec((T, D), jnp.bfloat16), spec((T, k)), spec((T, k), jnp.float32), stack(D, 2 * F), stack(F, D),
+               spec(()), spec((2, E, 2 * F), jnp.bfloat16) if biased else None,
+               spec((2, E, D), jnp.bfloat16) if biased else None)
 
 
 @pytest.mark.parametrize("P, splits, rows, Dh", [(3, 43, 3, 64), (2, 64, 16, 64), (8, 16, 4, 128)])

@@ -2,7 +2,9 @@
 reference against a float64 loop over each token's experts, at layer 1 of 3-layer stacks, fresh random
 inputs (gate/up products large enough that gpt-oss's clamps bite). The kernel also gets poisoned stacks:
 NaN in every other layer and in every expert no token routes to, which it must never read. Interpret
-mode fills unwritten kernel outputs with NaN, so a row the kernel forgot shows too."""
+mode fills unwritten kernel outputs with NaN, so a row the kernel forgot shows too. Both again with
+MXFP4 stacks (random codes and scales, F = 64: whole scale groups), against the loop over their
+dequantized weights; poisoned there by scale 255 (inf after decoding)."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from pallas_kernels.moe import MXFP4, dequantize
 
 L, LAYER, E, K, D, F = 3, 1, 8, 2, 96, 48  # D: three 32-row steps; F: three 16-column blocks
 
@@ -35,6 +38,7 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
     implementations feed them to the down product)."""
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     bf16 = x.dtype == jnp.bfloat16
+    F = w_down.shape[-2]
     x, weights, w_gate_up, w_down = f64(x), f64(weights), f64(w_gate_up[LAYER]), f64(w_down[LAYER])
     out = np.zeros(x.shape)
     for t, j in np.ndindex(*ids.shape):
@@ -93,3 +97,49 @@ def test_moe_kernel_never_reads_unrouted_experts(T):
     poisoned = run("pallas", (x, ids, weights, *map(poison, stacks)), "gpt_oss")
     assert np.isfinite(poisoned).all(), f"T={T}: the kernel read an unrouted expert or another layer (NaN in its output)"
     np.testing.assert_array_equal(poisoned, clean, err_msg=f"T={T}: poisoned stacks changed the output")
+
+
+F_PACKED = 64  # MXFP4 stacks: K a multiple of the 32-value scale groups
+
+
+def packed_inputs(seed: int, T: int, dtype, biased: bool, experts=range(E)):
+    """make_inputs with MXFP4 stacks [L, E, D, 2 F_PACKED] and [L, E, F_PACKED, D]: random codes,
+    scales 2^-5..2^-2 (gate/up products large enough that gpt-oss's clamps bite)."""
+    x, ids, weights, *_ = make_inputs(seed, T, dtype, biased, experts)
+    rng = np.random.default_rng(seed)
+    stack = lambda K, N, lo: MXFP4(jnp.asarray(rng.integers(0, 256, (L, E, N, K // 2), dtype=np.uint8)),
+                                   jnp.asarray(rng.integers(lo, lo + 4, (L, E, N, K // 32), dtype=np.uint8)))
+    keys = jax.random.split(jax.random.key(seed + 1), 2)
+    b_gate_up = jax.random.normal(keys[0], (L, E, 2 * F_PACKED), dtype) if biased else None
+    b_down = jax.random.normal(keys[1], (L, E, D), dtype) if biased else None
+    return x, ids, weights, stack(D, 2 * F_PACKED, 122), stack(F_PACKED, D, 121), b_gate_up, b_down
+
+
+@pytest.mark.parametrize("T, activation, dtype", [
+    (1, "gpt_oss", jnp.bfloat16), (5, "silu", jnp.float32), (64, "gpt_oss", jnp.float32), (64, "silu", jnp.bfloat16)])
+def test_moe_experts_mxfp4_equal_float64_loop(T, activation, dtype):
+    inputs = packed_inputs(T, T, dtype, True)
+    x, ids, weights, w_gate_up, w_down, *biases = inputs
+    want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), *biases, activation)
+    scale = np.abs(want).max()
+    tol = 1e-5 if dtype == jnp.float32 else 4e-3
+    for backend in pallas_kernels.BACKENDS:
+        got = run(backend, inputs, activation)
+        assert got.shape == (T, D) and np.isfinite(got).all(), f"{backend}: shape {got.shape} or non-finite output"
+        err = np.abs(got - want).max() / scale
+        assert err < tol, f"{backend} T={T} {activation}: max error {err:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_moe_kernel_never_reads_unrouted_mxfp4_experts(T):
+    """Scale 255 (inf once decoded) in every layer but LAYER and in every expert of LAYER no row
+    routes to: the kernel's output is finite and equal to the clean stacks' output."""
+    inputs = packed_inputs(200 + T, T, jnp.bfloat16, True, experts=(0, 2, 5))
+    x, ids, weights, w_gate_up, w_down, *biases = inputs
+    routed = np.zeros((L, E, 1, 1), bool)
+    routed[LAYER, np.unique(np.asarray(ids))] = True
+    poison = lambda w: MXFP4(w.blocks, jnp.where(routed, w.scales, jnp.uint8(255)))
+    clean = run("pallas", inputs, "gpt_oss")
+    poisoned = run("pallas", (x, ids, weights, poison(w_gate_up), poison(w_down), *biases), "gpt_oss")
+    assert np.isfinite(poisoned).all(), f"T={T}: the kernel read an unrouted expert or another layer"
+    np.testing.assert_array_equal(poisoned, clean, err_msg=f"T={T}: poisoned scales changed the output")

@@ -20,6 +20,7 @@ from jaxspec import files
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig, nsa_hf_keys
 from jaxspec.models.decoder import Params, gate_dim, param_shapes
+from pallas_kernels.moe import MXFP4
 
 # jaxspec layer key -> (HF names inside model.layers.{i}., concatenated along the last axis; transpose)
 LAYER_TENSORS = {
@@ -46,30 +47,36 @@ EXPERT_TENSORS = {
 }
 # gpt-oss: each layer's experts in one tensor inside model.layers.{i}.mlp.experts. (x @ W layout), the
 # gate and up columns interleaved (gate even, up odd), or the released MXFP4 form of the matrices
-# (NAME_blocks [E, out, in / 32, 16] of packed 4-bit values, NAME_scales [E, out, in / 32] exponents)
+# (NAME_blocks [E, out, in / 32, 16] of packed 4-bit values, NAME_scales [E, out, in / 32] exponents),
+# kept packed: the MoE kernel decodes it in registers (pallas_kernels.moe.MXFP4)
 GPT_OSS_EXPERTS = {"moe_gate_up": "gate_up_proj", "moe_down": "down_proj", "moe_gate_up_bias": "gate_up_proj_bias",
                    "moe_down_bias": "down_proj_bias"}
-MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                        np.float32)  # a 4-bit code's value (e2m1)
 
 
-def mxfp4_matrix(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float32 [E, in, out] of MXFP4 blocks [E, out, G, 16] uint8 (two codes a byte, the low nibble
-    first) and scales [E, out, G] uint8 (a power of two per 32 values, biased by 127)."""
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
-    values = np.ldexp(MXFP4_VALUES[codes], scales.astype(np.int32)[..., None] - 127)
-    return values.reshape(*values.shape[:-2], -1).swapaxes(-1, -2)
+def mxfp4(blocks: np.ndarray, scales: np.ndarray) -> MXFP4:
+    """The MXFP4 stack of matrices [E, in, out] in gpt-oss's released form: blocks [E, out, G, 16]
+    uint8 (two codes a byte, the low nibble first), scales [E, out, G] uint8 (in = 32 G)."""
+    return MXFP4(blocks.reshape(*blocks.shape[:-2], -1), scales)
 
 
-def gpt_oss_experts(key: str, layer: int, get: Callable[[str], np.ndarray], has: Callable[[str], bool]) -> np.ndarray:
+def gate_then_up(a: np.ndarray, axis: int) -> np.ndarray:
+    """gpt-oss's interleaved gate/up outputs along `axis` (gate even, up odd) -> gate, then up."""
+    n = a.shape[axis]
+    return np.take(a, np.r_[0:n:2, 1:n:2], axis=axis)
+
+
+def gpt_oss_experts(key: str, layer: int, get: Callable[[str], np.ndarray],
+                    has: Callable[[str], bool]) -> np.ndarray | MXFP4:
     """Layer `layer`'s expert tensor `key` of a gpt-oss checkpoint in jaxspec's layout (gate columns
-    then up columns)."""
+    then up columns); an MXFP4 matrix stays packed, its gate/up output rows permuted whole."""
     name = f"model.layers.{layer}.mlp.experts.{GPT_OSS_EXPERTS[key]}"
     if key in ("moe_gate_up", "moe_down") and not has(name):
-        w = mxfp4_matrix(np.asarray(get(name + "_blocks")), np.asarray(get(name + "_scales")))
-    else:
-        w = np.asarray(get(name))
-    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1) if key.startswith("moe_gate_up") else w
+        w = mxfp4(np.asarray(get(name + "_blocks")), np.asarray(get(name + "_scales")))
+        return jax.tree.map(lambda a: gate_then_up(a, 1), w) if key == "moe_gate_up" else w
+    w = np.asarray(get(name))
+    return gate_then_up(w, -1) if key.startswith("moe_gate_up") else w
+
+
 # NSA models (llama-nsa) append the gate projection to the fused q/k/v matrix (and bias)
 NSA_GATE = {"wqkv": "self_attn.g_proj.weight", "bqkv": "self_attn.g_proj.bias"}
 TOP_TENSORS = {
@@ -120,15 +127,26 @@ def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: Callab
         for key in ("embed", "final_norm", "lm_head")
         if key in shapes
     }
-    def stack(key: str, shape: tuple[int, ...]) -> np.ndarray:
+    def gpt_oss_stack(key: str, shape: tuple[int, ...]) -> np.ndarray | MXFP4:
+        """A gpt-oss expert stack layer by layer: in `dtype`, or MXFP4 stacks of the checkpoint's bytes."""
+        out = None
+        for i in range(shape[0]):
+            w = gpt_oss_experts(key, i, get, has)
+            if w.shape != shape[1:]:
+                raise JaxspecError(f"gpt-oss expert tensor {key} of layer {i} has shape {w.shape}, expected {shape[1:]}")
+            if out is None:
+                packed = isinstance(w, MXFP4)
+                out = jax.tree.map(lambda a: np.empty((shape[0], *a.shape), a.dtype if packed else dtype), w)
+            for o, a in zip(jax.tree.leaves(out), jax.tree.leaves(w), strict=True):
+                o[i] = a
+        return out
+
+    def stack(key: str, shape: tuple[int, ...]) -> np.ndarray | MXFP4:
+        if cfg.model_type == "gpt_oss" and key in GPT_OSS_EXPERTS:
+            return gpt_oss_stack(key, shape)
         out = np.empty(shape, dtype)
         for i in range(shape[0]):
-            if cfg.model_type == "gpt_oss" and key in GPT_OSS_EXPERTS:
-                w = gpt_oss_experts(key, i, get, has)
-                if w.shape != shape[1:]:
-                    raise JaxspecError(f"gpt-oss expert tensor {key} of layer {i} has shape {w.shape}, expected {shape[1:]}")
-                out[i] = w
-            elif key in EXPERT_TENSORS:
+            if key in EXPERT_TENSORS:
                 names, transpose = EXPERT_TENSORS[key]
                 for e in range(shape[1]):
                     out[i, e] = tensor(tuple(f"model.layers.{i}.mlp.experts.{e}.{n}" for n in names), transpose, shape[2:])

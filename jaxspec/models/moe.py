@@ -6,14 +6,16 @@ layer's output is the routed experts' SwiGLU outputs weighted by the router (`co
 
 The experts' stacks [L, E, ...] are read in place at the layer's entry by the experts kernel
 (pallas_kernels.moe_experts): a layer's slice of them would be copied first, and a decode step reads
-only the experts its rows were routed to. Routing is computed in float32.
+only the experts its rows were routed to; an MXFP4 stack (gpt-oss's released experts, kept packed)
+is decoded in the kernel's registers. Routing is computed in float32.
 
 Tensor parallelism (`jaxspec.models.sharding`) splits every expert's columns as the dense MLP's: a
 device holds the gate and up columns [gate_s | up_s] of every expert and the matching rows of its
 down matrix, so each device reads 1/tp of each routed expert at any row count, through the dense
 model's layout and its one all-reduce after the down product. The router is replicated: every
 device routes identically. Splitting whole experts across devices instead (each device the rows
-routed to its experts, an all-to-all or a masked sum) is the alternative, left unmeasured.
+routed to its experts, an all-to-all or a masked sum) is the alternative, left unmeasured. Packed
+(MXFP4) experts are not split yet.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.quantize import Quantized
+from pallas_kernels.moe import MXFP4
 
 AXIS = "tp"
 # split along the last axis (sinks [L, Hq]: by query head, each shard's heads in order)
@@ -128,7 +129,8 @@ def _split(ndim: int, from_end: int) -> P:
 
 def param_specs(params: dict) -> dict:
     """The PartitionSpec of every params leaf (quantized draft copies included: an int8 matrix's
-    per-column scales follow its columns; int4's group scales follow its rows too)."""
+    per-column scales follow its columns; int4's group scales follow its rows too). An MXFP4 expert
+    stack is one leaf here, replicated (`shard_params` refuses to split one)."""
 
     def spec(path, x):
         name = path[-1].key
@@ -141,7 +143,7 @@ def param_specs(params: dict) -> dict:
         return Quantized(_split(x.values.ndim, from_end), _split(x.scale.ndim, from_end) if scale_split else P(),
                          None, x.backend)
 
-    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, Quantized))
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, (Quantized, MXFP4)))
 
 
 def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
@@ -168,7 +170,12 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Standard-layout params (`decoder.param_shapes`, exact weights) -> TP-layout params split over
     `mesh`. Host arrays go to their devices block by block (no device holds a full copy); the fused
     matrices' columns are then reordered on the devices, one stacked matrix at a time. The draft's
-    copies (`draft_weights.with_draft_weights`) are made from the result, then `place`d."""
+    copies (`draft_weights.with_draft_weights`) are made from the result, then `place`d. Packed
+    (MXFP4) experts are not split yet: a one-line error."""
+    if mesh.size > 1 and any(isinstance(x, MXFP4) for x in jax.tree.leaves(
+            params, is_leaf=lambda x: isinstance(x, MXFP4))):
+        raise JaxspecError(f"--tp {mesh.size}: MXFP4 experts are not split over devices yet (--tp 1, or the "
+                           "checkpoint's unquantized form)")
     placed = place(params, mesh)
     layers = dict(placed["layers"])
     for name, columns in _column_order(cfg, mesh.size).items():
