@@ -72,6 +72,11 @@ class MXFP4:
         return (*lead, 2 * half, N)
 
 
+def has_packed(tree) -> bool:
+    """Whether any leaf of `tree` (a params pytree) is an MXFP4 stack."""
+    return any(isinstance(x, MXFP4) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MXFP4)))
+
+
 def e2m1(codes):
     """float32 values of 4-bit e2m1 codes (int32 0..15: sign, 2-bit exponent, 1-bit mantissa):
     0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, in integer arithmetic (a kernel has no tables)."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.convert import convert
 from jaxspec.decoding import engine
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
@@ -101,6 +102,9 @@ def test_mxfp4_experts_load_packed_as_their_dequantized_weights(hf_checkpoints, 
     tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 20)))
     want, got = (np.asarray(score(params, cfg, tokens)) for params in (a, b))
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    with pytest.raises(JaxspecError, match="MXFP4"):  # a jaxspec checkpoint cannot hold packed experts yet
+        convert(str(packed), tmp_path / "ckpt", "float32")
+    assert not (tmp_path / "ckpt").exists()
 
 
 CFG = ModelConfig(model_type="gpt_oss", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,

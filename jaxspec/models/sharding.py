@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.quantize import Quantized
-from pallas_kernels.moe import MXFP4
+from pallas_kernels.moe import MXFP4, has_packed
 
 AXIS = "tp"
 # split along the last axis (sinks [L, Hq]: by query head, each shard's heads in order)
@@ -172,8 +172,7 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     matrices' columns are then reordered on the devices, one stacked matrix at a time. The draft's
     copies (`draft_weights.with_draft_weights`) are made from the result, then `place`d. Packed
     (MXFP4) experts are not split yet: a one-line error."""
-    if mesh.size > 1 and any(isinstance(x, MXFP4) for x in jax.tree.leaves(
-            params, is_leaf=lambda x: isinstance(x, MXFP4))):
+    if mesh.size > 1 and has_packed(params):
         raise JaxspecError(f"--tp {mesh.size}: MXFP4 experts are not split over devices yet (--tp 1, or the "
                            "checkpoint's unquantized form)")
     placed = place(params, mesh)
