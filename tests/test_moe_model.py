@@ -18,7 +18,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import load_model
-from jaxspec.models import decoder, moe, sharding
+from jaxspec.models import decoder, eagle, moe, sharding
 from jaxspec.models.config import ModelConfig, MoEConfig
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
@@ -108,6 +108,17 @@ def moe_model():
 def test_every_drafter_equals_plain(moe_model, spec):
     params, ids, lengths, plain = moe_model
     assert greedy(CFG, params, spec, ids, lengths) == plain
+
+
+@pytest.mark.slow  # the head's features are the residual stream, the same for any MLP
+def test_eagle_equals_plain(moe_model):
+    from test_eagle_engine import head_config
+
+    params, ids, lengths, plain = moe_model
+    ecfg = head_config(CFG, draft_vocab=384, layers=(0, 2, 3))
+    head = eagle.init_params(jax.random.key(9), ecfg, jnp.float32, 0.05)
+    spec = SpecConfig(method="eagle", tree=(3, 2, 1), eagle=ecfg)
+    assert greedy(CFG, {**params, "eagle": head}, spec, ids, lengths) == plain
 
 
 def test_refused_in_one_line(tmp_path):
