@@ -16,12 +16,16 @@ import pytest
 
 from jaxspec.convert import convert
 from jaxspec.decoding import engine
+from jaxspec.decoding.drafters import DraftRows, make_drafter
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import hf, load_model
 from jaxspec.models.config import ModelConfig, MoEConfig, RopeConfig
+from jaxspec.models import decoder
 from jaxspec.models.decoder import score
+from jaxspec.models.kvcache import KVCache
+import pallas_kernels as kernels
 from pallas_kernels.moe import MXFP4, dequantize
 from test_moe_model import greedy, random_model
 
@@ -131,6 +135,35 @@ def model():
 def test_drafters_equal_plain(model, spec):
     params, ids, lengths, plain = model
     assert greedy(CFG, params, spec, ids, lengths) == plain
+
+
+def test_a_sliding_layer_drafts_over_its_whole_window():
+    """A sparse drafter's draft attention on a sliding-window layer is verification's over the window,
+    whatever its selection (here 16 slots, fewer than the window's 32); on a full layer it reads the
+    selection and the tail."""
+    cfg = CFG.replace(sliding_window=32)
+    drafter = make_drafter(SpecConfig(method="vegas", gamma=2, ratio=0.01, min_tokens=16).validate(), cfg, 256)
+    rng = np.random.default_rng(6)
+    shape = (cfg.num_layers, 2, cfg.num_kv_heads, 256, cfg.head_dim)
+    cache = KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)))
+    q = jnp.asarray(rng.standard_normal((2, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal((cfg.num_layers, cfg.num_heads)), jnp.float32)
+    first = jnp.asarray([100, 150], jnp.int32)
+    idx = jnp.asarray(np.stack([rng.choice(int(f) - 5, 16, replace=False) for f in first])[:, None], jnp.int32)
+    n_idx, tail_start = jnp.full((2,), 16, jnp.int32), first - 5
+    rows = DraftRows(first, jnp.int32(0), jnp.arange(1, dtype=jnp.int32), jnp.ones((1, 1), bool), chain=True)
+    attend, _ = drafter.sparse_attend(idx, n_idx, tail_start, rows, tail_capacity=8)
+    scale = cfg.head_dim**-0.5
+    for layer in (0, 1):  # sliding, full
+        gates = decoder.layer_sink_window(cfg, sinks, first[:, None], jnp.int32(layer))
+        out, _, _ = attend(jnp.int32(layer), q, cache, None, gates, ())
+        if layer in cfg.sliding_layers:
+            want = kernels.verify_attention(q, cache.k, cache.v, layer, first[:, None], scale=scale, sinks=sinks,
+                                            lo=gates.lo)[0]
+        else:
+            want = kernels.sparse_attention(q, cache.k, cache.v, layer, idx, n_idx, tail_start, first[:, None],
+                                            scale=scale, tail_capacity=8, sinks=sinks, lo=gates.lo)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=f"layer {layer}")
 
 
 def test_refused_in_one_line(hf_checkpoints, tmp_path):

@@ -244,7 +244,7 @@ def forward(
         q, cache, gates = attention_inputs(cfg, h, p["wqkv"], stacks, entry, positions, write_pos, cache, cache_layer,
                                            backend)
         if cfg.sinks:  # gpt-oss: its attention's inputs besides q and the cache
-            gates = SinkWindow(stacks["sinks"], lowest_slots(cfg, positions, cache_layer))
+            gates = layer_sink_window(cfg, stacks["sinks"], positions, cache_layer)
         out, ly, carry = attend(cache_layer, q, cache, lx, gates, carry)
         if cfg.o_bias:
             x = x + p["bo"]
@@ -277,12 +277,13 @@ def forward(
 @dataclasses.dataclass(frozen=True)
 class SinkWindow:
     """gpt-oss attention's inputs besides q and the cache, handed to `attend` in NSA's gates' place:
-    the model's sink logits [L, Hq] (the kernels read the attended layer's row in place) and the
-    lowest cache slot each query row sees [B, T] (a sliding-window layer's position - W + 1, 0 on
-    full-attention layers)."""
+    the model's sink logits [L, Hq] (the kernels read the attended layer's row in place), the lowest
+    cache slot each query row sees [B, T] (a sliding-window layer's position - W + 1, 0 on
+    full-attention layers) and whether this layer slides (a traced bool)."""
 
     sinks: jax.Array
     lo: jax.Array
+    sliding: jax.Array
 
 
 def sink_window(gates) -> dict:
@@ -290,12 +291,14 @@ def sink_window(gates) -> dict:
     return {"sinks": gates.sinks, "lo": gates.lo} if isinstance(gates, SinkWindow) else {}
 
 
-def lowest_slots(cfg: ModelConfig, positions: jax.Array, layer: jax.Array) -> jax.Array:
-    """[B, T] the lowest slot rows at `positions` see at model layer `layer` (traced): the sliding
-    window's first on `cfg.sliding_layers`, else 0. A committed key's slot is its position, and a draft
-    tree's own keys lie within any window larger than its depth."""
+def layer_sink_window(cfg: ModelConfig, sinks: jax.Array, positions: jax.Array, layer: jax.Array) -> SinkWindow:
+    """Model layer `layer`'s (traced) `SinkWindow` for rows at `positions` [B, T]: on
+    `cfg.sliding_layers` a row sees slots from the window's first, position - W + 1, else all. A
+    committed key's slot is its position, and a draft tree's own keys lie within any window larger
+    than its depth."""
     sliding = jnp.asarray(np.isin(np.arange(cfg.num_layers), cfg.sliding_layers))[layer]
-    return jnp.where(sliding, jnp.maximum(positions - cfg.sliding_window + 1, 0), 0).astype(jnp.int32)
+    lo = jnp.where(sliding, jnp.maximum(positions - cfg.sliding_window + 1, 0), 0).astype(jnp.int32)
+    return SinkWindow(sinks, lo, sliding)
 
 
 def capture_slots(capture: tuple[int, ...], layer_ids, num_entries: int) -> np.ndarray:

@@ -130,6 +130,18 @@ class Drafter:
         idx = kernels.select_topk(scores, self.k_max, k[None, :], backend=self.spec.backend)
         return Selection(idx[:, :, None, :], k, last + 1)
 
+    def windowed(self, gates, n_idx: jax.Array, tail_start: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(selected count, tail start) of a layer's draft attention: on a sliding-window layer
+        (gpt-oss's `decoder.SinkWindow`) no selection and its whole window as the tail, so drafts
+        attend it as verification does; else as given. The window's reach is in `tail_reach`."""
+        if not isinstance(gates, decoder.SinkWindow):
+            return n_idx, tail_start
+        return jnp.where(gates.sliding, 0, n_idx), jnp.where(gates.sliding, jnp.min(gates.lo, axis=1), tail_start)
+
+    def tail_reach(self, tail_capacity: int) -> int:
+        """A tail's static capacity, with room for a sliding window's keys on a model that has them."""
+        return tail_capacity + (self.cfg.sliding_window if self.cfg.sliding_layers else 0)
+
     def sparse_attend(self, idx: jax.Array, n_idx: jax.Array, tail_start: jax.Array, rows: DraftRows,
                       tail_capacity: int, scale: float | None = None) -> tuple[AttendFn, Any]:
         """Draft attention over gathered slots `idx` ([L, B, Hs, K] per layer, or [B, Hs, K] for every
@@ -141,9 +153,10 @@ class Drafter:
         scale = self.scale if scale is None else scale
 
         def attend(layer, q, cache, _lx, gates, carry):
+            n, start = self.windowed(gates, n_idx, tail_start)
             out = kernels.sparse_attention(
-                q, cache.k, cache.v, layer, idx, n_idx, tail_start, slots,
-                scale=scale, tail_capacity=tail_capacity, tree=mask, skew=self.spec.balance,
+                q, cache.k, cache.v, layer, idx, n, start, slots,
+                scale=scale, tail_capacity=self.tail_reach(tail_capacity), tree=mask, skew=self.spec.balance,
                 backend=self.spec.backend, **decoder.sink_window(gates),
             )
             return out, None, carry

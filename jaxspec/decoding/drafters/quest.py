@@ -65,14 +65,14 @@ class Quest(Drafter):
         n_pages = jnp.minimum(-(-self.count(budget, rows.position + 1) // PAGE) - 1, last_page)
         offsets = jnp.arange(PAGE, dtype=jnp.int32)
 
-        def sparse(layer, q, cache, idx, extras):
+        def sparse(layer, q, cache, idx, extras, n, start):
             return kernels.sparse_attention(
-                q, cache.k, cache.v, layer, idx, n_pages * PAGE, last_page * PAGE, rows.slots,
-                scale=self.scale, tail_capacity=PAGE + self.spec.shape.rows, tree=rows.mask, skew=self.spec.balance,
-                backend=self.spec.backend, **extras,
+                q, cache.k, cache.v, layer, idx, n, start, rows.slots,
+                scale=self.scale, tail_capacity=self.tail_reach(PAGE + self.spec.shape.rows), tree=rows.mask,
+                skew=self.spec.balance, backend=self.spec.backend, **extras,
             )
 
-        def dense(layer, q, cache, idx, extras):
+        def dense(layer, q, cache, idx, extras, n, start):
             out, _, _ = kernels.verify_attention(
                 q, cache.k, cache.v, layer, rows.slots, scale=self.scale, tree=rows.mask, backend=self.spec.backend,
                 **extras,
@@ -86,7 +86,9 @@ class Quest(Drafter):
             top = kernels.quest_pages(q, state.kmin, state.kmax, layer, last_page, jnp.maximum(n_pages, 1),
                                       self.k_max // PAGE, backend=self.spec.backend)
             idx = (top[..., None] * PAGE + offsets).reshape(B, self.cfg.num_kv_heads, -1)
-            out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, idx, decoder.sink_window(gates))
+            n, start = self.windowed(gates, n_pages * PAGE, last_page * PAGE)
+            out = jax.lax.cond(layer < DENSE_LAYERS, dense, sparse, layer, q, cache, idx, decoder.sink_window(gates), n,
+                               start)
             return out, None, carry
 
         return attend, None
