@@ -177,9 +177,13 @@ def load(path: Path, dtype: str) -> tuple[ModelConfig, Params]:
 
     opened: dict[str, object] = {}
 
+    def file_name(name: str) -> str | None:
+        """The safetensors file that should hold `name` (None when the index names none)."""
+        return "model.safetensors" if weight_map is None else weight_map.get(name)
+
     def file_of(name: str):
         """The open safetensors file that should hold `name`, or None when the index names none."""
-        file = "model.safetensors" if weight_map is None else weight_map.get(name)
+        file = file_name(name)
         if file is None:
             return None
         try:
@@ -201,7 +205,7 @@ def load(path: Path, dtype: str) -> tuple[ModelConfig, Params]:
         try:
             return file_of(name).get_tensor(name)
         except SafetensorError as e:
-            raise JaxspecError(f"corrupt or incomplete safetensors file {path}: {e}") from None
+            raise JaxspecError(f"corrupt or incomplete safetensors file {path / file_name(name)}: {e}") from None
 
     return cfg, build_params(cfg, get, has)
 

@@ -15,8 +15,8 @@ faster than the running strategy, or when the running one falls MARGIN below any
 judged by the latest window (text that starts to repeat itself late, greedy loops and copied passages,
 is caught, and left again, within the switch limit); a model drafter by all its windows pooled (its
 acceptance follows the kind of text, and as the windows add up they outweigh its table rate: a table
-choice that does badly on this run's text is left). Observations and predictions are set against each other on one basis
-(`corrected`).
+choice that does badly on this run's text is left). Observations and predictions are set against
+each other on one basis (`corrected`).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as kernels
 from jaxspec.decoding.drafters.base import Drafter, DraftRows, Selection
+from jaxspec.decoding.drafters.vegas import first_and_last
 from jaxspec.decoding.sampling import expand, split_rows
 from jaxspec.models import decoder, eagle
 from jaxspec.models.kvcache import KVCache
@@ -60,7 +61,7 @@ class Eagle(Drafter):
         """Vegas's scores (rows 0 and the last) when the head attends a selection."""
         if not self.spec.selects_head_context:
             return None
-        return kernels.Collect(rows=(0, num_rows - 1) if num_rows > 1 else (0,), metric=self.spec.metric, reduce_rows=True)
+        return kernels.Collect(rows=first_and_last(num_rows), metric=self.spec.metric, reduce_rows=True)
 
     def init(self, cache: KVCache, prompt_len: jax.Array) -> PathRows:
         if cache.head is None:

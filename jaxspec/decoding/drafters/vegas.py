@@ -22,13 +22,19 @@ from jaxspec.decoding.drafters.base import Drafter, Selection
 from pallas_kernels.verify_attention import mask_scores
 
 
+def first_and_last(num_rows: int) -> tuple[int, ...]:
+    """Vegas's verify rows of a pass of `num_rows`: row 0 (the previous bonus token) and the last (the
+    last draft of a chain, a deepest node of a tree)."""
+    return (0, num_rows - 1) if num_rows > 1 else (0,)
+
+
 class Vegas(Drafter):
     """Scores of verify row 0 (the previous bonus token) and row gamma (the last draft)."""
 
     reduce_rows = True
 
     def rows(self, num_rows: int) -> tuple[int, ...]:
-        return (0, num_rows - 1) if num_rows > 1 else (0,)
+        return first_and_last(num_rows)
 
     def collect(self, num_rows: int) -> kernels.Collect:
         return kernels.Collect(rows=self.rows(num_rows), metric=self.spec.metric, reduce_rows=self.reduce_rows)
