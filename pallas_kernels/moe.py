@@ -13,8 +13,9 @@ the activations a enter the down product in x's dtype, as the model's own MLP do
 A decode or verification step routes a few rows to a few of E experts, so the layer's time is the
 routed experts' bytes over the memory bandwidth. XLA's grouped product (lax.ragged_dot, the reference
 here) reads far more than the routed experts at these row counts, hence the kernel: the T*k (token,
-expert) assignments are sorted by expert (XLA, a few small kernels), and each distinct expert hit gets
-a slot (min(E, T*k) slots, static). Two calls, each a grid of (slot, column block): a slot past the
+expert) assignments are grouped by expert (a one-hot and its running sums: a few fused XLA kernels;
+a decode step's single row needs none), and each distinct expert hit gets a slot (min(E, T*k)
+slots, static). Two calls, each a grid of (slot, column block): a slot past the
 distinct experts returns at once, reading nothing; otherwise the program streams its expert's column
 block of the weights through float32 accumulators for every row of that expert (row blocks of a
 dynamic count; one block in the common case, so each routed weight is read once), x's rows gathered
@@ -79,27 +80,31 @@ def has_packed(tree) -> bool:
 
 def e2m1(codes):
     """float32 values of 4-bit e2m1 codes (int32 0..15: sign, 2-bit exponent, 1-bit mantissa):
-    0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, in integer arithmetic (a kernel has no tables)."""
+    0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, built as float32 bits (a kernel has no tables):
+    exponent and mantissa shifted into place over a bias of 126, the two subnormal codes (0, 0.5)
+    set apart, the sign moved to bit 31."""
     magnitude = codes & 7
-    exponent, mantissa = magnitude >> 1, magnitude & 1
-    twice = jnp.where(exponent == 0, mantissa, (2 + mantissa) << jnp.maximum(exponent - 1, 0))
-    value = twice.astype(jnp.float32) * 0.5
-    return jnp.where(codes >= 8, -value, value)
+    bits = jnp.where(magnitude < 2, magnitude * (126 << 23), (magnitude << 22) + (126 << 23))
+    return lax.bitcast_convert_type(bits | ((codes & 8) << 28), jnp.float32)
 
 
-def decode(blocks, scales):
+def scale_power(scales):
+    """float32 2^(scale - 127) of uint8 MXFP4 scales, from the exponent bits (scale 255 is inf, as a
+    poisoned scale should be; 0 decodes as 0, not 2^-127)."""
+    return lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
+
+
+def decode(blocks, power):
     """float32 [..., 2n]: the values of MXFP4 bytes `blocks` [..., n] (the low nibble's code first)
-    with each byte's scale `scales` [..., n], code x 2^(scale - 127), the power of two built from its
-    exponent bits (scale 255 is inf, as a poisoned scale should be; 0 decodes as 0, not 2^-127)."""
+    times each byte's power of two `power` [..., n] (`scale_power` of its scale)."""
     codes = blocks.astype(jnp.int32)
-    power = lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
     pairs = jnp.stack([e2m1(codes & 15) * power, e2m1(codes >> 4) * power], axis=-1)
     return pairs.reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
 
 
 def dequantize(w: MXFP4):
     """float32 [..., K, N]: the matrices of an MXFP4 stack."""
-    return jnp.swapaxes(decode(w.blocks, jnp.repeat(w.scales, MXFP4_GROUP // 2, axis=-1)), -1, -2)
+    return jnp.swapaxes(decode(w.blocks, scale_power(jnp.repeat(w.scales, MXFP4_GROUP // 2, axis=-1))), -1, -2)
 
 
 def activate(gate, up, activation: str):
@@ -114,16 +119,22 @@ def activate(gate, up, activation: str):
 
 
 def _route(expert_ids, num_experts: int):
-    """(order [T*k]: the assignments t*k + j sorted by expert, stable; sizes [E]: rows per expert)."""
+    """(order [T*k]: the assignments t*k + j sorted by expert, stable; position [T*k]: where each
+    assignment sits in that order; sizes [E]: rows per expert), from a one-hot of the assignments in a
+    few fused XLA kernels (a sort is several launches, and decode steps route a handful of rows)."""
     flat = expert_ids.reshape(-1)
-    return jnp.argsort(flat, stable=True).astype(jnp.int32), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    onehot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)).astype(jnp.int32)  # [T*k, E]
+    sizes = onehot.sum(axis=0)
+    before = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), flat[:, None], axis=1)[:, 0] - 1  # same expert, earlier
+    position = (jnp.cumsum(sizes) - sizes)[flat] + before
+    order = jnp.zeros_like(flat).at[position].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return order, position, sizes
 
 
-def _combine(y, order, expert_weights):
+def _combine(y, position, expert_weights):
     """float32 [T, D]: each token's k expert outputs (rows of y [>= T*k, D] in sorted order) weighted
     and summed; a gather of each token's rows rather than a scatter-add, so the sum's order is fixed."""
     T, k = expert_weights.shape
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
     return jnp.einsum("tkd,tk->td", y[position].reshape(T, k, -1), expert_weights,
                       precision=lax.Precision.HIGHEST)
 
@@ -134,7 +145,7 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, laye
     at layer `layer` of the stacks (an MXFP4 stack's layer dequantized first); correct for any shape.
     float32 [T, D]."""
     k = expert_ids.shape[1]
-    order, sizes = _route(expert_ids, w_gate_up.shape[1])
+    order, position, sizes = _route(expert_ids, w_gate_up.shape[1])
     expert = expert_ids.reshape(-1)[order]
     product = functools.partial(lax.ragged_dot, group_sizes=sizes, precision=matmul_precision(x.dtype),
                                 preferred_element_type=jnp.float32)
@@ -147,7 +158,7 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, laye
     y = product(a, at_layer(w_down).astype(x.dtype))
     if b_down is not None:
         y = y + b_down[layer, expert].astype(jnp.float32)
-    return _combine(y, order, expert_weights)
+    return _combine(y, position, expert_weights)
 
 
 def supported(w_gate_up, w_down) -> bool:
@@ -200,14 +211,15 @@ def _product(load_x, w_refs, layer, e, k0: int, bk: int, cols):
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
     MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
     registers (a transposed product)."""
-    x = load_x(pl.ds(k0, bk))
     if len(w_refs) == 1:
+        x = load_x(pl.ds(k0, bk))
         return jnp.dot(x, w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype), preferred_element_type=jnp.float32)
     blocks_ref, scales_ref = w_refs
-    blocks = blocks_ref[layer, e, cols, pl.ds(k0 // 2, bk // 2)]
-    groups = scales_ref[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)]
-    scales = jnp.broadcast_to(groups[:, :, None], (*groups.shape, MXFP4_GROUP // 2)).reshape(blocks.shape)
-    w = decode(blocks, scales).astype(x.dtype)
+    codes = blocks_ref[layer, e, cols, pl.ds(k0 // 2, bk // 2)]
+    groups = scale_power(scales_ref[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)])
+    power = jnp.broadcast_to(groups[:, :, None], (*groups.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
+    x = load_x(pl.ds(k0, bk))
+    w = decode(codes, power).astype(x.dtype)
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -258,7 +270,8 @@ def _slots(sizes, num_slots: int):
     """int32 [3, num_slots]: each distinct expert hit (ascending) with its [start, end) in the sorted
     assignments; slots past the distinct experts have start = end = 0."""
     hit = sizes > 0
-    (expert,) = jnp.nonzero(hit, size=num_slots, fill_value=0)
+    slot = jnp.where(hit, jnp.cumsum(hit) - 1, num_slots)  # each expert's slot; unhit: dropped
+    expert = jnp.zeros(num_slots, jnp.int32).at[slot].set(jnp.arange(sizes.size, dtype=jnp.int32), mode="drop")
     ends = jnp.cumsum(sizes)
     valid = jnp.arange(num_slots) < hit.sum()
     start = jnp.where(valid, (ends - sizes)[expert], 0)
@@ -282,8 +295,12 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     E, D = w_gate_up.shape[1], x.shape[1]
     F = w_down.shape[-2]
     N, S = T * k, min(E, T * k)
-    order, sizes = _route(expert_ids, E)
-    slots = _slots(sizes, S)
+    if T == 1:  # a decode step: its k experts are distinct, each its own slot (no routing kernels)
+        order = position = jnp.arange(k, dtype=jnp.int32)
+        slots = jnp.stack([expert_ids[0].astype(jnp.int32), order, order + 1])
+    else:
+        order, position, sizes = _route(expert_ids, E)
+        slots = _slots(sizes, S)
     bm = block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
@@ -298,4 +315,4 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
                                biased=b_down is not None),
              "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
              [layer, slots, a], w_down, b_down)
-    return _combine(y, order, expert_weights)
+    return _combine(y, position, expert_weights)
