@@ -33,6 +33,7 @@ from jaxspec.training.data import split_documents
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
+from pallas_kernels.moe import MXFP4
 
 # Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
 # set here before any of them computes anything.
@@ -56,7 +57,7 @@ QWEN3_30B_A3B = ModelConfig(
 
 # gpt-oss-20b's shapes: 24 layers alternating sliding-window (128 keys, from the first) and full attention
 # with sinks and biases, 64 query / 8 KV heads of 64, each MLP 32 experts of 2,880 columns, 4 routed a
-# token (bf16 here: the released MXFP4 experts are dequantized at load)
+# token (bf16 here; the released form's packed MXFP4 experts: `random_mxfp4`, profile_step.py --experts mxfp4)
 GPT_OSS_20B = ModelConfig(
     model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
     head_dim=64, intermediate_size=2880, rms_norm_eps=1e-5, max_position_embeddings=131072, qkv_bias=True,
@@ -140,6 +141,15 @@ def random_layers(key, shape, dtype):
     def body(layer, x):
         return x.at[layer].set(jax.random.normal(jax.random.fold_in(key, layer), shape[1:], dtype))
     return jax.lax.fori_loop(0, shape[0], body, jnp.zeros(shape, dtype))
+
+
+def random_mxfp4(key, shape) -> MXFP4:
+    """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
+    2^-7..2^-1."""
+    *lead, K, N = shape
+    k1, k2 = jax.random.split(key)
+    return MXFP4(jax.random.bits(k1, (*lead, N, K // 2), jnp.uint8),
+                 jax.random.randint(k2, (*lead, N, K // 32), 120, 127).astype(jnp.uint8))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -26,7 +26,6 @@ from jax import lax
 
 from bench import common
 import pallas_kernels as kernels
-from pallas_kernels.moe import MXFP4
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
 SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}
@@ -58,16 +57,13 @@ def layer_fn(backend: str):
 
 
 def random_stacks(fmt: str, shape: dict):
-    """(w_gate_up, w_down) of LAYERS layers: standard-normal bf16, or MXFP4 of random codes and
-    scales 2^-7..2^-1."""
+    """(w_gate_up, w_down) of LAYERS layers: standard-normal bf16, or MXFP4 (common.random_mxfp4)."""
     D, F, E = shape["D"], shape["F"], shape["E"]
 
     def stack(key, K, N):
         if fmt == "bf16":
             return common.random_layers(key, (LAYERS, E, K, N), jnp.bfloat16)
-        k1, k2 = jax.random.split(key)
-        return MXFP4(jax.random.bits(k1, (LAYERS, E, N, K // 2), jnp.uint8),
-                     jax.random.randint(k2, (LAYERS, E, N, K // 32), 120, 127).astype(jnp.uint8))
+        return common.random_mxfp4(key, (LAYERS, E, K, N))
 
     return stack(jax.random.key(0), D, 2 * F), stack(jax.random.key(1), F, D)
 

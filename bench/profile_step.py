@@ -4,7 +4,7 @@
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
-        [--head-contexts full,selected]
+        [--head-contexts full,selected] [--experts bf16|mxfp4]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -145,6 +145,8 @@ def main():
     p.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "smollm2", "llama-1b"),
                    default="qwen3-8b")
     p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
+    p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
+                   help="an MoE model's expert stacks: the config's dtype, or packed MXFP4 (random codes)")
     p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
     p.add_argument("--draft-weights", default="exact", type=lambda s: s.split(","),
                    help="the draft weights of each model drafter: exact,int8,int4")
@@ -184,8 +186,14 @@ def main():
     sampling = common.SAMPLINGS[args.sampling]
     context = 256 if args.tiny else args.context
     params = decoder.init_params(cfg, jax.random.key(0))
+    if args.experts == "mxfp4" and cfg.moe is None:
+        p.error(f"--experts mxfp4 needs an MoE model, not {args.model}")
+    if args.experts == "mxfp4":  # the released gpt-oss form: packed experts, decoded in the experts kernel
+        layers = params["layers"]
+        for i, name in enumerate(("moe_gate_up", "moe_down")):
+            layers[name] = common.random_mxfp4(jax.random.key(10 + i), layers[name].shape)
     max_len, slots, k_max = common.random_lengths(context)
-    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
+    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w, c) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
             for c in (args.head_contexts if m == "eagle" else ["full"]) if takes_draft_model(m, w)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -350,12 +351,14 @@ def test_cost_model_plain_when_weights_dominate_sparse_when_kv_does():
 def test_cost_model_moe_rows_read_the_experts_they_hit():
     """At Qwen3-30B-A3B's shapes one token reads 8 of each layer's 128 experts, a verify pass of 7
     rows the expected distinct ones (~47), so its floor is dearer than a plain step's by those
-    experts' bytes; a dense model reads all its weights at any row count."""
+    experts' bytes; a dense model reads all its weights at any row count. Packed MXFP4 experts (4.25
+    bits a weight) are priced as stored: the experts' share of the weights, whatever its format."""
     moe = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
                       num_kv_heads=4, head_dim=128, intermediate_size=6144, qk_norm=True,
                       moe=MoEConfig(num_experts=128, top_k=8, expert_size=768, norm_topk_prob=True))
     expert = 3 * 2048 * 768 * 2
-    rest = 3_000_000_000
+    shapes = decoder.param_shapes(moe)
+    rest = 2 * sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))) - 48 * 128 * expert
     total = rest + 48 * 128 * expert
     assert cost.weight_bytes_read(moe, total, 1) == rest + 48 * 8 * expert
     hit = 128 * (1 - (120 / 128) ** 7)
@@ -364,6 +367,8 @@ def test_cost_model_moe_rows_read_the_experts_they_hit():
     assert cost.weight_bytes_read(QWEN3_8B, 16_400_000_000, 7) == 16_400_000_000
     plain, verify = (cost.step_floor_s(moe, total, 1, 4096, 4000, rows) for rows in (1, 7))
     assert verify - plain == pytest.approx(48 * (hit - 8) * expert / 4e12, rel=1e-6)
+    packed = expert * 4.25 / 16
+    assert cost.weight_bytes_read(moe, rest + 48 * 128 * packed, 1) == pytest.approx(rest + 48 * 8 * packed, abs=1)
     vegas = cost.predict(Strategy("vegas", gamma=6, ratio=0.07), moe, total, 1, 4096, 4000)
     dense_rows = cost.predict(Strategy("vegas", gamma=6, ratio=0.07), moe.replace(model_type="qwen3", moe=None),
                               total, 1, 4096, 4000)

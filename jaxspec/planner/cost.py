@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as kernels
-from jaxspec.models import draft_weights, eagle
+from jaxspec.models import decoder, draft_weights, eagle
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.eagle import EagleConfig
 from jaxspec.planner.strategy import Prediction, Strategy
@@ -70,11 +70,17 @@ def kv_bytes_read(cfg: ModelConfig, batch: int, context: int) -> int:
 def weight_bytes_read(cfg: ModelConfig, weight_bytes: int, tokens: int) -> int:
     """The weight bytes a forward over `tokens` rows reads: a dense model's `weight_bytes`; of a
     mixture-of-experts model's experts only those hit, in expectation E (1 - (1 - k/E)^tokens) a
-    layer for rows routed evenly to k of E experts (one token: k; a verify pass of many rows: more)."""
+    layer for rows routed evenly to k of E experts (one token: k; a verify pass of many rows: more).
+    An expert's bytes are the stacks' share of `weight_bytes` (everything else at the config's dtype)
+    over L x E, so packed MXFP4 stacks are priced as stored."""
     if cfg.moe is None:
         return weight_bytes
     E, k = cfg.moe.num_experts, cfg.moe.top_k
-    expert = 3 * cfg.hidden_size * cfg.moe.expert_size * jnp.dtype(cfg.dtype).itemsize
+    shapes = decoder.param_shapes(cfg)
+    for name in ("moe_gate_up", "moe_down"):
+        del shapes["layers"][name]
+    rest = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))
+    expert = (weight_bytes - rest * jnp.dtype(cfg.dtype).itemsize) / (cfg.num_layers * E)
     hit = E * (1 - (1 - k / E) ** tokens)
     return round(weight_bytes - cfg.num_layers * (E - hit) * expert)
 
