@@ -1,13 +1,14 @@
 """Engine losslessness with the Pallas backend on the GPU (teacher-forced, bf16).
 
-    PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|smollm2|PATH] [--context N] [--new N]
+    PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|qwen3-30b-a3b|gpt-oss-20b|smollm2|PATH] [--context N] [--new N]
         [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
 to bf16 near-ties between the top two logits (docs/architecture.md, "The speculative-decoding
-contract"). Qwen3-8B and NSA-1B shapes (bench/nsa.py's, NSA kernels included) use random weights and
-a prompt of random tokens; SmolLM2 uses a real long prompt. Method eagle drafts with --draft-model, else
+contract"). Qwen3-8B, NSA-1B (bench/nsa.py's, NSA kernels included), Qwen3-30B-A3B and gpt-oss-20b
+shapes (the experts kernel, sinks and sliding windows included) use random weights and a prompt of
+random tokens; SmolLM2 uses a real long prompt. Method eagle drafts with --draft-model, else
 the head shipped for the model (smollm2's), else a random head at the model's shapes (the check does
 not need a good head); a model with too few layers for a head skips it.
 Methods draft chains of 6, or the draft tree of --tree. Writes DIR/gpu_checks_<model>[_tree].json.
@@ -16,6 +17,7 @@ Methods draft chains of 6, or the draft tree of --tree. Writes DIR/gpu_checks_<m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -50,6 +52,28 @@ def teacher_forced(params, cfg, batch: Batch, generated: list[np.ndarray]) -> di
     return {"exact_argmax_fraction": exact / total, "all_within_near_tie": within, "tokens": total}
 
 
+RANDOM_MODELS = ("qwen3-8b", "nsa-1b", "qwen3-30b-a3b", "gpt-oss-20b")  # checked with random weights
+
+
+def random_model_config(name: str, tiny: bool):
+    """The shapes of a model checked with random weights, or small ones of its kind (--tiny: MoE
+    models at eight layers (an EAGLE-3 head needs seven), gpt-oss's every other one sliding, 8 experts of 64
+    with 2 routed a row)."""
+    from bench.decode import TINY_CFG
+    from bench.nsa import NSA_1B, TINY_1B
+
+    real = {"qwen3-8b": common.QWEN3_8B, "nsa-1b": NSA_1B, "qwen3-30b-a3b": common.QWEN3_30B_A3B,
+            "gpt-oss-20b": common.GPT_OSS_20B}[name]
+    if not tiny:
+        return real
+    if real.moe is None:
+        return {"qwen3-8b": TINY_CFG, "nsa-1b": TINY_1B}[name]
+    return dataclasses.replace(real, vocab_size=1024, hidden_size=128, num_layers=8, num_heads=8, num_kv_heads=2,
+                               head_dim=64, intermediate_size=64, sliding_window=real.sliding_window and 32,
+                               sliding_layers=real.sliding_layers and (0, 2, 4, 6),
+                               moe=dataclasses.replace(real.moe, num_experts=8, top_k=2, expert_size=64))
+
+
 def with_head(params, cfg, path: Path | None):
     """(the head's config, params with the head under "eagle"): the head at `path`, else a random one at
     the model's shapes; (None, params) when the model has too few layers for a head."""
@@ -78,11 +102,8 @@ def main():
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
     backend = args.backend
-    if args.model in ("qwen3-8b", "nsa-1b"):
-        from bench.decode import TINY_CFG
-        from bench.nsa import NSA_1B, TINY_1B
-
-        cfg = {"qwen3-8b": (common.QWEN3_8B, TINY_CFG), "nsa-1b": (NSA_1B, TINY_1B)}[args.model][args.tiny]
+    if args.model in RANDOM_MODELS:
+        cfg = random_model_config(args.model, args.tiny)
         params = decoder.init_params(cfg, jax.random.key(0), scale=0.05)
         ids, lengths = common.random_prompts(cfg, 2, args.context)
         lengths[1] = args.context - 1000 if args.context > 2000 else args.context // 2
