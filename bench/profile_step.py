@@ -185,9 +185,9 @@ def main():
         cfg = dataclasses.replace(cfg, num_layers=8)
     sampling = common.SAMPLINGS[args.sampling]
     context = 256 if args.tiny else args.context
-    params = decoder.init_params(cfg, jax.random.key(0))
     if args.experts == "mxfp4" and cfg.moe is None:
         p.error(f"--experts mxfp4 needs an MoE model, not {args.model}")
+    params = decoder.init_params(cfg, jax.random.key(0))
     if args.experts == "mxfp4":  # the released gpt-oss form: packed experts, decoded in the experts kernel
         layers = params["layers"]
         for i, name in enumerate(("moe_gate_up", "moe_down")):
