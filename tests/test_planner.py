@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -717,7 +718,7 @@ def test_cli_bad_planner_table(hf_checkpoints, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: cannot read planner table")
 
 
-def test_profile_writes_a_valid_table(hf_checkpoints, llama_deep_head, tmp_path, capsys):
+def test_profile_writes_a_valid_table(hf_checkpoints, llama_deep_head, tmp_path, capsys, monkeypatch):
     """The table's cell ranks every strategy of the space (read back as profiled); eagle's entries
     record the --draft-model head, so a run with that head plans with them and one without does not."""
     from jaxspec.loaders.eagle import head_fingerprint
@@ -746,8 +747,11 @@ def test_profile_writes_a_valid_table(hf_checkpoints, llama_deep_head, tmp_path,
     # its old header's
     del t["cells"][0]["repeats"]
     tables.save_table(out, t)
+    clock = iter([0.0, 0.0])  # the run starts and opens its bucket in time; every later look finds it spent
+    monkeypatch.setattr(profile, "time", SimpleNamespace(monotonic=lambda: next(clock, 1e9)))
     profile.main(["--model", model, "--buckets", "64", "--new", "5", "--repeats", "1",
                   "--samplings", "greedy", "--budget", "0.5", "--out", str(out)])
+    monkeypatch.undo()
     t = tables.load_table(out)
     assert [c["bucket"] for c in t["cells"]] == [96, 64] and [e["name"] for e in t["cells"][1]["ranked"]] == ["plain"]
     assert {k: t["cells"][0][k] for k in profile.PROVENANCE} == first
