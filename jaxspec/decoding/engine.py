@@ -310,10 +310,19 @@ def prefill_chunk(
     return dataclasses.replace(cache, head=head_cache)
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, head: EagleConfig | None = None) -> KVCache:
-    """The model's empty cache of `length` slots, with an EAGLE-3 `head`'s own beside it."""
-    cache = kvcache.init_cache(cfg, batch, length)
-    return cache if head is None else dataclasses.replace(cache, head=eagle.init_cache(head, batch, length, cfg.dtype))
+def init_cache(cfg: ModelConfig, batch: int, length: int, head: EagleConfig | None = None,
+               page_size: int = kvcache.DEFAULT_PAGE_SIZE, num_pages: int | None = None) -> KVCache:
+    """The model's empty cache of `length` slots a row, with an EAGLE-3 `head`'s own beside it under
+    the same page table. `num_pages` None: each row on its own consecutive pages (a batch); given: a
+    server's pool of that many pages, every row's table on the null page until it is given pages."""
+    if num_pages is None:
+        cache = kvcache.init_cache(cfg, batch, length, page_size)
+        heads = None if head is None else eagle.init_cache(head, batch, length, cfg.dtype, page_size)
+    else:
+        pages = jnp.zeros((batch, kvcache.cache_slots(length, page_size) // page_size), jnp.int32)
+        cache = kvcache.init_pool(cfg, pages, num_pages, page_size)
+        heads = None if head is None else eagle.init_pool(head, pages, num_pages, cfg.dtype, page_size)
+    return cache if head is None else dataclasses.replace(cache, head=heads)
 
 
 def finish(state: DecodeState, max_len: int) -> GenerateOutput:
@@ -322,15 +331,15 @@ def finish(state: DecodeState, max_len: int) -> GenerateOutput:
 
 def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
     """`state` with rows `slots` [n] replaced by the n rows of `rows` (a state of the same static
-    configuration). Leaves of the whole batch (the budget) stay. With n = B every row is replaced, and
-    `slots` must be 0, ..., B - 1. A slot index of B or more drops its row (padding rows of a bucketed
-    admission)."""
-    n, B = rows.length.shape[0], state.length.shape[0]
+    configuration, made in the same KV pool: `Engine.admit`). Leaves of the whole batch come from
+    `rows`: the pools its rows were written into, and the budget it was started under (the state's).
+    With n = B every row is replaced, and `slots` must be 0, ..., B - 1. A slot index of B or more
+    drops its row (padding rows of a bucketed admission)."""
 
     def put(old, new):
         axis = _batch_axis(old, new)
         if axis is None:
-            return new if n == B else old
+            return new
         return old.at[(slice(None),) * axis + (slots,)].set(new, mode="drop")
 
     return jax.tree.map(put, state, rows)
@@ -358,9 +367,11 @@ def _batch_axis(a, b) -> int | None:
 
 
 def release(state: DecodeState, free: jax.Array) -> DecodeState:
-    """Marks rows done (free [B] bool: cancelled requests, stop strings found by the host); a done
-    row stops changing and its slot can take the next request (`Engine.admit`)."""
-    return dataclasses.replace(state, done=state.done | free)
+    """Marks rows done (free [B] bool: cancelled requests, stop strings found by the host, preempted
+    ones); a done row stops changing and its slot can take the next request (`Engine.admit`). Its page
+    table row points at the null page from now on, so the host may hand its pages to others."""
+    pages = jnp.where(free[:, None], kvcache.NULL_PAGE, state.cache.pages)
+    return dataclasses.replace(state, done=state.done | free, cache=state.cache.with_pages(pages))
 
 
 def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: DecodeState) -> DecodeState:

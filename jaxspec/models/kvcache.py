@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxspec.models.config import ModelConfig
 from pallas_kernels import paging
+from pallas_kernels.paging import DEFAULT_PAGE_SIZE, NULL_PAGE  # noqa: F401 (the cache's names for them)
 
 SLOT_ALIGN = 128  # cache slots are padded to a multiple of this (kernel block sizes divide it)
 
@@ -44,7 +45,7 @@ class KVCache:
     k_cmp: jax.Array | None = None  # NSA only: [L, Hkv, N / block_size, Dh]
     v_cmp: jax.Array | None = None
     head: KVCache | None = None  # an EAGLE-3 draft head's own one-layer cache, same table (models.eagle)
-    page_size: int = dataclasses.field(default=paging.DEFAULT_PAGE_SIZE, metadata=dict(static=True))
+    page_size: int = dataclasses.field(default=DEFAULT_PAGE_SIZE, metadata=dict(static=True))
 
     @property
     def num_slots(self) -> int:
@@ -118,28 +119,28 @@ class KVCache:
         return dataclasses.replace(self, k_cmp=k_cmp, v_cmp=v_cmp)
 
 
-def cache_slots(length: int, page_size: int = paging.DEFAULT_PAGE_SIZE) -> int:
+def cache_slots(length: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
     """Logical slots a row needs for `length` positions: whole pages (and SLOT_ALIGN)."""
     align = math.lcm(SLOT_ALIGN, page_size)
     return -(-length // align) * align
 
 
-def pool_shape(cfg: ModelConfig, num_pages: int, page_size: int = paging.DEFAULT_PAGE_SIZE) -> tuple[int, ...]:
+def pool_shape(cfg: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE) -> tuple[int, ...]:
     return (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
 
 
-def page_bytes(cfg: ModelConfig, page_size: int = paging.DEFAULT_PAGE_SIZE) -> int:
+def page_bytes(cfg: ModelConfig, page_size: int = DEFAULT_PAGE_SIZE) -> int:
     """Device bytes of one page of every layer (keys and values, compressed ones included)."""
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 + (1 / cfg.nsa.block_size if cfg.nsa else 0))
     return int(per_slot * page_size) * jnp.dtype(cfg.dtype).itemsize
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, length: int, page_size: int = paging.DEFAULT_PAGE_SIZE) -> int:
+def cache_bytes(cfg: ModelConfig, batch: int, length: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
     """Device bytes of `init_cache(cfg, batch, length)` (keys and values, compressed ones included)."""
     return (batch * cache_slots(length, page_size) // page_size + 1) * page_bytes(cfg, page_size)
 
 
-def init_pool(cfg: ModelConfig, pages: jax.Array, num_pages: int, page_size: int = paging.DEFAULT_PAGE_SIZE) -> KVCache:
+def init_pool(cfg: ModelConfig, pages: jax.Array, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE) -> KVCache:
     """An empty pool of `num_pages` pages (the null page included) under page table `pages` [B, R]."""
     paging.check_page_size(page_size, cfg.nsa.block_size if cfg.nsa else None)
     dtype = jnp.dtype(cfg.dtype)
@@ -153,7 +154,7 @@ def init_pool(cfg: ModelConfig, pages: jax.Array, num_pages: int, page_size: int
     return KVCache(zeros(shape), zeros(shape), pages, zeros(cmp_shape), zeros(cmp_shape), page_size=page_size)
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, page_size: int = paging.DEFAULT_PAGE_SIZE) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, length: int, page_size: int = DEFAULT_PAGE_SIZE) -> KVCache:
     """An empty cache with room for `length` positions a row (rounded up to whole pages), each row on
     its own consecutive pages."""
     R = cache_slots(length, page_size) // page_size
