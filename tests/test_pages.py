@@ -137,6 +137,10 @@ def test_register_keeps_the_existing_page():
     pool.release(fresh)
     assert pool.free == 15 - 3 and pool.cached == 0  # unkeyed pages go back to the free list
     check(pool, [first])
+    with pytest.raises(ValueError, match="not held"):
+        pool.register(tokens, fresh)
+    with pytest.raises(ValueError, match="cached for other tokens"):  # a row wrote into a shared page
+        pool.register([99] + tokens[1:], first)
 
 
 def test_register_extends_a_row():
