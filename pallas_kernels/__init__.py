@@ -115,20 +115,21 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_ga
     return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, **options)
 
 
-def rope_write(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *, num_heads: int,
+def rope_write(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *, num_heads: int,
                rope_scale: float, eps: float, scale=None, bias=None, q_norm=None, k_norm=None,
                backend: str = "reference"):
     """A layer's q/k/v product `sums` [S, R, N] (partial sums of rows b*T + t; times `scale` [E, N]
-    at `entry` if given) to q [B, T, Hq, Dh] and the caches with k and v of layer `layer` written at
-    slots write_pos [B, T] (past the end: not written): bias, qk-norm, RoPE at positions [B, T]
+    at `entry` if given) to q [B, T, Hq, Dh] and the pools [L, Hkv, N, Dh] with k and v of layer
+    `layer` written at pool slots write_slots [B, T] (`KVCache.slots`: a token past its row's end
+    writes into the null page): bias, qk-norm, RoPE at positions [B, T]
     (pallas_kernels/rope_write.py). The Pallas kernel covers T <= 64 and head dims whose half is a power
     of two; prefill chunks run the reference (XLA), which is cheap next to their products."""
     options = dict(num_heads=num_heads, rope_scale=rope_scale, eps=eps, scale=scale, bias=bias,
                    q_norm=q_norm, k_norm=k_norm)
-    if _is_pallas(backend) and rope_write_supported(k_cache.shape[-1]) and positions.shape[1] <= EPILOGUE_ROWS:
-        return rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq,
+    if _is_pallas(backend) and rope_write_supported(k_pool.shape[-1]) and positions.shape[1] <= EPILOGUE_ROWS:
+        return rope_write_pallas(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq,
                                  interpret=interpret_default(), **options)
-    return rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, **options)
+    return rope_write_reference(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, **options)
 
 
 def residual_norm(x, sums, weight, entry, *, eps: float, scale=None, backend: str = "reference"):
@@ -144,19 +145,21 @@ def residual_norm(x, sums, weight, entry, *, eps: float, scale=None, backend: st
     return x.reshape(B, T, D), h.reshape(B, T, D)
 
 
-def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
+def verify_attention(q, k_pool, v_pool, pages, layer, q_pos, *, page_size: int, scale: float,
                      collect: Collect | None = None, tree: TreeMask | None = None, sinks=None, lo=None,
                      backend: str = "reference"):
-    """q [B, T, Hq, Dh] against layer `layer` of the cache [L, B, Hkv, S, Dh]; row (b, t) sees slots
+    """q [B, T, Hq, Dh] against layer `layer` of the cache's pools [L, Hkv, N, Dh] through the page
+    table pages [B, R] of page_size slots a page (pallas_kernels/paging.py); row (b, t) sees slots
     <= q_pos[b, t] (and, with a draft tree's mask, of the tree's rows only its ancestors; with lo
     [B, T], none below lo[b, t]: a sliding window). sinks [L, Hq] (read at `layer`): each head's sink
     logit joins its softmax's denominator, in the lse and the collected weights too. Returns
     out [B, T, Hq, Dh] (q.dtype), lse [B, T, Hq] fp32, and the selection scores asked for by
     `collect` (None without it). The Pallas kernel covers T <= 64; larger T run the reference."""
-    options = dict(scale=scale, collect=collect, tree=tree, sinks=sinks, lo=lo)
+    options = dict(page_size=page_size, scale=scale, collect=collect, tree=tree, sinks=sinks, lo=lo)
     if _is_pallas(backend):
-        return verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, interpret=interpret_default(), **options)
-    return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, **options)
+        return verify_attention_pallas(q, k_pool, v_pool, pages, layer, q_pos, interpret=interpret_default(),
+                                       **options)
+    return verify_attention_reference(q, k_pool, v_pool, pages, layer, q_pos, **options)
 
 
 def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *, scale: float,
