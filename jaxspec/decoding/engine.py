@@ -104,10 +104,11 @@ class Engine:
     sampling: SamplingConfig | None
     max_len: int
 
-    def prefill_cache(self, params: decoder.Params, prompts: jax.Array, prompt_len: jax.Array) -> KVCache:
+    def prefill_cache(self, params: decoder.Params, prompts: jax.Array, prompt_len: jax.Array,
+                      cache: KVCache | None = None, begin: jax.Array | None = None) -> KVCache:
         """`prefill_cache` on this engine's backend and prefill chunk."""
         return prefill_cache(params, prompts, prompt_len, cfg=self.cfg, max_len=self.max_len, backend=self.spec.backend,
-                             chunk=self.spec.prefill_chunk, head=self.spec.eagle)
+                             chunk=self.spec.prefill_chunk, head=self.spec.eagle, cache=cache, begin=begin)
 
     def start(
         self,
@@ -202,16 +203,22 @@ class Engine:
         max_new_tokens: jax.Array,
         stop_ids: jax.Array,
         row_sampling: RowSampling | None = None,
-        cache: KVCache | None = None,
+        *,
+        pages: jax.Array,
+        begin: jax.Array,
+        prefilled: bool = False,
     ) -> DecodeState:
         """Continuous batching: prefills n new requests (prompts [n, P], keys [n], max_new_tokens [n],
-        stop_ids [n, m], row_sampling of n rows) and writes them into rows `slots` [n] of a running
-        state, leaving its other rows as they were. A server admits requests into freed slots between
-        loop segments; each new row is what `prefill` makes of it (first token drawn, drafter seeded,
-        stats zero), under the state's budget. `cache`: the prompts' KV already written (by
+        stop_ids [n, m], row_sampling of n rows) into the state's KV pool under their page tables
+        `pages` [n, R] and writes them into rows `slots` [n] of a running state, leaving its other rows
+        as they were. A server admits requests into freed slots between loop segments; each new row is
+        what `prefill` makes of it (first token drawn, drafter seeded, stats zero), under the state's
+        budget. begin [n]: the positions already in the pool (a cached prefix, shared read-only: the
+        prefill writes from there on). `prefilled`: the prompts' KV is written already (by
         `prefill_chunk`, a chunk per round), so only `start` remains."""
-        if cache is None:
-            cache = self.prefill_cache(params, prompts, prompt_len)
+        cache = state.cache.with_pages(pages)
+        if not prefilled:
+            cache = self.prefill_cache(params, prompts, prompt_len, cache, begin)
         rows = self.start(params, cache, prompts, prompt_len, key, state.budget, max_new_tokens=max_new_tokens,
                           stop_ids=stop_ids, row_sampling=row_sampling)
         return write_rows(state, rows, slots)
@@ -259,23 +266,29 @@ def prefill_cache(
     backend: str = "reference",
     chunk: int = 256,
     head: EagleConfig | None = None,
+    cache: KVCache | None = None,
+    begin: jax.Array | None = None,
 ) -> KVCache:
     """A cache holding the KV of every prompt token but the last, filled `chunk` positions at a time.
 
     prompts [B, P] are right-padded; prompt_len [B] in [1, max_len). The cache has room for max_len
     plus any draft tree, so one prefill serves every decoding method (tests and benchmarks reuse it);
     with an EAGLE-3 `head` (weights in params["eagle"]) it holds the head's cache over the prompt too,
-    which only method eagle needs.
+    which only method eagle needs. `cache`: write into this one instead (a server's pool under the
+    rows' page tables), from positions begin [B] on (the rows' cached prefixes: default 0).
     """
     B, P = prompts.shape
     if P > max_len:
         raise ValueError(f"prompts of {P} tokens do not fit max_len {max_len}")
-    cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS, head)
+    if cache is None:
+        cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS, head)
     chunk = min(chunk, P)
-    num_chunks = -(-(P - 1) // chunk)
     fill = functools.partial(prefill_chunk, params, prompts=prompts, prompt_len=prompt_len, cfg=cfg, backend=backend,
                              chunk=chunk, head=head)
-    return jax.lax.fori_loop(0, num_chunks, lambda c, cache: fill(cache, begin=c * chunk), cache)
+    if begin is None:
+        return jax.lax.fori_loop(0, -(-(P - 1) // chunk), lambda c, cache: fill(cache, begin=c * chunk), cache)
+    num_chunks = (jnp.max(prompt_len - 1 - begin) + chunk - 1) // chunk  # the longest rest; a cached row may have none
+    return jax.lax.fori_loop(0, num_chunks, lambda c, cache: fill(cache, begin=begin + c * chunk), cache)
 
 
 def prefill_chunk(
@@ -292,9 +305,10 @@ def prefill_chunk(
 ) -> KVCache:
     """`cache` with the KV of prompt positions [begin, begin + chunk) written (positions before each
     row's last token; the others are not written), the `head`'s too (an EAGLE-3 head: the target's
-    features at each position with the next prompt token). Chunks in order from 0 make
-    `prefill_cache`; a server prefills a long prompt a chunk per round between decode segments
-    (chunked prefill)."""
+    features at each position with the next prompt token). `begin`: one for every row, or one a row
+    [B]. Chunks in order from 0 make `prefill_cache`; a server prefills a long prompt a chunk per round
+    between decode segments (chunked prefill)."""
+    begin = jnp.reshape(jnp.asarray(begin, jnp.int32), (-1, 1))
     positions = jnp.broadcast_to(begin + jnp.arange(chunk, dtype=jnp.int32), (prompts.shape[0], chunk))
     # positions past the prompts' width read its last column: they are not valid, so they write nothing
     prompt_at = lambda p: jnp.take_along_axis(prompts.astype(jnp.int32), jnp.minimum(p, prompts.shape[1] - 1), axis=1)

@@ -134,6 +134,12 @@ class PagePool:
         self.hit_tokens += len(pages) * self.page_size
         return pages
 
+    def unmatch(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
+        """Gives back `match(tokens)`'s pages and counts when the row could not be admitted after all."""
+        self.release(pages)
+        self.lookup_tokens -= len(tokens)
+        self.hit_tokens -= len(pages) * self.page_size
+
     def register(self, tokens: Sequence[int], pages: Sequence[int]) -> None:
         """Keys the full pages of `tokens` (the first len(tokens) // page_size of the row's `pages`,
         whose KV the row has written) that are not keyed yet. A key another page already holds stays
