@@ -22,7 +22,7 @@ from pallas_kernels.sparse_attention import (
 )
 from pallas_kernels.moe import moe_experts_pallas, moe_experts_reference
 from pallas_kernels.moe import supported as moe_supported
-from pallas_kernels.quest_pages import quest_pages_pallas, quest_pages_reference
+from pallas_kernels.quest_pages import QUEST_PAGE, quest_pages_pallas, quest_pages_reference
 from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
 from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference, supported as rope_write_supported
@@ -162,33 +162,37 @@ def verify_attention(q, k_pool, v_pool, pages, layer, q_pos, *, page_size: int, 
     return verify_attention_reference(q, k_pool, v_pool, pages, layer, q_pos, **options)
 
 
-def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *, scale: float,
-                     tail_capacity: int, tree: TreeMask | None = None, sinks=None, lo=None,
+def sparse_attention(q, k_pool, v_pool, pages, layer, idx, n_idx, tail_start, q_slot, *, page_size: int,
+                     scale: float, tail_capacity: int, tree: TreeMask | None = None, sinks=None, lo=None,
                      skew: float = 1.0, backend: str = "reference"):
-    """q [B, T, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], or a stack of them
-    [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
-    plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the cache (with a draft tree's
+    """q [B, T, Hq, Dh] over logical slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], or a stack of
+    them [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
+    plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the pools [L, Hkv, N, Dh] through
+    the page table pages [B, R] (with a draft tree's
     mask, of the tree's slots only the row's ancestors; with lo [B, T], of both parts no slot below
     lo[b, t]: a sliding window). sinks [L, Hq] (read at `layer`): each head's sink logit joins its
     softmax's denominator. Returns out [B, T, Hq, Dh] (q.dtype).
     `skew`: how far a row's slots may exceed the rows' mean (the kernel's split count; a
     shared budget's balance)."""
-    options = dict(scale=scale, tail_capacity=tail_capacity, tree=tree, sinks=sinks, lo=lo)
+    args = (q, k_pool, v_pool, pages, layer, idx, n_idx, tail_start, q_slot)
+    options = dict(page_size=page_size, scale=scale, tail_capacity=tail_capacity, tree=tree, sinks=sinks, lo=lo)
     if _is_pallas(backend):
-        return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, skew=skew,
-                                       interpret=interpret_default(), **options)
-    return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, **options)
+        return sparse_attention_pallas(*args, skew=skew, interpret=interpret_default(), **options)
+    return sparse_attention_reference(*args, **options)
 
 
-def quest_pages(q, kmin, kmax, layer, last_page, k, k_max: int, *, backend: str = "reference"):
-    """Quest's page ids [B, Hkv, k_max] for queries q [B, T, Hq, Dh] from the page bounds of layer
-    `layer` (stacks [L, B, Hkv, P, Dh], read in place): the first k[b] are the top-scoring pages below
-    last_page[b] (pallas_kernels/quest_pages.py defines the score); the rest are any pages. The fused
-    kernel runs where its programs fill the GPU or its rows are short; elsewhere XLA does."""
-    B, H, P, Dh = kmin.shape[1:]
+def quest_pages(q, kmin, kmax, pages, layer, last_page, k, k_max: int, *, page_size: int, backend: str = "reference"):
+    """Quest's logical page ids [B, Hkv, k_max] for queries q [B, T, Hq, Dh] from the page bounds of
+    layer `layer` (pools [L, Hkv, N / 16, Dh] under the cache's page table pages [B, R] of page_size
+    slots a page, read in place): the first k[b] are the top-scoring pages below last_page[b]
+    (pallas_kernels/quest_pages.py defines the score); the rest are any pages. The fused kernel runs
+    where its programs fill the GPU or its rows are short; elsewhere XLA does."""
+    B, H = pages.shape[0], kmin.shape[1]
+    P, Dh = pages.shape[1] * page_size // QUEST_PAGE, kmin.shape[3]
+    args = (q, kmin, kmax, pages, layer, last_page, k, k_max)
     if _is_pallas(backend) and (B * H >= QUEST_FUSED_MIN_PROGRAMS or P * Dh <= QUEST_FUSED_MAX_ROW):
-        return quest_pages_pallas(q, kmin, kmax, layer, last_page, k, k_max, interpret=interpret_default())
-    return quest_pages_reference(q, kmin, kmax, layer, last_page, k, k_max)
+        return quest_pages_pallas(*args, page_size=page_size, interpret=interpret_default())
+    return quest_pages_reference(*args, page_size=page_size)
 
 
 def select_topk(scores, k_max: int, k, *, backend: str = "reference"):

@@ -24,6 +24,7 @@ from pallas_kernels.verify_attention import (
     verify_attention_pallas,
     verify_attention_reference,
 )
+import paged_pools
 from paged_pools import scatter
 from slow_cases import slow_at
 
@@ -286,6 +287,9 @@ def test_verify_attention_options_default_to_none():
 
 # ---------------------------------------------------------------- sparse attention
 
+SPARSE_PAGE = 64  # more pages a row than the default 128 (some cases take 128)
+
+
 def sparse_inputs(seed, B, Hs, K, S, n_idx, tail_start):
     """Distinct slots below tail_start for the first n_idx entries, garbage slots after them."""
     rng = np.random.default_rng(seed)
@@ -338,14 +342,21 @@ SPARSE_CASES = [
 ]
 
 
-def run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, tree, block_k, n_splits):
-    """(reference, pallas) outputs, each under jit."""
-    args = (q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
-    ref = jax.jit(lambda *a: sparse_attention_reference(*a, scale=scale, tail_capacity=capacity,
-                                                        tree=tree))(*args)
-    got = jax.jit(lambda *a: sparse_attention_pallas(
-        *a, scale=scale, tail_capacity=capacity, tree=tree, interpret=True, block_k=block_k,
-        n_splits=n_splits))(*args)
+def sparse_args(q, k_cache, v_cache, idx, ints, seed, page_size=SPARSE_PAGE):
+    """The kernels' positional arguments with the caches scattered into poisoned pools
+    (tests/paged_pools.py), rows' pages in random order."""
+    (k_pool, v_pool), pages = paged_pools.scatter((k_cache, v_cache), page_size, seed)
+    return (q, k_pool, v_pool, pages, jnp.int32(LAYER), idx, *ints)
+
+
+def run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, tree, block_k, n_splits, seed,
+               page_size=SPARSE_PAGE):
+    """(reference, pallas) outputs over paged pools, each under jit."""
+    args = sparse_args(q, k_cache, v_cache, idx, ints, seed, page_size)
+    options = dict(page_size=page_size, scale=scale, tail_capacity=capacity, tree=tree)
+    ref = jax.jit(lambda *a: sparse_attention_reference(*a, **options))(*args)
+    got = jax.jit(lambda *a: sparse_attention_pallas(*a, interpret=True, block_k=block_k, n_splits=n_splits,
+                                                     **options))(*args)
     return ref, got
 
 
@@ -361,7 +372,8 @@ def test_sparse_attention(case):
     capacity = max(max(p - t + 1 for p, t in zip(q_pos, tail_start)), 1)
     scale = Dh ** -0.5
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale)
-    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, block_k, n_splits)
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, block_k, n_splits, 200 + case,
+                          128 if case % 2 else SPARSE_PAGE)
     assert got.dtype == dtype
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
@@ -378,7 +390,7 @@ def test_sparse_attention_reads_a_layer_stack_of_slots():
     capacity = max(max(p - t + 1 for p, t in zip(q_pos, tail_start)), 1)
     scale = Dh ** -0.5
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(stack[LAYER]), n_idx, tail_start, q_slot, scale)
-    ref, got = run_sparse(q, k_cache, v_cache, stack, ints, scale, capacity, None, block_k, n_splits)
+    ref, got = run_sparse(q, k_cache, v_cache, stack, ints, scale, capacity, None, block_k, n_splits, 280)
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
 
@@ -396,7 +408,7 @@ def test_sparse_attention_rows():
     capacity = int((q_slot.max(axis=1) - tail_start).max()) + 1
     scale = Dh ** -0.5
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale)
-    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, 16, None)
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, 16, None, 290)
     assert_close(ref, want, TOL[jnp.bfloat16], "reference")
     assert_close(got, ref, 2 * TOL[jnp.bfloat16], "pallas")
 
@@ -433,16 +445,18 @@ def test_sparse_attention_tree_depth(case):
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale,
                          first, ancestors)
     mask = TreeMask(jnp.asarray(first, jnp.int32), ancestors)
-    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, mask, block_k, n_splits)
+    page_size = 128 if case % 2 else SPARSE_PAGE
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, mask, block_k, n_splits, 300 + case,
+                          page_size)
     assert got.dtype == dtype
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
     # a traced mask (the drafter's case) gives the same kernel output
     traced = jax.jit(lambda a, *x: sparse_attention_pallas(
-        *x, scale=scale, tail_capacity=capacity, interpret=True, block_k=block_k, n_splits=n_splits,
-        tree=TreeMask(jnp.asarray(first, jnp.int32), a)))
-    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(ancestors), q, k_cache, v_cache,
-                                                    jnp.int32(LAYER), idx, *ints)), np.asarray(got))
+        *x, page_size=page_size, scale=scale, tail_capacity=capacity, interpret=True, block_k=block_k,
+        n_splits=n_splits, tree=TreeMask(jnp.asarray(first, jnp.int32), a)))
+    args = sparse_args(q, k_cache, v_cache, idx, ints, 300 + case, page_size)
+    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(ancestors), *args)), np.asarray(got))
 
 
 def path_as_chain(cache, first, path):
@@ -546,8 +560,8 @@ def test_sparse_attention_sinks_and_window(case):
     if lo is not None:
         k_cache, v_cache = poisoned(k_cache, lo), poisoned_values(v_cache, lo)
         lo = jnp.asarray(lo, jnp.int32)
-    args = (q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
-    options = dict(scale=scale, tail_capacity=capacity, tree=mask, sinks=sinks, lo=lo)
+    args = sparse_args(q, k_cache, v_cache, idx, ints, 500 + case)
+    options = dict(page_size=SPARSE_PAGE, scale=scale, tail_capacity=capacity, tree=mask, sinks=sinks, lo=lo)
     ref = jax.jit(lambda *a: sparse_attention_reference(*a, **options))(*args)
     got = jax.jit(lambda *a: sparse_attention_pallas(*a, interpret=True, block_k=block_k, n_splits=n_splits,
                                                      **options))(*args)
@@ -563,9 +577,9 @@ def test_sparse_attention_options_default_to_none():
     B = len(n_idx)
     q, k_cache, v_cache = random_inputs(590, (B, 1, Hq, Dh), B, Hkv, S, Dh, dtype)
     idx = sparse_inputs(590, B, Hs, K, S, n_idx, tail_start)
-    args = (q, k_cache, v_cache, LAYER, idx, *[jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_pos)])
-    args = args[:-1] + (args[-1][:, None],)
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, np.asarray(q_pos)[:, None])]
+    args = sparse_args(q, k_cache, v_cache, idx, ints, 590)
     for attention, kw in ((sparse_attention_reference, {}), (sparse_attention_pallas, dict(interpret=True))):
-        plain = attention(*args, scale=0.125, tail_capacity=32, **kw)
-        none = attention(*args, scale=0.125, tail_capacity=32, sinks=None, lo=None, **kw)
+        plain = attention(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, **kw)
+        none = attention(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, sinks=None, lo=None, **kw)
         np.testing.assert_array_equal(np.asarray(plain), np.asarray(none))
