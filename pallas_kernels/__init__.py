@@ -221,42 +221,44 @@ def _nsa_pallas(backend: str, head_dim: int, block_size: int) -> bool:
     return _is_pallas(backend) and fits
 
 
-def nsa_compressed_attention(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, block_counts: int, rule: str,
-                             scale: float, backend: str = "reference"):
-    """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp
-    [L, B, Hkv, NB, Dh]. Returns o_cmp [B, T, Hq, Dh] (q.dtype), the block importance weights
+def nsa_compressed_attention(q, k_cmp, v_cmp, pages, layer, q_pos, *, page_size: int, block_size: int,
+                             block_counts: int, rule: str, scale: float, backend: str = "reference"):
+    """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of the compressed pools
+    k_cmp/v_cmp [L, Hkv, N / block_size, Dh] through the page table pages [B, R]. Returns o_cmp [B, T, Hq, Dh] (q.dtype), the block importance weights
     [B, T, Hkv, NB] float32 (0 where not visible) and the selected blocks [B, T, Hkv, block_counts]
     int32 (-1: none). The Pallas kernels cover T <= 64 (larger T run the reference); the Pallas
     backend ranks the blocks with the radix select."""
     topk = None
     if _nsa_pallas(backend, q.shape[-1], block_size):
-        o, weights = nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale,
-                                           interpret=interpret_default())
+        o, weights = nsa_compressed_pallas(q, k_cmp, v_cmp, pages, layer, q_pos, page_size=page_size,
+                                           block_size=block_size, scale=scale, interpret=interpret_default())
         topk = functools.partial(radix_topk, interpret=interpret_default())
     else:
-        o, weights = nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale)
+        o, weights = nsa_compressed_reference(q, k_cmp, v_cmp, pages, layer, q_pos, page_size=page_size,
+                                              block_size=block_size, scale=scale)
     idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule, topk=topk)
     return o, weights, idx
 
 
-def nsa_selected_attention(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, *, block_size: int,
-                           window: int, scale: float, backend: str = "reference"):
-    """NSA's selected-block and window branches, gated together with o_cmp: the layer's attention
-    output [B, T, Hq, Dh] (q.dtype). idx [B, T, Hkv, S] from `nsa_compressed_attention`, gates
+def nsa_selected_attention(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates, *, page_size: int,
+                           block_size: int, window: int, scale: float, backend: str = "reference"):
+    """NSA's selected-block and window branches over the pools k_pool/v_pool [L, Hkv, N, Dh] through
+    pages [B, R], gated together with o_cmp: the layer's attention output [B, T, Hq, Dh] (q.dtype). idx [B, T, Hkv, S] from `nsa_compressed_attention`, gates
     [B, T, Hq, 3] after the sigmoid. The Pallas kernel covers T <= 16; larger T run the reference."""
+    options = dict(page_size=page_size, block_size=block_size, window=window, scale=scale)
     if _nsa_pallas(backend, q.shape[-1], block_size):
-        return nsa_selected_pallas(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, block_size=block_size,
-                                   window=window, scale=scale, interpret=interpret_default())
-    return nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,
-                                  block_size=block_size, window=window, scale=scale)
+        return nsa_selected_pallas(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates,
+                                   interpret=interpret_default(), **options)
+    return nsa_selected_reference(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates, **options)
 
 
-def nsa_tree_attention(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, gates, idx=None, *, group: int,
-                       shared: bool, block_size: int, block_counts: int, window: int, rule: str, scale: float,
-                       backend: str = "reference"):
+def nsa_tree_attention(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, ancestors, gates, idx=None, *,
+                       page_size: int, group: int, shared: bool, block_size: int, block_counts: int, window: int,
+                       rule: str, scale: float, backend: str = "reference"):
     """NSA attention of a draft tree's rows (slot first + t, position first + depth(t); ancestors
-    [T, T] static), each over its root-to-node path, in groups of `group` adjacent rows (SSV;
-    `shared`: one representative row's blocks per group). Returns (out [B, T, Hq, Dh], importance
+    [T, T] static) over the pools and compressed pools through pages [B, R], each over its
+    root-to-node path, in groups of `group` adjacent rows (SSV; `shared`: one representative row's
+    blocks per group). Returns (out [B, T, Hq, Dh], importance
     weights [B, T, Hkv, NB] or None, positions [B, T], selected blocks [B, T, Hkv, S]).
 
     idx None (a refresh layer): the compressed branch, then the selection (the radix select on the
@@ -269,15 +271,17 @@ def nsa_tree_attention(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestor
         if pallas:
             compressed = functools.partial(nsa_compressed_pallas, interpret=interpret_default())
             topk = functools.partial(radix_topk, interpret=interpret_default())
-        o_cmp, weights, q_pos = nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors,
-                                                    block_size=block_size, scale=scale, compressed=compressed)
+        o_cmp, weights, q_pos = nsa_tree_compressed(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, ancestors,
+                                                    page_size=page_size, block_size=block_size, scale=scale,
+                                                    compressed=compressed)
         idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule, topk=topk)
     else:
         q_pos = (first[:, None] + jnp.asarray(tree_paths(ancestors)[0])).astype(jnp.int32)
-    options = dict(group=group, shared=shared, block_size=block_size, window=window, scale=scale)
+    options = dict(page_size=page_size, group=group, shared=shared, block_size=block_size, window=window,
+                   scale=scale)
     if pallas:
-        out = nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates,
+        out = nsa_grouped_pallas(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates,
                                  interpret=interpret_default(), **options)
     else:
-        out = nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates, **options)
+        out = nsa_grouped_reference(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates, **options)
     return out, weights, q_pos, idx

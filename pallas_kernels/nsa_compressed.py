@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
     init_carry,
@@ -57,8 +58,21 @@ def visible_blocks(num_blocks: int, block_size: int, q_pos):
     return (jnp.arange(num_blocks) + 1) * block_size - 1 <= q_pos[..., None]
 
 
-def nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float, extra=None):
-    """q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp [L, B, Hkv, NB, Dh].
+def nsa_compressed_reference(q, k_cmp, v_cmp, pages, layer, q_pos, *, page_size: int, block_size: int, scale: float,
+                             extra=None):
+    """q [B, T, Hq, Dh] against layer `layer` of the compressed pools k_cmp/v_cmp [L, Hkv, N / block_size, Dh]
+    through the page table pages [B, R] (`paging`: a page holds page_size / block_size entries).
+
+    Returns o [B, T, Hq, Dh] (q.dtype) and the importance weights [B, T, Hkv, NB] float32, NB =
+    R * page_size / block_size (0 where the block is not visible); `nsa_compressed_rows` of the rows'
+    blocks."""
+    entries = page_size // block_size
+    k, v = (paging.layer_view(x, layer, pages, entries) for x in (k_cmp, v_cmp))
+    return nsa_compressed_rows(q, k, v, q_pos, block_size=block_size, scale=scale, extra=extra)
+
+
+def nsa_compressed_rows(q, k, v, q_pos, *, block_size: int, scale: float, extra=None):
+    """q [B, T, Hq, Dh] against each row's compressed blocks k/v [B, Hkv, NB, Dh].
 
     Returns o [B, T, Hq, Dh] (q.dtype) and the importance weights [B, T, Hkv, NB] float32 (0 where
     the block is not visible). With extra = (k_x, v_x [B, T, P, Hkv, Dh], visible_x [B, T, P]), each
@@ -66,12 +80,11 @@ def nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, 
     float32 math.
     """
     B, T, Hq, Dh = q.shape
-    Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
+    Hkv, NB = k.shape[1], k.shape[2]
     G = Hq // Hkv
     precision = matmul_precision(q.dtype)
     visible = visible_blocks(NB, block_size, q_pos)                        # [B, T, NB]
-    k = lax.dynamic_index_in_dim(k_cmp, layer, 0, keepdims=False).astype(jnp.float32)
-    v = lax.dynamic_index_in_dim(v_cmp, layer, 0, keepdims=False).astype(jnp.float32)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     v = jnp.where(visible.any(axis=1)[:, None, :, None], v, 0.0)         # unseen blocks may hold anything
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dh)
     logits = jnp.einsum("btkgd,bknd->btkgn", qg, k, precision=precision) * scale

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
     init_carry,
@@ -51,10 +52,10 @@ _NO_BLOCK = np.iinfo(np.int32).max
 _PAD_POS = 1 << 30     # padding rows' position: above every window
 
 
-def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, *, block_size: int,
-                        scale: float, compressed=nsa_compressed_reference):
-    """q [B, T, Hq, Dh] of the tree rows, the cache [L, B, Hkv, S, Dh], k_cmp/v_cmp [L, B, Hkv, NB, Dh],
-    first [B], ancestors [T, T] (static). Returns o_cmp [B, T, Hq, Dh] (q.dtype), importance weights
+def nsa_tree_compressed(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, ancestors, *, page_size: int,
+                        block_size: int, scale: float, compressed=nsa_compressed_reference):
+    """q [B, T, Hq, Dh] of the tree rows, the pools [L, Hkv, N, Dh] and k_cmp/v_cmp
+    [L, Hkv, N / block_size, Dh] through pages [B, R], first [B], ancestors [T, T] (static). Returns o_cmp [B, T, Hq, Dh] (q.dtype), importance weights
     [B, T, Hkv, NB] float32 and the rows' positions q_pos [B, T] int32: nsa_tree_reference's.
 
     The shared blocks, (c + 1) * bs <= first, come from k_cmp through `compressed`
@@ -64,8 +65,8 @@ def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancesto
     extra keys, and their weights are added back at their block columns.
     """
     B, T = q.shape[:2]
-    Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
     bs = block_size
+    NB = pages.shape[1] * page_size // bs
     depth, paths = tree_paths(ancestors)
     q_pos = (first[:, None] + jnp.asarray(depth)).astype(jnp.int32)
     own = first // bs                                                       # first block holding tree keys
@@ -73,16 +74,17 @@ def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancesto
     blocks = own[:, None] + jnp.arange(P)                                   # [B, P]
     on_path = ((blocks[:, None] + 1) * bs - 1 <= q_pos[:, :, None]) & (blocks[:, None] < NB)  # [B, T, P]
     pos = jnp.broadcast_to(blocks[:, None, :, None] * bs + jnp.arange(bs), (B, T, P, bs))
-    slots = jnp.clip(path_slot_map(first, paths)(pos), 0, k_cache.shape[3] - 1)
+    slots = jnp.clip(path_slot_map(first, paths)(pos), 0, NB * bs - 1)
     b = jnp.arange(B)[:, None, None, None]
 
-    def path_means(cache):  # [B, T, P, Hkv, Dh], rounded to k_cmp's dtype as nsa_tree_reference's
-        x = jnp.moveaxis(lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False), 1, 2)
+    def path_means(pool):  # [B, T, P, Hkv, Dh], rounded to k_cmp's dtype as nsa_tree_reference's
+        x = jnp.moveaxis(paging.layer_view(pool, layer, pages, page_size), 1, 2)
         return jnp.mean(x[b, slots].astype(jnp.float32), axis=3).astype(k_cmp.dtype)
 
     shared_pos = jnp.broadcast_to(own[:, None] * bs - 1, (B, T))
-    o, weights = compressed(q, k_cmp, v_cmp, layer, shared_pos, block_size=bs, scale=scale,
-                            extra=(path_means(k_cache), path_means(v_cache), on_path))
+    o, weights = compressed(q, k_cmp, v_cmp, pages, layer, shared_pos, page_size=page_size, block_size=bs,
+                            scale=scale, extra=(path_means(k_pool), path_means(v_pool), on_path))
+    Hkv = weights.shape[2]
     cols = jnp.broadcast_to(jnp.minimum(blocks, NB - 1)[:, None, None, :], (B, T, Hkv, P))
     rows = jnp.arange(T)[None, :, None, None], jnp.arange(Hkv)[None, None, :, None]
     return o, weights[..., :NB].at[b, rows[0], rows[1], cols].add(weights[..., NB:]), q_pos
@@ -120,11 +122,11 @@ def group_schedule(idx, first, depth, *, group: int, shared: bool, block_size: i
     return GroupSchedule(row_idx, blocks, (blocks >= 0).sum(axis=-1, dtype=jnp.int32), member, tree_selected)
 
 
-def nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates, *, group: int,
-                          shared: bool, block_size: int, window: int, scale: float):
+def nsa_grouped_reference(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates, *, page_size: int,
+                          group: int, shared: bool, block_size: int, window: int, scale: float):
     """NSA's selected and window branches for the tree rows, gated with o_cmp: out [B, T, Hq, Dh]
-    (q.dtype). q [B, T, Hq, Dh], the cache [L, B, Hkv, S, Dh], first [B], ancestors [T, T] (static),
-    idx [B, T, Hkv, S] (-1: none), o_cmp [B, T, Hq, Dh] or None (a reuse layer: no compressed term),
+    (q.dtype). q [B, T, Hq, Dh], the pools [L, Hkv, N, Dh] through pages [B, R], first [B],
+    ancestors [T, T] (static), idx [B, T, Hkv, S] logical blocks (-1: none), o_cmp [B, T, Hq, Dh] or None (a reuse layer: no compressed term),
     gates [B, T, Hq, 3] after the sigmoid. Plain jnp, any T; float32 math.
 
     Each group's union blocks are gathered once (committed slots only) and every row reads its own
@@ -133,7 +135,8 @@ def nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_c
     slot_of=path_slot_map(first, paths))` bit for bit.
     """
     B, T, Hq, Dh = q.shape
-    Hkv = k_cache.shape[2]
+    k, v = (paging.layer_view(x, layer, pages, page_size) for x in (k_pool, v_pool))
+    Hkv = k.shape[1]
     G = Hq // Hkv
     bs = block_size
     depth, paths = tree_paths(ancestors)
@@ -163,8 +166,6 @@ def nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_c
         own = buffer[b, h, jnp.asarray(row_group)[t], in_union]              # [B, T, Hkv, S, bs, Dh]
         return from_path(x, positions, own.reshape(B, T, Hkv, -1, Dh))
 
-    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
     sel = (sched.row_idx[..., None] * bs + jnp.arange(bs)).reshape(B, T, Hkv, -1)
     sel_ok = (jnp.repeat(sched.row_idx, bs, axis=-1) >= 0) & (sel <= pos)
     o_slc = _attend(qg, selected_keys(k, sel), selected_keys(v, sel), sel_ok, scale, precision)

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
     compiler_params,
@@ -41,19 +42,19 @@ def _attend(q, k, v, ok, scale, precision):
     return o / jnp.where(denom > 0, denom, 1.0)
 
 
-def nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, *, block_size: int,
-                           window: int, scale: float, slot_of=None):
-    """q [B, T, Hq, Dh], cache [L, B, Hkv, S, Dh], q_pos [B, T], idx [B, T, Hkv, NS] block indices
-    (-1: none), o_cmp [B, T, Hq, Dh], gates [B, T, Hq, 3] (after the sigmoid). Returns the NSA output
-    [B, T, Hq, Dh] (q.dtype). Plain jnp with gathers, any T; float32 math. `slot_of` maps the key
-    positions [B, T, Hkv, N] each row reads to cache slots (a draft tree's rows read their own path:
-    `nsa_tree`); by default a key's slot is its position."""
+def nsa_selected_reference(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates, *, page_size: int,
+                           block_size: int, window: int, scale: float, slot_of=None):
+    """q [B, T, Hq, Dh], pools [L, Hkv, N, Dh] through the page table pages [B, R], q_pos [B, T],
+    idx [B, T, Hkv, NS] logical block indices (-1: none), o_cmp [B, T, Hq, Dh], gates [B, T, Hq, 3]
+    (after the sigmoid). Returns the NSA output [B, T, Hq, Dh] (q.dtype). Plain jnp with gathers,
+    any T; float32 math. `slot_of` maps the key positions [B, T, Hkv, N] each row reads to logical
+    slots (a draft tree's rows read their own path: `nsa_tree`); by default a key's slot is its
+    position."""
     B, T, Hq, Dh = q.shape
-    Hkv, num_slots = k_cache.shape[2], k_cache.shape[3]
+    k, v = (paging.layer_view(x, layer, pages, page_size) for x in (k_pool, v_pool))
+    Hkv, num_slots = k.shape[1], k.shape[2]
     G = Hq // Hkv
     precision = matmul_precision(q.dtype)
-    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dh)
     b = jnp.arange(B)[:, None, None, None]
     h = jnp.arange(Hkv)[None, None, :, None]
