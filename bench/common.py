@@ -33,6 +33,7 @@ from jaxspec.training.data import split_documents
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
+from pallas_kernels import paging
 from pallas_kernels.moe import MXFP4
 
 # Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
@@ -141,6 +142,18 @@ def random_layers(key, shape, dtype):
     def body(layer, x):
         return x.at[layer].set(jax.random.normal(jax.random.fold_in(key, layer), shape[1:], dtype))
     return jax.lax.fori_loop(0, shape[0], body, jnp.zeros(shape, dtype))
+
+
+def page_table(batch: int, num_slots: int, page_size: int = paging.DEFAULT_PAGE_SIZE, scattered: bool = True,
+               seed: int = 0) -> jax.Array:
+    """[batch, num_slots / page_size] int32: the table of a pool of batch * num_slots slots and the null
+    page; rows' pages in random order over the pool (a server's, after admissions and evictions), or
+    consecutive (`paging.contiguous_pages`: a batch's own cache)."""
+    R = num_slots // page_size
+    if not scattered:
+        return paging.contiguous_pages(batch, R)
+    order = 1 + np.random.default_rng(seed).permutation(batch * R)
+    return jnp.asarray(order.reshape(batch, R), jnp.int32)
 
 
 def random_mxfp4(key, shape) -> MXFP4:

@@ -222,7 +222,7 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, pages_ref, *refs,
                    scale, block_k, page_size, n_splits, rows, G, T, tile, picked, n_collect, collect_rows,
                    tree, sinks, window):
     """Program (b, kv head h, row block r, split): the split's share of the key blocks up to the
-    last slot any row of the block (or any collected row, `picked`) can see (at most the row's
+    last slot any row of the block (or any collected row, `picked`) can see (never past the table's
     last), and with lower bounds (`window`) from the first such slot. Split 0 starts its rows'
     softmax with their heads' sinks. Each key block lies in one page: read at its pool slot.
 

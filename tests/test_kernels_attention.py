@@ -25,7 +25,6 @@ from pallas_kernels.verify_attention import (
     verify_attention_reference,
 )
 import paged_pools
-from paged_pools import scatter
 from slow_cases import slow_at
 
 LAYERS, LAYER = 3, 1
@@ -59,7 +58,7 @@ def assert_close(got, want, tol, what):
 
 def verify_pools(k_cache, v_cache, seed, page_size=64):
     """(k_pool, v_pool, pages): the caches scattered into poisoned pools (tests/paged_pools.py)."""
-    (k_pool, v_pool), pages = scatter((k_cache, v_cache), page_size, seed)
+    (k_pool, v_pool), pages = paged_pools.scatter((k_cache, v_cache), page_size, seed)
     return k_pool, v_pool, pages
 
 

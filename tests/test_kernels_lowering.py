@@ -38,6 +38,7 @@ from slow_cases import slow_at
 H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
 L, B, S = 36, 4, 32768
+PAGE = 128  # paging.DEFAULT_PAGE_SIZE; pools of B * S slots plus the null page
 
 
 H100_MAX_SHARED = 227 * 1024
@@ -107,9 +108,9 @@ def spec(shape, dtype=jnp.int32):
     (9, 3, 64, 64, Collect((0, 63), "weight", True)),     # SmolLM2, G=3: 48 rows of a 64-row tile
 ])
 def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
-    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
-    check_cuda(lambda *a: verify_attention_pallas(*a, scale=Dh ** -0.5, collect=collect),
-                   spec((B, T, Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, T)))
+    pool = spec((L, Hkv, B * S + PAGE, Dh), jnp.bfloat16)
+    check_cuda(lambda *a: verify_attention_pallas(*a, page_size=PAGE, scale=Dh ** -0.5, collect=collect),
+                   spec((B, T, Hq, Dh), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()), spec((B, T)))
 
 
 @pytest.mark.parametrize("shape", [(3, 2, 1), (2, 2, 2, 2, 2)])
@@ -117,11 +118,12 @@ def test_tree_verify_attention_lowers(check_cuda, shape):
     """The two-word ancestor-bit mask: a (3, 2, 1) tree (16 rows, one 64-row tile) and a 5-deep
     binary tree (63 rows, 4 row blocks)."""
     tree = TreeShape(shape, "dfs")
-    cache = spec((L, B, 8, S, 128), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, pos, first: verify_attention_pallas(
-                   q, k, v, layer, pos, scale=128 ** -0.5,
+    pool = spec((L, 8, B * S + PAGE, 128), jnp.bfloat16)
+    check_cuda(lambda q, k, v, pages, layer, pos, first: verify_attention_pallas(
+                   q, k, v, pages, layer, pos, page_size=PAGE, scale=128 ** -0.5,
                    collect=Collect((0, tree.rows - 1), "weight", True), tree=TreeMask(first, tree.ancestors)),
-               spec((B, tree.rows, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, tree.rows)), spec((B,)))
+               spec((B, tree.rows, 32, 128), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()),
+               spec((B, tree.rows)), spec((B,)))
 
 
 @pytest.mark.parametrize("shape", [None, (2, 2, 2, 2, 2)])
@@ -130,11 +132,12 @@ def test_verify_attention_with_sinks_and_window_lowers(check_cuda, shape):
     last) on 10 rows and on a 5-deep binary tree (63 rows, 4 row blocks)."""
     tree = None if shape is None else TreeShape(shape, "dfs")
     T = 10 if tree is None else tree.rows
-    cache = spec((L, B, 8, S, 64), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, pos, sinks, lo, first: verify_attention_pallas(
-                   q, k, v, layer, pos, scale=64 ** -0.5, collect=Collect((0, T - 1), "weight", True),
+    pool = spec((L, 8, B * S + PAGE, 64), jnp.bfloat16)
+    check_cuda(lambda q, k, v, pages, layer, pos, sinks, lo, first: verify_attention_pallas(
+                   q, k, v, pages, layer, pos, page_size=PAGE, scale=64 ** -0.5,
+                   collect=Collect((0, T - 1), "weight", True),
                    tree=None if tree is None else TreeMask(first, tree.ancestors), sinks=sinks, lo=lo),
-               spec((B, T, 64, 64), jnp.bfloat16), cache, cache, spec(()), spec((B, T)),
+               spec((B, T, 64, 64), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()), spec((B, T)),
                spec((L, 64), jnp.bfloat16), spec((B, T)), spec((B,)))
 
 
@@ -180,13 +183,13 @@ def test_tree_sparse_attention_with_sinks_and_window_lowers(check_cuda):
 ])
 def test_rope_write_lowers(check_cuda, Hq, Hkv, Dh, T, splits, qk_norm):
     N = (Hq + 2 * Hkv) * Dh
-    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
+    pool = spec((L, Hkv, B * S + PAGE, Dh), jnp.bfloat16)
     norm = spec((L, Dh), jnp.bfloat16) if qk_norm else None
     inv_freq = np.linspace(1, 1e-4, Dh // 2).astype(np.float32)
-    check_cuda(lambda sums, pos, wpos, k, v, entry, layer, scale, bias, qn, kn: rope_write_pallas(
-                   sums, pos, wpos, k, v, entry, layer, inv_freq, num_heads=Hq, rope_scale=1.0, eps=1e-6,
+    check_cuda(lambda sums, pos, slots, k, v, entry, layer, scale, bias, qn, kn: rope_write_pallas(
+                   sums, pos, slots, k, v, entry, layer, inv_freq, num_heads=Hq, rope_scale=1.0, eps=1e-6,
                    scale=scale, bias=bias, q_norm=qn, k_norm=kn),
-               spec((splits, max(16, B * T), N), jnp.float32), spec((B, T)), spec((B, T)), cache, cache, spec(()),
+               spec((splits, max(16, B * T), N), jnp.float32), spec((B, T)), spec((B, T)), pool, pool, spec(()),
                spec(()), spec((L, N), jnp.float32), spec((L, N), jnp.bfloat16), norm, norm)
 
 
