@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from bench import common
+from pallas_kernels import paging
 from pallas_kernels._common import interpret_default, num_splits, row_blocks
 from pallas_kernels.sparse_attention import BLOCK_K as SPARSE_BLOCK_K
 from pallas_kernels.sparse_attention import sparse_attention_pallas
@@ -33,6 +34,7 @@ from pallas_kernels.verify_attention import BLOCK_K as VERIFY_BLOCK_K
 from pallas_kernels.verify_attention import verify_attention_pallas
 
 RATIO, TAIL, LAYERS = 0.07, 16, 8
+PAGE_SIZE = paging.DEFAULT_PAGE_SIZE
 SPLITS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 SHAPES = {  # kernel: {name: (B, S, Hq, Hkv, Dh, T)}; T is the query rows (the sparse kernel's is 1)
     "sparse": {
@@ -75,10 +77,12 @@ def sparse_case(B, S, Hq, Hkv, Dh, T, layers, ratio=RATIO, balance=1.0):
     q = jax.random.normal(jax.random.key(1), (layers, B, T, Hq, Dh), jnp.bfloat16)
     n_idx, tail = jnp.asarray(n_idx), jnp.full((B,), S - TAIL, jnp.int32)
     pos = jnp.full((B, 1), S - 1, jnp.int32)
+    pages = paging.contiguous_pages(B, S // PAGE_SIZE)
 
     def call(q, k, v, layer, splits):
-        return sparse_attention_pallas(q, k, v, layer, idx, n_idx, tail, pos, scale=Dh ** -0.5, tail_capacity=TAIL,
-                                       n_splits=splits, interpret=interpret_default())
+        return sparse_attention_pallas(q, k, v, pages, layer, idx, n_idx, tail, pos, page_size=PAGE_SIZE,
+                                       scale=Dh ** -0.5, tail_capacity=TAIL, n_splits=splits,
+                                       interpret=interpret_default())
 
     blocks = math.ceil(k_max / SPARSE_BLOCK_K) + math.ceil(TAIL / SPARSE_BLOCK_K)
     read = (int(n_idx.sum()) + B * TAIL) * Hkv * Dh * 2 * 2
@@ -104,8 +108,9 @@ def time_shape(kernel, B, S, Hq, Hkv, Dh, T, layers, counts=SPLITS, ratio=RATIO,
     call, q, programs, blocks, read = (sparse_case(*shape, ratio, balance) if kernel == "sparse"
                                        else verify_case(*shape))
     keys = jax.random.split(jax.random.key(0), 2)
-    k = jax.random.normal(keys[0], (layers, B, Hkv, S, Dh), jnp.bfloat16)
-    v = jax.random.normal(keys[1], (layers, B, Hkv, S, Dh), jnp.bfloat16)
+    pool = (layers, Hkv, (B * S // PAGE_SIZE + 1) * PAGE_SIZE, Dh)  # rows' pages 1 .. B * S / PAGE_SIZE
+    k = jax.random.normal(keys[0], pool, jnp.bfloat16)
+    v = jax.random.normal(keys[1], pool, jnp.bfloat16)
     default = num_splits(programs, blocks, balance if B > 1 else 1.0)  # as sparse_attention_pallas counts it
     rows = []
     for splits in sorted({s for s in counts if s <= blocks} | {default}):
