@@ -59,7 +59,7 @@ LAYERS = 2              # cache layers; calls alternate between them (each layer
 STEPS = 8               # scan steps per timed call, LAYERS kernel calls each
 MIN_RUN_S = 0.05        # each timing repeats the timed call until it takes this long
 CHECK_TOL = 2e-2        # bf16
-PAGE = paging.DEFAULT_PAGE_SIZE
+PAGE = paging.DEFAULT_PAGE
 
 SHAPES = [(1, 32768), (4, 32768), (16, 8192)]
 LONG_SHAPE = (4, 131072)
@@ -194,22 +194,29 @@ def check_verify(bench, B, S, T, collect):
     return record_check(bench, f"verify B={B} S={S} T={T} {describe(collect)}", errors)
 
 
+def sparse_pools(key, B, S, pages):
+    """Random K and V pools of B rows of S slots and the null page, [LAYERS, HKV, N, DH], with the page
+    table `pages` [B, S / PAGE] (its order: the caller's)."""
+    shape = (LAYERS, HKV, (B * S // PAGE + 1) * PAGE, DH)
+    kk, kv = jax.random.split(key)
+    return normal(kk, shape), normal(kv, shape), jnp.asarray(pages, jnp.int32)
+
+
 def check_sparse(bench, B, S, Hs):
-    ks = jax.random.split(jax.random.key(20 + Hs), 3)
+    ks = jax.random.split(jax.random.key(20 + Hs), 2)
     q = normal(ks[0], (B, 1, HQ, DH))
-    k, v = normal(ks[1], (LAYERS, B, HKV, S, DH)), normal(ks[2], (LAYERS, B, HKV, S, DH))
-    K = math.ceil(RATIO * S)
     rng = np.random.default_rng(Hs)
+    k, v, pages = sparse_pools(ks[1], B, S, 1 + rng.permutation(B * S // PAGE).reshape(B, -1))  # shuffled
+    K = math.ceil(RATIO * S)
     tail_start = np.array([S - TAIL, S // 2, K + 3, S - 5])[np.arange(B) % 4]
     q_pos = np.minimum(tail_start + np.array([TAIL - 1, 3, -1, 4])[np.arange(B) % 4], S - 1)
     n_idx = np.array([K, K // 2, 1, K - 7])[np.arange(B) % 4]
     idx = np.stack([[rng.permutation(tail_start[b])[:K] for _ in range(Hs)] for b in range(B)])
-    args = (q, k, v, 1, jnp.asarray(idx, jnp.int32), *(jnp.asarray(x, jnp.int32)
-                                                      for x in (n_idx, tail_start, q_pos[:, None])))
-    got = jax.jit(lambda *a: sparse_attention_pallas(*a, scale=SCALE, tail_capacity=TAIL,
-                                                     interpret=bench.interpret))(*args)
-    want = jax.jit(lambda *a: sparse_attention_reference(*a, scale=SCALE, tail_capacity=TAIL))(
-        *args)
+    args = (q, k, v, pages, 1, jnp.asarray(idx, jnp.int32), *(jnp.asarray(x, jnp.int32)
+                                                             for x in (n_idx, tail_start, q_pos[:, None])))
+    options = dict(page_size=PAGE, scale=SCALE, tail_capacity=TAIL)
+    got = jax.jit(lambda *a: sparse_attention_pallas(*a, interpret=bench.interpret, **options))(*args)
+    want = jax.jit(lambda *a: sparse_attention_reference(*a, **options))(*args)
     return record_check(bench, f"sparse B={B} S={S} Hs={Hs}", {"out": rel_error(got, want)})
 
 
@@ -294,17 +301,17 @@ def time_verify(bench, st, B, S, T, collect, impl="pallas", **options):
 
 def time_sparse(bench, B, S, Hs):
     K = math.ceil(RATIO * S)
-    ks = jax.random.split(jax.random.key(B * S + Hs), 3)
+    ks = jax.random.split(jax.random.key(B * S + Hs), 2)
     rng = np.random.default_rng(B + Hs)
     idx = np.stack([[rng.permutation(S - TAIL)[:K] for _ in range(Hs)] for _ in range(B)])
-    st = {"q": normal(ks[0], (STEPS, LAYERS, B, 1, HQ, DH)),
-              "k": normal(ks[1], (LAYERS, B, HKV, S, DH)), "v": normal(ks[2], (LAYERS, B, HKV, S, DH)),
+    k, v, pages = sparse_pools(ks[1], B, S, paging.contiguous_pages(B, S // PAGE))
+    st = {"q": normal(ks[0], (STEPS, LAYERS, B, 1, HQ, DH)), "k": k, "v": v, "pages": pages,
               "idx": jnp.asarray(idx, jnp.int32), "n_idx": jnp.full((B,), K, jnp.int32),
               "tail_start": jnp.full((B,), S - TAIL, jnp.int32), "pos": jnp.full((B, 1), S - 1, jnp.int32)}
 
     def step(s, i, layer):
-        return sparse_attention_pallas(s["q"][i, layer], s["k"], s["v"], layer, s["idx"],
-                                       s["n_idx"], s["tail_start"], s["pos"], scale=SCALE,
+        return sparse_attention_pallas(s["q"][i, layer], s["k"], s["v"], s["pages"], layer, s["idx"],
+                                       s["n_idx"], s["tail_start"], s["pos"], page_size=PAGE, scale=SCALE,
                                        tail_capacity=TAIL, interpret=bench.interpret)
 
     us = time_steps(step, st)

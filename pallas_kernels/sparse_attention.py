@@ -113,10 +113,11 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, pages_re
     own, and the tail starts at the block's lowest. Split 0 starts its rows' softmax with their
     heads' sinks.
 
-    Every block is a token-granular gather (slot vector of block_k rows): a gathered block's logical
-    slots each through the page table, a tail block's consecutive pool slots (the tail's blocks are
-    aligned to block_k, so none straddles two pages; slots before tail_start are masked). Slots past
-    the list or the rows' slots are clamped into the table and masked out of the softmax.
+    Every block is a token-granular gather (slot vector of block_k rows), each logical slot through
+    the page table (one lookup for gathered and tail slots alike: fewer registers than a block start
+    for the tail). The tail's blocks are aligned to block_k, so each is one run of a page (slots
+    before tail_start are masked). Slots past the list or the table are clamped into it and masked
+    out of the softmax.
     """
     b, h, r, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     layer, n_idx, tail_start = layer_ref[0], n_idx_ref[b], tail_ref[b]
@@ -146,14 +147,11 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, pages_re
         faster than a loop each (bench/NOTES.md, "what a gathered row costs")."""
         j = i * block_k + jnp.arange(block_k)
         gathered = idx_ref[idx_layer, b, 0 if shared else h, jnp.minimum(j, K - 1)]
-        at = jnp.clip(gathered, 0, last_slot)
-        gathered_slots = pages_ref[b, at // page_size] * page_size + at % page_size
-        start = tail_first + (i - n_gather) * block_k
-        tail = start + jnp.arange(block_k)
-        tail_slots = paging.block_start(pages_ref, b, jnp.clip(start, 0, last_slot + 1 - block_k), page_size)
+        tail = tail_first + (i - n_gather) * block_k + jnp.arange(block_k)
         in_gather = i < n_gather
         wanted = jnp.where(in_gather, gathered, tail)
-        slots = jnp.where(in_gather, gathered_slots, tail_slots + jnp.arange(block_k))
+        at = jnp.clip(wanted, 0, last_slot)
+        slots = pages_ref[b, at // page_size] * page_size + at % page_size
         tail_visible = (tail[None, :] >= tail_start) & (tail[None, :] <= pos[:, None])
         if tree:
             tail_visible = tail_visible & ancestor_visible(tail[None, :] - first, lo_word, hi_word)
@@ -194,8 +192,8 @@ def sparse_attention_pallas(q, k_pool, v_pool, pages, layer, idx, n_idx, tail_st
     if page_size % block_k:
         raise ValueError(f"the key block {block_k} must divide the page size {page_size}")
     n_blocks, rows, tile = row_blocks(T, G)
-    # the tail, aligned down to a block, may take one block more than its capacity
-    max_blocks = pl.cdiv(idx.shape[-1], block_k) + pl.cdiv(tail_capacity + block_k - 1, block_k)
+    # the split count's estimate of the blocks (an aligned-down tail may take one more; it only shifts shares)
+    max_blocks = pl.cdiv(idx.shape[-1], block_k) + pl.cdiv(tail_capacity, block_k)
     n_splits = n_splits or num_splits(B * Hkv * n_blocks, max_blocks, skew if B > 1 else 1.0)  # one row: no mean to exceed
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     stacked, idx = idx.ndim == 4, idx if idx.ndim == 4 else idx[None]

@@ -582,3 +582,16 @@ def test_sparse_attention_options_default_to_none():
         plain = attention(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, **kw)
         none = attention(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, sinks=None, lo=None, **kw)
         np.testing.assert_array_equal(np.asarray(plain), np.asarray(none))
+
+
+def test_sparse_attention_rejects_blocks_across_pages():
+    """A key block must lie in one page: block_k must divide the page size (and pages tile the pool)."""
+    Hq, Hkv, Hs, Dh, S, K, n_idx, tail_start, q_pos, dtype, block_k, n_splits = SPARSE_CASES[0]
+    B = len(n_idx)
+    q, k_cache, v_cache = random_inputs(591, (B, 1, Hq, Dh), B, Hkv, S, Dh, dtype)
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, np.asarray(q_pos)[:, None])]
+    args = sparse_args(q, k_cache, v_cache, sparse_inputs(591, B, Hs, K, S, n_idx, tail_start), ints, 591)
+    with pytest.raises(ValueError, match="divide the page size"):
+        sparse_attention_pallas(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, block_k=128)
+    with pytest.raises(ValueError, match="page size"):
+        sparse_attention_reference(*args, page_size=96, scale=0.125, tail_capacity=32)

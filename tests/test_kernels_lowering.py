@@ -141,11 +141,20 @@ def test_verify_attention_with_sinks_and_window_lowers(check_cuda, shape):
                spec((L, 64), jnp.bfloat16), spec((B, T)), spec((B,)))
 
 
+SPARSE_PAGE = 128
+
+
+def sparse_pools(Hkv, Dh):
+    """Specs of the k/v pools [L, Hkv, N, Dh] holding B rows of S slots (and the null page) and of
+    their page table [B, R]."""
+    pool = spec((L, Hkv, B * S + SPARSE_PAGE, Dh), jnp.bfloat16)
+    return pool, pool, spec((B, S // SPARSE_PAGE))
+
+
 @pytest.mark.parametrize("Hs", [1, 8])
 def test_sparse_attention_lowers(check_cuda, Hs):
-    cache = spec((L, B, 8, S, 128), jnp.bfloat16)
-    check_cuda(lambda *a: sparse_attention_pallas(*a, scale=128 ** -0.5, tail_capacity=16),
-                   spec((B, 1, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
+    check_cuda(lambda *a: sparse_attention_pallas(*a, page_size=SPARSE_PAGE, scale=128 ** -0.5, tail_capacity=16),
+                   spec((B, 1, 32, 128), jnp.bfloat16), *sparse_pools(8, 128), spec(()), spec((B, Hs, 2294)),
                    spec((B,)), spec((B,)), spec((B, 1)))
 
 
@@ -155,11 +164,10 @@ def test_tree_sparse_attention_lowers(check_cuda, Hq, Hkv, Dh, Hs):
     blocks for Qwen3-8B (G=4) and SmolLM2 (G=3)."""
     tree = TreeShape((2, 2, 2, 2, 2), "bfs")
     rows = np.flatnonzero(tree.node_depth == 5)
-    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, idx, n_idx, tail_start, q_slot, first: sparse_attention_pallas(
-                   q, k, v, layer, idx, n_idx, tail_start, q_slot, scale=Dh ** -0.5, tail_capacity=80,
-                   tree=TreeMask(first, tree.ancestors[rows])),
-               spec((B, len(rows), Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
+    check_cuda(lambda q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, first: sparse_attention_pallas(
+                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=SPARSE_PAGE, scale=Dh ** -0.5,
+                   tail_capacity=80, tree=TreeMask(first, tree.ancestors[rows])),
+               spec((B, len(rows), Hq, Dh), jnp.bfloat16), *sparse_pools(Hkv, Dh), spec(()), spec((B, Hs, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)))
 
 
@@ -167,11 +175,10 @@ def test_tree_sparse_attention_with_sinks_and_window_lowers(check_cuda):
     """gpt-oss's options on the deepest 32 rows of a 5-deep binary tree (two row blocks, G=8)."""
     tree = TreeShape((2, 2, 2, 2, 2), "bfs")
     rows = np.flatnonzero(tree.node_depth == 5)
-    cache = spec((L, B, 8, S, 64), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, idx, n_idx, tail_start, q_slot, first, sinks, lo: sparse_attention_pallas(
-                   q, k, v, layer, idx, n_idx, tail_start, q_slot, scale=64 ** -0.5, tail_capacity=80,
-                   tree=TreeMask(first, tree.ancestors[rows]), sinks=sinks, lo=lo),
-               spec((B, len(rows), 64, 64), jnp.bfloat16), cache, cache, spec(()), spec((B, 8, 2294)),
+    check_cuda(lambda q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, first, sinks, lo: sparse_attention_pallas(
+                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=SPARSE_PAGE, scale=64 ** -0.5,
+                   tail_capacity=80, tree=TreeMask(first, tree.ancestors[rows]), sinks=sinks, lo=lo),
+               spec((B, len(rows), 64, 64), jnp.bfloat16), *sparse_pools(8, 64), spec(()), spec((B, 8, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)), spec((L, 64), jnp.bfloat16),
                spec((B, len(rows))))
 
@@ -246,10 +253,12 @@ def test_merge_splits_lowers(check_cuda, P, splits, rows, Dh):
 @pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [  # Qwen3-8B's at batch 1: slow (the default run's 20 minutes)
     pytest.param(L, 1, 32, 8, S // 16, 128, marks=pytest.mark.slow), (30, 128, 9, 3, 496, 64)])
 def test_quest_pages_lowers(check_cuda, Lq, Bq, Hq, H, P, Dh):
-    """Qwen3-8B's pages at 1 x 32K, SmolLM2's at 128 x 7.9K (a masked last chunk)."""
-    bounds = spec((Lq, Bq, H, P, Dh), jnp.bfloat16)
-    check_cuda(lambda q, lo, hi, layer, last, k: quest_pages_pallas(q, lo, hi, layer, last, k, P * 7 // 100),
-               spec((Bq, 1, Hq, Dh), jnp.bfloat16), bounds, bounds, spec(()), spec((Bq,)), spec((Bq,)))
+    """Qwen3-8B's pages at 1 x 32K, SmolLM2's at 128 x 7.9K (a masked last chunk): bound pools of the
+    rows' 128-slot cache pages (8 bounds a page) and the null page's, under the page table."""
+    bounds = spec((Lq, H, Bq * P + 8, Dh), jnp.bfloat16)
+    check_cuda(lambda *a: quest_pages_pallas(*a, P * 7 // 100, page_size=128),
+               spec((Bq, 1, Hq, Dh), jnp.bfloat16), bounds, bounds, spec((Bq, P // 8)), spec(()), spec((Bq,)),
+               spec((Bq,)))
 
 
 @pytest.mark.parametrize("S_", [pytest.param(S, marks=pytest.mark.slow), 4000])  # 4000: a masked last chunk; S slow
