@@ -79,12 +79,6 @@ def nsa_selected_reference(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, g
     return out.reshape(B, T, Hq, Dh).astype(q.dtype)
 
 
-def block_start(pages_ref, b, start, page_size: int):
-    """`paging.block_start` (elementwise for a vector of slots) through lax's division, as start >= 0:
-    jnp's // and % sign fix-ups cost the float32 NSA-1B tile a register spill (ptxas, sm_90)."""
-    return pages_ref[b, lax.div(start, page_size)] * page_size + lax.rem(start, page_size)
-
-
 def _selected_kernel(layer_ref, pos_ref, idx_ref, q_ref, o_cmp_ref, gates_ref, pages_ref, k_ref, v_ref, o_ref, *,
                      scale, page_size, block_size, window, block_k, block_w, groups, precision):
     """Program (b, kv head h, row t): the row's selected blocks, then its window, each through its
@@ -98,7 +92,7 @@ def _selected_kernel(layer_ref, pos_ref, idx_ref, q_ref, o_cmp_ref, gates_ref, p
     layer, pos, q = layer_ref[0], pos_ref[b, t], q_ref[...]
 
     def attend(carry, start, n, ok):  # n keys from logical slot start (n-aligned)
-        slot = pl.multiple_of(block_start(pages_ref, b, start, page_size), n)
+        slot = pl.multiple_of(paging.block_start(pages_ref, b, start, page_size), n)
         k = plgpu.load(k_ref.at[layer, h, pl.ds(slot, n), :], mask=ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[layer, h, pl.ds(slot, n), :], mask=ok[:, None], other=0.0)
         logits = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
