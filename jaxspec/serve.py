@@ -56,7 +56,7 @@ def parse_args(argv):
                         "request grows the state back); the warm-up also compiles every smaller row count")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page (a multiple of 64)")
     p.add_argument("--kv-pages", type=int, default=0,
-                   help=f"KV pages in the pool, the null page included (0: {KV_MEMORY_FRACTION:.0%%} of the device memory "
+                   help=f"KV pages in the pool, the null page included (0: {KV_MEMORY_FRACTION:.0%}% of the device memory "
                         "left after the weights; on a CPU, every slot's --max-len)")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole, sharing no pages")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")

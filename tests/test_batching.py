@@ -216,7 +216,7 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     while len(finished) < 5:
         scheduler.step()
     reads = [tuple(events[i - 2 : i]) for i, e in enumerate(events) if e == "read"]
-    assert set(reads) <= {("report", "decode"), *((admission, "report") for admission in ("prefill", "start", "admit"))}
+    assert set(reads) <= {("report", "decode"), *((admission, "report") for admission in ("prefill", "start", "admit", "admit_prefilled"))}
     assert reads.count(("report", "decode")) >= 3
     for i, r in enumerate(requests):
         assert finished[i].finish_reason == "length" and tokens[i] == alone(params, spec, r), i

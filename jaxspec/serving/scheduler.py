@@ -635,20 +635,20 @@ class Scheduler:
         taken back before any slot is freed."""
         since, report = report or self._report()
         try:
-            finished, done, seconds = self._hand_out(start, since, report)
+            finished, seconds = self._hand_out(start, since, report)
         finally:
             if ahead is not None:
                 self._state = ahead.result()
-        self._free([h.slot for h in finished if not done[h.slot]])
+        self._free([h.slot for h in finished])  # those done on the device too: their tables leave their pages
         for h in finished:
             del self._running[h.slot]
         with self._lock:
             self.metrics.set_queue(len(self._waiting), len(self._running))
         return seconds
 
-    def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], np.ndarray, float]:
+    def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], float]:
         """Reads `report` and hands each running request its tokens from `since`; returns the requests
-        that finished, the slots' done flags and the seconds from `start` to the report's arrival."""
+        that finished and the seconds from `start` to the report's arrival."""
         length, done, window, stats = programs.unpack_report(jax.device_get(report))
         self._last, self._ahead = (length, stats), None
         now = self._last_at = time.perf_counter()
@@ -676,7 +676,7 @@ class Scheduler:
             text += h.text.flush() if h.text else ""
             self._finish(h, reason, text, tuple(tokens), row=_add_row_stats(h.before_switch, _row_stats(stats, slot)))
         self.metrics.add_segment(new_tokens, seconds)
-        return finished, done, seconds
+        return finished, seconds
 
     def _release_cancelled(self) -> None:
         """Frees the slots of cancelled running requests (their clients are gone)."""
