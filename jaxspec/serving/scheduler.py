@@ -370,7 +370,9 @@ class Scheduler:
         if new is None:
             self.pool.unmatch(prompt, cached)
             return False
-        self._pages[h], h.cached_tokens = cached + new, len(cached) * self.page_size
+        self._pages[h] = cached + new
+        if not h.tokens:  # its prompt's cached tokens (a preempted request's prefix cache hits are its own)
+            h.cached_tokens = len(cached) * self.page_size
         return True
 
     def _drop_pages(self, h: Handle) -> None:
