@@ -5,14 +5,20 @@ exactly its tokens alone. Pages of 64 slots, so a row's pages scatter through th
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from jaxspec.decoding import engine
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder
+from jaxspec.models.config import NSAConfig
 from jaxspec.serving.requests import Request as Job
 from jaxspec.serving.scheduler import Scheduler
 from jaxspec.serving.server import create_app
@@ -157,3 +163,40 @@ def test_server_usage_reports_cached_tokens(params):
     assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 2 * PAGE]
     assert 'jaxspec_kv_pages{state="cached"} 2' in metrics and 'jaxspec_kv_pages{state="in_use"} 0' in metrics
     assert f"jaxspec_prefix_cache_hit_rate {2 * PAGE / (4 * PAGE + 30):.4f}" in metrics
+
+
+NSA_CFG = dataclasses.replace(CFG, model_type="llama-nsa", qk_norm=False,
+                              nsa=NSAConfig(block_size=16, block_counts=4, window_size=32))
+SCATTERED_CASES = {  # the dense model's methods besides plain and vegas, and an NSA model's
+    "stream": (CFG, SpecConfig(method="stream", gamma=3, min_tokens=32)),
+    "quest": (CFG, SpecConfig(method="quest", gamma=3, min_tokens=32)),
+    "ngram": (CFG, SpecConfig(method="ngram", gamma=3)),
+    "vegas tree 2,1": (CFG, SpecConfig(method="vegas", tree=(2, 1), min_tokens=32)),
+    "nsa plain": (NSA_CFG, SpecConfig(method="plain")),
+    "nsa vegas": (NSA_CFG, SpecConfig(method="vegas", gamma=3, min_tokens=32)),
+}
+
+
+def plain_alone(params, cfg, r: Request) -> list[int]:
+    """Plain greedy decoding of `r` alone, in a batch's cache (the output every method must reproduce)."""
+    eng = engine.Engine(cfg, SpecConfig(method="plain").validate(), GREEDY, MAX_LEN)
+    out = jax.jit(eng.generate)(params, jnp.asarray(r.ids[None]), jnp.asarray([len(r.ids)]), jax.random.key(0),
+                                max_new_tokens=r.max_new, stop_ids=-jnp.ones((1,), jnp.int32))
+    return np.asarray(out.tokens[0, len(r.ids): len(r.ids) + r.max_new]).tolist()
+
+
+@pytest.mark.parametrize("case", list(SCATTERED_CASES))
+def test_every_method_on_scattered_pages_equals_plain_alone(params, case):
+    """Each method (and an NSA model) served over a pool whose free pages were shuffled first, so every
+    row's pages lie anywhere in it: each request's greedy tokens are plain decoding's of it alone."""
+    cfg, spec = SCATTERED_CASES[case]
+    model = params if cfg is CFG else decoder.init_params(cfg, jax.random.key(6), scale=0.1)
+    s = Scheduler(model, cfg, None, spec.validate(), slots=3, max_len=MAX_LEN, max_top_k=32, kv_pages=13,
+                  page_size=PAGE)
+    random.Random(case).shuffle(s.pool._free)
+    requests = [Request(60 + i, [90, 140, 70][i], [40, 30, 50][i], GREEDY) for i in range(3)]
+    tokens, finished, most = serve_all(s, requests)
+    assert most == 3
+    for i, r in enumerate(requests):
+        assert finished[i].finish_reason == "length" and tokens[i] == plain_alone(model, cfg, r), i
+    assert_pool_idle(s)
