@@ -224,10 +224,11 @@ def _nsa_pallas(backend: str, head_dim: int, block_size: int) -> bool:
 def nsa_compressed_attention(q, k_cmp, v_cmp, pages, layer, q_pos, *, page_size: int, block_size: int,
                              block_counts: int, rule: str, scale: float, backend: str = "reference"):
     """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of the compressed pools
-    k_cmp/v_cmp [L, Hkv, N / block_size, Dh] through the page table pages [B, R]. Returns o_cmp [B, T, Hq, Dh] (q.dtype), the block importance weights
-    [B, T, Hkv, NB] float32 (0 where not visible) and the selected blocks [B, T, Hkv, block_counts]
-    int32 (-1: none). The Pallas kernels cover T <= 64 (larger T run the reference); the Pallas
-    backend ranks the blocks with the radix select."""
+    k_cmp/v_cmp [L, Hkv, N / block_size, Dh] through the page table pages [B, R]. Returns o_cmp
+    [B, T, Hq, Dh] (q.dtype), the block importance weights [B, T, Hkv, NB] float32 (0 where not
+    visible) and the selected blocks [B, T, Hkv, block_counts] int32 (-1: none, else logical). The
+    Pallas kernels cover T <= 64 (larger T run the reference); the Pallas backend ranks the blocks
+    with the radix select."""
     topk = None
     if _nsa_pallas(backend, q.shape[-1], block_size):
         o, weights = nsa_compressed_pallas(q, k_cmp, v_cmp, pages, layer, q_pos, page_size=page_size,
@@ -243,8 +244,9 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, pages, layer, q_pos, *, page_size:
 def nsa_selected_attention(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates, *, page_size: int,
                            block_size: int, window: int, scale: float, backend: str = "reference"):
     """NSA's selected-block and window branches over the pools k_pool/v_pool [L, Hkv, N, Dh] through
-    pages [B, R], gated together with o_cmp: the layer's attention output [B, T, Hq, Dh] (q.dtype). idx [B, T, Hkv, S] from `nsa_compressed_attention`, gates
-    [B, T, Hq, 3] after the sigmoid. The Pallas kernel covers T <= 16; larger T run the reference."""
+    pages [B, R], gated together with o_cmp: the layer's attention output [B, T, Hq, Dh] (q.dtype).
+    idx [B, T, Hkv, S] (logical blocks) from `nsa_compressed_attention`, gates [B, T, Hq, 3] after
+    the sigmoid. The Pallas kernel covers T <= 16; larger T run the reference."""
     options = dict(page_size=page_size, block_size=block_size, window=window, scale=scale)
     if _nsa_pallas(backend, q.shape[-1], block_size):
         return nsa_selected_pallas(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates,

@@ -1,7 +1,6 @@
 """Paged pools for the kernel tests: contiguous caches [L, B, Hkv, S, Dh] scattered into a pool whose
 other pages (the null page included) are poisoned, so a kernel that reads a slot it should not, or
 through the wrong page, gets values far from the reference's."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 

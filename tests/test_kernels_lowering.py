@@ -308,14 +308,23 @@ TREE_SHAPES = [  # a 63-row draft tree's rows (nsa_tree_compressed, nsa_grouped)
 ]
 
 
+NSA_PAGE = 128  # paging.DEFAULT_PAGE_SIZE: the pools hold one row's slots and the null page
+
+
+def nsa_pools(Hkv, Dh, slots, dtype, block_size=1):
+    """Specs of a pool [24, Hkv, N, Dh] (compressed: N / block_size entries) and its one row's table."""
+    pool = spec((24, Hkv, (slots + NSA_PAGE) // block_size, Dh), dtype)
+    return pool, spec((1, slots // NSA_PAGE))
+
+
 # By default each NSA kernel lowers at NSA-1B's 256-row tile, the 8B shapes' largest blocks, SmolLM2's
 # one row, a float32 cache and a tree's rows; the other shapes with the slow tests (slow_at).
 @pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", slow_at(NSA_SHAPES + TREE_SHAPES, (0, 2, 5, 8, 10)))
 def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_compressed import nsa_compressed_pallas
-    cmp = spec((24, 1, Hkv, slots // bs, Dh), dtype)
-    check_cuda(lambda *a: nsa_compressed_pallas(*a, block_size=bs, scale=Dh ** -0.5),
-               spec((1, T, Hq, Dh), dtype), cmp, cmp, spec(()), spec((1, T)))
+    cmp, pages = nsa_pools(Hkv, Dh, slots, dtype, bs)
+    check_cuda(lambda *a: nsa_compressed_pallas(*a, page_size=NSA_PAGE, block_size=bs, scale=Dh ** -0.5),
+               spec((1, T, Hq, Dh), dtype), cmp, cmp, pages, spec(()), spec((1, T)))
 
 
 @pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype, group", slow_at(
@@ -324,18 +333,19 @@ def test_nsa_grouped_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype, group)
     from pallas_kernels.nsa_grouped import nsa_grouped_pallas
     tree = TreeShape((2,) * 5, "bfs")
     assert tree.rows == T
-    cache = spec((24, 1, Hkv, slots, Dh), dtype)
+    cache, pages = nsa_pools(Hkv, Dh, slots, dtype)
     rows = spec((1, T, Hq, Dh), dtype)
-    check_cuda(lambda *a: nsa_grouped_pallas(*a[:5], tree.ancestors, *a[5:], group=group, shared=False,
-                                             block_size=bs, window=512, scale=Dh ** -0.5),
-               rows, cache, cache, spec(()), spec((1,)), spec((1, T, Hkv, 16)), rows, spec((1, T, Hq, 3), dtype))
+    check_cuda(lambda *a: nsa_grouped_pallas(*a[:6], tree.ancestors, *a[6:], page_size=NSA_PAGE, group=group,
+                                             shared=False, block_size=bs, window=512, scale=Dh ** -0.5),
+               rows, cache, cache, pages, spec(()), spec((1,)), spec((1, T, Hkv, 16)), rows,
+               spec((1, T, Hq, 3), dtype))
 
 
 @pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", slow_at(NSA_SHAPES, (0, 2, 5, 8)))
 def test_nsa_selected_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_selected import nsa_selected_pallas
-    cache = spec((24, 1, Hkv, slots, Dh), dtype)
+    cache, pages = nsa_pools(Hkv, Dh, slots, dtype)
     rows = spec((1, T, Hq, Dh), dtype)
-    check_cuda(lambda *a: nsa_selected_pallas(*a, block_size=bs, window=512, scale=Dh ** -0.5),
-               rows, cache, cache, spec(()), spec((1, T)), spec((1, T, Hkv, 16)), rows,
+    check_cuda(lambda *a: nsa_selected_pallas(*a, page_size=NSA_PAGE, block_size=bs, window=512, scale=Dh ** -0.5),
+               rows, cache, cache, pages, spec(()), spec((1, T)), spec((1, T, Hkv, 16)), rows,
                spec((1, T, Hq, 3), dtype))

@@ -320,6 +320,21 @@ def test_nsa_selected_pallas(case):
     assert_close(got, ref, TOL[dtype], "nsa output")
 
 
+def test_pallas_kernels_refuse_pages_their_steps_straddle():
+    """A selected-key step (64 keys of a bf16 pool) and a compressed block must each lie in one page."""
+    B, T, Hq, Hkv, Dh, bs, page = 1, 2, 4, 2, 16, 64, 96
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    rows, pool, pages = spec(B, T, Hq, Dh), spec(LAYERS, Hkv, 4 * page, Dh), spec(B, 3, dtype=jnp.int32)
+    pos = spec(B, T, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="page size 96"):
+        jax.eval_shape(functools.partial(nsa_selected_pallas, page_size=page, block_size=bs, window=16, scale=0.25),
+                       rows, pool, pool, pages, 0, pos, spec(B, T, Hkv, 2, dtype=jnp.int32), rows, spec(B, T, Hq, 3))
+    cmp = spec(LAYERS, Hkv, 4 * page // bs, Dh)
+    with pytest.raises(ValueError, match="page size 96"):
+        jax.eval_shape(functools.partial(nsa_compressed_pallas, page_size=page, block_size=bs, scale=0.25),
+                       rows, cmp, cmp, pages, 0, pos)
+
+
 @pytest.mark.parametrize("rule, bs, NB, S", [("exact", 16, 40, 6), ("nsa1b", 8, 40, 6), ("nsa1b", 4, 64, 3)])
 def test_select_blocks_radix_topk(rule, bs, NB, S):
     """The Pallas path's radix select picks the same blocks as lax.top_k (order aside)."""

@@ -107,13 +107,13 @@ class KVCache:
         inside = blocks < num_blocks
         slots = self.slots(jnp.where(inside, blocks, 0)[..., None] * bs + jnp.arange(bs, dtype=jnp.int32))
 
-        def pooled(pool):  # [L, Hkv, N, Dh] -> [Hkv, B, n, Dh]: means of the blocks' slots
+        def pooled(pool):  # [L, Hkv, N, Dh] -> [B, n, Hkv, Dh]: means of the blocks' slots
             x = jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)[:, slots]  # [Hkv, B, n, bs, Dh]
-            return jnp.mean(x.astype(jnp.float32), axis=3)
+            return jnp.moveaxis(jnp.mean(x.astype(jnp.float32), axis=3), 0, 2)
 
         # a block past the table is dropped: its entry goes to the pool's end, out of bounds
         entry = jnp.where(inside, self.slots(blocks * bs) // bs, self.k_cmp.shape[2])
-        at = (layer, slice(None), entry)
+        at = (layer, slice(None), entry)  # the set's shape [B, n, Hkv, Dh]: the indexed axes first
         k_cmp = self.k_cmp.at[at].set(pooled(self.k).astype(self.k_cmp.dtype), mode="drop")
         v_cmp = self.v_cmp.at[at].set(pooled(self.v).astype(self.v_cmp.dtype), mode="drop")
         return dataclasses.replace(self, k_cmp=k_cmp, v_cmp=v_cmp)

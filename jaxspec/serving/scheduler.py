@@ -349,12 +349,23 @@ class Scheduler:
         """Pages of a row holding `tokens` positions (at most max_len) and a draft tree beyond them."""
         return min(self.pool.pages_for(min(tokens, self.max_len) + MAX_TREE_ROWS), self.row_pages)
 
+    def _horizon(self) -> int:
+        """Positions a row may write beyond what the host has handed out: the segment in flight and the
+        next one (the host knows lengths only up to the last report)."""
+        return 2 * self._window()
+
+    def _wants(self, h: Handle) -> int:
+        """The pages `h`'s row needs before the next segment."""
+        known, limit = len(h.request.ids) + h.read, len(h.request.ids) + h.request.max_new_tokens
+        return self._row_need(min(known + self._horizon(), limit))
+
     def _take_pages(self, h: Handle) -> bool:
-        """Gives `h` the pages of its prompt (a whole row's without a page pool): the cached ones of its
-        prefix, shared, and new ones for the rest; False, with nothing taken, if the pool lacks them."""
+        """Gives `h` the pages of its prompt and its first segments (a whole row's without a page pool):
+        the cached ones of its prefix, shared, and new ones for the rest; False, with nothing taken, if
+        the pool lacks them (admitting it only to preempt it at once would prefill it for nothing)."""
         prompt = self._prompt(h)
         cached = self.pool.match(prompt)
-        need = (self.pool.pages_for(len(prompt)) if self.paged else self.row_pages) - len(cached)
+        need = (self._wants(h) if self.paged else self.row_pages) - len(cached)
         new = self.pool.allocate(need)
         if new is None:
             self.pool.unmatch(prompt, cached)
@@ -500,12 +511,10 @@ class Scheduler:
         them, preempts the most recently admitted request."""
         if not self.paged:
             return
-        horizon, grown = 2 * self._window() + MAX_TREE_ROWS, False
+        grown = False
         for h in sorted(self._running.values(), key=lambda h: h.admitted):
             while self._running.get(h.slot) is h:
-                limit = len(h.request.ids) + h.request.max_new_tokens
-                need = self._row_need(min(len(h.request.ids) + h.read + horizon, limit))
-                have = self._pages[h]
+                need, have = self._wants(h), self._pages[h]
                 if need <= len(have):
                     break
                 new = self.pool.allocate(need - len(have))
