@@ -21,12 +21,13 @@ from jaxspec import corpus
 from jaxspec.decoding import engine
 from jaxspec.models import decoder, draft_weights
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.kvcache import KVCache, init_cache
+from jaxspec.models.kvcache import init_cache
 from jaxspec.loaders import load_model
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, SpecConfig
 from pallas_kernels import paging
+from paged_pools import repeated
 
 # full drafts over the whole cache, so it needs a draft model cheaper than the target: the draft-model tests
 SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full", "eagle")]  # eagle drafts with a head: test_eagle_engine
@@ -492,15 +493,6 @@ def tiny_rows():
     batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))
     one_row = prefilled(params, TINY, Batch(batch.ids[:1], batch.lengths[:1]), len(prompt) + 2)
     return params, prompt, batch, repeated(one_row, rows)
-
-
-def repeated(cache: KVCache, rows: int) -> KVCache:
-    """`rows` copies of a one-row cache, each row on its own pages."""
-    big = init_cache(TINY, rows, cache.num_slots, cache.page_size)
-    slots = big.slots(jnp.broadcast_to(jnp.arange(cache.num_slots, dtype=jnp.int32), (rows, cache.num_slots)))
-    copy = lambda pool, one: pool.at[:, :, slots].set(
-        jnp.moveaxis(paging.logical_view(one, cache.pages, cache.page_size), 1, 2))  # [L, Hkv, 1, S, Dh]
-    return dataclasses.replace(big, k=copy(big.k, cache.k), v=copy(big.v, cache.v))
 
 
 @pytest.mark.parametrize("method,tree,order,weights,skip", [
