@@ -59,7 +59,7 @@ LAYERS = 2              # cache layers; calls alternate between them (each layer
 STEPS = 8               # scan steps per timed call, LAYERS kernel calls each
 MIN_RUN_S = 0.05        # each timing repeats the timed call until it takes this long
 CHECK_TOL = 2e-2        # bf16
-PAGE = paging.DEFAULT_PAGE
+PAGE = paging.DEFAULT_PAGE_SIZE
 
 SHAPES = [(1, 32768), (4, 32768), (16, 8192)]
 LONG_SHAPE = (4, 131072)

@@ -1,8 +1,12 @@
 """Paged pools for the kernel tests: contiguous caches [L, B, Hkv, S, Dh] scattered into a pool whose
 other pages (the null page included) are poisoned, so a kernel that reads a slot it should not, or
 through the wrong page, gets values far from the reference's."""
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import paging
 
 POISON = 3.0e4  # finite (masked slots are multiplied by zero weights), far from any real key or value
 
@@ -28,3 +32,17 @@ def scatter(caches, page_size: int, seed: int, spare: int = 3):
         pool = pool.at[:, :, pages].set(rows)
         pools.append(pool.reshape(L, H, num_pages * size, D))
     return pools, pages
+
+
+def repeated(cache, rows: int):
+    """`rows` copies of a dense model's one-row KVCache (its EAGLE-3 head's too), each row on its own
+    consecutive pages: a batch of identical rows prefilled once."""
+    P, R = cache.page_size, cache.pages.shape[1]
+
+    def pool(x):  # [L, Hkv, N, Dh] -> the null page, then the row's slots `rows` times
+        row = paging.logical_view(x, cache.pages, P)[:, 0]  # [L, Hkv, S, Dh]
+        return jnp.concatenate([jnp.zeros_like(row[:, :, :P]), jnp.tile(row, (1, 1, rows, 1))], axis=2)
+
+    head = None if cache.head is None else repeated(cache.head, rows)
+    return dataclasses.replace(cache, k=pool(cache.k), v=pool(cache.v), pages=paging.contiguous_pages(rows, R),
+                               head=head)
