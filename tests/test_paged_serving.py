@@ -76,12 +76,12 @@ def test_more_requests_run_than_rows_of_the_pool(params, method):
 
 @pytest.mark.parametrize("method", ["plain", "vegas"])
 def test_a_full_pool_preempts_and_every_request_equals_alone(params, method):
-    """A request that grows to six of the pool's 8 pages, admitted first, and a growing one beside it: the
-    pool runs out, the most recently admitted request is preempted and re-admitted with the tokens it had
+    """A request that grows by two pages to six of the pool's 8, admitted first, and a growing one beside
+    it (admitted with the one page a growing row is left): the pool runs out, the most recently admitted request is preempted and re-admitted with the tokens it had
     (its prompt's whole page read back from the prefix cache, where its release left it); every request
     still emits its tokens alone, and the /metrics counter counts the preemptions."""
     spec = SPECS[method].validate()
-    requests = [Request(82, 200, MAX_LEN - 200, GREEDY), Request(80, 70, 100, GREEDY), Request(81, 40, 20, GREEDY),
+    requests = [Request(82, 150, MAX_LEN - 150, GREEDY), Request(80, 70, 100, GREEDY), Request(81, 40, 20, GREEDY),
                 Request(83, 20, 30, GREEDY)]
     s = scheduler(params, spec)
     tokens, finished, _ = serve_all(s, requests)
