@@ -24,7 +24,7 @@ from jaxspec.models.config import ModelConfig, MoEConfig, RopeConfig
 from jaxspec.decoding.engine import DecodeState
 # The step floor (bytes over bandwidth) is the planner's cost-model base; benchmarks use the same one.
 from jaxspec.planner.cost import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
-from jaxspec.models.kvcache import KVCache, cache_shape, cache_slots
+from jaxspec.models.kvcache import KVCache, cache_slots, pool_shape
 from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
@@ -33,6 +33,7 @@ from jaxspec.training.data import split_documents
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
+from pallas_kernels import paging
 from pallas_kernels.moe import MXFP4
 
 # Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
@@ -143,6 +144,18 @@ def random_layers(key, shape, dtype):
     return jax.lax.fori_loop(0, shape[0], body, jnp.zeros(shape, dtype))
 
 
+def page_table(batch: int, num_slots: int, page_size: int = paging.DEFAULT_PAGE_SIZE, scattered: bool = True,
+               seed: int = 0) -> jax.Array:
+    """[batch, num_slots / page_size] int32: the table of a pool of batch * num_slots slots and the null
+    page; rows' pages in random order over the pool (a server's, after admissions and evictions), or
+    consecutive (`paging.contiguous_pages`: a batch's own cache)."""
+    R = num_slots // page_size
+    if not scattered:
+        return paging.contiguous_pages(batch, R)
+    order = 1 + np.random.default_rng(seed).permutation(batch * R)
+    return jnp.asarray(order.reshape(batch, R), jnp.int32)
+
+
 def random_mxfp4(key, shape) -> MXFP4:
     """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
     2^-7..2^-1."""
@@ -154,13 +167,13 @@ def random_mxfp4(key, shape) -> MXFP4:
 
 @functools.partial(jax.jit, static_argnums=(1,))
 def block_means(x, block_size: int):
-    """[L, B, H, S, D] -> [L, B, H, S / block_size, D]: the mean of each block's slots, one layer at a
-    time (what KVCache.write keeps in k_cmp/v_cmp)."""
-    L, B, H, S, D = x.shape
+    """[L, ..., S, D] -> [L, ..., S / block_size, D]: the mean of each block's slots, one layer at a
+    time (what KVCache.write keeps in k_cmp/v_cmp: of a pool, whose pages hold whole blocks)."""
+    L, *lead, S, D = x.shape
     def body(layer, out):
-        blocks = x[layer].reshape(B, H, S // block_size, block_size, D).astype(jnp.float32)
-        return out.at[layer].set(blocks.mean(axis=3).astype(x.dtype))
-    return jax.lax.fori_loop(0, L, body, jnp.zeros((L, B, H, S // block_size, D), x.dtype))
+        blocks = x[layer].reshape(*lead, S // block_size, block_size, D).astype(jnp.float32)
+        return out.at[layer].set(blocks.mean(axis=-2).astype(x.dtype))
+    return jax.lax.fori_loop(0, L, body, jnp.zeros((L, *lead, S // block_size, D), x.dtype))
 
 
 def random_lengths(context: int) -> tuple[int, int, int]:
@@ -172,22 +185,26 @@ def random_lengths(context: int) -> tuple[int, int, int]:
 
 
 def random_cache(cfg: ModelConfig, batch: int, num_slots: int, key: jax.Array, layers: int | None = None,
-                 head=None) -> KVCache:
+                 head=None, page_size: int = paging.DEFAULT_PAGE_SIZE) -> KVCache:
     """A cache full of random keys/values, standing in for a long prefill in latency benchmarks (only
-    `layers` layers if given); for NSA configs k_cmp/v_cmp hold the block means of those keys/values,
-    as the engine's cache writes keep them; with an EAGLE-3 `head` (its config) the head's one-layer
-    cache too."""
+    `layers` layers if given): a pool of `num_slots` slots a row, each row on its own consecutive pages
+    (`kvcache.init_cache`'s layout: a batch's cache). For NSA configs k_cmp/v_cmp hold the block means
+    of those keys/values, as the engine's cache writes keep them; with an EAGLE-3 `head` (its config)
+    the head's one-layer cache too, under the same table."""
     if head is not None:
-        own = random_cache(eagle.layer_config(head, cfg.dtype), batch, num_slots, jax.random.fold_in(key, 1))
-        return dataclasses.replace(random_cache(cfg, batch, num_slots, key, layers), head=own)
-    shape = cache_shape(cfg, batch, num_slots)
+        own = random_cache(eagle.layer_config(head, cfg.dtype), batch, num_slots, jax.random.fold_in(key, 1),
+                           page_size=page_size)
+        return dataclasses.replace(random_cache(cfg, batch, num_slots, key, layers, page_size=page_size), head=own)
+    pages = paging.contiguous_pages(batch, num_slots // page_size)
+    shape = pool_shape(cfg, pages.size + 1, page_size)  # the null page too
     if layers is not None:
         shape = (layers,) + shape[1:]
     kk, kv = jax.random.split(key)
     k, v = random_layers(kk, shape, jnp.dtype(cfg.dtype)), random_layers(kv, shape, jnp.dtype(cfg.dtype))
     if cfg.nsa is None:
-        return KVCache(k, v)
-    return KVCache(k, v, block_means(k, cfg.nsa.block_size), block_means(v, cfg.nsa.block_size))
+        return KVCache(k, v, pages, page_size=page_size)
+    return KVCache(k, v, pages, block_means(k, cfg.nsa.block_size), block_means(v, cfg.nsa.block_size),
+                   page_size=page_size)
 
 
 def random_head(cfg: ModelConfig, seed: int = 2):
@@ -211,7 +228,7 @@ def random_prompts(cfg: ModelConfig, batch: int, context: int, seed: int = 0) ->
 def random_state(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, context: int, max_len: int) -> DecodeState:
     """A greedy decode state whose rows hold `context` random prompt tokens over `cache` (donated): a
     random cache stands in for their prefill in latency benchmarks. Rows never stop before max_len."""
-    ids, lengths = random_prompts(cfg, cache.k.shape[1], context)
+    ids, lengths = random_prompts(cfg, cache.pages.shape[0], context)
     start, _ = decode_fns(cfg, spec, SamplingConfig(), max_len)
     return start(params, cache, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), spec.budget(),
                  max_new_tokens=jnp.int32(max_len - context), stop_ids=jnp.asarray([-1], jnp.int32))

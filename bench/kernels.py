@@ -1,7 +1,7 @@
 """GPU check and benchmark of the Pallas kernels against their references and peers (docs/development.md,
 "Measurement protocol").
 
-    PYTHONPATH=. python3 bench/kernels.py [--quick] [--long] [--out DIR] [--budget SECONDS]
+    PYTHONPATH=. python3 bench/kernels.py [--quick] [--long] [--pages scattered|contiguous] [--out DIR] [--budget SECONDS]
 
 1. measures copy bandwidth and the bf16 matmul rate; 2. checks every Pallas kernel against its
 reference at real sizes (PASS/FAIL); 3. times them at Qwen3-8B attention shapes (Hq 32, Hkv 8,
@@ -11,6 +11,8 @@ shapes; 5. writes DIR/kernels.json (default bench/results) and prints a markdown
 --quick: one shape (4 x 32K) and the main configurations. --long: adds 4 x 128K (about 25 GB of
 GPU memory: fits an H100).
 --tiny: small shapes, a smoke test of this script itself (runs on CPU, kernels in interpret mode).
+The verify kernel reads a paged pool of 128-slot pages; --pages: rows' pages in random order over it
+(a server's, the default) or consecutive. The peers read the same keys as contiguous rows.
 Every item runs in its own try/except; the JSON is rewritten after every item, so a run cut short
 still leaves its results. Items are skipped once --budget seconds have passed.
 """
@@ -35,7 +37,7 @@ from jax import lax  # noqa: E402
 
 from bench import common  # noqa: E402
 from bench.common import seconds_per_call  # noqa: E402
-from pallas_kernels import Collect  # noqa: E402
+from pallas_kernels import Collect, paging  # noqa: E402
 from pallas_kernels._common import interpret_default  # noqa: E402
 from pallas_kernels.sparse_attention import (  # noqa: E402
     sparse_attention_pallas,
@@ -57,6 +59,7 @@ LAYERS = 2              # cache layers; calls alternate between them (each layer
 STEPS = 8               # scan steps per timed call, LAYERS kernel calls each
 MIN_RUN_S = 0.05        # each timing repeats the timed call until it takes this long
 CHECK_TOL = 2e-2        # bf16
+PAGE = paging.DEFAULT_PAGE_SIZE
 
 SHAPES = [(1, 32768), (4, 32768), (16, 8192)]
 LONG_SHAPE = (4, 131072)
@@ -169,36 +172,51 @@ def check_positions(B, T, S):
     return jnp.asarray([[ends[b % 4] - T + 1 + t for t in range(T)] for b in range(B)], jnp.int32)
 
 
+def paged_kv(bench, key, B, S):
+    """(k, v, pages): random pools [LAYERS, HKV, B * S + PAGE, DH] of B rows' pages and the null
+    page, and their table (--pages)."""
+    kk, kv = jax.random.split(key)
+    pool = (LAYERS, HKV, B * S + PAGE, DH)
+    return normal(kk, pool), normal(kv, pool), common.page_table(B, S, PAGE, bench.args.pages == "scattered")
+
+
 def check_verify(bench, B, S, T, collect):
-    ks = jax.random.split(jax.random.key(10 + T), 3)
+    ks = jax.random.split(jax.random.key(10 + T), 2)
     q = normal(ks[0], (B, T, HQ, DH))
-    k, v = normal(ks[1], (LAYERS, B, HKV, S, DH)), normal(ks[2], (LAYERS, B, HKV, S, DH))
+    k, v, pages = paged_kv(bench, ks[1], B, S)
     pos = check_positions(B, T, S)
-    got = jax.jit(lambda *a: verify_attention_pallas(*a, scale=SCALE, collect=collect,
-                                                     interpret=bench.interpret))(q, k, v, 1, pos)
-    want = jax.jit(lambda *a: verify_attention_reference(*a, scale=SCALE, collect=collect))(
-        q, k, v, 1, pos)
+    options = dict(page_size=PAGE, scale=SCALE, collect=collect)
+    got = jax.jit(lambda *a: verify_attention_pallas(*a, interpret=bench.interpret, **options))(
+        q, k, v, pages, 1, pos)
+    want = jax.jit(lambda *a: verify_attention_reference(*a, **options))(q, k, v, pages, 1, pos)
     errors = {name: rel_error(g, w) for name, g, w in zip(("out", "lse", "scores"), got, want)
               if w is not None}
     return record_check(bench, f"verify B={B} S={S} T={T} {describe(collect)}", errors)
 
 
+def sparse_pools(key, B, S, pages):
+    """Random K and V pools of B rows of S slots and the null page, [LAYERS, HKV, N, DH], with the page
+    table `pages` [B, S / PAGE] (its order: the caller's)."""
+    shape = (LAYERS, HKV, (B * S // PAGE + 1) * PAGE, DH)
+    kk, kv = jax.random.split(key)
+    return normal(kk, shape), normal(kv, shape), jnp.asarray(pages, jnp.int32)
+
+
 def check_sparse(bench, B, S, Hs):
-    ks = jax.random.split(jax.random.key(20 + Hs), 3)
+    ks = jax.random.split(jax.random.key(20 + Hs), 2)
     q = normal(ks[0], (B, 1, HQ, DH))
-    k, v = normal(ks[1], (LAYERS, B, HKV, S, DH)), normal(ks[2], (LAYERS, B, HKV, S, DH))
-    K = math.ceil(RATIO * S)
     rng = np.random.default_rng(Hs)
+    k, v, pages = sparse_pools(ks[1], B, S, 1 + rng.permutation(B * S // PAGE).reshape(B, -1))  # shuffled
+    K = math.ceil(RATIO * S)
     tail_start = np.array([S - TAIL, S // 2, K + 3, S - 5])[np.arange(B) % 4]
     q_pos = np.minimum(tail_start + np.array([TAIL - 1, 3, -1, 4])[np.arange(B) % 4], S - 1)
     n_idx = np.array([K, K // 2, 1, K - 7])[np.arange(B) % 4]
     idx = np.stack([[rng.permutation(tail_start[b])[:K] for _ in range(Hs)] for b in range(B)])
-    args = (q, k, v, 1, jnp.asarray(idx, jnp.int32), *(jnp.asarray(x, jnp.int32)
-                                                      for x in (n_idx, tail_start, q_pos[:, None])))
-    got = jax.jit(lambda *a: sparse_attention_pallas(*a, scale=SCALE, tail_capacity=TAIL,
-                                                     interpret=bench.interpret))(*args)
-    want = jax.jit(lambda *a: sparse_attention_reference(*a, scale=SCALE, tail_capacity=TAIL))(
-        *args)
+    args = (q, k, v, pages, 1, jnp.asarray(idx, jnp.int32), *(jnp.asarray(x, jnp.int32)
+                                                             for x in (n_idx, tail_start, q_pos[:, None])))
+    options = dict(page_size=PAGE, scale=SCALE, tail_capacity=TAIL)
+    got = jax.jit(lambda *a: sparse_attention_pallas(*a, interpret=bench.interpret, **options))(*args)
+    want = jax.jit(lambda *a: sparse_attention_reference(*a, **options))(*args)
     return record_check(bench, f"sparse B={B} S={S} Hs={Hs}", {"out": rel_error(got, want)})
 
 
@@ -246,11 +264,16 @@ def attention_flops(B, T, keys):
     return 4 * B * HQ * T * keys * DH
 
 
-def verify_state(B, S, T):
-    ks = jax.random.split(jax.random.key(B * S + T), 3)
-    return {"q": normal(ks[0], (STEPS, LAYERS, B, T, HQ, DH)),
-                "k": normal(ks[1], (LAYERS, B, HKV, S, DH)), "v": normal(ks[2], (LAYERS, B, HKV, S, DH)),
-                "pos": jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))}
+def verify_state(bench, B, S, T):
+    ks = jax.random.split(jax.random.key(B * S + T), 2)
+    k, v, pages = paged_kv(bench, ks[1], B, S)
+    return {"q": normal(ks[0], (STEPS, LAYERS, B, T, HQ, DH)), "k": k, "v": v, "pages": pages,
+            "pos": jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (B, T))}
+
+
+def rows_view(st, name, layer):
+    """Layer `layer` of pool st[name] as contiguous rows [B, HKV, S, DH] (the peers' layout)."""
+    return paging.layer_view(st[name], layer, st["pages"], PAGE)
 
 
 def collect_modes(T):
@@ -264,11 +287,11 @@ def collect_modes(T):
 
 def time_verify(bench, st, B, S, T, collect, impl="pallas", **options):
     if impl == "pallas":
-        attend = lambda *a: verify_attention_pallas(*a, scale=SCALE, collect=collect,
+        attend = lambda *a: verify_attention_pallas(*a, page_size=PAGE, scale=SCALE, collect=collect,
                                                     interpret=bench.interpret, **options)
     else:
-        attend = lambda *a: verify_attention_reference(*a, scale=SCALE, collect=collect)
-    us = time_steps(lambda s, i, l: attend(s["q"][i, l], s["k"], s["v"], l, s["pos"]), st)
+        attend = lambda *a: verify_attention_reference(*a, page_size=PAGE, scale=SCALE, collect=collect)
+    us = time_steps(lambda s, i, l: attend(s["q"][i, l], s["k"], s["v"], s["pages"], l, s["pos"]), st)
     out_bytes = 0 if collect is None else B * S * 4 * (1 if collect.reduce_rows
                                                        else len(collect.rows))
     name = impl + "".join(f" {k}={v}" for k, v in options.items())
@@ -278,17 +301,17 @@ def time_verify(bench, st, B, S, T, collect, impl="pallas", **options):
 
 def time_sparse(bench, B, S, Hs):
     K = math.ceil(RATIO * S)
-    ks = jax.random.split(jax.random.key(B * S + Hs), 3)
+    ks = jax.random.split(jax.random.key(B * S + Hs), 2)
     rng = np.random.default_rng(B + Hs)
     idx = np.stack([[rng.permutation(S - TAIL)[:K] for _ in range(Hs)] for _ in range(B)])
-    st = {"q": normal(ks[0], (STEPS, LAYERS, B, 1, HQ, DH)),
-              "k": normal(ks[1], (LAYERS, B, HKV, S, DH)), "v": normal(ks[2], (LAYERS, B, HKV, S, DH)),
+    k, v, pages = sparse_pools(ks[1], B, S, paging.contiguous_pages(B, S // PAGE))
+    st = {"q": normal(ks[0], (STEPS, LAYERS, B, 1, HQ, DH)), "k": k, "v": v, "pages": pages,
               "idx": jnp.asarray(idx, jnp.int32), "n_idx": jnp.full((B,), K, jnp.int32),
               "tail_start": jnp.full((B,), S - TAIL, jnp.int32), "pos": jnp.full((B, 1), S - 1, jnp.int32)}
 
     def step(s, i, layer):
-        return sparse_attention_pallas(s["q"][i, layer], s["k"], s["v"], layer, s["idx"],
-                                       s["n_idx"], s["tail_start"], s["pos"], scale=SCALE,
+        return sparse_attention_pallas(s["q"][i, layer], s["k"], s["v"], s["pages"], layer, s["idx"],
+                                       s["n_idx"], s["tail_start"], s["pos"], page_size=PAGE, scale=SCALE,
                                        tail_capacity=TAIL, interpret=bench.interpret)
 
     us = time_steps(step, st)
@@ -317,8 +340,8 @@ def peer_decode_attention(bench, st, B, S, T):
     """JAX's Pallas decode kernel (mqa) on the same cache: batch x kv head rows, G*T query rows
     each (for T > 1 without the causal mask among the new rows)."""
     from jax.experimental.pallas.ops.gpu import decode_attention
-    ks = [st["k"][layer].reshape(B * HKV, S, DH) for layer in range(LAYERS)]
-    vs = [st["v"][layer].reshape(B * HKV, S, DH) for layer in range(LAYERS)]
+    ks = [rows_view(st, "k", layer).reshape(B * HKV, S, DH) for layer in range(LAYERS)]
+    vs = [rows_view(st, "v", layer).reshape(B * HKV, S, DH) for layer in range(LAYERS)]
     lengths = jnp.full((B * HKV,), S, jnp.int32)
 
     def step(s, i, layer):
@@ -333,7 +356,7 @@ def peer_paged_attention(bench, st, B, S, T):
     from jax.experimental.pallas.ops.gpu import paged_attention
     assert T == 1
     page = 16
-    pages = [jnp.swapaxes(st[name][layer], 0, 1).reshape(HKV, B * S // page, page, DH)
+    pages = [jnp.swapaxes(rows_view(st, name, layer), 0, 1).reshape(HKV, B * S // page, page, DH)
              for name in ("k", "v") for layer in range(LAYERS)]
     tables = jnp.arange(B * S // page, dtype=jnp.int32).reshape(B, S // page)
     lengths = jnp.full((B,), S, jnp.int32)
@@ -347,8 +370,8 @@ def peer_paged_attention(bench, st, B, S, T):
 def peer_cudnn(bench, st, B, S, T):
     """jax.nn.dot_product_attention(implementation="cudnn"), cache as [B, S, Hkv, Dh] (transposed
     outside the timing); for T > 1 without the causal mask among the new rows."""
-    ks = [jnp.swapaxes(st["k"][layer], 1, 2) for layer in range(LAYERS)]
-    vs = [jnp.swapaxes(st["v"][layer], 1, 2) for layer in range(LAYERS)]
+    ks = [jnp.swapaxes(rows_view(st, "k", layer), 1, 2) for layer in range(LAYERS)]
+    vs = [jnp.swapaxes(rows_view(st, "v", layer), 1, 2) for layer in range(LAYERS)]
     lengths = jnp.full((B,), S, jnp.int32)
 
     def step(s, i, layer):
@@ -391,7 +414,7 @@ PEERS = [("pallas decode_attention", peer_decode_attention, (1, 10)),
 
 def with_state(bench, B, S, T, items, *args):
     """Builds the timing inputs for one shape, runs items(bench, state, B, S, T, *args), frees them."""
-    st = bench.run(f"inputs B={B} S={S} T={T}", verify_state, B, S, T)
+    st = bench.run(f"inputs B={B} S={S} T={T}", verify_state, bench, B, S, T)
     if st is not None:
         items(bench, st, B, S, T, *args)
     del st
@@ -473,6 +496,8 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--long", action="store_true", help="add 4 x 128K")
     parser.add_argument("--tiny", action="store_true", help="smoke test of this script (CPU ok)")
+    parser.add_argument("--pages", choices=("scattered", "contiguous"), default="scattered",
+                        help="the verify kernel's table: rows' pages in random order over the pool, or consecutive")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--budget", type=float, default=330.0,
                         help="seconds after which remaining items are skipped")

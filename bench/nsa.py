@@ -73,9 +73,10 @@ from jax import lax  # noqa: E402
 
 from bench import common  # noqa: E402
 import pallas_kernels as kernels  # noqa: E402
+from pallas_kernels import paging  # noqa: E402
 from jaxspec.models import decoder, nsa  # noqa: E402
 from jaxspec.models.config import ModelConfig, NSAConfig, RopeConfig  # noqa: E402
-from jaxspec.models.kvcache import KVCache, cache_bytes, cache_slots  # noqa: E402
+from jaxspec.models.kvcache import cache_bytes, cache_slots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAI_DIR = ROOT / ".peers" / "native-sparse-attention-triton"
@@ -269,7 +270,7 @@ def steps_part(bench: Bench, name: str, cfg: ModelConfig, grid, rows, backend: s
         by_T = {T: base | dict(T=T) for T in rows}
         for kind, kcfg, kparams, kweights in (("nsa", cfg, params, weights), ("dense", dcfg, dparams, dweights)):
             if kind == "dense":
-                cache = KVCache(cache.k, cache.v)  # the compressed blocks are dropped
+                cache = dataclasses.replace(cache, k_cmp=None, v_cmp=None)  # the compressed blocks are dropped
             for T in rows:
                 row = by_T[T]
                 label = f"{name} {kind} B={batch} C={context} T={T}"
@@ -330,7 +331,7 @@ def time_jaxspec_nsa(st, cfg: ModelConfig, T: int, backend: str) -> float:
 
 def time_jaxspec_dense(st, cfg: ModelConfig, T: int, backend: str) -> float:
     attend = decoder.attention(dense_of(cfg), st["pos"][:, :T], backend)
-    dense = {"q": st["q"], "cache": KVCache(st["cache"].k, st["cache"].v)}
+    dense = {"q": st["q"], "cache": dataclasses.replace(st["cache"], k_cmp=None, v_cmp=None)}
     return time_layer_calls(lambda s, i, layer: attend(layer, s["q"][i, layer, :, :T], s["cache"], None, None, ())[0],
                             dense)
 
@@ -344,9 +345,10 @@ def jaxspec_exact_output(st, cfg: ModelConfig, backend: str):
     def run(q, cache, gates, pos):
         scale = cfg.head_dim ** -0.5
         o_cmp, _, idx = kernels.nsa_compressed_attention(
-            q, cache.k_cmp, cache.v_cmp, 0, pos, block_size=n.block_size, block_counts=n.block_counts,
-            rule="exact", scale=scale, backend=backend)
-        out = kernels.nsa_selected_attention(q, cache.k, cache.v, 0, pos, idx, o_cmp, gates, block_size=n.block_size,
+            q, cache.k_cmp, cache.v_cmp, cache.pages, 0, pos, page_size=cache.page_size, block_size=n.block_size,
+            block_counts=n.block_counts, rule="exact", scale=scale, backend=backend)
+        out = kernels.nsa_selected_attention(q, cache.k, cache.v, cache.pages, 0, pos, idx, o_cmp, gates,
+                                             page_size=cache.page_size, block_size=n.block_size,
                                              window=n.window_size, scale=scale, backend=backend)
         return out[:, 0], idx[:, 0]
 
@@ -428,17 +430,17 @@ def lai_caches(st, cfg: ModelConfig, context: int, kernel_size: int, kernel_stri
     (timing only)."""
     n = cfg.nsa
     B = st["q"].shape[2]
+    cache = st["cache"]
     caches = []
     for layer in range(LAYERS):
-        k = to_torch(st["cache"].k[layer]).permute(0, 2, 1, 3)[:, :context]  # [B, C, Hkv, Dh]
-        v = to_torch(st["cache"].v[layer]).permute(0, 2, 1, 3)[:, :context]
+        k, v = (to_torch(x).permute(0, 2, 1, 3)[:, :context] for x in cache.view(layer))  # [B, C, Hkv, Dh]
         sparse = torch.stack([k, v]).contiguous()
         w = min(n.window_size, context)
         sliding = sparse[:, :, context - w:].contiguous()
         if kernel_size == kernel_stride == n.block_size:
             n_cmp = context // n.block_size
-            kc = to_torch(st["cache"].k_cmp[layer]).permute(0, 2, 1, 3)[:, :n_cmp]
-            vc = to_torch(st["cache"].v_cmp[layer]).permute(0, 2, 1, 3)[:, :n_cmp]
+            kc, vc = (to_torch(paging.layer_view(x, layer, cache.pages, cache.page_size // n.block_size))
+                      .permute(0, 2, 1, 3)[:, :n_cmp] for x in (cache.k_cmp, cache.v_cmp))
             compress = torch.stack([kc, vc]).contiguous()
         else:
             n_cmp = (context - kernel_size) // kernel_stride + 1
@@ -569,8 +571,8 @@ def peer_fla(bench: Bench, st, cfg: ModelConfig, batch: int, context: int, T: in
         window = 0
         bench.note("fla: flash_attn is not installed, so its window branch is left out (window_size=0)")
     tk = context + T - 1
-    ks = [to_torch(st["cache"].k[layer]).permute(0, 2, 1, 3)[:, :tk].contiguous() for layer in range(LAYERS)]
-    vs = [to_torch(st["cache"].v[layer]).permute(0, 2, 1, 3)[:, :tk].contiguous() for layer in range(LAYERS)]
+    views = [st["cache"].view(layer) for layer in range(LAYERS)]
+    ks, vs = ([to_torch(view[i]).permute(0, 2, 1, 3)[:, :tk].contiguous() for view in views] for i in (0, 1))
     qs = [to_torch(st["q"][0, layer, :, :T]).contiguous() for layer in range(LAYERS)]
     g = to_torch(st["gates"][:, :T]).to(torch.bfloat16)
     g_cmp, g_slc, g_swa = (g[..., i].contiguous() for i in range(3))
@@ -588,7 +590,7 @@ def peer_fla(bench: Bench, st, cfg: ModelConfig, batch: int, context: int, T: in
         bench.note(f"fla at block {cfg.nsa.block_size}, {cfg.nsa.block_counts} blocks: {row['fla_note']}")
         us = None
     finally:
-        del ks, vs, qs, g, g_cmp, g_slc, g_swa
+        del views, ks, vs, qs, g, g_cmp, g_slc, g_swa
         torch.cuda.empty_cache()
     if us is not None:
         row["fla_us"] = us

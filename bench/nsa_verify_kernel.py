@@ -10,7 +10,8 @@ Shapes (bf16, one layer's attention, two cache layers that the calls alternate):
 3 KV heads, head dim 64) and NSA-1B (32 q / 2 KV heads, head dim 64); block 16, S = 16 selected
 blocks (nsa1b rule), window 128. Trees are BFS (TreeShape): "chainN" is N drafts in a chain,
 "3,4,4" a branching per depth; the root sits at position context + 5 (mid-block), so the committed
-prefix is context + 5 tokens; the cache is sized to the tree's end.
+prefix is context + 5 tokens; the cache is sized to the tree's end, a pool of 128-slot pages (the rows'
+consecutive: `paging.contiguous_pages`).
 
 Selection: queries = a shared random vector per (sequence, head) + noise x a per-row draw, so
 adjacent rows' compressed scores, hence their blocks, overlap as real draft rows' do; idx comes from
@@ -57,6 +58,7 @@ from jax import lax
 from bench import common
 import pallas_kernels as kernels
 from jaxspec.decoding.tree import TreeShape
+from pallas_kernels import paging
 from pallas_kernels._common import interpret_default
 from pallas_kernels.nsa_compressed import radix_topk, select_blocks
 from pallas_kernels.nsa_grouped import group_schedule, nsa_grouped_pallas, nsa_tree_compressed
@@ -73,6 +75,7 @@ TINY_GRID = [("2,3", 512)]
 MODES = [("vanilla", 1, False), ("exact g4", 4, False), ("exact g8", 8, False), ("exact g16", 16, False),
          ("shared g8", 8, True), ("vanilla jnp-cmp", 1, False), ("exact g4 jnp-cmp", 4, False)]
 CALLS, LAYERS = 20, 2
+PAGE = paging.DEFAULT_PAGE_SIZE
 TOL_EXACT, TOL_REFERENCE = 1e-2, 2e-2
 
 
@@ -99,25 +102,28 @@ def rel_error(got, want) -> float:
 # ---------------------------------------------------------------- inputs
 
 def inputs(model: str, batch: int, context: int, tree: TreeShape, noise: float, seed: int) -> dict:
-    """Random bf16 cache (LAYERS layers; k_cmp/v_cmp the block means), correlated queries, gates after
-    the sigmoid, the roots' slots, and the rows' own selection of layer 0 (idx)."""
+    """Random bf16 pools (LAYERS layers; k_cmp/v_cmp the block means) and their page table,
+    correlated queries, gates after the sigmoid, the roots' slots, and the rows' own selection of
+    layer 0 (idx)."""
     Hq, Hkv, Dh = MODELS[model]
     T = tree.rows
     first = context + ROOT_OFFSET
-    slots = -(-(first + T) // 64) * 64
+    R = -(-(first + T) // PAGE)
     keys = jax.random.split(jax.random.key(seed), 5)
-    shape = (LAYERS, batch, Hkv, slots, Dh)
+    shape = (LAYERS, Hkv, (batch * R + 1) * PAGE, Dh)
     k, v = common.random_layers(keys[0], shape, jnp.bfloat16), common.random_layers(keys[1], shape, jnp.bfloat16)
+    means = lambda x: common.block_means(x[:, None], BLOCK)[:, 0]  # a compressed pool's entries: its slots' means
     base = jax.random.normal(keys[2], (batch, 1, Hq, Dh), jnp.float32)
     q = (base + noise * jax.random.normal(keys[3], (batch, T, Hq, Dh), jnp.float32)).astype(jnp.bfloat16)
-    state = {"q": q, "k": k, "v": v, "k_cmp": common.block_means(k, BLOCK), "v_cmp": common.block_means(v, BLOCK),
+    state = {"q": q, "k": k, "v": v, "k_cmp": means(k), "v_cmp": means(v), "pages": paging.contiguous_pages(batch, R),
              "gates": jax.nn.sigmoid(jax.random.normal(keys[4], (batch, T, Hq, 3), jnp.float32)).astype(jnp.bfloat16),
              "first": jnp.full((batch,), first, jnp.int32)}
 
     @jax.jit
     def selection(s):
-        _, weights, q_pos = nsa_tree_compressed(s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], 0, s["first"],
-                                                tree.ancestors, block_size=BLOCK, scale=Dh**-0.5)
+        _, weights, q_pos = nsa_tree_compressed(s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], s["pages"], 0,
+                                                s["first"], tree.ancestors, page_size=PAGE, block_size=BLOCK,
+                                                scale=Dh**-0.5)
         return select_blocks(weights, q_pos, block_size=BLOCK, block_counts=SELECTED, rule=RULE)
 
     return state | {"idx": selection(state)}
@@ -140,7 +146,7 @@ def schedule_stats(s: dict, tree: TreeShape, group: int, shared: bool) -> dict:
 def floor_bytes(s: dict, tree: TreeShape, row_idx: np.ndarray, reuse: bool) -> dict:
     """Unique bytes by part (see the module docstring)."""
     B, T, Hq, Dh = s["q"].shape
-    Hkv = s["k"].shape[2]
+    Hkv = s["k"].shape[1]
     key = 2 * Dh * 2                                                             # k and v of one key, bf16
     first = np.asarray(s["first"])
     selected = window = 0
@@ -170,16 +176,17 @@ def timed_program(tree: TreeShape, group: int, shared: bool, reuse: bool, backen
         Dh = s["q"].shape[-1]
         idx = s["idx"] if reuse else None
         if jnp_compressed:
-            o_cmp, weights, q_pos = nsa_tree_compressed(s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], layer,
-                                                        s["first"], tree.ancestors, block_size=BLOCK, scale=Dh**-0.5)
+            o_cmp, weights, q_pos = nsa_tree_compressed(s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], s["pages"],
+                                                        layer, s["first"], tree.ancestors, page_size=PAGE,
+                                                        block_size=BLOCK, scale=Dh**-0.5)
             topk = functools.partial(radix_topk, interpret=interpret_default())
             idx = select_blocks(weights, q_pos, block_size=BLOCK, block_counts=SELECTED, rule=RULE, topk=topk)
-            return nsa_grouped_pallas(s["q"], s["k"], s["v"], layer, s["first"], tree.ancestors, idx, o_cmp,
-                                      s["gates"], group=group, shared=shared, block_size=BLOCK, window=WINDOW,
-                                      scale=Dh**-0.5, interpret=interpret_default())
+            return nsa_grouped_pallas(s["q"], s["k"], s["v"], s["pages"], layer, s["first"], tree.ancestors, idx,
+                                      o_cmp, s["gates"], page_size=PAGE, group=group, shared=shared, block_size=BLOCK,
+                                      window=WINDOW, scale=Dh**-0.5, interpret=interpret_default())
         return kernels.nsa_tree_attention(
-            s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], layer, s["first"], tree.ancestors, s["gates"],
-            idx, group=group, shared=shared, block_size=BLOCK, block_counts=SELECTED,
+            s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], s["pages"], layer, s["first"], tree.ancestors, s["gates"],
+            idx, page_size=PAGE, group=group, shared=shared, block_size=BLOCK, block_counts=SELECTED,
             window=WINDOW, rule=RULE, scale=Dh**-0.5, backend=backend)[0]
 
     def run(s):
@@ -203,9 +210,9 @@ def references(s: dict, tree: TreeShape) -> dict:
     def reference(s, shared, reuse):
         Dh = s["q"].shape[-1]
         return kernels.nsa_tree_attention(
-            s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], 0, s["first"], tree.ancestors, s["gates"],
-            s["idx"] if reuse else None, group=8, shared=shared, block_size=BLOCK, block_counts=SELECTED,
-            window=WINDOW, rule=RULE, scale=Dh**-0.5, backend="reference")[0]
+            s["q"], s["k"], s["v"], s["k_cmp"], s["v_cmp"], s["pages"], 0, s["first"], tree.ancestors, s["gates"],
+            s["idx"] if reuse else None, page_size=PAGE, group=8, shared=shared, block_size=BLOCK,
+            block_counts=SELECTED, window=WINDOW, rule=RULE, scale=Dh**-0.5, backend="reference")[0]
 
     return {(shared, reuse): reference(s, shared=shared, reuse=reuse)
             for shared in (False, True) for reuse in (True, False)}

@@ -2,11 +2,13 @@
 `python -m jaxspec.serve`, per method, continuous batching against static batching.
 
     PYTHONPATH=. python3 bench/serve_load.py [--model smollm2] [--configs plain:continuous,vegas:static,...]
-        [--slots 16] [--rates 1,2,4,8] [--requests 16] [--repeats 3] [--prompt-tokens 7000]
-        [--new 256,1024] [--tiny] [--out DIR] [--tag T] [--plot-from JSON ...]
+        [--slots 16] [--kv-pages N] [--page-size 128] [--rates 1,2,4,8] [--requests 16] [--repeats 3]
+        [--prompt-tokens 7000] [--new 256,1024] [--shared-document] [--tiny] [--out DIR] [--tag T]
+        [--plot-from JSON ...]
 
-A config is method:batching[:chunk[:shrink]]. For each, one server process (`python -m jaxspec.serve
---method M --batching B --slots S [--prefill-chunk C] [--shrink]`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines
+A config is method:batching[:chunk[:shrink[:slots]]] (slots: this config's, default --slots). For each,
+one server process (`python -m jaxspec.serve --method M --batching B --slots S [--prefill-chunk C]
+[--shrink] [--kv-pages N --page-size P]`, gamma 6 and ratio 0.07 for a fixed method; `auto` refines
 the planner's choice as it serves) is started, warmed up (its admissions compiled for the prompts' length, then one
 request) and driven by this process over HTTP/1.0 with streamed /v1/completions (prompt token ids,
 every chunk carrying its token ids) at each rate, --repeats times (the server process stays up
@@ -25,6 +27,15 @@ latency, and tokens per iteration (from the requests' usage). Per (config, rate)
 repeats and their spread (max - min). Writes DIR/serve_load_<device><tag>.json after every run, a plot
 of throughput and TTFT against offered load (DIR/serve_load_<device><tag>.png), and prints the table
 last. This process runs on the CPU (it only tokenizes and times); the server has the device.
+
+Paged KV cache: every config gets the same `--kv-pages` pool (equal cache memory; 0: each server's
+default), so configs that differ only in slots compare a pool capped by slots (slots x max_len pages,
+today's batch of rows) against one that holds as many requests as their tokens fit. Per run also:
+requests held at once (the most whose first and last tokens overlap), preemptions (the server's
+counter over the run) and prompt tokens read from the prefix cache. A reasoning-style load is short
+prompts and long outputs (`--prompt-tokens 200 --new 2048,8192`). `--shared-document`: every prompt is
+one document and a different closing line, so later requests read the document from the prefix cache
+(their time to first token against the first one's: ttft_first_s, ttft_rest_p50_s).
 """
 
 from __future__ import annotations
@@ -61,8 +72,14 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
-    texts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i) for i in range(n)]
+def prompts(tokenizer, n: int, prompt_tokens: int, shared: bool = False) -> list[list[int]]:
+    """n chat prompts of about `prompt_tokens` tokens: a different document each, or (`shared`) one
+    document with a different closing line each."""
+    if shared:
+        document = corpus.long_prompt(tokenizer, prompt_tokens - 16, task="question")
+        texts = [f"{document}\n\nAnswer in {i + 2} sentences." for i in range(n)]
+    else:
+        texts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i) for i in range(n)]
     batch = encode_prompts(tokenizer, texts, chat=True)
     return [batch.ids[i, : batch.lengths[i]].tolist() for i in range(n)]
 
@@ -77,16 +94,19 @@ def schedule(n: int, new: tuple[int, int], rate: float, seed: int) -> tuple[list
 class Server:
     """`python -m jaxspec.serve` in a child process, its log in a file."""
 
-    def __init__(self, model: str, config: str, slots: int, max_len: int, warm_up_tokens: int, log: Path):
+    def __init__(self, model: str, config: str, slots: int, max_len: int, warm_up_tokens: int, log: Path,
+                 kv_pages: int = 0, page_size: int = 128):
         self.port = free_port()
-        method, batching, chunk, shrink = (config.split(":") + ["0", ""])[:4]
+        method, batching, chunk, shrink, own_slots = (config.split(":") + ["0", "", ""])[:5]
         if shrink not in ("", "shrink"):
             raise SystemExit(f"config {config!r}: the fourth field is 'shrink' or nothing")
+        slots = int(own_slots or slots)
         fixed = [] if method in ("plain", "auto") else ["--gamma", str(GAMMA), "--ratio", str(RATIO)]
         command = [sys.executable, "-m", "jaxspec.serve", "--model", model, "--method", method, *fixed,
                    "--batching", batching, "--prefill-chunk", chunk, "--slots", str(slots), "--max-len", str(max_len),
                    "--port", str(self.port), "--queue", "10000", "--warm-up-tokens", str(warm_up_tokens)]
         command += ["--shrink"] if shrink else []
+        command += ["--kv-pages", str(kv_pages), "--page-size", str(page_size)]
         self.log = log
         env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/jaxspec_jit_cache")}
         env.pop("JAX_PLATFORMS")  # the server takes the accelerator
@@ -111,6 +131,14 @@ class Server:
     def model_info(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=10) as r:
             return json.loads(r.read())["data"][0]["jaxspec"]
+
+    def metric(self, name: str) -> float:
+        """A counter or gauge (without labels) from /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return 0.0
 
     def stop(self) -> None:
         """SIGTERM: the server drains and exits."""
@@ -162,6 +190,8 @@ async def load(port: int, ids, max_tokens, arrivals, first_seed: int = 0) -> lis
 
 def measure(records: list[dict]) -> dict:
     ttft, itl, latency, per_iteration, tokens = [], [], [], [], 0
+    held = [(min(t for t, k in r["chunks"] if k), r["chunks"][-1][0]) for r in records]  # first to last token
+    at_once = max(sum(a <= t <= b for a, b in held) for t, _ in held)
     for r in records:
         stamps = [(t, k) for t, k in r["chunks"] if k]
         ttft.append(stamps[0][0] - r["arrival"])
@@ -175,7 +205,9 @@ def measure(records: list[dict]) -> dict:
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
         "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
-        "tokens_per_iteration": statistics.mean(per_iteration),
+        "tokens_per_iteration": statistics.mean(per_iteration), "held_at_once": at_once,
+        "cached_tokens": sum(r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in records),
+        "ttft_first_s": ttft[0], "ttft_rest_p50_s": percentile(ttft[1:], 50),
     }
 
 
@@ -186,7 +218,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         group = [r for r in runs if (r["config"], r["rate"]) == key]
         row = {"config": key[0], "rate": key[1], "repeats": len(group), "strategy": group[-1]["strategy"]}
         for name in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "latency_p50_s",
-                     "latency_p99_s", "tokens_per_iteration"):
+                     "latency_p99_s", "tokens_per_iteration", "held_at_once", "preemptions", "cached_tokens",
+                     "ttft_first_s", "ttft_rest_p50_s"):
             row[name] = statistics.median(r[name] for r in group)
         row["spread_tokens_per_s"] = max(r["tokens_per_s"] for r in group) - min(r["tokens_per_s"] for r in group)
         out.append(row)
@@ -222,7 +255,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 TABLE = [("config", "config", "s"), ("strategy", "strategy", "s"), ("req/s", "rate", "g"), ("tok/s", "tokens_per_s", ".0f"),
          ("spread", "spread_tokens_per_s", ".0f"), ("TTFT p50 s", "ttft_p50_s", ".2f"), ("TTFT p99 s", "ttft_p99_s", ".2f"),
          ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"), ("latency p50 s", "latency_p50_s", ".1f"),
-         ("tokens/iter", "tokens_per_iteration", ".2f")]
+         ("tokens/iter", "tokens_per_iteration", ".2f"), ("held at once", "held_at_once", ".0f"),
+         ("preemptions", "preemptions", ".0f"), ("cached tokens", "cached_tokens", ".0f"),
+         ("TTFT first s", "ttft_first_s", ".2f"), ("TTFT rest p50 s", "ttft_rest_p50_s", ".2f")]
 
 
 def main():
@@ -231,6 +266,9 @@ def main():
     p.add_argument("--configs", default="plain:continuous,vegas:continuous,auto:continuous,plain:static,vegas:static",
                    type=lambda s: s.split(","))
     p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--kv-pages", type=int, default=0, help="every server's KV pool (0: the server's default)")
+    p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--shared-document", action="store_true", help="one document, a different closing line per prompt")
     p.add_argument("--rates", default="1,2,4,8", type=lambda s: [float(x) for x in s.split(",")], help="requests per second")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
@@ -248,16 +286,18 @@ def main():
     if args.tiny:
         args.requests, args.prompt_tokens, args.new, args.slots, args.rates, args.repeats = 4, 200, (8, 16), 2, [20.0], 1
     _, _, tokenizer = load_model(args.model, dtype="float32")
-    ids = prompts(tokenizer, args.requests, args.prompt_tokens)
+    ids = prompts(tokenizer, args.requests, args.prompt_tokens, args.shared_document)
     longest = max(len(x) for x in ids)
     max_len = longest + args.new[1]
     result = {**common.run_info(), "model": args.model, "slots": args.slots, "requests": args.requests,
               "rates": args.rates, "repeats": args.repeats, "prompt_tokens": [len(x) for x in ids], "new": args.new,
+              "kv_pages": args.kv_pages, "page_size": args.page_size, "shared_document": args.shared_document,
               "servers": [], "runs": [], "summary": []}
     path = None
     for config in args.configs:
         method = config.split(":")[0]
-        server = Server(args.model, config, args.slots, max_len, longest, Path(f"/tmp/serve_{config.replace(':', '_')}.log"))
+        server = Server(args.model, config, args.slots, max_len, longest, Path(f"/tmp/serve_{config.replace(':', '_')}.log"),
+                        args.kv_pages, args.page_size)
         try:
             result["device"], result["backend"] = server.device, "server"  # this process's own JAX runs on the CPU
             path = args.out / f"serve_load_{server.device.split(' (')[0].replace(' ', '_')}{args.tag}.json"
@@ -266,7 +306,9 @@ def main():
             for rate in args.rates:
                 for repeat in range(args.repeats):
                     max_tokens, arrivals = schedule(args.requests, args.new, rate, seed=0)
+                    preempted = server.metric("jaxspec_preemptions_total")
                     run = measure(asyncio.run(load(server.port, ids, max_tokens, arrivals, repeat * len(ids))))
+                    run["preemptions"] = server.metric("jaxspec_preemptions_total") - preempted
                     strategy = server.model_info()
                     run.update(config=config, rate=rate, repeat=repeat, strategy=strategy["method"] if method != "auto"
                                else f"auto: {strategy['method']}")

@@ -81,8 +81,8 @@ def random_model(cfg: ModelConfig, batch: int, num_slots: int, mesh):
         return decoder.init_params(cfg, jax.random.key(0)), common.random_cache(cfg, batch, num_slots, jax.random.key(1))
     named = lambda spec: NamedSharding(mesh, spec)
     params_sharding = jax.tree.map(named, sharding.param_specs(params_shape), is_leaf=lambda x: isinstance(x, P))
-    heads = named(P(None, None, sharding.AXIS, None, None))
-    cache_sharding = jax.tree.map(lambda _: heads, cache_shape)
+    heads, table = named(P(None, sharding.AXIS, None, None)), named(P())  # pools by KV heads; the page table whole
+    cache_sharding = jax.tree.map(lambda x: heads if x.ndim == 4 else table, cache_shape)
     params = jax.jit(lambda k: decoder.init_params(cfg, k), out_shardings=params_sharding)(jax.random.key(0))
     params = sharding.shard_params(params, cfg, mesh)  # the same model as on one device: its TP layout
     cache = jax.jit(lambda k: common.random_cache(cfg, batch, num_slots, k), out_shardings=cache_sharding)(jax.random.key(1))

@@ -1,10 +1,12 @@
 """The verify kernel on draft-tree rows: time per layer against the KV bytes floor, at SmolLM2's
 attention shapes (9 query / 3 KV heads, Dh 64) and a 7K context, for trees of 16, 31 and 64 rows.
 
-    PYTHONPATH=. python3 bench/tree_verify_kernel.py [--batches 1,8,32] [--baseline FILE] [--tiny] [--out DIR]
+    PYTHONPATH=. python3 bench/tree_verify_kernel.py [--batches 1,8,32] [--baseline FILE] [--pages scattered|contiguous] [--tiny] [--out DIR]
 
---baseline FILE: another verify_attention.py (an earlier version of the kernel) timed in the same run
-on the same inputs, its output checked against this one's. Writes DIR/tree_verify_kernel_<device>.json.
+--baseline FILE: another verify_attention.py (an earlier version of the kernel, on paged pools) timed in
+the same run on the same inputs, its output checked against this one's. The cache is a pool of 128-slot
+pages; --pages: rows' pages in random order over it (a server's, the default) or consecutive.
+Writes DIR/tree_verify_kernel_<device>.json.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import numpy as np
 
 from bench import common
 from jaxspec.decoding.tree import TreeShape
+from pallas_kernels import paging
 from pallas_kernels._common import interpret_default
 
 SHAPES = ["3,2,1", "3,3,1,1", "7,1,1,1,1,1,1,1,1"]  # 16, 31, 64 rows
 HQ, HKV, DH, CONTEXT = 9, 3, 64, 7168
+PAGE = paging.DEFAULT_PAGE_SIZE
 
 
 def load(path: Path):
@@ -36,6 +40,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--baseline", type=Path, default=None)
+    p.add_argument("--pages", choices=("scattered", "contiguous"), default="scattered")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args()
@@ -47,7 +52,8 @@ def main():
     for B in map(int, args.batches.split(",")):
         key = jax.random.key(B)
         S = context + 128
-        k, v = (jax.random.normal(kk, (1, B, HKV, S, DH), jnp.bfloat16) for kk in jax.random.split(key, 2))
+        k, v = (jax.random.normal(kk, (1, HKV, B * S + PAGE, DH), jnp.bfloat16) for kk in jax.random.split(key, 2))
+        pages = common.page_table(B, S, PAGE, args.pages == "scattered")
         for text in SHAPES:
             tree = TreeShape.parse(text)
             T = tree.rows
@@ -59,8 +65,8 @@ def main():
             outs = {}
             for name, module in impls.items():
                 fn = jax.jit(lambda q, k, v, module=module: module.verify_attention_pallas(
-                    q, k, v, 0, q_pos, scale=DH**-0.5, tree=module.TreeMask(first, tree.ancestors),
-                    interpret=interpret_default())[0])
+                    q, k, v, pages, 0, q_pos, page_size=PAGE, scale=DH**-0.5,
+                    tree=module.TreeMask(first, tree.ancestors), interpret=interpret_default())[0])
                 outs[name] = fn(q, k, v)
                 row[f"{name}_us"] = common.seconds_per_call(fn, q, k, v) * 1e6
                 row[f"{name}_x_floor"] = row[f"{name}_us"] / row["floor_us"]

@@ -1,7 +1,11 @@
 """`python -m jaxspec.serve`: an OpenAI-compatible HTTP server with continuous batching and speculative decoding.
 
 One model, one decoding method (generate's flags), `--slots` rows decoding at once; requests beyond
-them wait in a bounded queue (beyond `--queue`: HTTP 429). `--method auto` starts with the planner's
+them wait in a bounded queue (beyond `--queue`: HTTP 429). The KV cache is a pool of `--kv-pages`
+pages of `--page-size` tokens (default: KV_MEMORY_FRACTION of the device memory left after the weights)
+that the slots share as their requests grow; when it runs out the latest request is preempted and
+prefilled again later. Full prompt pages stay cached for later prompts with the same prefix
+(`--no-prefix-cache`: not). `--method auto` starts with the planner's
 choice for `--slots` rows at half the context and refines it over the first segments served (switching
 every slot's strategy in place, as `generate` does). SIGINT or SIGTERM stops accepting
 connections, lets the requests in flight finish, then exits.
@@ -14,13 +18,19 @@ import logging
 import signal
 import sys
 
+import jax
 import uvicorn
 
 from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
+from jaxspec.models import kvcache
+from jaxspec.models.kvcache import DEFAULT_PAGE_SIZE
 from jaxspec.generate import add_method_flags, add_model_flags, announce_precision, check_draft, load, plan_auto, spec_from_args
 from jaxspec.runner import describe_device
 from jaxspec.xla_flags import set_gpu_flags
+
+KV_MEMORY_FRACTION = 0.85  # of the device memory free after the weights: the rest for activations and programs
 
 
 def parse_args(argv):
@@ -44,6 +54,11 @@ def parse_args(argv):
     p.add_argument("--shrink", action="store_true",
                    help="once at most a quarter of the slots run and none wait, decode them in fewer rows (a waiting "
                         "request grows the state back); the warm-up also compiles every smaller row count")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page (a multiple of 64)")
+    p.add_argument("--kv-pages", type=int, default=0,
+                   help=f"KV pages in the pool, the null page included (0: {KV_MEMORY_FRACTION:.0%}% of the device memory "
+                        "left after the weights; on a CPU, every slot's --max-len)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole, sharing no pages")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     return p.parse_args(argv)
 
@@ -54,9 +69,11 @@ def main(argv=None):
     for flag, value, low in (("--slots", args.slots, 1), ("--queue", args.queue, 0), ("--segment", args.segment, 1),
                              ("--admit-rows", args.admit_rows, 1), ("--warm-up-tokens", args.warm_up_tokens, 1),
                              ("--prefill-chunk", args.prefill_chunk, 0),
-                             ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0)):
+                             ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0), ("--kv-pages", args.kv_pages, 0)):
         if value < low:
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
+    if args.page_size <= 0 or args.page_size % kvcache.paging.PAGE_MULTIPLE:
+        raise JaxspecError(f"--page-size must be a positive multiple of {kvcache.paging.PAGE_MULTIPLE}, got {args.page_size}")
     spec = spec_from_args(args, batch=args.slots)  # --tuned settings for a batch of its slots
 
     from jaxspec.serving.scheduler import Scheduler
@@ -74,12 +91,15 @@ def main(argv=None):
         plan, spec, params = plan_auto(args, spec, cfg, params, mesh, batch=args.slots, prompt_tokens=max_len // 2,
                                        new_tokens=max_len // 4, sampling=SamplingConfig(temperature=1.0),
                                        closed=args.batching == "static")
+    kv_pages = args.kv_pages or default_pages(cfg, spec, args.slots, max_len, args.page_size, mesh.size if mesh else 1)
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
                           segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
-                          prefill_chunk=args.prefill_chunk or None,
-                          max_top_k=args.max_top_k, mesh=mesh, shrink=args.shrink)
+                          prefill_chunk=args.prefill_chunk or None, max_top_k=args.max_top_k, mesh=mesh,
+                          shrink=args.shrink, kv_pages=kv_pages, page_size=args.page_size,
+                          prefix_cache=not args.no_prefix_cache)
     spec = scheduler.spec
-    print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}) ...", file=sys.stderr)
+    print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}, {kv_pages} KV pages of "
+          f"{args.page_size} tokens) ...", file=sys.stderr)
     scheduler.warm_up(min(args.warm_up_tokens, max_len - 1))
     scheduler.start()
     name = args.served_model_name or args.model
@@ -91,6 +111,17 @@ def main(argv=None):
     finally:
         scheduler.stop()
     print("stopped", file=sys.stderr)
+
+
+def default_pages(cfg, spec, slots: int, max_len: int, page_size: int, devices: int) -> int:
+    """KV_MEMORY_FRACTION of the device memory free after the weights, in pages (every layer's keys and
+    values, an EAGLE-3 head's one layer beside them; split over `devices` by KV heads); a device that reports no memory (a CPU) gets
+    every slot's --max-len, as a batch's cache."""
+    memory = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in memory:
+        return slots * (kvcache.cache_slots(max_len + MAX_TREE_ROWS, page_size) // page_size) + 1
+    per_page = kvcache.page_bytes(cfg, page_size) * (1 + (1 / cfg.num_layers if spec.eagle else 0)) / devices
+    return int(KV_MEMORY_FRACTION * (memory["bytes_limit"] - memory["bytes_in_use"]) / per_page)
 
 
 class DrainingServer(uvicorn.Server):

@@ -22,7 +22,7 @@ from pallas_kernels.sparse_attention import (
 )
 from pallas_kernels.moe import moe_experts_pallas, moe_experts_reference
 from pallas_kernels.moe import supported as moe_supported
-from pallas_kernels.quest_pages import quest_pages_pallas, quest_pages_reference
+from pallas_kernels.quest_pages import QUEST_PAGE, quest_pages_pallas, quest_pages_reference
 from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
 from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference, supported as rope_write_supported
@@ -115,20 +115,21 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_ga
     return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, **options)
 
 
-def rope_write(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *, num_heads: int,
+def rope_write(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *, num_heads: int,
                rope_scale: float, eps: float, scale=None, bias=None, q_norm=None, k_norm=None,
                backend: str = "reference"):
     """A layer's q/k/v product `sums` [S, R, N] (partial sums of rows b*T + t; times `scale` [E, N]
-    at `entry` if given) to q [B, T, Hq, Dh] and the caches with k and v of layer `layer` written at
-    slots write_pos [B, T] (past the end: not written): bias, qk-norm, RoPE at positions [B, T]
+    at `entry` if given) to q [B, T, Hq, Dh] and the pools [L, Hkv, N, Dh] with k and v of layer
+    `layer` written at pool slots write_slots [B, T] (`KVCache.slots`: a token past its row's end
+    writes into the null page): bias, qk-norm, RoPE at positions [B, T]
     (pallas_kernels/rope_write.py). The Pallas kernel covers T <= 64 and head dims whose half is a power
     of two; prefill chunks run the reference (XLA), which is cheap next to their products."""
     options = dict(num_heads=num_heads, rope_scale=rope_scale, eps=eps, scale=scale, bias=bias,
                    q_norm=q_norm, k_norm=k_norm)
-    if _is_pallas(backend) and rope_write_supported(k_cache.shape[-1]) and positions.shape[1] <= EPILOGUE_ROWS:
-        return rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq,
+    if _is_pallas(backend) and rope_write_supported(k_pool.shape[-1]) and positions.shape[1] <= EPILOGUE_ROWS:
+        return rope_write_pallas(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq,
                                  interpret=interpret_default(), **options)
-    return rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, **options)
+    return rope_write_reference(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, **options)
 
 
 def residual_norm(x, sums, weight, entry, *, eps: float, scale=None, backend: str = "reference"):
@@ -144,48 +145,54 @@ def residual_norm(x, sums, weight, entry, *, eps: float, scale=None, backend: st
     return x.reshape(B, T, D), h.reshape(B, T, D)
 
 
-def verify_attention(q, k_cache, v_cache, layer, q_pos, *, scale: float,
+def verify_attention(q, k_pool, v_pool, pages, layer, q_pos, *, page_size: int, scale: float,
                      collect: Collect | None = None, tree: TreeMask | None = None, sinks=None, lo=None,
                      backend: str = "reference"):
-    """q [B, T, Hq, Dh] against layer `layer` of the cache [L, B, Hkv, S, Dh]; row (b, t) sees slots
+    """q [B, T, Hq, Dh] against layer `layer` of the cache's pools [L, Hkv, N, Dh] through the page
+    table pages [B, R] of page_size slots a page (pallas_kernels/paging.py); row (b, t) sees slots
     <= q_pos[b, t] (and, with a draft tree's mask, of the tree's rows only its ancestors; with lo
     [B, T], none below lo[b, t]: a sliding window). sinks [L, Hq] (read at `layer`): each head's sink
     logit joins its softmax's denominator, in the lse and the collected weights too. Returns
     out [B, T, Hq, Dh] (q.dtype), lse [B, T, Hq] fp32, and the selection scores asked for by
     `collect` (None without it). The Pallas kernel covers T <= 64; larger T run the reference."""
-    options = dict(scale=scale, collect=collect, tree=tree, sinks=sinks, lo=lo)
+    options = dict(page_size=page_size, scale=scale, collect=collect, tree=tree, sinks=sinks, lo=lo)
     if _is_pallas(backend):
-        return verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, interpret=interpret_default(), **options)
-    return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, **options)
+        return verify_attention_pallas(q, k_pool, v_pool, pages, layer, q_pos, interpret=interpret_default(),
+                                       **options)
+    return verify_attention_reference(q, k_pool, v_pool, pages, layer, q_pos, **options)
 
 
-def sparse_attention(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, *, scale: float,
-                     tail_capacity: int, tree: TreeMask | None = None, sinks=None, lo=None,
+def sparse_attention(q, k_pool, v_pool, pages, layer, idx, n_idx, tail_start, q_slot, *, page_size: int,
+                     scale: float, tail_capacity: int, tree: TreeMask | None = None, sinks=None, lo=None,
                      skew: float = 1.0, backend: str = "reference"):
-    """q [B, T, Hq, Dh] over slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], or a stack of them
-    [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
-    plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the cache (with a draft tree's
+    """q [B, T, Hq, Dh] over logical slots idx[b, s, :n_idx[b]] (idx [B, 1 or Hkv, K], or a stack of
+    them [L, B, 1 or Hkv, K] read at `layer`; shared by the rows)
+    plus the tail tail_start[b] .. q_slot[b, t] of layer `layer` of the pools [L, Hkv, N, Dh] through
+    the page table pages [B, R] (with a draft tree's
     mask, of the tree's slots only the row's ancestors; with lo [B, T], of both parts no slot below
     lo[b, t]: a sliding window). sinks [L, Hq] (read at `layer`): each head's sink logit joins its
     softmax's denominator. Returns out [B, T, Hq, Dh] (q.dtype).
     `skew`: how far a row's slots may exceed the rows' mean (the kernel's split count; a
     shared budget's balance)."""
-    options = dict(scale=scale, tail_capacity=tail_capacity, tree=tree, sinks=sinks, lo=lo)
+    args = (q, k_pool, v_pool, pages, layer, idx, n_idx, tail_start, q_slot)
+    options = dict(page_size=page_size, scale=scale, tail_capacity=tail_capacity, tree=tree, sinks=sinks, lo=lo)
     if _is_pallas(backend):
-        return sparse_attention_pallas(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, skew=skew,
-                                       interpret=interpret_default(), **options)
-    return sparse_attention_reference(q, k_cache, v_cache, layer, idx, n_idx, tail_start, q_slot, **options)
+        return sparse_attention_pallas(*args, skew=skew, interpret=interpret_default(), **options)
+    return sparse_attention_reference(*args, **options)
 
 
-def quest_pages(q, kmin, kmax, layer, last_page, k, k_max: int, *, backend: str = "reference"):
-    """Quest's page ids [B, Hkv, k_max] for queries q [B, T, Hq, Dh] from the page bounds of layer
-    `layer` (stacks [L, B, Hkv, P, Dh], read in place): the first k[b] are the top-scoring pages below
-    last_page[b] (pallas_kernels/quest_pages.py defines the score); the rest are any pages. The fused
-    kernel runs where its programs fill the GPU or its rows are short; elsewhere XLA does."""
-    B, H, P, Dh = kmin.shape[1:]
+def quest_pages(q, kmin, kmax, pages, layer, last_page, k, k_max: int, *, page_size: int, backend: str = "reference"):
+    """Quest's logical page ids [B, Hkv, k_max] for queries q [B, T, Hq, Dh] from the page bounds of
+    layer `layer` (pools [L, Hkv, N / 16, Dh] under the cache's page table pages [B, R] of page_size
+    slots a page, read in place): the first k[b] are the top-scoring pages below last_page[b]
+    (pallas_kernels/quest_pages.py defines the score); the rest are any pages. The fused kernel runs
+    where its programs fill the GPU or its rows are short; elsewhere XLA does."""
+    B, H = pages.shape[0], kmin.shape[1]
+    P, Dh = pages.shape[1] * page_size // QUEST_PAGE, kmin.shape[3]
+    args = (q, kmin, kmax, pages, layer, last_page, k, k_max)
     if _is_pallas(backend) and (B * H >= QUEST_FUSED_MIN_PROGRAMS or P * Dh <= QUEST_FUSED_MAX_ROW):
-        return quest_pages_pallas(q, kmin, kmax, layer, last_page, k, k_max, interpret=interpret_default())
-    return quest_pages_reference(q, kmin, kmax, layer, last_page, k, k_max)
+        return quest_pages_pallas(*args, page_size=page_size, interpret=interpret_default())
+    return quest_pages_reference(*args, page_size=page_size)
 
 
 def select_topk(scores, k_max: int, k, *, backend: str = "reference"):
@@ -214,42 +221,46 @@ def _nsa_pallas(backend: str, head_dim: int, block_size: int) -> bool:
     return _is_pallas(backend) and fits
 
 
-def nsa_compressed_attention(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, block_counts: int, rule: str,
-                             scale: float, backend: str = "reference"):
-    """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp
-    [L, B, Hkv, NB, Dh]. Returns o_cmp [B, T, Hq, Dh] (q.dtype), the block importance weights
-    [B, T, Hkv, NB] float32 (0 where not visible) and the selected blocks [B, T, Hkv, block_counts]
-    int32 (-1: none). The Pallas kernels cover T <= 64 (larger T run the reference); the Pallas
-    backend ranks the blocks with the radix select."""
+def nsa_compressed_attention(q, k_cmp, v_cmp, pages, layer, q_pos, *, page_size: int, block_size: int,
+                             block_counts: int, rule: str, scale: float, backend: str = "reference"):
+    """NSA's compressed branch for q [B, T, Hq, Dh] against layer `layer` of the compressed pools
+    k_cmp/v_cmp [L, Hkv, N / block_size, Dh] through the page table pages [B, R]. Returns o_cmp
+    [B, T, Hq, Dh] (q.dtype), the block importance weights [B, T, Hkv, NB] float32 (0 where not
+    visible) and the selected blocks [B, T, Hkv, block_counts] int32 (-1: none, else logical). The
+    Pallas kernels cover T <= 64 (larger T run the reference); the Pallas backend ranks the blocks
+    with the radix select."""
     topk = None
     if _nsa_pallas(backend, q.shape[-1], block_size):
-        o, weights = nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale,
-                                           interpret=interpret_default())
+        o, weights = nsa_compressed_pallas(q, k_cmp, v_cmp, pages, layer, q_pos, page_size=page_size,
+                                           block_size=block_size, scale=scale, interpret=interpret_default())
         topk = functools.partial(radix_topk, interpret=interpret_default())
     else:
-        o, weights = nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale)
+        o, weights = nsa_compressed_reference(q, k_cmp, v_cmp, pages, layer, q_pos, page_size=page_size,
+                                              block_size=block_size, scale=scale)
     idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule, topk=topk)
     return o, weights, idx
 
 
-def nsa_selected_attention(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, *, block_size: int,
-                           window: int, scale: float, backend: str = "reference"):
-    """NSA's selected-block and window branches, gated together with o_cmp: the layer's attention
-    output [B, T, Hq, Dh] (q.dtype). idx [B, T, Hkv, S] from `nsa_compressed_attention`, gates
-    [B, T, Hq, 3] after the sigmoid. The Pallas kernel covers T <= 16; larger T run the reference."""
+def nsa_selected_attention(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates, *, page_size: int,
+                           block_size: int, window: int, scale: float, backend: str = "reference"):
+    """NSA's selected-block and window branches over the pools k_pool/v_pool [L, Hkv, N, Dh] through
+    pages [B, R], gated together with o_cmp: the layer's attention output [B, T, Hq, Dh] (q.dtype).
+    idx [B, T, Hkv, S] (logical blocks) from `nsa_compressed_attention`, gates [B, T, Hq, 3] after
+    the sigmoid. The Pallas kernel covers T <= 16; larger T run the reference."""
+    options = dict(page_size=page_size, block_size=block_size, window=window, scale=scale)
     if _nsa_pallas(backend, q.shape[-1], block_size):
-        return nsa_selected_pallas(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, block_size=block_size,
-                                   window=window, scale=scale, interpret=interpret_default())
-    return nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates,
-                                  block_size=block_size, window=window, scale=scale)
+        return nsa_selected_pallas(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates,
+                                   interpret=interpret_default(), **options)
+    return nsa_selected_reference(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates, **options)
 
 
-def nsa_tree_attention(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, gates, idx=None, *, group: int,
-                       shared: bool, block_size: int, block_counts: int, window: int, rule: str, scale: float,
-                       backend: str = "reference"):
+def nsa_tree_attention(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, ancestors, gates, idx=None, *,
+                       page_size: int, group: int, shared: bool, block_size: int, block_counts: int, window: int,
+                       rule: str, scale: float, backend: str = "reference"):
     """NSA attention of a draft tree's rows (slot first + t, position first + depth(t); ancestors
-    [T, T] static), each over its root-to-node path, in groups of `group` adjacent rows (SSV;
-    `shared`: one representative row's blocks per group). Returns (out [B, T, Hq, Dh], importance
+    [T, T] static) over the pools and compressed pools through pages [B, R], each over its
+    root-to-node path, in groups of `group` adjacent rows (SSV; `shared`: one representative row's
+    blocks per group). Returns (out [B, T, Hq, Dh], importance
     weights [B, T, Hkv, NB] or None, positions [B, T], selected blocks [B, T, Hkv, S]).
 
     idx None (a refresh layer): the compressed branch, then the selection (the radix select on the
@@ -262,15 +273,17 @@ def nsa_tree_attention(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestor
         if pallas:
             compressed = functools.partial(nsa_compressed_pallas, interpret=interpret_default())
             topk = functools.partial(radix_topk, interpret=interpret_default())
-        o_cmp, weights, q_pos = nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors,
-                                                    block_size=block_size, scale=scale, compressed=compressed)
+        o_cmp, weights, q_pos = nsa_tree_compressed(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, ancestors,
+                                                    page_size=page_size, block_size=block_size, scale=scale,
+                                                    compressed=compressed)
         idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule, topk=topk)
     else:
         q_pos = (first[:, None] + jnp.asarray(tree_paths(ancestors)[0])).astype(jnp.int32)
-    options = dict(group=group, shared=shared, block_size=block_size, window=window, scale=scale)
+    options = dict(page_size=page_size, group=group, shared=shared, block_size=block_size, window=window,
+                   scale=scale)
     if pallas:
-        out = nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates,
+        out = nsa_grouped_pallas(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates,
                                  interpret=interpret_default(), **options)
     else:
-        out = nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates, **options)
+        out = nsa_grouped_reference(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates, **options)
     return out, weights, q_pos, idx

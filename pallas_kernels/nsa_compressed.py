@@ -14,7 +14,8 @@ from row to row and so have no place in the shared k_cmp.
 Pallas path (T <= 64 rows): pass 1 streams the compressed blocks through an online softmax, split-K
 with a log-sum-exp merge, as the verify kernel does over the cache (the extra keys, computed in XLA,
 join the merge as one more split); pass 2 recomputes the logits with the merged lse and writes the
-importance weights already summed over each KV head's G query heads.
+importance weights already summed over each KV head's G query heads. A step's blocks span several
+pages (page_size / block_size entries each), so each block is looked up in the page table on its own.
 """
 import functools
 
@@ -24,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
     init_carry,
@@ -57,8 +59,21 @@ def visible_blocks(num_blocks: int, block_size: int, q_pos):
     return (jnp.arange(num_blocks) + 1) * block_size - 1 <= q_pos[..., None]
 
 
-def nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float, extra=None):
-    """q [B, T, Hq, Dh] against layer `layer` of k_cmp/v_cmp [L, B, Hkv, NB, Dh].
+def nsa_compressed_reference(q, k_cmp, v_cmp, pages, layer, q_pos, *, page_size: int, block_size: int, scale: float,
+                             extra=None):
+    """q [B, T, Hq, Dh] against layer `layer` of the compressed pools k_cmp/v_cmp [L, Hkv, N / block_size, Dh]
+    through the page table pages [B, R] (`paging`: a page holds page_size / block_size entries).
+
+    Returns o [B, T, Hq, Dh] (q.dtype) and the importance weights [B, T, Hkv, NB] float32, NB =
+    R * page_size / block_size (0 where the block is not visible); `nsa_compressed_rows` of the rows'
+    blocks."""
+    entries = page_size // block_size
+    k, v = (paging.layer_view(x, layer, pages, entries) for x in (k_cmp, v_cmp))
+    return nsa_compressed_rows(q, k, v, q_pos, block_size=block_size, scale=scale, extra=extra)
+
+
+def nsa_compressed_rows(q, k, v, q_pos, *, block_size: int, scale: float, extra=None):
+    """q [B, T, Hq, Dh] against each row's compressed blocks k/v [B, Hkv, NB, Dh].
 
     Returns o [B, T, Hq, Dh] (q.dtype) and the importance weights [B, T, Hkv, NB] float32 (0 where
     the block is not visible). With extra = (k_x, v_x [B, T, P, Hkv, Dh], visible_x [B, T, P]), each
@@ -66,12 +81,11 @@ def nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, 
     float32 math.
     """
     B, T, Hq, Dh = q.shape
-    Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
+    Hkv, NB = k.shape[1], k.shape[2]
     G = Hq // Hkv
     precision = matmul_precision(q.dtype)
     visible = visible_blocks(NB, block_size, q_pos)                        # [B, T, NB]
-    k = lax.dynamic_index_in_dim(k_cmp, layer, 0, keepdims=False).astype(jnp.float32)
-    v = lax.dynamic_index_in_dim(v_cmp, layer, 0, keepdims=False).astype(jnp.float32)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     v = jnp.where(visible.any(axis=1)[:, None, :, None], v, 0.0)         # unseen blocks may hold anything
     qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dh)
     logits = jnp.einsum("btkgd,bknd->btkgn", qg, k, precision=precision) * scale
@@ -141,11 +155,16 @@ def radix_topk(scores, k: int, *, interpret: bool = False):
     return jnp.take_along_axis(scores, idx, axis=-1), idx
 
 
-def _load_blocks(ref, layer, b, h, start, block_n, limit):
-    """block_n compressed blocks from `start`, zeros at and past `limit` (the tile's visible count,
-    <= NB): blocks no row sees are never read, and NB need not be a multiple of block_n."""
-    inside = start + jnp.arange(block_n) < limit
-    return plgpu.load(ref.at[layer, b, h, pl.ds(start, block_n), :], mask=inside[:, None], other=0.0)
+def _load_blocks(ref, pages_ref, layer, b, h, start, block_n, limit, entries):
+    """Row b's block_n compressed blocks from logical block `start`, each gathered through the page
+    table (`entries` a page), zeros at and past `limit` (the tile's visible count, <= NB): blocks no
+    row sees are never read (they all read the row's first block, once), and NB need not be a
+    multiple of block_n."""
+    block = start + jnp.arange(block_n)
+    inside = block < limit
+    block = jnp.where(inside, block, 0)
+    entry = pages_ref[b, lax.div(block, entries)] * entries + lax.rem(block, entries)  # lax: no sign fix-ups
+    return jnp.where(inside[:, None], ref[layer, h, entry, :], 0.0)
 
 
 def _tf32_split(x):
@@ -164,20 +183,20 @@ def _dot(a, b):
                for x, y in ((a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)))
 
 
-def _compressed_kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_size,
-                       block_n, n_splits):
+def _compressed_kernel(layer_ref, pos_ref, q_ref, pages_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_size,
+                       block_n, n_splits, num_blocks, entries):
     """Pass 1, program (b, kv head h, row block, split): the split's share of the blocks any row of
     the tile can see."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     layer, q = layer_ref[0], q_ref[...]
     n_visible = (pos_ref[...] + 1) // block_size                  # padding rows (pos -1): none
-    limit = jnp.minimum(jnp.max(n_visible), k_ref.shape[3])
+    limit = jnp.minimum(jnp.max(n_visible), num_blocks)
     lo, hi = split_range(split, n_splits, (limit + block_n - 1) // block_n)
 
     def body(i, carry):
         start = pl.multiple_of(i * block_n, block_n)
-        k = _load_blocks(k_ref, layer, b, h, start, block_n, limit)
-        v = _load_blocks(v_ref, layer, b, h, start, block_n, limit)
+        k = _load_blocks(k_ref, pages_ref, layer, b, h, start, block_n, limit, entries)
+        v = _load_blocks(v_ref, pages_ref, layer, b, h, start, block_n, limit, entries)
         logits = _dot(q, k.T) * scale
         visible = start + jnp.arange(block_n)[None, :] < n_visible[:, None]
         return softmax_step(carry, logits, visible, v)
@@ -186,8 +205,8 @@ def _compressed_kernel(layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     store_split(o_ref, lse_ref, carry, q.shape[0])
 
 
-def _weights_kernel(layer_ref, pos_ref, lse_ref, q_ref, k_ref, w_ref, *, scale, block_size, block_n,
-                    n_splits, groups, t_rows, t_block):
+def _weights_kernel(layer_ref, pos_ref, lse_ref, q_ref, pages_ref, k_ref, w_ref, *, scale, block_size, block_n,
+                    n_splits, num_blocks, entries, groups, t_rows, t_block):
     """Pass 2, program (b, kv head h, row block r, split): weights[b, t, h, c] = sum_g exp(logit -
     lse) for the block's rows t = r*t_block + i over the split's share of the visible chunks, and
     zeros over its share of the other chunks (every column is written).
@@ -197,7 +216,6 @@ def _weights_kernel(layer_ref, pos_ref, lse_ref, q_ref, k_ref, w_ref, *, scale, 
     """
     b, h, r, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     layer, q, lse = layer_ref[0], q_ref[...], lse_ref[...]
-    num_blocks = k_ref.shape[3]
     n_visible = (pos_ref[...] + 1) // block_size
     limit = jnp.minimum(jnp.max(n_visible), num_blocks)
     n_chunks = (limit + block_n - 1) // block_n
@@ -214,7 +232,7 @@ def _weights_kernel(layer_ref, pos_ref, lse_ref, q_ref, k_ref, w_ref, *, scale, 
 
     def body(i, carry):
         start = pl.multiple_of(i * block_n, block_n)
-        k = _load_blocks(k_ref, layer, b, h, start, block_n, limit)
+        k = _load_blocks(k_ref, pages_ref, layer, b, h, start, block_n, limit, entries)
         logits = _dot(q, k.T) * scale
         visible = start + jnp.arange(block_n)[None, :] < n_visible[:, None]
         p = jnp.where(visible, jnp.exp(logits - lse[:, None]), 0.0)
@@ -233,9 +251,9 @@ def _weights_kernel(layer_ref, pos_ref, lse_ref, q_ref, k_ref, w_ref, *, scale, 
     lax.fori_loop(lo, hi, zeros, 0)
 
 
-def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, scale: float, extra=None,
-                          interpret: bool = False, block_n: int | None = None, n_splits: int | None = None,
-                          max_tile: int | None = None):
+def nsa_compressed_pallas(q, k_cmp, v_cmp, pages, layer, q_pos, *, page_size: int, block_size: int, scale: float,
+                          extra=None, interpret: bool = False, block_n: int | None = None,
+                          n_splits: int | None = None, max_tile: int | None = None):
     """Pallas-Triton kernels for T <= 64 (larger T use the reference): same results as
     `nsa_compressed_reference`, `extra` included.
 
@@ -244,17 +262,22 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
     (2-byte inputs: G = 16 at Dh 128 and T > 8); block_n compressed blocks per step. Pass 1 splits the
     chunks any row of the tile can see and merges the splits' (o, lse) in XLA, the extra keys'
     softmax as one more split; pass 2 recomputes the logits against the merged lse (the extra keys'
-    weights are XLA's). Head dim must be a power of two >= 16. Float32 inputs get about-fp32 logits
-    and weights (`_dot`); the p.v products are `softmax_step`'s (TF32 on a GPU).
+    weights are XLA's). Each step gathers its blocks through the page table one by one, so block_n
+    need not fit in a page; block_size must divide page_size. Head dim must be a power of two >= 16.
+    Float32 inputs get about-fp32 logits and weights (`_dot`); the p.v products are
+    `softmax_step`'s (TF32 on a GPU).
     """
     B, T, Hq, Dh = q.shape
     if T > MAX_PALLAS_ROWS:
-        return nsa_compressed_reference(q, k_cmp, v_cmp, layer, q_pos, block_size=block_size, scale=scale,
-                                        extra=extra)
-    Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
+        return nsa_compressed_reference(q, k_cmp, v_cmp, pages, layer, q_pos, page_size=page_size,
+                                        block_size=block_size, scale=scale, extra=extra)
+    entries = page_size // block_size
+    Hkv, NB = k_cmp.shape[1], pages.shape[1] * entries
     G = Hq // Hkv
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
         raise ValueError(f"the Pallas NSA kernels need a power-of-two head dim >= 16, got {Dh}")
+    if page_size % block_size:
+        raise ValueError(f"page size {page_size} must be a multiple of the NSA block size {block_size}")
     max_tile = max_tile or MAX_TILE_ELEMS * 2 // q.dtype.itemsize
     t_block, R = tile_row_blocks(T, G, Dh, max_tile)
     block_n = min(block_n or BLOCK_N * 2 // k_cmp.dtype.itemsize, next_pow2(max(NB, MIN_TILE)))
@@ -274,18 +297,19 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
     grid = (B, Hkv, R, n_splits)
     pos_spec = pl.BlockSpec((None, None, tile), lambda b, h, r, s: (b, r, 0))
     q_spec = pl.BlockSpec((None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, 0, 0))
-    statics = dict(scale=scale, block_size=block_size, block_n=block_n, n_splits=n_splits)
+    statics = dict(scale=scale, block_size=block_size, block_n=block_n, n_splits=n_splits, num_blocks=NB,
+                   entries=entries)
     params = tile_compiler_params(tile * Dh, max_tile)
 
     o_part, lse_part = pl.pallas_call(
         functools.partial(_compressed_kernel, **statics), grid=grid,
-        in_specs=[pl.no_block_spec, pos_spec, q_spec, pl.no_block_spec, pl.no_block_spec],
+        in_specs=[pl.no_block_spec, pos_spec, q_spec] + [pl.no_block_spec] * 3,
         out_specs=[pl.BlockSpec((None, None, None, None, tile, Dh), lambda b, h, r, s: (b, h, r, s, 0, 0)),
                    pl.BlockSpec((None, None, None, None, tile), lambda b, h, r, s: (b, h, r, s, 0))],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, R, n_splits, tile, Dh), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, R, n_splits, tile), jnp.float32)],
         compiler_params=params, interpret=interpret, name="nsa_compressed",
-    )(layer, row_pos, q_tile, k_cmp, v_cmp)
+    )(layer, row_pos, q_tile, pages, k_cmp, v_cmp)
     if extra is not None:
         qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, Dh)
         logits_x = _extra_logits(qg, extra, scale, matmul_precision(q.dtype))     # [B, T, Hkv, G, P]
@@ -301,11 +325,11 @@ def nsa_compressed_pallas(q, k_cmp, v_cmp, layer, q_pos, *, block_size: int, sca
         functools.partial(_weights_kernel, groups=G, t_rows=T, t_block=t_block, **statics), grid=grid,
         in_specs=[pl.no_block_spec, pos_spec,
                   pl.BlockSpec((None, None, None, tile), lambda b, h, r, s: (b, h, r, 0)), q_spec,
-                  pl.no_block_spec],
+                  pl.no_block_spec, pl.no_block_spec],
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((B, T, Hkv, NB), jnp.float32),
         compiler_params=params, interpret=interpret, name="nsa_weights",
-    )(layer, row_pos, lse, q_tile, k_cmp)
+    )(layer, row_pos, lse, q_tile, pages, k_cmp)
     if extra is not None:
         lse_rows = unpack_rows(lse[:, :, :, :rows], T, G).reshape(B, T, Hkv, G)
         p_x = jnp.exp(logits_x - jnp.where(jnp.isfinite(lse_rows), lse_rows, 0.0)[..., None])

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
     init_carry,
@@ -51,11 +52,12 @@ _NO_BLOCK = np.iinfo(np.int32).max
 _PAD_POS = 1 << 30     # padding rows' position: above every window
 
 
-def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, *, block_size: int,
-                        scale: float, compressed=nsa_compressed_reference):
-    """q [B, T, Hq, Dh] of the tree rows, the cache [L, B, Hkv, S, Dh], k_cmp/v_cmp [L, B, Hkv, NB, Dh],
-    first [B], ancestors [T, T] (static). Returns o_cmp [B, T, Hq, Dh] (q.dtype), importance weights
-    [B, T, Hkv, NB] float32 and the rows' positions q_pos [B, T] int32: nsa_tree_reference's.
+def nsa_tree_compressed(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, ancestors, *, page_size: int,
+                        block_size: int, scale: float, compressed=nsa_compressed_reference):
+    """q [B, T, Hq, Dh] of the tree rows, the pools [L, Hkv, N, Dh] and k_cmp/v_cmp
+    [L, Hkv, N / block_size, Dh] through pages [B, R], first [B], ancestors [T, T] (static). Returns
+    o_cmp [B, T, Hq, Dh] (q.dtype), importance weights [B, T, Hkv, NB] float32 and the rows'
+    positions q_pos [B, T] int32: nsa_tree_reference's.
 
     The shared blocks, (c + 1) * bs <= first, come from k_cmp through `compressed`
     (nsa_compressed_reference or nsa_compressed_pallas) as if every row stood at first - 1 (the
@@ -64,8 +66,8 @@ def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancesto
     extra keys, and their weights are added back at their block columns.
     """
     B, T = q.shape[:2]
-    Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
     bs = block_size
+    NB = pages.shape[1] * page_size // bs
     depth, paths = tree_paths(ancestors)
     q_pos = (first[:, None] + jnp.asarray(depth)).astype(jnp.int32)
     own = first // bs                                                       # first block holding tree keys
@@ -73,16 +75,17 @@ def nsa_tree_compressed(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancesto
     blocks = own[:, None] + jnp.arange(P)                                   # [B, P]
     on_path = ((blocks[:, None] + 1) * bs - 1 <= q_pos[:, :, None]) & (blocks[:, None] < NB)  # [B, T, P]
     pos = jnp.broadcast_to(blocks[:, None, :, None] * bs + jnp.arange(bs), (B, T, P, bs))
-    slots = jnp.clip(path_slot_map(first, paths)(pos), 0, k_cache.shape[3] - 1)
+    slots = jnp.clip(path_slot_map(first, paths)(pos), 0, NB * bs - 1)
     b = jnp.arange(B)[:, None, None, None]
 
-    def path_means(cache):  # [B, T, P, Hkv, Dh], rounded to k_cmp's dtype as nsa_tree_reference's
-        x = jnp.moveaxis(lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False), 1, 2)
+    def path_means(pool):  # [B, T, P, Hkv, Dh], rounded to k_cmp's dtype as nsa_tree_reference's
+        x = jnp.moveaxis(paging.layer_view(pool, layer, pages, page_size), 1, 2)
         return jnp.mean(x[b, slots].astype(jnp.float32), axis=3).astype(k_cmp.dtype)
 
     shared_pos = jnp.broadcast_to(own[:, None] * bs - 1, (B, T))
-    o, weights = compressed(q, k_cmp, v_cmp, layer, shared_pos, block_size=bs, scale=scale,
-                            extra=(path_means(k_cache), path_means(v_cache), on_path))
+    o, weights = compressed(q, k_cmp, v_cmp, pages, layer, shared_pos, page_size=page_size, block_size=bs,
+                            scale=scale, extra=(path_means(k_pool), path_means(v_pool), on_path))
+    Hkv = weights.shape[2]
     cols = jnp.broadcast_to(jnp.minimum(blocks, NB - 1)[:, None, None, :], (B, T, Hkv, P))
     rows = jnp.arange(T)[None, :, None, None], jnp.arange(Hkv)[None, None, :, None]
     return o, weights[..., :NB].at[b, rows[0], rows[1], cols].add(weights[..., NB:]), q_pos
@@ -120,12 +123,12 @@ def group_schedule(idx, first, depth, *, group: int, shared: bool, block_size: i
     return GroupSchedule(row_idx, blocks, (blocks >= 0).sum(axis=-1, dtype=jnp.int32), member, tree_selected)
 
 
-def nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates, *, group: int,
-                          shared: bool, block_size: int, window: int, scale: float):
+def nsa_grouped_reference(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates, *, page_size: int,
+                          group: int, shared: bool, block_size: int, window: int, scale: float):
     """NSA's selected and window branches for the tree rows, gated with o_cmp: out [B, T, Hq, Dh]
-    (q.dtype). q [B, T, Hq, Dh], the cache [L, B, Hkv, S, Dh], first [B], ancestors [T, T] (static),
-    idx [B, T, Hkv, S] (-1: none), o_cmp [B, T, Hq, Dh] or None (a reuse layer: no compressed term),
-    gates [B, T, Hq, 3] after the sigmoid. Plain jnp, any T; float32 math.
+    (q.dtype). q [B, T, Hq, Dh], the pools [L, Hkv, N, Dh] through pages [B, R], first [B],
+    ancestors [T, T] (static), idx [B, T, Hkv, S] logical blocks (-1: none), o_cmp [B, T, Hq, Dh]
+    or None (a reuse layer: no compressed term), gates [B, T, Hq, 3] after the sigmoid. Plain jnp, any T; float32 math.
 
     Each group's union blocks are gathered once (committed slots only) and every row reads its own
     blocks out of that buffer in its own idx order, its path keys out of the tree slots; the
@@ -133,7 +136,8 @@ def nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_c
     slot_of=path_slot_map(first, paths))` bit for bit.
     """
     B, T, Hq, Dh = q.shape
-    Hkv = k_cache.shape[2]
+    k, v = (paging.layer_view(x, layer, pages, page_size) for x in (k_pool, v_pool))
+    Hkv = k.shape[1]
     G = Hq // Hkv
     bs = block_size
     depth, paths = tree_paths(ancestors)
@@ -163,8 +167,6 @@ def nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_c
         own = buffer[b, h, jnp.asarray(row_group)[t], in_union]              # [B, T, Hkv, S, bs, Dh]
         return from_path(x, positions, own.reshape(B, T, Hkv, -1, Dh))
 
-    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
     sel = (sched.row_idx[..., None] * bs + jnp.arange(bs)).reshape(B, T, Hkv, -1)
     sel_ok = (jnp.repeat(sched.row_idx, bs, axis=-1) >= 0) & (sel <= pos)
     o_slc = _attend(qg, selected_keys(k, sel), selected_keys(v, sel), sel_ok, scale, precision)
@@ -192,7 +194,8 @@ def _tree_words(mask):
 
 
 def _grouped_kernel(layer_ref, first_ref, count_ref, blocks_ref, member_ref, pos_ref, words_ref, q_ref, *refs,
-                    scale, block_size, window, block_k, block_w, tree_rows, tree_tile, heads, rows, precision):
+                    scale, page_size, block_size, window, block_k, block_w, tree_rows, tree_tile, heads, rows,
+                    precision):
     """Program (b, kv head h, group n, row block r): the row block's rows x G heads in one tile.
 
     Selected branch: one pass over the group's union blocks (committed slots only), each tile row
@@ -200,18 +203,20 @@ def _grouped_kernel(layer_ref, first_ref, count_ref, blocks_ref, member_ref, pos
     Then the T tree slots, loaded once for both branches: selected where the row's ancestor lies in
     its blocks, window where the ancestor is within w. Window branch: the committed span from the
     tile's smallest p - w + 1 to first - 1, each row masked to its own window. Loads are masked to
-    the keys some row attends, so the others cost no memory traffic.
+    the keys some row attends, so the others cost no memory traffic. Key steps lie in one page; the
+    tree slots, which may straddle pages, are gathered slot by slot.
     """
-    *cmp_ref, gates_ref, k_ref, v_ref, o_ref = refs
+    *cmp_ref, gates_ref, pages_ref, k_ref, v_ref, o_ref = refs
     b, h, n, r = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     layer, first, pos, q = layer_ref[0], first_ref[b], pos_ref[...], q_ref[...]
     tile = q.shape[0]
     real = jnp.arange(tile) < rows
     shift = jnp.minimum(lax.div(jnp.arange(tile), heads), 31)     # the tile row's row in the row block
 
-    def attend(carry, start, n_keys, load, ok):
-        k = plgpu.load(k_ref.at[layer, b, h, pl.ds(start, n_keys), :], mask=load[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[layer, b, h, pl.ds(start, n_keys), :], mask=load[:, None], other=0.0)
+    def attend(carry, start, n_keys, load, ok):  # n_keys from logical slot start (n_keys-aligned)
+        slot = pl.multiple_of(paging.block_start(pages_ref, b, start, page_size), n_keys)
+        k = plgpu.load(k_ref.at[layer, h, pl.ds(slot, n_keys), :], mask=load[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[layer, h, pl.ds(slot, n_keys), :], mask=load[:, None], other=0.0)
         logits = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
         return softmax_step(carry, logits, ok, v)
 
@@ -233,8 +238,9 @@ def _grouped_kernel(layer_ref, first_ref, count_ref, blocks_ref, member_ref, pos
 
     rel = jnp.arange(tree_tile)
     in_tree = rel < tree_rows
-    k_tree = plgpu.load(k_ref.at[layer, b, h, pl.ds(first, tree_tile), :], mask=in_tree[:, None], other=0.0)
-    v_tree = plgpu.load(v_ref.at[layer, b, h, pl.ds(first, tree_tile), :], mask=in_tree[:, None], other=0.0)
+    tree_slot = paging.block_start(pages_ref, b, first + jnp.where(in_tree, rel, 0), page_size)
+    k_tree = jnp.where(in_tree[:, None], k_ref[layer, h, tree_slot, :], 0.0)
+    v_tree = jnp.where(in_tree[:, None], v_ref[layer, h, tree_slot, :], 0.0)
     tree_logits = jnp.dot(q, k_tree.T, precision=precision, preferred_element_type=jnp.float32) * scale
 
     def tree_bits(w):  # [tile, tree_tile] bool from the rows' words w and w + 1 of `words_ref`
@@ -259,8 +265,8 @@ def _grouped_kernel(layer_ref, first_ref, count_ref, blocks_ref, member_ref, pos
     plgpu.store(o_ref.at[pl.ds(0, tile)], out.astype(o_ref.dtype), mask=real[:, None])
 
 
-def nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates, *, group: int,
-                       shared: bool, block_size: int, window: int, scale: float, interpret: bool = False,
+def nsa_grouped_pallas(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates, *, page_size: int,
+                       group: int, shared: bool, block_size: int, window: int, scale: float, interpret: bool = False,
                        max_tile: int | None = None):
     """Pallas-Triton kernel for T <= 64 rows and groups of up to 32 rows (else the reference): same
     result as `nsa_grouped_reference`.
@@ -270,18 +276,19 @@ def nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp,
     nothing). A group whose tile would exceed max_tile elements (default: half of nsa_compressed's,
     as the gated sum and a branch's accumulator are both live) splits its rows over row blocks, each
     loading only the blocks its rows attend. group=1 is each row its own program (Lai-style).
-    block_size and the head dim must be powers of two >= 16. Float32 inputs get full fp32 logits;
-    the p.v products are `softmax_step`'s (TF32 on a GPU).
+    block_size and the head dim must be powers of two >= 16; the key steps must divide page_size.
+    Float32 inputs get full fp32 logits; the p.v products are `softmax_step`'s (TF32 on a GPU).
     """
     B, T, Hq, Dh = q.shape
     g = min(group, T)
     if T > MAX_PALLAS_ROWS or g > MAX_GROUP:
-        return nsa_grouped_reference(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp, gates, group=group,
-                                     shared=shared, block_size=block_size, window=window, scale=scale)
+        return nsa_grouped_reference(q, k_pool, v_pool, pages, layer, first, ancestors, idx, o_cmp, gates,
+                                     page_size=page_size, group=group, shared=shared, block_size=block_size,
+                                     window=window, scale=scale)
     for name, size in (("head dim", Dh), ("block_size", block_size)):
         if size != next_pow2(size) or size < MIN_TILE:
             raise ValueError(f"the Pallas NSA kernels need a power-of-two {name} >= 16, got {size}")
-    Hkv = k_cache.shape[2]
+    Hkv = k_pool.shape[1]
     G = Hq // Hkv
     depth, _ = tree_paths(ancestors)
     sched = group_schedule(idx, first, depth, group=group, shared=shared, block_size=block_size)
@@ -289,8 +296,10 @@ def nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp,
     max_tile = max_tile or MAX_TILE_ELEMS // q.dtype.itemsize
     per, R = tile_row_blocks(g, G, Dh, max_tile)
     tile = next_pow2(max(per * G, MIN_TILE))
-    block_k = BLOCK_K * 2 // k_cache.dtype.itemsize
-    block_w = min(block_k, next_pow2(max(window, MIN_TILE)))
+    block_k = min(BLOCK_K * 2 // k_pool.dtype.itemsize, block_size)
+    block_w = min(BLOCK_K * 2 // k_pool.dtype.itemsize, next_pow2(max(window, MIN_TILE)))
+    if page_size % max(block_k, block_w):
+        raise ValueError(f"the NSA key steps ({block_k}, {block_w}) must divide the page size {page_size}")
 
     def pack(x, fill=0):
         """[B, T, Hkv, G, ...] -> [B, Hkv, NG, R, tile, ...]: group n, row block r holds rows
@@ -318,18 +327,18 @@ def nsa_grouped_pallas(q, k_cache, v_cache, layer, first, ancestors, idx, o_cmp,
 
     blocked = lambda *shape: pl.BlockSpec((None,) * 4 + shape, lambda b, h, n, r: (b, h, n, r) + (0,) * len(shape))
     kernel = functools.partial(
-        _grouped_kernel, scale=scale, block_size=block_size, window=window, block_k=min(block_k, block_size),
+        _grouped_kernel, scale=scale, page_size=page_size, block_size=block_size, window=window, block_k=block_k,
         block_w=block_w, tree_rows=T, tree_tile=next_pow2(max(T, MIN_TILE)), heads=G, rows=per * G,
         precision=matmul_precision(q.dtype))
     out = pl.pallas_call(
         kernel, grid=(B, Hkv, NG, R),
         in_specs=[pl.no_block_spec] * 5
         + [pl.BlockSpec((None, None, None, tile), lambda b, h, n, r: (b, n, r, 0)), blocked(4, tile)]
-        + [blocked(tile, Dh)] * len(row_tiles) + [blocked(3, tile), pl.no_block_spec, pl.no_block_spec],
+        + [blocked(tile, Dh)] * len(row_tiles) + [blocked(3, tile)] + [pl.no_block_spec] * 3,
         out_specs=blocked(per * G, Dh),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, NG, R, per * G, Dh), q.dtype),
         compiler_params=tile_compiler_params(tile * Dh, max_tile), interpret=interpret, name="nsa_grouped",
     )(jnp.asarray(layer, jnp.int32).reshape(1), first.astype(jnp.int32), sched.count, sched.blocks, member,
-      row_pos, words, *row_tiles, gates_tile, k_cache, v_cache)
+      row_pos, words, *row_tiles, gates_tile, pages, k_pool, v_pool)
     out = out.reshape(B, Hkv, NG, R * per, G, Dh)[:, :, :, :g].reshape(B, Hkv, NG * g, G, Dh)[:, :, :T]
     return jnp.moveaxis(out, 1, 2).reshape(B, T, Hq, Dh)

@@ -9,9 +9,9 @@ holding tree positions are recomputed per row from its path (the cache's entries
 """
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from pallas_kernels.nsa_compressed import nsa_compressed_reference, select_blocks
+from pallas_kernels import paging
+from pallas_kernels.nsa_compressed import nsa_compressed_rows, select_blocks
 from pallas_kernels.nsa_selected import nsa_selected_reference
 
 
@@ -42,16 +42,18 @@ def path_slot_map(first, paths: np.ndarray):
     return slot_of
 
 
-def nsa_tree_reference(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestors, gates, *, block_size: int,
-                       block_counts: int, window: int, rule: str, scale: float):
-    """q [B, T, Hq, Dh] of the tree rows (slots first + t), the cache [L, B, Hkv, S, Dh] holding their
-    keys, k_cmp/v_cmp [L, B, Hkv, NB, Dh], ancestors [T, T] (static), gates [B, T, Hq, 3]. Returns
-    (out [B, T, Hq, Dh], importance weights [B, T, Hkv, NB], positions [B, T])."""
+def nsa_tree_reference(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, ancestors, gates, *, page_size: int,
+                       block_size: int, block_counts: int, window: int, rule: str, scale: float):
+    """q [B, T, Hq, Dh] of the tree rows (slots first + t), the pools [L, Hkv, N, Dh] holding their
+    keys and k_cmp/v_cmp [L, Hkv, N / block_size, Dh], both through pages [B, R]; ancestors [T, T]
+    (static), gates [B, T, Hq, 3]. Returns (out [B, T, Hq, Dh], importance weights [B, T, Hkv, NB],
+    positions [B, T])."""
     B, T, Hq, Dh = q.shape
-    Hkv, NB = k_cmp.shape[2], k_cmp.shape[3]
     depth, paths = tree_paths(ancestors)
     q_pos = first[:, None] + jnp.asarray(depth)
     slot_of = path_slot_map(first, paths)
+    entries = page_size // block_size
+    NB = pages.shape[1] * entries
 
     # Each row's compressed view: the blocks from the root's block on hold path keys.
     m = min((paths.shape[1] - 1) // block_size + 2, NB)
@@ -60,19 +62,18 @@ def nsa_tree_reference(q, k_cache, v_cache, k_cmp, v_cmp, layer, first, ancestor
     slots = slot_of(jnp.broadcast_to(pos, (B, T, m, block_size)))
     b = jnp.arange(B)[:, None, None, None]
 
-    def view(cache, cmp):  # [B * T, Hkv, NB, Dh]: the shared blocks, the path's blocks recomputed
-        x = lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)  # [B, Hkv, S, Dh]
+    def view(pool, cmp):  # [B, T, Hkv, NB, Dh]: the shared blocks, the path's blocks recomputed
+        x = paging.layer_view(pool, layer, pages, page_size)  # [B, Hkv, S, Dh]
+        Hkv = x.shape[1]
         means = jnp.mean(jnp.moveaxis(x, 1, 2)[b, slots].astype(jnp.float32), axis=3)  # [B, T, m, Hkv, Dh]
-        shared = jnp.broadcast_to(lax.dynamic_index_in_dim(cmp, layer, 0, keepdims=False)[:, None],
-                                  (B, T, Hkv, NB, Dh))
+        shared = jnp.broadcast_to(paging.layer_view(cmp, layer, pages, entries)[:, None], (B, T, Hkv, NB, Dh))
         rows = jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], slice(None), blocks[:, None, :]
         return shared.at[rows].set(means.astype(cmp.dtype)).reshape(B * T, Hkv, NB, Dh)
 
-    o_cmp, weights = nsa_compressed_reference(
-        q.reshape(B * T, 1, Hq, Dh), view(k_cache, k_cmp)[None], view(v_cache, v_cmp)[None], 0,
-        q_pos.reshape(B * T, 1), block_size=block_size, scale=scale)
-    o_cmp, weights = o_cmp.reshape(B, T, Hq, Dh), weights.reshape(B, T, Hkv, NB)
+    o_cmp, weights = nsa_compressed_rows(q.reshape(B * T, 1, Hq, Dh), view(k_pool, k_cmp), view(v_pool, v_cmp),
+                                         q_pos.reshape(B * T, 1), block_size=block_size, scale=scale)
+    o_cmp, weights = o_cmp.reshape(B, T, Hq, Dh), weights.reshape(B, T, -1, NB)
     idx = select_blocks(weights, q_pos, block_size=block_size, block_counts=block_counts, rule=rule)
-    out = nsa_selected_reference(q, k_cache, v_cache, layer, q_pos, idx, o_cmp, gates, block_size=block_size,
-                                 window=window, scale=scale, slot_of=slot_of)
+    out = nsa_selected_reference(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gates, page_size=page_size,
+                                 block_size=block_size, window=window, scale=scale, slot_of=slot_of)
     return out, weights, q_pos

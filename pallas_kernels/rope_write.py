@@ -1,6 +1,7 @@
 """From a layer's q/k/v product to its attention inputs in one kernel: sum the product's K splits
 (and apply int8's column scales), add the bias, RMS-normalise q and k per head (qk_norm models),
-rotate them (RoPE), write k and v into the KV cache in place, and return q.
+rotate them (RoPE), write k and v into the KV cache's pools [L, Hkv, N, Dh] in place (at pool slots
+the caller maps through its page table, `pallas_kernels.paging`), and return q.
 
 Why a kernel: XLA ran these as five to seven kernels a layer in every decode step (q's rotation,
 and for each of k and v the cache entry read back and a select before the in-place update, which
@@ -63,27 +64,28 @@ def supported(head_dim: int) -> bool:
     return head_dim % 2 == 0 and head_dim // 2 == next_pow2(head_dim // 2)
 
 
-def _check(sums, positions, write_pos, k_cache, num_heads):
+def _check(sums, positions, write_slots, k_pool, v_pool, num_heads):
     B, T = positions.shape
-    _, Bc, Hkv, _, Dh = k_cache.shape
-    if Bc != B or write_pos.shape != (B, T) or sums.ndim != 3 or sums.shape[1] < B * T:
+    _, Hkv, _, Dh = k_pool.shape
+    if (write_slots.shape != (B, T) or v_pool.shape != k_pool.shape or sums.ndim != 3
+            or sums.shape[1] < B * T):
         raise ValueError(f"shapes do not match: sums {sums.shape}, positions {positions.shape}, "
-                         f"write_pos {write_pos.shape}, k_cache {k_cache.shape}")
+                         f"write_slots {write_slots.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}")
     if sums.shape[2] < (num_heads + 2 * Hkv) * Dh or num_heads % Hkv:
         raise ValueError(f"sums' {sums.shape[2]} columns cannot hold {num_heads} q and {Hkv} k/v heads of {Dh}")
 
 
-def rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *,
+def rope_write_reference(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *,
                          num_heads: int, rope_scale: float, eps: float, scale=None, bias=None,
                          q_norm=None, k_norm=None):
     """Plain jnp. `scale` [E, N] (int8 column scales), `bias` [E, N], `q_norm`/`k_norm` [E, Dh] are
-    stacks read at `entry` (the params' layer); the cache's layer is `layer`. k and v of token
-    (b, t) go to slot write_pos[b, t]; a slot past the end (an invalid token's) clamps to the last
-    slot, which holds nothing yet (`KVCache`). Returns q [B, T, Hq, Dh] and the two caches."""
-    _check(sums, positions, write_pos, k_cache, num_heads)
+    stacks read at `entry` (the params' layer); the pools' layer is `layer`. k and v of token (b, t)
+    go to pool slot write_slots[b, t] (an invalid token's is in the null page, which nothing reads).
+    Returns q [B, T, Hq, Dh] and the two pools."""
+    _check(sums, positions, write_slots, k_pool, v_pool, num_heads)
     B, T = positions.shape
-    Hkv, Dh = k_cache.shape[2], k_cache.shape[4]
-    qkv = product_rows(sums, scale, entry, B * T, k_cache.dtype, bias).reshape(B, T, -1)
+    Hkv, Dh = k_pool.shape[1], k_pool.shape[3]
+    qkv = product_rows(sums, scale, entry, B * T, k_pool.dtype, bias).reshape(B, T, -1)
     q_dim, kv_dim = num_heads * Dh, Hkv * Dh
     q = qkv[..., :q_dim].reshape(B, T, num_heads, Dh)
     k = qkv[..., q_dim:q_dim + kv_dim].reshape(B, T, Hkv, Dh)
@@ -93,13 +95,12 @@ def rope_write_reference(sums, positions, write_pos, k_cache, v_cache, entry, la
         k = rms_norm(k, k_norm[entry], eps)
     q = apply_rope(q, positions, inv_freq, rope_scale)
     k = apply_rope(k, positions, inv_freq, rope_scale)
-    rows = jnp.arange(B)[:, None]
-    k_cache = k_cache.at[layer, rows, :, write_pos].set(k.astype(k_cache.dtype), mode="clip")
-    v_cache = v_cache.at[layer, rows, :, write_pos].set(v.astype(v_cache.dtype), mode="clip")
-    return q, k_cache, v_cache
+    k_pool = k_pool.at[layer, :, write_slots].set(k.astype(k_pool.dtype))  # [B, T, Hkv, Dh] at [B, T]
+    v_pool = v_pool.at[layer, :, write_slots].set(v.astype(v_pool.dtype))
+    return q, k_pool, v_pool
 
 
-def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T, G, Dh, eps, rope_scale,
+def _kernel(entry_ref, layer_ref, pos_ref, wslots_ref, inv_ref, sums_ref, *refs, T, G, Dh, eps, rope_scale,
             has_scale, has_bias, has_norm):
     """Program (b, kv head h, token t, head j) for token t of row b: q head h * G + j for j < G, k of
     h for j = G and v of h for j = G + 1. One head a program: a serial loop over a group's heads is
@@ -111,10 +112,10 @@ def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T
     scale_ref = refs.pop(0) if has_scale else None
     bias_ref = refs.pop(0) if has_bias else None
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
-    _, _, q_ref, k_ref, v_ref = refs  # the caches' inputs, then the outputs (the caches aliased)
+    _, _, q_ref, k_ref, v_ref = refs  # the pools' inputs, then the outputs (the pools aliased)
     b, h, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     entry, layer = entry_ref[0], layer_ref[0]
-    Hq, Hkv, half = q_ref.shape[2], k_ref.shape[2], Dh // 2
+    Hq, Hkv, half = q_ref.shape[2], k_ref.shape[1], Dh // 2
     dtype = k_ref.dtype
     row = b * T + t
 
@@ -143,41 +144,32 @@ def _kernel(entry_ref, layer_ref, pos_ref, wpos_ref, inv_ref, sums_ref, *refs, T
         q_ref[b, pl.ds(t, 1), h * G + j, pl.ds(0, half)] = o1
         q_ref[b, pl.ds(t, 1), h * G + j, pl.ds(half, half)] = o2
 
-    def cache_slot():
-        """(slot [1, 1], write [1, 1]): where token t's k and v go; an invalid token (past the end)
-        writes nothing. Stores scatter: arrays on both axes."""
-        slot = wpos_ref[b, t]
-        return jnp.full((1, 1), jnp.minimum(slot, k_ref.shape[3] - 1)), jnp.full((1, 1), slot < k_ref.shape[3])
-
     @pl.when(j == G)
     def _():
-        slots, write = cache_slot()
         k1, k2 = head((Hq + h) * Dh, kn_ref)
-        plgpu.store(k_ref.at[layer, b, h, slots, jnp.arange(half)[None, :]], k1, mask=write)
-        plgpu.store(k_ref.at[layer, b, h, slots, half + jnp.arange(half)[None, :]], k2, mask=write)
+        slot = pl.ds(wslots_ref[b, t], 1)
+        k_ref[layer, h, slot, pl.ds(0, half)] = k1
+        k_ref[layer, h, slot, pl.ds(half, half)] = k2
 
     @pl.when(j == G + 1)
     def _():
-        slots, write = cache_slot()
-        v = column((Hq + Hkv + h) * Dh, Dh)
-        plgpu.store(v_ref.at[layer, b, h, slots, jnp.arange(Dh)[None, :]], v, mask=write)
+        v_ref[layer, h, pl.ds(wslots_ref[b, t], 1), pl.ds(0, Dh)] = column((Hq + Hkv + h) * Dh, Dh)
 
 
-def rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer, inv_freq, *,
+def rope_write_pallas(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *,
                       num_heads: int, rope_scale: float, eps: float, scale=None, bias=None,
                       q_norm=None, k_norm=None, interpret: bool = False):
-    """Pallas-Triton kernel: grid (B, Hkv, T, G + 2), the caches updated in place (aliased to the outputs).
-    An invalid token's k and v are not written at all (the reference clamps them to the last slot,
-    which holds nothing). Head dim must be even, and half of it a power of two."""
-    _check(sums, positions, write_pos, k_cache, num_heads)
+    """Pallas-Triton kernel: grid (B, Hkv, T, G + 2), the pools updated in place (aliased to the
+    outputs). Head dim must be even, and half of it a power of two."""
+    _check(sums, positions, write_slots, k_pool, v_pool, num_heads)
     B, T = positions.shape
-    Hkv, Dh = k_cache.shape[2], k_cache.shape[4]
+    Hkv, Dh = k_pool.shape[1], k_pool.shape[3]
     if not supported(Dh):
         raise ValueError(f"the Pallas rope_write kernel needs half the head dim a power of two, got {Dh}")
     scalar = lambda x: jnp.asarray(x, jnp.int32).reshape(1)
     optional = [x for x in (scale, bias, q_norm, k_norm) if x is not None]
-    args = [scalar(entry), scalar(layer), positions.astype(jnp.int32), write_pos.astype(jnp.int32),
-            jnp.asarray(inv_freq, jnp.float32), sums, *optional, k_cache, v_cache]
+    args = [scalar(entry), scalar(layer), positions.astype(jnp.int32), write_slots.astype(jnp.int32),
+            jnp.asarray(inv_freq, jnp.float32), sums, *optional, k_pool, v_pool]
     n_in = len(args)
     G = num_heads // Hkv
     kernel = functools.partial(_kernel, T=T, G=G, Dh=Dh, eps=eps, rope_scale=rope_scale,
@@ -186,9 +178,9 @@ def rope_write_pallas(sums, positions, write_pos, k_cache, v_cache, entry, layer
         kernel, grid=(B, Hkv, T, G + 2),
         in_specs=[pl.no_block_spec] * n_in,
         out_specs=[pl.no_block_spec] * 3,
-        out_shape=[jax.ShapeDtypeStruct((B, T, num_heads, Dh), k_cache.dtype),
-                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((B, T, num_heads, Dh), k_pool.dtype),
+                   jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+                   jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="rope_write",

@@ -1,5 +1,9 @@
 """Verify attention: T new query rows per sequence against the whole KV cache of one layer.
 
+The cache is a paged pool [L, Hkv, N, Dh] read through the page table pages [B, R]
+(`pallas_kernels.paging`); slots below are a row's logical slots (its token positions), R * page_size
+of them.
+
 Returns the attention output, the per-row log-sum-exp, and (optionally) the per-key selection scores
 that the KV-selection drafters need, collected in the same pass over the cache.
 
@@ -23,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
     compiler_params,
@@ -129,12 +134,14 @@ def option_inputs(sinks, lo):
     return [pl.no_block_spec] * len(args), args
 
 
-def _check(q, k_cache, v_cache, q_pos, collect, tree, sinks, lo):
+def _check(q, k_pool, v_pool, pages, page_size, q_pos, collect, tree, sinks, lo):
     B, T, Hq, Dh = q.shape
-    L, Bk, Hkv, _, Dk = k_cache.shape
-    if (Bk, Dk) != (B, Dh) or v_cache.shape != k_cache.shape or Hq % Hkv:
-        raise ValueError(f"shapes do not match: q {q.shape}, k_cache {k_cache.shape}, "
-                         f"v_cache {v_cache.shape}")
+    L, Hkv, N, Dk = k_pool.shape
+    paging.check_page_size(page_size)
+    if (Dk != Dh or v_pool.shape != k_pool.shape or Hq % Hkv or N % page_size or pages.ndim != 2
+            or pages.shape[0] != B):
+        raise ValueError(f"shapes do not match: q {q.shape}, k_pool {k_pool.shape}, "
+                         f"v_pool {v_pool.shape}, pages {pages.shape} of {page_size} slots")
     if q_pos.shape != (B, T):
         raise ValueError(f"q_pos must be [B, T] = {(B, T)}, got {q_pos.shape}")
     check_options(sinks, lo, L, Hq, B, T)
@@ -179,17 +186,18 @@ def collected_scores(logits, lse, pos, lo, collect: Collect):
     return mask_scores(per_row, pos, lo)
 
 
-def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: float,
+def verify_attention_reference(q, k_pool, v_pool, pages, layer, q_pos, *, page_size: int, scale: float,
                                collect: Collect | None = None, tree: TreeMask | None = None,
                                sinks=None, lo=None):
-    """Plain jnp: any T. Materialises [B, Hq, T, S] fp32 logits (fine for tests and prefill chunks)."""
-    _check(q, k_cache, v_cache, q_pos, collect, tree, sinks, lo)
+    """Plain jnp: any T. Gathers the rows' slots of the layer and materialises [B, Hq, T, S] fp32
+    logits (fine for tests and prefill chunks)."""
+    _check(q, k_pool, v_pool, pages, page_size, q_pos, collect, tree, sinks, lo)
     B, T, Hq, Dh = q.shape
-    Hkv, S = k_cache.shape[2], k_cache.shape[3]
+    Hkv, S = k_pool.shape[1], pages.shape[1] * page_size
     G = Hq // Hkv
     precision = matmul_precision(q.dtype)
-    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    k = paging.layer_view(k_pool, layer, pages, page_size)
+    v = paging.layer_view(v_pool, layer, pages, page_size)
     q5 = jnp.moveaxis(q.reshape(B, T, Hkv, G, Dh), 2, 1)
     logits = jnp.einsum("bktgd,bksd->bktgs", q5, k, precision=precision,
                         preferred_element_type=jnp.float32) * scale
@@ -210,12 +218,13 @@ def verify_attention_reference(q, k_cache, v_cache, layer, q_pos, *, scale: floa
     return out, jnp.moveaxis(lse, 1, 2).reshape(B, T, Hq), scores
 
 
-def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
-                   scale, block_k, n_splits, rows, G, T, tile, picked, n_collect, collect_rows, tree,
-                   sinks, window):
+def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, pages_ref, *refs,
+                   scale, block_k, page_size, n_splits, rows, G, T, tile, picked, n_collect, collect_rows,
+                   tree, sinks, window):
     """Program (b, kv head h, row block r, split): the split's share of the key blocks up to the
-    last slot any row of the block (or any collected row, `picked`) can see, and with lower bounds
-    (`window`) from the first such slot. Split 0 starts its rows' softmax with their heads' sinks.
+    last slot any row of the block (or any collected row, `picked`) can see (never past the table's
+    last), and with lower bounds (`window`) from the first such slot. Split 0 starts its rows'
+    softmax with their heads' sinks. Each key block lies in one page: read at its pool slot.
 
     With collection, a second small tile of query rows (qc: the row block's share of the collected
     rows, `collect_rows` of them) is multiplied with every key block and its scaled logits are
@@ -243,7 +252,7 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
     end = jnp.max(pos)
     for row in picked:  # static: each block reads keys up to every collected row's too
         end = jnp.maximum(end, q_pos_ref[b, row])
-    n_blocks = (end + block_k) // block_k
+    n_blocks = jnp.minimum((end + block_k) // block_k, pages_ref.shape[1] * page_size // block_k)
     if window:  # blocks below every row's lower bound (and every collected row's) are never read
         row_lo = tile_positions(lo_ref, b, r, rows, G, tile, fill=jnp.iinfo(jnp.int32).max)
         begin = jnp.min(row_lo)
@@ -257,8 +266,9 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs,
 
     def body(i, carry):
         start = pl.multiple_of(i * block_k, block_k)
-        k = k_ref[layer, b, h, pl.ds(start, block_k), :]
-        v = v_ref[layer, b, h, pl.ds(start, block_k), :]
+        slot = pl.multiple_of(paging.block_start(pages_ref, b, start, page_size), block_k)
+        k = k_ref[layer, h, pl.ds(slot, block_k), :]
+        v = v_ref[layer, h, pl.ds(slot, block_k), :]
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
         if n_collect:
             collected = jnp.dot(qc, k.T, preferred_element_type=jnp.float32) * scale
@@ -291,7 +301,7 @@ def _collect_tile(q5, collect: Collect):
     return qc.reshape(B, Hkv, -1, Dh).astype(q5.dtype)
 
 
-def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
+def verify_attention_pallas(q, k_pool, v_pool, pages, layer, q_pos, *, page_size: int, scale: float,
                             collect: Collect | None = None, tree: TreeMask | None = None,
                             sinks=None, lo=None, interpret: bool = False, block_k: int = BLOCK_K,
                             n_splits: int | None = None):
@@ -304,27 +314,26 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
     (_common.merged). Collected rows are shared out evenly over the row blocks, and each block then
     reads keys up to the largest collected q_pos too (and from the smallest collected lo). Sinks join
     split 0's online softmax as a key of value 0 (`_common.init_carry`), so the merged output and lse
-    count each once. Head dim must be a power of two >= 16.
+    count each once. Head dim must be a power of two >= 16; block_k must divide the page size.
     """
-    _check(q, k_cache, v_cache, q_pos, collect, tree, sinks, lo)
+    _check(q, k_pool, v_pool, pages, page_size, q_pos, collect, tree, sinks, lo)
     B, T, Hq, Dh = q.shape
     if T > MAX_PALLAS_ROWS:
-        return verify_attention_reference(q, k_cache, v_cache, layer, q_pos, scale=scale,
-                                          collect=collect, tree=tree, sinks=sinks, lo=lo)
-    Hkv, S = k_cache.shape[2], k_cache.shape[3]
+        return verify_attention_reference(q, k_pool, v_pool, pages, layer, q_pos, page_size=page_size,
+                                          scale=scale, collect=collect, tree=tree, sinks=sinks, lo=lo)
+    Hkv, S = k_pool.shape[1], pages.shape[1] * page_size
     G = Hq // Hkv
     if Dh != next_pow2(Dh) or Dh < MIN_TILE:
         raise ValueError(f"the Pallas verify kernel needs a power-of-two head dim >= 16, got {Dh}")
-    block_k = min(block_k, S)
-    if S % block_k:
-        raise ValueError(f"cache length {S} must be a multiple of block_k={block_k}")
+    if page_size % block_k:
+        raise ValueError(f"page size {page_size} must be a multiple of block_k={block_k}")
     n_blocks, rows, tile = row_blocks(T, G)
     n_splits = n_splits or num_splits(B * Hkv * n_blocks, S // block_k)
     q_pos = q_pos.astype(jnp.int32)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    in_specs = [pl.no_block_spec] * 5
-    args = [layer, q_pos, q.reshape(B, T * Hq, Dh), k_cache, v_cache]
+    in_specs = [pl.no_block_spec] * 6
+    args = [layer, q_pos, q.reshape(B, T * Hq, Dh), k_pool, v_pool, pages.astype(jnp.int32)]
     if tree is not None:  # without a tree no mask inputs at all (zeros would cost a kernel per layer)
         first, words = tree_words(tree, G, n_blocks, rows, tile)
         in_specs += [pl.no_block_spec, pl.BlockSpec((2, None, tile), lambda b, h, r, s: (0, r, 0))]
@@ -346,8 +355,9 @@ def verify_attention_pallas(q, k_cache, v_cache, layer, q_pos, *, scale: float,
         dtype = q.dtype if collect.metric == "weight" else jnp.float32
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, n_collect, S), dtype))
 
-    kernel = functools.partial(_verify_kernel, scale=scale, block_k=block_k, n_splits=n_splits,
-                               rows=rows, G=G, T=T, tile=tile, picked=() if collect is None else collect.rows,
+    kernel = functools.partial(_verify_kernel, scale=scale, block_k=block_k, page_size=page_size,
+                               n_splits=n_splits, rows=rows, G=G, T=T, tile=tile,
+                               picked=() if collect is None else collect.rows,
                                n_collect=n_collect, collect_rows=collect_rows, tree=tree is not None,
                                sinks=sinks is not None, window=lo is not None)
     outs = pl.pallas_call(kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,

@@ -71,8 +71,16 @@ def admit(params, spec, state, slot: int, r: Request):
     return admit_fn(
         params, state, jnp.asarray([slot]), jnp.asarray(ids[None]), jnp.asarray([len(r.ids)]),
         jax.random.key(r.seed)[None], jnp.asarray([r.max_new]), -jnp.ones((1, STOP_WIDTH), jnp.int32),
-        RowSampling.of([r.rules], max_top_k=32),
+        RowSampling.of([r.rules], max_top_k=32), pages=slot_pages(state, [slot]), begin=jnp.zeros((1,), jnp.int32),
     )
+
+
+def slot_pages(state, slots: list[int]):
+    """The page tables of `slots` in a batch's pool: each slot its own consecutive pages (a slot past
+    the rows, a padding row's: the null page)."""
+    R = state.cache.pages.shape[1]
+    rows = 1 + np.asarray(slots)[:, None] * R + np.arange(R)
+    return jnp.asarray(np.where(np.asarray(slots)[:, None] < state.length.shape[0], rows, 0), jnp.int32)
 
 
 def generated(state, slot: int) -> list[int]:
@@ -143,7 +151,8 @@ def test_group_admission_drops_padding_rows(params, spec):
     state = compiled(spec)[0](
         params, state, jnp.asarray([0, 1, 2, 5]), jnp.asarray(ids), jnp.asarray([len(r.ids) for r in rows]),
         jax.vmap(jax.random.key)(jnp.asarray([r.seed for r in rows])), jnp.asarray([r.max_new for r in rows]),
-        -jnp.ones((4, STOP_WIDTH), jnp.int32), RowSampling.of([r.rules for r in rows], max_top_k=32))
+        -jnp.ones((4, STOP_WIDTH), jnp.int32), RowSampling.of([r.rules for r in rows], max_top_k=32),
+        pages=slot_pages(state, [0, 1, 2, 5]), begin=jnp.zeros((4,), jnp.int32))
     assert (jax.device_get(state.tokens[4]) == free_before).all() and bool(state.done[4])
     state = decode(params, state, max_iterations=jnp.int32(1 << 30))
     for slot, r in ((0, group[0]), (1, group[1]), (2, group[2]), (3, first)):
@@ -207,7 +216,7 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     while len(finished) < 5:
         scheduler.step()
     reads = [tuple(events[i - 2 : i]) for i, e in enumerate(events) if e == "read"]
-    assert set(reads) <= {("report", "decode"), *((admission, "report") for admission in ("prefill", "start", "admit"))}
+    assert set(reads) <= {("report", "decode"), *((admission, "report") for admission in ("prefill", "start", "admit", "admit_prefilled"))}
     assert reads.count(("report", "decode")) >= 3
     for i, r in enumerate(requests):
         assert finished[i].finish_reason == "length" and tokens[i] == alone(params, spec, r), i

@@ -19,6 +19,8 @@ from jaxspec.decoding.drafters.quest import PageBounds
 from jaxspec.decoding.drafters.stream import SINKS
 from jaxspec.models.kvcache import KVCache
 from jaxspec.decoding.spec import PAGE, Budget, SpecConfig
+from pallas_kernels import paging
+from paged_pools import scatter
 
 S = 256  # cache slots; head_dim = S so that a value can be the one-hot of its slot
 CFG = ModelConfig(
@@ -31,11 +33,21 @@ def drafter(method: str, k_max: int = 64, gamma: int = 4, **kw):
     return make_drafter(SpecConfig(method=method, gamma=gamma, k_max=k_max, **kw), CFG, max_len=S - 32)
 
 
+POOL_PAGE = 128  # the cache's page size (S = 2 pages a row)
+SEED = 61  # one seed: every paged stack of a batch size shares one table (rows' pages scattered)
+
+
+def paged(stacks, page_size: int) -> KVCache:
+    """A cache of contiguous stacks k, v [L, B, Hkv, S, Dh] in poisoned pools, rows' pages scattered."""
+    (k, v), pages = scatter(stacks, page_size, SEED)
+    return KVCache(k, v, pages, page_size=page_size)
+
+
 def probe_cache(batch: int) -> KVCache:
     L, H = CFG.num_layers, CFG.num_kv_heads
     k = jnp.zeros((L, batch, H, S, S), jnp.float32)
     v = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32), (L, batch, H, S, S))
-    return KVCache(k, v)
+    return paged((k, v), POOL_PAGE)
 
 
 def chain_row(q_pos) -> DraftRows:
@@ -196,8 +208,10 @@ def test_quest_picks_top_pages_per_kv_head_plus_own_page_and_dense_first_layers(
     rng = np.random.default_rng(2)
     page_value = rng.permutation(P * H).reshape(H, P).astype(np.float32)  # distinct scores per head
     # With q = ones, a page's score is (group size) * sum_d kmax_d: a page's value spread over head_dim.
-    kmax = np.broadcast_to(page_value[None, None, :, :, None] / S, (L, B, H, P, S))
-    state = PageBounds(jnp.asarray(kmax, jnp.float32), jnp.asarray(kmax, jnp.float32) - 1.0)
+    kmax = jnp.asarray(np.broadcast_to(page_value[None, None, :, :, None] / S, (L, B, H, P, S)), jnp.float32)
+    (kmin, kmax), pages = scatter((kmax - 1.0, kmax), POOL_PAGE // PAGE, SEED)  # the bounds' pools
+    np.testing.assert_array_equal(np.asarray(pages), np.asarray(probe_cache(B).pages))  # under the cache's table
+    state = PageBounds(kmin, kmax)
     q_pos = np.array([150])  # own page 9 = slots [144, 150]
     budget = Budget.of(0.3, 16)  # K = ceil(45.3) = 46 -> ceil(46 / 16) - 1 = 2 earlier pages + own page
     sparse = attended(d, state, budget, q_pos, layer=2)
@@ -213,18 +227,20 @@ def test_quest_page_bounds_follow_the_cache():
     d = drafter("quest", k_max=64)
     rng = np.random.default_rng(3)
     shape = (CFG.num_layers, 2, CFG.num_kv_heads, S, 8)
-    cache = KVCache(jnp.asarray(rng.normal(size=shape), jnp.float32), jnp.zeros(shape, jnp.float32))
+    k = rng.normal(size=shape).astype(np.float32)
+    cache = paged((jnp.asarray(k), jnp.zeros(shape, jnp.float32)), POOL_PAGE)
+    rows = lambda bounds: np.asarray(paging.logical_view(bounds, cache.pages, POOL_PAGE // PAGE))  # per row's pages
     state = d.init(cache, None)
-    pages = np.asarray(cache.k).reshape(*shape[:3], S // PAGE, PAGE, 8)
-    np.testing.assert_array_equal(np.asarray(state.kmax), pages.max(axis=4))
-    new_k = np.asarray(cache.k).copy()
+    pages = k.reshape(*shape[:3], S // PAGE, PAGE, 8)
+    np.testing.assert_array_equal(rows(state.kmax), pages.max(axis=4))
+    new_k = k.copy()
     new_k[:, 0, :, 37] += 5.0
     new_k[:, 1, :, 200] -= 5.0
-    cache = KVCache(jnp.asarray(new_k), cache.v)
+    cache = paged((jnp.asarray(new_k), jnp.zeros(shape, jnp.float32)), POOL_PAGE)  # the same table
     state = d.after_draft_step(state, cache, jnp.array([[37], [200]]))
     pages = new_k.reshape(*shape[:3], S // PAGE, PAGE, 8)
-    np.testing.assert_array_equal(np.asarray(state.kmax), pages.max(axis=4))
-    np.testing.assert_array_equal(np.asarray(state.kmin), pages.min(axis=4))
+    np.testing.assert_array_equal(rows(state.kmax), pages.max(axis=4))
+    np.testing.assert_array_equal(rows(state.kmin), pages.min(axis=4))
 
 
 def test_ngram_continues_the_longest_most_recent_match():

@@ -31,6 +31,7 @@ from jaxspec.loaders.eagle import load_eagle
 from jaxspec.models import decoder, eagle
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.runner import encode_prompts
+from paged_pools import repeated
 
 GREEDY = SamplingConfig()
 HOT = SamplingConfig(temperature=1.0)
@@ -221,7 +222,7 @@ def test_first_two_tokens_follow_the_target(tree):
     rows, spec = 12000, SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg).validate()
     eng = engine.Engine(TINY, spec, HOT, len(prompt) + 2)
     one_row = jax.jit(eng.prefill_cache)(params, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)]))
-    cache = jax.tree.map(lambda a: jnp.repeat(a, rows, axis=1), one_row)
+    cache = repeated(one_row, rows)
     prompts, lengths = jnp.tile(jnp.asarray(prompt), (rows, 1)), jnp.full((rows,), len(prompt), jnp.int32)
 
     @jax.jit
@@ -266,7 +267,8 @@ def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense):
     def alone(b):
         state = admit(params, engine.release(empty, jnp.ones((1,), bool)), jnp.asarray([0]), jnp.asarray(ids[b:b + 1]),
                       jnp.asarray([lengths[b]]), jax.random.key(b)[None], jnp.asarray([max_new[b]]),
-                      -jnp.ones((1, 1), jnp.int32), RowSampling.of([rules[b]], max_top_k=0))
+                      -jnp.ones((1, 1), jnp.int32), RowSampling.of([rules[b]], max_top_k=0),
+                      pages=empty.cache.pages[:, ::-1], begin=jnp.zeros((1,), jnp.int32))  # its pages reversed
         state = decode(params, state)
         return state.tokens[0, state.prompt_len[0]:state.length[0]].tolist()
 
@@ -330,7 +332,7 @@ def test_prefill_writes_the_heads_cache_over_the_prompt(dense):
     _, features = decoder.score(params, CFG, tokens, capture=ecfg.feature_layers)
     _, ref = eagle.feature_forward(params["eagle"], ecfg, params, CFG, tokens[:, 1:], features[:, :-1],
                                    positions[:, :-1], jnp.ones((1, n - 1), bool), eagle.init_cache(ecfg, 1, n, "float32"))
-    got = np.asarray(cache.head.k[0, 1, :, :n - 1])
-    np.testing.assert_allclose(got, np.asarray(ref.k[0, 0, :, :n - 1]), rtol=1e-5, atol=1e-5)
-    # nothing past the prompt (a fresh cache is zero); padding positions write the last slot alone, as the model's cache
-    assert not np.any(np.asarray(cache.head.k[0, 1, :, n - 1:-1]))
+    got = np.asarray(cache.head.view(0)[0][1, :, :n - 1])
+    np.testing.assert_allclose(got, np.asarray(ref.view(0)[0][0, :, :n - 1]), rtol=1e-5, atol=1e-5)
+    # nothing past the prompt (a fresh cache is zero); padding positions write the null page alone, as the model's cache
+    assert not np.any(np.asarray(cache.head.view(0)[0][1, :, n - 1:]))

@@ -26,6 +26,8 @@ from jaxspec.loaders import load_model
 from jaxspec.runner import Batch, decode_fns, encode_prompts, prefill_fn
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, SpecConfig
+from pallas_kernels import paging
+from paged_pools import repeated
 
 # full drafts over the whole cache, so it needs a draft model cheaper than the target: the draft-model tests
 SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full", "eagle")]  # eagle drafts with a head: test_eagle_engine
@@ -366,7 +368,8 @@ def test_finished_rows_stop_reading_and_writing(qwen3_case, spec):
     assert not bool(state.done.all())
     if spec.method == "vegas":
         assert int(state.drafter.n_idx[1]) == 1 and int(state.drafter.n_idx[0]) > 1
-    row = lambda cache: jax.device_get((cache.k[:, 1, :, :-1], cache.v[:, 1, :, :-1]))  # the last slot takes unwritten tokens
+    row = lambda cache: jax.device_get(tuple(paging.logical_view(pool, cache.pages, cache.page_size)[:, 1]
+                                             for pool in (cache.k, cache.v)))
     frozen = row(state.cache)
     state = decode(case.params, state, max_iterations=jnp.int32(1 << 30))
     jax.tree.map(np.testing.assert_array_equal, row(state.cache), frozen)
@@ -432,18 +435,23 @@ def test_cached_decoding_equals_full_forward(qwen3_case):
 
 def test_prefill_padding_writes_only_the_last_slot():
     """A prefill chunk over rows of different prompt lengths writes each row's prompt slots and, for
-    its padding tokens, the last slot alone (KVCache.write): every other slot keeps the poison."""
+    its padding tokens, the null page alone (past the table: decoder.forward): every other slot of the
+    rows' (scattered) pages keeps the poison."""
     params = decoder.init_params(TINY, jax.random.key(3), scale=0.5)
     prompt_len = jnp.asarray([9, 3], jnp.int32)
     prompts = jax.random.randint(jax.random.key(4), (2, 12), 0, TINY.vocab_size)
     empty = init_cache(TINY, 2, 12 + engine.MAX_TREE_ROWS)
-    poison = jax.tree.map(lambda a: jax.random.normal(jax.random.key(5), a.shape, a.dtype) + 7.0, empty)
+    order = 1 + np.random.default_rng(6).permutation(empty.pages.size)
+    empty = empty.with_pages(jnp.asarray(order.reshape(empty.pages.shape), jnp.int32))
+    noise = lambda a: jax.random.normal(jax.random.key(5), a.shape, a.dtype) + 7.0
+    poison = dataclasses.replace(empty, k=noise(empty.k), v=noise(empty.v))
     cache = engine.prefill_chunk(params, poison, prompts=prompts, prompt_len=prompt_len, begin=0, cfg=TINY,
                                  backend="reference", chunk=12)
+    rows = lambda pool: np.asarray(paging.logical_view(pool, cache.pages, cache.page_size))
     for new, old in ((cache.k, poison.k), (cache.v, poison.v)):
-        changed = np.any(np.asarray(new != old), axis=(0, 2, 4))  # [B, S]
+        changed = np.any(rows(new) != rows(old), axis=(0, 2, 4))  # [B, S]
         for b, n in enumerate(np.asarray(prompt_len) - 1):  # the last prompt token is the first decode step's
-            assert changed[b, :n].all() and not changed[b, n:-1].any(), b
+            assert changed[b, :n].all() and not changed[b, n:].any(), b
 
 
 @pytest.mark.slow  # by default seeds repeat in test_server's sampled requests and test_batching's sampled rows
@@ -484,7 +492,7 @@ def tiny_rows():
     rows = 12000
     batch = Batch(np.tile(prompt, (rows, 1)), np.full((rows,), len(prompt), np.int32))
     one_row = prefilled(params, TINY, Batch(batch.ids[:1], batch.lengths[:1]), len(prompt) + 2)
-    return params, prompt, batch, jax.tree.map(lambda a: jnp.repeat(a, rows, axis=1), one_row)  # [L, B, ...]
+    return params, prompt, batch, repeated(one_row, rows)
 
 
 @pytest.mark.parametrize("method,tree,order,weights,skip", [

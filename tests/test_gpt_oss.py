@@ -27,6 +27,7 @@ from jaxspec.models.decoder import score
 from jaxspec.models.kvcache import KVCache
 import pallas_kernels as kernels
 from pallas_kernels.moe import MXFP4, dequantize
+from paged_pools import scatter
 from test_moe_model import greedy, random_model
 
 STOP = jnp.array([-1], jnp.int32)
@@ -145,7 +146,8 @@ def test_a_sliding_layer_drafts_over_its_whole_window():
     drafter = make_drafter(SpecConfig(method="vegas", gamma=2, ratio=0.01, min_tokens=16).validate(), cfg, 256)
     rng = np.random.default_rng(6)
     shape = (cfg.num_layers, 2, cfg.num_kv_heads, 256, cfg.head_dim)
-    cache = KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)))
+    (k, v), pages = scatter([jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)], 128, 6)
+    cache = KVCache(k, v, pages, page_size=128)
     q = jnp.asarray(rng.standard_normal((2, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
     sinks = jnp.asarray(rng.standard_normal((cfg.num_layers, cfg.num_heads)), jnp.float32)
     first = jnp.asarray([100, 150], jnp.int32)
@@ -158,11 +160,11 @@ def test_a_sliding_layer_drafts_over_its_whole_window():
         gates = decoder.layer_sink_window(cfg, sinks, first[:, None], jnp.int32(layer))
         out, _, _ = attend(jnp.int32(layer), q, cache, None, gates, ())
         if layer in cfg.sliding_layers:
-            want = kernels.verify_attention(q, cache.k, cache.v, layer, first[:, None], scale=scale, sinks=sinks,
-                                            lo=gates.lo)[0]
+            want = kernels.verify_attention(q, k, v, pages, layer, first[:, None], page_size=128, scale=scale,
+                                            sinks=sinks, lo=gates.lo)[0]
         else:
-            want = kernels.sparse_attention(q, cache.k, cache.v, layer, idx, n_idx, tail_start, first[:, None],
-                                            scale=scale, tail_capacity=8, sinks=sinks, lo=gates.lo)
+            want = kernels.sparse_attention(q, k, v, pages, layer, idx, n_idx, tail_start, first[:, None],
+                                            page_size=128, scale=scale, tail_capacity=8, sinks=sinks, lo=gates.lo)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=f"layer {layer}")
 
 

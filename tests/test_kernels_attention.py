@@ -24,6 +24,7 @@ from pallas_kernels.verify_attention import (
     verify_attention_pallas,
     verify_attention_reference,
 )
+import paged_pools
 from slow_cases import slow_at
 
 LAYERS, LAYER = 3, 1
@@ -54,6 +55,12 @@ def assert_close(got, want, tol, what):
 
 
 # ---------------------------------------------------------------- verify attention
+
+def verify_pools(k_cache, v_cache, seed, page_size=64):
+    """(k_pool, v_pool, pages): the caches scattered into poisoned pools (tests/paged_pools.py)."""
+    (k_pool, v_pool), pages = paged_pools.scatter((k_cache, v_cache), page_size, seed)
+    return k_pool, v_pool, pages
+
 
 def verify_positions(seed, B, T, S):
     """Rows: ends at S-1; starts at 0; starts mid-block; garbage (finished) row."""
@@ -165,11 +172,14 @@ def test_verify_attention(case):
     q_pos = verify_positions(100 + case, B, T, S)
     scale = Dh ** -0.5
     want = verify_oracle(q, k_cache, v_cache, q_pos, scale, collect)
-    ref = jax.jit(lambda *a: verify_attention_reference(*a, scale=scale, collect=collect))(
-        q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+    page_size = max(64, block_k)
+    args = (q, *verify_pools(k_cache, v_cache, case, page_size), jnp.int32(LAYER), q_pos)
+    ref = jax.jit(lambda *a: verify_attention_reference(*a, page_size=page_size, scale=scale,
+                                                        collect=collect))(*args)
     kernel = jax.jit(lambda *a: verify_attention_pallas(
-        *a, scale=scale, collect=collect, interpret=True, block_k=block_k, n_splits=n_splits))
-    got = kernel(q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+        *a, page_size=page_size, scale=scale, collect=collect, interpret=True, block_k=block_k,
+        n_splits=n_splits))
+    got = kernel(*args)
     tol = TOL[dtype]
     assert got[0].dtype == dtype and got[1].dtype == jnp.float32
     for name, g, r, w in zip(("out", "lse", "scores"), got, ref, want):
@@ -182,12 +192,10 @@ def test_verify_attention(case):
 
 def test_verify_long_rows_fall_back_to_reference():
     q, k_cache, v_cache = random_inputs(7, (1, 65, 4, 64), 1, 2, 128, 64, jnp.float32)
-    q_pos = jnp.arange(60, 125, dtype=jnp.int32)[None]
+    args = (q, *verify_pools(k_cache, v_cache, 7), LAYER, jnp.arange(60, 125, dtype=jnp.int32)[None])
     collect = Collect((0, 64), "weight", True)
-    ref = verify_attention_reference(q, k_cache, v_cache, LAYER, q_pos, scale=0.125,
-                                     collect=collect)
-    got = verify_attention_pallas(q, k_cache, v_cache, LAYER, q_pos, scale=0.125,
-                                  collect=collect, interpret=True)
+    ref = verify_attention_reference(*args, page_size=64, scale=0.125, collect=collect)
+    got = verify_attention_pallas(*args, page_size=64, scale=0.125, collect=collect, interpret=True)
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
 
@@ -198,9 +206,13 @@ def test_collect_validation():
     with pytest.raises(ValueError, match="sorted"):
         Collect((3, 1), "logit", True)
     q, k_cache, v_cache = random_inputs(8, (1, 2, 4, 64), 1, 2, 128, 64, jnp.float32)
+    args = (q, *verify_pools(k_cache, v_cache, 8), 0, jnp.zeros((1, 2), jnp.int32))
     with pytest.raises(ValueError, match="out of range"):
-        verify_attention_reference(q, k_cache, v_cache, 0, jnp.zeros((1, 2), jnp.int32),
-                                   scale=1.0, collect=Collect((0, 2), "logit", True))
+        verify_attention_reference(*args, page_size=64, scale=1.0, collect=Collect((0, 2), "logit", True))
+    with pytest.raises(ValueError, match="multiple of block_k"):  # a key block straddling two pages
+        verify_attention_pallas(*args, page_size=64, scale=1.0, block_k=128, interpret=True)
+    with pytest.raises(ValueError, match="page size"):
+        verify_attention_reference(*args, page_size=96, scale=1.0)
 
 
 def poisoned(cache, lo):
@@ -248,10 +260,12 @@ def test_verify_attention_sinks_and_window(case):
                          None if tree is None else (np.asarray(first), tree.ancestors))
     if lo is not None:
         k_cache, v_cache = poisoned(k_cache, lo), poisoned_values(v_cache, lo)
-    options = dict(scale=scale, collect=collect, tree=mask, sinks=sinks, lo=lo)
-    ref = jax.jit(lambda *a: verify_attention_reference(*a, **options))(q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+    page_size = max(64, block_k)
+    args = (q, *verify_pools(k_cache, v_cache, 400 + case, page_size), jnp.int32(LAYER), q_pos)
+    options = dict(page_size=page_size, scale=scale, collect=collect, tree=mask, sinks=sinks, lo=lo)
+    ref = jax.jit(lambda *a: verify_attention_reference(*a, **options))(*args)
     got = jax.jit(lambda *a: verify_attention_pallas(*a, interpret=True, block_k=block_k, n_splits=n_splits,
-                                                     **options))(q, k_cache, v_cache, jnp.int32(LAYER), q_pos)
+                                                     **options))(*args)
     for name, g, r, w in zip(("out", "lse", "scores"), got, ref, want):
         assert_close(r, w, TOL[dtype], f"reference {name}")
         assert_close(g, w, 2 * TOL[dtype], f"pallas {name}")
@@ -261,15 +275,19 @@ def test_verify_attention_options_default_to_none():
     """sinks=None, lo=None is the call without them, output for output."""
     q, k_cache, v_cache = random_inputs(9, (2, 3, 4, 64), 2, 2, 128, 64, jnp.float32)
     q_pos = jnp.asarray([[60, 61, 62], [125, 126, 127]], jnp.int32)
+    args = (q, *verify_pools(k_cache, v_cache, 9), LAYER, q_pos)
     collect = Collect((0, 2), "weight", True)
     for attention, kw in ((verify_attention_reference, {}), (verify_attention_pallas, dict(interpret=True))):
-        plain = attention(q, k_cache, v_cache, LAYER, q_pos, scale=0.125, collect=collect, **kw)
-        none = attention(q, k_cache, v_cache, LAYER, q_pos, scale=0.125, collect=collect, sinks=None, lo=None, **kw)
+        plain = attention(*args, page_size=64, scale=0.125, collect=collect, **kw)
+        none = attention(*args, page_size=64, scale=0.125, collect=collect, sinks=None, lo=None, **kw)
         for a, b in zip(plain, none):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---------------------------------------------------------------- sparse attention
+
+SPARSE_PAGE = 64  # more pages a row than the default 128 (some cases take 128)
+
 
 def sparse_inputs(seed, B, Hs, K, S, n_idx, tail_start):
     """Distinct slots below tail_start for the first n_idx entries, garbage slots after them."""
@@ -323,14 +341,21 @@ SPARSE_CASES = [
 ]
 
 
-def run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, tree, block_k, n_splits):
-    """(reference, pallas) outputs, each under jit."""
-    args = (q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
-    ref = jax.jit(lambda *a: sparse_attention_reference(*a, scale=scale, tail_capacity=capacity,
-                                                        tree=tree))(*args)
-    got = jax.jit(lambda *a: sparse_attention_pallas(
-        *a, scale=scale, tail_capacity=capacity, tree=tree, interpret=True, block_k=block_k,
-        n_splits=n_splits))(*args)
+def sparse_args(q, k_cache, v_cache, idx, ints, seed, page_size=SPARSE_PAGE):
+    """The kernels' positional arguments with the caches scattered into poisoned pools
+    (tests/paged_pools.py), rows' pages in random order."""
+    (k_pool, v_pool), pages = paged_pools.scatter((k_cache, v_cache), page_size, seed)
+    return (q, k_pool, v_pool, pages, jnp.int32(LAYER), idx, *ints)
+
+
+def run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, tree, block_k, n_splits, seed,
+               page_size=SPARSE_PAGE):
+    """(reference, pallas) outputs over paged pools, each under jit."""
+    args = sparse_args(q, k_cache, v_cache, idx, ints, seed, page_size)
+    options = dict(page_size=page_size, scale=scale, tail_capacity=capacity, tree=tree)
+    ref = jax.jit(lambda *a: sparse_attention_reference(*a, **options))(*args)
+    got = jax.jit(lambda *a: sparse_attention_pallas(*a, interpret=True, block_k=block_k, n_splits=n_splits,
+                                                     **options))(*args)
     return ref, got
 
 
@@ -346,7 +371,8 @@ def test_sparse_attention(case):
     capacity = max(max(p - t + 1 for p, t in zip(q_pos, tail_start)), 1)
     scale = Dh ** -0.5
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale)
-    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, block_k, n_splits)
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, block_k, n_splits, 200 + case,
+                          128 if case % 2 else SPARSE_PAGE)
     assert got.dtype == dtype
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
@@ -363,7 +389,7 @@ def test_sparse_attention_reads_a_layer_stack_of_slots():
     capacity = max(max(p - t + 1 for p, t in zip(q_pos, tail_start)), 1)
     scale = Dh ** -0.5
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(stack[LAYER]), n_idx, tail_start, q_slot, scale)
-    ref, got = run_sparse(q, k_cache, v_cache, stack, ints, scale, capacity, None, block_k, n_splits)
+    ref, got = run_sparse(q, k_cache, v_cache, stack, ints, scale, capacity, None, block_k, n_splits, 280)
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
 
@@ -381,7 +407,7 @@ def test_sparse_attention_rows():
     capacity = int((q_slot.max(axis=1) - tail_start).max()) + 1
     scale = Dh ** -0.5
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale)
-    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, 16, None)
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, None, 16, None, 290)
     assert_close(ref, want, TOL[jnp.bfloat16], "reference")
     assert_close(got, ref, 2 * TOL[jnp.bfloat16], "pallas")
 
@@ -418,16 +444,18 @@ def test_sparse_attention_tree_depth(case):
     want = sparse_oracle(q, k_cache, v_cache, np.asarray(idx), n_idx, tail_start, q_slot, scale,
                          first, ancestors)
     mask = TreeMask(jnp.asarray(first, jnp.int32), ancestors)
-    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, mask, block_k, n_splits)
+    page_size = 128 if case % 2 else SPARSE_PAGE
+    ref, got = run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, mask, block_k, n_splits, 300 + case,
+                          page_size)
     assert got.dtype == dtype
     assert_close(ref, want, TOL[dtype], "reference")
     assert_close(got, ref, 2 * TOL[dtype], "pallas")
     # a traced mask (the drafter's case) gives the same kernel output
     traced = jax.jit(lambda a, *x: sparse_attention_pallas(
-        *x, scale=scale, tail_capacity=capacity, interpret=True, block_k=block_k, n_splits=n_splits,
-        tree=TreeMask(jnp.asarray(first, jnp.int32), a)))
-    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(ancestors), q, k_cache, v_cache,
-                                                    jnp.int32(LAYER), idx, *ints)), np.asarray(got))
+        *x, page_size=page_size, scale=scale, tail_capacity=capacity, interpret=True, block_k=block_k,
+        n_splits=n_splits, tree=TreeMask(jnp.asarray(first, jnp.int32), a)))
+    args = sparse_args(q, k_cache, v_cache, idx, ints, 300 + case, page_size)
+    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(ancestors), *args)), np.asarray(got))
 
 
 def path_as_chain(cache, first, path):
@@ -444,7 +472,8 @@ def chain_row(q_row, k_cache, v_cache, first, path):
     laid out as a chain; under jit, one compile per path length for every tree (eagerly, ~80 op
     compiles a tree: row slices, index shapes)."""
     k_chain, v_chain = (path_as_chain(x, first, path) for x in (k_cache, v_cache))
-    out, lse, _ = verify_attention_reference(q_row, k_chain, v_chain, LAYER, first[:, None] + len(path) - 1,
+    out, lse, _ = verify_attention_reference(q_row, *verify_pools(k_chain, v_chain, len(path)), LAYER,
+                                             first[:, None] + len(path) - 1, page_size=64,
                                              scale=q_row.shape[-1] ** -0.5)
     return out, lse
 
@@ -470,8 +499,10 @@ def test_tree_verify_equals_each_path_as_a_chain(shape, order, pallas):
     mask = TreeMask(first, tree.ancestors)
     attention = verify_attention_pallas if pallas else verify_attention_reference
     kw = dict(interpret=True) if pallas else {}
+    pools = verify_pools(k_cache, v_cache, T)
     # under jit: one compile of the whole tree's attention (eagerly, each op's compile apart)
-    run = lambda tree: jax.jit(lambda *a: attention(*a, LAYER, q_pos, scale=Dh**-0.5, tree=tree, **kw))(q, k_cache, v_cache)
+    run = lambda tree: jax.jit(lambda *a: attention(*a, LAYER, q_pos, page_size=64, scale=Dh**-0.5, tree=tree,
+                                                    **kw))(q, *pools)
     out, lse, _ = run(mask)
     for t in range(T):
         path = np.flatnonzero(tree.ancestors[t])  # root .. t, parents first
@@ -528,8 +559,8 @@ def test_sparse_attention_sinks_and_window(case):
     if lo is not None:
         k_cache, v_cache = poisoned(k_cache, lo), poisoned_values(v_cache, lo)
         lo = jnp.asarray(lo, jnp.int32)
-    args = (q, k_cache, v_cache, jnp.int32(LAYER), idx, *ints)
-    options = dict(scale=scale, tail_capacity=capacity, tree=mask, sinks=sinks, lo=lo)
+    args = sparse_args(q, k_cache, v_cache, idx, ints, 500 + case)
+    options = dict(page_size=SPARSE_PAGE, scale=scale, tail_capacity=capacity, tree=mask, sinks=sinks, lo=lo)
     ref = jax.jit(lambda *a: sparse_attention_reference(*a, **options))(*args)
     got = jax.jit(lambda *a: sparse_attention_pallas(*a, interpret=True, block_k=block_k, n_splits=n_splits,
                                                      **options))(*args)
@@ -545,9 +576,22 @@ def test_sparse_attention_options_default_to_none():
     B = len(n_idx)
     q, k_cache, v_cache = random_inputs(590, (B, 1, Hq, Dh), B, Hkv, S, Dh, dtype)
     idx = sparse_inputs(590, B, Hs, K, S, n_idx, tail_start)
-    args = (q, k_cache, v_cache, LAYER, idx, *[jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, q_pos)])
-    args = args[:-1] + (args[-1][:, None],)
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, np.asarray(q_pos)[:, None])]
+    args = sparse_args(q, k_cache, v_cache, idx, ints, 590)
     for attention, kw in ((sparse_attention_reference, {}), (sparse_attention_pallas, dict(interpret=True))):
-        plain = attention(*args, scale=0.125, tail_capacity=32, **kw)
-        none = attention(*args, scale=0.125, tail_capacity=32, sinks=None, lo=None, **kw)
+        plain = attention(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, **kw)
+        none = attention(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, sinks=None, lo=None, **kw)
         np.testing.assert_array_equal(np.asarray(plain), np.asarray(none))
+
+
+def test_sparse_attention_rejects_blocks_across_pages():
+    """A key block must lie in one page: block_k must divide the page size (and pages tile the pool)."""
+    Hq, Hkv, Hs, Dh, S, K, n_idx, tail_start, q_pos, dtype, block_k, n_splits = SPARSE_CASES[0]
+    B = len(n_idx)
+    q, k_cache, v_cache = random_inputs(591, (B, 1, Hq, Dh), B, Hkv, S, Dh, dtype)
+    ints = [jnp.asarray(x, jnp.int32) for x in (n_idx, tail_start, np.asarray(q_pos)[:, None])]
+    args = sparse_args(q, k_cache, v_cache, sparse_inputs(591, B, Hs, K, S, n_idx, tail_start), ints, 591)
+    with pytest.raises(ValueError, match="divide the page size"):
+        sparse_attention_pallas(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, block_k=128)
+    with pytest.raises(ValueError, match="page size"):
+        sparse_attention_reference(*args, page_size=96, scale=0.125, tail_capacity=32)

@@ -38,6 +38,7 @@ from slow_cases import slow_at
 H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"))
 L, B, S = 36, 4, 32768
+PAGE = 128  # paging.DEFAULT_PAGE_SIZE; pools of B * S slots plus the null page
 
 
 H100_MAX_SHARED = 227 * 1024
@@ -107,9 +108,9 @@ def spec(shape, dtype=jnp.int32):
     (9, 3, 64, 64, Collect((0, 63), "weight", True)),     # SmolLM2, G=3: 48 rows of a 64-row tile
 ])
 def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
-    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
-    check_cuda(lambda *a: verify_attention_pallas(*a, scale=Dh ** -0.5, collect=collect),
-                   spec((B, T, Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, T)))
+    pool = spec((L, Hkv, B * S + PAGE, Dh), jnp.bfloat16)
+    check_cuda(lambda *a: verify_attention_pallas(*a, page_size=PAGE, scale=Dh ** -0.5, collect=collect),
+                   spec((B, T, Hq, Dh), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()), spec((B, T)))
 
 
 @pytest.mark.parametrize("shape", [(3, 2, 1), (2, 2, 2, 2, 2)])
@@ -117,11 +118,12 @@ def test_tree_verify_attention_lowers(check_cuda, shape):
     """The two-word ancestor-bit mask: a (3, 2, 1) tree (16 rows, one 64-row tile) and a 5-deep
     binary tree (63 rows, 4 row blocks)."""
     tree = TreeShape(shape, "dfs")
-    cache = spec((L, B, 8, S, 128), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, pos, first: verify_attention_pallas(
-                   q, k, v, layer, pos, scale=128 ** -0.5,
+    pool = spec((L, 8, B * S + PAGE, 128), jnp.bfloat16)
+    check_cuda(lambda q, k, v, pages, layer, pos, first: verify_attention_pallas(
+                   q, k, v, pages, layer, pos, page_size=PAGE, scale=128 ** -0.5,
                    collect=Collect((0, tree.rows - 1), "weight", True), tree=TreeMask(first, tree.ancestors)),
-               spec((B, tree.rows, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, tree.rows)), spec((B,)))
+               spec((B, tree.rows, 32, 128), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()),
+               spec((B, tree.rows)), spec((B,)))
 
 
 @pytest.mark.parametrize("shape", [None, (2, 2, 2, 2, 2)])
@@ -130,19 +132,29 @@ def test_verify_attention_with_sinks_and_window_lowers(check_cuda, shape):
     last) on 10 rows and on a 5-deep binary tree (63 rows, 4 row blocks)."""
     tree = None if shape is None else TreeShape(shape, "dfs")
     T = 10 if tree is None else tree.rows
-    cache = spec((L, B, 8, S, 64), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, pos, sinks, lo, first: verify_attention_pallas(
-                   q, k, v, layer, pos, scale=64 ** -0.5, collect=Collect((0, T - 1), "weight", True),
+    pool = spec((L, 8, B * S + PAGE, 64), jnp.bfloat16)
+    check_cuda(lambda q, k, v, pages, layer, pos, sinks, lo, first: verify_attention_pallas(
+                   q, k, v, pages, layer, pos, page_size=PAGE, scale=64 ** -0.5,
+                   collect=Collect((0, T - 1), "weight", True),
                    tree=None if tree is None else TreeMask(first, tree.ancestors), sinks=sinks, lo=lo),
-               spec((B, T, 64, 64), jnp.bfloat16), cache, cache, spec(()), spec((B, T)),
+               spec((B, T, 64, 64), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()), spec((B, T)),
                spec((L, 64), jnp.bfloat16), spec((B, T)), spec((B,)))
+
+
+SPARSE_PAGE = 128
+
+
+def sparse_pools(Hkv, Dh):
+    """Specs of the k/v pools [L, Hkv, N, Dh] holding B rows of S slots (and the null page) and of
+    their page table [B, R]."""
+    pool = spec((L, Hkv, B * S + SPARSE_PAGE, Dh), jnp.bfloat16)
+    return pool, pool, spec((B, S // SPARSE_PAGE))
 
 
 @pytest.mark.parametrize("Hs", [1, 8])
 def test_sparse_attention_lowers(check_cuda, Hs):
-    cache = spec((L, B, 8, S, 128), jnp.bfloat16)
-    check_cuda(lambda *a: sparse_attention_pallas(*a, scale=128 ** -0.5, tail_capacity=16),
-                   spec((B, 1, 32, 128), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
+    check_cuda(lambda *a: sparse_attention_pallas(*a, page_size=SPARSE_PAGE, scale=128 ** -0.5, tail_capacity=16),
+                   spec((B, 1, 32, 128), jnp.bfloat16), *sparse_pools(8, 128), spec(()), spec((B, Hs, 2294)),
                    spec((B,)), spec((B,)), spec((B, 1)))
 
 
@@ -152,11 +164,10 @@ def test_tree_sparse_attention_lowers(check_cuda, Hq, Hkv, Dh, Hs):
     blocks for Qwen3-8B (G=4) and SmolLM2 (G=3)."""
     tree = TreeShape((2, 2, 2, 2, 2), "bfs")
     rows = np.flatnonzero(tree.node_depth == 5)
-    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, idx, n_idx, tail_start, q_slot, first: sparse_attention_pallas(
-                   q, k, v, layer, idx, n_idx, tail_start, q_slot, scale=Dh ** -0.5, tail_capacity=80,
-                   tree=TreeMask(first, tree.ancestors[rows])),
-               spec((B, len(rows), Hq, Dh), jnp.bfloat16), cache, cache, spec(()), spec((B, Hs, 2294)),
+    check_cuda(lambda q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, first: sparse_attention_pallas(
+                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=SPARSE_PAGE, scale=Dh ** -0.5,
+                   tail_capacity=80, tree=TreeMask(first, tree.ancestors[rows])),
+               spec((B, len(rows), Hq, Dh), jnp.bfloat16), *sparse_pools(Hkv, Dh), spec(()), spec((B, Hs, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)))
 
 
@@ -164,11 +175,10 @@ def test_tree_sparse_attention_with_sinks_and_window_lowers(check_cuda):
     """gpt-oss's options on the deepest 32 rows of a 5-deep binary tree (two row blocks, G=8)."""
     tree = TreeShape((2, 2, 2, 2, 2), "bfs")
     rows = np.flatnonzero(tree.node_depth == 5)
-    cache = spec((L, B, 8, S, 64), jnp.bfloat16)
-    check_cuda(lambda q, k, v, layer, idx, n_idx, tail_start, q_slot, first, sinks, lo: sparse_attention_pallas(
-                   q, k, v, layer, idx, n_idx, tail_start, q_slot, scale=64 ** -0.5, tail_capacity=80,
-                   tree=TreeMask(first, tree.ancestors[rows]), sinks=sinks, lo=lo),
-               spec((B, len(rows), 64, 64), jnp.bfloat16), cache, cache, spec(()), spec((B, 8, 2294)),
+    check_cuda(lambda q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, first, sinks, lo: sparse_attention_pallas(
+                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=SPARSE_PAGE, scale=64 ** -0.5,
+                   tail_capacity=80, tree=TreeMask(first, tree.ancestors[rows]), sinks=sinks, lo=lo),
+               spec((B, len(rows), 64, 64), jnp.bfloat16), *sparse_pools(8, 64), spec(()), spec((B, 8, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)), spec((L, 64), jnp.bfloat16),
                spec((B, len(rows))))
 
@@ -180,13 +190,13 @@ def test_tree_sparse_attention_with_sinks_and_window_lowers(check_cuda):
 ])
 def test_rope_write_lowers(check_cuda, Hq, Hkv, Dh, T, splits, qk_norm):
     N = (Hq + 2 * Hkv) * Dh
-    cache = spec((L, B, Hkv, S, Dh), jnp.bfloat16)
+    pool = spec((L, Hkv, B * S + PAGE, Dh), jnp.bfloat16)
     norm = spec((L, Dh), jnp.bfloat16) if qk_norm else None
     inv_freq = np.linspace(1, 1e-4, Dh // 2).astype(np.float32)
-    check_cuda(lambda sums, pos, wpos, k, v, entry, layer, scale, bias, qn, kn: rope_write_pallas(
-                   sums, pos, wpos, k, v, entry, layer, inv_freq, num_heads=Hq, rope_scale=1.0, eps=1e-6,
+    check_cuda(lambda sums, pos, slots, k, v, entry, layer, scale, bias, qn, kn: rope_write_pallas(
+                   sums, pos, slots, k, v, entry, layer, inv_freq, num_heads=Hq, rope_scale=1.0, eps=1e-6,
                    scale=scale, bias=bias, q_norm=qn, k_norm=kn),
-               spec((splits, max(16, B * T), N), jnp.float32), spec((B, T)), spec((B, T)), cache, cache, spec(()),
+               spec((splits, max(16, B * T), N), jnp.float32), spec((B, T)), spec((B, T)), pool, pool, spec(()),
                spec(()), spec((L, N), jnp.float32), spec((L, N), jnp.bfloat16), norm, norm)
 
 
@@ -243,10 +253,12 @@ def test_merge_splits_lowers(check_cuda, P, splits, rows, Dh):
 @pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [  # Qwen3-8B's at batch 1: slow (the default run's 20 minutes)
     pytest.param(L, 1, 32, 8, S // 16, 128, marks=pytest.mark.slow), (30, 128, 9, 3, 496, 64)])
 def test_quest_pages_lowers(check_cuda, Lq, Bq, Hq, H, P, Dh):
-    """Qwen3-8B's pages at 1 x 32K, SmolLM2's at 128 x 7.9K (a masked last chunk)."""
-    bounds = spec((Lq, Bq, H, P, Dh), jnp.bfloat16)
-    check_cuda(lambda q, lo, hi, layer, last, k: quest_pages_pallas(q, lo, hi, layer, last, k, P * 7 // 100),
-               spec((Bq, 1, Hq, Dh), jnp.bfloat16), bounds, bounds, spec(()), spec((Bq,)), spec((Bq,)))
+    """Qwen3-8B's pages at 1 x 32K, SmolLM2's at 128 x 7.9K (a masked last chunk): bound pools of the
+    rows' 128-slot cache pages (8 bounds a page) and the null page's, under the page table."""
+    bounds = spec((Lq, H, Bq * P + 8, Dh), jnp.bfloat16)
+    check_cuda(lambda *a: quest_pages_pallas(*a, P * 7 // 100, page_size=128),
+               spec((Bq, 1, Hq, Dh), jnp.bfloat16), bounds, bounds, spec((Bq, P // 8)), spec(()), spec((Bq,)),
+               spec((Bq,)))
 
 
 @pytest.mark.parametrize("S_", [pytest.param(S, marks=pytest.mark.slow), 4000])  # 4000: a masked last chunk; S slow
@@ -296,14 +308,23 @@ TREE_SHAPES = [  # a 63-row draft tree's rows (nsa_tree_compressed, nsa_grouped)
 ]
 
 
+NSA_PAGE = 128  # paging.DEFAULT_PAGE_SIZE: the pools hold one row's slots and the null page
+
+
+def nsa_pools(Hkv, Dh, slots, dtype, block_size=1):
+    """Specs of a pool [24, Hkv, N, Dh] (compressed: N / block_size entries) and its one row's table."""
+    pool = spec((24, Hkv, (slots + NSA_PAGE) // block_size, Dh), dtype)
+    return pool, spec((1, slots // NSA_PAGE))
+
+
 # By default each NSA kernel lowers at NSA-1B's 256-row tile, the 8B shapes' largest blocks, SmolLM2's
 # one row, a float32 cache and a tree's rows; the other shapes with the slow tests (slow_at).
 @pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", slow_at(NSA_SHAPES + TREE_SHAPES, (0, 2, 5, 8, 10)))
 def test_nsa_compressed_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_compressed import nsa_compressed_pallas
-    cmp = spec((24, 1, Hkv, slots // bs, Dh), dtype)
-    check_cuda(lambda *a: nsa_compressed_pallas(*a, block_size=bs, scale=Dh ** -0.5),
-               spec((1, T, Hq, Dh), dtype), cmp, cmp, spec(()), spec((1, T)))
+    cmp, pages = nsa_pools(Hkv, Dh, slots, dtype, bs)
+    check_cuda(lambda *a: nsa_compressed_pallas(*a, page_size=NSA_PAGE, block_size=bs, scale=Dh ** -0.5),
+               spec((1, T, Hq, Dh), dtype), cmp, cmp, pages, spec(()), spec((1, T)))
 
 
 @pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype, group", slow_at(
@@ -312,18 +333,19 @@ def test_nsa_grouped_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype, group)
     from pallas_kernels.nsa_grouped import nsa_grouped_pallas
     tree = TreeShape((2,) * 5, "bfs")
     assert tree.rows == T
-    cache = spec((24, 1, Hkv, slots, Dh), dtype)
+    cache, pages = nsa_pools(Hkv, Dh, slots, dtype)
     rows = spec((1, T, Hq, Dh), dtype)
-    check_cuda(lambda *a: nsa_grouped_pallas(*a[:5], tree.ancestors, *a[5:], group=group, shared=False,
-                                             block_size=bs, window=512, scale=Dh ** -0.5),
-               rows, cache, cache, spec(()), spec((1,)), spec((1, T, Hkv, 16)), rows, spec((1, T, Hq, 3), dtype))
+    check_cuda(lambda *a: nsa_grouped_pallas(*a[:6], tree.ancestors, *a[6:], page_size=NSA_PAGE, group=group,
+                                             shared=False, block_size=bs, window=512, scale=Dh ** -0.5),
+               rows, cache, cache, pages, spec(()), spec((1,)), spec((1, T, Hkv, 16)), rows,
+               spec((1, T, Hq, 3), dtype))
 
 
 @pytest.mark.parametrize("Hq, Hkv, Dh, bs, slots, T, dtype", slow_at(NSA_SHAPES, (0, 2, 5, 8)))
 def test_nsa_selected_lowers(check_cuda, Hq, Hkv, Dh, bs, slots, T, dtype):
     from pallas_kernels.nsa_selected import nsa_selected_pallas
-    cache = spec((24, 1, Hkv, slots, Dh), dtype)
+    cache, pages = nsa_pools(Hkv, Dh, slots, dtype)
     rows = spec((1, T, Hq, Dh), dtype)
-    check_cuda(lambda *a: nsa_selected_pallas(*a, block_size=bs, window=512, scale=Dh ** -0.5),
-               rows, cache, cache, spec(()), spec((1, T)), spec((1, T, Hkv, 16)), rows,
+    check_cuda(lambda *a: nsa_selected_pallas(*a, page_size=NSA_PAGE, block_size=bs, window=512, scale=Dh ** -0.5),
+               rows, cache, cache, pages, spec(()), spec((1, T)), spec((1, T, Hkv, 16)), rows,
                spec((1, T, Hq, 3), dtype))

@@ -3,9 +3,11 @@ references against NumPy loops written from the formulas (docs/architecture.md, 
 
 Inputs are fresh normal draws (np.random.default_rng, one seed per case). Positions per row mix 0,
 block boundaries (c*bs - 1: block c-1 just complete; c*bs: the next one not yet), the last slot and
-random ones. The kernels get poisoned caches: NaN in every other layer and past each sequence's
-last position (compressed: in the blocks no row of the sequence sees), which a kernel may only mask
-or skip; interpret mode also fills unwritten outputs (and out-of-bounds reads) with NaN.
+random ones. Every function reads paged pools (tests/paged_pools.scatter: rows' pages in random
+order, the other pages poisoned); the oracles read the pools' logical view. The kernels' caches are
+poisoned further: NaN in every other layer and past each sequence's last position (compressed: in
+the blocks no row of the sequence sees), which a kernel may only mask or skip; interpret mode also
+fills unwritten outputs (and out-of-bounds reads) with NaN.
 """
 import functools
 
@@ -23,11 +25,20 @@ from pallas_kernels.nsa_compressed import (
     select_blocks,
 )
 from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
+from pallas_kernels.paging import logical_view
+from paged_pools import scatter
 from test_kernels_attention import assert_close, f64, path_as_chain
 from slow_cases import slow_at
 
 LAYERS, LAYER = 3, 1
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+PAGE = 64  # the smallest page size: the most page boundaries in a short cache
+
+
+def paged_nsa(caches, bs, seed, page_size=PAGE):
+    """(pools, pages): k, v [L, B, Hkv, S, Dh] and k_cmp, v_cmp [L, B, Hkv, S / bs, Dh] scattered under
+    one table."""
+    return scatter(caches, (page_size, page_size, page_size // bs, page_size // bs), seed)
 
 
 def positions(rng, B, T, slots, bs):
@@ -44,11 +55,14 @@ def normal(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
-def poisoned(cache, last):
-    """NaN in every layer but LAYER and at axis-3 entries > last[b] of [L, B, Hkv, N, Dh]."""
-    beyond = np.arange(cache.shape[3]) > np.asarray(last)[:, None]                    # [B, N]
-    bad = (np.arange(LAYERS) != LAYER)[:, None, None] | beyond[None]               # [L, B, N]
-    return jnp.where(bad[:, :, None, :, None], jnp.nan, cache)
+def poisoned(pool, pages, page_size, last):
+    """NaN in every layer but LAYER of a pool [L, Hkv, N, Dh] and at each row's logical entries past
+    last[b] (page_size: the pool's entries a page)."""
+    pages, last = np.asarray(pages), np.asarray(last)
+    entries = np.arange(pages.shape[1] * page_size)
+    beyond = [pages[b, s // page_size] * page_size + s % page_size
+              for b in range(len(pages)) for s in entries[entries > last[b]]]
+    return pool.at[:, :, np.asarray(beyond, np.int32)].set(jnp.nan).at[np.arange(LAYERS) != LAYER].set(jnp.nan)
 
 
 # ---------------------------------------------------------------- NumPy oracles
@@ -140,9 +154,9 @@ def sorted_idx(idx):
 # ---------------------------------------------------------------- references against NumPy
 
 @pytest.mark.parametrize("B, T, Hq, Hkv, Dh, bs, slots, P, seed", [
-    (2, 3, 4, 2, 16, 4, 32, 0, 0),
-    (1, 5, 6, 2, 8, 8, 40, 0, 1),
-    (2, 4, 6, 3, 8, 4, 32, 2, 2),          # with extra keys
+    (2, 3, 4, 2, 16, 4, 128, 0, 0),
+    (1, 5, 6, 2, 8, 8, 192, 0, 1),
+    (2, 4, 6, 3, 8, 4, 128, 2, 2),         # with extra keys
 ])
 def test_compressed_reference(B, T, Hq, Hkv, Dh, bs, slots, P, seed):
     rng = np.random.default_rng(seed)
@@ -152,9 +166,11 @@ def test_compressed_reference(B, T, Hq, Hkv, Dh, bs, slots, P, seed):
     q_pos = positions(rng, B, T, slots, bs)
     scale = Dh ** -0.5
     extra = extra_keys(rng, B, T, P, Hkv, Dh, jnp.float32) if P else None
-    o, w = jax.jit(functools.partial(nsa_compressed_reference, block_size=bs, scale=scale))(
-        q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, extra=extra)
-    want_o, want_w = compressed_oracle(q, k_cmp, v_cmp, q_pos, bs, scale, extra)
+    (k_pool, v_pool), pages = scatter((k_cmp, v_cmp), PAGE // bs, seed)
+    o, w = jax.jit(functools.partial(nsa_compressed_reference, page_size=PAGE, block_size=bs, scale=scale))(
+        q, k_pool, v_pool, pages, jnp.int32(LAYER), q_pos, extra=extra)
+    want_o, want_w = compressed_oracle(q, logical_view(k_pool, pages, PAGE // bs),
+                                       logical_view(v_pool, pages, PAGE // bs), q_pos, bs, scale, extra)
     assert_close(o, want_o, 1e-5, "o_cmp")
     assert_close(w, want_w, 1e-5, "weights")
     if extra is None:
@@ -162,9 +178,9 @@ def test_compressed_reference(B, T, Hq, Hkv, Dh, bs, slots, P, seed):
 
 
 @pytest.mark.parametrize("B, T, Hq, Hkv, Dh, bs, slots, NS, window, seed", [
-    (2, 3, 4, 2, 16, 4, 32, 3, 5, 10),
-    (1, 4, 3, 1, 8, 8, 48, 2, 0, 11),
-    (2, 2, 2, 2, 8, 4, 24, 6, 30, 12),     # window longer than the cache
+    (2, 3, 4, 2, 16, 4, 128, 3, 5, 10),
+    (1, 4, 3, 1, 8, 8, 192, 2, 0, 11),
+    (2, 2, 2, 2, 8, 4, 64, 6, 70, 12),     # window longer than the cache
 ])
 def test_selected_reference(B, T, Hq, Hkv, Dh, bs, slots, NS, window, seed):
     rng = np.random.default_rng(seed)
@@ -174,9 +190,11 @@ def test_selected_reference(B, T, Hq, Hkv, Dh, bs, slots, NS, window, seed):
     q_pos = positions(rng, B, T, slots, bs)
     idx = block_indices(rng, q_pos, Hkv, slots // bs, NS, bs)
     scale = Dh ** -0.5
-    got = jax.jit(functools.partial(nsa_selected_reference, block_size=bs, window=window, scale=scale))(
-        q, k_cache, v_cache, jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
-    want = selected_oracle(q, k_cache, v_cache, q_pos, idx, o_cmp, gates, bs, window, scale)
+    (k_pool, v_pool), pages = scatter((k_cache, v_cache), PAGE, seed)
+    got = jax.jit(functools.partial(nsa_selected_reference, page_size=PAGE, block_size=bs, window=window,
+                                    scale=scale))(q, k_pool, v_pool, pages, jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
+    want = selected_oracle(q, logical_view(k_pool, pages, PAGE), logical_view(v_pool, pages, PAGE), q_pos, idx,
+                           o_cmp, gates, bs, window, scale)
     assert_close(got, want, 1e-5, "nsa output")
 
 
@@ -214,14 +232,14 @@ def test_select_rules_agree_for_small_counts(bs, NB, S):
 # ---------------------------------------------------------------- Pallas against the references
 
 COMPRESSED_CASES = [
-    # (B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P extra keys)
-    (2, 5, 4, 2, 32, 16, 512, jnp.float32, 16, None, None, 0),
-    (1, 16, 3, 1, 16, 16, 320, jnp.float32, 16, 3, 512, 0),            # NB 20, two row blocks of 8
-    (3, 1, 32, 2, 64, 16, 256, jnp.bfloat16, 64, None, None, 0),       # NSA-1B heads
-    (2, 5, 32, 2, 16, 32, 640, jnp.bfloat16, 16, 2, 1024, 0),          # G 16, row blocks of 3 + 2
-    (2, 16, 2, 2, 16, 32, 1280, jnp.float32, 64, None, None, 0),       # G 1, NB 40 < block_n
-    (2, 40, 6, 2, 16, 16, 480, jnp.float32, 16, 2, 1024, 2),           # a tree's rows: extra keys, 3 row blocks
-    (1, 9, 9, 3, 32, 16, 256, jnp.bfloat16, 16, None, None, 1),        # SmolLM2 heads, bf16 extra keys
+    # (B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P extra keys, page size)
+    (2, 5, 4, 2, 32, 16, 512, jnp.float32, 16, None, None, 0, 64),
+    (1, 16, 3, 1, 16, 16, 320, jnp.float32, 16, 3, 512, 0, 64),            # NB 20, two row blocks of 8
+    (3, 1, 32, 2, 64, 16, 256, jnp.bfloat16, 64, None, None, 0, 128),      # NSA-1B heads
+    (2, 5, 32, 2, 16, 32, 640, jnp.bfloat16, 16, 2, 1024, 0, 64),          # G 16, row blocks of 3 + 2
+    (2, 16, 2, 2, 16, 32, 1152, jnp.float32, 64, None, None, 0, 192),      # G 1, NB 36 < block_n, 6 a page
+    (2, 40, 6, 2, 16, 16, 448, jnp.float32, 16, 2, 1024, 2, 64),           # a tree's rows: extra keys, 3 row blocks
+    (1, 9, 9, 3, 32, 16, 256, jnp.bfloat16, 16, None, None, 1, 128),       # SmolLM2 heads, bf16 extra keys
 ]
 
 
@@ -229,7 +247,7 @@ COMPRESSED_CASES = [
 # counts: the slow tests (the default run's 20 minutes).
 @pytest.mark.parametrize("case", slow_at(range(len(COMPRESSED_CASES)), (2, 3)))
 def test_nsa_compressed_pallas(case):
-    B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P = COMPRESSED_CASES[case]
+    B, T, Hq, Hkv, Dh, bs, slots, dtype, block_n, n_splits, max_tile, P, page = COMPRESSED_CASES[case]
     rng = np.random.default_rng(100 + case)
     NB = slots // bs
     q = normal(rng, (B, T, Hq, Dh), dtype)
@@ -237,13 +255,16 @@ def test_nsa_compressed_pallas(case):
     q_pos = positions(rng, B, T, slots, bs)
     scale = Dh ** -0.5
     extra = extra_keys(rng, B, T, P, Hkv, Dh, dtype) if P else None
-    ref = jax.jit(functools.partial(nsa_compressed_reference, block_size=bs, scale=scale))(
-        q, k_cmp, v_cmp, jnp.int32(LAYER), q_pos, extra=extra)
+    (k_pool, v_pool), pages = scatter((k_cmp, v_cmp), page // bs, 100 + case)
+    args = dict(page_size=page, block_size=bs, scale=scale)
+    ref = jax.jit(functools.partial(nsa_compressed_reference, **args))(
+        q, k_pool, v_pool, pages, jnp.int32(LAYER), q_pos, extra=extra)
     seen = (np.asarray(q_pos).max(axis=1) + 1) // bs - 1                   # last block any row sees
     options = {} if max_tile is None else {"max_tile": max_tile}
-    kernel = jax.jit(functools.partial(nsa_compressed_pallas, block_size=bs, scale=scale, interpret=True,
-                                       block_n=block_n, n_splits=n_splits, **options))
-    o, w = kernel(q, poisoned(k_cmp, seen), poisoned(v_cmp, seen), jnp.int32(LAYER), q_pos, extra=extra)
+    kernel = jax.jit(functools.partial(nsa_compressed_pallas, interpret=True, block_n=block_n, n_splits=n_splits,
+                                       **args, **options))
+    k_pool, v_pool = (poisoned(x, pages, page // bs, seen) for x in (k_pool, v_pool))
+    o, w = kernel(q, k_pool, v_pool, pages, jnp.int32(LAYER), q_pos, extra=extra)
     assert o.dtype == dtype and w.dtype == jnp.float32 and w.shape == (B, T, Hkv, NB + P)
     assert_close(o, ref[0], TOL[dtype], "o_cmp")
     assert_close(w, ref[1], TOL[dtype], "weights")
@@ -268,18 +289,18 @@ def block_indices(rng, q_pos, Hkv, NB, NS, bs):
 
 
 SELECTED_CASES = [
-    # (B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype)
-    (2, 5, 4, 2, 32, 16, 256, 4, 40, jnp.float32),
-    (3, 1, 32, 2, 64, 32, 512, 3, 0, jnp.bfloat16),                  # NSA-1B heads
-    (1, 16, 3, 1, 16, 16, 320, 5, 100, jnp.float32),                # G 3, window > block_w
-    (2, 5, 2, 2, 32, 64, 512, 2, 16, jnp.bfloat16),                 # G 1
+    # (B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype, page size)
+    (2, 5, 4, 2, 32, 16, 256, 4, 40, jnp.float32, 64),
+    (3, 1, 32, 2, 64, 32, 512, 3, 0, jnp.bfloat16, 128),             # NSA-1B heads
+    (1, 16, 3, 1, 16, 16, 320, 5, 100, jnp.float32, 64),            # G 3, window > block_w
+    (2, 5, 2, 2, 32, 64, 576, 2, 16, jnp.bfloat16, 192),            # G 1
 ]
 
 
 # Case 1 (NSA-1B's heads, no window) with the slow tests (the default run's 20 minutes).
 @pytest.mark.parametrize("case", slow_at(range(len(SELECTED_CASES)), (1,)))
 def test_nsa_selected_pallas(case):
-    B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype = SELECTED_CASES[case]
+    B, T, Hq, Hkv, Dh, bs, slots, NS, window, dtype, page = SELECTED_CASES[case]
     rng = np.random.default_rng(200 + case)
     q, o_cmp = (normal(rng, (B, T, Hq, Dh), dtype) for _ in range(2))
     k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), dtype) for _ in range(2))
@@ -287,14 +308,31 @@ def test_nsa_selected_pallas(case):
     q_pos = positions(rng, B, T, slots, bs)
     idx = block_indices(rng, np.asarray(q_pos), Hkv, slots // bs, NS, bs)
     scale = Dh ** -0.5
-    args = dict(block_size=bs, window=window, scale=scale)
+    args = dict(page_size=page, block_size=bs, window=window, scale=scale)
+    (k_pool, v_pool), pages = scatter((k_cache, v_cache), page, 200 + case)
     ref = jax.jit(functools.partial(nsa_selected_reference, **args))(
-        q, k_cache, v_cache, jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
+        q, k_pool, v_pool, pages, jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
     last = np.asarray(q_pos).max(axis=1)
     kernel = jax.jit(functools.partial(nsa_selected_pallas, interpret=True, **args))
-    got = kernel(q, poisoned(k_cache, last), poisoned(v_cache, last), jnp.int32(LAYER), q_pos, idx, o_cmp, gates)
+    got = kernel(q, poisoned(k_pool, pages, page, last), poisoned(v_pool, pages, page, last), pages, jnp.int32(LAYER),
+                 q_pos, idx, o_cmp, gates)
     assert got.dtype == dtype
     assert_close(got, ref, TOL[dtype], "nsa output")
+
+
+def test_pallas_kernels_refuse_pages_their_steps_straddle():
+    """A selected-key step (64 keys of a bf16 pool) and a compressed block must each lie in one page."""
+    B, T, Hq, Hkv, Dh, bs, page = 1, 2, 4, 2, 16, 64, 96
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    rows, pool, pages = spec(B, T, Hq, Dh), spec(LAYERS, Hkv, 4 * page, Dh), spec(B, 3, dtype=jnp.int32)
+    pos = spec(B, T, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="page size 96"):
+        jax.eval_shape(functools.partial(nsa_selected_pallas, page_size=page, block_size=bs, window=16, scale=0.25),
+                       rows, pool, pool, pages, 0, pos, spec(B, T, Hkv, 2, dtype=jnp.int32), rows, spec(B, T, Hq, 3))
+    cmp = spec(LAYERS, Hkv, 4 * page // bs, Dh)
+    with pytest.raises(ValueError, match="page size 96"):
+        jax.eval_shape(functools.partial(nsa_compressed_pallas, page_size=page, block_size=bs, scale=0.25),
+                       rows, cmp, cmp, pages, 0, pos)
 
 
 @pytest.mark.parametrize("rule, bs, NB, S", [("exact", 16, 40, 6), ("nsa1b", 8, 40, 6), ("nsa1b", 4, 64, 3)])
@@ -325,22 +363,24 @@ def test_backend_switch_nsa():
     Both backends' selected branch gets the same block list."""
     rng = np.random.default_rng(400)
     B, Hq, Hkv, Dh, bs, slots = 2, 4, 2, 16, 16, 256
-    k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), jnp.float32) for _ in range(2))
-    k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, slots // bs, Dh), jnp.float32) for _ in range(2))
+    caches = [normal(rng, (LAYERS, B, Hkv, slots // n, Dh), jnp.float32) for n in (1, 1, bs, bs)]
+    (k_pool, v_pool, k_cmp, v_cmp), pages = paged_nsa(caches, bs, 400)
 
     @functools.partial(jax.jit, static_argnames="backend")
     def nsa(q, q_pos, gates, idx, backend):
         o_cmp, w, own_idx = pallas_kernels.nsa_compressed_attention(
-            q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, block_counts=4, rule="nsa1b", scale=0.25,
-            backend=backend)
-        out = pallas_kernels.nsa_selected_attention(q, k_cache, v_cache, LAYER, q_pos, idx, o_cmp, gates,
-                                                    block_size=bs, window=32, scale=0.25, backend=backend)
+            q, k_cmp, v_cmp, pages, LAYER, q_pos, page_size=PAGE, block_size=bs, block_counts=4, rule="nsa1b",
+            scale=0.25, backend=backend)
+        out = pallas_kernels.nsa_selected_attention(q, k_pool, v_pool, pages, LAYER, q_pos, idx, o_cmp, gates,
+                                                    page_size=PAGE, block_size=bs, window=32, scale=0.25,
+                                                    backend=backend)
         return o_cmp, w, own_idx, out
 
     @jax.jit  # eagerly, every op compiles on its own for each T (~2.5 s a T)
     def reference_idx(q, q_pos):
-        return select_blocks(nsa_compressed_reference(q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, scale=0.25)[1],
-                             q_pos, block_size=bs, block_counts=4, rule="nsa1b")
+        w = nsa_compressed_reference(q, k_cmp, v_cmp, pages, LAYER, q_pos, page_size=PAGE, block_size=bs,
+                                     scale=0.25)[1]
+        return select_blocks(w, q_pos, block_size=bs, block_counts=4, rule="nsa1b")
 
     for T in (3, 20, 70):
         q = normal(rng, (B, T, Hq, Dh), jnp.float32)
@@ -361,8 +401,8 @@ def test_small_blocks_run_the_reference_on_the_pallas_backend():
     """block_size 8 (allowed by the config, below the kernels' tile) gives the reference's result."""
     rng = np.random.default_rng(401)
     B, T, Hq, Hkv, Dh, bs, slots = 1, 2, 4, 2, 16, 8, 128
-    k_cache, v_cache = (normal(rng, (LAYERS, B, Hkv, slots, Dh), jnp.float32) for _ in range(2))
-    k_cmp, v_cmp = (normal(rng, (LAYERS, B, Hkv, slots // bs, Dh), jnp.float32) for _ in range(2))
+    caches = [normal(rng, (LAYERS, B, Hkv, slots // n, Dh), jnp.float32) for n in (1, 1, bs, bs)]
+    (k_pool, v_pool, k_cmp, v_cmp), pages = paged_nsa(caches, bs, 401)
     q = normal(rng, (B, T, Hq, Dh), jnp.float32)
     gates = jnp.asarray(rng.uniform(size=(B, T, Hq, 3)), jnp.float32)
     q_pos = jnp.asarray([[100, 101]], jnp.int32)
@@ -370,9 +410,11 @@ def test_small_blocks_run_the_reference_on_the_pallas_backend():
     @functools.partial(jax.jit, static_argnames="backend")  # eagerly, every op compiles on its own per backend
     def nsa(backend):
         o_cmp, _, idx = pallas_kernels.nsa_compressed_attention(
-            q, k_cmp, v_cmp, LAYER, q_pos, block_size=bs, block_counts=3, rule="exact", scale=0.25, backend=backend)
+            q, k_cmp, v_cmp, pages, LAYER, q_pos, page_size=PAGE, block_size=bs, block_counts=3, rule="exact",
+            scale=0.25, backend=backend)
         return pallas_kernels.nsa_selected_attention(
-            q, k_cache, v_cache, LAYER, q_pos, idx, o_cmp, gates, block_size=bs, window=16, scale=0.25, backend=backend)
+            q, k_pool, v_pool, pages, LAYER, q_pos, idx, o_cmp, gates, page_size=PAGE, block_size=bs, window=16,
+            scale=0.25, backend=backend)
 
     np.testing.assert_array_equal(nsa(backend="pallas"), nsa(backend="reference"))
 
@@ -397,18 +439,20 @@ def test_tree_rows_equal_their_paths_as_chains(shape, order, offset):
     q, gates = normal(rng, (B, T, Hq, Dh), jnp.float32), jax.nn.sigmoid(normal(rng, (B, T, Hq, 3), jnp.float32))
     first = jnp.asarray([5 * bs + offset, 9 * bs + offset], jnp.int32)
     means = lambda x: x.reshape(LAYERS, B, Hkv, S // bs, bs, Dh).mean(axis=4)
-    kw = dict(block_size=bs, window=24, scale=Dh**-0.5)
-    out, weights, q_pos = jax.jit(lambda q, k, v, gates: nsa_tree_reference(
-        q, k, v, means(k), means(v), LAYER, first, tree.ancestors, gates, block_counts=3, rule="exact", **kw))(q, k, v, gates)
+    paged = lambda k, v: paged_nsa((k, v, means(k), means(v)), bs, offset)  # the same table every call
+    kw = dict(page_size=PAGE, block_size=bs, window=24, scale=Dh**-0.5)
+    pools, pages = paged(k, v)
+    out, weights, q_pos = jax.jit(lambda q, pools, gates: nsa_tree_reference(
+        q, *pools, pages, LAYER, first, tree.ancestors, gates, block_counts=3, rule="exact", **kw))(q, pools, gates)
 
     @jax.jit  # one compile per path length (eagerly, every op compiles on its own for each row)
     def chain_row(q_row, gates_row, path):
-        k_chain, v_chain = path_as_chain(k, first, path), path_as_chain(v, first, path)
+        (k_chain, v_chain, k_cmp, v_cmp), _ = paged(path_as_chain(k, first, path), path_as_chain(v, first, path))
         pos = (first + len(path) - 1)[:, None]
-        o_cmp, w = nsa_compressed_reference(q_row, means(k_chain), means(v_chain), LAYER, pos,
-                                            block_size=bs, scale=kw["scale"])
+        o_cmp, w = nsa_compressed_reference(q_row, k_cmp, v_cmp, pages, LAYER, pos, page_size=PAGE, block_size=bs,
+                                            scale=kw["scale"])
         idx = select_blocks(w, pos, block_size=bs, block_counts=3, rule="exact")
-        return nsa_selected_reference(q_row, k_chain, v_chain, LAYER, pos, idx, o_cmp, gates_row, **kw), w
+        return nsa_selected_reference(q_row, k_chain, v_chain, pages, LAYER, pos, idx, o_cmp, gates_row, **kw), w
 
     for t in range(T):
         path = np.flatnonzero(tree.ancestors[t])

@@ -3,7 +3,8 @@ oracle `nsa_tree_reference` (each row over its root-to-node path), and the Palla
 mode) against the grouped reference.
 
 Inputs are fresh normal draws (jax.random, one key per case) over a cache whose k_cmp/v_cmp are the
-block means of its keys/values, as the engine keeps them; every batch has one root mid-block and one
+block means of its keys/values, as the engine keeps them, in paged pools (tests/paged_pools.scatter:
+rows' pages in random order, the other pages poisoned); every batch has one root mid-block and one
 on a block boundary. Selections come from the rows' own compressed scores (select_blocks), so they
 overlap as real ones do. Interpret mode fills unwritten kernel outputs with NaN.
 """
@@ -26,7 +27,7 @@ from pallas_kernels.nsa_grouped import (
 from pallas_kernels.nsa_selected import nsa_selected_reference
 from pallas_kernels.nsa_tree import nsa_tree_reference, path_slot_map, tree_paths
 from test_kernels_attention import assert_close
-from test_kernels_nsa import LAYER, LAYERS, TOL, poisoned
+from test_kernels_nsa import LAYER, LAYERS, PAGE, TOL, paged_nsa, poisoned
 from slow_cases import slow_at
 
 SLOTS = 640
@@ -34,9 +35,9 @@ SLOTS = 640
 
 def tree_inputs(seed, tree: TreeShape, *, B=2, Hq=6, Hkv=2, Dh=16, bs=16, offset=7, dtype=jnp.float32,
                 at_end=False):
-    """q, k, v, k_cmp, v_cmp, gates, first for a batch of B trees; root b sits at block 4 + 5*b,
-    `offset` slots in for even b and on the block boundary for odd b; with `at_end` the last tree
-    ends at the cache's last slot instead."""
+    """q, k, v, k_cmp, v_cmp (pools), pages, gates, first for a batch of B trees; root b sits at block
+    4 + 5*b, `offset` slots in for even b and on the block boundary for odd b; with `at_end` the last
+    tree ends at the cache's last slot instead."""
     keys = jax.random.split(jax.random.key(seed), 4)
     T = tree.rows
     k, v = (jax.random.normal(kk, (LAYERS, B, Hkv, SLOTS, Dh), jnp.float32).astype(dtype) for kk in keys[:2])
@@ -45,7 +46,8 @@ def tree_inputs(seed, tree: TreeShape, *, B=2, Hq=6, Hkv=2, Dh=16, bs=16, offset
     gates = jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, Hq, 3), jnp.float32))
     first = [(4 + 5 * b) * bs + (offset if b % 2 == 0 else 0) for b in range(B)]
     first = jnp.asarray(first[:-1] + [SLOTS - T] if at_end else first, jnp.int32)
-    return q, k, v, means(k), means(v), gates, first
+    (k, v, k_cmp, v_cmp), pages = paged_nsa((k, v, means(k), means(v)), bs, seed)
+    return q, k, v, k_cmp, v_cmp, pages, gates, first
 
 
 def jitted(fn, **static):
@@ -54,21 +56,22 @@ def jitted(fn, **static):
     return jax.jit(functools.partial(fn, **static))
 
 
-def oracle(q, k, v, first, idx, o_cmp, gates, *, ancestors, **kw):
+def oracle(q, k, v, pages, first, idx, o_cmp, gates, *, ancestors, **kw):
     """The per-row selected + window branches of nsa_tree_reference."""
     depth, paths = tree_paths(ancestors)
     q_pos = first[:, None] + jnp.asarray(depth)
-    return nsa_selected_reference(q, k, v, LAYER, q_pos, idx, o_cmp, gates, slot_of=path_slot_map(first, paths), **kw)
+    return nsa_selected_reference(q, k, v, pages, LAYER, q_pos, idx, o_cmp, gates, page_size=PAGE,
+                                  slot_of=path_slot_map(first, paths), **kw)
 
 
-def own_selection(q, k, v, k_cmp, v_cmp, first, ancestors, bs, S, rule="exact"):
+def own_selection(q, k, v, k_cmp, v_cmp, pages, first, ancestors, bs, S, rule="exact"):
     """(o_cmp, idx): the rows' compressed output and their top-S blocks."""
-    def select(q, k, v, k_cmp, v_cmp, first):
-        o_cmp, weights, q_pos = nsa_tree_compressed(q, k, v, k_cmp, v_cmp, LAYER, first, ancestors, block_size=bs,
-                                                    scale=q.shape[-1] ** -0.5)
+    def select(q, k, v, k_cmp, v_cmp, pages, first):
+        o_cmp, weights, q_pos = nsa_tree_compressed(q, k, v, k_cmp, v_cmp, pages, LAYER, first, ancestors,
+                                                    page_size=PAGE, block_size=bs, scale=q.shape[-1] ** -0.5)
         return o_cmp, select_blocks(weights, q_pos, block_size=bs, block_counts=S, rule=rule)
 
-    return jax.jit(select)(q, k, v, k_cmp, v_cmp, first)
+    return jax.jit(select)(q, k, v, k_cmp, v_cmp, pages, first)
 
 
 # ---------------------------------------------------------------- the compressed branch
@@ -84,16 +87,16 @@ def own_selection(q, k, v, k_cmp, v_cmp, first, ancestors, bs, S, rule="exact"):
 ])
 def test_tree_compressed_equals_the_reference(shape, order, offset, rule, backend):
     tree = TreeShape(shape, order)
-    q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(10 + len(shape) + offset, tree, offset=offset)
+    q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(10 + len(shape) + offset, tree, offset=offset)
     bs, S, scale = 16, 3, 0.25
     compressed = (functools.partial(nsa_compressed_pallas, interpret=True, block_n=16) if backend == "pallas"
                   else nsa_compressed_reference)
-    o_cmp, weights, q_pos = jitted(nsa_tree_compressed, ancestors=tree.ancestors, block_size=bs, scale=scale,
-                                   compressed=compressed)(q, k, v, k_cmp, v_cmp, LAYER, first)
+    o_cmp, weights, q_pos = jitted(nsa_tree_compressed, ancestors=tree.ancestors, page_size=PAGE, block_size=bs,
+                                   scale=scale, compressed=compressed)(q, k, v, k_cmp, v_cmp, pages, LAYER, first)
     cmp_only = jnp.zeros_like(gates).at[..., 0].set(1.0)                     # out = o_cmp
-    want_o, want_w, want_pos = jitted(nsa_tree_reference, ancestors=tree.ancestors, block_size=bs, block_counts=S,
-                                      window=0, rule=rule, scale=scale)(q, k, v, k_cmp, v_cmp, LAYER, first,
-                                                                        gates=cmp_only)
+    want_o, want_w, want_pos = jitted(nsa_tree_reference, ancestors=tree.ancestors, page_size=PAGE, block_size=bs,
+                                      block_counts=S, window=0, rule=rule, scale=scale)(
+        q, k, v, k_cmp, v_cmp, pages, LAYER, first, gates=cmp_only)
     np.testing.assert_array_equal(q_pos, want_pos)
     assert_close(o_cmp, want_o, 1e-5, "o_cmp")
     assert_close(weights, want_w, 1e-5, "weights")
@@ -107,9 +110,9 @@ def test_group_schedule():
     """Union, count, membership and tree-key selection against loops; shared groups take their first
     row's blocks."""
     tree = TreeShape((3, 2, 2), "dfs")
-    q, k, v, k_cmp, v_cmp, _, first = tree_inputs(20, tree)
+    q, k, v, k_cmp, v_cmp, pages, _, first = tree_inputs(20, tree)
     bs, S, T = 16, 4, tree.rows
-    _, idx = own_selection(q, k, v, k_cmp, v_cmp, first, tree.ancestors, bs, S)
+    _, idx = own_selection(q, k, v, k_cmp, v_cmp, pages, first, tree.ancestors, bs, S)
     depth = tree.node_depth
     for group, shared in ((4, False), (8, True), (5, False)):
         schedule = jitted(group_schedule, depth=depth, group=group, shared=shared, block_size=bs)  # eagerly ~1.3 s a group
@@ -141,13 +144,13 @@ def test_group_schedule():
 ])
 def test_exact_groups_equal_the_oracle_bit_for_bit(shape, order, groups):
     tree = TreeShape(shape, order)
-    q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(30 + len(shape), tree)
+    q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(30 + len(shape), tree)
     kw = dict(block_size=16, window=24, scale=0.25)
-    o_cmp, idx = own_selection(q, k, v, k_cmp, v_cmp, first, tree.ancestors, 16, 4)
-    want = jitted(oracle, ancestors=tree.ancestors, **kw)(q, k, v, first, idx, o_cmp, gates)
+    o_cmp, idx = own_selection(q, k, v, k_cmp, v_cmp, pages, first, tree.ancestors, 16, 4)
+    want = jitted(oracle, ancestors=tree.ancestors, **kw)(q, k, v, pages, first, idx, o_cmp, gates)
     for group in groups:
-        got = jitted(nsa_grouped_reference, ancestors=tree.ancestors, group=group, shared=False, **kw)(
-            q, k, v, LAYER, first, idx=idx, o_cmp=o_cmp, gates=gates)
+        got = jitted(nsa_grouped_reference, ancestors=tree.ancestors, page_size=PAGE, group=group, shared=False, **kw)(
+            q, k, v, pages, LAYER, first, idx=idx, o_cmp=o_cmp, gates=gates)
         np.testing.assert_array_equal(got, want, err_msg=f"group {group}")
 
 
@@ -155,15 +158,15 @@ def test_tree_attention_equals_nsa_tree_reference():
     """The full refresh layer (compressed branch, selection, grouped branches) is nsa_tree_reference's
     result; with the compressed gate at 0 the selection and the other branches are bit for bit."""
     tree = TreeShape((3, 2, 2), "bfs")
-    q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(40, tree)
-    kw = dict(block_size=16, block_counts=3, window=24, rule="nsa1b", scale=0.25)
+    q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(40, tree)
+    kw = dict(page_size=PAGE, block_size=16, block_counts=3, window=24, rule="nsa1b", scale=0.25)
     run = jax.jit(lambda gates: pallas_kernels.nsa_tree_attention(
-        q, k, v, k_cmp, v_cmp, LAYER, first, tree.ancestors, gates, group=8, shared=False, **kw))
+        q, k, v, k_cmp, v_cmp, pages, LAYER, first, tree.ancestors, gates, group=8, shared=False, **kw))
     for g_cmp in (gates[..., 0], jnp.zeros_like(gates[..., 0])):
         gated = gates.at[..., 0].set(g_cmp)
         out, weights, q_pos, idx = run(gated)
         want, want_w, want_pos = jitted(nsa_tree_reference, ancestors=tree.ancestors, **kw)(
-            q, k, v, k_cmp, v_cmp, LAYER, first, gates=gated)
+            q, k, v, k_cmp, v_cmp, pages, LAYER, first, gates=gated)
         np.testing.assert_array_equal(q_pos, want_pos)
         assert_close(weights, want_w, 1e-5, "weights")
         np.testing.assert_array_equal(idx, select_blocks(want_w, want_pos, block_size=16, block_counts=3, rule="nsa1b"))
@@ -177,17 +180,18 @@ def test_shared_index_is_the_representatives_selection():
     """Shared groups: every row attends as if it had selected its group's first row's blocks; that
     differs from exact groups here, where the rows of a group select different blocks."""
     tree = TreeShape((4, 2), "bfs")
-    q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(50, tree)
+    q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(50, tree)
     kw = dict(block_size=16, window=24, scale=0.25)
-    o_cmp, idx = own_selection(q, k, v, k_cmp, v_cmp, first, tree.ancestors, 16, 4)
+    o_cmp, idx = own_selection(q, k, v, k_cmp, v_cmp, pages, first, tree.ancestors, 16, 4)
     T = tree.rows
     for group in (4, 8):
         rep = np.arange(T) // group * group
         assert (np.asarray(idx) != np.asarray(idx)[:, rep]).any(axis=(2, 3)).any(), "rows select alike"
-        grouped = lambda shared: jitted(nsa_grouped_reference, ancestors=tree.ancestors, group=group, shared=shared,
-                                        **kw)(q, k, v, LAYER, first, idx=idx, o_cmp=o_cmp, gates=gates)
+        grouped = lambda shared: jitted(nsa_grouped_reference, ancestors=tree.ancestors, page_size=PAGE, group=group,
+                                        shared=shared, **kw)(q, k, v, pages, LAYER, first, idx=idx, o_cmp=o_cmp,
+                                                             gates=gates)
         shared = grouped(True)
-        want = jitted(oracle, ancestors=tree.ancestors, **kw)(q, k, v, first, idx[:, rep], o_cmp, gates)
+        want = jitted(oracle, ancestors=tree.ancestors, **kw)(q, k, v, pages, first, idx[:, rep], o_cmp, gates)
         np.testing.assert_array_equal(shared, want)
         exact = grouped(False)
         assert np.abs(np.asarray(shared) - np.asarray(exact)).max() > 1e-3
@@ -198,14 +202,15 @@ def test_reuse_drops_the_compressed_term():
     with the compressed gate's term dropped, on both backends (to rounding: XLA contracts the two
     remaining gated terms into a fused multiply-add its own way)."""
     tree = TreeShape((2, 2, 1), "dfs")
-    q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(60, tree)
-    _, idx = own_selection(q, k, v, k_cmp, v_cmp, first, tree.ancestors, 16, 4)
+    q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(60, tree)
+    _, idx = own_selection(q, k, v, k_cmp, v_cmp, pages, first, tree.ancestors, 16, 4)
     kw = dict(block_size=16, window=24, scale=0.25)
-    want = jitted(oracle, ancestors=tree.ancestors, **kw)(q, k, v, first, idx, jnp.zeros_like(q), gates)
+    want = jitted(oracle, ancestors=tree.ancestors, **kw)(q, k, v, pages, first, idx, jnp.zeros_like(q), gates)
     for backend in ("reference", "pallas"):
         out, weights, q_pos, got_idx = jitted(
-            pallas_kernels.nsa_tree_attention, ancestors=tree.ancestors, group=4, shared=False, block_counts=4,
-            rule="exact", backend=backend, **kw)(q, k, v, k_cmp, v_cmp, LAYER, first, gates=gates, idx=idx)
+            pallas_kernels.nsa_tree_attention, ancestors=tree.ancestors, page_size=PAGE, group=4, shared=False,
+            block_counts=4, rule="exact", backend=backend, **kw)(q, k, v, k_cmp, v_cmp, pages, LAYER, first,
+                                                                 gates=gates, idx=idx)
         assert weights is None
         np.testing.assert_array_equal(got_idx, idx)
         np.testing.assert_array_equal(q_pos, first[:, None] + tree.node_depth)
@@ -232,15 +237,17 @@ PALLAS_CASES = [
 def test_grouped_pallas(case):
     shape, order, group, shared, with_cmp, bs, window, Hq, Hkv, Dh, dtype, max_tile, at_end = PALLAS_CASES[case]
     tree = TreeShape(shape, order)
-    q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(100 + case, tree, Hq=Hq, Hkv=Hkv, Dh=Dh, bs=bs,
-                                                      offset=3 + 2 * case, dtype=dtype, at_end=at_end)
-    o_cmp, idx = own_selection(q, k, v, k_cmp, v_cmp, first, tree.ancestors, bs, 4, rule="nsa1b")
+    q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(100 + case, tree, Hq=Hq, Hkv=Hkv, Dh=Dh, bs=bs,
+                                                             offset=3 + 2 * case, dtype=dtype, at_end=at_end)
+    o_cmp, idx = own_selection(q, k, v, k_cmp, v_cmp, pages, first, tree.ancestors, bs, 4, rule="nsa1b")
     o_cmp = o_cmp if with_cmp else None
-    kw = dict(ancestors=tree.ancestors, group=group, shared=shared, block_size=bs, window=window, scale=Dh**-0.5)
-    want = jitted(nsa_grouped_reference, **kw)(q, k, v, LAYER, first, idx=idx, o_cmp=o_cmp, gates=gates)
+    kw = dict(ancestors=tree.ancestors, page_size=PAGE, group=group, shared=shared, block_size=bs, window=window,
+              scale=Dh**-0.5)
+    want = jitted(nsa_grouped_reference, **kw)(q, k, v, pages, LAYER, first, idx=idx, o_cmp=o_cmp, gates=gates)
     last = first + tree.rows - 1
     got = jitted(nsa_grouped_pallas, interpret=True, max_tile=max_tile, **kw)(
-        q, poisoned(k, last), poisoned(v, last), LAYER, first, idx=idx, o_cmp=o_cmp, gates=gates)
+        q, poisoned(k, pages, PAGE, last), poisoned(v, pages, PAGE, last), pages, LAYER, first, idx=idx, o_cmp=o_cmp,
+        gates=gates)
     assert got.dtype == dtype
     assert_close(got, want, TOL[dtype], "grouped kernel")
 
@@ -250,14 +257,15 @@ def test_poisoned_cache_does_not_leak(backend):
     """NaN in the other layers, in the slots past the tree and in the compressed blocks no row reads
     from k_cmp/v_cmp: the full refresh layer's outputs are finite and equal those of a clean cache."""
     tree = TreeShape((3, 2), "bfs")
-    q, k, v, k_cmp, v_cmp, gates, first = tree_inputs(70, tree, Hq=9, Hkv=3)
-    kw = dict(group=4, shared=False, block_size=16, block_counts=4, window=24, rule="exact", scale=0.25,
-              backend=backend)
+    q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(70, tree, Hq=9, Hkv=3)
+    kw = dict(page_size=PAGE, group=4, shared=False, block_size=16, block_counts=4, window=24, rule="exact",
+              scale=0.25, backend=backend)
     run = jax.jit(lambda k, v, k_cmp, v_cmp: pallas_kernels.nsa_tree_attention(
-        q, k, v, k_cmp, v_cmp, LAYER, first, tree.ancestors, gates, **kw))
+        q, k, v, k_cmp, v_cmp, pages, LAYER, first, tree.ancestors, gates, **kw))
     clean = run(k, v, k_cmp, v_cmp)
     last, last_block = first + tree.rows - 1, first // 16 - 1
-    dirty = run(poisoned(k, last), poisoned(v, last), poisoned(k_cmp, last_block), poisoned(v_cmp, last_block))
+    dirty = run(poisoned(k, pages, PAGE, last), poisoned(v, pages, PAGE, last),
+                poisoned(k_cmp, pages, PAGE // 16, last_block), poisoned(v_cmp, pages, PAGE // 16, last_block))
     for name, got, want in zip(("out", "weights", "q_pos", "idx"), dirty, clean):
         assert np.isfinite(np.asarray(got)).all(), name
         np.testing.assert_array_equal(got, want, err_msg=name)

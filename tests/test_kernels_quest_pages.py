@@ -1,7 +1,9 @@
 """quest_pages: Quest's page scores and top-k in one Pallas kernel (interpret mode) and its
 einsum + lax.top_k reference, against float64 scores computed here. Per (row, KV head) the first
 min(k, #candidates) pages must be distinct candidates (below last_page) whose scores are the largest
-(as a multiset: ties arbitrary), and every entry a page in [0, P).
+(as a multiset: ties arbitrary), and every entry a page in [0, P). The bounds [L, B, Hkv, P, Dh] are
+scattered into poisoned pools under a page table (tests/paged_pools.py; a cache page holds page_size / 16
+bounds), rows' pages in random order; page ids stay logical.
 """
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels.quest_pages import quest_pages_pallas, quest_pages_reference
+import paged_pools
+from pallas_kernels.quest_pages import QUEST_PAGE, quest_pages_pallas, quest_pages_reference
 
 
 def exact_scores(q, kmin, kmax, layer):
@@ -46,41 +49,51 @@ def random_bounds(seed, shape, integer: bool):
     return jnp.asarray(lo, jnp.bfloat16), jnp.asarray(hi, jnp.bfloat16)
 
 
+def bound_pools(kmin, kmax, page_size, seed):
+    """(kmin pool, kmax pool, pages): the rows' bounds [L, B, Hkv, P, Dh] (P whole cache pages of
+    page_size / 16 bounds) scattered into poisoned pools [L, Hkv, N / 16, Dh]."""
+    (lo, hi), pages = paged_pools.scatter((kmin, kmax), page_size // QUEST_PAGE, seed)
+    return lo, hi, pages
+
+
 CASES = [
-    # (L, B, T, Hq, Hkv, P, Dh, k_max, k, last_page, chunk, integer)
-    (3, 2, 1, 6, 2, 300, 16, 24, [20, 7], [250, 40], 128, True),      # masked last chunk, ties
-    (2, 3, 3, 4, 4, 96, 32, 12, [12, 5, 9], [96, 60, 4], 64, True),   # tree rows; k above the candidates
-    (2, 2, 1, 8, 2, 700, 32, 50, [50, 31], [700, 512], 512, False),   # float scores; 256-page score steps
+    # (L, B, T, Hq, Hkv, P, Dh, k_max, k, last_page, chunk, integer, page_size)
+    (3, 2, 1, 6, 2, 300, 16, 24, [20, 7], [250, 40], 128, True, 64),      # masked last chunk, ties
+    (2, 3, 3, 4, 4, 96, 32, 12, [12, 5, 9], [96, 60, 4], 64, True, 128),  # tree rows; k above the candidates
+    (2, 2, 1, 8, 2, 704, 32, 50, [50, 31], [700, 512], 512, False, 256),  # float scores; 256-page score steps
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_quest_pages(case):
-    L, B, T, Hq, H, P, D, k_max, k, last_page, chunk, integer = CASES[case]
+    L, B, T, Hq, H, P, D, k_max, k, last_page, chunk, integer, page_size = CASES[case]
     rng = np.random.default_rng(700 + case)
     q_np = rng.integers(-3, 4, (B, T, Hq, D)) if integer else rng.normal(size=(B, T, Hq, D))
     q = jnp.asarray(q_np, jnp.bfloat16)
     kmin, kmax = random_bounds(710 + case, (L, B, H, P, D), integer)
+    lo, hi, pages = bound_pools(kmin, kmax, page_size, 730 + case)
     k, last_page = jnp.asarray(k, jnp.int32), jnp.asarray(last_page, jnp.int32)
     atol = 0.0 if integer else 1e-4
     # jitted once, the layer traced: one compile each for all layers
-    reference = jax.jit(lambda q, a, b, layer, last, k: quest_pages_reference(q, a, b, layer, last, k, k_max))
-    kernel = jax.jit(lambda q, a, b, layer, last, k: quest_pages_pallas(q, a, b, layer, last, k, k_max, interpret=True,
-                                                                       chunk=chunk))
+    options = dict(page_size=page_size)
+    reference = jax.jit(lambda *a: quest_pages_reference(*a, k_max, **options))
+    kernel = jax.jit(lambda *a: quest_pages_pallas(*a, k_max, interpret=True, chunk=chunk, **options))
     for layer in range(L):
         scores = exact_scores(q, kmin, kmax, layer)
-        ref = reference(q, kmin, kmax, jnp.int32(layer), last_page, k)
+        ref = reference(q, lo, hi, pages, jnp.int32(layer), last_page, k)
         assert_pages(ref, scores, last_page, k, k_max, atol)
-        got = kernel(q, kmin, kmax, jnp.int32(layer), last_page, k)
+        got = kernel(q, lo, hi, pages, jnp.int32(layer), last_page, k)
         assert_pages(got, scores, last_page, k, k_max, atol)
 
 
 def test_quest_pages_rejects_bad_shapes():
-    kmin = jnp.ones((2, 1, 2, 8, 16), jnp.bfloat16)
-    with pytest.raises(ValueError, match="k_max"):
-        quest_pages_reference(jnp.ones((1, 1, 4, 16)), kmin, kmin, 0, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32), 9)
+    kmin, pages, ones = jnp.ones((2, 2, 12, 16), jnp.bfloat16), jnp.asarray([[1, 2]], jnp.int32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match="k_max"):  # two pages of 64 slots: 8 quest pages a row
+        quest_pages_reference(jnp.ones((1, 1, 4, 16)), kmin, kmin, pages, 0, ones, ones, 9, page_size=64)
     with pytest.raises(ValueError, match="shapes do not match"):
-        quest_pages_reference(jnp.ones((1, 1, 3, 16)), kmin, kmin, 0, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32), 4)
+        quest_pages_reference(jnp.ones((1, 1, 3, 16)), kmin, kmin, pages, 0, ones, ones, 4, page_size=64)
+    with pytest.raises(ValueError, match="shapes do not match"):  # 12 bounds are no whole pages of 128 slots
+        quest_pages_reference(jnp.ones((1, 1, 4, 16)), kmin, kmin, pages, 0, ones, ones, 4, page_size=128)
 
 
 def test_quest_pages_switch_keeps_xla_for_few_long_rows():
@@ -90,9 +103,10 @@ def test_quest_pages_switch_keeps_xla_for_few_long_rows():
     for H, P, D, fused in ((2, 2048, 32, False), (2, 64, 16, True)):
         q = jnp.asarray(rng.normal(size=(1, 1, 4, D)), jnp.bfloat16)
         kmin, kmax = random_bounds(721, (1, 1, H, P, D), integer=False)
+        lo, hi, pages = bound_pools(kmin, kmax, 128, 722)
         last, k = jnp.asarray([P], jnp.int32), jnp.asarray([3], jnp.int32)
-        got = pallas_kernels.quest_pages(q, kmin, kmax, 0, last, k, 8, backend="pallas")
-        ref = quest_pages_reference(q, kmin, kmax, 0, last, k, 8)
+        got = pallas_kernels.quest_pages(q, lo, hi, pages, 0, last, k, 8, page_size=128, backend="pallas")
+        ref = quest_pages_reference(q, lo, hi, pages, 0, last, k, 8, page_size=128)
         assert_pages(got, exact_scores(q, kmin, kmax, 0), last, k, 8, 1e-4)
         assert (np.asarray(got)[..., 3:] == 0).all() == fused
         assert np.array_equal(got, ref) != fused

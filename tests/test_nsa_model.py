@@ -34,6 +34,7 @@ from jaxspec.runner import Batch
 from jaxspec.decoding.spec import SpecConfig
 from pallas_kernels.nsa_compressed import nsa_compressed_reference, select_blocks
 from pallas_kernels.nsa_selected import nsa_selected_reference
+from paged_pools import scatter
 from test_engine import generate, prefilled
 
 import torch  # noqa: E402  (a test dependency: a missing one fails here rather than skipping)
@@ -44,8 +45,23 @@ with warnings.catch_warnings():  # fla warns that flash-attn and triton are abse
 
 REPO = Path(__file__).resolve().parents[1]
 # jitted once per shape (eager dispatch compiles op by op, several times slower here)
-compressed_branch = jax.jit(nsa_compressed_reference, static_argnames=("block_size", "scale"))
-selected_branch = jax.jit(nsa_selected_reference, static_argnames=("block_size", "window", "scale"))
+_compressed = jax.jit(nsa_compressed_reference, static_argnames=("page_size", "block_size", "scale"))
+_selected = jax.jit(nsa_selected_reference, static_argnames=("page_size", "block_size", "window", "scale"))
+PAGE = 128  # the branches read their caches as pools with the rows' pages scattered (tests/paged_pools)
+
+
+def compressed_branch(q, k_cmp, v_cmp, layer, q_pos, *, block_size, scale):
+    """The compressed reference over contiguous blocks [L, B, Hkv, NB, Dh], scattered into a pool first."""
+    (k, v), pages = scatter([k_cmp, v_cmp], PAGE // block_size, seed=1)
+    return _compressed(q, k, v, pages, layer, q_pos, page_size=PAGE, block_size=block_size, scale=scale)
+
+
+def selected_branch(q, k_cache, v_cache, layer, *args, **options):
+    """The selected/window reference over contiguous caches [L, B, Hkv, S, Dh], scattered into a pool first."""
+    (k, v), pages = scatter([k_cache, v_cache], PAGE, seed=2)
+    return _selected(q, k, v, pages, layer, *args, page_size=PAGE, **options)
+
+
 select = jax.jit(select_blocks, static_argnames=("block_size", "block_counts", "rule"))
 jit_score = jax.jit(score, static_argnums=(1,))
 NSA_KEYS = ("block_size", "block_counts", "window_size", "nsa_topk_rule")

@@ -45,7 +45,7 @@ def test_reuse_layer_takes_the_nearest_refresh_layers_selection(model):
     # jitted, the layer traced: one compile for the three layers (eagerly, every op compiles on its own)
     attend = jax.jit(nsa.attend_fn(cfg, q_pos, "reference", refresh=jnp.asarray([True, False, True])))
     own_selection = jax.jit(lambda layer, q: kernels.nsa_compressed_attention(
-        q, cache.k_cmp, cache.v_cmp, layer, q_pos, block_size=nsa_cfg.block_size, block_counts=nsa_cfg.block_counts,
+        q, cache.k_cmp, cache.v_cmp, cache.pages, layer, q_pos, page_size=cache.page_size, block_size=nsa_cfg.block_size, block_counts=nsa_cfg.block_counts,
         rule=nsa_cfg.topk_rule, scale=cfg.head_dim**-0.5))
     carry = nsa.initial_carry(cfg, q_pos, cache.num_slots, reuse=True)
     selections = []
@@ -58,8 +58,8 @@ def test_reuse_layer_takes_the_nearest_refresh_layers_selection(model):
     np.testing.assert_array_equal(carry1[1], carry0[1])
     assert not np.array_equal(own1[2], own0[2])  # ...which are not its own
     expected = jax.jit(lambda q, idx, o_cmp: kernels.nsa_selected_attention(
-        q, cache.k, cache.v, 1, q_pos, idx, o_cmp, gates, block_size=nsa_cfg.block_size, window=nsa_cfg.window_size,
-        scale=cfg.head_dim**-0.5))(qs[1], carry0[0], jnp.zeros_like(qs[1]))
+        q, cache.k, cache.v, cache.pages, 1, q_pos, idx, o_cmp, gates, page_size=cache.page_size,
+        block_size=nsa_cfg.block_size, window=nsa_cfg.window_size, scale=cfg.head_dim**-0.5))(qs[1], carry0[0], jnp.zeros_like(qs[1]))
     np.testing.assert_array_equal(out1, expected)  # with layer 0's blocks and no compressed branch
     np.testing.assert_array_equal(carry2[0], own2[2])  # layer 2 refreshes again
 

@@ -215,7 +215,8 @@ def test_every_device_holds_only_its_shard(qwen3):
     scheduler.submit(Request(tuple(range(1, 40)), 4), lambda delta: None)
     scheduler.admit_waiting()
     cache = scheduler.state.cache
-    assert cache.k.sharding.shard_shape(cache.k.shape) == (L, 2, cfg.num_kv_heads // tp, cache.num_slots, Dh)
+    pool = (L, cfg.num_kv_heads // tp, cache.num_pages * cache.page_size, Dh)  # the pool's KV heads split
+    assert cache.k.sharding.shard_shape(cache.k.shape) == pool
 
 
 def test_moe_device_holds_only_its_shard(gpt_oss):

@@ -104,10 +104,11 @@ class Engine:
     sampling: SamplingConfig | None
     max_len: int
 
-    def prefill_cache(self, params: decoder.Params, prompts: jax.Array, prompt_len: jax.Array) -> KVCache:
+    def prefill_cache(self, params: decoder.Params, prompts: jax.Array, prompt_len: jax.Array,
+                      cache: KVCache | None = None, begin: jax.Array | None = None) -> KVCache:
         """`prefill_cache` on this engine's backend and prefill chunk."""
         return prefill_cache(params, prompts, prompt_len, cfg=self.cfg, max_len=self.max_len, backend=self.spec.backend,
-                             chunk=self.spec.prefill_chunk, head=self.spec.eagle)
+                             chunk=self.spec.prefill_chunk, head=self.spec.eagle, cache=cache, begin=begin)
 
     def start(
         self,
@@ -202,16 +203,22 @@ class Engine:
         max_new_tokens: jax.Array,
         stop_ids: jax.Array,
         row_sampling: RowSampling | None = None,
-        cache: KVCache | None = None,
+        *,
+        pages: jax.Array,
+        begin: jax.Array,
+        prefilled: bool = False,
     ) -> DecodeState:
         """Continuous batching: prefills n new requests (prompts [n, P], keys [n], max_new_tokens [n],
-        stop_ids [n, m], row_sampling of n rows) and writes them into rows `slots` [n] of a running
-        state, leaving its other rows as they were. A server admits requests into freed slots between
-        loop segments; each new row is what `prefill` makes of it (first token drawn, drafter seeded,
-        stats zero), under the state's budget. `cache`: the prompts' KV already written (by
+        stop_ids [n, m], row_sampling of n rows) into the state's KV pool under their page tables
+        `pages` [n, R] and writes them into rows `slots` [n] of a running state, leaving its other rows
+        as they were. A server admits requests into freed slots between loop segments; each new row is
+        what `prefill` makes of it (first token drawn, drafter seeded, stats zero), under the state's
+        budget. begin [n]: the positions already in the pool (a cached prefix, shared read-only: the
+        prefill writes from there on). `prefilled`: the prompts' KV is written already (by
         `prefill_chunk`, a chunk per round), so only `start` remains."""
-        if cache is None:
-            cache = self.prefill_cache(params, prompts, prompt_len)
+        cache = state.cache.with_pages(pages)
+        if not prefilled:
+            cache = self.prefill_cache(params, prompts, prompt_len, cache, begin)
         rows = self.start(params, cache, prompts, prompt_len, key, state.budget, max_new_tokens=max_new_tokens,
                           stop_ids=stop_ids, row_sampling=row_sampling)
         return write_rows(state, rows, slots)
@@ -259,23 +266,29 @@ def prefill_cache(
     backend: str = "reference",
     chunk: int = 256,
     head: EagleConfig | None = None,
+    cache: KVCache | None = None,
+    begin: jax.Array | None = None,
 ) -> KVCache:
     """A cache holding the KV of every prompt token but the last, filled `chunk` positions at a time.
 
     prompts [B, P] are right-padded; prompt_len [B] in [1, max_len). The cache has room for max_len
     plus any draft tree, so one prefill serves every decoding method (tests and benchmarks reuse it);
     with an EAGLE-3 `head` (weights in params["eagle"]) it holds the head's cache over the prompt too,
-    which only method eagle needs.
+    which only method eagle needs. `cache`: write into this one instead (a server's pool under the
+    rows' page tables), from positions begin [B] on (the rows' cached prefixes: default 0).
     """
     B, P = prompts.shape
     if P > max_len:
         raise ValueError(f"prompts of {P} tokens do not fit max_len {max_len}")
-    cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS, head)
+    if cache is None:
+        cache = init_cache(cfg, B, max_len + MAX_TREE_ROWS, head)
     chunk = min(chunk, P)
-    num_chunks = -(-(P - 1) // chunk)
     fill = functools.partial(prefill_chunk, params, prompts=prompts, prompt_len=prompt_len, cfg=cfg, backend=backend,
                              chunk=chunk, head=head)
-    return jax.lax.fori_loop(0, num_chunks, lambda c, cache: fill(cache, begin=c * chunk), cache)
+    if begin is None:
+        return jax.lax.fori_loop(0, -(-(P - 1) // chunk), lambda c, cache: fill(cache, begin=c * chunk), cache)
+    num_chunks = (jnp.max(prompt_len - 1 - begin) + chunk - 1) // chunk  # the longest rest; a cached row may have none
+    return jax.lax.fori_loop(0, num_chunks, lambda c, cache: fill(cache, begin=begin + c * chunk), cache)
 
 
 def prefill_chunk(
@@ -292,9 +305,10 @@ def prefill_chunk(
 ) -> KVCache:
     """`cache` with the KV of prompt positions [begin, begin + chunk) written (positions before each
     row's last token; the others are not written), the `head`'s too (an EAGLE-3 head: the target's
-    features at each position with the next prompt token). Chunks in order from 0 make
-    `prefill_cache`; a server prefills a long prompt a chunk per round between decode segments
-    (chunked prefill)."""
+    features at each position with the next prompt token). `begin`: one for every row, or one a row
+    [B]. Chunks in order from 0 make `prefill_cache`; a server prefills a long prompt a chunk per round
+    between decode segments (chunked prefill)."""
+    begin = jnp.reshape(jnp.asarray(begin, jnp.int32), (-1, 1))
     positions = jnp.broadcast_to(begin + jnp.arange(chunk, dtype=jnp.int32), (prompts.shape[0], chunk))
     # positions past the prompts' width read its last column: they are not valid, so they write nothing
     prompt_at = lambda p: jnp.take_along_axis(prompts.astype(jnp.int32), jnp.minimum(p, prompts.shape[1] - 1), axis=1)
@@ -310,10 +324,19 @@ def prefill_chunk(
     return dataclasses.replace(cache, head=head_cache)
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, head: EagleConfig | None = None) -> KVCache:
-    """The model's empty cache of `length` slots, with an EAGLE-3 `head`'s own beside it."""
-    cache = kvcache.init_cache(cfg, batch, length)
-    return cache if head is None else dataclasses.replace(cache, head=eagle.init_cache(head, batch, length, cfg.dtype))
+def init_cache(cfg: ModelConfig, batch: int, length: int, head: EagleConfig | None = None,
+               page_size: int = kvcache.DEFAULT_PAGE_SIZE, num_pages: int | None = None) -> KVCache:
+    """The model's empty cache of `length` slots a row, with an EAGLE-3 `head`'s own beside it under
+    the same page table. `num_pages` None: each row on its own consecutive pages (a batch); given: a
+    server's pool of that many pages, every row's table on the null page until it is given pages."""
+    if num_pages is None:
+        cache = kvcache.init_cache(cfg, batch, length, page_size)
+        heads = None if head is None else eagle.init_cache(head, batch, length, cfg.dtype, page_size)
+    else:
+        pages = jnp.zeros((batch, kvcache.cache_slots(length, page_size) // page_size), jnp.int32)
+        cache = kvcache.init_pool(cfg, pages, num_pages, page_size)
+        heads = None if head is None else eagle.init_pool(head, pages, num_pages, cfg.dtype, page_size)
+    return cache if head is None else dataclasses.replace(cache, head=heads)
 
 
 def finish(state: DecodeState, max_len: int) -> GenerateOutput:
@@ -322,15 +345,15 @@ def finish(state: DecodeState, max_len: int) -> GenerateOutput:
 
 def write_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
     """`state` with rows `slots` [n] replaced by the n rows of `rows` (a state of the same static
-    configuration). Leaves of the whole batch (the budget) stay. With n = B every row is replaced, and
-    `slots` must be 0, ..., B - 1. A slot index of B or more drops its row (padding rows of a bucketed
-    admission)."""
-    n, B = rows.length.shape[0], state.length.shape[0]
+    configuration, made in the same KV pool: `Engine.admit`). Leaves of the whole batch come from
+    `rows`: the pools its rows were written into, and the budget it was started under (the state's).
+    With n = B every row is replaced, and `slots` must be 0, ..., B - 1. A slot index of B or more
+    drops its row (padding rows of a bucketed admission)."""
 
     def put(old, new):
         axis = _batch_axis(old, new)
         if axis is None:
-            return new if n == B else old
+            return new
         return old.at[(slice(None),) * axis + (slots,)].set(new, mode="drop")
 
     return jax.tree.map(put, state, rows)
@@ -358,9 +381,11 @@ def _batch_axis(a, b) -> int | None:
 
 
 def release(state: DecodeState, free: jax.Array) -> DecodeState:
-    """Marks rows done (free [B] bool: cancelled requests, stop strings found by the host); a done
-    row stops changing and its slot can take the next request (`Engine.admit`)."""
-    return dataclasses.replace(state, done=state.done | free)
+    """Marks rows done (free [B] bool: cancelled requests, stop strings found by the host, preempted
+    ones); a done row stops changing and its slot can take the next request (`Engine.admit`). Its page
+    table row points at the null page from now on, so the host may hand its pages to others."""
+    pages = jnp.where(free[:, None], kvcache.NULL_PAGE, state.cache.pages)
+    return dataclasses.replace(state, done=state.done | free, cache=state.cache.with_pages(pages))
 
 
 def _plain_step(params, cfg, spec, sampling, drafter: Drafter | None, state: DecodeState) -> DecodeState:

@@ -331,7 +331,7 @@ def attention_inputs(cfg: ModelConfig, h: jax.Array, wqkv, stacks: dict, entry: 
     inv_freq, rope_scale = rope_tables(cfg)
     sums, scale = product_sums(h, wqkv)
     q, k_cache, v_cache = kernels.rope_write(
-        sums, positions, write_pos, cache.k, cache.v, entry, cache_layer, inv_freq, num_heads=cfg.num_heads,
+        sums, positions, cache.slots(write_pos), cache.k, cache.v, entry, cache_layer, inv_freq, num_heads=cfg.num_heads,
         rope_scale=rope_scale, eps=cfg.rms_norm_eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
         k_norm=stacks["k_norm"], backend=backend)
     cache = cache.written(cache_layer, write_pos, k_cache, v_cache)
@@ -378,12 +378,12 @@ def sequence_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, attend
     pass, so a row's memory does not grow with the number of layers. Reference kernels."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    shape = (1, B, cfg.num_kv_heads, T, cfg.head_dim)
-    one_layer = KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    one_layer = init_cache(dataclasses.replace(cfg, num_layers=1), B, T)
 
     def attend(layer, q, cache, _lx, gates, carry):
-        whole = lambda c: jnp.swapaxes(c[layer], 1, 2)  # [B, T, Hkv, Dh]
-        return attend_sequence(q, whole(cache.k), whole(cache.v), gates), None, carry
+        whole = lambda c: jnp.swapaxes(c[:, :, :T], 1, 2)  # [B, T, Hkv, Dh]
+        k, v = cache.view(layer)
+        return attend_sequence(q, whole(k), whole(v), gates), None, carry
 
     num_entries = params["layers"]["attn_norm"].shape[0]
     hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((B, T), bool), one_layer, attend,
@@ -403,8 +403,8 @@ def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, t
     else:
         def attend(layer, q, cache, _, gates, carry):
             out, _, scores = kernels.verify_attention(
-                q, cache.k, cache.v, layer, q_slot, scale=cfg.head_dim**-0.5, collect=collect, tree=tree,
-                backend=backend, **sink_window(gates)
+                q, cache.k, cache.v, cache.pages, layer, q_slot, page_size=cache.page_size, scale=cfg.head_dim**-0.5,
+                collect=collect, tree=tree, backend=backend, **sink_window(gates)
             )
             return out, scores, carry
 

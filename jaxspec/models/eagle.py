@@ -98,9 +98,16 @@ def init_params(key: jax.Array, ecfg: EagleConfig, dtype, scale: float = 0.05) -
     return jax.device_put(params)
 
 
-def init_cache(ecfg: EagleConfig, batch: int, length: int, dtype: str = "bfloat16") -> KVCache:
+def init_cache(ecfg: EagleConfig, batch: int, length: int, dtype: str = "bfloat16",
+               page_size: int = kvcache.DEFAULT_PAGE_SIZE) -> KVCache:
     """The head's empty KV cache: the decoder's, with one layer."""
-    return kvcache.init_cache(layer_config(ecfg, dtype), batch, length)
+    return kvcache.init_cache(layer_config(ecfg, dtype), batch, length, page_size)
+
+
+def init_pool(ecfg: EagleConfig, pages: jax.Array, num_pages: int, dtype: str = "bfloat16",
+              page_size: int = kvcache.DEFAULT_PAGE_SIZE) -> KVCache:
+    """The head's empty pool of `num_pages` pages under the target's page table `pages`."""
+    return kvcache.init_pool(layer_config(ecfg, dtype), pages, num_pages, page_size)
 
 
 def token_embeds(params: Params, target_params: Params, target_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -217,8 +224,8 @@ def ttt_attention(ecfg: EagleConfig, rows: int, step: int) -> AttendFn:
     def attend(layer, q, cache, _lx, _gates, carry):
         B, T, Hq, Dh = q.shape
         precision = matmul_precision(q.dtype)
-        blocks = lambda c: c[layer][:, :, :(step + 1) * rows].reshape(B, -1, step + 1, rows, Dh)  # [B, Hkv, j, t, Dh]
-        k, v = blocks(cache.k), blocks(cache.v)
+        blocks = lambda c: c[:, :, :(step + 1) * rows].reshape(B, -1, step + 1, rows, Dh)  # [B, Hkv, j, t, Dh]
+        k, v = map(blocks, cache.view(layer))
         qg = q.reshape(B, T, -1, G, Dh)
         causal = jnp.einsum("btkgd,bksd->bkgts", qg, k[:, :, 0], precision=precision,
                             preferred_element_type=jnp.float32)

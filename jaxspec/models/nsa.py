@@ -82,8 +82,8 @@ def attend_fn(cfg: ModelConfig, q_pos, backend: str, collect: kernels.Collect | 
 
     def selection(layer, q, cache):
         return kernels.nsa_compressed_attention(
-            q, cache.k_cmp, cache.v_cmp, layer, q_pos, block_size=nsa.block_size, block_counts=nsa.block_counts,
-            rule=nsa.topk_rule, scale=scale, backend=backend,
+            q, cache.k_cmp, cache.v_cmp, cache.pages, layer, q_pos, page_size=cache.page_size,
+            block_size=nsa.block_size, block_counts=nsa.block_counts, rule=nsa.topk_rule, scale=scale, backend=backend,
         )
 
     def attend(layer, q, cache, _, gates, carry):
@@ -94,8 +94,8 @@ def attend_fn(cfg: ModelConfig, q_pos, backend: str, collect: kernels.Collect | 
                 jnp.asarray(refresh)[layer], selection, lambda *_: (jnp.zeros_like(q), carry[1], carry[0]), layer, q, cache)
             carry = (idx, weights)
         out = kernels.nsa_selected_attention(
-            q, cache.k, cache.v, layer, q_pos, idx, o_cmp, gates, block_size=nsa.block_size,
-            window=nsa.window_size, scale=scale, backend=backend,
+            q, cache.k, cache.v, cache.pages, layer, q_pos, idx, o_cmp, gates, page_size=cache.page_size,
+            block_size=nsa.block_size, window=nsa.window_size, scale=scale, backend=backend,
         )
         scores = None if collect is None else collected_scores(weights, q_pos, collect, cfg.group_size, cache.num_slots)
         return out, scores, carry
@@ -111,8 +111,9 @@ def _tree_attend_fn(cfg: ModelConfig, tree: kernels.TreeMask, collect: kernels.C
                    scale=cfg.head_dim**-0.5, backend=backend)
 
     def rows_attention(layer, q, cache, gates, idx=None):
-        return kernels.nsa_tree_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, layer, tree.first,
-                                          tree.ancestors, gates, idx, **options)
+        return kernels.nsa_tree_attention(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.pages, layer,
+                                          tree.first, tree.ancestors, gates, idx, page_size=cache.page_size,
+                                          **options)
 
     def attend(layer, q, cache, _, gates, carry):
         if refresh is not None:  # a reuse layer takes the carried selection and skips the compressed branch

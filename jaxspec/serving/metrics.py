@@ -1,6 +1,7 @@
 """Server metrics in the Prometheus text format (`/metrics`): requests by outcome, queue and running
-requests, generated tokens and tokens/s, and the speculation figures (tokens per iteration,
-acceptance by draft depth) over finished requests."""
+requests, generated tokens and tokens/s, the speculation figures (tokens per iteration, acceptance by
+draft depth) over finished requests, and the KV page pool (pages in use, cached and free, the prefix
+cache's hit rate, preemptions)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ class Metrics:
         self.segments: collections.deque[tuple[float, int, float]] = collections.deque()  # (time, tokens, seconds)
         self.ttft_sum = 0.0
         self.ttft_count = 0
+        self.preemptions = 0
+        self.pool = None  # the scheduler's PagePool, read when rendering
+
+    def count_preemption(self) -> None:
+        with self._lock:
+            self.preemptions += 1
 
     def count_request(self, outcome: str) -> None:
         with self._lock:
@@ -94,5 +101,19 @@ class Metrics:
                 "# HELP jaxspec_time_to_first_token_seconds_avg Mean time from submit to first token.",
                 "# TYPE jaxspec_time_to_first_token_seconds_avg gauge",
                 f"jaxspec_time_to_first_token_seconds_avg {self.ttft_sum / self.ttft_count if self.ttft_count else 0.0:.4f}",
+                "# HELP jaxspec_preemptions_total Requests preempted (pages freed, prefilled again) when the KV pool ran out.",
+                "# TYPE jaxspec_preemptions_total counter",
+                f"jaxspec_preemptions_total {self.preemptions}",
             ]
+            pool = self.pool
+            if pool is not None:
+                lines += [
+                    "# HELP jaxspec_kv_pages KV pool pages by state (in use by requests, cached prefixes, free).",
+                    "# TYPE jaxspec_kv_pages gauge",
+                    *(f'jaxspec_kv_pages{{state="{k}"}} {v}' for k, v in
+                      (("in_use", pool.in_use), ("cached", pool.cached), ("free", pool.free))),
+                    "# HELP jaxspec_prefix_cache_hit_rate Prompt tokens read from the prefix cache over prompt tokens.",
+                    "# TYPE jaxspec_prefix_cache_hit_rate gauge",
+                    f"jaxspec_prefix_cache_hit_rate {pool.hit_rate:.4f}",
+                ]
         return "\n".join(lines) + "\n"

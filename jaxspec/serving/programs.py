@@ -78,18 +78,21 @@ class Programs:
     switch: Program  # the running state under this table's strategy (`engine.Engine.switch`)
     take: Program  # a shrunk state of chosen rows
     place: Program  # a grown state: a shrunk one's rows first in a state of free rows
-    blank: Program  # an empty cache for a chunked admission
-    chunk: Program  # one chunk of a chunked prefill
+    admit_prefilled: Program  # rows whose prompts' KV a chunked prefill wrote, into chosen slots
+    chunk: Program  # one chunk of a chunked prefill, into the state's pool under the rows' tables
+    grow: Program  # (state, rows [n], their new page tables [n, R])
 
 
 @functools.lru_cache(maxsize=None)
 def table(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, slots: int, stop_width: int,
-          window: int, prefill_chunk: int | None, mesh: Mesh | None = None) -> Programs:
+          window: int, prefill_chunk: int | None, num_pages: int, page_size: int, mesh: Mesh | None = None) -> Programs:
     """The programs for one model, strategy (`SpecConfig.compiled`), sampling mode (None: each row's
-    rules) and state of `slots` rows; `window`: tokens a report reads per row. With a `mesh`, each runs
-    tensor-parallel over it (`models.sharding.Parallel`)."""
+    rules) and state of `slots` rows over a KV pool of `num_pages` pages of `page_size` slots;
+    `window`: tokens a report reads per row. With a `mesh`, each runs tensor-parallel over it
+    (`models.sharding.Parallel`)."""
     make = functools.partial(_functions, spec=spec, sampling=sampling, max_len=max_len, slots=slots,
-                             stop_width=stop_width, window=window, prefill_chunk=prefill_chunk)
+                             stop_width=stop_width, window=window, prefill_chunk=prefill_chunk, num_pages=num_pages,
+                             page_size=page_size)
 
     def program(name: str, donate: tuple[int, ...] = ()) -> Program:
         if mesh is None:
@@ -107,8 +110,9 @@ def table(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, 
         switch=program("switch", (1,)),
         take=program("take"),  # not donated: the running state stays whole if the smaller one fails
         place=program("place", (0,)),
-        blank=program("blank"),
+        admit_prefilled=program("admit_prefilled", (1,)),
         chunk=program("chunk", (1,)),
+        grow=program("grow", (0,)),
     )
 
 
@@ -125,17 +129,20 @@ def unpack_report(packed: np.ndarray) -> tuple:
     return packed[:, 0], packed[:, 1].astype(bool), packed[:, 6 : packed.shape[1] - depth], stats
 
 
-def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefill_chunk) -> dict[str, Callable]:
+def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefill_chunk, num_pages,
+               page_size) -> dict[str, Callable]:
     """The programs' functions for the model `cfg` (or one shard's view of it)."""
     eng = engine.Engine(cfg, spec, sampling, max_len)
     keys = jax.vmap(jax.random.key)
 
     def free_rows(n, params, rules, budget):
-        """A state of n free (done) rows; `rules` of n rows, or None."""
-        state = eng.prefill(
-            params, jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.int32), keys(jnp.zeros((n,), jnp.uint32)),
-            max_new_tokens=jnp.ones((n,), jnp.int32), stop_ids=-jnp.ones((n, stop_width), jnp.int32),
-            budget=budget, row_sampling=rules)
+        """A state of n free (done) rows over an empty pool, every table row on the null page; `rules`
+        of n rows, or None."""
+        pool = engine.init_cache(cfg, n, max_len + MAX_TREE_ROWS, spec.eagle, page_size, num_pages)
+        state = eng.start(
+            params, pool, jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.int32), keys(jnp.zeros((n,), jnp.uint32)),
+            budget, max_new_tokens=jnp.ones((n,), jnp.int32), stop_ids=-jnp.ones((n, stop_width), jnp.int32),
+            row_sampling=rules)
         return engine.release(state, jnp.ones((n,), bool))
 
     empty = functools.partial(free_rows, slots)
@@ -148,16 +155,22 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         return eng.start(params, cache, prompts, prompt_len, keys(seeds), budget, max_new_tokens=max_new_tokens,
                          stop_ids=stop_ids, row_sampling=rules)
 
-    def admit(params, state, slots_, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules, cache):
-        return eng.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules, cache)
+    def admit(params, state, slots_, pages, begin, prompts, prompt_len, seeds, max_new_tokens, stop_ids, rules,
+              prefilled=False):
+        return eng.admit(params, state, slots_, prompts, prompt_len, keys(seeds), max_new_tokens, stop_ids, rules,
+                         pages=pages, begin=begin, prefilled=prefilled)
 
-    def blank(prompt_len):
-        """An empty cache for the rows of a chunked admission."""
-        return engine.init_cache(cfg, prompt_len.shape[0], max_len + MAX_TREE_ROWS, spec.eagle)
+    def chunk(params, state, pages, begin, prompts, prompt_len):
+        """`state` with one chunk of the rows' prompts (from begin [n]) written into its pool under
+        their tables `pages` [n, R]; the running rows' tables are untouched."""
+        cache = engine.prefill_chunk(params, state.cache.with_pages(pages), prompts=prompts, prompt_len=prompt_len,
+                                     begin=begin, cfg=cfg, backend=spec.backend, chunk=prefill_chunk, head=spec.eagle)
+        return dataclasses.replace(state, cache=cache.with_pages(state.cache.pages))
 
-    def chunk(params, cache, prompts, prompt_len, begin):
-        return engine.prefill_chunk(params, cache, prompts=prompts, prompt_len=prompt_len, begin=begin, cfg=cfg,
-                                    backend=spec.backend, chunk=prefill_chunk, head=spec.eagle)
+    def grow(state, rows, pages):
+        """`state` with the page tables of rows `rows` [n] replaced by pages [n, R] (a row given more
+        pages before a segment; an index past the rows: dropped)."""
+        return dataclasses.replace(state, cache=state.cache.with_pages(state.cache.pages.at[rows].set(pages, mode="drop")))
 
     def decode(params, state, iterations, min_live):
         return eng.decode(params, state, max_iterations=iterations, min_live=min_live)
@@ -186,4 +199,5 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         return engine.write_rows(state, rows, jnp.arange(rows.length.shape[0], dtype=jnp.int32))
 
     return dict(empty=empty, prefill=prefill, start=start, admit=admit, decode=decode, release=engine.release,
-                report=report, switch=switch, blank=blank, chunk=chunk, take=take, place=place)
+                report=report, switch=switch, admit_prefilled=functools.partial(admit, prefilled=True), chunk=chunk,
+                grow=grow, take=take, place=place)

@@ -32,6 +32,7 @@ class Request:
 class RequestStats:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # prompt tokens read from the prefix cache instead of prefilled
     iterations: int  # decode iterations the request's slot ran (its first token came from prefill)
     drafted: int
     accepted: int
@@ -65,6 +66,7 @@ class Handle:
         self.first_token: float | None = None
         self.slot: int | None = None  # its row in the running state
         self.tokens: list[int] = []  # every token its slot committed so far (the stop token too)
+        self.cached_tokens = 0  # its prompt's tokens that its admission read from the prefix cache
         self.text: TextStream | None = None  # None without a tokenizer
         self.before_switch = (0, 0, 0, ())  # the slot's stats under earlier strategies (a switch zeroes them)
 

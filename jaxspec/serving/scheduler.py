@@ -45,9 +45,11 @@ from jaxspec.decoding import engine
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.models.kvcache import KVCache
+from jaxspec.decoding.tree import MAX_TREE_ROWS
+from jaxspec.models import kvcache
 from jaxspec.serving import programs
 from jaxspec.serving.metrics import Metrics
+from jaxspec.serving.pages import PagePool
 from jaxspec.serving.requests import Delta, Handle, QueueFull, Request, RequestStats
 from jaxspec.serving.text import TextStream
 from jaxspec.tokenizer import Tokenizer
@@ -67,7 +69,8 @@ class Scheduler:
                  stop_ids: tuple[int, ...] | None = None, sampling: SamplingConfig | None = None,
                  plan: planner.Plan | None = None, queue_limit: int = 256, segment: int | None = 2,
                  admit_rows: int | None = 1, static: bool = False, prefill_chunk: int | None = None,
-                 max_top_k: int = 64, mesh: Mesh | None = None, shrink: bool = False):
+                 max_top_k: int = 64, mesh: Mesh | None = None, shrink: bool = False, kv_pages: int | None = None,
+                 page_size: int = kvcache.DEFAULT_PAGE_SIZE, prefix_cache: bool = True):
         """`tokenizer` None: token ids only (no text, no stop strings). `stop_ids`: ids that end every
         request (default: the tokenizer's end-of-sequence ids, if any). `sampling`: the one config every
         request uses, or None: each request's own (top_k up to `max_top_k`). `plan`: decode with its
@@ -83,9 +86,30 @@ class Scheduler:
         at most a quarter of the state's rows run and no request waits, the running rows move into a
         state of fewer rows (the next power of two; `engine.take_rows`), since an iteration whose rows
         are mostly finished still costs most of a full one; a waiting request grows it back to
-        `slots` rows. Each row count compiles its own programs, on first use or in `warm_up`."""
+        `slots` rows. Each row count compiles its own programs, on first use or in `warm_up`.
+
+        The KV cache is a pool of pages (`models.kvcache`). `kv_pages` None: `slots` rows' worth, each
+        admitted request taking a whole row of pages (a batch's cache). Given: a pool of that many pages
+        of `page_size` slots (the null page included) shared by the slots; a request takes pages for its
+        prompt, grows a page at a time before each segment, and when the pool runs out the most
+        recently admitted request is preempted (its pages freed; it waits again, to be prefilled with
+        the tokens it has so far and continue). With `prefix_cache`, full prompt pages stay cached
+        and a later prompt with the same prefix reads them instead of prefilling them (not with an
+        EAGLE-3 head, whose KV at a position depends on the next token)."""
         if slots < 1:
             raise JaxspecError(f"--slots must be at least 1, got {slots}")
+        try:
+            kvcache.paging.check_page_size(page_size, cfg.nsa.block_size if cfg.nsa else None)
+        except ValueError as e:
+            raise JaxspecError(f"--page-size: {e}") from None
+        self.page_size = page_size
+        self.row_pages = kvcache.cache_slots(max_len + MAX_TREE_ROWS, page_size) // page_size  # a row's table
+        self.paged = kv_pages is not None
+        num_pages = kv_pages if self.paged else slots * self.row_pages + 1
+        if num_pages - 1 < self.row_pages:
+            raise JaxspecError(f"--kv-pages {num_pages} holds fewer than one request of --max-len {max_len} "
+                               f"({self.row_pages} pages of {page_size} slots and the null page)")
+        self.pool = PagePool(num_pages, page_size, prefix_cache and self.paged and spec.eagle is None)
         self.params, self.cfg, self.tokenizer, self.base = params, cfg, tokenizer, spec.validate()
         self.refinement = planner.Refinement.of(plan, closed=static) if plan else None
         self.spec = plan.first.spec(self.base) if plan else self.base  # the strategy running now
@@ -98,6 +122,7 @@ class Scheduler:
         self.stop_width = len(self.stop_ids) + MAX_STOP_TOKEN_IDS
         depth = max(c.strategy.spec(self.base).draft_len for c in plan.candidates) if plan else self.spec.draft_len
         self.metrics = Metrics(depth=depth)
+        self.metrics.pool = self.pool
         self.compile_s = 0.0  # spent compiling programs (each shape once a process, on first use)
         self._executables: dict = {}  # this scheduler's, by (program, shape): no signature to form per call
         self._lock = threading.Condition()
@@ -105,11 +130,13 @@ class Scheduler:
         self._cancelled: set[Handle] = set()
         self._running: dict[int, Handle] = {}
         self._staged: _Staged | None = None  # an admission being prefilled a chunk per round
+        self._pages: dict[Handle, list[int]] = {}  # each admitted (or staged) request's pages, in order
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-decode")  # `_dispatch`
         self._state: engine.DecodeState | None = None  # made by the first admission
         self._last = None  # (length, stats) host copies at the latest report, for refinement
+        self._last_at = 0.0  # when the latest report arrived
         self._ahead: float | None = None  # a segment runs beyond the latest report, timed from then
         self._watch_from = None  # (report, start time) where a settled refinement's watch window began
 
@@ -137,6 +164,9 @@ class Scheduler:
         if n + request.max_new_tokens > self.max_len:
             raise JaxspecError(f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) is more than "
                                f"this server's context of {self.max_len} tokens")
+        if self.paged and self._row_need(n + request.max_new_tokens) > self.pool.num_pages - 1:
+            raise JaxspecError(f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) needs more KV "
+                               f"pages than this server's pool of {self.pool.num_pages - 1}")
         if self.sampling is not None and request.sampling != self.sampling:
             raise JaxspecError(f"this scheduler samples every request with {self.sampling}, not {request.sampling}")
         if self.sampling is None and request.sampling.top_k > self.max_top_k:
@@ -198,11 +228,11 @@ class Scheduler:
             chunked = self.prefill_chunk is not None and width > self.prefill_chunk
             for n in sorted({self._row_bucket(k) for k in range(1, self.admit_rows + 1)}):
                 args = self._admission([], [], n, width)
-                cache = self._executable(self._programs().blank, args.lengths, shape=(n,)).out_info if chunked else None
                 if chunked:
-                    self._executable(self._programs().chunk, self.params, cache, args.prompts, args.lengths, jnp.int32(0),
-                                     shape=(n, width))
-                self._executable(self._programs().admit, self.params, self._state, *args, cache, shape=(n, width, chunked))
+                    self._executable(self._programs().chunk, self.params, self._state, args.pages, args.begin,
+                                     args.prompts, args.lengths, shape=(n, width))
+                admit = self._programs().admit_prefilled if chunked else self._programs().admit
+                self._executable(admit, self.params, self._state, *args, shape=(n, width, chunked))
         self._compile_segment(self._state, self.slots)
         if self.refinement is not None:  # the replays of its first segments (each a compile)
             length = np.asarray(jax.device_get(self._state.length))
@@ -217,6 +247,8 @@ class Scheduler:
         self._executable(table.decode, self.params, state, np.int32(0), np.int32(0))
         self._executable(table.release, state, np.zeros((rows,), bool))
         self._executable(table.report, state, np.zeros((rows,), np.int32))
+        if self.paged:
+            self._executable(table.grow, state, np.zeros((rows,), np.int32), np.zeros((rows, self.row_pages), np.int32))
 
     def _warm_up_shrinking(self, rows: int | None = None, state: engine.DecodeState | None = None,
                            warmed: set[int] | None = None) -> None:
@@ -293,12 +325,14 @@ class Scheduler:
         admitted = 0
         while free:
             with self._lock:
-                group = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting), self.admit_rows))]
+                group = []  # the longest run of waiting requests, in order, whose pages the pool has now
+                while self._waiting and len(group) < min(len(free), self.admit_rows) and self._take_pages(self._waiting[0]):
+                    group.append(self._waiting.popleft())
                 self.metrics.set_queue(len(self._waiting), len(self._running))
             if not group:
                 break
             slots, free = free[: len(group)], free[len(group) :]
-            width = self._bucket(max(len(h.request.ids) for h in group))
+            width = self._bucket(max(len(self._prompt(h)) for h in group))
             if cache is None and self.prefill_chunk is not None and width > self.prefill_chunk:
                 admitted += len(group) if self._guarded(group, lambda: self._stage(group, slots)) else 0
                 break
@@ -306,6 +340,53 @@ class Scheduler:
             admitted += len(group)
         if admitted:
             self._deliver(start)
+
+    def _prompt(self, h: Handle) -> tuple[int, ...]:
+        """What a request's admission prefills: its prompt and, after a preemption, the tokens it has."""
+        return (*h.request.ids, *h.tokens)
+
+    def _row_need(self, tokens: int) -> int:
+        """Pages of a row holding `tokens` positions (at most max_len) and a draft tree beyond them."""
+        return min(self.pool.pages_for(min(tokens, self.max_len) + MAX_TREE_ROWS), self.row_pages)
+
+    def _horizon(self) -> int:
+        """Positions a row may write beyond what the host has handed out: the segment in flight and the
+        next one (the host knows lengths only up to the last report)."""
+        return 2 * self._window()
+
+    def _wants(self, h: Handle) -> int:
+        """The pages `h`'s row needs before the next segment."""
+        known, limit = len(h.request.ids) + h.read, len(h.request.ids) + h.request.max_new_tokens
+        return self._row_need(min(known + self._horizon(), limit))
+
+    def _growing(self) -> int:
+        """Rows holding pages (running, staged or being admitted) that do not yet cover their whole
+        output: admission leaves each of them a page to grow into (a projection at Qwen3-8B shapes: a
+        third of the preemptions, as many requests held; bench/paged_capacity.py)."""
+        limit = lambda h: self._row_need(len(h.request.ids) + h.request.max_new_tokens)
+        return sum(len(pages) < limit(h) for h, pages in self._pages.items())
+
+    def _take_pages(self, h: Handle) -> bool:
+        """Gives `h` the pages of its prompt and its first segments (a whole row's without a page pool):
+        the cached ones of its prefix, shared, and new ones for the rest; False, with nothing taken, if
+        the pool lacks them or a page for each growing row besides (admitting it only to preempt it
+        soon would prefill it for nothing)."""
+        prompt = self._prompt(h)
+        cached = self.pool.match(prompt)
+        need = (self._wants(h) if self.paged else self.row_pages) - len(cached)
+        new = self.pool.allocate(need) if self.pool.available >= need + (self._growing() if self.paged else 0) else None
+        if new is None:
+            self.pool.unmatch(prompt, cached)
+            return False
+        self._pages[h] = cached + new
+        if not h.tokens:  # its prompt's cached tokens (a preempted request's prefix cache hits are its own)
+            h.cached_tokens = len(cached) * self.page_size
+        return True
+
+    def _drop_pages(self, h: Handle) -> None:
+        pages = self._pages.pop(h, None)
+        if pages:
+            self.pool.release(pages)
 
     def _guarded(self, group: list[Handle], work: Callable[[], bool | None]):
         """work(), whose failure fails the requests of `group` (and is raised)."""
@@ -319,46 +400,57 @@ class Scheduler:
 
     def _stage(self, group: list[Handle], slots: list[int]) -> bool:
         """Starts the chunked prefill of `group` into `slots` (reserved: a cancel is kept until the
-        request runs) and writes its first chunk; whether that admitted it (a one-chunk prompt)."""
-        n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
+        request runs) and writes its first chunk into the state's pool; whether that admitted it (a
+        one-chunk prompt)."""
+        n, width = self._row_bucket(len(group)), self._bucket(max(len(self._prompt(h)) for h in group))
         args = self._admission(group, slots, n, width)
-        cache = self._call(self._programs().blank, args.lengths, shape=(n,))
+        if self._state is None:
+            self._state = self._free_state()
         now = time.perf_counter()
         for h, slot in zip(group, slots):
             h.slot, h.admitted = slot, now
-        self._staged = _Staged(group, slots, args, cache, 0, max(len(h.request.ids) for h in group) - 1)
+        rest = max(len(self._prompt(h)) - 1 - h.cached_tokens for h in group)
+        self._staged = _Staged(group, slots, args, 0, rest)
         return self._prefill_next_chunk()
 
     def _prefill_next_chunk(self) -> bool:
         """Writes the staged admission's next chunk; after its last, admits it. Whether it did."""
         st = self._staged
-        st.cache = self._call(self._programs().chunk, self.params, st.cache, st.args.prompts, st.args.lengths,
-                              jnp.int32(st.begin), shape=st.args.prompts.shape)
-        st.begin += self.prefill_chunk
-        if st.begin < st.end:
+        self._state = self._call(self._programs().chunk, self.params, self._state, st.args.pages,
+                                 st.args.begin + np.int32(st.offset), st.args.prompts, st.args.lengths,
+                                 shape=st.args.prompts.shape)
+        st.offset += self.prefill_chunk
+        if st.offset < st.end:
             return False
         self._staged = None
-        self._admit(st.group, st.slots, st.cache, args=st.args)
+        self._admit(st.group, st.slots, args=st.args)
         return True
 
-    def _admit(self, group: list[Handle], slots: list[int], cache, args: _Admission | None = None) -> None:
-        """Prefills `group` (or starts it from `cache`, its prompts' KV) into `slots`."""
-        n, width = self._row_bucket(len(group)), self._bucket(max(len(h.request.ids) for h in group))
+    def _admit(self, group: list[Handle], slots: list[int], cache=None, args: _Admission | None = None) -> None:
+        """Prefills `group` (or starts it from `cache`, its prompts' KV, or from a staged admission's
+        `args`, whose prompts' KV the pool holds) into `slots`."""
+        n, width = self._row_bucket(len(group)), self._bucket(max(len(self._prompt(h)) for h in group))
+        prefilled = args is not None
         args = args or self._admission(group, slots, n, width)
-        if self._state is None and n == self.slots:  # every slot at once: the prefill is the state
-            rows = args[1:]  # every argument but the slots
+        whole = self._state is None and n == self.slots and not self.paged and self.page_size == kvcache.DEFAULT_PAGE_SIZE
+        if cache is not None and not whole:
+            raise ValueError("a prefilled cache starts a fresh scheduler's every slot at once")
+        if whole:  # every slot at once: the prefill is the state
+            rows = args[3:]  # every argument but the slots and the page tables (each row's own consecutive pages)
             table = self._programs()
             program, inputs = (table.start, (cache, *rows)) if cache is not None else (table.prefill, rows)
             self._state = self._call(program, self.params, *inputs, self.spec.budget(), shape=(width,))
         else:
             if self._state is None:
                 self._state = self._free_state()
-            self._state = self._call(self._programs().admit, self.params, self._state, *args, cache,
-                                     shape=(n, width, cache is not None))
+            admit = self._programs().admit_prefilled if prefilled else self._programs().admit
+            self._state = self._call(admit, self.params, self._state, *args, shape=(n, width, prefilled))
         now, self._watch_from = time.perf_counter(), None  # admitted rows restart their stats: a watch window starts after them
         for h, slot in zip(group, slots):
+            self.pool.register(self._prompt(h), self._pages[h])  # its prompt's full pages, written now
             h.slot, h.admitted = slot, now
-            h.text = TextStream(self.tokenizer, h.request.stop) if self.tokenizer else None
+            if h.text is None and self.tokenizer:  # a preempted request keeps its text
+                h.text = TextStream(self.tokenizer, h.request.stop)
             self._running[slot] = h
         self.metrics.set_queue(len(self._waiting), len(self._running))
 
@@ -370,16 +462,19 @@ class Scheduler:
         stop = np.full((n, self.stop_width), -1, np.int32)
         where = np.full((n,), self.rows, np.int32)
         where[: len(slots)] = slots
+        pages, begin = np.zeros((n, self.row_pages), np.int32), np.zeros((n,), np.int32)  # padding rows: the null page
         configs = [SamplingConfig() if self.sampling is None else self.sampling] * n
         for i, h in enumerate(group):
-            r = h.request
-            ids[i, : len(r.ids)], lengths[i], limits[i] = r.ids, len(r.ids), r.max_new_tokens
+            r, prompt = h.request, self._prompt(h)
+            ids[i, : len(prompt)], lengths[i], limits[i] = prompt, len(prompt), r.max_new_tokens - len(h.tokens)
+            pages[i, : len(self._pages[h])], begin[i] = self._pages[h], h.cached_tokens
             seeds[i] = secrets.randbits(32) if r.seed is None else r.seed % (1 << 32)
             stop_ids = (*self.stop_ids, *r.stop_ids)
             stop[i, : len(stop_ids)] = stop_ids
             configs[i] = r.sampling
-        return _Admission(jnp.asarray(where), jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(seeds),
-                          jnp.asarray(limits), jnp.asarray(stop), self._rules(configs))
+        return _Admission(jnp.asarray(where), jnp.asarray(pages), jnp.asarray(begin), jnp.asarray(ids),
+                          jnp.asarray(lengths), jnp.asarray(seeds), jnp.asarray(limits), jnp.asarray(stop),
+                          self._rules(configs))
 
     def run_segment(self) -> None:
         """Decodes a segment (`segment` iterations; planner.SEGMENT while refining), hands out its
@@ -398,9 +493,11 @@ class Scheduler:
         most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
         floor = most if len(self._running) > most else 0
         if self._ahead is None:
+            self._reserve()
             self._state = self._call(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
         report, ahead = self._report(), None
-        if self.segment is not None and not refining:  # the next segment runs while the host reads this one's report
+        if self.segment is not None and not refining and self._running:  # the next segment runs while the host reads
+            self._reserve()  # this one's report
             ahead = self._dispatch(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
         seconds = self._deliver(start, report, ahead)
         if ahead is not None:
@@ -417,6 +514,44 @@ class Scheduler:
             self._switch(target)
         if self._may_shrink() and 0 < len(self._running) <= self.rows // SHRINK_FACTOR:
             self._shrink()
+
+    def _reserve(self) -> None:
+        """Gives each running row the pages the segment in flight and the next one may write (the host
+        knows its length only up to the last report), earliest admitted first; while the pool lacks
+        them, preempts the most recently admitted request."""
+        if not self.paged:
+            return
+        grown = False
+        for h in sorted(self._running.values(), key=lambda h: h.admitted):
+            while self._running.get(h.slot) is h:
+                need, have = self._wants(h), self._pages[h]
+                if need <= len(have):
+                    break
+                new = self.pool.allocate(need - len(have))
+                if new is not None:
+                    have += new
+                    grown = True
+                    break
+                self._preempt(max(self._running.values(), key=lambda h: h.admitted))
+        if grown:
+            table = np.zeros((self.rows, self.row_pages), np.int32)
+            for slot, h in self._running.items():
+                table[slot, : len(self._pages[h])] = self._pages[h]
+            self._state = self._call(self._programs().grow, self._state, np.arange(self.rows, dtype=np.int32), table)
+
+    def _preempt(self, h: Handle) -> None:
+        """Frees `h`'s slot and pages and queues it first, to be prefilled again with the tokens it has
+        been handed (recompute: what its slot drew since then is dropped, never handed out)."""
+        if self._last is not None and self._last_at > h.admitted:  # its slot's stats so far
+            h.before_switch = _add_row_stats(h.before_switch, _row_stats(self._last[1], h.slot))
+        self._free([h.slot])
+        del self._running[h.slot]
+        self._drop_pages(h)
+        h.slot = None
+        with self._lock:
+            self._waiting.appendleft(h)
+        self.metrics.count_preemption()
+        log.info("preempted request %s after %d tokens: the KV pool is full", h.id, h.read)
 
     def _replays(self, since) -> dict:
         """{Strategy: Observation.replayed} of the refinement's replayed strategies over the tokens
@@ -473,8 +608,9 @@ class Scheduler:
     def _grow(self) -> None:
         """Back to `slots` rows for waiting requests: the running rows keep their row numbers in a
         fresh state of free rows (with none running, the next admission makes the state)."""
-        if not self._running:
+        if not self._running and not self.paged:
             self._state, self.rows, self._watch_from = None, self.slots, None
+            self._new_pool()
             return
         self._state = self._call(self._programs(self.slots).place, self._free_state(), self._state, shape=(self.rows,))
         self.rows, self._watch_from = self.slots, None
@@ -509,23 +645,23 @@ class Scheduler:
         taken back before any slot is freed."""
         since, report = report or self._report()
         try:
-            finished, done, seconds = self._hand_out(start, since, report)
+            finished, seconds = self._hand_out(start, since, report)
         finally:
             if ahead is not None:
                 self._state = ahead.result()
-        self._free([h.slot for h in finished if not done[h.slot]])
+        self._free([h.slot for h in finished])  # those done on the device too: their tables leave their pages
         for h in finished:
             del self._running[h.slot]
         with self._lock:
             self.metrics.set_queue(len(self._waiting), len(self._running))
         return seconds
 
-    def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], np.ndarray, float]:
+    def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], float]:
         """Reads `report` and hands each running request its tokens from `since`; returns the requests
-        that finished, the slots' done flags and the seconds from `start` to the report's arrival."""
+        that finished and the seconds from `start` to the report's arrival."""
         length, done, window, stats = programs.unpack_report(jax.device_get(report))
         self._last, self._ahead = (length, stats), None
-        now = time.perf_counter()
+        now = self._last_at = time.perf_counter()
         finished, new_tokens, seconds = [], 0, now - start
         for slot, h in list(self._running.items()):
             count = int(length[slot] - since[slot])
@@ -550,7 +686,7 @@ class Scheduler:
             text += h.text.flush() if h.text else ""
             self._finish(h, reason, text, tuple(tokens), row=_add_row_stats(h.before_switch, _row_stats(stats, slot)))
         self.metrics.add_segment(new_tokens, seconds)
-        return finished, done, seconds
+        return finished, seconds
 
     def _release_cancelled(self) -> None:
         """Frees the slots of cancelled running requests (their clients are gone)."""
@@ -572,10 +708,13 @@ class Scheduler:
 
     def _finish(self, h: Handle, reason: str, text: str = "", tokens: tuple[int, ...] = (), error: str | None = None,
                 row: tuple = (0, 0, 0, ())) -> None:
-        """Hands the request its last delta; `row`: its slot's (iterations, drafted, accepted, by depth)."""
+        """Hands the request its last delta (its pages go back to the pool); `row`: its slot's
+        (iterations, drafted, accepted, by depth)."""
+        self._drop_pages(h)
         now = time.perf_counter()
         stats = RequestStats(
             prompt_tokens=len(h.request.ids), completion_tokens=len(h.text.ids) if h.text else h.read,
+            cached_tokens=h.cached_tokens,
             iterations=row[0], drafted=row[1], accepted=row[2], accepted_by_depth=row[3],
             queued_s=(h.admitted or now) - h.submitted, first_token_s=(h.first_token or now) - h.submitted,
             total_s=now - h.submitted,
@@ -593,6 +732,11 @@ class Scheduler:
         self._state, self._staged, self._ahead = None, None, None
         for h in handles:
             self._finish(h, "error", error=error)
+        self._new_pool()
+
+    def _new_pool(self) -> None:
+        """An empty page pool for a state made from nothing (cached prefixes included: their KV is gone)."""
+        self.pool = self.metrics.pool = PagePool(self.pool.num_pages, self.page_size, self.pool.prefix_cache)
 
     def _lost(self) -> bool:
         """Whether the state's buffers are gone (donated to a program that failed)."""
@@ -621,7 +765,8 @@ class Scheduler:
     def _programs(self, rows: int | None = None) -> programs.Programs:
         """The programs of the current strategy for a state of `rows` rows (default: the running state's)."""
         return programs.table(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len, rows or self.rows,
-                              self.stop_width, self._window(), self.prefill_chunk, self.mesh)
+                              self.stop_width, self._window(), self.prefill_chunk, self.pool.num_pages, self.page_size,
+                              self.mesh)
 
     def _window(self) -> int:
         """Tokens a report reads per slot: what the longest segment can commit, plus the first token
@@ -679,6 +824,8 @@ class _Admission(NamedTuple):
     """The arguments of an admission after the state (in the admit program's order)."""
 
     slots: jax.Array  # [n] the slots the rows go to
+    pages: jax.Array  # [n, R] their page tables (the null page past their pages)
+    begin: jax.Array  # [n] the positions their cached prefixes cover
     prompts: jax.Array  # [n, width] right-padded
     lengths: jax.Array  # [n]
     seeds: jax.Array  # [n] uint32
@@ -689,12 +836,11 @@ class _Admission(NamedTuple):
 
 @dataclasses.dataclass
 class _Staged:
-    """An admission under chunked prefill: its requests, slots, admit arguments, the KV written so
-    far, the next chunk's first position and the last position to write."""
+    """An admission under chunked prefill: its requests, slots, admit arguments, the next chunk's first
+    position past each row's cached prefix, and the most positions a row has to write."""
 
     group: list[Handle]
     slots: list[int]
     args: _Admission
-    cache: KVCache
-    begin: int
+    offset: int
     end: int

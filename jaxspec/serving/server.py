@@ -254,6 +254,7 @@ def usage(delta: Delta) -> dict:
     s = delta.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
             "total_tokens": s.prompt_tokens + s.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
             "jaxspec": {"iterations": s.iterations, "draft_tokens": s.drafted, "accepted_tokens": s.accepted,
                         "tokens_per_iteration": (s.accepted + s.iterations) / s.iterations if s.iterations else 0.0,
                         "acceptance_by_depth": list(s.accepted_by_depth), "queued_s": s.queued_s,

@@ -36,7 +36,7 @@ from jaxspec.models.config import ModelConfig, NSAConfig, nsa_hf_keys
 from jaxspec.models.kvcache import cache_slots
 from jaxspec.models.nsa_convert import DEFAULT_NSA, check_dense_llama, gate_shape, to_nsa
 from pallas_kernels._common import matmul_precision
-from pallas_kernels.nsa_compressed import nsa_compressed_reference, select_blocks
+from pallas_kernels.nsa_compressed import nsa_compressed_rows, select_blocks
 
 Params = decoder.Params
 
@@ -65,11 +65,11 @@ def nsa_attention(q, k, v, gates, nsa_cfg: NSAConfig, scale: float):
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     precision = matmul_precision(q.dtype)
 
-    def pooled(x):  # [B, T, Hkv, Dh] -> [1, B, Hkv, NB, Dh]: block means, the cache's k_cmp / v_cmp
+    def pooled(x):  # [B, T, Hkv, Dh] -> [B, Hkv, NB, Dh]: block means, the rows' view of the cache's k_cmp / v_cmp
         xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, S - T), (0, 0), (0, 0)))
-        return jnp.mean(xp.reshape(B, NB, bs, Hkv, Dh), axis=2).astype(x.dtype).transpose(0, 2, 1, 3)[None]
+        return jnp.mean(xp.reshape(B, NB, bs, Hkv, Dh), axis=2).astype(x.dtype).transpose(0, 2, 1, 3)
 
-    o_cmp, weights = nsa_compressed_reference(q, pooled(k), pooled(v), 0, pos, block_size=bs, scale=scale)
+    o_cmp, weights = nsa_compressed_rows(q, pooled(k), pooled(v), pos, block_size=bs, scale=scale)
     idx = select_blocks(jax.lax.stop_gradient(weights), pos, block_size=bs, block_counts=nsa_cfg.block_counts,
                         rule=nsa_cfg.topk_rule)  # [B, T, Hkv, block_counts], -1: none
     chosen = jnp.any(idx[..., None] == jnp.arange(NB, dtype=jnp.int32), axis=-2)  # [B, T, Hkv, NB]

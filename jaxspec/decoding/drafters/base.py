@@ -155,7 +155,7 @@ class Drafter:
         def attend(layer, q, cache, _lx, gates, carry):
             n, start = self.windowed(gates, n_idx, tail_start)
             out = kernels.sparse_attention(
-                q, cache.k, cache.v, layer, idx, n, start, slots,
+                q, cache.k, cache.v, cache.pages, layer, idx, n, start, slots, page_size=cache.page_size,
                 scale=scale, tail_capacity=self.tail_reach(tail_capacity), tree=mask, skew=self.spec.balance,
                 backend=self.spec.backend, **decoder.sink_window(gates),
             )

@@ -16,8 +16,9 @@ from jaxspec.models import decoder
 class Full(Drafter):
     def attend(self, state, budget, rows):
         def attend(layer, q, cache, _, gates, carry):
-            out, _, _ = kernels.verify_attention(q, cache.k, cache.v, layer, rows.slots, scale=self.scale,
-                                                 tree=rows.mask, backend=self.spec.backend, **decoder.sink_window(gates))
+            out, _, _ = kernels.verify_attention(q, cache.k, cache.v, cache.pages, layer, rows.slots,
+                                                 page_size=cache.page_size, scale=self.scale, tree=rows.mask,
+                                                 backend=self.spec.backend, **decoder.sink_window(gates))
             return out, None, carry
 
         return attend, None

@@ -40,7 +40,7 @@ class Vegas(Drafter):
         return kernels.Collect(rows=self.rows(num_rows), metric=self.spec.metric, reduce_rows=self.reduce_rows)
 
     def init(self, cache, prompt_len):
-        L, B = cache.k.shape[:2]
+        L, B = cache.k.shape[0], cache.pages.shape[0]
         zeros = jnp.zeros((B,), jnp.int32)
         return Selection(jnp.zeros((L, B, 1, self.k_max), jnp.int32), zeros, zeros)
 

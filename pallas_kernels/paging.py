@@ -1,0 +1,72 @@
+"""The paged KV layout every attention kernel reads: a pool of fixed-size pages and a page table.
+
+A cache stack is a pool [L, Hkv, N, Dh] of N = num_pages * page_size slots, shared by all rows. Row b's
+logical slot s (its token position) lives in pool slot pages[b, s // page_size] * page_size +
+s % page_size, where pages [B, R] is the page table (R pages a row, so R * page_size logical slots).
+Page 0 is the null page: no request owns it, table entries a row does not use point at it, and writes
+to slots past a row's table land there. Nothing reads it unmasked, so its contents never matter
+(tests poison it); it only has to stay finite, which every write keeps it.
+
+NSA's compressed stacks [L, Hkv, N / block_size, Dh] use the same table: page p holds the compressed
+entries of its page_size / block_size blocks.
+
+Kernels stream a row's keys a block at a time; a block never straddles two pages (the page size is a
+multiple of every key block), so each block starts at `block_start` of its first slot.
+"""
+import jax
+import jax.numpy as jnp
+
+NULL_PAGE = 0
+PAGE_MULTIPLE = 64  # the attention kernels' key blocks (and NSA's compression blocks) divide this
+DEFAULT_PAGE_SIZE = 128
+
+
+def check_page_size(page_size: int, block_size: int | None = None) -> None:
+    """A page size the kernels can tile: a positive multiple of PAGE_MULTIPLE (and of an NSA model's
+    compression block)."""
+    if page_size <= 0 or page_size % PAGE_MULTIPLE:
+        raise ValueError(f"page size must be a positive multiple of {PAGE_MULTIPLE}, got {page_size}")
+    if block_size is not None and page_size % block_size:
+        raise ValueError(f"page size {page_size} must be a multiple of the NSA block size {block_size}")
+
+
+def physical(pages: jax.Array, slots: jax.Array, page_size: int) -> jax.Array:
+    """Pool slots of logical slots [B, ...] (row b's own slots); slots outside the table (negative, or
+    past its last page) map into the null page."""
+    R = pages.shape[1]
+    page = slots // page_size
+    rows = jnp.arange(pages.shape[0]).reshape((-1,) + (1,) * (slots.ndim - 1))
+    inside = (slots >= 0) & (page < R)
+    ids = jnp.where(inside, pages[rows, jnp.clip(page, 0, R - 1)], NULL_PAGE)
+    return ids * page_size + slots % page_size
+
+
+def layer_view(pool: jax.Array, layer, pages: jax.Array, page_size: int) -> jax.Array:
+    """[B, Hkv, R * page_size, Dh]: layer `layer` of a pool [L, Hkv, N, Dh] as each row's contiguous
+    slots (a gather of every page in the table: the references' and tests' view)."""
+    x = jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)  # [Hkv, N, Dh]
+    H, N, D = x.shape
+    B, R = pages.shape
+    rows = x.reshape(H, N // page_size, page_size, D)[:, pages]  # [Hkv, B, R, P, Dh]
+    return jnp.moveaxis(rows.reshape(H, B, R * page_size, D), 1, 0)
+
+
+def logical_view(pool: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
+    """[L, B, Hkv, R * page_size, Dh]: every layer of a pool as contiguous rows (tests, checks)."""
+    L, H, N, D = pool.shape
+    B, R = pages.shape
+    rows = pool.reshape(L, H, N // page_size, page_size, D)[:, :, pages]  # [L, Hkv, B, R, P, Dh]
+    return jnp.moveaxis(rows.reshape(L, H, B, R * page_size, D), 2, 1)
+
+
+def contiguous_pages(batch: int, pages_per_row: int) -> jax.Array:
+    """The page table of a cache whose rows own consecutive pages, 1 .. batch * pages_per_row (page 0
+    is the null page): a batch's cache outside a server."""
+    return (1 + jnp.arange(batch * pages_per_row, dtype=jnp.int32)).reshape(batch, pages_per_row)
+
+
+def block_start(pages_ref, b, start, page_size: int):
+    """Inside a kernel: the pool slot of row b's logical slot `start` (>= 0; elementwise for a vector of
+    slots), the first slot of a key block that lies within one page. lax's division: jnp's // and %
+    sign fix-ups cost a float32 NSA-1B tile a register spill (ptxas, sm_90)."""
+    return pages_ref[b, jax.lax.div(start, page_size)] * page_size + jax.lax.rem(start, page_size)
