@@ -106,7 +106,7 @@ class Scheduler:
         self.row_pages = kvcache.cache_slots(max_len + MAX_TREE_ROWS, page_size) // page_size  # a row's table
         self.paged = kv_pages is not None
         num_pages = kv_pages if self.paged else slots * self.row_pages + 1
-        if num_pages - 1 < self.row_pages:
+        if num_pages - 1 < self.row_pages:  # so every request `check` lets in fits the pool alone
             raise JaxspecError(f"--kv-pages {num_pages} holds fewer than one request of --max-len {max_len} "
                                f"({self.row_pages} pages of {page_size} slots and the null page)")
         self.pool = PagePool(num_pages, page_size, prefix_cache and self.paged and spec.eagle is None)
@@ -164,9 +164,6 @@ class Scheduler:
         if n + request.max_new_tokens > self.max_len:
             raise JaxspecError(f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) is more than "
                                f"this server's context of {self.max_len} tokens")
-        if self.paged and self._row_need(n + request.max_new_tokens) > self.pool.num_pages - 1:
-            raise JaxspecError(f"the prompt ({n} tokens) plus max_tokens ({request.max_new_tokens}) needs more KV "
-                               f"pages than this server's pool of {self.pool.num_pages - 1}")
         if self.sampling is not None and request.sampling != self.sampling:
             raise JaxspecError(f"this scheduler samples every request with {self.sampling}, not {request.sampling}")
         if self.sampling is None and request.sampling.top_k > self.max_top_k:
