@@ -1,7 +1,7 @@
 """Engine losslessness with the Pallas backend on the GPU (teacher-forced, bf16).
 
     PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|qwen3-30b-a3b|gpt-oss-20b|smollm2|PATH] [--context N] [--new N]
-        [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--tiny] [--out DIR]
+        [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--dtype float32] [--layers N] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
@@ -11,7 +11,10 @@ shapes (the experts kernel, sinks and sliding windows included) use random weigh
 random tokens; SmolLM2 uses a real long prompt. Method eagle drafts with --draft-model, else
 the head shipped for the model (smollm2's), else a random head at the model's shapes (the check does
 not need a good head); a model with too few layers for a head skips it.
-Methods draft chains of 6, or the draft tree of --tree. Writes DIR/gpu_checks_<model>[_tree].json.
+Methods draft chains of 6, or the draft tree of --tree. `--dtype float32` and `--layers N` (random-weight
+models) tell a kernel or cache error from bf16 rounding that random weights amplify with depth: gpt-oss-20b's
+shapes at 12 layers fail this check in bf16 with the reference kernels and pass in float32 (CPU,
+bench/NOTES.md). Writes DIR/gpu_checks_<model>[_tree].json.
 """
 
 from __future__ import annotations
@@ -98,12 +101,17 @@ def main():
     p.add_argument("--tree", default=None, help="draft this tree (e.g. 3,2,1) instead of a chain of 6")
     p.add_argument("--traversal", default="bfs")
     p.add_argument("--draft-model", type=Path, default=None, help="method eagle's head")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="random-weight models' weights and cache")
+    p.add_argument("--layers", type=int, default=None, help="random-weight models: this many layers")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
     backend = args.backend
     if args.model in RANDOM_MODELS:
-        cfg = random_model_config(args.model, args.tiny)
+        cfg = dataclasses.replace(random_model_config(args.model, args.tiny), dtype=args.dtype)
+        if args.layers:
+            cfg = dataclasses.replace(cfg, num_layers=args.layers, sliding_layers=tuple(i for i in cfg.sliding_layers
+                                                                                         if i < args.layers))
         params = decoder.init_params(cfg, jax.random.key(0), scale=0.05)
         ids, lengths = common.random_prompts(cfg, 2, args.context)
         lengths[1] = args.context - 1000 if args.context > 2000 else args.context // 2
@@ -134,6 +142,7 @@ def main():
         print(row, flush=True)
         result["rows"].append(row)
     tag = "" if tree is None else f"_tree{args.traversal}{args.tree.replace(',', '')}"
+    tag += "" if args.dtype == "bfloat16" else f"_{args.dtype}"
     common.write_json(args.out / f"gpu_checks_{Path(args.model).stem}{tag}.json", result)
     ok = all(r["all_within_near_tie"] for r in result["rows"])
     print(("PASS" if ok else "FAIL") + f": teacher-forced check, {args.model}, {backend} backend")
