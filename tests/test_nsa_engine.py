@@ -8,6 +8,8 @@ up to 700 tokens (44 blocks): selection drops most blocks, and the nsa1b rule di
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from jaxspec.models import decoder, draft_weights, nsa
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.models.kvcache import init_cache
 from jaxspec.runner import Batch
+from pallas_kernels import paging
 from test_engine import Case, assert_rows_alone_equal_batched, generate, prefilled
 
 SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full", "eagle")]  # full: with a draft model, below; eagle with a head: test_eagle_engine
@@ -191,3 +194,31 @@ def test_tree_greedy_lossless_nsa(nsa_case, method, tree, order):
     out, stats = nsa_case.run(SpecConfig(method=method, tree=tree, traversal=order, min_tokens=32).validate())
     assert out == nsa_case.plain
     assert stats.accepted.sum() > 0
+
+
+def test_moved_slots_refresh_their_blocks_through_a_scattered_table():
+    """KVCache.move under a shuffled page table (rows' pages anywhere in the pool): every layer's keys
+    and values at the destination slots equal the source's, and the compressed entry of each block the
+    destination touches is the mean of that block's slots as the rows see them (a draft tree's accepted
+    path moving into place on an NSA model)."""
+    cfg = nsa_config()
+    B, length, bs = 2, 512, cfg.nsa.block_size
+    cache = init_cache(cfg, B, length)
+    order = np.random.default_rng(7).permutation(np.asarray(cache.pages).ravel())
+    keys = jax.random.split(jax.random.key(8), 4)
+    pools = [jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, (cache.k, cache.v, cache.k_cmp, cache.v_cmp))]
+    cache = dataclasses.replace(cache, k=pools[0], v=pools[1], k_cmp=pools[2], v_cmp=pools[3],
+                                pages=jnp.asarray(order.reshape(cache.pages.shape), jnp.int32))
+    src = jnp.asarray([[300, 303, 306], [140, 141, 149]], jnp.int32)
+    dst = jnp.asarray([[298, 299, 300], [139, 140, 141]], jnp.int32)
+    before = [paging.logical_view(x, cache.pages, cache.page_size) for x in (cache.k, cache.v)]
+    moved = cache.move(src, dst)
+    rows = jnp.arange(B)[:, None]
+    for old, new in zip(before, (paging.logical_view(x, moved.pages, moved.page_size) for x in (moved.k, moved.v))):
+        np.testing.assert_array_equal(np.asarray(new[:, rows, :, dst]), np.asarray(old[:, rows, :, src]))
+    k = paging.logical_view(moved.k, moved.pages, moved.page_size)  # [L, B, Hkv, S, Dh]
+    k_cmp = paging.logical_view(moved.k_cmp, moved.pages, moved.page_size // bs)  # [L, B, Hkv, S / bs, Dh]
+    for b in range(B):
+        for block in {int(s) // bs for s in dst[b]}:
+            want = k[:, b, :, block * bs : (block + 1) * bs].mean(axis=2)
+            np.testing.assert_allclose(np.asarray(k_cmp[:, b, :, block]), np.asarray(want), rtol=1e-5, atol=1e-6)

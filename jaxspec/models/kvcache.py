@@ -90,8 +90,8 @@ class KVCache:
     def move(self, src: jax.Array, dst: jax.Array) -> KVCache:
         """Copies logical slots src [B, n] to slots dst [B, n] (consecutive) in every layer; an NSA cache
         then recomputes the compressed blocks of dst (a draft tree's accepted path moving into place)."""
-        src, dst = self.slots(src), self.slots(dst)
-        moved = lambda x: x.at[:, :, dst].set(x[:, :, src])
+        to, at = self.slots(dst), self.slots(src)
+        moved = lambda x: x.at[:, :, to].set(x[:, :, at])
         cache = dataclasses.replace(self, k=moved(self.k), v=moved(self.v))
         if self.k_cmp is None:
             return cache
