@@ -200,3 +200,22 @@ def test_every_method_on_scattered_pages_equals_plain_alone(params, case):
     for i, r in enumerate(requests):
         assert finished[i].finish_reason == "length" and tokens[i] == plain_alone(model, cfg, r), i
     assert_pool_idle(s)
+
+
+def test_chunked_prefill_from_a_cached_prefix_and_shrinking(params):
+    """Chunked prefill (32 positions a round) of prompts whose first pages are cached starts each row at
+    its own cached prefix; with `shrink` the state moves into fewer rows and back while requests come
+    and go over the shared pool: every output equals the request alone and every admission after the
+    first reads the shared prompt's two cached pages."""
+    spec = SPECS["vegas"].validate()
+    first, longer, again = shared_prefix_requests()
+    other = Request(93, 150, 20, GREEDY)
+    s = Scheduler(params, CFG, None, spec, slots=4, max_len=MAX_LEN, max_top_k=32, kv_pages=POOL + 4, page_size=PAGE,
+                  prefill_chunk=32, shrink=True)
+    tokens, finished, _ = serve_all(s, [first])
+    later_tokens, later_finished, _ = serve_all(s, [longer, other, again])
+    assert s.rows < s.slots  # the last request ran alone in a shrunk state
+    assert [later_finished[i].stats.cached_tokens for i in range(3)] == [2 * PAGE, 0, PAGE]
+    for out, r in zip([tokens[0], *later_tokens.values()], [first, longer, other, again]):
+        assert out == alone(params, spec, r)
+    assert_pool_idle(s)
