@@ -245,9 +245,9 @@ def test_moe_device_holds_only_its_shard(gpt_oss):
 
 @pytest.mark.slow  # 35 s; the sharded engine's tokens are checked by default above (the default run's 20 minutes)
 def test_scheduler_admissions_equal_one_device(qwen3):
-    """The server's path: requests admitted one at a time into running slots, a long one prefilled in
-    chunks, rows released and reused, the state shrunk to one row at the end; every request's tokens
-    equal the one-device scheduler's."""
+    """The server's path: requests admitted one at a time into running slots over a shared page pool
+    (split by KV heads), a long one prefilled in chunks, rows released and reused, the state shrunk to
+    one row at the end; every request's tokens equal the one-device scheduler's."""
     devices_needed(2)
     requests = [Request(tuple(int(t) for t in qwen3.batch.ids[b, :n]), 12 + 3 * b, GREEDY, seed=b)
                 for b, n in enumerate(qwen3.batch.lengths)]
@@ -257,7 +257,8 @@ def test_scheduler_admissions_equal_one_device(qwen3):
         mesh = sharding.make_mesh(tp) if tp > 1 else None
         params = qwen3.params if mesh is None else sharding.shard_params(qwen3.params, QWEN3, mesh)
         scheduler = Scheduler(params, QWEN3, None, spec("vegas", tree=(2, 1)), slots=4, max_len=256, stop_ids=(),
-                              segment=2, admit_rows=1, prefill_chunk=64, mesh=mesh, shrink=True)
+                              segment=2, admit_rows=1, prefill_chunk=64, mesh=mesh, shrink=True, kv_pages=12,
+                              page_size=64)  # a shared pool of half the rows' pages, as serve runs
         tokens = {i: [] for i in range(len(requests))}
         for i, r in enumerate(requests):
             scheduler.submit(r, lambda delta, i=i: tokens[i].extend(delta.token_ids))
