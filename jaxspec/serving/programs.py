@@ -76,8 +76,8 @@ class Programs:
     release: Program  # (state, free [rows] bool)
     report: Program  # what the host reads after a segment (`unpack_report`)
     switch: Program  # the running state under this table's strategy (`engine.Engine.switch`)
-    take: Program  # a shrunk state of chosen rows
-    place: Program  # a grown state: a shrunk one's rows first in a state of free rows
+    take: Program  # a shrunk state of chosen rows (params, state, rows)
+    place: Program  # a grown state: a shrunk one's rows first, free rows after (params, state, rules, budget)
     admit_prefilled: Program  # rows whose prompts' KV a chunked prefill wrote, into chosen slots
     chunk: Program  # one chunk of a chunked prefill, into the state's pool under the rows' tables
     grow: Program  # (state, rows [n], their new page tables [n, R])
@@ -108,8 +108,8 @@ def table(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, 
         release=program("release", (0,)),
         report=program("report"),
         switch=program("switch", (1,)),
-        take=program("take"),  # not donated: the running state stays whole if the smaller one fails
-        place=program("place", (0,)),
+        take=program("take", (1,)),  # donated, as place: the pool moves between states in place
+        place=program("place", (1,)),
         admit_prefilled=program("admit_prefilled", (1,)),
         chunk=program("chunk", (1,)),
         grow=program("grow", (0,)),
@@ -135,10 +135,14 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
     eng = engine.Engine(cfg, spec, sampling, max_len)
     keys = jax.vmap(jax.random.key)
 
-    def free_rows(n, params, rules, budget):
-        """A state of n free (done) rows over an empty pool, every table row on the null page; `rules`
-        of n rows, or None."""
-        pool = engine.init_cache(cfg, n, max_len + MAX_TREE_ROWS, spec.eagle, page_size, num_pages)
+    def free_rows(n, params, rules, budget, pool=None):
+        """A state of n free (done) rows, every table row on the null page, over an empty pool or over
+        `pool` (a running state's: the free rows write only into the null page); `rules` of n rows, or
+        None."""
+        if pool is None:
+            pool = engine.init_cache(cfg, n, max_len + MAX_TREE_ROWS, spec.eagle, page_size, num_pages)
+        else:
+            pool = pool.with_pages(jnp.zeros((n, pool.pages.shape[1]), jnp.int32))
         state = eng.start(
             params, pool, jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.int32), keys(jnp.zeros((n,), jnp.uint32)),
             budget, max_new_tokens=jnp.ones((n,), jnp.int32), stop_ids=-jnp.ones((n, stop_width), jnp.int32),
@@ -194,8 +198,10 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         smaller = jax.eval_shape(functools.partial(free_rows, rows.shape[0]), params, rules, state.budget)
         return engine.take_rows(state, rows, smaller)
 
-    def place(state, rows):
-        """`state` (of `slots` free rows) with its first rows replaced by the n rows of `rows`: a grown batch."""
+    def place(params, rows, rules, budget):
+        """A state of `slots` rows whose first are the n rows of `rows`, the others free (`rules` of
+        every slot): a grown batch, over `rows`' pool."""
+        state = free_rows(slots, params, rules, budget, rows.cache)
         return engine.write_rows(state, rows, jnp.arange(rows.length.shape[0], dtype=jnp.int32))
 
     return dict(empty=empty, prefill=prefill, start=start, admit=admit, decode=decode, release=engine.release,

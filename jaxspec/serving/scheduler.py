@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -250,22 +251,24 @@ class Scheduler:
     def _warm_up_shrinking(self, rows: int | None = None, state: engine.DecodeState | None = None,
                            warmed: set[int] | None = None) -> None:
         """Compiles, for every row count shrinking can reach from `rows` (default: every slot), its
-        take from each larger count, its segment and its place back into every slot. The smaller
-        states they are compiled for are taken from the empty one, depth first, so at most a chain
-        of them (a third of its rows) is held at once; without the memory for that, shrinking is
-        turned off."""
+        take from each larger count, its segment and its place back into every slot, for the smaller
+        states' shapes (nothing runs); without the memory for a smaller state's rows beside the
+        running one, shrinking is turned off."""
         rows, state = rows or self.slots, state if state is not None else self._state
         warmed = set() if warmed is None else warmed  # row counts whose programs are compiled
         for target in reversed(_shrink_targets(rows)):
             order = jnp.arange(target, dtype=jnp.int32)
-            take = self._executable(self._programs(rows).take, self.params, state, order, shape=(target,))
+            with _unusable_donations():
+                take = self._executable(self._programs(rows).take, self.params, state, order, shape=(target,))
             if target in warmed:
                 continue
             if not self._fits(take):
                 return
-            smaller = take(self.params, state, order)
+            smaller = take.out_info
             self._compile_segment(smaller, target)
-            self._executable(self._programs(self.slots).place, self._state, smaller, shape=(target,))
+            with _unusable_donations():
+                self._executable(self._programs(self.slots).place, self.params, smaller, self._all_rules(),
+                                 self.spec.budget(), shape=(target,))
             warmed.add(target)
             self._warm_up_shrinking(target, smaller, warmed)
             if not self.shrink:  # a smaller count did not fit
@@ -580,7 +583,8 @@ class Scheduler:
         rows = next_pow2(len(running))
         order = running + [s for s in range(self.rows) if s not in self._running][: rows - len(running)]
         order = jnp.asarray(order, jnp.int32)
-        take = self._executable(self._programs().take, self.params, self._state, order, shape=(rows,))
+        with _unusable_donations():
+            take = self._executable(self._programs().take, self.params, self._state, order, shape=(rows,))
         if not self._fits(take):
             return
         self._state = take(self.params, self._state, order)
@@ -591,9 +595,10 @@ class Scheduler:
         self.rows = rows
 
     def _fits(self, take) -> bool:
-        """Whether the device has free memory for `take`'s smaller state beside the running one;
-        if not, shrinking is turned off (with a warning)."""
-        needed = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(take.out_info))
+        """Whether the device has free memory for `take`'s smaller state beside the running one (its
+        rows: the KV pool moves over in place); if not, shrinking is turned off (with a warning)."""
+        pools = {id(x) for x in jax.tree.leaves(take.out_info.cache) if x.ndim == 4}  # moved in place
+        needed = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(take.out_info) if id(x) not in pools)
         memory = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in memory and memory["bytes_limit"] - memory["bytes_in_use"] < needed:
             log.warning("shrinking off: %.1f GiB free, a state of fewer rows needs %.1f GiB",
@@ -609,7 +614,9 @@ class Scheduler:
             self._state, self.rows, self._watch_from = None, self.slots, None
             self._new_pool()
             return
-        self._state = self._call(self._programs(self.slots).place, self._free_state(), self._state, shape=(self.rows,))
+        with _unusable_donations():
+            self._state = self._call(self._programs(self.slots).place, self.params, self._state, self._all_rules(),
+                                     self.spec.budget(), shape=(self.rows,))
         self.rows, self._watch_from = self.slots, None
 
     def _switch(self, target: planner.Strategy) -> None:
@@ -621,8 +628,7 @@ class Scheduler:
         old = self.spec
         self.spec, self._watch_from = target.spec(self.base), None  # the switch zeroes the stats a window counts from
         start = time.perf_counter()
-        with warnings.catch_warnings():  # the old tokens buffer is donated but has the old width: expected
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        with _unusable_donations():  # the old tokens buffer has the old width
             self._state = self._call(self._programs().switch, self.params, self._state, self.spec.budget(), shape=(old,))
         self._deliver(start)  # the switch's plain step drew a token per slot
 
@@ -791,11 +797,24 @@ class Scheduler:
 
     def _free_state(self) -> engine.DecodeState:
         """A state of `slots` free rows under the current strategy."""
-        return self._call(self._programs(self.slots).empty, self.params, self._rules([SamplingConfig()] * self.slots),
-                          self.spec.budget())
+        return self._call(self._programs(self.slots).empty, self.params, self._all_rules(), self.spec.budget())
+
+    def _all_rules(self) -> RowSampling | None:
+        """Free rows' sampling rules for every slot."""
+        return self._rules([SamplingConfig()] * self.slots)
 
     def _rules(self, configs: list[SamplingConfig]) -> RowSampling | None:
         return None if self.sampling is not None else RowSampling.of(configs, self.max_top_k)
+
+
+@contextlib.contextmanager
+def _unusable_donations():
+    """Silences XLA's note on donated buffers it cannot reuse: a state donated to a program whose output
+    differs in shape (another row count, the tokens' width of another strategy) lends only what fits,
+    the KV pool above all."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        yield
 
 
 def _shrink_targets(rows: int) -> list[int]:
