@@ -227,8 +227,13 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Throughput and TTFT p50 against offered load, one line per config (bars: the repeats' spread)."""
-    import matplotlib
+    """Throughput and TTFT p50 against offered load, one line per config (bars: the repeats' spread);
+    nothing without matplotlib (the JSON and the table have every number)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot ({path.name}): matplotlib is not installed")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -322,7 +327,7 @@ def main():
         finally:
             server.stop()
     plot(result["summary"], path.with_suffix(".png"), f"SmolLM2, {args.slots} slots, ~{args.prompt_tokens}-token prompts")
-    print(common.markdown_table(result["summary"], TABLE))
+    print(common.markdown_table(result["summary"], TABLE))  # last
 
 
 if __name__ == "__main__":
