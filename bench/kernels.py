@@ -11,8 +11,8 @@ shapes; 5. writes DIR/kernels.json (default bench/results) and prints a markdown
 --quick: one shape (4 x 32K) and the main configurations. --long: adds 4 x 128K (about 25 GB of
 GPU memory: fits an H100).
 --tiny: small shapes, a smoke test of this script itself (runs on CPU, kernels in interpret mode).
-The verify kernel reads a paged pool of 128-slot pages; --pages: rows' pages in random order over it
-(a server's, the default) or consecutive. The peers read the same keys as contiguous rows.
+The verify and sparse kernels read paged pools of 128-slot pages; --pages: rows' pages in random order
+over them (a server's, the default) or consecutive. The peers read the same keys as contiguous rows.
 Every item runs in its own try/except; the JSON is rewritten after every item, so a run cut short
 still leaves its results. Items are skipped once --budget seconds have passed.
 """
@@ -194,19 +194,11 @@ def check_verify(bench, B, S, T, collect):
     return record_check(bench, f"verify B={B} S={S} T={T} {describe(collect)}", errors)
 
 
-def sparse_pools(key, B, S, pages):
-    """Random K and V pools of B rows of S slots and the null page, [LAYERS, HKV, N, DH], with the page
-    table `pages` [B, S / PAGE] (its order: the caller's)."""
-    shape = (LAYERS, HKV, (B * S // PAGE + 1) * PAGE, DH)
-    kk, kv = jax.random.split(key)
-    return normal(kk, shape), normal(kv, shape), jnp.asarray(pages, jnp.int32)
-
-
 def check_sparse(bench, B, S, Hs):
     ks = jax.random.split(jax.random.key(20 + Hs), 2)
     q = normal(ks[0], (B, 1, HQ, DH))
     rng = np.random.default_rng(Hs)
-    k, v, pages = sparse_pools(ks[1], B, S, 1 + rng.permutation(B * S // PAGE).reshape(B, -1))  # shuffled
+    k, v, pages = paged_kv(bench, ks[1], B, S)
     K = math.ceil(RATIO * S)
     tail_start = np.array([S - TAIL, S // 2, K + 3, S - 5])[np.arange(B) % 4]
     q_pos = np.minimum(tail_start + np.array([TAIL - 1, 3, -1, 4])[np.arange(B) % 4], S - 1)
@@ -304,7 +296,7 @@ def time_sparse(bench, B, S, Hs):
     ks = jax.random.split(jax.random.key(B * S + Hs), 2)
     rng = np.random.default_rng(B + Hs)
     idx = np.stack([[rng.permutation(S - TAIL)[:K] for _ in range(Hs)] for _ in range(B)])
-    k, v, pages = sparse_pools(ks[1], B, S, paging.contiguous_pages(B, S // PAGE))
+    k, v, pages = paged_kv(bench, ks[1], B, S)
     st = {"q": normal(ks[0], (STEPS, LAYERS, B, 1, HQ, DH)), "k": k, "v": v, "pages": pages,
               "idx": jnp.asarray(idx, jnp.int32), "n_idx": jnp.full((B,), K, jnp.int32),
               "tail_start": jnp.full((B,), S - TAIL, jnp.int32), "pos": jnp.full((B, 1), S - 1, jnp.int32)}
@@ -497,7 +489,7 @@ def main():
     parser.add_argument("--long", action="store_true", help="add 4 x 128K")
     parser.add_argument("--tiny", action="store_true", help="smoke test of this script (CPU ok)")
     parser.add_argument("--pages", choices=("scattered", "contiguous"), default="scattered",
-                        help="the verify kernel's table: rows' pages in random order over the pool, or consecutive")
+                        help="the kernels' tables: rows' pages in random order over the pool, or consecutive")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--budget", type=float, default=330.0,
                         help="seconds after which remaining items are skipped")

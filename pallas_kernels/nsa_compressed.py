@@ -163,7 +163,7 @@ def _load_blocks(ref, pages_ref, layer, b, h, start, block_n, limit, entries):
     block = start + jnp.arange(block_n)
     inside = block < limit
     block = jnp.where(inside, block, 0)
-    entry = pages_ref[b, lax.div(block, entries)] * entries + lax.rem(block, entries)  # lax: no sign fix-ups
+    entry = paging.pool_slot(pages_ref, b, block, entries)
     return jnp.where(inside[:, None], ref[layer, h, entry, :], 0.0)
 
 

@@ -214,7 +214,7 @@ def _grouped_kernel(layer_ref, first_ref, count_ref, blocks_ref, member_ref, pos
     shift = jnp.minimum(lax.div(jnp.arange(tile), heads), 31)     # the tile row's row in the row block
 
     def attend(carry, start, n_keys, load, ok):  # n_keys from logical slot start (n_keys-aligned)
-        slot = pl.multiple_of(paging.block_start(pages_ref, b, start, page_size), n_keys)
+        slot = pl.multiple_of(paging.pool_slot(pages_ref, b, start, page_size), n_keys)
         k = plgpu.load(k_ref.at[layer, h, pl.ds(slot, n_keys), :], mask=load[:, None], other=0.0)
         v = plgpu.load(v_ref.at[layer, h, pl.ds(slot, n_keys), :], mask=load[:, None], other=0.0)
         logits = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
@@ -238,7 +238,7 @@ def _grouped_kernel(layer_ref, first_ref, count_ref, blocks_ref, member_ref, pos
 
     rel = jnp.arange(tree_tile)
     in_tree = rel < tree_rows
-    tree_slot = paging.block_start(pages_ref, b, first + jnp.where(in_tree, rel, 0), page_size)
+    tree_slot = paging.pool_slot(pages_ref, b, first + jnp.where(in_tree, rel, 0), page_size)
     k_tree = jnp.where(in_tree[:, None], k_ref[layer, h, tree_slot, :], 0.0)
     v_tree = jnp.where(in_tree[:, None], v_ref[layer, h, tree_slot, :], 0.0)
     tree_logits = jnp.dot(q, k_tree.T, precision=precision, preferred_element_type=jnp.float32) * scale

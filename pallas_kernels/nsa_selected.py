@@ -92,7 +92,7 @@ def _selected_kernel(layer_ref, pos_ref, idx_ref, q_ref, o_cmp_ref, gates_ref, p
     layer, pos, q = layer_ref[0], pos_ref[b, t], q_ref[...]
 
     def attend(carry, start, n, ok):  # n keys from logical slot start (n-aligned)
-        slot = pl.multiple_of(paging.block_start(pages_ref, b, start, page_size), n)
+        slot = pl.multiple_of(paging.pool_slot(pages_ref, b, start, page_size), n)
         k = plgpu.load(k_ref.at[layer, h, pl.ds(slot, n), :], mask=ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[layer, h, pl.ds(slot, n), :], mask=ok[:, None], other=0.0)
         logits = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale

@@ -11,7 +11,8 @@ NSA's compressed stacks [L, Hkv, N / block_size, Dh] use the same table: page p 
 entries of its page_size / block_size blocks.
 
 Kernels stream a row's keys a block at a time; a block never straddles two pages (the page size is a
-multiple of every key block), so each block starts at `block_start` of its first slot.
+multiple of every key block), so each block starts at the `pool_slot` of its first slot; kernels that
+gather slots or compressed entries one by one look each up with `pool_slot` too.
 """
 import jax
 import jax.numpy as jnp
@@ -44,11 +45,7 @@ def physical(pages: jax.Array, slots: jax.Array, page_size: int) -> jax.Array:
 def layer_view(pool: jax.Array, layer, pages: jax.Array, page_size: int) -> jax.Array:
     """[B, Hkv, R * page_size, Dh]: layer `layer` of a pool [L, Hkv, N, Dh] as each row's contiguous
     slots (a gather of every page in the table: the references' and tests' view)."""
-    x = jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)  # [Hkv, N, Dh]
-    H, N, D = x.shape
-    B, R = pages.shape
-    rows = x.reshape(H, N // page_size, page_size, D)[:, pages]  # [Hkv, B, R, P, Dh]
-    return jnp.moveaxis(rows.reshape(H, B, R * page_size, D), 1, 0)
+    return logical_view(jax.lax.dynamic_slice_in_dim(pool, layer, 1, 0), pages, page_size)[0]
 
 
 def logical_view(pool: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
@@ -65,8 +62,9 @@ def contiguous_pages(batch: int, pages_per_row: int) -> jax.Array:
     return (1 + jnp.arange(batch * pages_per_row, dtype=jnp.int32)).reshape(batch, pages_per_row)
 
 
-def block_start(pages_ref, b, start, page_size: int):
-    """Inside a kernel: the pool slot of row b's logical slot `start` (>= 0; elementwise for a vector of
-    slots), the first slot of a key block that lies within one page. lax's division: jnp's // and %
-    sign fix-ups cost a float32 NSA-1B tile a register spill (ptxas, sm_90)."""
-    return pages_ref[b, jax.lax.div(start, page_size)] * page_size + jax.lax.rem(start, page_size)
+def pool_slot(pages_ref, b, slot, page_size: int):
+    """Inside a kernel: the pool slot of row b's logical slot `slot` (>= 0, inside the table;
+    elementwise for a vector of slots): a key block's first slot, or each slot of a gather. With
+    page_size / block_size entries a page, the same for compressed entries. lax's division: jnp's // and
+    % sign fix-ups cost a float32 NSA-1B tile a register spill (ptxas, sm_90)."""
+    return pages_ref[b, jax.lax.div(slot, page_size)] * page_size + jax.lax.rem(slot, page_size)

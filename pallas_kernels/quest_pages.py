@@ -32,7 +32,7 @@ from pallas_kernels._common import next_pow2
 from pallas_kernels.topk import (DIGIT_BITS, RADIX, candidate_counts, load_keys, next_prefix, prefix_key,
                                  select_topk_reference, store_ranked)
 
-QUEST_PAGE = 16  # slots whose key bounds one entry keeps (jaxspec.decoding.spec.PAGE): P / 16 a cache page
+QUEST_PAGE = 16  # slots whose key bounds one entry keeps (jaxspec's page-granular drafters' page): P / 16 a cache page
 CHUNK = 512  # scores a step of each search pass
 SCORE_ELEMENTS = 8192  # bound elements a step of the scoring loads (64 pages at Dh 128): no spills
 
@@ -75,16 +75,15 @@ def _kernel(layer_ref, last_ref, k_ref, pos_ref, neg_ref, pages_ref, kmin_ref, k
             per_page: int, chunk: int, score_chunk: int, k_max: int, barrier: bool):
     b, h = pl.program_id(0), pl.program_id(1)
     layer, last, k = layer_ref[0], last_ref[b], k_ref[b]
-    R = pages_ref.shape[1]
-    P = R * per_page
+    P = pages_ref.shape[1] * per_page
     n_chunks = scores_ref.shape[2] // chunk
     pos, neg = pos_ref[b, h, :], neg_ref[b, h, :]
 
     def score(c, _):
         """A step's pages gathered through the table (whole bound rows; pages past P read the row's last
-        cache page, and are no candidates)."""
+        entry, and are no candidates)."""
         pages = c * score_chunk + jnp.arange(score_chunk)
-        entry = pages_ref[b, jnp.minimum(pages // per_page, R - 1)] * per_page + pages % per_page
+        entry = paging.pool_slot(pages_ref, b, jnp.minimum(pages, P - 1), per_page)
         lo, hi = (ref[layer, h, entry, :].astype(jnp.float32) for ref in (kmin_ref, kmax_ref))
         s = (hi * pos[None, :]).sum(axis=1) - (lo * neg[None, :]).sum(axis=1)
         scores_ref[b, h, pl.ds(c * score_chunk, score_chunk)] = jnp.where(pages < last, s, -jnp.inf)

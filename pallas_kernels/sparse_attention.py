@@ -151,7 +151,7 @@ def _sparse_kernel(layer_ref, n_idx_ref, tail_ref, idx_ref, q_slot_ref, pages_re
         in_gather = i < n_gather
         wanted = jnp.where(in_gather, gathered, tail)
         at = jnp.clip(wanted, 0, last_slot)
-        slots = pages_ref[b, at // page_size] * page_size + at % page_size
+        slots = paging.pool_slot(pages_ref, b, at, page_size)
         tail_visible = (tail[None, :] >= tail_start) & (tail[None, :] <= pos[:, None])
         if tree:
             tail_visible = tail_visible & ancestor_visible(tail[None, :] - first, lo_word, hi_word)

@@ -266,7 +266,7 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, pages_ref, *refs,
 
     def body(i, carry):
         start = pl.multiple_of(i * block_k, block_k)
-        slot = pl.multiple_of(paging.block_start(pages_ref, b, start, page_size), block_k)
+        slot = pl.multiple_of(paging.pool_slot(pages_ref, b, start, page_size), block_k)
         k = k_ref[layer, h, pl.ds(slot, block_k), :]
         v = v_ref[layer, h, pl.ds(slot, block_k), :]
         logits = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale

@@ -17,13 +17,14 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models.draft_weights import DRAFT_WEIGHTS, check_skip
 from jaxspec.models.eagle import EagleConfig
 from pallas_kernels.verify_attention import METRICS
+from pallas_kernels.quest_pages import QUEST_PAGE
 
 METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "full", "ngram", "eagle")
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
 HEAD_CONTEXTS = ("full", "selected")  # SpecConfig.head_context
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
-PAGE = 16  # page size of the page-granular policies (stream, quest)
+PAGE = QUEST_PAGE  # page size of the page-granular policies (stream, quest): the slots a Quest bound covers
 MAX_BALANCE = 8.0  # SpecConfig.balance: a row's budget within [1/8, 8] of the even share
 MAX_SELECT_EVERY = 8  # SpecConfig.select_every: at most 7 iterations reuse a selection
 PRIOR_ITERATIONS = 4  # Budget.shared: pseudo-iterations every row starts with
