@@ -344,8 +344,7 @@ SPARSE_CASES = [
 def sparse_args(q, k_cache, v_cache, idx, ints, seed, page_size=SPARSE_PAGE):
     """The kernels' positional arguments with the caches scattered into poisoned pools
     (tests/paged_pools.py), rows' pages in random order."""
-    (k_pool, v_pool), pages = paged_pools.scatter((k_cache, v_cache), page_size, seed)
-    return (q, k_pool, v_pool, pages, jnp.int32(LAYER), idx, *ints)
+    return (q, *verify_pools(k_cache, v_cache, seed, page_size), jnp.int32(LAYER), idx, *ints)
 
 
 def run_sparse(q, k_cache, v_cache, idx, ints, scale, capacity, tree, block_k, n_splits, seed,
