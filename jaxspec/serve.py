@@ -72,8 +72,10 @@ def main(argv=None):
                              ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0), ("--kv-pages", args.kv_pages, 0)):
         if value < low:
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
-    if args.page_size <= 0 or args.page_size % kvcache.paging.PAGE_MULTIPLE:
-        raise JaxspecError(f"--page-size must be a positive multiple of {kvcache.paging.PAGE_MULTIPLE}, got {args.page_size}")
+    try:  # before the weights load (the scheduler checks it against an NSA model's blocks too)
+        kvcache.paging.check_page_size(args.page_size)
+    except ValueError as e:
+        raise JaxspecError(f"--page-size: {e}") from None
     spec = spec_from_args(args, batch=args.slots)  # --tuned settings for a batch of its slots
 
     from jaxspec.serving.scheduler import Scheduler

@@ -303,7 +303,7 @@ def test_queue_limit_disconnect_and_drain(small):
     (["--slots", "0"], "--slots must be at least 1"),
     (["--method", "vegas", "--tree", "0,2"], "tree"),
     (["--model", "/nonexistent/model.gguf"], "nonexistent"),
-    (["--page-size", "96"], "--page-size must be a positive multiple of 64"),
+    (["--page-size", "96"], "--page-size: page size must be a positive multiple of 64, got 96"),
     (["--max-len", "512", "--kv-pages", "4"], "holds fewer than one request of --max-len 512"),
 ])
 def test_bad_command_lines_are_one_line_errors(flags, fragment):
