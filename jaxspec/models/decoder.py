@@ -217,6 +217,7 @@ def forward(
     """
     B, T = tokens.shape
     write_pos = jnp.where(valid, positions if slots is None else slots, cache.num_slots)  # past the end: not written
+    write_slots = cache.slots(write_pos)  # in the pool: every layer's, looked up once
 
     # Read in place at the layer's entry by the kernels (a slice of a stack passed to a kernel would be
     # copied first: a kernel a layer); the rest is sliced by the scan inside XLA's fusions. A layer's
@@ -241,8 +242,8 @@ def forward(
         cache_layer = entry if cache_layer is None else cache_layer
         p = {**p, **{name: dataclasses.replace(m, layer=entry) if isinstance(m, Quantized) else InPlace(m, entry, backend)
                      for name, m in in_place.items()}}
-        q, cache, gates = attention_inputs(cfg, h, p["wqkv"], stacks, entry, positions, write_pos, cache, cache_layer,
-                                           backend)
+        q, cache, gates = attention_inputs(cfg, h, p["wqkv"], stacks, entry, positions, write_pos, write_slots, cache,
+                                           cache_layer, backend)
         if cfg.sinks:  # gpt-oss: its attention's inputs besides q and the cache
             gates = layer_sink_window(cfg, stacks["sinks"], positions, cache_layer)
         out, ly, carry = attend(cache_layer, q, cache, lx, gates, carry)
@@ -320,10 +321,11 @@ def capture_slots(capture: tuple[int, ...], layer_ids, num_entries: int) -> np.n
 
 
 def attention_inputs(cfg: ModelConfig, h: jax.Array, wqkv, stacks: dict, entry: jax.Array, positions: jax.Array,
-                     write_pos: jax.Array, cache: KVCache, cache_layer: jax.Array,
+                     write_pos: jax.Array, write_slots: jax.Array, cache: KVCache, cache_layer: jax.Array,
                      backend: str) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """Self-attention's inputs from the normed stream h [B, T, D]: q [B, T, Hq, Dh], the cache with the
-    layer's keys and values written at slots `write_pos` of layer `cache_layer`, and NSA's sigmoid
+    layer's keys and values written at logical slots `write_pos` (pool slots `write_slots`:
+    `KVCache.slots`) of layer `cache_layer`, and NSA's sigmoid
     gates [B, T, Hq, 3] (None for dense models). Behind the fused q/k/v product one kernel adds the
     bias, normalises q and k per head (qk_norm), rotates them and writes k and v (kernels.rope_write);
     `stacks`' bqkv, q_norm and k_norm are read at `entry`."""
@@ -331,7 +333,7 @@ def attention_inputs(cfg: ModelConfig, h: jax.Array, wqkv, stacks: dict, entry: 
     inv_freq, rope_scale = rope_tables(cfg)
     sums, scale = product_sums(h, wqkv)
     q, k_cache, v_cache = kernels.rope_write(
-        sums, positions, cache.slots(write_pos), cache.k, cache.v, entry, cache_layer, inv_freq, num_heads=cfg.num_heads,
+        sums, positions, write_slots, cache.k, cache.v, entry, cache_layer, inv_freq, num_heads=cfg.num_heads,
         rope_scale=rope_scale, eps=cfg.rms_norm_eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
         k_norm=stacks["k_norm"], backend=backend)
     cache = cache.written(cache_layer, write_pos, k_cache, v_cache)

@@ -156,8 +156,8 @@ def head_forward(
     eps = ecfg.rms_norm_eps
     pair = jnp.concatenate([rms_norm(embeds, params["embed_norm"], eps), rms_norm(hidden, params["hidden_norm"], eps)],
                            axis=-1)  # [B, T, 2H]: q, k and v read both
-    q, cache, _ = decoder.attention_inputs(cfg, pair, params["wqkv"], no_stacks, layer, positions, write_pos, cache,
-                                           layer, backend)
+    q, cache, _ = decoder.attention_inputs(cfg, pair, params["wqkv"], no_stacks, layer, positions, write_pos,
+                                           cache.slots(write_pos), cache, layer, backend)
     attn, _, _ = attend(layer, q, cache, None, None, ())
     # the residual is the pre-norm hidden input; the MLP's norm is fused with the add
     x, h = decoder.residual_add_norm(cfg, hidden, attn.reshape(B, T, -1), params["wo"], params["mlp_norm"][None],
