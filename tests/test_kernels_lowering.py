@@ -96,6 +96,13 @@ def spec(shape, dtype=jnp.int32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def kv_pools(Hkv, Dh):
+    """Specs of the k/v pools [L, Hkv, N, Dh] holding B rows of S slots (and the null page) and of
+    their page table [B, R]."""
+    pool = spec((L, Hkv, B * S + PAGE, Dh), jnp.bfloat16)
+    return pool, pool, spec((B, S // PAGE))
+
+
 @pytest.mark.parametrize("Hq, Hkv, Dh, T, collect", [
     (32, 8, 128, 1, None),
     (32, 8, 128, 10, Collect((0, 9), "weight", True)),
@@ -108,9 +115,8 @@ def spec(shape, dtype=jnp.int32):
     (9, 3, 64, 64, Collect((0, 63), "weight", True)),     # SmolLM2, G=3: 48 rows of a 64-row tile
 ])
 def test_verify_attention_lowers(check_cuda, Hq, Hkv, Dh, T, collect):
-    pool = spec((L, Hkv, B * S + PAGE, Dh), jnp.bfloat16)
     check_cuda(lambda *a: verify_attention_pallas(*a, page_size=PAGE, scale=Dh ** -0.5, collect=collect),
-                   spec((B, T, Hq, Dh), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()), spec((B, T)))
+                   spec((B, T, Hq, Dh), jnp.bfloat16), *kv_pools(Hkv, Dh), spec(()), spec((B, T)))
 
 
 @pytest.mark.parametrize("shape", [(3, 2, 1), (2, 2, 2, 2, 2)])
@@ -118,11 +124,10 @@ def test_tree_verify_attention_lowers(check_cuda, shape):
     """The two-word ancestor-bit mask: a (3, 2, 1) tree (16 rows, one 64-row tile) and a 5-deep
     binary tree (63 rows, 4 row blocks)."""
     tree = TreeShape(shape, "dfs")
-    pool = spec((L, 8, B * S + PAGE, 128), jnp.bfloat16)
     check_cuda(lambda q, k, v, pages, layer, pos, first: verify_attention_pallas(
                    q, k, v, pages, layer, pos, page_size=PAGE, scale=128 ** -0.5,
                    collect=Collect((0, tree.rows - 1), "weight", True), tree=TreeMask(first, tree.ancestors)),
-               spec((B, tree.rows, 32, 128), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()),
+               spec((B, tree.rows, 32, 128), jnp.bfloat16), *kv_pools(8, 128), spec(()),
                spec((B, tree.rows)), spec((B,)))
 
 
@@ -132,29 +137,18 @@ def test_verify_attention_with_sinks_and_window_lowers(check_cuda, shape):
     last) on 10 rows and on a 5-deep binary tree (63 rows, 4 row blocks)."""
     tree = None if shape is None else TreeShape(shape, "dfs")
     T = 10 if tree is None else tree.rows
-    pool = spec((L, 8, B * S + PAGE, 64), jnp.bfloat16)
     check_cuda(lambda q, k, v, pages, layer, pos, sinks, lo, first: verify_attention_pallas(
                    q, k, v, pages, layer, pos, page_size=PAGE, scale=64 ** -0.5,
                    collect=Collect((0, T - 1), "weight", True),
                    tree=None if tree is None else TreeMask(first, tree.ancestors), sinks=sinks, lo=lo),
-               spec((B, T, 64, 64), jnp.bfloat16), pool, pool, spec((B, S // PAGE)), spec(()), spec((B, T)),
+               spec((B, T, 64, 64), jnp.bfloat16), *kv_pools(8, 64), spec(()), spec((B, T)),
                spec((L, 64), jnp.bfloat16), spec((B, T)), spec((B,)))
-
-
-SPARSE_PAGE = 128
-
-
-def sparse_pools(Hkv, Dh):
-    """Specs of the k/v pools [L, Hkv, N, Dh] holding B rows of S slots (and the null page) and of
-    their page table [B, R]."""
-    pool = spec((L, Hkv, B * S + SPARSE_PAGE, Dh), jnp.bfloat16)
-    return pool, pool, spec((B, S // SPARSE_PAGE))
 
 
 @pytest.mark.parametrize("Hs", [1, 8])
 def test_sparse_attention_lowers(check_cuda, Hs):
-    check_cuda(lambda *a: sparse_attention_pallas(*a, page_size=SPARSE_PAGE, scale=128 ** -0.5, tail_capacity=16),
-                   spec((B, 1, 32, 128), jnp.bfloat16), *sparse_pools(8, 128), spec(()), spec((B, Hs, 2294)),
+    check_cuda(lambda *a: sparse_attention_pallas(*a, page_size=PAGE, scale=128 ** -0.5, tail_capacity=16),
+                   spec((B, 1, 32, 128), jnp.bfloat16), *kv_pools(8, 128), spec(()), spec((B, Hs, 2294)),
                    spec((B,)), spec((B,)), spec((B, 1)))
 
 
@@ -165,9 +159,9 @@ def test_tree_sparse_attention_lowers(check_cuda, Hq, Hkv, Dh, Hs):
     tree = TreeShape((2, 2, 2, 2, 2), "bfs")
     rows = np.flatnonzero(tree.node_depth == 5)
     check_cuda(lambda q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, first: sparse_attention_pallas(
-                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=SPARSE_PAGE, scale=Dh ** -0.5,
+                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=PAGE, scale=Dh ** -0.5,
                    tail_capacity=80, tree=TreeMask(first, tree.ancestors[rows])),
-               spec((B, len(rows), Hq, Dh), jnp.bfloat16), *sparse_pools(Hkv, Dh), spec(()), spec((B, Hs, 2294)),
+               spec((B, len(rows), Hq, Dh), jnp.bfloat16), *kv_pools(Hkv, Dh), spec(()), spec((B, Hs, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)))
 
 
@@ -176,9 +170,9 @@ def test_tree_sparse_attention_with_sinks_and_window_lowers(check_cuda):
     tree = TreeShape((2, 2, 2, 2, 2), "bfs")
     rows = np.flatnonzero(tree.node_depth == 5)
     check_cuda(lambda q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, first, sinks, lo: sparse_attention_pallas(
-                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=SPARSE_PAGE, scale=64 ** -0.5,
+                   q, k, v, pages, layer, idx, n_idx, tail_start, q_slot, page_size=PAGE, scale=64 ** -0.5,
                    tail_capacity=80, tree=TreeMask(first, tree.ancestors[rows]), sinks=sinks, lo=lo),
-               spec((B, len(rows), 64, 64), jnp.bfloat16), *sparse_pools(8, 64), spec(()), spec((B, 8, 2294)),
+               spec((B, len(rows), 64, 64), jnp.bfloat16), *kv_pools(8, 64), spec(()), spec((B, 8, 2294)),
                spec((B,)), spec((B,)), spec((B, len(rows))), spec((B,)), spec((L, 64), jnp.bfloat16),
                spec((B, len(rows))))
 
