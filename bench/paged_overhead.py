@@ -15,9 +15,12 @@ prints the table last.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only launches and reads: the children have the device
+
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,19 +32,35 @@ from bench import common
 HERE = Path(__file__).resolve().parents[1]
 
 
-def run_tree(tree: Path, batch: int, context: int, methods: list[str], tiny: bool, scratch: Path) -> dict:
-    """{method: iteration wall ms per call} of profile_step run from `tree`."""
+def run_tree(tree: Path, batch: int, context: int, methods: list[str], tiny: bool, scratch: Path) -> tuple[dict, dict]:
+    """({method: iteration wall ms per call}, the run's info) of profile_step run from `tree`."""
     name = f"{tree.name}_{batch}_{context}"
     command = [sys.executable, "bench/profile_step.py", "--model", "qwen3-8b", "--batch", str(batch), "--context",
                str(context), "--methods", ",".join(methods), "--no-trace", "--stages", "iteration", "--out", str(scratch),
                "--name", name] + (["--tiny"] if tiny else [])
-    env = {**os.environ, "PYTHONPATH": str(tree),
+    env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, "PYTHONPATH": str(tree),
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", "/tmp/jaxspec_jit_cache")}
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"profile_step failed in {tree}:\n{done.stderr[-3000:]}")
-    rows = json.loads((scratch / f"{name}.json").read_text())["stages"]
-    return {r["method"]: r["wall_ms"] for r in rows if r["stage"] == "iteration"}
+    result = json.loads((scratch / f"{name}.json").read_text())
+    info = {k: result[k] for k in ("device", "backend", "jax")}
+    return {r["method"]: r["wall_ms"] for r in result["stages"] if r["stage"] == "iteration"}, info
+
+
+def summarize(times: dict, shapes: list, methods: list, trees: dict) -> list[dict]:
+    """Per (shape, method): each tree's median and spread over the repeats so far, and their ratio
+    (written after every repeat, so a run cut short keeps what it measured)."""
+    rows = []
+    for batch, context in shapes:
+        for method in methods:
+            got = {name: times[batch, context, method, name] for name in trees}
+            median = {name: statistics.median(v) for name, v in got.items()}
+            rows.append({"batch": batch, "context": context, "method": method,
+                         **{f"{name}_ms": median[name] for name in trees},
+                         **{f"{name}_spread_ms": max(v) - min(v) for name, v in got.items()},
+                         "paged_over_contiguous": median["paged"] / median["contiguous"], "runs": got})
+    return rows
 
 
 def main():
@@ -61,20 +80,13 @@ def main():
             for batch, context in args.shapes:
                 order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
                 for name in order:
-                    for method, ms in run_tree(trees[name], batch, context, args.methods, args.tiny, Path(scratch)).items():
+                    got, info = run_tree(trees[name], batch, context, args.methods, args.tiny, Path(scratch))
+                    for method, ms in got.items():
                         times.setdefault((batch, context, method, name), []).append(ms)
                     print(f"repeat {repeat} {batch}x{context} {name}: done", flush=True)
-    rows = []
-    for batch, context in args.shapes:
-        for method in args.methods:
-            got = {name: times[batch, context, method, name] for name in trees}
-            median = {name: statistics.median(v) for name, v in got.items()}
-            rows.append({"batch": batch, "context": context, "method": method,
-                         **{f"{name}_ms": median[name] for name in trees},
-                         **{f"{name}_spread_ms": max(v) - min(v) for name, v in got.items()},
-                         "paged_over_contiguous": median["paged"] / median["contiguous"], "runs": got})
-    result = {**common.run_info(), "before": str(args.before), "repeats": args.repeats, "rows": rows}
-    common.write_json(args.out / f"paged_overhead_{result['device'].split(' (')[0].replace(' ', '_')}.json", result)
+            rows = summarize(times, args.shapes, args.methods, trees)
+            result = {**common.run_info(), **info, "before": str(args.before), "repeats": repeat + 1, "rows": rows}
+            common.write_json(args.out / f"paged_overhead_{result['device'].split(' (')[0].replace(' ', '_')}.json", result)
     print(common.markdown_table(rows, [("batch", "batch", "d"), ("context", "context", "d"), ("method", "method", "s"),
                                        ("contiguous ms", "contiguous_ms", ".3f"), ("spread", "contiguous_spread_ms", ".3f"),
                                        ("paged ms", "paged_ms", ".3f"), ("spread", "paged_spread_ms", ".3f"),

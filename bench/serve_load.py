@@ -2,8 +2,8 @@
 `python -m jaxspec.serve`, per method, continuous batching against static batching.
 
     PYTHONPATH=. python3 bench/serve_load.py [--model smollm2] [--configs plain:continuous,vegas:static,...]
-        [--slots 16] [--kv-pages N] [--page-size 128] [--rates 1,2,4,8] [--requests 16] [--repeats 3]
-        [--prompt-tokens 7000] [--new 256,1024] [--shared-document] [--tiny] [--out DIR] [--tag T]
+        [--slots 16] [--kv-pages N | --kv-rows R] [--page-size 128] [--rates 1,2,4,8] [--requests 16] [--repeats 3]
+        [--prompt-tokens 7000] [--new 256,1024] [--ignore-eos] [--shared-document] [--tiny] [--out DIR] [--tag T]
         [--plot-from JSON ...]
 
 A config is method:batching[:chunk[:shrink[:slots]]] (slots: this config's, default --slots). For each,
@@ -20,7 +20,8 @@ when every slot is free (all that wait, in one prefill), so a batch holds its sl
 request ends: the static batch of `generate` placed on the arrival timeline.
 
 Requests: real-text continuation prompts of about --prompt-tokens tokens (a different document each,
-chat template), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95 (seeds above). Per run:
+chat template; each run starts from other documents, and the warm-up from one no run reads, so no run
+finds its prompts in the prefix cache), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95 (seeds above). Per run:
 throughput (completion tokens over first arrival to last token), time to first token (arrival to the
 first streamed token), inter-token latency (each chunk's gap spread over its tokens), end-to-end
 latency, and tokens per iteration (from the requests' usage). Per (config, rate): the median of the
@@ -29,12 +30,14 @@ of throughput and TTFT against offered load (DIR/serve_load_<device><tag>.png), 
 last. This process runs on the CPU (it only tokenizes and times); the server has the device.
 
 Paged KV cache: every config gets the same `--kv-pages` pool (equal cache memory; 0: each server's
-default), so configs that differ only in slots compare a pool capped by slots (slots x max_len pages,
+default; `--kv-rows R`: the pages of R rows of the run's max_len), so configs that differ only in slots compare a pool capped by slots (slots x max_len pages,
 today's batch of rows) against one that holds as many requests as their tokens fit. Per run also:
 requests held at once (the most whose first and last tokens overlap), preemptions (the server's
 counter over the run) and prompt tokens read from the prefix cache. A reasoning-style load is short
-prompts and long outputs (`--prompt-tokens 200 --new 2048,8192`). `--shared-document`: every prompt is
-one document and a different closing line, so later requests read the document from the prefix cache
+prompts and long outputs (`--prompt-tokens 200 --new 2048,8192`), with `--ignore-eos` so that every
+request runs to its max_tokens (as vLLM's benchmarks do) and the load is the one scheduled. `--shared-document`: every prompt is
+one document (a new one each run) and a different closing line, so later requests read the document
+from the prefix cache
 (their time to first token against the first one's: ttft_first_s, ttft_rest_p50_s).
 """
 
@@ -60,7 +63,9 @@ import numpy as np
 
 from bench import common
 from jaxspec import corpus
+from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.loaders import load_model
+from jaxspec.models.kvcache import cache_slots
 from jaxspec.runner import encode_prompts
 
 SAMPLING = dict(temperature=0.7, top_p=0.95)
@@ -72,14 +77,15 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def prompts(tokenizer, n: int, prompt_tokens: int, shared: bool = False) -> list[list[int]]:
-    """n chat prompts of about `prompt_tokens` tokens: a different document each, or (`shared`) one
-    document with a different closing line each."""
+def prompts(tokenizer, n: int, prompt_tokens: int, shared: bool = False, run: int = 0) -> list[list[int]]:
+    """n chat prompts of about `prompt_tokens` tokens for run number `run`: a different document each,
+    or (`shared`) one document with a different closing line each. Each run starts from other documents,
+    so no run reads an earlier one's prompts from the prefix cache."""
     if shared:
-        document = corpus.long_prompt(tokenizer, prompt_tokens - 16, task="question")
+        document = corpus.long_prompt(tokenizer, prompt_tokens - 16, task="question", offset=run)
         texts = [f"{document}\n\nAnswer in {i + 2} sentences." for i in range(n)]
     else:
-        texts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i) for i in range(n)]
+        texts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i + run) for i in range(n)]
     batch = encode_prompts(tokenizer, texts, chat=True)
     return [batch.ids[i, : batch.lengths[i]].tolist() for i in range(n)]
 
@@ -153,10 +159,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def request(port: int, ids: list[int], max_tokens: int, seed: int, at: float, t0: float) -> dict:
+async def request(port: int, ids: list[int], max_tokens: int, seed: int, at: float, t0: float, ignore_eos: bool) -> dict:
     """One streamed completion sent at t0 + at: its arrival, each chunk's (time, tokens), its usage."""
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-    body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "seed": seed, "stream": True,
+    body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "seed": seed, "stream": True, "ignore_eos": ignore_eos,
                        "stream_options": {"include_usage": True}, **SAMPLING}).encode()
     arrival = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -181,10 +187,10 @@ async def request(port: int, ids: list[int], max_tokens: int, seed: int, at: flo
     return {"arrival": arrival, "chunks": chunks, "usage": usage}
 
 
-async def load(port: int, ids, max_tokens, arrivals, first_seed: int = 0) -> list[dict]:
+async def load(port: int, ids, max_tokens, arrivals, first_seed: int = 0, ignore_eos: bool = False) -> list[dict]:
     """Sends request i (seed first_seed + i) at arrivals[i]; returns their records."""
     t0 = time.perf_counter()
-    return await asyncio.gather(*(request(port, x, n, first_seed + i, at, t0)
+    return await asyncio.gather(*(request(port, x, n, first_seed + i, at, t0, ignore_eos)
                                   for i, (x, n, at) in enumerate(zip(ids, max_tokens, arrivals))))
 
 
@@ -272,7 +278,9 @@ def main():
                    type=lambda s: s.split(","))
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--kv-pages", type=int, default=0, help="every server's KV pool (0: the server's default)")
+    p.add_argument("--kv-rows", type=int, default=0, help="instead of --kv-pages: a pool of this many rows of max_len")
     p.add_argument("--page-size", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="every request runs to its max_tokens (a fixed load)")
     p.add_argument("--shared-document", action="store_true", help="one document, a different closing line per prompt")
     p.add_argument("--rates", default="1,2,4,8", type=lambda s: [float(x) for x in s.split(",")], help="requests per second")
     p.add_argument("--requests", type=int, default=16)
@@ -291,12 +299,17 @@ def main():
     if args.tiny:
         args.requests, args.prompt_tokens, args.new, args.slots, args.rates, args.repeats = 4, 200, (8, 16), 2, [20.0], 1
     _, _, tokenizer = load_model(args.model, dtype="float32")
-    ids = prompts(tokenizer, args.requests, args.prompt_tokens, args.shared_document)
-    longest = max(len(x) for x in ids)
+    runs = [(rate, repeat) for rate in args.rates for repeat in range(args.repeats)]
+    ids = {k: prompts(tokenizer, args.requests, args.prompt_tokens, args.shared_document, run=k + 1) for k in range(len(runs))}
+    warm_up = prompts(tokenizer, 1, args.prompt_tokens, run=len(runs) + 3 * args.requests)  # in no run's prompts
+    longest = max(len(x) for run in [*ids.values(), warm_up] for x in run)
     max_len = longest + args.new[1]
+    if args.kv_rows:  # the pages of that many of the scheduler's rows, and the null page
+        args.kv_pages = args.kv_rows * cache_slots(max_len + MAX_TREE_ROWS, args.page_size) // args.page_size + 1
     result = {**common.run_info(), "model": args.model, "slots": args.slots, "requests": args.requests,
-              "rates": args.rates, "repeats": args.repeats, "prompt_tokens": [len(x) for x in ids], "new": args.new,
+              "rates": args.rates, "repeats": args.repeats, "prompt_tokens": [len(x) for x in ids[0]], "new": args.new,
               "kv_pages": args.kv_pages, "page_size": args.page_size, "shared_document": args.shared_document,
+              "ignore_eos": args.ignore_eos,
               "servers": [], "runs": [], "summary": []}
     path = None
     for config in args.configs:
@@ -306,24 +319,23 @@ def main():
         try:
             result["device"], result["backend"] = server.device, "server"  # this process's own JAX runs on the CPU
             path = args.out / f"serve_load_{server.device.split(' (')[0].replace(' ', '_')}{args.tag}.json"
-            asyncio.run(load(server.port, ids[:1], [8], [0.0]))  # warm-up: one request of the real length
+            asyncio.run(load(server.port, warm_up, [8], [0.0]))  # warm-up: one request of the real length
             result["servers"].append({"config": config, "start_s": server.start_s})
-            for rate in args.rates:
-                for repeat in range(args.repeats):
-                    max_tokens, arrivals = schedule(args.requests, args.new, rate, seed=0)
-                    preempted = server.metric("jaxspec_preemptions_total")
-                    run = measure(asyncio.run(load(server.port, ids, max_tokens, arrivals, repeat * len(ids))))
-                    run["preemptions"] = server.metric("jaxspec_preemptions_total") - preempted
-                    strategy = server.model_info()
-                    run.update(config=config, rate=rate, repeat=repeat, strategy=strategy["method"] if method != "auto"
-                               else f"auto: {strategy['method']}")
-                    if "auto" in strategy:  # the refinement's plan, switches and segments so far
-                        run["auto"] = strategy["auto"]
-                    result["runs"].append(run)
-                    result["summary"] = summarize(result["runs"])
-                    common.write_json(path, result)
-                    print(f"{config} rate {rate:g} repeat {repeat}: {run['tokens_per_s']:.0f} tok/s, "
-                          f"TTFT p50 {run['ttft_p50_s']:.2f} s", flush=True)
+            for k, (rate, repeat) in enumerate(runs):
+                max_tokens, arrivals = schedule(args.requests, args.new, rate, seed=0)
+                preempted = server.metric("jaxspec_preemptions_total")
+                run = measure(asyncio.run(load(server.port, ids[k], max_tokens, arrivals, repeat * args.requests, args.ignore_eos)))
+                run["preemptions"] = server.metric("jaxspec_preemptions_total") - preempted
+                strategy = server.model_info()
+                run.update(config=config, rate=rate, repeat=repeat, strategy=strategy["method"] if method != "auto"
+                           else f"auto: {strategy['method']}")
+                if "auto" in strategy:  # the refinement's plan, switches and segments so far
+                    run["auto"] = strategy["auto"]
+                result["runs"].append(run)
+                result["summary"] = summarize(result["runs"])
+                common.write_json(path, result)
+                print(f"{config} rate {rate:g} repeat {repeat}: {run['tokens_per_s']:.0f} tok/s, "
+                      f"TTFT p50 {run['ttft_p50_s']:.2f} s", flush=True)
         finally:
             server.stop()
     plot(result["summary"], path.with_suffix(".png"), f"SmolLM2, {args.slots} slots, ~{args.prompt_tokens}-token prompts")

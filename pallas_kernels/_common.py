@@ -127,11 +127,19 @@ def unpack_rows(x, T: int, G: int):
     return jnp.moveaxis(x, 1, 2).reshape(B, T, Hkv * G, *rest)
 
 
-def compiler_params():
+def compiler_params(num_stages: int = 3):
     """The attention kernels' launch settings: four warps beat eight even for 64-row tiles, and three
     pipeline stages of 64-key blocks keep enough loads in flight while the largest collecting tile
-    still fits in shared memory (bench/NOTES.md, "Verify attention")."""
-    return plgpu.CompilerParams(num_warps=4, num_stages=3)
+    still fits in shared memory (bench/NOTES.md, "Verify attention"). A kernel whose key blocks' address
+    is itself a load in the loop (a page-table entry) passes more: see PAGED_STAGES."""
+    return plgpu.CompilerParams(num_warps=4, num_stages=num_stages)
+
+
+# Triton's pipeliner gives a page-table read two of a loop's stages before the key and value loads
+# that depend on it, so three stages kept one 64-key block in flight instead of two (the verify kernel's
+# shared memory halved: 38.9 against 71.7 KB at Qwen3-8B decode; sm_90 compile of the captured IR).
+# Five keep two, as three did for the contiguous cache (bench/NOTES.md, "Paged KV cache").
+PAGED_STAGES = 5
 
 
 def tile_row_blocks(T: int, G: int, Dh: int, max_tile: int):

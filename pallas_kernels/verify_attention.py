@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
+    PAGED_STAGES,
     compiler_params,
     init_carry,
     matmul_precision,
@@ -362,7 +363,7 @@ def verify_attention_pallas(q, k_pool, v_pool, pages, layer, q_pos, *, page_size
                                sinks=sinks is not None, window=lo is not None)
     outs = pl.pallas_call(kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs,
                           out_specs=out_specs, out_shape=out_shape,
-                          compiler_params=compiler_params(), interpret=interpret,
+                          compiler_params=compiler_params(PAGED_STAGES), interpret=interpret,
                           name="verify_attention")(*args)
     out, lse = merged(outs[0], outs[1], q.dtype, interpret)
     out, lse = unpack_rows(out, T, G), unpack_rows(lse, T, G)         # [B, T, Hq, Dh], [B, T, Hq]

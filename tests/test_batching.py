@@ -268,6 +268,27 @@ def test_cancel_during_chunked_prefill(params):
     assert finished["short"].finish_reason == "length" and tokens == alone(params, spec, short)
 
 
+def test_model_end_tokens_end_a_request_unless_it_ignores_them(params):
+    """A token of the model's own stop ids ends a request there ("stop", the token withheld); the same
+    request with ignore_eos runs to max_tokens and emits its tokens alone."""
+    from jaxspec.serving.requests import Request as Job
+    from jaxspec.serving.scheduler import Scheduler
+
+    spec = SpecConfig(method="vegas", gamma=3, min_tokens=32).validate()
+    r = Request(22, 40, 16, GREEDY)
+    want = alone(params, spec, r)
+    end = next(t for i, t in enumerate(want) if i >= 3 and t not in want[:i])  # a first occurrence past the start
+    scheduler = Scheduler(params, CFG, None, spec, slots=2, max_len=MAX_LEN, max_top_k=32, stop_ids=(end,))
+    finished, tokens = {}, {True: [], False: []}
+    for ignore in (False, True):
+        scheduler.submit(Job(tuple(r.ids.tolist()), r.max_new, r.rules, r.seed, ignore_eos=ignore),
+                         lambda d, ignore=ignore: (tokens[ignore].extend(d.token_ids), d.finish_reason and finished.update({ignore: d})))
+    while len(finished) < 2:
+        scheduler.step()
+    assert finished[False].finish_reason == "stop" and tokens[False] == want[: want.index(end)]
+    assert finished[True].finish_reason == "length" and tokens[True] == want
+
+
 @pytest.mark.slow  # by default: test_planner's switches keep greedy output, and its CLI auto run end to end
 def test_auto_switches_while_serving(params, monkeypatch):
     """A scheduler given a plan refines while requests come and go: scripted decisions switch every

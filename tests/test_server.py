@@ -220,6 +220,7 @@ BAD = [
     (json.dumps({"prompt": "hi", "top_p": 0}).encode(), "top_p"),
     (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
     (json.dumps({"prompt": "hi", "n": 2}).encode(), "n must be"),
+    (json.dumps({"prompt": "hi", "ignore_eos": 1}).encode(), "ignore_eos must be"),
     (json.dumps({"prompt": "hi", "top_k": 1000}).encode(), "top_k 1000"),
     (json.dumps({"prompt": "hi", "presence_penalty": 0.5}).encode(), "presence_penalty is not supported"),
     (json.dumps({"prompt": "hi", "logprobs": 2}).encode(), "logprobs is not supported"),

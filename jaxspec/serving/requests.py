@@ -26,6 +26,7 @@ class Request:
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()  # stop strings (the text ends before the first one)
     stop_ids: tuple[int, ...] = ()  # token ids that end the request, besides the model's own
+    ignore_eos: bool = False  # the model's own end tokens do not end it (fixed-length load tests)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -345,6 +345,10 @@ class Scheduler:
         """What a request's admission prefills: its prompt and, after a preemption, the tokens it has."""
         return (*h.request.ids, *h.tokens)
 
+    def _stop_ids(self, r: Request) -> tuple[int, ...]:
+        """The token ids that end a request: the model's own (unless it ignores them) and its own."""
+        return (*(() if r.ignore_eos else self.stop_ids), *r.stop_ids)
+
     def _row_need(self, tokens: int) -> int:
         """Pages of a row holding `tokens` positions (at most max_len) and a draft tree beyond them."""
         return min(self.pool.pages_for(min(tokens, self.max_len) + MAX_TREE_ROWS), self.row_pages)
@@ -469,7 +473,7 @@ class Scheduler:
             ids[i, : len(prompt)], lengths[i], limits[i] = prompt, len(prompt), r.max_new_tokens - len(h.tokens)
             pages[i, : len(self._pages[h])], begin[i] = self._pages[h], h.cached_tokens
             seeds[i] = secrets.randbits(32) if r.seed is None else r.seed % (1 << 32)
-            stop_ids = (*self.stop_ids, *r.stop_ids)
+            stop_ids = self._stop_ids(r)
             stop[i, : len(stop_ids)] = stop_ids
             configs[i] = r.sampling
         return _Admission(jnp.asarray(where), jnp.asarray(pages), jnp.asarray(begin), jnp.asarray(ids),
@@ -675,7 +679,7 @@ class Scheduler:
                 h.first_token = now
             reason = None
             if done[slot]:
-                ends = tokens and tokens[-1] in (*self.stop_ids, *h.request.stop_ids)
+                ends = tokens and tokens[-1] in self._stop_ids(h.request)
                 reason = "stop" if ends else "length"
                 tokens = tokens[:-1] if ends else tokens
             text, stopped = h.text.push(tokens) if h.text else ("", False)

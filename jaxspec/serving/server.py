@@ -31,7 +31,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.serving.requests import Delta, QueueFull, Request
 from jaxspec.serving.scheduler import Scheduler
 
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                  "stream", "stream_options", "n", "user"}
 # OpenAI fields accepted only at their default, or null (jaxspec does not implement them); chat's
 # logprobs is a boolean (false), completions' a count (null)
@@ -199,6 +199,9 @@ def parse_request(body: dict, ids: list[int], chat: bool, max_len: int) -> tuple
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos must be true or false", "ignore_eos")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream")
@@ -206,7 +209,7 @@ def parse_request(body: dict, ids: list[int], chat: bool, max_len: int) -> tuple
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise BadRequest("stream_options takes include_usage only", "stream_options")
     sampling = SamplingConfig(temperature=temperature, top_k=0 if top_k == -1 else top_k, top_p=top_p, min_p=min_p)
-    request = Request(tuple(ids), max_tokens, sampling, seed, tuple(stop), tuple(stop_ids))
+    request = Request(tuple(ids), max_tokens, sampling, seed, tuple(stop), tuple(stop_ids), ignore_eos)
     return request, stream, bool(options.get("include_usage"))
 
 
