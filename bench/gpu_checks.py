@@ -14,7 +14,9 @@ not need a good head); a model with too few layers for a head skips it.
 Methods draft chains of 6, or the draft tree of --tree. `--dtype float32` and `--layers N` (random-weight
 models) tell a kernel or cache error from bf16 rounding that random weights amplify with depth: gpt-oss-20b's
 shapes at 12 layers fail this check in bf16 with the reference kernels and pass in float32 (CPU,
-bench/NOTES.md). Writes DIR/gpu_checks_<model>[_tree].json.
+bench/NOTES.md). At 24 layers float32 fails too unless `--route-all` routes every token to every expert:
+a router's near-tie turns any rounding into another expert. Each row also records whether the full
+forward's logits were finite and the emitted tokens. Writes DIR/gpu_checks_<model>[_tree].json.
 """
 
 from __future__ import annotations
@@ -42,17 +44,19 @@ NEAR_TIE = 0.05  # bf16 logits: the emitted token may trail the argmax by this m
 
 def teacher_forced(params, cfg, batch: Batch, generated: list[np.ndarray]) -> dict:
     """Fraction of emitted tokens that are the exact argmax, and whether all are within a near-tie."""
-    exact, within, total = 0, True, 0
+    exact, within, total, finite = 0, True, 0, True
     for b, out in enumerate(generated):
         full = np.concatenate([batch.ids[b, : batch.lengths[b]], out])
         logits = np.asarray(decoder.score(params, cfg, jnp.asarray(full[None])), np.float32)[0]
         predicted = logits[batch.lengths[b] - 1 : -1]
+        finite &= bool(np.isfinite(predicted).all())
         top = predicted.max(-1)
         chosen = predicted[np.arange(len(out)), out]
         exact += int((chosen == top).sum())
         within &= bool(np.all(chosen >= top - NEAR_TIE * np.maximum(1.0, np.abs(top))))
         total += len(out)
-    return {"exact_argmax_fraction": exact / total, "all_within_near_tie": within, "tokens": total}
+    return {"exact_argmax_fraction": exact / total, "all_within_near_tie": within, "tokens": total,
+            "finite_logits": finite, "generated": [out.tolist() for out in generated]}
 
 
 RANDOM_MODELS = ("qwen3-8b", "nsa-1b", "qwen3-30b-a3b", "gpt-oss-20b")  # checked with random weights
@@ -103,6 +107,8 @@ def main():
     p.add_argument("--draft-model", type=Path, default=None, help="method eagle's head")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="random-weight models' weights and cache")
     p.add_argument("--layers", type=int, default=None, help="random-weight models: this many layers")
+    p.add_argument("--route-all", action="store_true",
+                   help="random-weight MoE models: route every token to every expert (no router near-ties to flip)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
@@ -112,6 +118,8 @@ def main():
         if args.layers:
             cfg = dataclasses.replace(cfg, num_layers=args.layers, sliding_layers=tuple(i for i in cfg.sliding_layers
                                                                                          if i < args.layers))
+        if args.route_all and cfg.moe is not None:
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, top_k=cfg.moe.num_experts))
         params = decoder.init_params(cfg, jax.random.key(0), scale=0.05)
         ids, lengths = common.random_prompts(cfg, 2, args.context)
         lengths[1] = args.context - 1000 if args.context > 2000 else args.context // 2
@@ -142,7 +150,7 @@ def main():
         print(row, flush=True)
         result["rows"].append(row)
     tag = "" if tree is None else f"_tree{args.traversal}{args.tree.replace(',', '')}"
-    tag += "" if args.dtype == "bfloat16" else f"_{args.dtype}"
+    tag += ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_route_all" if args.route_all else "")
     common.write_json(args.out / f"gpu_checks_{Path(args.model).stem}{tag}.json", result)
     ok = all(r["all_within_near_tie"] for r in result["rows"])
     print(("PASS" if ok else "FAIL") + f": teacher-forced check, {args.model}, {backend} backend")
