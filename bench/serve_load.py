@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python3 bench/serve_load.py [--model smollm2] [--configs plain:continuous,vegas:static,...]
         [--slots 16] [--kv-pages N | --kv-rows R] [--page-size 128] [--rates 1,2,4,8] [--requests 16] [--repeats 3]
-        [--prompt-tokens 7000] [--new 256,1024] [--ignore-eos] [--shared-document] [--tiny] [--out DIR] [--tag T]
+        [--prompt-tokens 7000 | 1000,7000] [--new 256,1024] [--ignore-eos] [--shared-document] [--tiny] [--out DIR] [--tag T]
         [--plot-from JSON ...]
 
 A config is method:batching[:chunk[:shrink[:slots]]] (slots: this config's, default --slots). For each,
@@ -19,7 +19,8 @@ as timing. Static batching is the server admitting only
 when every slot is free (all that wait, in one prefill), so a batch holds its slots until its longest
 request ends: the static batch of `generate` placed on the arrival timeline.
 
-Requests: real-text continuation prompts of about --prompt-tokens tokens (a different document each,
+Requests: real-text continuation prompts of about --prompt-tokens tokens (N, or LOW,HIGH: uniform per
+request, the same lengths for every config; a different document each,
 chat template; each run starts from other documents, and the warm-up from one no run reads, so no run
 finds its prompts in the prefix cache), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95 (seeds above). Per run:
 throughput (completion tokens over first arrival to last token), time to first token (arrival to the
@@ -77,15 +78,18 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def prompts(tokenizer, n: int, prompt_tokens: int, shared: bool = False, run: int = 0) -> list[list[int]]:
-    """n chat prompts of about `prompt_tokens` tokens for run number `run`: a different document each,
-    or (`shared`) one document with a different closing line each. Each run starts from other documents,
-    so no run reads an earlier one's prompts from the prefix cache."""
+def prompts(tokenizer, n: int, prompt_tokens: tuple[int, int], shared: bool = False, run: int = 0) -> list[list[int]]:
+    """n chat prompts for run number `run`, each of about a length drawn uniformly from `prompt_tokens`
+    (low, high; seeded by the run, so every config gets the same lengths): a different document each,
+    or (`shared`) one document of `high` tokens with a different closing line each. Each run starts
+    from other documents, so no run reads an earlier one's prompts from the prefix cache."""
+    low, high = prompt_tokens
     if shared:
-        document = corpus.long_prompt(tokenizer, prompt_tokens - 16, task="question", offset=run)
+        document = corpus.long_prompt(tokenizer, high - 16, task="question", offset=run)
         texts = [f"{document}\n\nAnswer in {i + 2} sentences." for i in range(n)]
     else:
-        texts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i + run) for i in range(n)]
+        lengths = np.random.default_rng(run).integers(low, high + 1, n)
+        texts = [corpus.long_prompt(tokenizer, int(lengths[i]), task="continue", offset=3 * i + run) for i in range(n)]
     batch = encode_prompts(tokenizer, texts, chat=True)
     return [batch.ids[i, : batch.lengths[i]].tolist() for i in range(n)]
 
@@ -285,7 +289,8 @@ def main():
     p.add_argument("--rates", default="1,2,4,8", type=lambda s: [float(x) for x in s.split(",")], help="requests per second")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt-tokens", type=int, default=7000)
+    p.add_argument("--prompt-tokens", default=(7000, 7000), help="N, or LOW,HIGH: each prompt's length uniform in it",
+                   type=lambda s: tuple(int(x) for x in (s.split(",") * 2)[:2]))
     p.add_argument("--new", default="256,1024", type=lambda s: tuple(int(x) for x in s.split(",")))
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: 4 short requests, 2 slots, one rate, one repeat")
     p.add_argument("--out", type=Path, default=common.RESULTS)
@@ -297,11 +302,11 @@ def main():
         plot(rows, args.out / f"serve_load{args.tag}.png", "SmolLM2, 16 slots, ~7K-token prompts")
         return
     if args.tiny:
-        args.requests, args.prompt_tokens, args.new, args.slots, args.rates, args.repeats = 4, 200, (8, 16), 2, [20.0], 1
+        args.requests, args.prompt_tokens, args.new, args.slots, args.rates, args.repeats = 4, (200, 200), (8, 16), 2, [20.0], 1
     _, _, tokenizer = load_model(args.model, dtype="float32")
     runs = [(rate, repeat) for rate in args.rates for repeat in range(args.repeats)]
     ids = {k: prompts(tokenizer, args.requests, args.prompt_tokens, args.shared_document, run=k + 1) for k in range(len(runs))}
-    warm_up = prompts(tokenizer, 1, args.prompt_tokens, run=len(runs) + 3 * args.requests)  # in no run's prompts
+    warm_up = prompts(tokenizer, 1, args.prompt_tokens[1:] * 2, run=len(runs) + 3 * args.requests)  # the longest; in no run's prompts
     longest = max(len(x) for run in [*ids.values(), warm_up] for x in run)
     max_len = longest + args.new[1]
     if args.kv_rows:  # the pages of that many of the scheduler's rows, and the null page
@@ -338,7 +343,7 @@ def main():
                       f"TTFT p50 {run['ttft_p50_s']:.2f} s", flush=True)
         finally:
             server.stop()
-    plot(result["summary"], path.with_suffix(".png"), f"SmolLM2, {args.slots} slots, ~{args.prompt_tokens}-token prompts")
+    plot(result["summary"], path.with_suffix(".png"), f"SmolLM2, {args.slots} slots, {'-'.join(map(str, sorted(set(args.prompt_tokens))))}-token prompts")
     print(common.markdown_table(result["summary"], TABLE))  # last
 
 
