@@ -137,8 +137,9 @@ def compiler_params(num_stages: int = 3):
 
 # Triton's pipeliner gives a page-table read two of a loop's stages before the key and value loads
 # that depend on it, so three stages kept one 64-key block in flight instead of two (the verify kernel's
-# shared memory halved: 38.9 against 71.7 KB at Qwen3-8B decode; sm_90 compile of the captured IR).
-# Five keep two, as three did for the contiguous cache (bench/NOTES.md, "Paged KV cache").
+# shared memory halved: 38.9 against 71.7 KB at Qwen3-8B decode; sm_90 compile of the captured IR; the
+# NSA kernels alike). Five keep two, as three did for the contiguous cache (bench/NOTES.md, "Paged KV
+# cache"). The sparse draft kernel's key slots were already a gathered load: three still keep its depth.
 PAGED_STAGES = 5
 
 
@@ -151,10 +152,12 @@ def tile_row_blocks(T: int, G: int, Dh: int, max_tile: int):
 
 
 def tile_compiler_params(tile_elems: int, max_tile: int):
-    """Four warps (the attention kernels' choice) while the accumulator fits them; eight for
-    larger tiles (NSA-1B at T = 16: 256 x 64 spills on four warps, not on eight; ptxas, sm_90)."""
+    """The NSA kernels' settings (their blocks are read through the page table). Four warps (the
+    attention kernels' choice) and PAGED_STAGES while the accumulator fits them; eight warps for larger
+    tiles (NSA-1B at T = 16: 256 x 64 spills on four warps, not on eight; ptxas, sm_90), at three
+    stages: five spill there, and four keep no more in flight than three."""
     if tile_elems <= max_tile // 2:
-        return compiler_params()
+        return compiler_params(PAGED_STAGES)
     return plgpu.CompilerParams(num_warps=8, num_stages=3)
 
 

@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
+    PAGED_STAGES,
     compiler_params,
     init_carry,
     matmul_precision,
@@ -166,7 +167,7 @@ def nsa_selected_pallas(q, k_pool, v_pool, pages, layer, q_pos, idx, o_cmp, gate
         + [pl.no_block_spec] * 3,
         out_specs=pl.BlockSpec((None, None, None, G, Dh), lambda b, h, t: (b, t, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, T, Hkv, G, Dh), q.dtype),
-        compiler_params=compiler_params(), interpret=interpret, name="nsa_selected",
+        compiler_params=compiler_params(PAGED_STAGES), interpret=interpret, name="nsa_selected",
     )(jnp.asarray(layer, jnp.int32).reshape(1), q_pos.astype(jnp.int32), idx.astype(jnp.int32),
       q_tile, o_cmp_tile, gates_tile, pages, k_pool, v_pool)
     return out.reshape(B, T, Hq, Dh)
