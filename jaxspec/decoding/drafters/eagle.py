@@ -112,7 +112,7 @@ class Eagle(Drafter):
         first = jnp.where(done, 0, length - 2)  # the head's root slot: the catch-up's last row
         pending = jnp.take_along_axis(tokens, (length - 1)[:, None], axis=1)[:, 0]
         draft_tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending)
-        probs = None if rules.greedy else jnp.zeros((B, tree.rows, self.cfg.vocab_size), jnp.float32)
+        draft_probs = None if rules.greedy else jnp.zeros((B, tree.rows, ecfg.draft_vocab_size), jnp.float32)
         states = jnp.zeros((B, tree.rows, root.shape[-1]), root.dtype).at[:, :1].set(root)
         keys = split_rows(key, tree.depth)
         for depth in range(tree.depth):
@@ -131,5 +131,7 @@ class Eagle(Drafter):
             children, q = expand(keys[depth], logits, kids.shape[1], rules, backend)
             draft_tokens = draft_tokens.at[:, kids].set(eagle.to_target_ids(head["d2t"], children))
             if q is not None:
-                probs = probs.at[:, rows].set(eagle.to_target_probs(head["d2t"], q, self.cfg.vocab_size))
+                draft_probs = draft_probs.at[:, rows].set(q)
+        # q over the target vocabulary in one scatter for the whole tree, not one a depth
+        probs = None if rules.greedy else eagle.to_target_probs(head["d2t"], draft_probs, self.cfg.vocab_size)
         return draft_tokens, probs, dataclasses.replace(cache, head=head_cache), state
