@@ -100,8 +100,8 @@ def main(argv=None):
                           shrink=args.shrink, kv_pages=kv_pages, page_size=args.page_size,
                           prefix_cache=not args.no_prefix_cache)
     spec = scheduler.spec
-    print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}, {kv_pages} KV pages of "
-          f"{args.page_size} tokens) ...", file=sys.stderr)
+    print(f"compiling ({spec.method}, {args.slots} slots, context {max_len}, "
+          f"{describe_pool(kv_pages, scheduler.row_pages, args.page_size, args.slots, args.shrink)}) ...", file=sys.stderr)
     scheduler.warm_up(min(args.warm_up_tokens, max_len - 1))
     scheduler.start()
     name = args.served_model_name or args.model
@@ -124,6 +124,17 @@ def default_pages(cfg, spec, slots: int, max_len: int, page_size: int, devices: 
         return slots * (kvcache.cache_slots(max_len + MAX_TREE_ROWS, page_size) // page_size) + 1
     per_page = kvcache.page_bytes(cfg, page_size) * (1 + (1 / cfg.num_layers if spec.eagle else 0)) / devices
     return int(KV_MEMORY_FRACTION * (memory["bytes_limit"] - memory["bytes_in_use"]) / per_page)
+
+
+def describe_pool(kv_pages: int, row_pages: int, page_size: int, slots: int, shrink: bool) -> str:
+    """The KV pool in the start-up line: its pages, how many requests of the whole context it holds (page 0
+    is the null page), and, when that is fewer than the slots without --shrink, what the rest cost."""
+    whole = (kv_pages - 1) // row_pages
+    text = f"{kv_pages} KV pages of {page_size} tokens: {whole} requests of the whole context at once"
+    if whole < slots and not shrink:
+        text += (f"; when fewer than {slots} requests fit it, each iteration still decodes {slots} rows "
+                 f"(--shrink decodes only the rows in use)")
+    return text
 
 
 class DrainingServer(uvicorn.Server):

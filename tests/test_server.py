@@ -314,6 +314,17 @@ def test_bad_command_lines_are_one_line_errors(flags, fragment):
     assert "Traceback" not in result.stderr
 
 
+def test_start_up_line_says_what_the_pool_holds():
+    """The pool's requests of the whole context (page 0 is null), and the cost of more slots than that
+    unless --shrink is on."""
+    from jaxspec.serve import describe_pool
+
+    assert describe_pool(4 * 9 + 1, 9, 128, 4, False) == "37 KV pages of 128 tokens: 4 requests of the whole context at once"
+    short = describe_pool(4 * 9, 9, 128, 4, False)
+    assert short.startswith("36 KV pages of 128 tokens: 3 requests") and "each iteration still decodes 4 rows" in short
+    assert "--shrink" not in describe_pool(4 * 9, 9, 128, 4, True)
+
+
 def test_model_flags_fail_before_the_weights_load(monkeypatch, capsys):
     """A flag that does not fit the model (a --draft-skip layer it lacks) fails from its config alone."""
     from jaxspec import loaders, serve
