@@ -10,6 +10,7 @@ plain cached decoding equals full forwards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -452,6 +453,27 @@ def test_prefill_padding_writes_only_the_last_slot():
         changed = np.any(rows(new) != rows(old), axis=(0, 2, 4))  # [B, S]
         for b, n in enumerate(np.asarray(prompt_len) - 1):  # the last prompt token is the first decode step's
             assert changed[b, :n].all() and not changed[b, n:].any(), b
+
+
+def test_prefill_reads_only_the_pages_under_the_prompts():
+    """A prefill (chunks of more than 64 rows: the reference attention over a row's table) reads no page
+    past the prompts' width: with NaN in every later page of a long cache it writes exactly what it
+    writes into a clean one (before, the reference read the whole table: 0 x NaN)."""
+    params = decoder.init_params(TINY, jax.random.key(8), scale=0.5)
+    prompt_len = jnp.asarray([150, 97], jnp.int32)
+    prompts = jax.random.randint(jax.random.key(9), (2, 150), 0, TINY.vocab_size)
+    clean = init_cache(TINY, 2, 1024, page_size=64)
+    under = -(-prompts.shape[1] // clean.page_size)
+    later = np.zeros(clean.k.shape[2], bool)
+    for page in np.asarray(clean.pages)[:, under:].ravel():
+        later[page * 64:(page + 1) * 64] = True
+    nan = lambda pool: jnp.where(jnp.asarray(later)[None, None, :, None], jnp.nan, pool)
+    poisoned = dataclasses.replace(clean, k=nan(clean.k), v=nan(clean.v))
+    fill = jax.jit(functools.partial(engine.prefill_cache, cfg=TINY, max_len=1000, chunk=128))
+    want, got = fill(params, prompts, prompt_len, cache=clean), fill(params, prompts, prompt_len, cache=poisoned)
+    for new, ref in ((got.k, want.k), (got.v, want.v)):
+        np.testing.assert_array_equal(np.asarray(new)[:, :, ~later], np.asarray(ref)[:, :, ~later])
+        assert np.isfinite(np.asarray(new)[:, :, ~later]).all()
 
 
 @pytest.mark.slow  # by default seeds repeat in test_server's sampled requests and test_batching's sampled rows

@@ -308,6 +308,11 @@ def prefill_chunk(
     features at each position with the next prompt token). `begin`: one for every row, or one a row
     [B]. Chunks in order from 0 make `prefill_cache`; a server prefills a long prompt a chunk per round
     between decode segments (chunked prefill)."""
+    # The prompts write and read only slots below their width: the chunk sees just the pages under it,
+    # so attention that reads a row's whole table (the reference, for chunks of more than 64 rows) costs
+    # the prompt's length, not the cache's.
+    table = cache.pages
+    cache = cache.with_pages(table[:, : -(-prompts.shape[1] // cache.page_size)])
     begin = jnp.reshape(jnp.asarray(begin, jnp.int32), (-1, 1))
     positions = jnp.broadcast_to(begin + jnp.arange(chunk, dtype=jnp.int32), (prompts.shape[0], chunk))
     # positions past the prompts' width read its last column: they are not valid, so they write nothing
@@ -317,11 +322,11 @@ def prefill_chunk(
     capture = () if head is None else head.feature_layers
     _, cache, _, *features = decoder.forward(params, cfg, prompt_at(positions), positions, valid, cache, attend,
                                              backend=backend, capture=capture)
-    if head is None:
-        return cache
-    _, head_cache = eagle.feature_forward(params["eagle"], head, params, cfg, prompt_at(positions + 1), features[0],
-                                          positions, valid, cache.head, backend)
-    return dataclasses.replace(cache, head=head_cache)
+    if head is not None:
+        _, head_cache = eagle.feature_forward(params["eagle"], head, params, cfg, prompt_at(positions + 1), features[0],
+                                              positions, valid, cache.head, backend)
+        cache = dataclasses.replace(cache, head=head_cache)
+    return cache.with_pages(table)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, head: EagleConfig | None = None,
