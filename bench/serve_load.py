@@ -20,9 +20,9 @@ when every slot is free (all that wait, in one prefill), so a batch holds its sl
 request ends: the static batch of `generate` placed on the arrival timeline.
 
 Requests: real-text continuation prompts of about --prompt-tokens tokens (N, or LOW,HIGH: uniform per
-request, the same lengths for every config; a different document each,
-chat template; each run starts from other documents, and the warm-up from one no run reads, so no run
-finds its prompts in the prefix cache), max_tokens uniform in --new, sampling T 0.7 / top-p 0.95 (seeds above). Per run:
+request, the same lengths for every config), a different document each, with the chat template. Each
+run starts from other documents and the warm-up from one no run reads, so no run finds its prompts in
+the prefix cache. max_tokens is uniform in --new; sampling T 0.7 / top-p 0.95 (seeds above). Per run:
 throughput (completion tokens over first arrival to last token), time to first token (arrival to the
 first streamed token), inter-token latency (each chunk's gap spread over its tokens), end-to-end
 latency, and tokens per iteration (from the requests' usage). Per (config, rate): the median of the
@@ -30,16 +30,16 @@ repeats and their spread (max - min). Writes DIR/serve_load_<device><tag>.json a
 of throughput and TTFT against offered load (DIR/serve_load_<device><tag>.png), and prints the table
 last. This process runs on the CPU (it only tokenizes and times); the server has the device.
 
-Paged KV cache: every config gets the same `--kv-pages` pool (equal cache memory; 0: each server's
-default; `--kv-rows R`: the pages of R rows of the run's max_len), so configs that differ only in slots compare a pool capped by slots (slots x max_len pages,
-today's batch of rows) against one that holds as many requests as their tokens fit. Per run also:
-requests held at once (the most whose first and last tokens overlap), preemptions (the server's
-counter over the run) and prompt tokens read from the prefix cache. A reasoning-style load is short
-prompts and long outputs (`--prompt-tokens 200 --new 2048,8192`), with `--ignore-eos` so that every
-request runs to its max_tokens (as vLLM's benchmarks do) and the load is the one scheduled. `--shared-document`: every prompt is
-one document (a new one each run) and a different closing line, so later requests read the document
-from the prefix cache
-(their time to first token against the first one's: ttft_first_s, ttft_rest_p50_s).
+Paged KV cache: every config gets the same pool (equal cache memory): `--kv-pages N` pages (0: each
+server's default), or `--kv-rows R`, the pages of R rows of the run's max_len. Configs that differ only
+in slots then compare a pool capped by slots (slots x max_len pages, a batch of whole rows) against one
+that holds as many requests as their tokens fit. Per run also: requests held at once (the most whose
+first and last tokens overlap), preemptions (the server's counter over the run) and prompt tokens read
+from the prefix cache. A reasoning-style load is short prompts and long outputs (`--prompt-tokens 200
+--new 2048,8192`), with `--ignore-eos` so that every request runs to its max_tokens (as vLLM's
+benchmarks do) and the load is the one scheduled. `--shared-document`: every prompt is one document (a
+new one each run) and a different closing line, so later requests read the document from the prefix
+cache (their time to first token against the first one's: ttft_first_s, ttft_rest_p50_s).
 """
 
 from __future__ import annotations
