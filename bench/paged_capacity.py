@@ -33,6 +33,7 @@ from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.models import decoder, kvcache
 from jaxspec.serve import KV_MEMORY_FRACTION
 from jaxspec.serving.pages import PagePool
+from jaxspec.serving.scheduler import row_pages
 
 MODELS = {"qwen3-8b": common.QWEN3_8B}
 
@@ -100,7 +101,7 @@ def main():
     weights = weight_bytes(cfg)
     free = args.memory_gib * 2**30 - weights
     num_pages = int(KV_MEMORY_FRACTION * free / kvcache.page_bytes(cfg, args.page_size))
-    row = kvcache.cache_slots(args.prompt + args.new[1] + MAX_TREE_ROWS, args.page_size) // args.page_size
+    row = row_pages(args.prompt + args.new[1], args.page_size)
     outputs = np.random.default_rng(0).integers(args.new[0], args.new[1] + 1, args.requests).tolist()
     sim = simulate(PagePool(num_pages, args.page_size, prefix_cache=False), args.prompt, outputs, args.slots,
                    args.horizon)

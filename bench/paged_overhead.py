@@ -34,11 +34,12 @@ from bench import common
 HERE = Path(__file__).resolve().parents[1]
 
 
-def run_tree(tree: Path, batch: int, context: int, methods: list[str], tiny: bool, scratch: Path) -> tuple[dict, dict]:
-    """({method: wall ms per call}, the run's info) from `tree`: profile_step's iteration, or (method
-    "prefill") this tree's prefill_time.py run over `tree`'s jaxspec."""
+def run_tree(tree: Path, batch: int, context: int, methods: list[str], prefill: bool, tiny: bool,
+             scratch: Path) -> tuple[dict, dict]:
+    """({method: wall ms per call}, the run's info) from `tree`: profile_step's iteration, or (`prefill`:
+    {"prefill": ms}) this checkout's prefill_time.py run over `tree`'s jaxspec."""
     name = f"{tree.name}_{batch}_{context}"
-    if methods == ["prefill"]:
+    if prefill:
         command = [sys.executable, str(HERE / "bench/prefill_time.py"), "--batch", str(batch), "--context", str(context),
                    "--out", str(scratch / f"{name}.json")]
     else:
@@ -52,7 +53,7 @@ def run_tree(tree: Path, batch: int, context: int, methods: list[str], tiny: boo
         raise SystemExit(f"{Path(command[1]).name} failed in {tree}:\n{done.stderr[-3000:]}")
     result = json.loads((scratch / f"{name}.json").read_text())
     info = {k: result[k] for k in ("device", "backend", "jax")}
-    if methods == ["prefill"]:
+    if prefill:
         return {"prefill": statistics.median(result["prefill_ms"])}, info
     return {r["method"]: r["wall_ms"] for r in result["stages"] if r["stage"] == "iteration"}, info
 
@@ -85,14 +86,14 @@ def main():
     args = p.parse_args()
     trees = {"contiguous": args.before.resolve(), "paged": HERE}
     if args.prefill:
-        args.methods = ["prefill"]
+        args.methods = ["prefill"]  # the table's one row per shape
     times: dict = {}  # (batch, context, method, tree): [ms per repeat]
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(args.repeats):
             for batch, context in args.shapes:
                 order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
                 for name in order:
-                    got, info = run_tree(trees[name], batch, context, args.methods, args.tiny, Path(scratch))
+                    got, info = run_tree(trees[name], batch, context, args.methods, args.prefill, args.tiny, Path(scratch))
                     for method, ms in got.items():
                         times.setdefault((batch, context, method, name), []).append(ms)
                     print(f"repeat {repeat} {batch}x{context} {name}: done", flush=True)

@@ -1,7 +1,7 @@
 """Prefill time of one long prompt at Qwen3-8B shapes (random bf16 weights): the time to first token's
 main part, for comparing two trees of jaxspec (bench/paged_overhead.py --prefill runs this file with
 each tree's PYTHONPATH, so it uses only what both have: runner.prefill_fn, decoder.init_params and
-bench/common's QWEN3_8B).
+bench/common's QWEN3_8B, bench/decode's TINY_CFG).
 
     PYTHONPATH=<tree> python3 bench/prefill_time.py --out FILE [--batch 1] [--context 32768] [--chunk 256] [--calls 3]
 
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import QWEN3_8B, random_prompts
+from bench.decode import TINY_CFG
 from jaxspec.models import decoder
 from jaxspec.runner import prefill_fn
 
@@ -27,12 +28,9 @@ def main():
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=256, help="positions a prefill chunk (the engine's default)")
     p.add_argument("--calls", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="a CPU smoke run: 2 layers of a small width")
+    p.add_argument("--tiny", action="store_true", help="a CPU smoke run at bench/decode.py's tiny sizes")
     args = p.parse_args()
-    cfg = QWEN3_8B
-    if args.tiny:
-        cfg = cfg.replace(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
-                          head_dim=64, vocab_size=1024)
+    cfg = TINY_CFG if args.tiny else QWEN3_8B
     params = decoder.init_params(cfg, jax.random.key(0))
     ids, lengths = random_prompts(cfg, args.batch, args.context)
     ids, lengths = jnp.asarray(ids), jnp.asarray(lengths)

@@ -64,10 +64,9 @@ import numpy as np
 
 from bench import common
 from jaxspec import corpus
-from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.loaders import load_model
-from jaxspec.models.kvcache import cache_slots
 from jaxspec.runner import encode_prompts
+from jaxspec.serving.scheduler import row_pages
 
 SAMPLING = dict(temperature=0.7, top_p=0.95)
 GAMMA, RATIO = 6, 0.07
@@ -306,11 +305,12 @@ def main():
     _, _, tokenizer = load_model(args.model, dtype="float32")
     runs = [(rate, repeat) for rate in args.rates for repeat in range(args.repeats)]
     ids = {k: prompts(tokenizer, args.requests, args.prompt_tokens, args.shared_document, run=k + 1) for k in range(len(runs))}
-    warm_up = prompts(tokenizer, 1, args.prompt_tokens[1:] * 2, run=len(runs) + 3 * args.requests)  # the longest; in no run's prompts
+    longest_prompt = (args.prompt_tokens[1],) * 2
+    warm_up = prompts(tokenizer, 1, longest_prompt, run=len(runs) + 3 * args.requests)  # in no run's prompts
     longest = max(len(x) for run in [*ids.values(), warm_up] for x in run)
     max_len = longest + args.new[1]
     if args.kv_rows:  # the pages of that many of the scheduler's rows, and the null page
-        args.kv_pages = args.kv_rows * cache_slots(max_len + MAX_TREE_ROWS, args.page_size) // args.page_size + 1
+        args.kv_pages = args.kv_rows * row_pages(max_len, args.page_size) + 1
     result = {**common.run_info(), "model": args.model, "slots": args.slots, "requests": args.requests,
               "rates": args.rates, "repeats": args.repeats, "prompt_tokens": [len(x) for x in ids[0]], "new": args.new,
               "kv_pages": args.kv_pages, "page_size": args.page_size, "shared_document": args.shared_document,

@@ -22,7 +22,6 @@ import jax
 import uvicorn
 
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import kvcache
 from jaxspec.models.kvcache import DEFAULT_PAGE_SIZE
@@ -78,7 +77,7 @@ def main(argv=None):
         raise JaxspecError(f"--page-size: {e}") from None
     spec = spec_from_args(args, batch=args.slots)  # --tuned settings for a batch of its slots
 
-    from jaxspec.serving.scheduler import Scheduler
+    from jaxspec.serving.scheduler import Scheduler, row_pages
     from jaxspec.serving.server import create_app
 
     print(describe_device(), file=sys.stderr)
@@ -93,7 +92,8 @@ def main(argv=None):
         plan, spec, params = plan_auto(args, spec, cfg, params, mesh, batch=args.slots, prompt_tokens=max_len // 2,
                                        new_tokens=max_len // 4, sampling=SamplingConfig(temperature=1.0),
                                        closed=args.batching == "static")
-    kv_pages = args.kv_pages or default_pages(cfg, spec, args.slots, max_len, args.page_size, mesh.size if mesh else 1)
+    kv_pages = args.kv_pages or default_pages(cfg, spec, args.slots, row_pages(max_len, args.page_size), args.page_size,
+                                                mesh.size if mesh else 1)
     scheduler = Scheduler(params, cfg, tokenizer, spec, slots=args.slots, max_len=max_len, plan=plan, queue_limit=args.queue,
                           segment=args.segment, admit_rows=args.admit_rows, static=args.batching == "static",
                           prefill_chunk=args.prefill_chunk or None, max_top_k=args.max_top_k, mesh=mesh,
@@ -115,13 +115,13 @@ def main(argv=None):
     print("stopped", file=sys.stderr)
 
 
-def default_pages(cfg, spec, slots: int, max_len: int, page_size: int, devices: int) -> int:
+def default_pages(cfg, spec, slots: int, row_pages: int, page_size: int, devices: int) -> int:
     """KV_MEMORY_FRACTION of the device memory free after the weights, in pages (every layer's keys and
     values, an EAGLE-3 head's one layer beside them; split over `devices` by KV heads); a device that reports no memory (a CPU) gets
     every slot's --max-len, as a batch's cache."""
     memory = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in memory:
-        return slots * (kvcache.cache_slots(max_len + MAX_TREE_ROWS, page_size) // page_size) + 1
+        return slots * row_pages + 1
     per_page = kvcache.page_bytes(cfg, page_size) * (1 + (1 / cfg.num_layers if spec.eagle else 0)) / devices
     return int(KV_MEMORY_FRACTION * (memory["bytes_limit"] - memory["bytes_in_use"]) / per_page)
 

@@ -104,7 +104,7 @@ class Scheduler:
         except ValueError as e:
             raise JaxspecError(f"--page-size: {e}") from None
         self.page_size = page_size
-        self.row_pages = kvcache.cache_slots(max_len + MAX_TREE_ROWS, page_size) // page_size  # a row's table
+        self.row_pages = row_pages(max_len, page_size)
         self.paged = kv_pages is not None
         num_pages = kv_pages if self.paged else slots * self.row_pages + 1
         if num_pages - 1 < self.row_pages:  # so every request `check` lets in fits the pool alone
@@ -809,6 +809,11 @@ class Scheduler:
 
     def _rules(self, configs: list[SamplingConfig]) -> RowSampling | None:
         return None if self.sampling is not None else RowSampling.of(configs, self.max_top_k)
+
+
+def row_pages(max_len: int, page_size: int) -> int:
+    """Pages of a row's table: max_len positions and a draft tree beyond them."""
+    return kvcache.cache_slots(max_len + MAX_TREE_ROWS, page_size) // page_size
 
 
 @contextlib.contextmanager
