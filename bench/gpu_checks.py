@@ -15,7 +15,9 @@ Methods draft chains of 6, or the draft tree of --tree. `--dtype float32` and `-
 models) tell a kernel or cache error from bf16 rounding that random weights amplify with depth: gpt-oss-20b's
 shapes at 12 layers fail this check in bf16 with the reference kernels and pass in float32 (CPU,
 bench/NOTES.md). At 24 layers float32 fails too unless `--route-all` routes every token to every expert:
-a router's near-tie turns any rounding into another expert. Each row also records whether the full
+a router's near-tie turns any rounding into another expert. `--dtype float32` multiplies in full float32
+(JAX's default on the GPU is TF32, whose 2^-11 rounding random gpt-oss weights amplify past every
+near-tie at 24 layers: bench/NOTES.md). Each row also records whether the full
 forward's logits were finite and the emitted tokens. Writes DIR/gpu_checks_<model>[_tree].json.
 """
 
@@ -112,6 +114,8 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
+    if args.dtype == "float32":  # XLA and Triton multiply float32 in TF32 by default on the GPU
+        jax.config.update("jax_default_matmul_precision", "highest")
     backend = args.backend
     if args.model in RANDOM_MODELS:
         cfg = dataclasses.replace(random_model_config(args.model, args.tiny), dtype=args.dtype)

@@ -12,8 +12,8 @@ test false at lo and true at hi, from (key(min x) - 1, key(m)]; each pass tests 
 quarter it, so at most 16 passes over the row settle 32-bit keys. Masked sums of non-negative terms in
 one fixed order are monotone in the mask, so the test is monotone in floating point too.
 
-Two Pallas paths, chosen by the row count and the vocabulary (uses_split_path: the split path for few
-rows of a large vocabulary, one program per row otherwise; bench/NOTES.md, "top-p at small batch"):
+Two Pallas paths, chosen by the row count (top_p_threshold_pallas: the split path for few rows, one
+program per row for many; bench/NOTES.md, "top-p at small batch"):
 
 - One program per row (top_p_threshold_per_row) loops over the row once per pass, so the row stays
   in L1/L2 after the first read (96-192 KB at a 49K vocabulary). Pass 1 finds m; pass 2 sums Z and
@@ -246,11 +246,6 @@ KEY_INF = 0x7F800000  # float_key(+inf): no row value is above it
 # their faster path, a real model's rows would gain from ~24 (bench/NOTES.md, "top-p over the values
 # near the threshold").
 SPLIT_MAX_ROWS = 48
-# A row of at most this many logits takes one program per row at any row count: its passes are a
-# chunk or two each, so one launch beats the split path's fixed nine (an EAGLE head's 12K draft
-# vocabulary: the split path took ~29 us a draw at one row, 145 us of a SmolLM2 draft stage's 410;
-# bench/NOTES.md, "where an eagle iteration's time goes").
-SPLIT_MIN_VOCAB = 2 * CHUNK
 
 
 def _slot_pivots(hi, level):
@@ -384,13 +379,8 @@ def top_p_threshold_per_row(logits, inv_temperature, top_p, *, interpret: bool =
     return threshold
 
 
-def uses_split_path(rows: int, vocab: int) -> bool:
-    """The split path for at most SPLIT_MAX_ROWS rows of more than SPLIT_MIN_VOCAB logits, else one
-    program per row."""
-    return rows <= SPLIT_MAX_ROWS and vocab > SPLIT_MIN_VOCAB
-
-
 def top_p_threshold_pallas(logits, inv_temperature, top_p, *, interpret: bool = False):
-    """The Pallas kernel of top_p_threshold_reference (same contract), on the path uses_split_path picks."""
-    path = top_p_threshold_split if uses_split_path(*logits.shape) else top_p_threshold_per_row
+    """The Pallas kernel of top_p_threshold_reference (same contract): the split path for at most
+    SPLIT_MAX_ROWS rows, else one program per row."""
+    path = top_p_threshold_split if logits.shape[0] <= SPLIT_MAX_ROWS else top_p_threshold_per_row
     return path(logits, inv_temperature, top_p, interpret=interpret)

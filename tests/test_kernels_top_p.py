@@ -9,7 +9,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import top_p as kernels
-from pallas_kernels.top_p import SPLIT_MAX_ROWS, SPLIT_MIN_VOCAB, top_p_threshold_reference, uses_split_path
+from pallas_kernels.top_p import SPLIT_MAX_ROWS, top_p_threshold_reference
 
 # The Pallas paths under jit: the split path's launches compile as one program (called eagerly, each
 # compiled apart: ~4.4 -> 1.6 s a call), and calls of one shape share their compiled programs.
@@ -112,15 +112,11 @@ def test_split_path_at_a_large_vocabulary(R, dtype):
 
 
 def test_path_rule_and_per_row_values():
-    """Up to SPLIT_MAX_ROWS rows of a vocabulary above SPLIT_MIN_VOCAB take the split path; more rows,
-    or a small vocabulary (an EAGLE head's draft vocabulary) at any row count, one program per row.
-    Both read each row's own temperature and top_p."""
-    assert uses_split_path(1, 49152) and uses_split_path(SPLIT_MAX_ROWS, SPLIT_MIN_VOCAB + 1)
-    assert not uses_split_path(SPLIT_MAX_ROWS + 1, 49152) and not uses_split_path(1, 12288)
+    """Up to SPLIT_MAX_ROWS rows take the split path, more one program per row; both read each
+    row's own temperature and top_p."""
     rng = np.random.default_rng(11)
     R = SPLIT_MAX_ROWS + 1
-    V = SPLIT_MIN_VOCAB + 300  # both paths at this width: a row of three chunks, the last one partly past V
-    logits = jnp.asarray(3 * rng.normal(size=(R, V)), jnp.float32)
+    logits = jnp.asarray(3 * rng.normal(size=(R, 300)), jnp.float32)
     inv_t = jnp.asarray(rng.uniform(0.5, 2.0, size=R), jnp.float32)
     top_p = jnp.asarray(rng.uniform(0.2, 0.99, size=R), jnp.float32)
     want = np.asarray([oracle(logits[r:r + 1], inv_t[r], top_p[r])[0] for r in range(R)])
