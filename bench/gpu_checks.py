@@ -1,7 +1,7 @@
 """Engine losslessness with the Pallas backend on the GPU (teacher-forced, bf16).
 
     PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|qwen3-30b-a3b|gpt-oss-20b|smollm2|PATH] [--context N] [--new N]
-        [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--dtype float32] [--layers N] [--tiny] [--out DIR]
+        [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--dtype float32] [--route-all] [--layers N] [--backend reference] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
@@ -14,11 +14,12 @@ not need a good head); a model with too few layers for a head skips it.
 Methods draft chains of 6, or the draft tree of --tree. `--dtype float32` and `--layers N` (random-weight
 models) tell a kernel or cache error from bf16 rounding that random weights amplify with depth: gpt-oss-20b's
 shapes at 12 layers fail this check in bf16 with the reference kernels and pass in float32 (CPU,
-bench/NOTES.md). At 24 layers float32 fails too unless `--route-all` routes every token to every expert:
-a router's near-tie turns any rounding into another expert. `--dtype float32` multiplies in full float32
-(JAX's default on the GPU is TF32, whose 2^-11 rounding random gpt-oss weights amplify past every
-near-tie at 24 layers: bench/NOTES.md). Each row also records whether the full
-forward's logits were finite and the emitted tokens. Writes DIR/gpu_checks_<model>[_tree].json.
+bench/NOTES.md). `--dtype float32` multiplies in full float32 (JAX's default on the GPU is TF32).
+`--route-all` routes every token to every expert, so no router near-tie turns rounding into another
+expert. At 24 layers random gpt-oss weights amplify even float32 rounding past the near-ties, routed
+or not (bench/NOTES.md): there the check to read is every method emitting plain's tokens (each row
+records its emitted tokens, and whether the full forward's logits were finite). Writes
+DIR/gpu_checks_<model>[_tree][_float32][_route_all].json.
 """
 
 from __future__ import annotations
