@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -160,9 +161,11 @@ def random_mxfp4(key, shape) -> MXFP4:
     """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
     2^-7..2^-1."""
     *lead, K, N = shape
-    k1, k2 = jax.random.split(key)
-    return MXFP4(jax.random.bits(k1, (*lead, N, K // 2), jnp.uint8),
-                 jax.random.randint(k2, (*lead, N, K // 32), 120, 127).astype(jnp.uint8))
+    # One matrix at a time: a whole stack's bits in one draw take 4 bytes a code (25 GB for gpt-oss-20b's).
+    draw = lambda key: (jax.random.bits(key, (N, K // 2), jnp.uint8),
+                        jax.random.randint(key, (N, K // 32), 120, 127).astype(jnp.uint8))
+    blocks, scales = jax.jit(lambda keys: jax.lax.map(draw, keys))(jax.random.split(key, math.prod(lead)))
+    return MXFP4(blocks.reshape(*lead, N, K // 2), scales.reshape(*lead, N, K // 32))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

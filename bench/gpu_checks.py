@@ -17,9 +17,9 @@ shapes at 12 layers fail this check in bf16 with the reference kernels and pass 
 bench/NOTES.md). `--dtype float32` multiplies in full float32 (JAX's default on the GPU is TF32).
 `--route-all` routes every token to every expert, so no router near-tie turns rounding into another
 expert. At 24 layers random gpt-oss weights amplify even float32 rounding past the near-ties, routed
-or not (bench/NOTES.md): there the check to read is every method emitting plain's tokens (each row
-records its emitted tokens, and whether the full forward's logits were finite). Writes
-DIR/gpu_checks_<model>[_tree][_float32][_route_all].json.
+or not (bench/NOTES.md): there the check to read is every method emitting plain's tokens (when plain runs first, as by
+default, each other row records `equals_plain`; every row records its emitted tokens, and whether the
+full forward's logits were finite). Writes DIR/gpu_checks_<model>[_tree][_float32][_route_all][_reference].json.
 """
 
 from __future__ import annotations
@@ -152,13 +152,20 @@ def main():
         stats = jax.device_get(run.output.stats)
         row = {"method": method, "tree": spec.describe()["tree"], "traversal": spec.describe()["traversal"], **teacher_forced(params, cfg, batch, run.generated()),
                "tokens_per_iteration": float((stats.accepted.sum() + stats.iterations.sum()) / max(stats.iterations.sum(), 1))}
+        if result["rows"] and result["rows"][0]["method"] == "plain":
+            row["equals_plain"] = row["generated"] == result["rows"][0]["generated"]
         print(row, flush=True)
         result["rows"].append(row)
     tag = "" if tree is None else f"_tree{args.traversal}{args.tree.replace(',', '')}"
     tag += ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_route_all" if args.route_all else "")
+    tag += "" if backend == "pallas" else f"_{backend}"
     common.write_json(args.out / f"gpu_checks_{Path(args.model).stem}{tag}.json", result)
     ok = all(r["all_within_near_tie"] for r in result["rows"])
     print(("PASS" if ok else "FAIL") + f": teacher-forced check, {args.model}, {backend} backend")
+    compared = [r for r in result["rows"] if "equals_plain" in r]
+    if compared:
+        same = [r["method"] for r in compared if r["equals_plain"]]
+        print(f"{len(same)} of {len(compared)} methods emit plain's tokens: {', '.join(same) or 'none'}")
 
 
 if __name__ == "__main__":

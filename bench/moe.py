@@ -5,12 +5,13 @@
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
 experts, 4 routed a row), and T rows with random routing, it times pallas_kernels.moe_experts on both
-backends: the kernel, and the reference (lax.ragged_dot; MXFP4 dequantized first) as the decoder's
-layer scan would call it, at a traced layer of the stacks. The floor is the routed experts' bytes
+implementations: the kernel in both its forms (row blocks through the matrix unit; one row at a time in
+registers; `rule` names the one the kernel picks at T), and the reference (lax.ragged_dot; MXFP4
+dequantized first), as the decoder's layer scan would call them, at a traced layer of the stacks. The floor is the routed experts' bytes
 (MXFP4: packed bytes and scales): the distinct experts hit times one expert's bytes, over the copy
 bandwidth measured in the same run. Each timed call is one of REPEATS in a scan, each with its own routing and
-alternating between the two layers of the stacks, so no call finds its experts in L2. The kernel's
-output is checked against the reference first. Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny:
+alternating between the two layers of the stacks, so no call finds its experts in L2. Both kernel forms'
+outputs are checked against the reference first. Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny:
 moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke
 test of this script) and prints a table last.
 """
@@ -26,6 +27,7 @@ from jax import lax
 
 from bench import common
 import pallas_kernels as kernels
+from pallas_kernels.moe import MXFP4, moe_experts_pallas, takes_one_row
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
 SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}
@@ -41,13 +43,23 @@ def routing(key, repeats: int, T: int, E: int, k: int):
     return ids, jax.nn.softmax(jax.random.normal(k2, (repeats, T, k)), axis=-1)
 
 
-def layer_fn(backend: str):
+IMPLEMENTATIONS = {"reference": "XLA", "row_blocks": "row-block kernel", "one_row": "one-row kernel"}
+
+
+def experts(implementation: str, *args):
+    """One layer's routed experts by XLA's grouped product, or the kernel in one of its two forms."""
+    if implementation == "reference":
+        return kernels.moe_experts(*args, backend="reference")
+    return moe_experts_pallas(*args, interpret=kernels.interpret_default(), one_row=implementation == "one_row")
+
+
+def layer_fn(implementation: str):
     """A jitted scan of one MoE layer's experts per (layer, routing) item; returns the outputs' sum."""
     @jax.jit
     def run(x, ids, weights, w_gate_up, w_down):
         def body(total, item):
             layer, ids, weights = item
-            out = kernels.moe_experts(x, ids, weights, w_gate_up, w_down, layer, backend=backend)
+            out = experts(implementation, x, ids, weights, w_gate_up, w_down, layer)
             return total + out.sum(), None
 
         layers = jnp.arange(ids.shape[0], dtype=jnp.int32) % LAYERS
@@ -73,15 +85,17 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float) -> dict:
     x = jax.random.normal(jax.random.key(T), (T, D), jnp.bfloat16)
     ids, weights = routing(jax.random.key(1000 + T), repeats, T, E, k)
     layer = jnp.int32(1)
-    want, got = (kernels.moe_experts(x, ids[0], weights[0], *stacks, layer, backend=b) for b in kernels.BACKENDS)
-    err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+    want = experts("reference", x, ids[0], weights[0], *stacks, layer)
+    errors = [float(jnp.abs(experts(i, x, ids[0], weights[0], *stacks, layer) - want).max() / jnp.abs(want).max())
+              for i in ("row_blocks", "one_row")]
     distinct = float(np.mean([len(np.unique(np.asarray(i))) for i in ids]))
     expert_bytes = sum(a.nbytes for a in jax.tree.leaves(stacks)) / (LAYERS * E)
     floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
-    row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": err}
-    for backend in kernels.BACKENDS:
-        us = common.seconds_per_call(layer_fn(backend), x, ids, weights, *stacks) / repeats * 1e6
-        row |= {f"{backend}_us": us, f"{backend}_over_floor": us / floor_us}
+    rule = "one_row" if takes_one_row(T, isinstance(stacks[0], MXFP4)) else "row_blocks"
+    row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
+    for implementation in IMPLEMENTATIONS:
+        us = common.seconds_per_call(layer_fn(implementation), x, ids, weights, *stacks) / repeats * 1e6
+        row |= {f"{implementation}_us": us, f"{implementation}_over_floor": us / floor_us}
     return row
 
 
@@ -106,9 +120,9 @@ def main():
         common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
         ("T", "rows", "d"), ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
-        ("kernel µs", "pallas_us", ".1f"), ("kernel / floor", "pallas_over_floor", ".2f"),
-        ("XLA µs", "reference_us", ".1f"), ("XLA / floor", "reference_over_floor", ".2f"),
-        ("max rel err", "max_rel_err", ".1e")]))
+        *[c for i, name in IMPLEMENTATIONS.items()
+          for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],
+        ("rule", "rule", "s"), ("max rel err", "max_rel_err", ".1e")]))
 
 
 if __name__ == "__main__":

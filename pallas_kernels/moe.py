@@ -26,8 +26,9 @@ decoder's layer scan would be copied first (bench/NOTES.md, "fused layer project
 
 Either stack may be `MXFP4` (gpt-oss's released expert form, 4.25 bits a weight instead of 16): the
 kernel then reads each routed expert's packed bytes and scales once and decodes them in registers
-(`decode`), so the bytes floor is a quarter of bf16's. The reference decodes the layer's whole stack
-with the same function and runs the float path.
+(`decode`), so the bytes floor is a quarter of bf16's. Decoding, not bytes, bounds it (6-13x the
+floor measured): a decode step's single row takes the one-row form of both calls (`takes_one_row`).
+The reference decodes the layer's whole stack with the same function and runs the float path.
 """
 import dataclasses
 import functools
@@ -52,6 +53,13 @@ GATE_UP_COLUMNS = 64  # the first call's columns per program, of the gate and of
 DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
 MAX_ROWS = 64  # rows per row block: an expert's further rows take further blocks, re-reading its tile
 MXFP4_GROUP = 32  # MXFP4: values of K per scale
+# A decode step's single row with MXFP4 stacks takes the one-row kernels: float32 multiply-and-sum in
+# registers instead of the matrix unit (which pads the row to 16 and takes each decoded tile through
+# shared memory into its operand layout). Measured on an H200 at gpt-oss-20b's shapes: 131 against 164
+# us; with bf16 stacks, or more rows, the row-block kernels win (bench/NOTES.md, "the experts
+# kernel's one-row form"). ROW_STEP_ELEMENTS: the weights of a column block a loop step reads
+# (4K-16K tried: equal).
+ROW_STEP_ELEMENTS = 8192
 
 
 @jax.tree_util.register_dataclass
@@ -223,13 +231,65 @@ def _product(load_x, w_refs, layer, e, k0: int, bk: int, cols):
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def takes_one_row(rows: int, packed: bool) -> bool:
+    """Whether the kernel takes its one-row form: one row (a decode step's) through MXFP4 stacks."""
+    return rows == 1 and packed
+
+
+def row_step(K: int, columns: int) -> int:
+    """Weights of K per loop step of the one-row kernels for a `columns`-wide block: a power of two
+    (whole MXFP4 groups), the last step masked where it does not divide K (gpt-oss's 2880)."""
+    return min(max(MXFP4_GROUP, ROW_STEP_ELEMENTS // columns), next_pow2(K))
+
+
+def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
+    """Inside a kernel: float32 [columns] for each of `column_blocks`: x_ref's row `row` times W[:, cols]
+    of expert e at `layer`, multiplied and summed in float32 over K in steps of bk weights. An MXFP4
+    tile [columns, bk/2] bytes multiplies x's even and odd columns (a step of x split in two) with its
+    low and high codes, so no decoded tile is interleaved."""
+    K = x_ref.shape[1]
+    masked = K % bk != 0
+    load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
+
+    def step(i, accs):
+        k0 = i * bk
+        if len(w_refs) == 1:
+            inside = k0 + jnp.arange(bk) < K
+            x = load(x_ref.at[row, pl.ds(k0, bk)], inside).astype(jnp.float32)[:, None]
+            return tuple(acc + jnp.sum(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None])
+                                       .astype(jnp.float32) * x, axis=0) for acc, cols in zip(accs, column_blocks))
+        blocks_ref, scales_ref = w_refs
+        half, groups = bk // 2, bk // MXFP4_GROUP
+        inside = k0 // 2 + jnp.arange(half) < K // 2
+        whole = k0 // MXFP4_GROUP + jnp.arange(groups) < K // MXFP4_GROUP
+        pairs = load(x_ref.at[row, pl.ds(k0, bk)], k0 + jnp.arange(bk) < K).astype(jnp.float32).reshape(half, 2)
+        even, odd = (column[None, :] for column in lax.unstack(pairs, axis=1))
+        out = []
+        for acc, cols in zip(accs, column_blocks):
+            codes = load(blocks_ref.at[layer, e, cols, pl.ds(k0 // 2, half)], inside[None, :]).astype(jnp.int32)
+            power = scale_power(load(scales_ref.at[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, groups)], whole[None, :]))
+            power = jnp.broadcast_to(power[:, :, None], (*power.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
+            out.append(acc + jnp.sum((e2m1(codes & 15) * even + e2m1(codes >> 4) * odd) * power, axis=1))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((cols.size,), jnp.float32) for cols in column_blocks)
+    return lax.fori_loop(0, -(-K // bk), step, zeros)
+
+
 def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk: int, bf: int, activation: str,
-                    packed: bool, biased: bool):
+                    packed: bool, biased: bool, one_row: bool):
     w_refs, (*b_ref, a_ref) = refs[:1 + packed], refs[1 + packed:]
     j = pl.program_id(1)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
     F = a_ref.shape[1]
     gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)
+    bias = lambda cols: b_ref[0][layer, e, cols].astype(jnp.float32)
+
+    def row(r, _):
+        g, u = _row_products(x_ref, tokens_ref[r], w_refs, layer, e, (gate, up), bk)
+        if biased:
+            g, u = g + bias(gate), u + bias(up)
+        a_ref[r, pl.ds(j * bf, bf)] = activate(g, u, activation).astype(a_ref.dtype)
 
     def rows(start, real):
         tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
@@ -242,28 +302,33 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
         zeros = jnp.zeros((bm, bf), jnp.float32)
         g, u = lax.fori_loop(0, x_ref.shape[1] // bk, step, (zeros, zeros))
         if biased:
-            g = g + b_ref[0][layer, e, gate].astype(jnp.float32)[None, :]
-            u = u + b_ref[0][layer, e, up].astype(jnp.float32)[None, :]
+            g, u = g + bias(gate)[None, :], u + bias(up)[None, :]
         a = activate(g, u, activation)
         plgpu.store(a_ref.at[pl.ds(start, bm), pl.ds(j * bf, bf)], a.astype(a_ref.dtype), mask=real[:, None])
 
-    _slot_rows(slots_ref, bm, rows)
+    _slot_rows(slots_ref, bm, row if one_row else rows)
 
 
-def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool):
+def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool,
+                 one_row: bool):
     w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
+    bias = lambda: b_ref[0][layer, e, cols].astype(jnp.float32)
+
+    def row(r, _):
+        (y,) = _row_products(a_ref, r, w_refs, layer, e, (cols,), bk)
+        y_ref[r, cols] = y + bias() if biased else y
 
     def rows(start, real):
         load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
         step = lambda i, acc: acc + _product(load_a, w_refs, layer, e, i * bk, bk, cols)
         y = lax.fori_loop(0, a_ref.shape[1] // bk, step, jnp.zeros((bm, bd), jnp.float32))
         if biased:
-            y = y + b_ref[0][layer, e, cols].astype(jnp.float32)[None, :]
+            y = y + bias()[None, :]
         plgpu.store(y_ref.at[pl.ds(start, bm), cols], y, mask=real[:, None])
 
-    _slot_rows(slots_ref, bm, rows)
+    _slot_rows(slots_ref, bm, row if one_row else rows)
 
 
 def _slots(sizes, num_slots: int):
@@ -288,9 +353,10 @@ def _slot_call(kernel, name: str, grid, out_shape, args, w, bias, *, params, int
 
 def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
                        b_down=None, activation: str = "silu", interpret: bool = False, num_warps: int = 4,
-                       num_stages: int = 3):
+                       num_stages: int = 3, one_row: bool | None = None):
     """The kernels' routed experts (the reference's result, summed in another order), float32 [T, D];
-    the stacks (float or MXFP4) read in place at `layer` (an int32 scalar). Shapes: `supported`."""
+    the stacks (float or MXFP4) read in place at `layer` (an int32 scalar). Shapes: `supported`.
+    `one_row`: the one-row kernels or the row-block ones (None: `takes_one_row`; bench/moe.py times both)."""
     T, k = expert_ids.shape
     E, D = w_gate_up.shape[1], x.shape[1]
     F = w_down.shape[-2]
@@ -301,18 +367,21 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     else:
         order, position, sizes = _route(expert_ids, E)
         slots = _slots(sizes, S)
-    bm = block_rows(N, S)
+    gate_up_packed, down_packed = isinstance(w_gate_up, MXFP4), isinstance(w_down, MXFP4)
+    one_row = takes_one_row(T, gate_up_packed and down_packed) if one_row is None else one_row
+    bm = 1 if one_row else block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     call = functools.partial(_slot_call, params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                              interpret=interpret)
     bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
-    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step_rows(D, bf), bf=bf, activation=activation,
-                               packed=isinstance(w_gate_up, MXFP4), biased=b_gate_up is not None),
+    step = row_step if one_row else step_rows
+    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step(D, bf), bf=bf, activation=activation,
+                               packed=gate_up_packed, biased=b_gate_up is not None, one_row=one_row),
              "moe_gate_up", (S, F // bf), jax.ShapeDtypeStruct((N + bm, F), x.dtype),
              [layer, slots, tokens, x], w_gate_up, b_gate_up)
-    y = call(functools.partial(_down_kernel, bm=bm, bk=step_rows(F, bd), bd=bd, packed=isinstance(w_down, MXFP4),
-                               biased=b_down is not None),
+    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F, bd), bd=bd, packed=down_packed,
+                               biased=b_down is not None, one_row=one_row),
              "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
              [layer, slots, a], w_down, b_down)
     return _combine(y, position, expert_weights)

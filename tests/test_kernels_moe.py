@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels.moe import MXFP4, dequantize
+from pallas_kernels.moe import MXFP4, dequantize, moe_experts_pallas
 
 L, LAYER, E, K, D, F = 3, 1, 8, 2, 96, 48  # D: three 32-row steps; F: three 16-column blocks
 
@@ -57,11 +57,16 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
     return out
 
 
-def run(backend: str, inputs, activation: str):
+IMPLEMENTATIONS = ("reference", "row blocks", "one row")  # the reference, and the kernel's two forms
+
+
+def run(implementation: str, inputs, activation: str):
     x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
-    return np.asarray(pallas_kernels.moe_experts(x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER),
-                                                 b_gate_up=b_gate_up, b_down=b_down, activation=activation,
-                                                 backend=backend))
+    args = (x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER))
+    options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
+    if implementation == "reference":
+        return np.asarray(pallas_kernels.moe_experts(*args, **options, backend="reference"))
+    return np.asarray(moe_experts_pallas(*args, **options, interpret=True, one_row=implementation == "one row"))
 
 
 @pytest.mark.parametrize("T, activation, biased, dtype, experts", [
@@ -76,12 +81,12 @@ def test_moe_experts_equal_float64_loop(T, activation, biased, dtype, experts):
     want = loop_float64(*inputs, activation)
     scale = np.abs(want).max()
     tol = 1e-5 if dtype == jnp.float32 else 4e-3
-    for backend in pallas_kernels.BACKENDS:
-        got = run(backend, inputs, activation)
-        assert got.shape == (T, D) and got.dtype == np.float32, f"{backend}: shape {got.shape} dtype {got.dtype}"
-        assert np.isfinite(got).all(), f"{backend}: non-finite output"
+    for implementation in IMPLEMENTATIONS:
+        got = run(implementation, inputs, activation)
+        assert got.shape == (T, D) and got.dtype == np.float32, f"{implementation}: shape {got.shape} dtype {got.dtype}"
+        assert np.isfinite(got).all(), f"{implementation}: non-finite output"
         err = np.abs(got - want).max() / scale
-        assert err < tol, f"{backend} T={T} {activation} biased={biased}: max error {err:.2e} of the largest output"
+        assert err < tol, f"{implementation} T={T} {activation} biased={biased}: max error {err:.2e} of the largest output"
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
@@ -93,10 +98,11 @@ def test_moe_kernel_never_reads_unrouted_experts(T):
     routed = np.zeros((L, E), bool)
     routed[LAYER, np.unique(np.asarray(ids))] = True
     poison = lambda a: jnp.where(routed.reshape(L, E, *[1] * (a.ndim - 2)), a, jnp.nan)
-    clean = run("pallas", inputs, "gpt_oss")
-    poisoned = run("pallas", (x, ids, weights, *map(poison, stacks)), "gpt_oss")
-    assert np.isfinite(poisoned).all(), f"T={T}: the kernel read an unrouted expert or another layer (NaN in its output)"
-    np.testing.assert_array_equal(poisoned, clean, err_msg=f"T={T}: poisoned stacks changed the output")
+    for implementation in IMPLEMENTATIONS[1:]:
+        clean = run(implementation, inputs, "gpt_oss")
+        poisoned = run(implementation, (x, ids, weights, *map(poison, stacks)), "gpt_oss")
+        assert np.isfinite(poisoned).all(), f"{implementation} T={T}: read an unrouted expert or another layer (NaN out)"
+        np.testing.assert_array_equal(poisoned, clean, err_msg=f"{implementation} T={T}: poisoned stacks changed the output")
 
 
 F_PACKED = 64  # MXFP4 stacks: K a multiple of the 32-value scale groups
@@ -123,11 +129,11 @@ def test_moe_experts_mxfp4_equal_float64_loop(T, activation, dtype):
     want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), *biases, activation)
     scale = np.abs(want).max()
     tol = 1e-5 if dtype == jnp.float32 else 4e-3
-    for backend in pallas_kernels.BACKENDS:
-        got = run(backend, inputs, activation)
-        assert got.shape == (T, D) and np.isfinite(got).all(), f"{backend}: shape {got.shape} or non-finite output"
+    for implementation in IMPLEMENTATIONS:
+        got = run(implementation, inputs, activation)
+        assert got.shape == (T, D) and np.isfinite(got).all(), f"{implementation}: shape {got.shape} or non-finite output"
         err = np.abs(got - want).max() / scale
-        assert err < tol, f"{backend} T={T} {activation}: max error {err:.2e} of the largest output"
+        assert err < tol, f"{implementation} T={T} {activation}: max error {err:.2e} of the largest output"
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
@@ -139,7 +145,8 @@ def test_moe_kernel_never_reads_unrouted_mxfp4_experts(T):
     routed = np.zeros((L, E, 1, 1), bool)
     routed[LAYER, np.unique(np.asarray(ids))] = True
     poison = lambda w: MXFP4(w.blocks, jnp.where(routed, w.scales, jnp.uint8(255)))
-    clean = run("pallas", inputs, "gpt_oss")
-    poisoned = run("pallas", (x, ids, weights, poison(w_gate_up), poison(w_down), *biases), "gpt_oss")
-    assert np.isfinite(poisoned).all(), f"T={T}: the kernel read an unrouted expert or another layer"
-    np.testing.assert_array_equal(poisoned, clean, err_msg=f"T={T}: poisoned scales changed the output")
+    for implementation in IMPLEMENTATIONS[1:]:
+        clean = run(implementation, inputs, "gpt_oss")
+        poisoned = run(implementation, (x, ids, weights, poison(w_gate_up), poison(w_down), *biases), "gpt_oss")
+        assert np.isfinite(poisoned).all(), f"{implementation} T={T}: read an unrouted expert or another layer"
+        np.testing.assert_array_equal(poisoned, clean, err_msg=f"{implementation} T={T}: poisoned scales changed the output")
