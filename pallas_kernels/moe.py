@@ -38,6 +38,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+# Pallas-Triton has no public way to emit Triton's scaled dot (`mxfp4_dot` below): its lowering registry
+# and Triton dialect bindings, as pinned (jax 0.11.2).
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, matmul_precision, next_pow2
 
@@ -60,6 +67,9 @@ MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # kernel's one-row form"). ROW_STEP_ELEMENTS: the weights of a column block a loop step reads
 # (4K-16K tried: equal).
 ROW_STEP_ELEMENTS = 8192
+# Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `decode`
+# in registers. Off until measured on the GPU (bench/moe.py --scaled-dot times and checks it).
+SCALED_DOT = False
 
 
 @jax.tree_util.register_dataclass
@@ -108,6 +118,37 @@ def decode(blocks, power):
     codes = blocks.astype(jnp.int32)
     pairs = jnp.stack([e2m1(codes & 15) * power, e2m1(codes >> 4) * power], axis=-1)
     return pairs.reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
+
+
+mxfp4_dot_p = Primitive("mxfp4_dot")
+
+
+def mxfp4_dot(acc, x, codes, scales):
+    """Inside a kernel: float32 acc [M, N] + x [M, K] (bf16) times the MXFP4 tile of bytes codes [N, K/2]
+    and scales [N, K/32] (rows are output columns, as `MXFP4` stores them). On the GPU, Triton's
+    scaled dot (tt.dot_scaled: its own e2m1 -> bf16 conversion, then the matrix unit); in interpret
+    mode, `decode` and a float32 product."""
+    return mxfp4_dot_p.bind(acc, x, codes, scales)
+
+
+def _mxfp4_dot_reference(acc, x, codes, scales):
+    power = jnp.repeat(scale_power(scales), MXFP4_GROUP // 2, axis=-1)
+    w = decode(codes, power).astype(x.dtype)
+    return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mxfp4_dot_triton(ctx, acc, x, codes, scales):
+    [out] = ctx.avals_out
+    return tt_dialect.dot_scaled(ir.RankedTensorType.get(out.shape, ir.F32Type.get()), x,
+                                 tt_dialect.trans(codes, (1, 0)), acc, tt_dialect.ScaleDotElemType.BF16,
+                                 tt_dialect.ScaleDotElemType.E2M1, False, b_scale=scales, lhs_k_pack=True,
+                                 rhs_k_pack=True)
+
+
+mxfp4_dot_p.def_abstract_eval(lambda acc, x, codes, scales: jax.core.ShapedArray(acc.shape, jnp.float32))
+mxfp4_dot_p.def_impl(_mxfp4_dot_reference)
+mlir.register_lowering(mxfp4_dot_p, mlir.lower_fun(_mxfp4_dot_reference, multiple_results=False))
+triton_lowering.register_lowering(mxfp4_dot_p)(_mxfp4_dot_triton)
 
 
 def dequantize(w: MXFP4):
@@ -214,21 +255,24 @@ def _slot_rows(slots_ref, bm: int, body):
         lax.fori_loop(0, (hi - lo + bm - 1) // bm, block, 0)
 
 
-def _product(load_x, w_refs, layer, e, k0: int, bk: int, cols):
-    """Inside a kernel: float32 [rows, columns] = x's columns [k0, k0 + bk) (load_x(slice), in x's
+def _product(acc, load_x, w_refs, layer, e, k0: int, bk: int, cols):
+    """Inside a kernel: float32 acc [rows, columns] + x's columns [k0, k0 + bk) (load_x(slice), in x's
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
     MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
-    registers (a transposed product)."""
+    registers (a transposed product), or with SCALED_DOT and bf16 rows, by `mxfp4_dot`."""
+    x = load_x(pl.ds(k0, bk))
     if len(w_refs) == 1:
-        x = load_x(pl.ds(k0, bk))
-        return jnp.dot(x, w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype), preferred_element_type=jnp.float32)
+        w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
     blocks_ref, scales_ref = w_refs
     codes = blocks_ref[layer, e, cols, pl.ds(k0 // 2, bk // 2)]
-    groups = scale_power(scales_ref[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)])
+    scales = scales_ref[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)]
+    if SCALED_DOT and x.dtype == jnp.bfloat16:
+        return mxfp4_dot(acc, x, codes, scales)
+    groups = scale_power(scales)
     power = jnp.broadcast_to(groups[:, :, None], (*groups.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
-    x = load_x(pl.ds(k0, bk))
     w = decode(codes, power).astype(x.dtype)
-    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def takes_one_row(rows: int, packed: bool) -> bool:
@@ -296,8 +340,8 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
         load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
 
         def step(i, acc):
-            return (acc[0] + _product(load_x, w_refs, layer, e, i * bk, bk, gate),
-                    acc[1] + _product(load_x, w_refs, layer, e, i * bk, bk, up))
+            return (_product(acc[0], load_x, w_refs, layer, e, i * bk, bk, gate),
+                    _product(acc[1], load_x, w_refs, layer, e, i * bk, bk, up))
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
         g, u = lax.fori_loop(0, x_ref.shape[1] // bk, step, (zeros, zeros))
@@ -322,7 +366,7 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
 
     def rows(start, real):
         load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
-        step = lambda i, acc: acc + _product(load_a, w_refs, layer, e, i * bk, bk, cols)
+        step = lambda i, acc: _product(acc, load_a, w_refs, layer, e, i * bk, bk, cols)
         y = lax.fori_loop(0, a_ref.shape[1] // bk, step, jnp.zeros((bm, bd), jnp.float32))
         if biased:
             y = y + bias()[None, :]

@@ -23,6 +23,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
+from pallas_kernels import moe
 from pallas_kernels.moe import MXFP4, moe_experts_pallas
 from pallas_kernels.quest_pages import quest_pages_pallas
 from pallas_kernels._common import merge_splits_pallas
@@ -238,8 +239,10 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (64, 32, 2880, 2880, 4, "gpt_oss", False),   # gpt-oss-20b (biases), D = F = 45 x 64
     (1, 32, 2880, 2880, 4, "gpt_oss", True),     # gpt-oss-20b's released MXFP4 experts, decoded in registers
     (64, 32, 2880, 2880, 4, "gpt_oss", True),
+    (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot"),  # the same through Triton's scaled dot (moe.SCALED_DOT)
 ])
-def test_moe_experts_lowers(check_cuda, T, E, D, F, k, activation, packed):
+def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed):
+    monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")
     biased = activation == "gpt_oss"
     stack = lambda K, N: (MXFP4(spec((2, E, N, K // 2), jnp.uint8), spec((2, E, N, K // 32), jnp.uint8)) if packed
                           else spec((2, E, K, N), jnp.bfloat16))

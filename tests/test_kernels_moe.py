@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from pallas_kernels import moe
 from pallas_kernels.moe import MXFP4, dequantize, moe_experts_pallas
 
 L, LAYER, E, K, D, F = 3, 1, 8, 2, 96, 48  # D: three 32-row steps; F: three 16-column blocks
@@ -57,7 +58,9 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
     return out
 
 
-IMPLEMENTATIONS = ("reference", "row blocks", "one row")  # the reference, and the kernel's two forms
+# The reference, the kernel's two forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
+# interpret-mode form, so this checks what the kernel hands it, not Triton's conversion).
+IMPLEMENTATIONS = ("reference", "row blocks", "one row", "scaled dot")
 
 
 def run(implementation: str, inputs, activation: str):
@@ -66,7 +69,9 @@ def run(implementation: str, inputs, activation: str):
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
     if implementation == "reference":
         return np.asarray(pallas_kernels.moe_experts(*args, **options, backend="reference"))
-    return np.asarray(moe_experts_pallas(*args, **options, interpret=True, one_row=implementation == "one row"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "SCALED_DOT", implementation == "scaled dot")
+        return np.asarray(moe_experts_pallas(*args, **options, interpret=True, one_row=implementation == "one row"))
 
 
 @pytest.mark.parametrize("T, activation, biased, dtype, experts", [
