@@ -157,6 +157,17 @@ def page_table(batch: int, num_slots: int, page_size: int = paging.DEFAULT_PAGE_
     return jnp.asarray(order.reshape(batch, R), jnp.int32)
 
 
+def with_mxfp4_experts(params) -> dict:
+    """params with an MoE model's expert stacks replaced by random MXFP4 ones (gpt-oss's released form,
+    decoded in the experts kernel), each bf16 stack freed before its packed one is drawn."""
+    layers = params["layers"]
+    for i, name in enumerate(("moe_gate_up", "moe_down")):
+        shape = layers[name].shape
+        layers[name].delete()
+        layers[name] = random_mxfp4(jax.random.key(10 + i), shape)
+    return params
+
+
 def random_mxfp4(key, shape) -> MXFP4:
     """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
     2^-7..2^-1."""
