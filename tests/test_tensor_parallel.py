@@ -5,7 +5,7 @@ the weights and the KV cache (no replicated full matrices); a `--tp` that does n
 is a one-line error.
 
 Random float32 models (a Qwen3 with 8 query / 4 KV heads, an NSA-Llama with 8 / 2, a Qwen3-MoE with
-8 / 4 and a gpt-oss with 8 / 2: test_moe_model's and test_gpt_oss's with fewer layers) and SmolLM2
+8 / 4 and a gpt-oss with 8 / 2, its experts also in MXFP4: test_moe_model's and test_gpt_oss's with fewer layers) and SmolLM2
 (9 / 3 heads: it divides only by 3) with a real-text prompt.
 """
 
@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec import corpus, generate as generate_cli
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
+from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, sharding
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.models.quantize import Quantized
@@ -27,6 +29,7 @@ from jaxspec.runner import Batch, encode_prompts, run_generation
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
 from test_gpt_oss import CFG as GPT_OSS_CFG
+from pallas_kernels.moe import MXFP4
 from test_moe_model import CFG as QWEN3_MOE_CFG
 
 QWEN3 = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,
@@ -99,6 +102,23 @@ def gpt_oss():
     return Model(GPT_OSS, params, random_batch(GPT_OSS, [70, 29], seed=7), max_new=16)
 
 
+def packed_experts(params: dict, seed: int) -> dict:
+    """params with the expert stacks replaced by random MXFP4 ones (gpt-oss's released form): codes and
+    scales of 2^-9..2^-6, weights of the fixture's size."""
+    rng = np.random.default_rng(seed)
+    layers = dict(params["layers"])
+    for name in ("moe_gate_up", "moe_down"):
+        *lead, K, N = layers[name].shape
+        layers[name] = MXFP4(jnp.asarray(rng.integers(0, 256, (*lead, N, K // 2), dtype=np.uint8)),
+                             jnp.asarray(rng.integers(118, 122, (*lead, N, K // 32), dtype=np.uint8)))
+    return {**params, "layers": layers}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss):
+    return Model(GPT_OSS, packed_experts(gpt_oss.params, seed=8), gpt_oss.batch, max_new=16)
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_loaded):
     cfg, params, tokenizer = smollm2_loaded
@@ -162,6 +182,14 @@ def test_gpt_oss_greedy_tokens_equal_one_device(gpt_oss, spec_):
     o biases added once; prompts past the sliding window."""
     devices_needed(2)
     assert gpt_oss.generate(spec_, 2) == gpt_oss.generate(spec_, 1)
+
+
+@pytest.mark.parametrize("spec_", [spec("plain"), pytest.param(spec("vegas"), marks=slow)])
+def test_gpt_oss_mxfp4_greedy_tokens_equal_one_device(gpt_oss_mxfp4, spec_):
+    """The released MXFP4 experts split as the float ones (each device its columns of every expert),
+    kept packed: the kernel decodes each device's share."""
+    devices_needed(2)
+    assert gpt_oss_mxfp4.generate(spec_, 2) == gpt_oss_mxfp4.generate(spec_, 1)
 
 
 @pytest.mark.parametrize("spec_", [pytest.param(spec("vegas", gamma=6), marks=slow), pytest.param(spec("plain"), marks=slow),
@@ -241,6 +269,28 @@ def test_moe_device_holds_only_its_shard(gpt_oss):
     for s, block in enumerate(blocks):
         want = np.concatenate([standard[..., s * f:(s + 1) * f], standard[..., F + s * f:F + (s + 1) * f]], axis=-1)
         np.testing.assert_array_equal(np.asarray(block.data), want)
+
+
+def test_mxfp4_device_holds_only_its_shard(gpt_oss_mxfp4):
+    """Each device holds its columns of every packed expert (the TP layout's [gate_s | up_s], as
+    bytes and scales) and its rows of the down matrices (whole scale groups); a --tp that would split a
+    scale group is a one-line error."""
+    devices_needed(4)
+    cfg, tp = GPT_OSS, 2
+    params = sharding.shard_params(gpt_oss_mxfp4.params, cfg, sharding.make_mesh(tp))
+    L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.moe.num_experts, cfg.moe.expert_size
+    shard = lambda w: jax.tree.map(lambda a: a.sharding.shard_shape(a.shape), w)
+    assert shard(params["layers"]["moe_gate_up"]) == MXFP4((L, E, 2 * F // tp, D // 2), (L, E, 2 * F // tp, D // 32))
+    assert shard(params["layers"]["moe_down"]) == MXFP4((L, E, D, F // (2 * tp)), (L, E, D, F // (32 * tp)))
+    standard, f = gpt_oss_mxfp4.params["layers"]["moe_gate_up"], F // tp
+    for leaf in ("blocks", "scales"):
+        whole = np.asarray(getattr(standard, leaf))
+        parts = sorted(getattr(params["layers"]["moe_gate_up"], leaf).addressable_shards, key=lambda b: b.index[2].start)
+        for s, block in enumerate(parts):
+            want = np.concatenate([whole[:, :, s * f:(s + 1) * f], whole[:, :, F + s * f:F + (s + 1) * f]], axis=2)
+            np.testing.assert_array_equal(np.asarray(block.data), want)
+    with pytest.raises(JaxspecError, match="--tp 4: MXFP4 experts split by 32-value scale groups, and 64 expert columns give 16"):
+        sharding.shard_params(gpt_oss_mxfp4.params, cfg, sharding.make_mesh(4))
 
 
 @pytest.mark.slow  # 35 s; the sharded engine's tokens are checked by default above (the default run's 20 minutes)

@@ -10,8 +10,8 @@ of its own heads. Query head h uses KV head h // G, and shard s holds query head
 KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices (gpt-oss's sinks
 [L, Hq] split with them). norms are replicated. Mixture-of-experts models split every expert's
 columns as the dense MLP's (`jaxspec.models.moe`): moe_gate_up and its bias in the TP layout
-[gate_s | up_s] of each expert, moe_down by rows; the router is replicated, so every device routes
-identically. A bias added after a row-split product is replicated and counted once: gpt-oss's o
+[gate_s | up_s] of each expert, moe_down by rows (packed MXFP4 stacks too, their bytes and scales
+alike); the router is replicated, so every device routes identically. A bias added after a row-split product is replicated and counted once: gpt-oss's o
 bias goes into the replicated stream before the all-reduce's residual add, the experts' down bias
 into shard 0's share of the sum (`first_shard_only`).
 
@@ -32,7 +32,6 @@ receives its block only) and reorders the fused columns on the devices.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -43,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.quantize import Quantized
-from pallas_kernels.moe import MXFP4, has_packed
+from pallas_kernels.moe import MXFP4, MXFP4_GROUP, has_packed
 
 AXIS = "tp"
 # split along the last axis (sinks [L, Hq]: by query head, each shard's heads in order)
@@ -130,13 +129,16 @@ def _split(ndim: int, from_end: int) -> P:
 def param_specs(params: dict) -> dict:
     """The PartitionSpec of every params leaf (quantized draft copies included: an int8 matrix's
     per-column scales follow its columns; int4's group scales follow its rows too). An MXFP4 expert
-    stack is one leaf here, replicated (`shard_params` refuses to split one)."""
+    stack stores W's columns as its rows ([..., N, K/2] bytes, [..., N, K/32] scales): split by
+    columns, its second-to-last axis; by rows, its last (whole scale groups: `check_packed`)."""
 
     def spec(path, x):
         name = path[-1].key
         if name not in COLUMNS + ROWS or path[0].key == "eagle":  # an EAGLE-3 head runs whole on every device
             return P()
         from_end = 1 if name in COLUMNS else 2
+        if isinstance(x, MXFP4):
+            return MXFP4(_split(x.blocks.ndim, 3 - from_end), _split(x.scales.ndim, 3 - from_end))
         if not isinstance(x, Quantized):
             return _split(x.ndim, from_end)
         scale_split = from_end == 1 or x.bits == 4
@@ -160,6 +162,15 @@ def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
     return {"wqkv": qkv, "bqkv": qkv, "moe_gate_up": experts, "moe_gate_up_bias": experts}
 
 
+def check_packed(params: dict, cfg: ModelConfig, tp: int) -> None:
+    """A one-line error when MXFP4 experts cannot be split `tp` ways: each device's rows of the down
+    matrix must be whole 32-value scale groups (gpt-oss-20b's 2880 columns: tp 2, not 4)."""
+    if tp > 1 and has_packed(params) and (cfg.moe.expert_size // tp) % MXFP4_GROUP:
+        raise JaxspecError(f"--tp {tp}: MXFP4 experts split by {MXFP4_GROUP}-value scale groups, and "
+                           f"{cfg.moe.expert_size} expert columns give {cfg.moe.expert_size // tp} a device "
+                           "(a --tp that leaves a multiple of 32, or the checkpoint's unquantized form)")
+
+
 def place(params: dict, mesh: Mesh) -> dict:
     """`params` (host or device arrays) split over `mesh` by `param_specs`."""
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params), is_leaf=lambda x: isinstance(x, P))
@@ -170,19 +181,19 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Standard-layout params (`decoder.param_shapes`, exact weights) -> TP-layout params split over
     `mesh`. Host arrays go to their devices block by block (no device holds a full copy); the fused
     matrices' columns are then reordered on the devices, one stacked matrix at a time. The draft's
-    copies (`draft_weights.with_draft_weights`) are made from the result, then `place`d. Packed
-    (MXFP4) experts are not split yet: a one-line error."""
-    if mesh.size > 1 and has_packed(params):
-        raise JaxspecError(f"--tp {mesh.size}: MXFP4 experts are not split over devices yet (--tp 1, or the "
-                           "checkpoint's unquantized form)")
+    copies (`draft_weights.with_draft_weights`) are made from the result, then `place`d."""
+    check_packed(params, cfg, mesh.size)
     placed = place(params, mesh)
     layers = dict(placed["layers"])
     for name, columns in _column_order(cfg, mesh.size).items():
         if name in layers:
-            fresh = layers[name] is not params["layers"][name]  # a copy place made: reorder it in place
-            reorder = jax.jit(functools.partial(jnp.take, indices=columns, axis=-1),
-                              out_shardings=layers[name].sharding, donate_argnums=0 if fresh else ())
-            layers[name] = reorder(layers[name])
+            w, before = layers[name], params["layers"][name]
+            # a copy place made is reordered in place
+            fresh = all(a is not b for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(before)))
+            axis = -2 if isinstance(w, MXFP4) else -1  # an MXFP4 stack's rows are W's columns
+            reorder = jax.jit(lambda w: jax.tree.map(lambda a: jnp.take(a, columns, axis=axis), w),
+                              out_shardings=jax.tree.map(lambda a: a.sharding, w), donate_argnums=0 if fresh else ())
+            layers[name] = reorder(w)
     return {**placed, "layers": layers}
 
 
