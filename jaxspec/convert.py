@@ -35,7 +35,6 @@ from jaxspec.models import nsa_convert, nsa_reuse
 from jaxspec.models.config import NSAConfig, nsa_hf_keys
 from jaxspec.training import data, nsa_gates
 from jaxspec.xla_flags import set_gpu_flags
-from pallas_kernels.moe import has_packed
 
 
 def convert(src: str, dst: Path, dtype: str = "bfloat16", force: bool = False) -> str:
@@ -45,9 +44,6 @@ def convert(src: str, dst: Path, dtype: str = "bfloat16", force: bool = False) -
     if not dst.parent.is_dir():
         raise JaxspecError(f"parent directory {dst.parent} does not exist")
     cfg, params, tokenizer = load_model(src, dtype)
-    if has_packed(params):
-        raise JaxspecError(f"{src} keeps its experts in MXFP4, which jaxspec checkpoints cannot hold yet "
-                           "(load it directly, or convert its unquantized form)")
     files.write_dir(dst, lambda tmp: orbax.save(tmp, cfg, params, tokenizer))
     count = sum(x.size for x in jax.tree.leaves(params))
     return f"wrote {dst} ({cfg.model_type}, {count / 1e6:.1f}M params, {dtype}) from {src}"

@@ -75,7 +75,7 @@ def test_mxfp4_experts_load_packed_as_their_dequantized_weights(hf_checkpoints, 
     """The released form: each expert matrix as NAME_blocks + NAME_scales. Our dequantization equals
     transformers' on random codes and exponents; a checkpoint in that form loads packed (MXFP4 stacks,
     the non-expert params in float32), to the weights and the logits of the same checkpoint written
-    unquantized."""
+    unquantized; converted to a jaxspec checkpoint (bf16) it loads packed again, the bytes unchanged."""
     import torch
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -107,9 +107,14 @@ def test_mxfp4_experts_load_packed_as_their_dequantized_weights(hf_checkpoints, 
     tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 20)))
     want, got = (np.asarray(score(params, cfg, tokens)) for params in (a, b))
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
-    with pytest.raises(JaxspecError, match="MXFP4"):  # a jaxspec checkpoint cannot hold packed experts yet
-        convert(str(packed), tmp_path / "ckpt", "float32")
-    assert not (tmp_path / "ckpt").exists()
+    convert(str(packed), tmp_path / "ckpt", "bfloat16")  # a jaxspec checkpoint keeps them packed, bytes unchanged
+    _, c, _ = load_model(str(tmp_path / "ckpt"), "float32")
+    for name in ("moe_gate_up", "moe_down"):
+        assert isinstance(c["layers"][name], MXFP4)
+        for leaf in ("blocks", "scales"):
+            np.testing.assert_array_equal(np.asarray(getattr(c["layers"][name], leaf)),
+                                          np.asarray(getattr(b["layers"][name], leaf)))
+    assert c["layers"]["wqkv"].dtype == jnp.float32
 
 
 CFG = ModelConfig(model_type="gpt_oss", vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,

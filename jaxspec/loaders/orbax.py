@@ -1,7 +1,8 @@
 """jaxspec checkpoints: an orbax PyTree checkpoint of the params plus the config and tokenizer files.
 
 Layout of a checkpoint directory (written by `python -m jaxspec.convert`):
-    params/               orbax StandardCheckpointer output (the params pytree, at the saved dtype)
+    params/               orbax StandardCheckpointer output (the params pytree, at the saved dtype;
+                          MXFP4 expert stacks as their uint8 bytes and scales)
     jaxspec_config.json   the ModelConfig as JSON
     tokenizer.json, tokenizer_config.json   see `Tokenizer.save`
 """
@@ -22,6 +23,7 @@ from jaxspec.models.config import ModelConfig, MoEConfig, NSAConfig, RopeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.decoder import Params, param_shapes
 from jaxspec.tokenizer import Tokenizer
+from pallas_kernels.moe import MXFP4, MXFP4_GROUP
 
 CONFIG_FILE = "jaxspec_config.json"
 PARAMS_DIR = "params"
@@ -62,11 +64,26 @@ def read_saved_config(path: Path) -> ModelConfig:
         raise JaxspecError(f"cannot read {path / CONFIG_FILE}: {e}") from None
 
 
+def packed_stacks(path: Path) -> tuple[str, ...]:
+    """The layer stacks the checkpoint holds in MXFP4 (gpt-oss's released experts: saved as their
+    bytes and scales, `pallas_kernels.moe.MXFP4`), from orbax's metadata of the saved tree."""
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            tree = checkpointer.metadata(path.absolute() / PARAMS_DIR).item_metadata.tree
+    except Exception as e:  # as for restore below
+        raise JaxspecError(f"cannot restore orbax checkpoint {path / PARAMS_DIR}: {str(e).splitlines()[0]}") from None
+    return tuple(name for name, leaf in tree.get("layers", {}).items() if isinstance(leaf, dict) and "blocks" in leaf)
+
+
 def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
-    """Restores the params at the saved dtype, then casts to `dtype`: onto the default device, or
-    with a `mesh` each leaf split as tensor parallelism splits it (no device reads a full copy)."""
+    """Restores the params at the saved dtype (MXFP4 stacks as their bytes), then casts the others to
+    `dtype`: onto the default device, or with a `mesh` each leaf split as tensor parallelism splits it
+    (no device reads a full copy)."""
     saved = read_saved_config(path)
     shapes = param_shapes(saved)
+    for name in packed_stacks(path):
+        *lead, K, N = shapes["layers"][name]
+        shapes["layers"][name] = MXFP4((*lead, N, K // 2), (*lead, N, K // MXFP4_GROUP))
     is_shape = lambda x: isinstance(x, tuple)
     if mesh is None:
         placement = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes, is_leaf=is_shape)
@@ -79,11 +96,16 @@ def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig,
         lambda shape, where: jax.ShapeDtypeStruct(shape, jnp.dtype(saved.dtype), sharding=where),
         shapes, placement, is_leaf=is_shape,
     )
+    target["layers"] = {name: jax.tree.map(lambda t: t.update(dtype=jnp.uint8), t) if isinstance(t, MXFP4) else t
+                        for name, t in target["layers"].items()}
+    if mesh is not None:
+        sharding.check_packed(target, saved, mesh.size)
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(path.absolute() / PARAMS_DIR, target)
     except Exception as e:  # orbax/tensorstore raise many types for missing or damaged files
         raise JaxspecError(f"cannot restore orbax checkpoint {path / PARAMS_DIR}: {str(e).splitlines()[0]}") from None
     cfg = saved.replace(dtype=dtype)
-    params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
+    params = jax.tree.map(lambda x: x if isinstance(x, MXFP4) else x.astype(jnp.dtype(dtype)), params,
+                          is_leaf=lambda x: isinstance(x, MXFP4))
     return cfg, params, Tokenizer.from_saved(path)
