@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 # Pallas-Triton has no public way to emit Triton's scaled dot (`mxfp4_dot` below): its lowering registry
-# and Triton dialect bindings, as pinned (jax 0.11.2).
+# and Triton dialect bindings, as pinned (jax 0.11.2). Registering touches only our own primitive.
 from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
@@ -132,7 +132,9 @@ def mxfp4_dot(acc, x, codes, scales):
 
 
 def _mxfp4_dot_reference(acc, x, codes, scales):
-    power = jnp.repeat(scale_power(scales), MXFP4_GROUP // 2, axis=-1)
+    """mxfp4_dot by `decode` in registers and x's dtype's product (the kernels' own path without it)."""
+    groups = scale_power(scales)
+    power = jnp.broadcast_to(groups[:, :, None], (*groups.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
     w = decode(codes, power).astype(x.dtype)
     return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -269,10 +271,7 @@ def _product(acc, load_x, w_refs, layer, e, k0: int, bk: int, cols):
     scales = scales_ref[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)]
     if SCALED_DOT and x.dtype == jnp.bfloat16:
         return mxfp4_dot(acc, x, codes, scales)
-    groups = scale_power(scales)
-    power = jnp.broadcast_to(groups[:, :, None], (*groups.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
-    w = decode(codes, power).astype(x.dtype)
-    return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return _mxfp4_dot_reference(acc, x, codes, scales)
 
 
 def takes_one_row(rows: int, packed: bool) -> bool:
