@@ -24,6 +24,7 @@ from jaxspec.loaders import hf, load_model
 from jaxspec.models.config import ModelConfig, MoEConfig, RopeConfig
 from jaxspec.models import decoder
 from jaxspec.models.decoder import score
+from jaxspec.models.draft_weights import with_draft_weights
 from jaxspec.models.kvcache import KVCache
 import pallas_kernels as kernels
 from pallas_kernels.moe import MXFP4, dequantize
@@ -173,9 +174,28 @@ def test_a_sliding_layer_drafts_over_its_whole_window():
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=f"layer {layer}")
 
 
+def test_a_draft_that_skips_a_silent_layer_is_always_accepted(model):
+    """Layer 1 made silent (its o and down products and biases zero: it adds nothing to the stream),
+    a draft that skips it is the model itself: every draft of `full` must be accepted. The draft reads
+    each kept layer's sink logits at the model layer, as verification does (a sink row of another layer
+    would make drafts differ)."""
+    params, ids, lengths, _ = model
+    layers = dict(params["layers"])
+    for name in ("wo", "bo", "moe_down", "moe_down_bias"):
+        layers[name] = layers[name].at[1].set(0)
+    silent = {**params, "layers": layers}
+    plain = greedy(CFG, silent, SpecConfig(), ids, lengths)
+    spec = SpecConfig(method="full", gamma=4, draft_skip=(1,)).validate()
+    spec.check_model(CFG)
+    out = jax.jit(engine.Engine(CFG, spec, SamplingConfig(), max(lengths) + 24).generate)(
+        with_draft_weights(silent, "exact", (1,)), jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), jax.random.key(0),
+        max_new_tokens=24, stop_ids=STOP)
+    tokens, length, stats = jax.device_get((out.tokens, out.length, out.stats))
+    assert [tokens[b, n:length[b]].tolist() for b, n in enumerate(lengths)] == plain
+    assert stats.accepted.sum() == stats.drafted.sum() > 0, (stats.accepted.sum(), stats.drafted.sum())
+
+
 def test_refused_in_one_line(hf_checkpoints, tmp_path):
-    with pytest.raises(JaxspecError, match="draft-skip"):
-        SpecConfig(method="vegas", draft_skip=(1,)).validate().check_model(CFG)
     with pytest.raises(JaxspecError, match="sliding-window layers"):
         CFG.replace(sliding_layers=(0, 4))
     path = tmp_path / "broken"

@@ -160,8 +160,6 @@ class SpecConfig:
         if self.method == "full" and self.draft_weights == "exact" and not self.draft_skip:
             raise JaxspecError("--method full drafts over the whole cache, so it needs a cheaper draft model: "
                                "--draft-weights int8|int4 or --draft-skip")
-        if self.draft_skip and cfg.sinks:
-            raise JaxspecError("--draft-skip is not supported for models with attention sinks (gpt-oss) yet")
         if self.draft_weights != "exact" and cfg.moe is not None:
             raise JaxspecError(f"--draft-weights {self.draft_weights} quantizes a dense model's layer matrices; "
                                "a mixture-of-experts model drafts with its exact weights")

@@ -42,6 +42,11 @@ def kept_layers(num_layers: int, skip: tuple[int, ...]) -> np.ndarray:
     return np.array([i for i in range(num_layers) if i not in set(skip)], np.int32)
 
 
+# Stacks the kernels read at the attended model layer (the cache's), not at the draft stack's entry:
+# a draft that skips layers keeps them whole (gpt-oss's sink logits [L, Hq]).
+MODEL_LAYER_STACKS = ("sinks",)
+
+
 def with_draft_weights(params: dict, kind: str, skip: tuple[int, ...] = (), shards: int = 1) -> dict:
     """`params` with the draft's layer stack under "draft_layers" (exact weights, no skipped layer:
     none, unchanged). Quantized matrices are made one layer at a time (no full float32 copy);
@@ -56,7 +61,7 @@ def with_draft_weights(params: dict, kind: str, skip: tuple[int, ...] = (), shar
         return params
     kept = kept_layers(num_layers, skip)
     copied = [name for name in layers if kind == "exact" or name not in DRAFT_MATRICES]
-    draft = {name: layers[name][kept] for name in copied} if skip else {}
+    draft = {name: layers[name] if name in MODEL_LAYER_STACKS else layers[name][kept] for name in copied} if skip else {}
     if kind == "exact":
         return {**params, "draft_layers": draft}
     for name in DRAFT_MATRICES:
