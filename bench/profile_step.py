@@ -15,10 +15,11 @@ the optimized HLO: `--xla_dump_to` to read them). `--sequence N` keeps the first
 first profiled call in launch order (name, us): one layer's chain of kernels, to see what to fuse.
 `--live N,...` also times the iteration with only the first N rows unfinished (a static batch's
 tail: finished rows stay in the batch until its last row is done). `--balance B` runs the sparse
-drafters with a shared budget over rows that drafted unevenly well (`skewed`). Random bf16 weights (timing only;
-the largest shapes, e.g. Qwen3-30B-A3B at 4 x 128K, need XLA_PYTHON_CLIENT_MEM_FRACTION=0.97: JAX takes 75% of the GPU by default). `--sampling
-sample` runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes
-DIR/NAME.json; prints a summary table last.
+drafters with a shared budget over rows that drafted unevenly well (`skewed`). Random bf16 weights
+(timing only; the largest shapes, e.g. Qwen3-30B-A3B at 4 x 128K, need
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.97: JAX takes 75% of the GPU by default). `--sampling sample`
+runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes DIR/NAME.json;
+prints a summary table last.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ the weights and the KV cache (no replicated full matrices); a `--tp` that does n
 is a one-line error.
 
 Random float32 models (a Qwen3 with 8 query / 4 KV heads, an NSA-Llama with 8 / 2, a Qwen3-MoE with
-8 / 4 and a gpt-oss with 8 / 2, its experts also in MXFP4: test_moe_model's and test_gpt_oss's with fewer layers) and SmolLM2
-(9 / 3 heads: it divides only by 3) with a real-text prompt.
+8 / 4 and a gpt-oss with 8 / 2, its experts also in MXFP4: test_moe_model's and test_gpt_oss's with
+fewer layers) and SmolLM2 (9 / 3 heads: it divides only by 3) with a real-text prompt.
 """
 
 from __future__ import annotations

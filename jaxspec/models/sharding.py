@@ -11,9 +11,10 @@ KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices 
 [L, Hq] split with them). norms are replicated. Mixture-of-experts models split every expert's
 columns as the dense MLP's (`jaxspec.models.moe`): moe_gate_up and its bias in the TP layout
 [gate_s | up_s] of each expert, moe_down by rows (packed MXFP4 stacks too, their bytes and scales
-alike); the router is replicated, so every device routes identically. A bias added after a row-split product is replicated and counted once: gpt-oss's o
-bias goes into the replicated stream before the all-reduce's residual add, the experts' down bias
-into shard 0's share of the sum (`first_shard_only`).
+alike); the router is replicated, so every device routes identically. A bias added after a
+row-split product is replicated and counted once: gpt-oss's o bias goes into the replicated stream
+before the all-reduce's residual add, the experts' down bias into shard 0's share of the sum
+(`first_shard_only`).
 
 Execution. A program (`Parallel`) runs under `shard_map`, each device on one shard's view of the
 model (`local_config`: its heads and MLP or expert columns; the vocabulary keeps the model's size).
