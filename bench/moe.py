@@ -1,19 +1,18 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
-    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--scaled-dot] [--out DIR] [--tiny]
+    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
 experts, 4 routed a row), and T rows with random routing, it times three implementations as the
 decoder's layer scan would call them, at a traced layer of the stacks: the kernel's two forms (row
 blocks through the matrix unit; one row at a time in registers; `rule` names the one the kernel picks
-at T) and the reference (lax.ragged_dot; MXFP4 dequantized first). `--scaled-dot` runs the MXFP4 row
-blocks through Triton's scaled dot (`moe.SCALED_DOT`). The floor is the routed experts' bytes (MXFP4:
+at T) and the reference (lax.ragged_dot; MXFP4 dequantized first). The floor is the routed experts' bytes (MXFP4:
 packed bytes and scales): the distinct experts hit times one expert's bytes, over the copy bandwidth
 measured in the same run. Each timed call is one of REPEATS in a scan, each with its own routing and
 alternating between the two layers of the stacks, so no call finds its experts in L2. Both kernel
 forms' outputs are checked against the reference first (`max_rel_err`). Writes DIR/moe.json (mxfp4:
-moe_mxfp4.json; --scaled-dot: moe_mxfp4_scaled_dot.json; --tiny: moe_tiny.json / moe_mxfp4_tiny.json,
+moe_mxfp4.json; --tiny: moe_tiny.json / moe_mxfp4_tiny.json,
 small shapes on the CPU, the kernel in interpret mode: a smoke test of this script) and prints a table
 last.
 """
@@ -29,7 +28,6 @@ from jax import lax
 
 from bench import common
 import pallas_kernels as kernels
-from pallas_kernels import moe
 from pallas_kernels.moe import MXFP4, moe_experts_pallas, takes_one_row
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
@@ -109,17 +107,13 @@ def main():
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
-    p.add_argument("--scaled-dot", action="store_true",
-                   help="MXFP4 row blocks through Triton's scaled dot (pallas_kernels.moe.SCALED_DOT)")
     args = p.parse_args()
-    moe.SCALED_DOT = args.scaled_dot
     shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
     result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
                                   "rates": common.measure_rates(args.tiny), "rows": []}
     stacks = random_stacks(args.format, shape)
-    name = "moe" + ("_mxfp4" if args.format == "mxfp4" else "") + ("_scaled_dot" if args.scaled_dot else "") + (
-        "_tiny" if args.tiny else "")
+    name = "moe" + ("_mxfp4" if args.format == "mxfp4" else "") + ("_tiny" if args.tiny else "")
     path = args.out / f"{name}.json"
     for T in rows:
         result["rows"].append(time_rows(T, shape, repeats, stacks, result["rates"]["copy_GBps"]))

@@ -4,7 +4,7 @@
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
-        [--head-contexts full,selected] [--experts bf16|mxfp4 [--scaled-dot]]
+        [--head-contexts full,selected] [--experts bf16|mxfp4]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -40,7 +40,6 @@ from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder, draft_weights
 from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, takes_draft_model
-from pallas_kernels import moe
 from pallas_kernels.verify_attention import METRICS
 
 CALLS = 4  # profiled calls per stage (after one warm-up call)
@@ -150,8 +149,6 @@ def main():
     p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
                    help="an MoE model's expert stacks: the config's dtype, or packed MXFP4 (random codes)")
-    p.add_argument("--scaled-dot", action="store_true",
-                   help="MXFP4 experts' bf16 row blocks through Triton's scaled dot (pallas_kernels.moe.SCALED_DOT)")
     p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
     p.add_argument("--draft-weights", default="exact", type=lambda s: s.split(","),
                    help="the draft weights of each model drafter: exact,int8,int4")
@@ -195,7 +192,6 @@ def main():
     params = decoder.init_params(cfg, jax.random.key(0))
     if args.experts == "mxfp4":
         params = common.with_mxfp4_experts(params)
-    moe.SCALED_DOT = args.scaled_dot
     max_len, slots, k_max = common.random_lengths(context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}

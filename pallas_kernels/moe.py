@@ -51,11 +51,14 @@ from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, matmul_pr
 ACTIVATIONS = ("silu", "gpt_oss")
 GPT_OSS_LIMIT = 7.0  # gpt-oss's clamp of the gate (above) and the up projection (both sides)
 GPT_OSS_ALPHA = 1.702  # gpt-oss's sigmoid slope
-# Rows of the weights per loop step: a divisor of D or F, BLOCK_K or more so that a step's weight tile
-# keeps STEP_ELEMENTS (a 64 x 64 tile's) however narrow the column block (a first choice, for
-# bench/moe.py to tune).
+# Rows of the weights per loop step: a power of two, BLOCK_K or more, so that a step's weight tile holds
+# STEP_ELEMENTS (a 64 x 64 tile's) however narrow the column block, PACKED_STEP_ELEMENTS for MXFP4
+# stacks (a 4 KB tile: on an H200 at gpt-oss-20b's shapes 5-15% faster at 8-128 rows than 2 KB or
+# 8 KB, bench/NOTES.md). Where the step does not divide K (gpt-oss's 2880 = 45 x 64) the last weights
+# take static steps of smaller powers of two (`k_steps`).
 BLOCK_K = 64
 STEP_ELEMENTS = 64 * 64
+PACKED_STEP_ELEMENTS = 128 * 64
 GATE_UP_COLUMNS = 64  # the first call's columns per program, of the gate and of the up half each
 DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
 MAX_ROWS = 64  # rows per row block: an expert's further rows take further blocks, re-reading its tile
@@ -68,8 +71,9 @@ MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # (4K-16K tried: equal).
 ROW_STEP_ELEMENTS = 8192
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `decode`
-# in registers. Off until measured on the GPU (bench/moe.py --scaled-dot times and checks it).
-SCALED_DOT = False
+# in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 9-22% faster at 8-128
+# rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
+SCALED_DOT = True
 
 
 @jax.tree_util.register_dataclass
@@ -236,9 +240,34 @@ def column_block(N: int, widest: int, slots: int) -> int:
     return block
 
 
-def step_rows(K: int, columns: int) -> int:
-    """Rows of the weights per loop step over K for a `columns`-wide block (BLOCK_K, STEP_ELEMENTS)."""
-    return divisor(K, max(BLOCK_K, STEP_ELEMENTS // columns))
+def step_rows(K: int, columns: int, packed: bool) -> int:
+    """Weights of K per loop step for a `columns`-wide block (BLOCK_K, STEP_ELEMENTS): a power of two."""
+    floor_pow2 = lambda n: 1 << (n.bit_length() - 1)
+    widest = (PACKED_STEP_ELEMENTS if packed else STEP_ELEMENTS) // columns
+    return min(max(BLOCK_K, floor_pow2(widest)), floor_pow2(K))
+
+
+def k_steps(K: int, bk: int) -> tuple[int, list[tuple[int, int]]]:
+    """(full, tail): `full` loop steps of bk weights of K, then static (start, size) steps of smaller
+    powers of two over the rest (each a multiple of 16, and of 32 for MXFP4, as K is)."""
+    full, tail, size = K // bk, [], bk
+    start = full * bk
+    while start < K:
+        while size > K - start:
+            size //= 2
+        tail.append((start, size))
+        start += size
+    return full, tail
+
+
+def _over_k(step, acc, K: int, bk: int):
+    """Inside a kernel: acc through step(acc, k0, size) over K: a loop of bk-weight steps, then `k_steps`'
+    static tail."""
+    full, tail = k_steps(K, bk)
+    acc = lax.fori_loop(0, full, lambda i, acc: step(acc, i * bk, bk), acc)
+    for start, size in tail:
+        acc = step(acc, start, size)
+    return acc
 
 
 def _slot_rows(slots_ref, bm: int, body):
@@ -257,7 +286,7 @@ def _slot_rows(slots_ref, bm: int, body):
         lax.fori_loop(0, (hi - lo + bm - 1) // bm, block, 0)
 
 
-def _product(acc, load_x, w_refs, layer, e, k0: int, bk: int, cols):
+def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
     """Inside a kernel: float32 acc [rows, columns] + x's columns [k0, k0 + bk) (load_x(slice), in x's
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
     MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
@@ -338,12 +367,12 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
         tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
         load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
 
-        def step(i, acc):
-            return (_product(acc[0], load_x, w_refs, layer, e, i * bk, bk, gate),
-                    _product(acc[1], load_x, w_refs, layer, e, i * bk, bk, up))
+        def step(acc, k0, size):
+            return (_product(acc[0], load_x, w_refs, layer, e, k0, size, gate),
+                    _product(acc[1], load_x, w_refs, layer, e, k0, size, up))
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
-        g, u = lax.fori_loop(0, x_ref.shape[1] // bk, step, (zeros, zeros))
+        g, u = _over_k(step, (zeros, zeros), x_ref.shape[1], bk)
         if biased:
             g, u = g + bias(gate)[None, :], u + bias(up)[None, :]
         a = activate(g, u, activation)
@@ -365,8 +394,8 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
 
     def rows(start, real):
         load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
-        step = lambda i, acc: _product(acc, load_a, w_refs, layer, e, i * bk, bk, cols)
-        y = lax.fori_loop(0, a_ref.shape[1] // bk, step, jnp.zeros((bm, bd), jnp.float32))
+        step = lambda acc, k0, size: _product(acc, load_a, w_refs, layer, e, k0, size, cols)
+        y = _over_k(step, jnp.zeros((bm, bd), jnp.float32), a_ref.shape[1], bk)
         if biased:
             y = y + bias()[None, :]
         plgpu.store(y_ref.at[pl.ds(start, bm), cols], y, mask=real[:, None])
@@ -418,12 +447,12 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     call = functools.partial(_slot_call, params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                              interpret=interpret)
     bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
-    step = row_step if one_row else step_rows
-    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step(D, bf), bf=bf, activation=activation,
+    step = (lambda K, columns, packed: row_step(K, columns)) if one_row else step_rows
+    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step(D, bf, gate_up_packed), bf=bf, activation=activation,
                                packed=gate_up_packed, biased=b_gate_up is not None, one_row=one_row),
              "moe_gate_up", (S, F // bf), jax.ShapeDtypeStruct((N + bm, F), x.dtype),
              [layer, slots, tokens, x], w_gate_up, b_gate_up)
-    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F, bd), bd=bd, packed=down_packed,
+    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F, bd, down_packed), bd=bd, packed=down_packed,
                                biased=b_down is not None, one_row=one_row),
              "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
              [layer, slots, a], w_down, b_down)

@@ -15,7 +15,7 @@ import pallas_kernels
 from pallas_kernels import moe
 from pallas_kernels.moe import MXFP4, dequantize, moe_experts_pallas
 
-L, LAYER, E, K, D, F = 3, 1, 8, 2, 96, 48  # D: three 32-row steps; F: three 16-column blocks
+L, LAYER, E, K, D, F = 3, 1, 8, 2, 96, 48  # D: a 64-row loop step and a 32-row tail step; F: three 16-column blocks
 
 
 def make_inputs(seed: int, T: int, dtype, biased: bool, experts=range(E)):
@@ -155,3 +155,10 @@ def test_moe_kernel_never_reads_unrouted_mxfp4_experts(T):
         poisoned = run(implementation, (x, ids, weights, poison(w_gate_up), poison(w_down), *biases), "gpt_oss")
         assert np.isfinite(poisoned).all(), f"{implementation} T={T}: read an unrouted expert or another layer"
         np.testing.assert_array_equal(poisoned, clean, err_msg=f"{implementation} T={T}: poisoned scales changed the output")
+
+
+def test_k_steps_cover_k_in_powers_of_two():
+    """A loop step that does not divide K (gpt-oss's 2880) leaves static tail steps that end at K."""
+    assert moe.k_steps(2880, 256) == (11, [(2816, 64)])
+    assert moe.k_steps(2880, 512) == (5, [(2560, 256), (2816, 64)])
+    assert moe.k_steps(96, 64) == (1, [(64, 32)]) and moe.k_steps(2048, 64) == (32, [])
