@@ -116,35 +116,36 @@ def test_buckets_and_nearest_lookup():
     assert tables.lookup(t, 1, "greedy", 900)[0] == 1024
     assert tables.lookup(t, 1, "greedy", 3000)[0] == 8192  # 4096 is one doubling from 8192, two from 1024
     assert tables.lookup(t, 1, "greedy", 1500)[0] == 1024
-    bucket, predictions = tables.lookup(t, 6, "sample", 70000)  # nearest batch (8), the other sampling mode
+    bucket, predictions = tables.lookup(t, 6, "sample", 12000)  # nearest batch (8), the other sampling mode
     assert bucket == 8192 and predictions[0].tokens_per_s == 808 * 6 / 8  # its rate per row, for 6 rows
     assert (predictions[0].spread, predictions[0].iteration_s) == (6 / 8, 8 / 808)
     assert tables.lookup(t, 32, "greedy", 1000) == (1024, [])  # batch 8 is 4x away: another regime, the cost model's
+    assert tables.lookup(t, 8, "greedy", 40000) == (65536, [])  # so is a bucket 8x past the nearest profiled one
     # the tail: the cell's closed-batch tokens per iteration (its tokens/s times its iteration time,
     # per row of the cell) over its mean row's
     assert predictions[0].tail == pytest.approx(1.0)
     t["cells"][3]["ranked"][0]["iteration_s"] *= 0.6  # 8 rows at 808 tok/s gain 0.6 tokens a row iteration
-    assert tables.lookup(t, 6, "sample", 70000)[1][0].tail == pytest.approx(0.6)
+    assert tables.lookup(t, 6, "sample", 12000)[1][0].tail == pytest.approx(0.6)
     # a run 4x the cell's length: a model drafter's slowest-row excess halves (1 / sqrt of the
     # tokens), its rate with it; ngram's (its rows differ for good) and plain's stay
     cell = t["cells"][3]
     cell["new_tokens"], cell["ranked"] = 256, [entry(PLAIN, 808, 1, 8), entry(VEGAS, 1600, 5, 8), entry(NGRAM, 1200, 2, 8)]
     for e in cell["ranked"][1:]:
         e["iteration_s"] *= 0.6  # tails of 0.6: excess 2/3 over 256 tokens, 1/3 over 1,024
-    by = {p.strategy: p for p in tables.lookup(t, 8, "sample", 70000, new_tokens=1024)[1]}
+    by = {p.strategy: p for p in tables.lookup(t, 8, "sample", 12000, new_tokens=1024)[1]}
     assert (by[VEGAS].tail, by[VEGAS].tokens_per_s) == (pytest.approx(0.75), pytest.approx(1600 * 0.75 / 0.6))
     assert (by[NGRAM].tail, by[NGRAM].tokens_per_s) == (pytest.approx(0.6), pytest.approx(1200))
     assert (by[PLAIN].tail, by[PLAIN].tokens_per_s) == (pytest.approx(1.0), pytest.approx(808))
     assert by[VEGAS].tokens_per_iteration == 5 and by[VEGAS].iteration_s == pytest.approx(8 * 5 / 1600 * 0.6)
-    assert tables.lookup(t, 8, "sample", 70000, new_tokens=256)[1][0].tokens_per_s == pytest.approx(1600)
+    assert tables.lookup(t, 8, "sample", 12000, new_tokens=256)[1][0].tokens_per_s == pytest.approx(1600)
     # a cell measured over another run length is another cell: the run takes the nearest length by
     # ratio (without one, the shortest), and scales its tails from there
     longer = [entry(PLAIN, 800, 1, 8), entry(VEGAS, 1500, 5, 8), entry(SHARED, 1700, 9, 8)]
     tables.set_cell(t, 8, "greedy", 8192, "strict", longer, new_tokens=1024)
     assert len(t["cells"]) == 5 and t["cells"][3]["new_tokens"] == 256
-    firsts = {n: tables.lookup(t, 8, "sample", 70000, new_tokens=n)[1][0].strategy for n in (256, 500, 600, 4096, None)}
+    firsts = {n: tables.lookup(t, 8, "sample", 12000, new_tokens=n)[1][0].strategy for n in (256, 500, 600, 4096, None)}
     assert firsts == {256: VEGAS, 500: VEGAS, 600: SHARED, 4096: SHARED, None: VEGAS}
-    assert tables.lookup(t, 8, "sample", 70000, new_tokens=1024)[1][0].tokens_per_s == pytest.approx(1700)
+    assert tables.lookup(t, 8, "sample", 12000, new_tokens=1024)[1][0].tokens_per_s == pytest.approx(1700)
     tables.set_cell(t, 8, "greedy", 8192, "strict", longer[:2], new_tokens=1024)  # the same length: replaced
     assert len(t["cells"]) == 5 and len(t["cells"][-1]["ranked"]) == 2
     # a prediction's weight is the iterations its cell measured: the cell's own new tokens, else the header's

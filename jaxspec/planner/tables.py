@@ -8,9 +8,10 @@ fingerprint and the device kind (`table_path`), and are found automatically.
 Context buckets: a run belongs to the smallest bucket (upper bound in tokens, BUCKETS) that holds its
 longest prompt plus its new tokens, i.e. the longest context it reaches; the profile measures each
 bucket at its top (prompts of bucket - new tokens). A table without that bucket answers from the
-nearest profiled one (by log distance), and from the nearest profiled batch size if it is within a
-factor of 2 of the run's (further away the regime differs, e.g. KV reads dominate at batch 16 and not
-at batch 1: the cost model answers instead). A cell's ngram entries measure what ngram could copy
+nearest profiled one (by log distance) and from the nearest profiled batch size, each if it is within
+a factor of 2 of the run's; further away the regime differs (KV reads dominate at batch 16 and not at
+batch 1; at batch 128 a 2K context's step is a third of an 8K one's, so vegas that paid at 8K loses
+at 2K: bench/NOTES.md, "auto at batch 128"), and the cost model answers instead. A cell's ngram entries measure what ngram could copy
 from those prompts, so a run with a much shorter prompt does not use them (PROMPT_SHARE); nor does
 it use eagle's, which measure the head on those prompts' kind of text. An eagle entry records the
 draft head it measured (`loaders.eagle.head_fingerprint`): it answers only for runs with that head.
@@ -157,11 +158,10 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     the entries of every allowed precision class, less ngram's and eagle's where the run's prompt is
     under PROMPT_SHARE of the cell's calibration prompts, and less eagle's but those measured with the
     run's draft head (`head`: its `loaders.eagle.head_fingerprint`, which an eagle entry records).
-    Empty when no cell has an allowed class, or when the nearest profiled batch is more than a factor
-    of 2 from `batch`. A cell of another
-    batch answers at its rate per row (tokens/s and spread scaled by batch / its batch): the
-    refinement compares these rates with what the run's own rows do, and the choice between them is
-    the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
+    Empty when no cell has an allowed class, or when the nearest profiled batch or bucket is more than
+    a factor of 2 from the run's. A cell of another batch answers at its rate per row (tokens/s and
+    spread scaled by batch / its batch): the refinement compares these rates with what the run's own
+    rows do, and the choice between them is the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
     those of a run that long (`run_tail`)."""
     mismatched = lambda e: e["strategy"]["method"] == "eagle" and e.get("head") != head  # another head's acceptance
     cells = [c for c in table["cells"] if c["precision"] in precisions]
@@ -173,8 +173,10 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     if max(b, batch) > 2 * min(b, batch):
         return bucket_of(context), []
     cells = [c for c in cells if c["batch"] == b]
-    bucket = bucket_of(context)
-    bucket = nearest(bucket, {c["bucket"] for c in cells})
+    bucket = nearest(bucket_of(context), {c["bucket"] for c in cells})
+    ours, theirs = bucket_of(context), bucket_of(bucket)  # on BUCKETS' scale (a profile may name its own)
+    if max(ours, theirs) > 2 * min(ours, theirs):
+        return ours, []
     cells = [c for c in cells if c["bucket"] == bucket]
     measured = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
     far = lambda n: abs(math.log(max(n, 1) / new_tokens)) if new_tokens else n
