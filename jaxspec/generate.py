@@ -175,7 +175,7 @@ def load(args, spec: SpecConfig):
 
     mesh = sharding.make_mesh(args.tp) if args.tp != 1 else None
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype, mesh=mesh)
-    params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+    params = with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh, cfg.expert_parallel)
     if spec.eagle is not None:
         params = with_head(params, args, cfg, mesh)
     return cfg, params, tokenizer, mesh
@@ -199,7 +199,7 @@ def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner
     plan = planner.make_plan(cfg, planner.tree_bytes(params), precisions=planner.allowed_precisions(args.precision),
                              table=args.planner_table, min_tokens=args.min_tokens, head=head,
                              head_id=head and head_fingerprint(head_path(args)), **run)
-    params = with_draft_model(params, plan.draft_weights, (), mesh)
+    params = with_draft_model(params, plan.draft_weights, (), mesh, cfg.expert_parallel)
     if plan.first.method == "eagle":
         spec, params = dataclasses.replace(spec, eagle=head), with_head(params, args, cfg, mesh)
     return plan, spec, params
@@ -217,11 +217,12 @@ def check_draft(args, spec: SpecConfig, precision: str | None = None) -> SpecCon
     return spec
 
 
-def with_draft_model(params, kind: str, skip: tuple[int, ...], mesh) -> dict:
-    """`draft_weights.with_draft_weights`, the copies split as the params are (`mesh`: tensor parallel)."""
+def with_draft_model(params, kind: str, skip: tuple[int, ...], mesh, experts: bool = False) -> dict:
+    """`draft_weights.with_draft_weights`, the copies split as the params are (`mesh`: tensor parallel;
+    `experts`: `ModelConfig.expert_parallel`)."""
     if mesh is None:
         return draft_weights.with_draft_weights(params, kind, skip)
-    return sharding.place(draft_weights.with_draft_weights(params, kind, skip, shards=mesh.size), mesh)
+    return sharding.place(draft_weights.with_draft_weights(params, kind, skip, shards=mesh.size), mesh, experts)
 
 
 def announce_precision(args) -> None:

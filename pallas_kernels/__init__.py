@@ -101,7 +101,8 @@ def row_matmul_reads_exact(values, rows: int, backend: str) -> bool:
 def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None, b_down=None,
                 activation: str = "silu", backend: str = "reference"):
     """float32 [T, D]: a mixture-of-experts layer's routed experts for rows x [T, D], each row through
-    its experts expert_ids [T, k] (distinct within a row) weighted by expert_weights [T, k] and summed
+    its experts expert_ids [T, k] (distinct within a row; -1 drops an assignment: another device's
+    expert under expert parallelism) weighted by expert_weights [T, k] and summed
     (pallas_kernels/moe.py defines the products and the activations, "silu" or "gpt_oss"). The stacks
     w_gate_up [L, E, D, 2F] (gate columns, then up), w_down [L, E, F, D] and the optional biases
     b_gate_up [L, E, 2F], b_down [L, E, D] are read in place at `layer`; either stack may be an

@@ -176,22 +176,24 @@ def activate(gate, up, activation: str):
 def _route(expert_ids, num_experts: int):
     """(order [T*k]: the assignments t*k + j sorted by expert, stable; position [T*k]: where each
     assignment sits in that order; sizes [E]: rows per expert), from a one-hot of the assignments in a
-    few fused XLA kernels (a sort is several launches, and decode steps route a handful of rows)."""
-    flat = expert_ids.reshape(-1)
-    onehot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)).astype(jnp.int32)  # [T*k, E]
+    few fused XLA kernels (a sort is several launches, and decode steps route a handful of rows).
+    Dropped assignments (id -1: `moe_experts_pallas`) sort last, counted in no expert's size."""
+    flat = jnp.where(expert_ids < 0, num_experts, expert_ids).reshape(-1)  # dropped: a last, virtual expert
+    onehot = (flat[:, None] == jnp.arange(num_experts + 1, dtype=jnp.int32)).astype(jnp.int32)  # [T*k, E + 1]
     sizes = onehot.sum(axis=0)
     before = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), flat[:, None], axis=1)[:, 0] - 1  # same expert, earlier
     position = (jnp.cumsum(sizes) - sizes)[flat] + before
     order = jnp.zeros_like(flat).at[position].set(jnp.arange(flat.size, dtype=jnp.int32))
-    return order, position, sizes
+    return order, position, sizes[:num_experts]
 
 
-def _combine(y, position, expert_weights):
+def _combine(y, position, expert_ids, expert_weights):
     """float32 [T, D]: each token's k expert outputs (rows of y [>= T*k, D] in sorted order) weighted
-    and summed; a gather of each token's rows rather than a scatter-add, so the sum's order is fixed."""
+    and summed, dropped assignments' rows (never written) as zeros; a gather of each token's rows
+    rather than a scatter-add, so the sum's order is fixed."""
     T, k = expert_weights.shape
-    return jnp.einsum("tkd,tk->td", y[position].reshape(T, k, -1), expert_weights,
-                      precision=lax.Precision.HIGHEST)
+    rows = jnp.where((expert_ids >= 0)[..., None], y[position].reshape(T, k, -1), 0.0)
+    return jnp.einsum("tkd,tk->td", rows, expert_weights, precision=lax.Precision.HIGHEST)
 
 
 def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
@@ -201,7 +203,7 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, laye
     float32 [T, D]."""
     k = expert_ids.shape[1]
     order, position, sizes = _route(expert_ids, w_gate_up.shape[1])
-    expert = expert_ids.reshape(-1)[order]
+    expert = jnp.maximum(expert_ids.reshape(-1)[order], 0)  # dropped rows, past the groups: any bias, unused
     product = functools.partial(lax.ragged_dot, group_sizes=sizes, precision=matmul_precision(x.dtype),
                                 preferred_element_type=jnp.float32)
     at_layer = lambda w: dequantize(jax.tree.map(lambda a: a[layer], w)) if isinstance(w, MXFP4) else w[layer]
@@ -213,7 +215,7 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, laye
     y = product(a, at_layer(w_down).astype(x.dtype))
     if b_down is not None:
         y = y + b_down[layer, expert].astype(jnp.float32)
-    return _combine(y, position, expert_weights)
+    return _combine(y, position, expert_ids, expert_weights)
 
 
 def supported(w_gate_up, w_down) -> bool:
@@ -435,7 +437,8 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     N, S = T * k, min(E, T * k)
     if T == 1:  # a decode step: its k experts are distinct, each its own slot (no routing kernels)
         order = position = jnp.arange(k, dtype=jnp.int32)
-        slots = jnp.stack([expert_ids[0].astype(jnp.int32), order, order + 1])
+        mine = expert_ids[0] >= 0  # a dropped expert's slot is empty
+        slots = jnp.stack([jnp.maximum(expert_ids[0], 0).astype(jnp.int32), order, order + mine])
     else:
         order, position, sizes = _route(expert_ids, E)
         slots = _slots(sizes, S)
@@ -456,4 +459,4 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
                                biased=b_down is not None, one_row=one_row),
              "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
              [layer, slots, a], w_down, b_down)
-    return _combine(y, position, expert_weights)
+    return _combine(y, position, expert_ids, expert_weights)

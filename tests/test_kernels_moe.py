@@ -162,3 +162,25 @@ def test_k_steps_cover_k_in_powers_of_two():
     assert moe.k_steps(2880, 256) == (11, [(2816, 64)])
     assert moe.k_steps(2880, 512) == (5, [(2560, 256), (2816, 64)])
     assert moe.k_steps(96, 64) == (1, [(64, 32)]) and moe.k_steps(2048, 64) == (32, [])
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_dropped_assignments_add_nothing(T):
+    """An assignment with id -1 (another device's expert) is left out: the output equals the float64
+    loop over the kept assignments alone, and the kernel never reads a dropped expert's stacks
+    (poisoned; XLA's grouped product, the reference, multiplies every expert, so it gets them clean)."""
+    inputs = make_inputs(300 + T, T, jnp.float32, True)
+    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
+    dropped = jnp.asarray(np.random.default_rng(T).random(ids.shape) < 0.4)
+    kept_ids = jnp.where(dropped, -1, ids)
+    want = loop_float64(x, ids, jnp.where(dropped, 0.0, weights), w_gate_up, w_down, b_gate_up, b_down, "gpt_oss")
+    kept = np.zeros((L, E), bool)
+    kept[LAYER, np.unique(np.asarray(ids)[~np.asarray(dropped)])] = True
+    poison = lambda a: jnp.where(kept.reshape(L, E, *[1] * (a.ndim - 2)), a, jnp.nan)
+    for implementation in IMPLEMENTATIONS:
+        stacks = (w_gate_up, w_down, b_gate_up, b_down)
+        stacks = stacks if implementation == "reference" else tuple(map(poison, stacks))
+        got = run(implementation, (x, kept_ids, weights, *stacks), "gpt_oss")
+        assert np.isfinite(got).all(), f"{implementation} T={T}: read a dropped expert (NaN out)"
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 1e-5, f"{implementation} T={T}: max error {err:.2e} with dropped assignments"

@@ -5,8 +5,8 @@ the weights and the KV cache (no replicated full matrices); a `--tp` that does n
 is a one-line error.
 
 Random float32 models (a Qwen3 with 8 query / 4 KV heads, an NSA-Llama with 8 / 2, a Qwen3-MoE with
-8 / 4 and a gpt-oss with 8 / 2, its experts also in MXFP4: test_moe_model's and test_gpt_oss's with
-fewer layers) and SmolLM2 (9 / 3 heads: it divides only by 3) with a real-text prompt.
+8 / 4 and a gpt-oss with 8 / 2, its experts also in MXFP4 and also split whole across devices:
+test_moe_model's and test_gpt_oss's with fewer layers) and SmolLM2 (9 / 3 heads: it divides only by 3) with a real-text prompt.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ class Model:
         if key not in self.outputs:
             mesh = sharding.make_mesh(tp) if tp > 1 else None
             params = self.params if mesh is None else sharding.shard_params(self.params, self.cfg, mesh)
-            params = generate_cli.with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh)
+            params = generate_cli.with_draft_model(params, spec.draft_weights, spec.draft_skip, mesh,
+                                                   self.cfg.expert_parallel)
             max_len = int(self.batch.lengths.max()) + self.max_new
             run = run_generation(params, self.cfg, self.batch, spec=spec, sampling=sampling, max_len=max_len,
                                  max_new_tokens=self.max_new, stop_ids=(), seed=3, mesh=mesh)
@@ -269,6 +270,53 @@ def test_moe_device_holds_only_its_shard(gpt_oss):
     for s, block in enumerate(blocks):
         want = np.concatenate([standard[..., s * f:(s + 1) * f], standard[..., F + s * f:F + (s + 1) * f]], axis=-1)
         np.testing.assert_array_equal(np.asarray(block.data), want)
+
+
+@pytest.mark.parametrize("packed, spec_", [(True, spec("plain")), (False, spec("vegas")),
+                                            pytest.param(True, spec("vegas", tree=(2, 1)), marks=slow)])
+def test_expert_parallel_greedy_tokens_equal_one_device(gpt_oss, gpt_oss_mxfp4, packed, spec_):
+    """Whole experts split across devices (`ModelConfig.expert_parallel`, forced here at tp 2): each
+    device computes its experts' share of every row, biases included, and the all-reduce sums them."""
+    devices_needed(2)
+    model = gpt_oss_mxfp4 if packed else gpt_oss
+    experts = Model(model.cfg.replace(expert_parallel=True), model.params, model.batch, model.max_new)
+    assert experts.generate(spec_, 2) == model.generate(spec_, 1)
+
+
+def test_expert_parallel_device_holds_only_its_experts(gpt_oss_mxfp4):
+    """Split by experts, a device holds E / tp whole experts (bytes and scales, biases), in order; the
+    split is chosen only where columns would cut a scale group."""
+    devices_needed(2)
+    cfg, tp = GPT_OSS.replace(expert_parallel=True), 2
+    params = sharding.shard_params(gpt_oss_mxfp4.params, cfg, sharding.make_mesh(tp))
+    L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.moe.num_experts, cfg.moe.expert_size
+    shard = lambda w: jax.tree.map(lambda a: a.sharding.shard_shape(a.shape), w)
+    assert shard(params["layers"]["moe_gate_up"]) == MXFP4((L, E // tp, 2 * F, D // 2), (L, E // tp, 2 * F, D // 32))
+    assert shard(params["layers"]["moe_down_bias"]) == (L, E // tp, D)
+    whole = np.asarray(gpt_oss_mxfp4.params["layers"]["moe_down"].scales)
+    parts = sorted(params["layers"]["moe_down"].scales.addressable_shards, key=lambda b: b.index[1].start)
+    for s, block in enumerate(parts):
+        np.testing.assert_array_equal(np.asarray(block.data), whole[:, s * E // tp:(s + 1) * E // tp])
+    assert [sharding.splits_experts(GPT_OSS, packed, tp) for packed, tp in ((True, 4), (True, 2), (False, 4))] == [
+        True, False, False]  # 64 columns over 4 devices: 16, not whole 32-value groups
+
+
+def test_loaders_split_whole_experts_when_chosen(hf_checkpoints, tmp_path, monkeypatch):
+    """`load_model` over a mesh asks `splits_experts` (here made to say yes) and loads an HF checkpoint
+    and its orbax conversion with whole experts on each device, the config saying so."""
+    devices_needed(2)
+    from jaxspec.convert import convert
+    from jaxspec.loaders import load_model
+
+    monkeypatch.setattr(sharding, "splits_experts", lambda cfg, packed, tp: True)
+    convert(str(hf_checkpoints["gpt_oss"]), tmp_path / "ckpt", "float32")
+    for source in (str(hf_checkpoints["gpt_oss"]), str(tmp_path / "ckpt")):
+        cfg, params, _ = load_model(source, "float32", mesh=sharding.make_mesh(2))
+        E = cfg.moe.num_experts
+        assert cfg.expert_parallel, source
+        for name in ("moe_gate_up", "moe_down", "moe_down_bias"):
+            leaf = params["layers"][name]
+            assert leaf.sharding.shard_shape(leaf.shape)[1] == E // 2, f"{source}: {name} not split by experts"
 
 
 def test_mxfp4_device_holds_only_its_shard(gpt_oss_mxfp4):

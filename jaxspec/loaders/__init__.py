@@ -21,6 +21,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import gguf, hf, orbax
 from jaxspec.models.decoder import Params
+from pallas_kernels.moe import has_packed
 from jaxspec.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +68,7 @@ def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> 
     if mesh is None:
         params = jax.device_put(params)
     else:
+        cfg = cfg.replace(expert_parallel=sharding.splits_experts(cfg, has_packed(params), mesh.size))
         sharding.check(cfg, mesh.size)
         params = sharding.shard_params(params, cfg, mesh)
     return cfg.replace(bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids), params, tokenizer

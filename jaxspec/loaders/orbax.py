@@ -81,7 +81,10 @@ def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig,
     (no device reads a full copy)."""
     saved = read_saved_config(path)
     shapes = param_shapes(saved)
-    for name in packed_stacks(path):
+    packed = packed_stacks(path)
+    if mesh is not None:
+        saved = saved.replace(expert_parallel=sharding.splits_experts(saved, bool(packed), mesh.size))
+    for name in packed:
         *lead, K, N = shapes["layers"][name]
         shapes["layers"][name] = MXFP4((*lead, N, K // 2), (*lead, N, K // MXFP4_GROUP))
     is_shape = lambda x: isinstance(x, tuple)
@@ -90,7 +93,7 @@ def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig,
     else:
         sharding.check(saved, mesh.size)
         empty = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), shapes, is_leaf=is_shape)
-        placement = jax.tree.map(lambda spec: NamedSharding(mesh, spec), sharding.param_specs(empty),
+        placement = jax.tree.map(lambda spec: NamedSharding(mesh, spec), sharding.param_specs(empty, saved.expert_parallel),
                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
     target = jax.tree.map(
         lambda shape, where: jax.ShapeDtypeStruct(shape, jnp.dtype(saved.dtype), sharding=where),

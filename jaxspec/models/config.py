@@ -185,6 +185,9 @@ class ModelConfig:
     # tensor parallelism: > 1 makes this one shard's view of the model (`models.sharding.local_config`:
     # its heads and MLP columns, the model's vocabulary size), run per device under shard_map
     tp: int = 1
+    # an MoE model under tensor parallelism: whole experts split across the devices, not every expert's
+    # columns (`models.sharding.splits_experts` decides)
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -13,10 +13,12 @@ Tensor parallelism (`jaxspec.models.sharding`) splits every expert's columns as 
 device holds the gate and up columns [gate_s | up_s] of every expert and the matching rows of its
 down matrix, so each device reads 1/tp of each routed expert at any row count, through the dense
 model's layout and its one all-reduce after the down product. The router is replicated: every
-device routes identically. Splitting whole experts across devices instead (each device the rows
-routed to its experts, an all-to-all or a masked sum) is the alternative, left unmeasured. Packed
-(MXFP4) experts split the same way, as bytes and scales, when each device's down rows are whole
-32-value scale groups (gpt-oss-20b: --tp 2).
+device routes identically. Packed (MXFP4) experts split the same way, as bytes and scales, when each
+device's down rows are whole 32-value scale groups (gpt-oss-20b: --tp 2). Where they are not
+(gpt-oss-20b at --tp 4), whole experts split across the devices instead (`ModelConfig.expert_parallel`):
+every device routes every row, keeps the assignments to its own experts (`sharding.local_experts`;
+the kernel drops the others) and adds their down biases, and the all-reduce sums the shares. Which
+split is faster on GPUs is not measured yet.
 """
 
 from __future__ import annotations
@@ -57,16 +59,19 @@ def route(moe: MoEConfig, h: jax.Array, router: jax.Array, router_bias: jax.Arra
 def experts(cfg: ModelConfig, h: jax.Array, layer: dict, stacks: dict, entry: jax.Array, backend: str) -> jax.Array:
     """The MoE layer's output float32 [B, T, D] for the normed stream h [B, T, D] (under tensor
     parallelism this device's share of it, summed by the caller's all-reduce): `layer` holds this
-    layer's router (a slice of the scan), `stacks` the experts' whole stacks, read at `entry`. Split
-    over devices, the routed down bias is a replicated term: shard 0 alone adds it, so the sum counts
-    it once and stays a float32 sum of the kernel's own terms (no change to the all-reduce)."""
+    layer's router (a slice of the scan), `stacks` the experts' whole stacks, read at `entry`. With
+    every expert's columns split over devices, the routed down bias is a replicated term: shard 0
+    alone adds it, so the sum counts it once and stays a float32 sum of the kernel's own terms (no
+    change to the all-reduce)."""
     B, T, D = h.shape
     ids, weights = route(cfg.moe, h, layer["router"], layer.get("router_bias"))
+    ids = sharding.local_experts(ids, stacks["moe_down"].shape[1], cfg)
     b_down = stacks.get("moe_down_bias")
+    whole = cfg.tp == 1 or cfg.expert_parallel  # each assignment's down bias added where it is computed
     out = kernels.moe_experts(h.reshape(B * T, D), ids, weights, stacks["moe_gate_up"], stacks["moe_down"], entry,
-                              b_gate_up=stacks.get("moe_gate_up_bias"), b_down=b_down if cfg.tp == 1 else None,
+                              b_gate_up=stacks.get("moe_gate_up_bias"), b_down=b_down if whole else None,
                               activation=cfg.moe.activation, backend=backend)
-    if b_down is not None and cfg.tp > 1:
+    if b_down is not None and not whole:
         bias = jnp.einsum("nkd,nk->nd", b_down[entry, ids].astype(jnp.float32), weights,
                           precision=jax.lax.Precision.HIGHEST)
         out = out + sharding.first_shard_only(bias, cfg)

@@ -11,7 +11,10 @@ KV heads [s Hkv/tp, ...), so grouped attention needs nothing from other devices 
 [L, Hq] split with them). norms are replicated. Mixture-of-experts models split every expert's
 columns as the dense MLP's (`jaxspec.models.moe`): moe_gate_up and its bias in the TP layout
 [gate_s | up_s] of each expert, moe_down by rows (packed MXFP4 stacks too, their bytes and scales
-alike); the router is replicated, so every device routes identically. A bias added after a
+alike); the router is replicated, so every device routes identically. Where packed experts' columns
+cannot split into whole scale groups (gpt-oss-20b at --tp 4), whole experts split instead
+(`splits_experts`, `ModelConfig.expert_parallel`): the expert stacks by their expert axis, each device
+computing its own experts' share of every row, summed by the same all-reduce. A bias added after a
 row-split product is replicated and counted once: gpt-oss's o bias goes into the replicated stream
 before the all-reduce's residual add, the experts' down bias into shard 0's share of the sum
 (`first_shard_only`).
@@ -49,13 +52,15 @@ AXIS = "tp"
 # split along the last axis (sinks [L, Hq]: by query head, each shard's heads in order)
 COLUMNS = ("wqkv", "bqkv", "w_gate_up", "moe_gate_up", "moe_gate_up_bias", "sinks", "lm_head", "draft_head")
 ROWS = ("wo", "w_down", "moe_down", "embed")  # split along the second-to-last axis (embed's rows: the vocabulary)
+EXPERTS = ("moe_gate_up", "moe_down", "moe_gate_up_bias", "moe_down_bias")  # [L, E, ...]: expert parallelism splits E
 
 
 # --- configuration ------------------------------------------------------------------------------------
 
 def check(cfg: ModelConfig, tp: int) -> None:
     """One-line errors for a `--tp` that does not divide the model."""
-    mlp = ("MLP columns", cfg.intermediate_size) if cfg.moe is None else ("expert columns", cfg.moe.expert_size)
+    mlp = (("MLP columns", cfg.intermediate_size) if cfg.moe is None else ("experts", cfg.moe.num_experts)
+           if cfg.expert_parallel else ("expert columns", cfg.moe.expert_size))
     counts = (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads), mlp,
               ("vocabulary entries", cfg.vocab_size))
     for name, n in counts:
@@ -74,10 +79,18 @@ def make_mesh(tp: int) -> Mesh:
 
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """One shard's view of the model: its query heads, KV heads and MLP (or every expert's) columns
-    (`cfg.tp` = tp)."""
-    mlp = (dict(intermediate_size=cfg.intermediate_size // tp) if cfg.moe is None
+    (`cfg.tp` = tp); under expert parallelism whole experts (the router still routes to all of them)."""
+    mlp = (dict(intermediate_size=cfg.intermediate_size // tp) if cfg.moe is None else {} if cfg.expert_parallel
            else dict(moe=dataclasses.replace(cfg.moe, expert_size=cfg.moe.expert_size // tp)))
     return cfg.replace(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp, tp=tp, **mlp)
+
+
+def splits_experts(cfg: ModelConfig, packed: bool, tp: int) -> bool:
+    """Whether `tp` devices split whole experts rather than every expert's columns: only where the
+    columns cannot split, i.e. MXFP4 experts whose down rows a device would hold are not whole
+    32-value scale groups (gpt-oss-20b's 2880 columns at --tp 4). Column splits read 1/tp of each
+    routed expert on every device, an even load at any row count."""
+    return cfg.moe is not None and tp > 1 and packed and (cfg.moe.expert_size // tp) % MXFP4_GROUP != 0
 
 
 # --- collectives the decoder calls (no-ops without tensor parallelism) --------------------------------
@@ -114,6 +127,15 @@ def mean_over_shards(scores: Any, cfg: ModelConfig) -> Any:
     return jax.lax.pmean(scores, AXIS)
 
 
+def local_experts(expert_ids: jax.Array, experts: int, cfg: ModelConfig) -> jax.Array:
+    """Router ids [N, k] of all experts -> ids among this device's `experts` (whole experts split in
+    order), -1 for another device's (the experts kernel drops those assignments)."""
+    if cfg.tp == 1 or not cfg.expert_parallel:
+        return expert_ids
+    local = expert_ids - jax.lax.axis_index(AXIS) * experts
+    return jnp.where((local >= 0) & (local < experts), local, -1)
+
+
 def first_shard_only(x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x on shard 0, zeros on the others: a replicated term that a later `all_reduce` counts once."""
     if cfg.tp == 1:
@@ -127,15 +149,20 @@ def _split(ndim: int, from_end: int) -> P:
     return P(*(AXIS if a == ndim - from_end else None for a in range(ndim)))
 
 
-def param_specs(params: dict) -> dict:
+def param_specs(params: dict, experts: bool = False) -> dict:
     """The PartitionSpec of every params leaf (quantized draft copies included: an int8 matrix's
     per-column scales follow its columns; int4's group scales follow its rows too). An MXFP4 expert
     stack stores W's columns as its rows ([..., N, K/2] bytes, [..., N, K/32] scales): split by
-    columns, its second-to-last axis; by rows, its last (whole scale groups: `check_packed`)."""
+    columns, its second-to-last axis; by rows, its last (whole scale groups: `check_packed`).
+    `experts` (`ModelConfig.expert_parallel`): the EXPERTS stacks split by their expert axis instead."""
 
     def spec(path, x):
         name = path[-1].key
-        if name not in COLUMNS + ROWS or path[0].key == "eagle":  # an EAGLE-3 head runs whole on every device
+        if path[0].key == "eagle":  # an EAGLE-3 head runs whole on every device
+            return P()
+        if experts and name in EXPERTS:
+            return jax.tree.map(lambda a: P(None, AXIS), x)
+        if name not in COLUMNS + ROWS:
             return P()
         from_end = 1 if name in COLUMNS else 2
         if isinstance(x, MXFP4):
@@ -150,7 +177,8 @@ def param_specs(params: dict) -> dict:
 
 
 def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
-    """The TP layout's column order of the fused matrices (indices into the standard layout)."""
+    """The TP layout's column order of the fused matrices (indices into the standard layout); whole
+    experts keep theirs."""
     Hq, Hkv, Dh, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     q, kv = Hq * Dh, Hkv * Dh
     parts = [(0, q), (q, kv), (q + kv, kv)] + ([(q + 2 * kv, 3 * Hq)] if cfg.nsa else [])
@@ -159,6 +187,8 @@ def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
     gate_up = lambda F: np.concatenate([shard(s, [(0, F), (F, F)]) for s in range(tp)])
     if cfg.moe is None:
         return {"wqkv": qkv, "bqkv": qkv, "w_gate_up": gate_up(F)}
+    if cfg.expert_parallel:
+        return {"wqkv": qkv, "bqkv": qkv}
     experts = gate_up(cfg.moe.expert_size)  # every expert's [gate_s | up_s], and its bias's
     return {"wqkv": qkv, "bqkv": qkv, "moe_gate_up": experts, "moe_gate_up_bias": experts}
 
@@ -166,15 +196,16 @@ def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
 def check_packed(params: dict, cfg: ModelConfig, tp: int) -> None:
     """A one-line error when MXFP4 experts cannot be split `tp` ways: each device's rows of the down
     matrix must be whole 32-value scale groups (gpt-oss-20b's 2880 columns: tp 2, not 4)."""
-    if tp > 1 and has_packed(params) and (cfg.moe.expert_size // tp) % MXFP4_GROUP:
+    if tp > 1 and not cfg.expert_parallel and has_packed(params) and (cfg.moe.expert_size // tp) % MXFP4_GROUP:
         raise JaxspecError(f"--tp {tp}: MXFP4 experts split by {MXFP4_GROUP}-value scale groups, and "
                            f"{cfg.moe.expert_size} expert columns give {cfg.moe.expert_size // tp} a device "
                            "(a --tp that leaves a multiple of 32, or the checkpoint's unquantized form)")
 
 
-def place(params: dict, mesh: Mesh) -> dict:
+def place(params: dict, mesh: Mesh, experts: bool = False) -> dict:
     """`params` (host or device arrays) split over `mesh` by `param_specs`."""
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params), is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, experts),
+                             is_leaf=lambda x: isinstance(x, P))
     return jax.device_put(params, shardings)
 
 
@@ -184,7 +215,7 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     matrices' columns are then reordered on the devices, one stacked matrix at a time. The draft's
     copies (`draft_weights.with_draft_weights`) are made from the result, then `place`d."""
     check_packed(params, cfg, mesh.size)
-    placed = place(params, mesh)
+    placed = place(params, mesh, cfg.expert_parallel)
     layers = dict(placed["layers"])
     for name, columns in _column_order(cfg, mesh.size).items():
         if name in layers:

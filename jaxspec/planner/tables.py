@@ -68,7 +68,8 @@ def sampling_mode(sampling: SamplingConfig) -> str:
 
 # Config fields added after tables were shipped, at the value that leaves a model as it was: left out
 # of the hash there, so that the shipped tables keep their names (tests/test_planner.py checks them).
-ADDED_FIELDS = {"tp": 1, "moe": None, "o_bias": False, "sinks": False, "sliding_window": 0, "sliding_layers": ()}
+ADDED_FIELDS = {"tp": 1, "moe": None, "o_bias": False, "sinks": False, "sliding_window": 0, "sliding_layers": (),
+                "expert_parallel": False}
 
 
 def fingerprint(cfg: ModelConfig) -> str:
