@@ -1,7 +1,7 @@
 """Tensor parallelism: plain and vegas step times at TP 1 against TP N, the all-reduce, the floor.
 
-    PYTHONPATH=. python3 bench/tp.py [--tp 2] [--models qwen3-8b,qwen3-32b] [--batch 4] [--context 131072]
-        [--tiny] [--out DIR]
+    PYTHONPATH=. python3 bench/tp.py [--tp 2] [--models qwen3-8b,qwen3-32b,qwen3-30b-a3b,gpt-oss-20b]
+        [--splits columns,experts] [--batch 4] [--context 131072] [--tiny] [--out DIR]
 
 Runs on one host's GPUs (nvidia-h200-x2 for --tp 2). Per model and TP (1 and N; TP 1 is skipped where
 the weights and cache do not fit one device): random bf16 weights generated on each device's shard
@@ -16,8 +16,11 @@ drafts over 7% of the context plus the verify pass) over N, plus 2 x layers all-
 (7 forwards a vegas iteration). JAX may take 95% of each GPU (Qwen3-32B at TP 2 holds 101 GB per
 device; JAX's default is 75%). Greedy tokens of a few steps are compared
 across TPs (random bf16 weights: near-ties may flip; the CPU tests hold exact equality in float32).
-Writes DIR/tp.json; prints a table last. `--tiny`: a small model on whatever devices there are (CPU
-with XLA_FLAGS=--xla_force_host_platform_device_count=2), to check the script.
+MoE models (bf16 experts) run at TP N once per `--splits`: every expert's columns split (the default
+where it works) and whole experts split (`ModelConfig.expert_parallel`), the comparison the two
+layouts need. Writes DIR/tp.json; prints a table last. `--tiny`: a small dense and a small MoE model
+on whatever devices there are (CPU with XLA_FLAGS=--xla_force_host_platform_device_count=2), to check
+the script.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from jaxspec.decoding.sampling import SamplingConfig  # noqa: E402
 from jaxspec.decoding.spec import SpecConfig, spec_from_settings  # noqa: E402
 from jaxspec.decoding.tree import MAX_TREE_ROWS  # noqa: E402
 from jaxspec.models import decoder, sharding  # noqa: E402
-from jaxspec.models.config import ModelConfig, RopeConfig  # noqa: E402
+from jaxspec.models.config import ModelConfig, MoEConfig, RopeConfig  # noqa: E402
 from jaxspec.models.kvcache import KVCache, cache_bytes, cache_slots  # noqa: E402
 
 STEPS = 8  # decode iterations per timed call
@@ -52,7 +55,9 @@ QWEN3_32B = ModelConfig(  # Qwen3-32B's shapes: 65 GB of bf16 weights
 )
 TINY = ModelConfig(model_type="qwen3", vocab_size=1024, hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
                    head_dim=32, intermediate_size=256, qk_norm=True, dtype="bfloat16", max_position_embeddings=4096)
-MODELS = {"qwen3-8b": common.QWEN3_8B, "qwen3-32b": QWEN3_32B}
+TINY_MOE = TINY.replace(model_type="qwen3_moe", moe=MoEConfig(8, 2, 64))
+MODELS = {"qwen3-8b": common.QWEN3_8B, "qwen3-32b": QWEN3_32B, "qwen3-30b-a3b": common.QWEN3_30B_A3B,
+          "gpt-oss-20b": common.GPT_OSS_20B}
 GREEDY = SamplingConfig()
 
 
@@ -80,7 +85,8 @@ def random_model(cfg: ModelConfig, batch: int, num_slots: int, mesh):
     if mesh is None:
         return decoder.init_params(cfg, jax.random.key(0)), common.random_cache(cfg, batch, num_slots, jax.random.key(1))
     named = lambda spec: NamedSharding(mesh, spec)
-    params_sharding = jax.tree.map(named, sharding.param_specs(params_shape), is_leaf=lambda x: isinstance(x, P))
+    params_sharding = jax.tree.map(named, sharding.param_specs(params_shape, cfg.expert_parallel),
+                                   is_leaf=lambda x: isinstance(x, P))
     heads, table = named(P(None, sharding.AXIS, None, None)), named(P())  # pools by KV heads; the page table whole
     cache_sharding = jax.tree.map(lambda x: heads if x.ndim == 4 else table, cache_shape)
     params = jax.jit(lambda k: decoder.init_params(cfg, k), out_shardings=params_sharding)(jax.random.key(0))
@@ -124,13 +130,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--models", default="qwen3-8b,qwen3-32b")
+    p.add_argument("--splits", default="columns", help="MoE models at TP N: columns,experts (each a run)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
     rates = common.measure_rates(tiny=args.tiny)
-    models = {"tiny": TINY} if args.tiny else {name: MODELS[name] for name in args.models.split(",")}
+    models = {"tiny": TINY, "tiny-moe": TINY_MOE} if args.tiny else {name: MODELS[name] for name in args.models.split(",")}
     context = 1024 if args.tiny else args.context
     max_len = context + (MAX_TREE_ROWS + 1) * (4 * STEPS + 2)
     backend = "pallas" if jax.default_backend() == "gpu" else "reference"
@@ -141,13 +148,16 @@ def main():
         num_slots = cache_slots(max_len + MAX_TREE_ROWS)
         reduce_us = all_reduce_us(mesh_n, args.batch, cfg.hidden_size)
         tokens = {}
-        for tp, mesh in ((1, None), (args.tp, mesh_n)):  # --tp 1: the shard_map path on one device against jit
+        splits = args.splits.split(",") if cfg.moe is not None else ["columns"]
+        # --tp 1: the shard_map path on one device against jit
+        for tp, mesh, split in [(1, None, "-")] + [(args.tp, mesh_n, split) for split in splits]:
+            cfg = cfg.replace(expert_parallel=split == "experts")
             if not fits(cfg, args.batch, num_slots, tp):
-                rows.append({"model": name, "tp": tp, "fits": False})
+                rows.append({"model": name, "tp": tp, "split": split, "fits": False})
                 continue
             params, cache = random_model(cfg, args.batch, num_slots, mesh)
-            row = {"model": name, "tp": tp, "shard_map": mesh is not None, "fits": True, "batch": args.batch,
-                   "context": context}
+            row = {"model": name, "tp": tp, "split": split, "shard_map": mesh is not None, "fits": True,
+                   "batch": args.batch, "context": context}
             reduces_ms = 2 * cfg.num_layers * reduce_us / 1e3 if tp > 1 else 0.0  # per forward
             for method in ("plain", "vegas"):
                 spec = spec_from_settings(method, gamma=6, ratio=0.07, backend=backend)
@@ -157,18 +167,19 @@ def main():
                 ms, first, cache = time_method(cfg, spec, params, cache, args.batch, context, max_len, mesh)
                 row[f"{method}_ms"] = ms
                 row[f"{method}_x_floor"] = ms / row[f"{method}_floor_ms"]
-                tokens[(method, mesh is not None)] = first
+                tokens[(method, split)] = first
             row["all_reduce_us"] = reduce_us if tp > 1 else None
+            for method in ("plain", "vegas"):  # against TP 1's tokens
+                if split != "-" and (method, "-") in tokens and (method, split) in tokens:
+                    a, b = np.asarray(tokens[(method, "-")]), np.asarray(tokens[(method, split)])
+                    row[f"{method}_tokens_equal_share"] = float((a == b).mean())
             rows.append(row)
             del params, cache
-        for method in ("plain", "vegas"):
-            if (method, False) in tokens and (method, True) in tokens:
-                a, b = np.asarray(tokens[(method, False)]), np.asarray(tokens[(method, True)])
-                rows[-1][f"{method}_tokens_equal_share"] = float((a == b).mean())
     result = {**common.run_info(), "command": "bench/tp.py", "args": vars(args) | {"out": str(args.out)},
               "rates": rates, "rows": rows}
     common.write_json(args.out / "tp.json", result)
-    columns = [("model", "model", ""), ("TP", "tp", ""), ("shard_map", "shard_map", ""), ("fits", "fits", ""), ("plain ms/step", "plain_ms", ".2f"),
+    columns = [("model", "model", ""), ("TP", "tp", ""), ("split", "split", ""), ("shard_map", "shard_map", ""),
+               ("fits", "fits", ""), ("plain ms/step", "plain_ms", ".2f"),
                ("floor ms", "plain_floor_ms", ".2f"), ("x floor", "plain_x_floor", ".2f"),
                ("vegas ms/iteration", "vegas_ms", ".2f"), ("floor ms", "vegas_floor_ms", ".2f"),
                ("x floor", "vegas_x_floor", ".2f"), ("all-reduce us", "all_reduce_us", ".1f")]
