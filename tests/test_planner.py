@@ -20,6 +20,7 @@ from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, draft_weights
 from jaxspec.models.config import ModelConfig, MoEConfig, NSAConfig
+from jaxspec.models.eagle import EagleConfig
 from jaxspec.planner import cost, refine, tables
 from jaxspec.planner.plan import choose, paid_copies
 from jaxspec.planner.refine import Observation
@@ -39,6 +40,8 @@ SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, num
                       head_dim=64, intermediate_size=1536, dtype="bfloat16", max_position_embeddings=8192)
 QWEN3_8B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                        head_dim=128, intermediate_size=12288, dtype="bfloat16", qk_norm=True, max_position_embeddings=40960)
+SMOLLM2_HEAD = EagleConfig(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                           draft_vocab_size=12288, vocab_size=49152, target_hidden_size=576, feature_layers=(2, 15, 27))
 
 
 def entry(strategy: Strategy, tokens_per_s: float, tpi: float, batch: int = 1) -> dict:
@@ -219,10 +222,7 @@ def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, mo
     cell's; without a table the cost model predicts eagle; the best eagle strategy is a candidate only
     as the first choice (a run cannot switch into eagle), and the refinement never switches into it
     nor leaves it to probe plain."""
-    from jaxspec.models.eagle import EagleConfig
-
-    head = EagleConfig(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
-                       draft_vocab_size=12288, vocab_size=49152, target_hidden_size=576, feature_layers=(2, 15, 27))
+    head = SMOLLM2_HEAD
     monkeypatch.setattr(planner.plan, "measure_bandwidth", lambda: 4000.0)
     eagle3, eagle5 = Strategy("eagle", gamma=3), Strategy("eagle", gamma=5)
     measured = lambda s, rate, tpi, h="h1": {**entry(s, rate, tpi), "head": h}
@@ -348,6 +348,21 @@ def test_cost_model_plain_when_weights_dominate_sparse_when_kv_does():
     assert by[PLAIN].iteration_s == pytest.approx(floor + 36 * cost.LAYER_OVERHEAD_S)
     no_ngram = [p for p in large if p.strategy.method != "ngram"]
     assert choose(no_ngram).method == "vegas"
+
+
+def test_cost_model_closed_batches_wait_for_ngram_and_eagle_slowest_rows():
+    """A static batch of 128 rows lasts as long as its slowest row, which ngram and the draft head
+    leave far behind their mean row (the head's measured tail at 128 rows: 0.5): their predictions
+    keep that share, plain's and vegas' do not change, and at 128 x 1.3K plain is chosen (ngram's
+    probe there ran 0.95x plain on the GPU). One row, or an open batch, has no tail."""
+    head = SMOLLM2_HEAD
+    open_, closed = ({p.strategy: p for p in cost.cost_model(SMOLLM2, 270_000_000, 128, 1280, 4200.0, 256, head, c)}
+                     for c in (False, True))
+    for strategy, p in closed.items():
+        want = 0.5 if strategy.kind in ("ngram", "eagle") else 1.0
+        assert p.tail == pytest.approx(want) and p.tokens_per_s == pytest.approx(want * open_[strategy].tokens_per_s)
+    assert choose(list(open_.values())).kind == "ngram" and choose(list(closed.values())).plain
+    assert all(p.tail == 1.0 for p in cost.cost_model(SMOLLM2, 270_000_000, 1, 1280, 4200.0, 256, head, True))
 
 
 def test_cost_model_moe_rows_read_the_experts_they_hit():

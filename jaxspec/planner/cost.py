@@ -8,6 +8,7 @@ functions (bench/NOTES.md, "Floors").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -32,6 +33,13 @@ PRIOR_ACCEPTANCE = {"model": 0.8, "ngram": 0.5, "eagle": 0.6}  # geometric: draf
 # head step (a chain of small kernels) is that head's at SmolLM2's width (bench/NOTES.md, "Issue 59:
 # EAGLE-3 drafting, the first shipped head and its first end-to-end numbers")
 HEAD_STEP_OVERHEAD_S = 0.1e-3
+# A closed batch lasts as long as its slowest row. ngram's and the draft head's acceptance follows each
+# row's text, so their slowest row trails their mean row more as rows are added: the prior tail
+# (`Prediction.tail`) 1 / (1 + log2(batch) / TAIL_DOUBLINGS) fits the shipped SmolLM2 head's measured
+# tails, 0.7 at 8 rows, 0.58 at 32 and 0.5 at 128 (bench/NOTES.md, "Issue 59: eagle at batch 128");
+# ngram's measured 0.43-0.81 at 8 rows. Model drafters' rows differ far less (no prior).
+TAIL_DOUBLINGS = 7.0
+ROW_TEXT_KINDS = ("ngram", "eagle")
 COST_MODEL_RATIO = 0.07
 
 
@@ -189,15 +197,24 @@ def predict(strategy: Strategy, cfg: ModelConfig, weight_bytes: int, batch: int,
     return Prediction(strategy, batch * tpi / iteration, tpi, iteration)
 
 
+def closed_tail(prediction: Prediction, batch: int) -> Prediction:
+    """`prediction` for a closed batch of `batch` rows: ngram's and eagle's at the prior tail
+    (TAIL_DOUBLINGS), their rate with it; the others as they are."""
+    if prediction.strategy.kind not in ROW_TEXT_KINDS:
+        return prediction
+    tail = 1 / (1 + math.log2(batch) / TAIL_DOUBLINGS)
+    return dataclasses.replace(prediction, tokens_per_s=prediction.tokens_per_s * tail, tail=tail)
+
+
 def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, bandwidth_GBps: float,
-               min_tokens: int = 256, head: EagleConfig | None = None) -> list[Prediction]:
+               min_tokens: int = 256, head: EagleConfig | None = None, closed: bool = False) -> list[Prediction]:
     """Predictions, best first, for plain, vegas at gamma 2, 4 and 6 (ratio 0.07, the KV-bound choice
     of bench/kv_bound.json), vegas and full at gamma 6 with int8 draft weights (int8 drafts accept as
     exact ones do, int4 ones markedly less, so int4 is for tables and fixed methods only: bench/NOTES.md,
     "int4, skipped layers, `full`, the quantized-matmul kernel"; batches of up to one kernel row block,
     which reads the int8 matrix once), ngram at gamma 4 and 8 and, given the run's draft `head`, eagle
     at gamma 3 and 5, all strict (approximate precision classes and draft trees are chosen from
-    measured tables only)."""
+    measured tables only). `closed`: for a static batch (`closed_tail`)."""
     strategies = [Strategy()] + [Strategy("vegas", gamma=g, ratio=COST_MODEL_RATIO) for g in (2, 4, 6)]
     if batch <= kernels.ROW_MATMUL_ROWS and cfg.moe is None:  # a draft forward's rows in one row block: int8 read once
         strategies += [Strategy("vegas", gamma=6, ratio=COST_MODEL_RATIO, draft_weights="int8"),
@@ -205,4 +222,6 @@ def cost_model(cfg: ModelConfig, weight_bytes: int, batch: int, context: int, ba
     strategies += [Strategy("ngram", gamma=g) for g in (4, 8)]
     strategies += [Strategy("eagle", gamma=g) for g in (3, 5)] if head is not None else []
     predictions = [predict(s, cfg, weight_bytes, batch, context, bandwidth_GBps, min_tokens, head) for s in strategies]
+    if closed:
+        predictions = [closed_tail(p, batch) for p in predictions]
     return sorted(predictions, key=lambda p: -p.tokens_per_s)

@@ -118,7 +118,7 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     if not predictions:
         bucket, source = bucket_of(context), "cost-model"
         middle = prompt_tokens + new_tokens // 2
-        predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens, head)
+        predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens, head, closed)
     predictions = sorted(paid_copies(predictions), key=lambda p: -p.tokens_per_s)
     eagle = next((p for p in predictions if p.strategy.method == "eagle"), None)  # the best one only
     predictions = [p for p in predictions if p.strategy.method != "eagle" or p is eagle]

@@ -133,5 +133,6 @@ class Prediction:
     # A table's closed-batch tokens per iteration (its tokens/s times its iteration time, per row)
     # over its mean row's, at most 1: the share of the mean rate its tokens/s kept, a static batch
     # lasting as long as its slowest row (ngram's the lowest: bench/NOTES.md, "the refinement's rates
-    # on one basis"), at the run's length (`lookup`); 1 for the cost model.
+    # on one basis"), at the run's length (`lookup`); the cost model's prior for a closed batch
+    # (`cost.closed_tail`: ngram and eagle), else 1.
     tail: float = 1.0
