@@ -25,10 +25,15 @@ weight stacks are read in place at the traced `layer`: a layer sliced out of a s
 decoder's layer scan would be copied first (bench/NOTES.md, "fused layer projections").
 
 Either stack may be `MXFP4` (gpt-oss's released expert form, 4.25 bits a weight instead of 16): the
-kernel then reads each routed expert's packed bytes and scales once and decodes them in registers
-(`decode`), so the bytes floor is a quarter of bf16's. Decoding, not bytes, bounds it (6-13x the
-floor measured): a decode step's single row takes the one-row form of both calls (`takes_one_row`).
-The reference decodes the layer's whole stack with the same function and runs the float path.
+kernel then reads each routed expert's packed bytes and scales once, bf16 rows through Triton's
+scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the bytes floor is a
+quarter of bf16's; measured at 5.3-5.8x that floor at 7-128 rows, the bound not yet identified (not
+the conversion, the step size or the pipeline depth: bench/NOTES.md). A decode step's single row
+takes the one-row form of both calls (`takes_one_row`). The reference decodes the layer's whole stack
+with the same function and runs the float path.
+
+An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
+expert's rows, no slot covers it, and its output row counts as zero.
 """
 import dataclasses
 import functools
