@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     if args.seq + args.ttt > cfg.max_position_embeddings:
         raise JaxspecError(f"--seq {args.seq} + --ttt {args.ttt} is past the model's context {cfg.max_position_embeddings}")
     settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab or training.default_draft_vocab(cfg.vocab_size))
-    ecfg = training.head_config(cfg, settings.draft_vocab)
+    ecfg = training.head_config(cfg, settings.draft_vocab, settings.seq)
     record = {"model": args.model, "dtype": args.dtype, "settings": dataclasses.asdict(settings)}
     if args.resume:
         saved = training.read_record(out)

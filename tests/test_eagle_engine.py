@@ -92,6 +92,28 @@ def test_greedy_equals_plain(dense, tree, order):
     assert st.drafted.sum() == (spec.validate().shape.rows - 1) * st.iterations.sum() > 0
 
 
+def test_a_windowed_head_is_lossless_and_drafts_from_its_window(dense):
+    """A head with `sliding_window` 16 (prompts of 37-300 tokens): greedy output equals plain; from one
+    prefilled state, its draft distributions differ from the whole-cache head's, and a window of the
+    longest row's length drafts exactly what the whole cache does."""
+    params, ecfg, ids, lengths, plain = dense
+    windowed = dataclasses.replace(ecfg, sliding_window=16)
+    out, _ = run(params, CFG, SpecConfig(method="eagle", gamma=3, tree=(2, 2), eagle=windowed), ids, lengths, 32)
+    assert out == plain
+    probs = []
+    for head in (ecfg, windowed, dataclasses.replace(ecfg, sliding_window=max(lengths) + 8)):
+        spec = SpecConfig(method="eagle", gamma=3, eagle=head).validate()
+        eng = engine.Engine(CFG, spec, HOT, max(lengths) + 8)
+        state = jax.jit(eng.prefill)(params, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(2), max_new_tokens=8,
+                                     stop_ids=STOP)
+        draft = jax.jit(make_drafter(spec, CFG, eng.max_len).draft, static_argnums=7)
+        probs.append(np.asarray(draft(params, state.tokens, state.length, state.done, state.cache, state.drafter,
+                                      state.key, HOT)[1]))
+    whole, window, wide = probs
+    assert all(np.abs(window[b] - whole[b]).max() > 1e-4 for b in range(len(lengths)))
+    np.testing.assert_array_equal(wide, whole)
+
+
 def test_selected_head_context_is_lossless_and_is_the_full_context_when_it_keeps_everything(dense):
     """head_context "selected": greedy output equals plain with a selection of 16 slots; from one
     running state (sampled iterations: drafts accepted and rejected), a selection that keeps every

@@ -3,6 +3,7 @@ published architecture, and its loader/writer (jaxspec.loaders.eagle) in the pub
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -60,10 +61,11 @@ def public_weights(seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def reference(w, embeds, hidden, positions):
+def reference(w, embeds, hidden, positions, window: int = 0):
     """EAGLE-3's head in float64: midlayer (input_layernorm on the embeddings, hidden_norm on the
-    hidden input, concatenated; q/k/v with RoPE and GQA; causal attention over the sequence; residual
-    with the pre-norm hidden; post_attention_layernorm, SwiGLU MLP, residual) -> norm -> lm_head.
+    hidden input, concatenated; q/k/v with RoPE and GQA; causal attention over the sequence (with
+    `window`, over the last `window` positions only); residual with the pre-norm hidden;
+    post_attention_layernorm, SwiGLU MLP, residual) -> norm -> lm_head.
     Returns (logits over the draft vocabulary, pre-norm output)."""
     eps, Hq, Hkv, Dh = ECFG.rms_norm_eps, ECFG.num_heads, ECFG.num_kv_heads, ECFG.head_dim
     rms = lambda x, name: w[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -83,7 +85,10 @@ def reference(w, embeds, hidden, positions):
     k = rope(heads(lin(x, "midlayer.self_attn.k_proj.weight"), Hkv)).repeat_interleave(Hq // Hkv, dim=1)
     v = heads(lin(x, "midlayer.self_attn.v_proj.weight"), Hkv).repeat_interleave(Hq // Hkv, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(Dh)
-    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -torch.inf)
+    masked = torch.ones(t, t, dtype=torch.bool).triu(1)
+    if window:
+        masked |= torch.ones(t, t, dtype=torch.bool).tril(-window)
+    scores = scores.masked_fill(masked, -torch.inf)
     attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(n, t, Hq * Dh)
     h = hidden + lin(attn, "midlayer.self_attn.o_proj.weight")
     m = rms(h, "midlayer.post_attention_layernorm.weight")
@@ -155,6 +160,28 @@ def test_head_matches_the_float64_reference_as_prefill_and_as_steps():
     pos = jnp.full((B, 1), START + T, jnp.int32)
     logits, _, _ = run_head(params, cache, f32(next_embed), out, pos, jnp.full((B, 1), T, jnp.int32))
     np.testing.assert_allclose(logits, want_next[:, -1:].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_window_head_attends_its_last_keys_only():
+    """`EagleConfig.sliding_window` W: a row sees the keys of its last W positions (a sequence from
+    position 0, each key at the slot of its position, as inference keeps them), as the float64
+    reference with that window; the window bites (the whole-sequence output differs), and a window of
+    the sequence's length changes nothing."""
+    w = public_weights(21)
+    embeds, features, positions = inputs(22)
+    positions = positions - START
+    params = jax_params(w)
+    hidden = eagle.project_features(params, f32(features))
+    pos = jnp.asarray(positions.numpy(), jnp.int32)
+    for window in (3, T):
+        ecfg = dataclasses.replace(ECFG, sliding_window=window)
+        out, _ = eagle.head_forward(params, ecfg, f32(embeds), hidden, pos, jnp.ones(pos.shape, bool),
+                                    eagle.init_cache(ecfg, B, 32, "float32"))
+        want = reference(w, embeds, lin_fc(w, features), positions, window)[1]
+        np.testing.assert_allclose(out, want.numpy(), rtol=1e-5, atol=1e-5)
+    whole = reference(w, embeds, lin_fc(w, features), positions)[1]
+    assert (reference(w, embeds, lin_fc(w, features), positions, 3)[1] - whole).abs().max() > 1e-3
+    np.testing.assert_allclose(out, whole.numpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -365,6 +365,13 @@ def test_cost_model_closed_batches_wait_for_ngram_and_eagle_slowest_rows():
     assert all(p.tail == 1.0 for p in cost.cost_model(SMOLLM2, 270_000_000, 1, 1280, 4200.0, 256, head, True))
 
 
+def test_cost_model_reads_a_windowed_heads_kv_within_its_window():
+    windowed = dataclasses.replace(SMOLLM2_HEAD, sliding_window=2048)
+    step = lambda head, context: cost.head_step_bytes(head, SMOLLM2, 4, context)
+    assert step(windowed, 8000) == step(SMOLLM2_HEAD, 2048) < step(SMOLLM2_HEAD, 8000)
+    assert step(windowed, 1000) == step(SMOLLM2_HEAD, 1000)
+
+
 def test_cost_model_moe_rows_read_the_experts_they_hit():
     """At Qwen3-30B-A3B's shapes one token reads 8 of each layer's 128 experts, a verify pass of 7
     rows the expected distinct ones (~47), so its floor is dearer than a plain step's by those

@@ -75,6 +75,7 @@ def read_config(path: Path, target_cfg: ModelConfig) -> EagleConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=rope_from_hf(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            sliding_window=int(raw.get("sliding_window") or 0),
         )
     except KeyError as e:
         raise JaxspecError(f"EAGLE head config {path / 'config.json'} is missing {e.args[0]!r}") from None
@@ -226,13 +227,15 @@ def load_eagle(path: str | Path, target_cfg: ModelConfig, dtype: str = "bfloat16
 
 def public_config(ecfg: EagleConfig, dtype: str) -> dict:
     """config.json of a head: the one-layer Llama config (`loaders.hf.hf_config`'s keys, RoPE
-    included) plus the EAGLE-3 keys."""
+    included) plus the EAGLE-3 keys, and `sliding_window` for a head that attends a window."""
     config = hf.hf_config(eagle.layer_config(ecfg, dtype))
     for key in ("bos_token_id", "eos_token_id", "use_cache"):
         config.pop(key)
     config.update(architectures=["LlamaForCausalLMEagle3"], vocab_size=ecfg.vocab_size,
                   draft_vocab_size=ecfg.draft_vocab_size, target_hidden_size=ecfg.target_hidden_size,
                   eagle_aux_hidden_state_layer_ids=list(ecfg.feature_layers))
+    if ecfg.sliding_window:
+        config["sliding_window"] = ecfg.sliding_window
     return config
 
 

@@ -394,19 +394,21 @@ def sequence_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, attend
 
 
 def attention(cfg: ModelConfig, q_slot: jax.Array, backend: str, collect=None, tree=None,
-              verification: nsa.Verification | None = None) -> AttendFn:
+              verification: nsa.Verification | None = None, lo: jax.Array | None = None) -> AttendFn:
     """The model's own attention for query rows at slots `q_slot` [B, T]: full causal attention over
     the cache (a draft tree's rows see only their ancestors among its slots: `tree`, a
-    kernels.TreeMask), or NSA for NSA models (`verification`: how a target pass verifies draft rows;
-    its carry is `attention_carry`'s). Per layer it yields the selection scores asked for by
-    `collect` (None without it), averaged over all query heads under tensor parallelism."""
+    kernels.TreeMask; `lo` [B, T]: no slot below, a sliding window on every layer), or NSA for NSA
+    models (`verification`: how a target pass verifies draft rows; its carry is `attention_carry`'s).
+    Per layer it yields the selection scores asked for by `collect` (None without it), averaged over
+    all query heads under tensor parallelism."""
     if cfg.nsa:
         attend = nsa.attend_fn(cfg, q_slot, backend, collect, tree, verification)
     else:
         def attend(layer, q, cache, _, gates, carry):
+            window = sink_window(gates) | ({} if lo is None else {"lo": lo})
             out, _, scores = kernels.verify_attention(
                 q, cache.k, cache.v, cache.pages, layer, q_slot, page_size=cache.page_size, scale=cfg.head_dim**-0.5,
-                collect=collect, tree=tree, backend=backend, **sink_window(gates)
+                collect=collect, tree=tree, backend=backend, **window
             )
             return out, scores, carry
 

@@ -175,9 +175,10 @@ def default_draft_vocab(vocab_size: int) -> int:
     return min(32768, vocab_size // 4)
 
 
-def head_config(cfg: ModelConfig, draft_vocab: int) -> EagleConfig:
+def head_config(cfg: ModelConfig, draft_vocab: int, window: int = 0) -> EagleConfig:
     """A head of the target's width, heads, MLP, RoPE and norm epsilon, reading EAGLE-3's default
-    feature layers (one-line error for a target too shallow to have three distinct ones)."""
+    feature layers (one-line error for a target too shallow to have three distinct ones); `window`:
+    its training sequences' length, the farthest it attends at inference (`EagleConfig.sliding_window`)."""
     layers = eagle.default_feature_layers(cfg.num_layers)
     if len(set(layers)) != 3 or min(layers) < 0 or max(layers) >= cfg.num_layers:
         raise JaxspecError(f"an EAGLE-3 head reads layers (2, L / 2, L - 3) of its target: the model's "
@@ -188,7 +189,7 @@ def head_config(cfg: ModelConfig, draft_vocab: int) -> EagleConfig:
         hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size, draft_vocab_size=draft_vocab, vocab_size=cfg.vocab_size,
         target_hidden_size=cfg.hidden_size, feature_layers=layers, rms_norm_eps=cfg.rms_norm_eps, rope=cfg.rope,
-        max_position_embeddings=cfg.max_position_embeddings)
+        max_position_embeddings=cfg.max_position_embeddings, sliding_window=window)
 
 
 def init_head(key: jax.Array, ecfg: EagleConfig, draft_ids: np.ndarray) -> Params:

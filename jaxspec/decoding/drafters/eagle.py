@@ -35,7 +35,7 @@ import pallas_kernels as kernels
 from jaxspec.decoding.drafters.base import Drafter, DraftRows, Selection
 from jaxspec.decoding.drafters.vegas import first_and_last
 from jaxspec.decoding.sampling import expand, split_rows
-from jaxspec.models import decoder, eagle
+from jaxspec.models import eagle
 from jaxspec.models.kvcache import KVCache
 from pallas_kernels.verify_attention import mask_scores
 
@@ -85,12 +85,13 @@ class Eagle(Drafter):
         rows = jnp.pad(rows, ((0, 0), (0, pad), (0, 0))).astype(state.features.dtype)
         return PathRows(rows, first_pos, num_accepted, selection)
 
-    def context(self, selection: Selection | None, rows: DraftRows):
-        """The head's attention for `rows`: causal over its whole cache (tree rows: the committed cache
-        and their ancestors), or the `selection` plus the tail from the last verified root, which
-        reaches over the accepted path and the tree (depth + rows slots)."""
+    def context(self, selection: Selection | None, rows: DraftRows, positions: jax.Array):
+        """The head's attention for `rows` at RoPE `positions` [B, n]: causal over its cache (tree rows:
+        the committed cache and their ancestors; within its window, `eagle.attention`), or the
+        `selection` plus the tail from the last verified root, which reaches over the accepted path and
+        the tree (depth + rows slots)."""
         if selection is None:
-            return decoder.attention(eagle.layer_config(self.spec.eagle), rows.slots, self.spec.backend, tree=rows.mask)
+            return eagle.attention(self.spec.eagle, rows.slots, positions, self.spec.backend, tree=rows.mask)
         tree = self.spec.shape
         return self.sparse_attend(selection.idx, selection.n_idx, selection.tail_start, rows, tree.depth + tree.rows,
                                   scale=self.spec.eagle.head_dim**-0.5)[0]
@@ -106,7 +107,7 @@ class Eagle(Drafter):
         valid = (path[None, :] <= state.num_accepted[:, None]) & live[:, None]
         catch_up = DraftRows(state.first, jnp.int32(0), path, None, chain=True)  # row d at slot first + d, causal
         out, head_cache = eagle.feature_forward(head, ecfg, params, self.cfg, emitted, state.features, positions, valid,
-                                                cache.head, backend, self.context(state.selection, catch_up))
+                                                cache.head, backend, self.context(state.selection, catch_up, positions))
         root = jnp.take_along_axis(out, state.num_accepted[:, None, None], axis=1)  # [B, 1, H]: the last emitted token's
 
         first = jnp.where(done, 0, length - 2)  # the head's root slot: the catch-up's last row
@@ -120,11 +121,10 @@ class Eagle(Drafter):
             if depth:  # the nodes of this depth through the head, each on its parent's output state
                 nodes = DraftRows(first, jnp.int32(depth), jnp.asarray(rows), jnp.asarray(tree.ancestors[rows]), tree.is_chain)
                 embeds = eagle.token_embeds(head, params, self.cfg, draft_tokens[:, rows])
-                n = len(rows)
+                at = jnp.broadcast_to(nodes.position[:, None], (B, len(rows)))
                 out, head_cache = eagle.head_forward(
-                    head, ecfg, embeds, states[:, tree.parent[rows]], jnp.broadcast_to(nodes.position[:, None], (B, n)),
-                    jnp.broadcast_to(live[:, None], (B, n)), head_cache, self.context(state.selection, nodes),
-                    slots=nodes.slots, backend=backend)
+                    head, ecfg, embeds, states[:, tree.parent[rows]], at, jnp.broadcast_to(live[:, None], at.shape),
+                    head_cache, self.context(state.selection, nodes, at), slots=nodes.slots, backend=backend)
                 states = states.at[:, rows].set(out)
             logits = eagle.draft_logits(head, ecfg, states[:, rows])
             kids = tree.children[rows][:, :tree.branching[depth]]
