@@ -186,22 +186,24 @@ def test_a_sliding_window_head_attends_its_last_keys_only():
 
 @pytest.mark.slow
 def test_pallas_backend_matches_the_reference():
-    """The head runs the decoder's kernels behind the backend switch (Pallas interpreted on the CPU:
-    ~15 s, so with the slow tests; the kernels themselves are tested in test_kernels_*)."""
+    """The head runs the decoder's kernels behind the backend switch, with and without a window
+    (Pallas interpreted on the CPU: ~15 s, so with the slow tests; the kernels themselves are tested
+    in test_kernels_*)."""
     params = jax_params(public_weights(13))
     embeds, features, positions = inputs(14, 4)
     hidden = eagle.project_features(params, f32(features))
     pos = jnp.asarray(positions.numpy(), jnp.int32)
-    outs = []
-    for backend in ("reference", "pallas"):
-        cache = eagle.init_cache(ECFG, B, 16, "float32")
-        out, cache = eagle.head_forward(params, ECFG, f32(embeds), hidden, pos, jnp.ones(pos.shape, bool), cache,
-                                        backend=backend)
-        step, _ = eagle.head_forward(params, ECFG, f32(embeds[:, :1]), out[:, -1:], pos[:, -1:] + 1,
-                                     jnp.ones((B, 1), bool), cache, backend=backend)
-        outs.append((out, step))
-    for want, got in zip(*outs):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for ecfg in (ECFG, dataclasses.replace(ECFG, sliding_window=2)):
+        outs = []
+        for backend in ("reference", "pallas"):
+            cache = eagle.init_cache(ecfg, B, 16, "float32")
+            out, cache = eagle.head_forward(params, ecfg, f32(embeds), hidden, pos, jnp.ones(pos.shape, bool), cache,
+                                            backend=backend)
+            step, _ = eagle.head_forward(params, ecfg, f32(embeds[:, :1]), out[:, -1:], pos[:, -1:] + 1,
+                                         jnp.ones((B, 1), bool), cache, backend=backend)
+            outs.append((out, step))
+        for want, got in zip(*outs):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_draft_ids_and_the_target_distribution():
