@@ -298,8 +298,13 @@ def layer_sink_window(cfg: ModelConfig, sinks: jax.Array, positions: jax.Array, 
     committed key's slot is its position, and a draft tree's own keys lie within any window larger
     than its depth."""
     sliding = jnp.asarray(np.isin(np.arange(cfg.num_layers), cfg.sliding_layers))[layer]
-    lo = jnp.where(sliding, jnp.maximum(positions - cfg.sliding_window + 1, 0), 0).astype(jnp.int32)
-    return SinkWindow(sinks, lo, sliding)
+    return SinkWindow(sinks, jnp.where(sliding, window_start(positions, cfg.sliding_window), 0), sliding)
+
+
+def window_start(positions: jax.Array, window: int) -> jax.Array:
+    """int32 [B, T]: the lowest cache slot rows at `positions` see through a sliding window of `window`
+    keys (a committed key's slot is its position)."""
+    return jnp.maximum(positions - window + 1, 0).astype(jnp.int32)
 
 
 def capture_slots(capture: tuple[int, ...], layer_ids, num_entries: int) -> np.ndarray:

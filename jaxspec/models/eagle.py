@@ -81,7 +81,7 @@ def attention(ecfg: EagleConfig, q_slot: jax.Array, positions: jax.Array, backen
     has seen no longer distances: at 4-6K tokens of context its top-1 agreement with the target fell
     from 0.49 to 0.36 at the first draft and from 0.38 to 0.18 at the fifth, and a window of W keeps
     them (bench/NOTES.md, "the head's window")."""
-    lo = jnp.maximum(positions - ecfg.sliding_window + 1, 0).astype(jnp.int32) if ecfg.sliding_window else None
+    lo = decoder.window_start(positions, ecfg.sliding_window) if ecfg.sliding_window else None
     return decoder.attention(layer_config(ecfg), q_slot, backend, tree=tree, lo=lo)
 
 

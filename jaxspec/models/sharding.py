@@ -196,7 +196,7 @@ def _column_order(cfg: ModelConfig, tp: int) -> dict[str, np.ndarray]:
 def check_packed(params: dict, cfg: ModelConfig, tp: int) -> None:
     """A one-line error when MXFP4 experts cannot be split `tp` ways: each device's rows of the down
     matrix must be whole 32-value scale groups (gpt-oss-20b's 2880 columns: tp 2, not 4)."""
-    if tp > 1 and not cfg.expert_parallel and has_packed(params) and (cfg.moe.expert_size // tp) % MXFP4_GROUP:
+    if not cfg.expert_parallel and splits_experts(cfg, has_packed(params), tp):
         raise JaxspecError(f"--tp {tp}: MXFP4 experts split by {MXFP4_GROUP}-value scale groups, and "
                            f"{cfg.moe.expert_size} expert columns give {cfg.moe.expert_size // tp} a device "
                            "(a --tp that leaves a multiple of 32, or the checkpoint's unquantized form)")

@@ -170,14 +170,14 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
         return bucket_of(context), []
     if any(c["sampling"] == sampling for c in cells):
         cells = [c for c in cells if c["sampling"] == sampling]
+    apart = lambda a, b: max(a, b) > 2 * min(a, b)  # another regime: the cost model answers
     b = nearest(batch, {c["batch"] for c in cells})
-    if max(b, batch) > 2 * min(b, batch):
+    if apart(b, batch):
         return bucket_of(context), []
     cells = [c for c in cells if c["batch"] == b]
     bucket = nearest(bucket_of(context), {c["bucket"] for c in cells})
-    ours, theirs = bucket_of(context), bucket_of(bucket)  # on BUCKETS' scale (a profile may name its own)
-    if max(ours, theirs) > 2 * min(ours, theirs):
-        return ours, []
+    if apart(bucket_of(context), bucket_of(bucket)):  # on BUCKETS' scale (a profile may name its own)
+        return bucket_of(context), []
     cells = [c for c in cells if c["bucket"] == bucket]
     measured = lambda c: c.get("new_tokens") or table["profile"].get("new_tokens", 0)  # older cells: the header's
     far = lambda n: abs(math.log(max(n, 1) / new_tokens)) if new_tokens else n
