@@ -620,6 +620,49 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
         assert [s["watch"] for s in run.auto.segments] == [True] * windows and run.auto.switches == []
 
 
+def test_watch_windows_run_ahead_and_stay_lossless(tiny, monkeypatch):
+    """A closed batch settled on plain watches ngram with each window's next segment dispatched
+    ahead of its report, replays and decision (a window then spans the segment run ahead and the
+    next: WATCH, then WATCH + 2 WATCH iterations); it emits plain decoding's tokens, and no window's
+    time holds the replays the host blocks on at a boundary (0.5 s each here). Switches decided
+    while a window runs ahead (plain -> ngram -> plain) hand out its tokens first, and its stats reach
+    the rows. With `shrink` (6 of 8 rows end within 90 tokens), the next window starts from the
+    first report of the 2 rows left (4 WATCH iterations)."""
+    import time
+
+    from jaxspec.runner import Batch
+    from jaxspec.serving.scheduler import Scheduler
+
+    cfg, params, _ = tiny
+    lengths = [40, 300, 290, 50, 280, 270, 250, 230]  # limits 280, 20, 30, 270, 40, 50, 70, 90
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, max(lengths))).astype(np.int32)
+    batch = Batch(ids, np.asarray(lengths, np.int32))
+    common = dict(sampling=SamplingConfig(), max_len=320, max_new_tokens=280, stop_ids=(), spec=SpecConfig(), shrink=True)
+    reference = [g.tolist() for g in run_generation(params, cfg, batch, **{**common, "shrink": False}).generated()]
+    monkeypatch.setattr(refine, "WATCH", 16)
+    replays, pause = Scheduler._replays, 0.5
+    monkeypatch.setattr(Scheduler, "_replays", lambda self, since: (time.sleep(pause), replays(self, since))[1])
+    shrink, rows = Scheduler._shrink, []
+    monkeypatch.setattr(Scheduler, "_shrink", lambda self: (shrink(self), rows.append(self.rows)))
+    plan = planner.Plan((Prediction(PLAIN, 100.0, 1.0, 0.02), Prediction(NGRAM, 100.0, 2.0, 0.04)), PLAIN, "table:t.json", 1024)
+    for script in ([], [NGRAM, PLAIN]):
+        decisions, rows[:] = iter(script), []
+        monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (
+            next(decisions, None) or current, "scripted"))
+        run = run_generation(params, cfg, batch, plan=plan, **common)
+        assert [g.tolist() for g in run.generated()] == reference
+        segments = run.auto.segments
+        assert all(s["watch"] for s in segments) and all(s["iterations"] * s["iteration_s"] < pause for s in segments)
+        assert [(s["strategy"], s["iterations"]) for s in segments][:3] == (
+            [("plain", 16), ("plain", 48), ("plain", 64)] if not script else [("plain", 16), ("ngram g4", 16), ("plain", 16)])
+        assert [(s["from"], s["to"]) for s in run.auto.switches] == [(a.name, b.name) for a, b in zip((PLAIN, *script), script)]
+        assert rows == [2]
+        stats = jax.device_get(run.output.stats)
+        drawn = 1 + len(run.auto.switches)  # the prefill's token and each switch's plain step
+        for b, generated in enumerate(reference):  # a row's last iteration may draft past its limit
+            assert 0 <= drawn + stats.iterations[b] + stats.accepted[b] - len(generated) <= NGRAM.gamma, b
+
+
 @pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 0.05])  # greedy: a special case, slow
 def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperature, monkeypatch):
     """Replaying ngram over the tokens an ngram run committed takes that run's iterations, row by

@@ -491,7 +491,8 @@ class Scheduler:
             self._state = self._call(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
             self._watch_from = None
         before, start = self._last, self._ahead or time.perf_counter()
-        if watching and self._watch_from is None:
+        # a watch window starts at a report of the state's rows (not one read before a shrink or growth)
+        if watching and self._watch_from is None and len(before[0]) == self.rows:
             self._watch_from = (before, start)
         limit = np.iinfo(np.int32).max if iterations is None else iterations
         most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
@@ -500,7 +501,9 @@ class Scheduler:
             self._reserve()
             self._state = self._call(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
         report, ahead = self._report(), None
-        if self.segment is not None and not refining and self._running:  # the next segment runs while the host reads
+        # the next segment runs while the host reads this one's report: serving's segments, and a closed
+        # batch's watch windows (the device would idle through each window's hand-out; a switch comes a window later)
+        if (self.segment is not None or watching) and not refining and self._running:
             self._reserve()  # this one's report
             ahead = self._dispatch(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
         seconds = self._deliver(start, report, ahead)
@@ -510,10 +513,15 @@ class Scheduler:
         if refining:
             target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running,
                                              self._replays(before))
-        elif watching and self._last[1].iterations.max() - self._watch_from[0][1].iterations.max() >= self.refinement.window:
+        elif (watching and self._watch_from is not None
+              and self._last[1].iterations.max() - self._watch_from[0][1].iterations.max() >= self.refinement.window):
             (since, began), self._watch_from = self._watch_from, None
-            seen = planner.Observation.between(since, self._last, time.perf_counter() - began)
-            target = self.refinement.watch(seen, not self._running, self._replays(since))
+            seen = planner.Observation.between(since, self._last, self._last_at - began)  # to the report, not past it
+            replayed = time.perf_counter()
+            replays = self._replays(since)  # over the state after the segment run ahead (which has ended)
+            if self._ahead is not None:  # the device idled through the replays: not the next window's time
+                self._ahead += time.perf_counter() - replayed
+            target = self.refinement.watch(seen, not self._running, replays)
         if target is not None:
             self._switch(target)
         if self._may_shrink() and 0 < len(self._running) <= self.rows // SHRINK_FACTOR:
@@ -626,6 +634,8 @@ class Scheduler:
     def _switch(self, target: planner.Strategy) -> None:
         """Every slot continues under `target` (`engine.Engine.switch`: exact); the slots' stats so far move
         to their requests (the switch zeroes the state's)."""
+        if self._ahead is not None:  # the segment run ahead first: its tokens, and its stats the switch zeroes
+            self._deliver(self._ahead)
         _, stats = self._last
         for slot, h in self._running.items():
             h.before_switch = _add_row_stats(h.before_switch, _row_stats(stats, slot))

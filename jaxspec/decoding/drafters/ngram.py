@@ -68,7 +68,7 @@ class Ngram(Drafter):
         REPLAY_WIDTH positions from where each row stands are made at once (REPLAY_CHUNK a pass),
         walked, and made again from where the walk stopped (an iteration may end past the stretch:
         its drafts were proposed inside it), until every row reaches `end`: one program for windows
-        of any length."""
+        of any length, a device loop step per stretch."""
         gamma, width = self.spec.gamma, REPLAY_WIDTH
         tree = TreeShape.chain(gamma)
         propose = jax.vmap(lambda length: self.propose(tokens, length, tree)[:, 1:], in_axes=1, out_axes=1)
@@ -83,14 +83,20 @@ class Ngram(Drafter):
             target = jnp.take_along_axis(tokens, jnp.minimum(cols, tokens.shape[1] - 1).reshape(B, -1), axis=1).reshape(cols.shape)
             accepted = jnp.cumprod((drafts == target) & (cols < end[:, None, None]), axis=2).sum(axis=2)  # [B, W]
             stop = jnp.minimum(end, base + width)
-
-            def step(c):
-                length, iterations = c
-                running = length < stop
-                at = jnp.take_along_axis(accepted, jnp.clip(length - base, 0, width - 1)[:, None], axis=1)[:, 0]
-                return jnp.where(running, jnp.minimum(length + at + 1, end), length), iterations + running
-
-            return jax.lax.while_loop(lambda c: jnp.any(c[0] < stop), step, (base, iterations))
+            # The walk from base to stop by binary lifting, not an iteration at a time (a device loop
+            # of one small step per iteration waits on the host for every condition): lands[j][i] is
+            # where 2^j iterations from positions[i] land, a landing at or past stop kept there.
+            lands = [jnp.minimum(positions + accepted + 1, end[:, None])]
+            for _ in range(width.bit_length() - 1):
+                at = jnp.take_along_axis(lands[-1], jnp.clip(lands[-1] - base[:, None], 0, width - 1), axis=1)
+                lands.append(jnp.where(lands[-1] < stop[:, None], at, lands[-1]))
+            land = lambda j, length: jnp.take_along_axis(lands[j], jnp.clip(length - base, 0, width - 1)[:, None], axis=1)[:, 0]
+            length = base
+            for j in reversed(range(len(lands))):  # the most iterations that stay short of stop
+                go = (length < stop) & (land(j, length) < stop)
+                length, iterations = jnp.where(go, land(j, length), length), iterations + go * (1 << j)
+            running = length < stop  # then one more, to stop or past it
+            return jnp.where(running, land(0, length), length), iterations + running
 
         _, iterations = jax.lax.while_loop(lambda c: jnp.any(c[0] < end), stretch, (start, jnp.zeros_like(start)))
         return iterations

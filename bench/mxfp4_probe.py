@@ -1,0 +1,95 @@
+"""What bounds the MXFP4 experts kernel's row blocks: a minimal product in variants, on the GPU.
+
+    PYTHONPATH=. python3 bench/mxfp4_probe.py [--rows 16,64,128] [--out DIR] [--tiny]
+
+One Pallas-Triton product x [M, K] @ W^T over an MXFP4 matrix W [N, K] (bytes [N, K/2], scales
+[N, K/32]; N = 32 x 5,760 columns, K = 3,072: gpt-oss-20b's 32 experts' gate/up columns), a grid of
+column blocks, a loop over K, as pallas_kernels/moe.py's row blocks stream an expert. Variants read the
+same bytes and decode less, to tell the decode's arithmetic from the loads:
+- `bytes`: the kernel's own decode (`moe.decode`'s arithmetic: both nibbles, the scale, interleaved);
+- `low`: the low nibble of each byte decoded and scaled (half the arithmetic; x's first K/2 columns);
+- `raw`: each byte converted to bf16 as it is (no decoding).
+The floor is W's bytes over the copy bandwidth measured in the same run. Writes DIR/mxfp4_probe.json
+and prints a table last (--tiny: a CPU smoke test of this script, small shapes in interpret mode).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from bench import common
+from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, scale_power
+
+COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
+VARIANTS = ("bytes", "low", "raw")
+TILES = ((64, 128), (128, 64))  # (columns, K step)
+
+
+def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: bool = False):
+    """The probe's pallas_call for `variant`: float32 [M, N]."""
+    def kernel(x_ref, c_ref, s_ref, o_ref):
+        cols = pl.ds(pl.program_id(0) * bn, bn)
+
+        def step(i, acc):
+            k0 = i * bk
+            codes = c_ref[cols, pl.ds(k0 // 2, bk // 2)]
+            power = scale_power(s_ref[cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)])
+            if variant == "bytes":
+                x = x_ref[:, pl.ds(k0, bk)]
+                repeat = MXFP4_GROUP // 2  # a byte's power: its group's
+                w = decode(codes, jnp.broadcast_to(power[:, :, None], (bn, bk // 32, repeat)).reshape(bn, bk // 2))
+            else:
+                x = x_ref[:, pl.ds(k0 // 2, bk // 2)]
+                w = codes.astype(jnp.float32)
+                if variant == "low":
+                    half = jnp.broadcast_to(power[:, :, None], (bn, bk // 32, MXFP4_GROUP // 2)).reshape(bn, bk // 2)
+                    w = e2m1(codes.astype(jnp.int32) & 15) * half
+            return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        o_ref[:, cols] = lax.fori_loop(0, K // bk, step, jnp.zeros((M, bn), jnp.float32))
+
+    return lambda x, c, s: pl.pallas_call(
+        kernel, grid=(N // bn,), in_specs=[pl.no_block_spec] * 3, out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3), interpret=interpret)(x, c, s)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="16,64,128")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU, interpret mode")
+    args = p.parse_args()
+    N, K = (256, 256) if args.tiny else (COLUMNS, DEPTH)
+    blocks = jax.random.randint(jax.random.key(0), (N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.randint(jax.random.key(1), (N, K // MXFP4_GROUP), 118, 124, jnp.int32).astype(jnp.uint8)
+    rates = common.measure_rates(args.tiny)
+    floor_s = (blocks.nbytes + scales.nbytes) / (rates["copy_GBps"] * 1e9)
+    rows = []
+    for M in (int(r) for r in args.rows.split(",")):
+        x = jax.random.normal(jax.random.key(2), (M, K), jnp.float32).astype(jnp.bfloat16)
+        w = decode(blocks, jnp.repeat(scale_power(scales), MXFP4_GROUP // 2, axis=-1))
+        reference = jnp.dot(x.astype(jnp.float32), w.T)
+        del w
+        for variant in VARIANTS:
+            for bn, bk in TILES:
+                f = jax.jit(product(variant, M, N, K, bn, bk, args.tiny))
+                out = f(x, blocks, scales)
+                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant == "bytes" else None
+                seconds = common.seconds_per_call(f, x, blocks, scales)
+                rows.append(dict(rows=M, variant=variant, columns=bn, k_step=bk, us=seconds * 1e6,
+                                 floor_us=floor_s * 1e6, over_floor=seconds / floor_s, max_rel_err=err))
+                print(rows[-1], flush=True)
+                common.write_json(args.out / ("mxfp4_probe_tiny.json" if args.tiny else "mxfp4_probe.json"), dict(common.run_info(), rates=rates, rows=rows))
+    print(common.markdown_table(rows, [("rows", "rows", "d"), ("variant", "variant", "s"), ("columns", "columns", "d"),
+                              ("K step", "k_step", "d"), ("µs", "us", ".1f"), ("x floor", "over_floor", ".2f")]))
+
+
+if __name__ == "__main__":
+    main()
