@@ -8,9 +8,13 @@ column blocks, a loop over K, as pallas_kernels/moe.py's row blocks stream an ex
 same bytes and decode less, to tell the decode's arithmetic from the loads:
 - `bytes`: the kernel's own decode (`moe.decode`'s arithmetic: both nibbles, the scale, interleaved);
 - `low`: the low nibble of each byte decoded and scaled (half the arithmetic; x's first K/2 columns);
-- `raw`: each byte converted to bf16 as it is (no decoding).
+- `raw`: each byte converted to bf16 as it is (no decoding);
+- `asm`: the decode in inline PTX (`DECODE_PTX`), packed bf16 integer tricks a byte pair at a time, the
+  low and high codes multiplied with x's even and odd columns (two products, nothing interleaved).
 The floor is W's bytes over the copy bandwidth measured in the same run. Writes DIR/mxfp4_probe.json
-and prints a table last (--tiny: a CPU smoke test of this script, small shapes in interpret mode).
+and prints a table last (--tiny: a CPU smoke test of this script, small shapes in interpret mode,
+which runs no PTX: `asm` left out). Tile offsets along K in packed units come from `moe.packed_offset`,
+as in the kernel.
 """
 from __future__ import annotations
 
@@ -24,10 +28,68 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bench import common
-from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, scale_power
+from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, packed_offset, scale_power
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
-VARIANTS = ("bytes", "low", "raw")
+VARIANTS = ("bytes", "low", "raw", "asm")
+# Four MXFP4 bytes ($2) and their scale bytes ($3, equal: one group) to the bf16 values of their four
+# low codes (DECODE_PTX[0]) or high codes ([1]) ($0, $1: two a register). A code s e1 e0 m placed as
+# bf16 bits s << 15 | e1 e0 m << 6 is 2^-126 times its value (e = 0: a subnormal m 2^-127), so one
+# multiply by 2^126 (0x7E80) decodes two codes at once and one by 2^(scale - 127) (the scale's byte
+# << 7) scales them; both exact. (Pallas lowers an asm of one result only: two calls.)
+DECODE_PTX = ("""
+{
+.reg .b32 c, f, a, t, u, two126, nz;
+mov.b32 two126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+mov.b32 c, $2;
+and.b32 c, c, 0x0F0F0F0F;
+prmt.b32 f, $3, 0, 0x4040;
+shl.b32 f, f, 7;
+prmt.b32 a, c, 0, 0x4140;
+shl.b32 t, a, 6;
+shl.b32 u, a, 12;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, u, 0x80008000;
+or.b32 a, t, u;
+fma.rn.bf16x2 a, a, two126, nz;
+mul.rn.bf16x2 $0, a, f;
+prmt.b32 a, c, 0, 0x4342;
+shl.b32 t, a, 6;
+shl.b32 u, a, 12;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, u, 0x80008000;
+or.b32 a, t, u;
+fma.rn.bf16x2 a, a, two126, nz;
+mul.rn.bf16x2 $1, a, f;
+}
+""", """
+{
+.reg .b32 c, f, a, t, u, two126, nz;
+mov.b32 two126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+shr.u32 c, $2, 4;
+and.b32 c, c, 0x0F0F0F0F;
+prmt.b32 f, $3, 0, 0x4040;
+shl.b32 f, f, 7;
+prmt.b32 a, c, 0, 0x4140;
+shl.b32 t, a, 6;
+shl.b32 u, a, 12;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, u, 0x80008000;
+or.b32 a, t, u;
+fma.rn.bf16x2 a, a, two126, nz;
+mul.rn.bf16x2 $0, a, f;
+prmt.b32 a, c, 0, 0x4342;
+shl.b32 t, a, 6;
+shl.b32 u, a, 12;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, u, 0x80008000;
+or.b32 a, t, u;
+fma.rn.bf16x2 a, a, two126, nz;
+mul.rn.bf16x2 $1, a, f;
+}
+""")
 TILES = ((64, 128), (128, 64))  # (columns, K step)
 
 
@@ -38,14 +100,24 @@ def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: b
 
         def step(i, acc):
             k0 = i * bk
-            codes = c_ref[cols, pl.ds(k0 // 2, bk // 2)]
-            power = scale_power(s_ref[cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)])
+            codes = c_ref[cols, pl.ds(packed_offset(k0, 2), bk // 2)]
+            power = scale_power(s_ref[cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)])
+            if variant == "asm":
+                repeat = MXFP4_GROUP // 2
+                group = s_ref[cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
+                byte_scales = jnp.broadcast_to(group[:, :, None], (bn, bk // 32, repeat)).reshape(bn, bk // 2)
+                low, high = (plgpu.elementwise_inline_asm(
+                    ptx, args=[codes, byte_scales], constraints="=r,=r,r,r", pack=4,
+                    result_shape_dtypes=[jax.ShapeDtypeStruct((bn, bk // 2), jnp.bfloat16)])[0] for ptx in DECODE_PTX)
+                even, odd = x_ref[:, pl.ds(k0, bk // 2, 2)], x_ref[:, pl.ds(k0 + 1, bk // 2, 2)]
+                product = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                return acc + product(even, low) + product(odd, high)
             if variant == "bytes":
                 x = x_ref[:, pl.ds(k0, bk)]
                 repeat = MXFP4_GROUP // 2  # a byte's power: its group's
                 w = decode(codes, jnp.broadcast_to(power[:, :, None], (bn, bk // 32, repeat)).reshape(bn, bk // 2))
             else:
-                x = x_ref[:, pl.ds(k0 // 2, bk // 2)]
+                x = x_ref[:, pl.ds(packed_offset(k0, 2), bk // 2)]
                 w = codes.astype(jnp.float32)
                 if variant == "low":
                     half = jnp.broadcast_to(power[:, :, None], (bn, bk // 32, MXFP4_GROUP // 2)).reshape(bn, bk // 2)
@@ -77,11 +149,11 @@ def main():
         w = decode(blocks, jnp.repeat(scale_power(scales), MXFP4_GROUP // 2, axis=-1))
         reference = jnp.dot(x.astype(jnp.float32), w.T)
         del w
-        for variant in VARIANTS:
+        for variant in VARIANTS[:-1] if args.tiny else VARIANTS:  # interpret mode runs no PTX
             for bn, bk in TILES:
                 f = jax.jit(product(variant, M, N, K, bn, bk, args.tiny))
                 out = f(x, blocks, scales)
-                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant == "bytes" else None
+                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant in ("bytes", "asm") else None
                 seconds = common.seconds_per_call(f, x, blocks, scales)
                 rows.append(dict(rows=M, variant=variant, columns=bn, k_step=bk, us=seconds * 1e6,
                                  floor_us=floor_s * 1e6, over_floor=seconds / floor_s, max_rel_err=err))

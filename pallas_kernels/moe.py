@@ -27,8 +27,9 @@ decoder's layer scan would be copied first (bench/NOTES.md, "fused layer project
 Either stack may be `MXFP4` (gpt-oss's released expert form, 4.25 bits a weight instead of 16): the
 kernel then reads each routed expert's packed bytes and scales once, bf16 rows through Triton's
 scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the bytes floor is a
-quarter of bf16's; measured at 5.3-5.8x that floor at 7-128 rows, the bound not yet identified (not
-the conversion, the step size or the pipeline depth: bench/NOTES.md). A decode step's single row
+quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
+byte at a time outside the pipeline (their offsets by floor division: `packed_offset`); not yet
+measured since (bench/NOTES.md). A decode step's single row
 takes the one-row form of both calls (`takes_one_row`). The reference decodes the layer's whole stack
 with the same function and runs the float path.
 
@@ -293,6 +294,15 @@ def _slot_rows(slots_ref, bm: int, body):
         lax.fori_loop(0, (hi - lo + bm - 1) // bm, block, 0)
 
 
+def packed_offset(k0, per: int):
+    """Inside a kernel: weight offset k0 (>= 0, a multiple of `per`) in units of `per` weights (a byte
+    holds 2 codes, a scale 32), by truncating division. Python's floor division of a traced int adds a
+    sign fix-up that hides from Triton that the offset stays a multiple of the step, and then a tile
+    of MXFP4 bytes is loaded one byte a thread at a time, outside the pipeline (sm_90 SASS: LDG.E.U8
+    instead of 16-byte async copies; bench/NOTES.md)."""
+    return lax.div(k0, per)
+
+
 def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
     """Inside a kernel: float32 acc [rows, columns] + x's columns [k0, k0 + bk) (load_x(slice), in x's
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
@@ -303,8 +313,8 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
         w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
     blocks_ref, scales_ref = w_refs
-    codes = blocks_ref[layer, e, cols, pl.ds(k0 // 2, bk // 2)]
-    scales = scales_ref[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, bk // MXFP4_GROUP)]
+    codes = blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 2), bk // 2)]
+    scales = scales_ref[layer, e, cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
     if SCALED_DOT and x.dtype == jnp.bfloat16:
         return mxfp4_dot(acc, x, codes, scales)
     return _mxfp4_dot_reference(acc, x, codes, scales)
@@ -339,14 +349,14 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
                                        .astype(jnp.float32) * x, axis=0) for acc, cols in zip(accs, column_blocks))
         blocks_ref, scales_ref = w_refs
         half, groups = bk // 2, bk // MXFP4_GROUP
-        inside = k0 // 2 + jnp.arange(half) < K // 2
-        whole = k0 // MXFP4_GROUP + jnp.arange(groups) < K // MXFP4_GROUP
+        inside = packed_offset(k0, 2) + jnp.arange(half) < K // 2
+        whole = packed_offset(k0, MXFP4_GROUP) + jnp.arange(groups) < K // MXFP4_GROUP
         pairs = load(x_ref.at[row, pl.ds(k0, bk)], k0 + jnp.arange(bk) < K).astype(jnp.float32).reshape(half, 2)
         even, odd = (column[None, :] for column in lax.unstack(pairs, axis=1))
         out = []
         for acc, cols in zip(accs, column_blocks):
-            codes = load(blocks_ref.at[layer, e, cols, pl.ds(k0 // 2, half)], inside[None, :]).astype(jnp.int32)
-            power = scale_power(load(scales_ref.at[layer, e, cols, pl.ds(k0 // MXFP4_GROUP, groups)], whole[None, :]))
+            codes = load(blocks_ref.at[layer, e, cols, pl.ds(packed_offset(k0, 2), half)], inside[None, :]).astype(jnp.int32)
+            power = scale_power(load(scales_ref.at[layer, e, cols, pl.ds(packed_offset(k0, MXFP4_GROUP), groups)], whole[None, :]))
             power = jnp.broadcast_to(power[:, :, None], (*power.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
             out.append(acc + jnp.sum((e2m1(codes & 15) * even + e2m1(codes >> 4) * odd) * power, axis=1))
         return tuple(out)
