@@ -32,64 +32,32 @@ from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, packed_offset, scale_p
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
 VARIANTS = ("bytes", "low", "raw", "asm")
-# Four MXFP4 bytes ($2) and their scale bytes ($3, equal: one group) to the bf16 values of their four
-# low codes (DECODE_PTX[0]) or high codes ([1]) ($0, $1: two a register). A code s e1 e0 m placed as
+# Four MXFP4 bytes ($2) and each one's scale byte ($3) to the bf16 values of their four low codes
+# (DECODE_PTX[0]) or high codes ([1]) ($0, $1: two a register). A code s e1 e0 m placed as
 # bf16 bits s << 15 | e1 e0 m << 6 is 2^-126 times its value (e = 0: a subnormal m 2^-127), so one
 # multiply by 2^126 (0x7E80) decodes two codes at once and one by 2^(scale - 127) (the scale's byte
 # << 7) scales them; both exact. (Pallas lowers an asm of one result only: two calls.)
-DECODE_PTX = ("""
-{
-.reg .b32 c, f, a, t, u, two126, nz;
-mov.b32 two126, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-mov.b32 c, $2;
-and.b32 c, c, 0x0F0F0F0F;
-prmt.b32 f, $3, 0, 0x4040;
+HALF_PTX = """
+prmt.b32 a, c, 0, {lanes};
+prmt.b32 f, $3, 0, {lanes};
 shl.b32 f, f, 7;
-prmt.b32 a, c, 0, 0x4140;
 shl.b32 t, a, 6;
 shl.b32 u, a, 12;
 and.b32 t, t, 0x01C001C0;
 and.b32 u, u, 0x80008000;
 or.b32 a, t, u;
 fma.rn.bf16x2 a, a, two126, nz;
-mul.rn.bf16x2 $0, a, f;
-prmt.b32 a, c, 0, 0x4342;
-shl.b32 t, a, 6;
-shl.b32 u, a, 12;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, u, 0x80008000;
-or.b32 a, t, u;
-fma.rn.bf16x2 a, a, two126, nz;
-mul.rn.bf16x2 $1, a, f;
-}
-""", """
-{
-.reg .b32 c, f, a, t, u, two126, nz;
-mov.b32 two126, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-shr.u32 c, $2, 4;
-and.b32 c, c, 0x0F0F0F0F;
-prmt.b32 f, $3, 0, 0x4040;
-shl.b32 f, f, 7;
-prmt.b32 a, c, 0, 0x4140;
-shl.b32 t, a, 6;
-shl.b32 u, a, 12;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, u, 0x80008000;
-or.b32 a, t, u;
-fma.rn.bf16x2 a, a, two126, nz;
-mul.rn.bf16x2 $0, a, f;
-prmt.b32 a, c, 0, 0x4342;
-shl.b32 t, a, 6;
-shl.b32 u, a, 12;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, u, 0x80008000;
-or.b32 a, t, u;
-fma.rn.bf16x2 a, a, two126, nz;
-mul.rn.bf16x2 $1, a, f;
-}
-""")
+mul.rn.bf16x2 {out}, a, f;"""  # elements `lanes` (byte lanes of c and of the scales) into register `out`
+
+
+def decode_ptx(high: bool) -> str:
+    """DECODE_PTX's low (high=False) or high codes."""
+    return ("{\n.reg .b32 c, f, a, t, u, two126, nz;\nmov.b32 two126, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
+            + ("shr.u32 c, $2, 4;" if high else "mov.b32 c, $2;") + "\nand.b32 c, c, 0x0F0F0F0F;"
+            + HALF_PTX.format(lanes="0x4140", out="$0") + HALF_PTX.format(lanes="0x4342", out="$1") + "\n}")
+
+
+DECODE_PTX = (decode_ptx(False), decode_ptx(True))
 TILES = ((64, 128), (128, 64))  # (columns, K step)
 
 
