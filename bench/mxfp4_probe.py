@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bench import common
-from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, packed_offset, scale_power
+from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, packed_offset, per_byte, scale_power
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
 VARIANTS = ("bytes", "low", "raw", "asm")
@@ -69,28 +69,21 @@ def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: b
         def step(i, acc):
             k0 = i * bk
             codes = c_ref[cols, pl.ds(packed_offset(k0, 2), bk // 2)]
-            power = scale_power(s_ref[cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)])
+            scales = s_ref[cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
+            product = lambda a, b: lax.dot_general(a, b.astype(a.dtype), (((1,), (1,)), ((), ())),
+                                                   preferred_element_type=jnp.float32)
             if variant == "asm":
-                repeat = MXFP4_GROUP // 2
-                group = s_ref[cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
-                byte_scales = jnp.broadcast_to(group[:, :, None], (bn, bk // 32, repeat)).reshape(bn, bk // 2)
                 low, high = (plgpu.elementwise_inline_asm(
-                    ptx, args=[codes, byte_scales], constraints="=r,=r,r,r", pack=4,
+                    ptx, args=[codes, per_byte(scales)], constraints="=r,=r,r,r", pack=4,
                     result_shape_dtypes=[jax.ShapeDtypeStruct((bn, bk // 2), jnp.bfloat16)])[0] for ptx in DECODE_PTX)
                 even, odd = x_ref[:, pl.ds(k0, bk // 2, 2)], x_ref[:, pl.ds(k0 + 1, bk // 2, 2)]
-                product = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 return acc + product(even, low) + product(odd, high)
             if variant == "bytes":
-                x = x_ref[:, pl.ds(k0, bk)]
-                repeat = MXFP4_GROUP // 2  # a byte's power: its group's
-                w = decode(codes, jnp.broadcast_to(power[:, :, None], (bn, bk // 32, repeat)).reshape(bn, bk // 2))
-            else:
-                x = x_ref[:, pl.ds(packed_offset(k0, 2), bk // 2)]
-                w = codes.astype(jnp.float32)
-                if variant == "low":
-                    half = jnp.broadcast_to(power[:, :, None], (bn, bk // 32, MXFP4_GROUP // 2)).reshape(bn, bk // 2)
-                    w = e2m1(codes.astype(jnp.int32) & 15) * half
-            return acc + lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                return acc + product(x_ref[:, pl.ds(k0, bk)], decode(codes, per_byte(scale_power(scales))))
+            w = codes.astype(jnp.float32)  # raw
+            if variant == "low":
+                w = e2m1(codes.astype(jnp.int32) & 15) * per_byte(scale_power(scales))
+            return acc + product(x_ref[:, pl.ds(packed_offset(k0, 2), bk // 2)], w)
 
         o_ref[:, cols] = lax.fori_loop(0, K // bk, step, jnp.zeros((M, bn), jnp.float32))
 

@@ -141,11 +141,16 @@ def mxfp4_dot(acc, x, codes, scales):
     return mxfp4_dot_p.bind(acc, x, codes, scales)
 
 
+def per_byte(groups):
+    """[columns, 16 n]: each of groups [columns, n] (an MXFP4 scale a group, or its power) for each of
+    its group's MXFP4_GROUP // 2 bytes, by a broadcast and a reshape (a kernel has no repeat)."""
+    columns, n = groups.shape
+    return jnp.broadcast_to(groups[:, :, None], (columns, n, MXFP4_GROUP // 2)).reshape(columns, n * MXFP4_GROUP // 2)
+
+
 def _mxfp4_dot_reference(acc, x, codes, scales):
     """mxfp4_dot by `decode` in registers and x's dtype's product (the kernels' own path without it)."""
-    groups = scale_power(scales)
-    power = jnp.broadcast_to(groups[:, :, None], (*groups.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
-    w = decode(codes, power).astype(x.dtype)
+    w = decode(codes, per_byte(scale_power(scales))).astype(x.dtype)
     return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -349,15 +354,15 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
                                        .astype(jnp.float32) * x, axis=0) for acc, cols in zip(accs, column_blocks))
         blocks_ref, scales_ref = w_refs
         half, groups = bk // 2, bk // MXFP4_GROUP
-        inside = packed_offset(k0, 2) + jnp.arange(half) < K // 2
-        whole = packed_offset(k0, MXFP4_GROUP) + jnp.arange(groups) < K // MXFP4_GROUP
+        byte0, group0 = packed_offset(k0, 2), packed_offset(k0, MXFP4_GROUP)
+        inside = byte0 + jnp.arange(half) < K // 2
+        whole = group0 + jnp.arange(groups) < K // MXFP4_GROUP
         pairs = load(x_ref.at[row, pl.ds(k0, bk)], k0 + jnp.arange(bk) < K).astype(jnp.float32).reshape(half, 2)
         even, odd = (column[None, :] for column in lax.unstack(pairs, axis=1))
         out = []
         for acc, cols in zip(accs, column_blocks):
-            codes = load(blocks_ref.at[layer, e, cols, pl.ds(packed_offset(k0, 2), half)], inside[None, :]).astype(jnp.int32)
-            power = scale_power(load(scales_ref.at[layer, e, cols, pl.ds(packed_offset(k0, MXFP4_GROUP), groups)], whole[None, :]))
-            power = jnp.broadcast_to(power[:, :, None], (*power.shape, MXFP4_GROUP // 2)).reshape(codes.shape)
+            codes = load(blocks_ref.at[layer, e, cols, pl.ds(byte0, half)], inside[None, :]).astype(jnp.int32)
+            power = per_byte(scale_power(load(scales_ref.at[layer, e, cols, pl.ds(group0, groups)], whole[None, :])))
             out.append(acc + jnp.sum((e2m1(codes & 15) * even + e2m1(codes >> 4) * odd) * power, axis=1))
         return tuple(out)
 
