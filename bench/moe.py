@@ -4,17 +4,17 @@
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
-experts, 4 routed a row), and T rows with random routing, it times three implementations as the
-decoder's layer scan would call them, at a traced layer of the stacks: the kernel's two forms (row
-blocks through the matrix unit; one row at a time in registers; `rule` names the one the kernel picks
-at T) and the reference (lax.ragged_dot; MXFP4 dequantized first). The floor is the routed experts' bytes (MXFP4:
-packed bytes and scales): the distinct experts hit times one expert's bytes, over the copy bandwidth
-measured in the same run. Each timed call is one of REPEATS in a scan, each with its own routing and
-alternating between the two layers of the stacks, so no call finds its experts in L2. Both kernel
-forms' outputs are checked against the reference first (`max_rel_err`). Writes DIR/moe.json (mxfp4:
-moe_mxfp4.json; --tiny: moe_tiny.json / moe_mxfp4_tiny.json,
-small shapes on the CPU, the kernel in interpret mode: a smoke test of this script) and prints a table
-last.
+experts, 4 routed a row), and T rows with random routing, it times four implementations as the
+decoder's layer scan would call them, at a traced layer of the stacks: the kernel's three forms (row
+blocks through the matrix unit; one row at a time in registers; row blocks of wide column blocks with K
+split among programs; `rule` names the one the kernel picks at T) and the reference (lax.ragged_dot;
+MXFP4 dequantized first). The floor is the routed experts' bytes (MXFP4: packed bytes and scales):
+the distinct experts hit times one expert's bytes, over the copy bandwidth measured in the same run.
+Each timed call is one of REPEATS in a scan, each with its own routing and alternating between the two
+layers of the stacks, so no call finds its experts in L2. Every kernel form's outputs are checked
+against the reference first (`max_rel_err`). Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny:
+moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke
+test of this script) and prints a table last.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from jax import lax
 
 from bench import common
 import pallas_kernels as kernels
-from pallas_kernels.moe import MXFP4, moe_experts_pallas, takes_one_row
+from pallas_kernels.moe import FORMS, MXFP4, default_form, moe_experts_pallas
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
 SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}
@@ -44,14 +44,15 @@ def routing(key, repeats: int, T: int, E: int, k: int):
     return ids, jax.nn.softmax(jax.random.normal(k2, (repeats, T, k)), axis=-1)
 
 
-IMPLEMENTATIONS = {"reference": "XLA", "row_blocks": "row-block kernel", "one_row": "one-row kernel"}
+IMPLEMENTATIONS = {"reference": "XLA", "row_blocks": "row-block kernel", "one_row": "one-row kernel",
+                   "split_k": "split-K kernel"}
 
 
 def experts(implementation: str, *args):
-    """One layer's routed experts by XLA's grouped product, or the kernel in one of its two forms."""
+    """One layer's routed experts by XLA's grouped product, or the kernel in one of its forms."""
     if implementation == "reference":
         return kernels.moe_experts(*args, backend="reference")
-    return moe_experts_pallas(*args, interpret=kernels.interpret_default(), one_row=implementation == "one_row")
+    return moe_experts_pallas(*args, interpret=kernels.interpret_default(), form=implementation)
 
 
 def layer_fn(implementation: str):
@@ -88,11 +89,11 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float) -> dict:
     layer = jnp.int32(1)
     want = experts("reference", x, ids[0], weights[0], *stacks, layer)
     errors = [float(jnp.abs(experts(i, x, ids[0], weights[0], *stacks, layer) - want).max() / jnp.abs(want).max())
-              for i in ("row_blocks", "one_row")]
+              for i in FORMS]
     distinct = float(np.mean([len(np.unique(np.asarray(i))) for i in ids]))
     expert_bytes = sum(a.nbytes for a in jax.tree.leaves(stacks)) / (LAYERS * E)
     floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
-    rule = "one_row" if takes_one_row(T, isinstance(stacks[0], MXFP4)) else "row_blocks"
+    rule = default_form(T, isinstance(stacks[0], MXFP4))
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
     for implementation in IMPLEMENTATIONS:
         us = common.seconds_per_call(layer_fn(implementation), x, ids, weights, *stacks) / repeats * 1e6

@@ -30,7 +30,8 @@ scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the b
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`); not yet
 measured since (bench/NOTES.md). A decode step's single row
-takes the one-row form of both calls (`takes_one_row`). The reference decodes the layer's whole stack
+takes the one-row form of both calls (`default_form`); a third form, split K (`FORMS`), keeps
+wide column blocks when few experts are hit. The reference decodes the layer's whole stack
 with the same function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
@@ -52,7 +53,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 
-from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, matmul_precision, next_pow2
+from pallas_kernels._common import MIN_TILE, TARGET_PROGRAMS, divisor, matmul_precision, next_pow2, num_splits
 
 ACTIVATIONS = ("silu", "gpt_oss")
 GPT_OSS_LIMIT = 7.0  # gpt-oss's clamp of the gate (above) and the up projection (both sides)
@@ -80,6 +81,13 @@ ROW_STEP_ELEMENTS = 8192
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 9-22% faster at 8-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
 SCALED_DOT = True
+# The split-K form (`FORMS`): row blocks of wide column blocks, K split among programs, partial sums
+# added (and the gate/up activation applied) by XLA after each call. A decode step's few experts fill
+# the GPU only as narrow column blocks, and over [K, N] stacks a 16-column bf16 block reads 32 bytes of
+# each row of K, 3 KB apart (Qwen3-30B-A3B); splitting K keeps each program's runs SPLIT_COLUMNS wide.
+SPLIT_GATE_UP_COLUMNS = 128
+SPLIT_DOWN_COLUMNS = 256
+FORMS = ("row_blocks", "one_row", "split_k")
 
 
 @jax.tree_util.register_dataclass
@@ -273,13 +281,13 @@ def k_steps(K: int, bk: int) -> tuple[int, list[tuple[int, int]]]:
     return full, tail
 
 
-def _over_k(step, acc, K: int, bk: int):
-    """Inside a kernel: acc through step(acc, k0, size) over K: a loop of bk-weight steps, then `k_steps`'
-    static tail."""
+def _over_k(step, acc, K: int, bk: int, first=0):
+    """Inside a kernel: acc through step(acc, k0, size) over K weights from `first` (a split's chunk):
+    a loop of bk-weight steps, then `k_steps`' static tail."""
     full, tail = k_steps(K, bk)
-    acc = lax.fori_loop(0, full, lambda i, acc: step(acc, i * bk, bk), acc)
+    acc = lax.fori_loop(0, full, lambda i, acc: step(acc, first + i * bk, bk), acc)
     for start, size in tail:
-        acc = step(acc, start, size)
+        acc = step(acc, first + start, size)
     return acc
 
 
@@ -325,9 +333,20 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
     return _mxfp4_dot_reference(acc, x, codes, scales)
 
 
-def takes_one_row(rows: int, packed: bool) -> bool:
-    """Whether the kernel takes its one-row form: one row (a decode step's) through MXFP4 stacks."""
-    return rows == 1 and packed
+def default_form(rows: int, packed: bool) -> str:
+    """The kernel's form (`FORMS`) for `rows` token rows: one row (a decode step's) through MXFP4
+    stacks takes the one-row form, everything else row blocks."""
+    return "one_row" if rows == 1 and packed else "row_blocks"
+
+
+def k_splits(K: int, programs: int, packed: bool) -> int:
+    """The split-K form's chunks of K for `programs` (slot, column block) programs: `num_splits`'
+    count, lowered until whole scale groups (MXFP4) or MIN_TILE rows divide evenly among them."""
+    units = K // (MXFP4_GROUP if packed else MIN_TILE)
+    splits = num_splits(programs, units)
+    while units % splits:
+        splits -= 1
+    return splits
 
 
 def row_step(K: int, columns: int) -> int:
@@ -370,13 +389,23 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
     return lax.fori_loop(0, -(-K // bk), step, zeros)
 
 
+def _split_chunk(K: int, splits: int):
+    """Inside a kernel, at its top level (interpret mode reads program ids there only): (split, first,
+    size) of this program's chunk of K, the grid's third axis (one chunk when splits is 1)."""
+    split = pl.program_id(2)
+    return split, split * (K // splits) if splits > 1 else 0, K // splits
+
+
 def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk: int, bf: int, activation: str,
-                    packed: bool, biased: bool, one_row: bool):
+                    packed: bool, biased: bool, one_row: bool, splits: int):
+    """a_ref [rows, F]: the activations; with splits > 1 instead float32 partial gate/up columns
+    [splits, rows, 2F], neither biased nor activated (`moe_experts_pallas` adds them up)."""
     w_refs, (*b_ref, a_ref) = refs[:1 + packed], refs[1 + packed:]
     j = pl.program_id(1)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
-    F = a_ref.shape[1]
+    F = a_ref.shape[-1] // 2 if splits > 1 else a_ref.shape[-1]
     gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)
+    split, first, K = _split_chunk(x_ref.shape[1], splits)
     bias = lambda cols: b_ref[0][layer, e, cols].astype(jnp.float32)
 
     def row(r, _):
@@ -394,7 +423,11 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
                     _product(acc[1], load_x, w_refs, layer, e, k0, size, up))
 
         zeros = jnp.zeros((bm, bf), jnp.float32)
-        g, u = _over_k(step, (zeros, zeros), x_ref.shape[1], bk)
+        g, u = _over_k(step, (zeros, zeros), K, bk, first)
+        if splits > 1:
+            for cols, h in ((gate, g), (up, u)):
+                plgpu.store(a_ref.at[split, pl.ds(start, bm), cols], h, mask=real[:, None])
+            return
         if biased:
             g, u = g + bias(gate)[None, :], u + bias(up)[None, :]
         a = activate(g, u, activation)
@@ -404,11 +437,14 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
 
 
 def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool,
-                 one_row: bool):
+                 one_row: bool, splits: int):
+    """y_ref [rows, D] float32: the experts' outputs; with splits > 1 partial sums [splits, rows, D],
+    not biased."""
     w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
     bias = lambda: b_ref[0][layer, e, cols].astype(jnp.float32)
+    split, first, K = _split_chunk(a_ref.shape[1], splits)
 
     def row(r, _):
         (y,) = _row_products(a_ref, r, w_refs, layer, e, (cols,), bk)
@@ -417,7 +453,10 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
     def rows(start, real):
         load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
         step = lambda acc, k0, size: _product(acc, load_a, w_refs, layer, e, k0, size, cols)
-        y = _over_k(step, jnp.zeros((bm, bd), jnp.float32), a_ref.shape[1], bk)
+        y = _over_k(step, jnp.zeros((bm, bd), jnp.float32), K, bk, first)
+        if splits > 1:
+            plgpu.store(y_ref.at[split, pl.ds(start, bm), cols], y, mask=real[:, None])
+            return
         if biased:
             y = y + bias()[None, :]
         plgpu.store(y_ref.at[pl.ds(start, bm), cols], y, mask=real[:, None])
@@ -447,10 +486,10 @@ def _slot_call(kernel, name: str, grid, out_shape, args, w, bias, *, params, int
 
 def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
                        b_down=None, activation: str = "silu", interpret: bool = False, num_warps: int = 4,
-                       num_stages: int = 3, one_row: bool | None = None):
+                       num_stages: int = 3, form: str | None = None):
     """The kernels' routed experts (the reference's result, summed in another order), float32 [T, D];
     the stacks (float or MXFP4) read in place at `layer` (an int32 scalar). Shapes: `supported`.
-    `one_row`: the one-row kernels or the row-block ones (None: `takes_one_row`; bench/moe.py times both)."""
+    `form`: one of FORMS (None: `default_form`; bench/moe.py times each)."""
     T, k = expert_ids.shape
     E, D = w_gate_up.shape[1], x.shape[1]
     F = w_down.shape[-2]
@@ -463,20 +502,44 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         order, position, sizes = _route(expert_ids, E)
         slots = _slots(sizes, S)
     gate_up_packed, down_packed = isinstance(w_gate_up, MXFP4), isinstance(w_down, MXFP4)
-    one_row = takes_one_row(T, gate_up_packed and down_packed) if one_row is None else one_row
+    form = default_form(T, gate_up_packed and down_packed) if form is None else form
+    if form not in FORMS:
+        raise ValueError(f"unknown MoE kernel form {form!r}: expected one of {FORMS}")
+    one_row = form == "one_row"
     bm = 1 if one_row else block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     call = functools.partial(_slot_call, params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                              interpret=interpret)
-    bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
+    if form == "split_k":
+        bf, bd = divisor(F, SPLIT_GATE_UP_COLUMNS), divisor(D, SPLIT_DOWN_COLUMNS)
+        gate_up_splits = k_splits(D, S * (F // bf), gate_up_packed)
+        down_splits = k_splits(F, S * (D // bd), down_packed)
+    else:
+        bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
+        gate_up_splits = down_splits = 1
     step = (lambda K, columns, packed: row_step(K, columns)) if one_row else step_rows
-    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step(D, bf, gate_up_packed), bf=bf, activation=activation,
-                               packed=gate_up_packed, biased=b_gate_up is not None, one_row=one_row),
-             "moe_gate_up", (S, F // bf), jax.ShapeDtypeStruct((N + bm, F), x.dtype),
-             [layer, slots, tokens, x], w_gate_up, b_gate_up)
-    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F, bd, down_packed), bd=bd, packed=down_packed,
-                               biased=b_down is not None, one_row=one_row),
-             "moe_down", (S, D // bd), jax.ShapeDtypeStruct((N + bm, D), jnp.float32),
-             [layer, slots, a], w_down, b_down)
+    out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(
+        (N + bm, columns) if splits == 1 else (splits, N + bm, columns), dtype if splits == 1 else jnp.float32)
+    expert = jnp.maximum(expert_ids.reshape(-1)[order], 0)  # each sorted row's expert (a dropped one: any)
+    # split K: the chunks' partial sums [splits, rows, columns] added up here, and biased
+    chunk_sums = lambda partial, b: (partial[:, :N].sum(axis=0)
+                                     + (0.0 if b is None else b[layer[0], expert].astype(jnp.float32)))
+    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step(D // gate_up_splits, bf, gate_up_packed), bf=bf,
+                               activation=activation, packed=gate_up_packed,
+                               biased=b_gate_up is not None and gate_up_splits == 1, one_row=one_row,
+                               splits=gate_up_splits),
+             "moe_gate_up", (S, F // bf, gate_up_splits),
+             out_shape(gate_up_splits, 2 * F if gate_up_splits > 1 else F, x.dtype),
+             [layer, slots, tokens, x], w_gate_up, b_gate_up if gate_up_splits == 1 else None)
+    if gate_up_splits > 1:
+        h = chunk_sums(a, b_gate_up)
+        a = jnp.pad(activate(h[:, :F], h[:, F:], activation).astype(x.dtype), ((0, bm), (0, 0)))
+    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed), bd=bd,
+                               packed=down_packed, biased=b_down is not None and down_splits == 1, one_row=one_row,
+                               splits=down_splits),
+             "moe_down", (S, D // bd, down_splits), out_shape(down_splits, D, jnp.float32),
+             [layer, slots, a], w_down, b_down if down_splits == 1 else None)
+    if down_splits > 1:
+        y = chunk_sums(y, b_down)
     return _combine(y, position, expert_ids, expert_weights)

@@ -233,21 +233,24 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
                spec((M, K), jnp.bfloat16), values, scale, spec(()))
 
 
-@pytest.mark.parametrize("T, E, D, F, k, activation, packed", [
-    (1, 128, 2048, 768, 8, "silu", False),       # Qwen3-30B-A3B, a decode step: 8 slots, 16-row blocks
-    (512, 128, 2048, 768, 8, "silu", False),     # a prefill chunk: 64-row blocks
-    (64, 32, 2880, 2880, 4, "gpt_oss", False),   # gpt-oss-20b (biases), D = F = 45 x 64
-    (1, 32, 2880, 2880, 4, "gpt_oss", True),     # gpt-oss-20b's released MXFP4 experts, decoded in registers
-    (64, 32, 2880, 2880, 4, "gpt_oss", True),
-    (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot"),  # the same through Triton's scaled dot (moe.SCALED_DOT)
+@pytest.mark.parametrize("T, E, D, F, k, activation, packed, form", [
+    (1, 128, 2048, 768, 8, "silu", False, None),       # Qwen3-30B-A3B, a decode step: 8 slots, 16-row blocks
+    (1, 128, 2048, 768, 8, "silu", False, "split_k"),  # the same with K split, 128/256-column blocks
+    (512, 128, 2048, 768, 8, "silu", False, None),     # a prefill chunk: 64-row blocks
+    (64, 32, 2880, 2880, 4, "gpt_oss", False, None),   # gpt-oss-20b (biases), D = F = 45 x 64
+    (1, 32, 2880, 2880, 4, "gpt_oss", True, None),     # gpt-oss-20b's released MXFP4 experts, decoded in registers
+    (1, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", "split_k"),
+    (64, 32, 2880, 2880, 4, "gpt_oss", True, None),
+    (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", None),  # the same through Triton's scaled dot (moe.SCALED_DOT)
 ])
-def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed):
+def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed, form):
     monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")
     biased = activation == "gpt_oss"
     stack = lambda K, N: (MXFP4(spec((2, E, N, K // 2), jnp.uint8), spec((2, E, N, K // 32), jnp.uint8)) if packed
                           else spec((2, E, K, N), jnp.bfloat16))
     check_cuda(lambda x, ids, w, w_gate_up, w_down, layer, b_gate_up, b_down: moe_experts_pallas(
-                   x, ids, w, w_gate_up, w_down, layer, b_gate_up=b_gate_up, b_down=b_down, activation=activation),
+                   x, ids, w, w_gate_up, w_down, layer, b_gate_up=b_gate_up, b_down=b_down, activation=activation,
+                   form=form),
                spec((T, D), jnp.bfloat16), spec((T, k)), spec((T, k), jnp.float32), stack(D, 2 * F), stack(F, D),
                spec(()), spec((2, E, 2 * F), jnp.bfloat16) if biased else None,
                spec((2, E, D), jnp.bfloat16) if biased else None)

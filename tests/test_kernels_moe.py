@@ -58,9 +58,9 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
     return out
 
 
-# The reference, the kernel's two forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
+# The reference, the kernel's three forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion).
-IMPLEMENTATIONS = ("reference", "row blocks", "one row", "scaled dot")
+IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot")
 
 
 def run(implementation: str, inputs, activation: str):
@@ -71,7 +71,8 @@ def run(implementation: str, inputs, activation: str):
         return np.asarray(pallas_kernels.moe_experts(*args, **options, backend="reference"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "SCALED_DOT", implementation == "scaled dot")
-        return np.asarray(moe_experts_pallas(*args, **options, interpret=True, one_row=implementation == "one row"))
+        form = "row_blocks" if implementation == "scaled dot" else implementation
+        return np.asarray(moe_experts_pallas(*args, **options, interpret=True, form=form))
 
 
 @pytest.mark.parametrize("T, activation, biased, dtype, experts", [
