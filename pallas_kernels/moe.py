@@ -28,11 +28,11 @@ Either stack may be `MXFP4` (gpt-oss's released expert form, 4.25 bits a weight 
 kernel then reads each routed expert's packed bytes and scales once, bf16 rows through Triton's
 scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the bytes floor is a
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
-byte at a time outside the pipeline (their offsets by floor division: `packed_offset`); not yet
-measured since (bench/NOTES.md). A decode step's single row
-takes the one-row form of both calls (`default_form`); a third form, split K (`FORMS`), keeps
-wide column blocks when few experts are hit. The reference decodes the layer's whole stack
-with the same function and runs the float path.
+byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
+5.0-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
+stacks takes the one-row form of both calls (6.5x); a few rows through bf16 stacks the split-K form,
+whose programs keep wide column blocks and divide K (`default_form`). The reference decodes the
+layer's whole stack with the same function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
 expert's rows, no slot covers it, and its output row counts as zero.
@@ -78,15 +78,19 @@ MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # (4K-16K tried: equal).
 ROW_STEP_ELEMENTS = 8192
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `decode`
-# in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 9-22% faster at 8-128
+# in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
 SCALED_DOT = True
 # The split-K form (`FORMS`): row blocks of wide column blocks, K split among programs, partial sums
 # added (and the gate/up activation applied) by XLA after each call. A decode step's few experts fill
 # the GPU only as narrow column blocks, and over [K, N] stacks a 16-column bf16 block reads 32 bytes of
 # each row of K, 3 KB apart (Qwen3-30B-A3B); splitting K keeps each program's runs SPLIT_COLUMNS wide.
+# Measured on an H200 at Qwen3-30B-A3B's shapes: one row 35.5 against 48.7 us (1.96x the bytes floor
+# against 2.70x), 2-16 rows 2-12% faster; bf16 stacks take it up to SPLIT_ROWS rows (bench/NOTES.md).
+# MXFP4 stacks keep their forms (one row: 98-102 against the one-row form's 82 us).
 SPLIT_GATE_UP_COLUMNS = 128
 SPLIT_DOWN_COLUMNS = 256
+SPLIT_ROWS = 16
 FORMS = ("row_blocks", "one_row", "split_k")
 
 
@@ -334,9 +338,12 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
 
 
 def default_form(rows: int, packed: bool) -> str:
-    """The kernel's form (`FORMS`) for `rows` token rows: one row (a decode step's) through MXFP4
-    stacks takes the one-row form, everything else row blocks."""
-    return "one_row" if rows == 1 and packed else "row_blocks"
+    """The kernel's form (`FORMS`) for `rows` token rows: through MXFP4 stacks one row (a decode
+    step's) takes the one-row form; through float stacks up to SPLIT_ROWS rows split K; the rest row
+    blocks."""
+    if packed:
+        return "one_row" if rows == 1 else "row_blocks"
+    return "split_k" if rows <= SPLIT_ROWS else "row_blocks"
 
 
 def k_splits(K: int, programs: int, packed: bool) -> int:
