@@ -21,7 +21,7 @@ import pytest
 from scipy import stats
 
 from jaxspec import corpus
-from jaxspec.decoding import engine
+from jaxspec.decoding import engine, sampling
 from jaxspec.decoding.drafters import make_drafter
 from jaxspec.decoding.sampling import RowSampling, SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
@@ -267,6 +267,59 @@ def test_first_two_tokens_follow_the_target(tree):
     _, p_value = stats.chisquare(np.append(counts[keep], counts[~keep].sum()),
                                  np.append(expected[keep], expected[~keep].sum()))
     assert p_value > 1e-3
+
+
+def exact_marginals(params, cfg, prompt, n: int, rules) -> np.ndarray:
+    """float64 [n, V]: the exact distribution of each of the first n sampled tokens after `prompt`
+    under `rules`, from teacher-forced forwards over all V^(n-1) continuations (processed as the
+    sampler processes the target's logits)."""
+    V = cfg.vocab_size
+    tails = np.stack(np.unravel_index(np.arange(V ** (n - 1)), (V,) * (n - 1)), axis=1)  # every x_1..x_{n-1}
+    seqs = np.concatenate([np.tile(prompt, (len(tails), 1)), tails], axis=1)
+    score = jax.jit(lambda s: sampling.process_logits(decoder.score(params, cfg, s)[:, len(prompt) - 1:], rules))
+    probs = np.concatenate([np.asarray(score(jnp.asarray(chunk)), np.float64) for chunk in np.split(seqs, 8)])
+    joint, marginals = np.ones(len(tails)), []  # joint: P(x_1..x_k) of each continuation's first k tokens
+    for k in range(n):
+        step = probs[:, k]  # P(x_{k+1} | x_1..x_k) for each continuation's prefix
+        # each prefix of k tokens appears V^(n-1-k) times among the continuations: count it once
+        once = np.all(tails[:, k:] == 0, axis=1)
+        marginals.append((joint[once, None] * step[once]).sum(axis=0))
+        if k < n - 1:
+            joint = joint * step[np.arange(len(tails)), tails[:, k]]
+    return np.stack(marginals)
+
+
+@pytest.mark.parametrize("rules", [HOT, SamplingConfig(temperature=0.7, top_p=0.9)])
+def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules):
+    """A chain of 5 reaches draft depths the two-token test above does not: the marginal of each of
+    the first six sampled tokens (12,000 identical rows, chi-square over 8 cells each) against the
+    exact one; with top-p as well, where q and p are both filtered."""
+    params, ecfg = with_head(TINY, 11, draft_vocab=6)  # a near-uniform head over 6 of the 8 tokens
+    params = {**params, **decoder.init_params(TINY, jax.random.key(11), scale=0.25)}
+    prompt = np.random.default_rng(1).integers(0, TINY.vocab_size, 40).astype(np.int32)
+    rows, n, spec = 12000, 6, SpecConfig(method="eagle", gamma=5, eagle=ecfg).validate()
+    eng = engine.Engine(TINY, spec, rules, len(prompt) + n)
+    one_row = jax.jit(eng.prefill_cache)(params, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)]))
+    cache = repeated(one_row, rows)
+    prompts, lengths = jnp.tile(jnp.asarray(prompt), (rows, 1)), jnp.full((rows,), len(prompt), jnp.int32)
+
+    @jax.jit
+    def sample(params, cache):
+        state = eng.start(params, cache, prompts, lengths, jax.random.key(2), spec.budget(), max_new_tokens=n,
+                          stop_ids=STOP)
+        return eng.decode(params, state)
+
+    state = sample(params, cache)
+    tokens = np.asarray(state.tokens[:, len(prompt):len(prompt) + n])
+    iterations = np.asarray(state.stats.iterations)
+    assert (iterations == 1).sum() > 100 and (iterations > 1).sum() > 100  # every draft accepted, and not
+    want = exact_marginals(params, TINY, prompt, n, rules) * rows
+    for k in range(n):
+        counts = np.bincount(tokens[:, k], minlength=TINY.vocab_size)
+        keep = want[k] >= 5
+        assert counts[~keep].sum() <= max(20, 4 * want[k][~keep].sum()), (k, counts, want[k])
+        _, p_value = stats.chisquare(counts[keep], want[k][keep] * counts[keep].sum() / want[k][keep].sum())
+        assert p_value > 1e-3, (k, p_value, counts, want[k].round())
 
 
 def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense):
