@@ -9,6 +9,8 @@ same bytes and decode less, to tell the decode's arithmetic from the loads:
 - `bytes`: the kernel's own decode (`moe.decode`'s arithmetic: both nibbles, the scale, interleaved);
 - `low`: the low nibble of each byte decoded and scaled (half the arithmetic; x's first K/2 columns);
 - `raw`: each byte converted to bf16 as it is (no decoding);
+- `split`: the kernel's decode without its interleave: the low codes times x's even columns, the high
+  codes times its odd ones (x's tile split by a reshape), two products;
 - `asm`: the decode in inline PTX (`DECODE_PTX`), packed bf16 integer tricks a byte pair at a time, the
   low and high codes multiplied with x's even and odd columns (two products, nothing interleaved).
 The floor is W's bytes over the copy bandwidth measured in the same run. Writes DIR/mxfp4_probe.json
@@ -31,7 +33,7 @@ from bench import common
 from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, packed_offset, per_byte, scale_power
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
-VARIANTS = ("bytes", "low", "raw", "asm")
+VARIANTS = ("bytes", "low", "raw", "split", "asm")
 # Four MXFP4 bytes ($2) and each one's scale byte ($3) to the bf16 values of their four low codes
 # (DECODE_PTX[0]) or high codes ([1]) ($0, $1: two a register). A code s e1 e0 m placed as
 # bf16 bits s << 15 | e1 e0 m << 6 is 2^-126 times its value (e = 0: a subnormal m 2^-127), so one
@@ -80,6 +82,10 @@ def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: b
                 return acc + product(even, low) + product(odd, high)
             if variant == "bytes":
                 return acc + product(x_ref[:, pl.ds(k0, bk)], decode(codes, per_byte(scale_power(scales))))
+            if variant == "split":
+                power, codes = per_byte(scale_power(scales)), codes.astype(jnp.int32)
+                even, odd = lax.unstack(x_ref[:, pl.ds(k0, bk)].reshape(M, bk // 2, 2), axis=2)
+                return acc + product(even, e2m1(codes & 15) * power) + product(odd, e2m1(codes >> 4) * power)
             w = codes.astype(jnp.float32)  # raw
             if variant == "low":
                 w = e2m1(codes.astype(jnp.int32) & 15) * per_byte(scale_power(scales))
@@ -114,7 +120,7 @@ def main():
             for bn, bk in TILES:
                 f = jax.jit(product(variant, M, N, K, bn, bk, args.tiny))
                 out = f(x, blocks, scales)
-                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant in ("bytes", "asm") else None
+                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant in ("bytes", "split", "asm") else None
                 seconds = common.seconds_per_call(f, x, blocks, scales)
                 rows.append(dict(rows=M, variant=variant, columns=bn, k_step=bk, us=seconds * 1e6,
                                  floor_us=floor_s * 1e6, over_floor=seconds / floor_s, max_rel_err=err))
