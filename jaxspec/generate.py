@@ -50,7 +50,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     """The decoding method and its settings (shared with `python -m jaxspec.serve`)."""
     p.add_argument("--method", choices=("auto", *METHODS), default="auto",
                    help="auto (default): the planner's choice for this model, device, context and batch")
-    p.add_argument("--gamma", type=int, default=None, help="draft length of a chain (default 6, or the --tuned choice)")
+    p.add_argument("--gamma", type=int, default=None, help="draft length of a chain (default 6, eagle 4, or the --tuned choice)")
     p.add_argument("--tree", default=None,
                    help="draft a tree instead of a chain: branching per depth, e.g. 4,2,1,1 (at most 64 verified rows)")
     p.add_argument("--traversal", choices=("bfs", "dfs"), default="bfs", help="flattening order of the --tree nodes")

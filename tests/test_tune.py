@@ -94,8 +94,8 @@ def test_a_tuned_choice_per_batch():
 
 def test_settings_given_win_over_tuned_ones_over_defaults():
     """spec_from_settings, the one builder: a given setting wins, then the tuned choice's (0 or null:
-    unset; keys it does not know: ignored), then SpecConfig's default; the tuned tree brings its
-    traversal and applies unless a gamma or a tree is given."""
+    unset; keys it does not know: ignored), then the default (SpecConfig's, eagle's own chain); the
+    tuned tree brings its traversal and applies unless a gamma or a tree is given."""
     tuned = {"gamma": 3, "ratio": 0.5, "metric": "logit", "balance": None, "select_every": 0, "tree": "2,2",
              "traversal": "dfs", "tokens_per_s": 9.0}
     spec = spec_from_settings("vegas", tuned=tuned, traversal="bfs", group=None)
@@ -105,6 +105,9 @@ def test_settings_given_win_over_tuned_ones_over_defaults():
     assert (chain.tree, chain.traversal, chain.gamma, chain.ratio, chain.metric, chain.backend) == (None, "bfs", 4, 0.1, "weight", "pallas")
     assert spec_from_settings("vegas", tuned=tuned, tree=(3, 1)).tree == (3, 1)
     assert spec_from_settings() == SpecConfig().validate()
+    assert spec_from_settings("eagle").gamma == 4 != SpecConfig().gamma  # eagle's own default chain
+    assert spec_from_settings("eagle", gamma=6).gamma == 6 and spec_from_settings("eagle", tuned={"gamma": 3}).gamma == 3
+    assert spec_from_settings("eagle", tree=(3, 2, 1)).gamma == 3
 
 
 def test_generate_takes_the_tuned_settings_of_its_batch(hf_checkpoints, tmp_path, capsys):

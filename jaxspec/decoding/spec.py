@@ -275,17 +275,25 @@ class Budget:
         return Budget(self.ratio * share / live_mean(share), self.min_tokens)
 
 
+# The chain an EAGLE-3 head drafts when nothing sets one (SpecConfig's gamma for every other method):
+# its fed-back draft steps are accepted less and less. Measured on an H200, SmolLM2's shipped head at
+# 1 x 7.5K sampled: chains of 3 / 4 / 5 ran 1.68x / 1.85-1.90x / 1.36-1.54x plain (bench/NOTES.md).
+EAGLE_GAMMA = 4
+
+
 def spec_from_settings(method: str = "plain", *, tuned: dict | None = None, **settings) -> SpecConfig:
     """The validated SpecConfig of `method` and user settings (SpecConfig fields): a setting given
     (not None) wins over the `tuned` choice's (a tuned file's entry at the run's batch, `at_batch`;
-    only TUNED_KEYS, and a tuned 0 or null counts as unset), which wins over SpecConfig's default.
-    The tuned tree, with its traversal (bfs if it has none), applies unless a gamma or a tree is
-    given: a given gamma asks for a chain."""
+    only TUNED_KEYS, and a tuned 0 or null counts as unset), which wins over the default
+    (SpecConfig's; eagle's chain: EAGLE_GAMMA). The tuned tree, with its traversal (bfs if it has
+    none), applies unless a gamma or a tree is given: a given gamma asks for a chain."""
     given = {key: value for key, value in settings.items() if value is not None}
     chosen = {key: value for key, value in (tuned or {}).items() if key in TUNED_KEYS and value}
     tree, traversal = chosen.pop("tree", None), chosen.pop("traversal", None)
     if tree and "gamma" not in given and "tree" not in given:
         given |= {"tree": TreeShape.parse(tree).branching, "traversal": traversal or "bfs"}
+    if method == "eagle" and not {"gamma", "tree"} & (given.keys() | chosen.keys()):
+        given["gamma"] = EAGLE_GAMMA
     return SpecConfig(method=method, **(chosen | given)).validate()
 
 
