@@ -29,7 +29,7 @@ kernel then reads each routed expert's packed bytes and scales once, bf16 rows t
 scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the bytes floor is a
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
-5.0-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
+4.9-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
 stacks takes the one-row form of both calls (6.5x); a few rows through bf16 stacks the split-K form,
 whose programs keep wide column blocks and divide K (`default_form`). The reference decodes the
 layer's whole stack with the same function and runs the float path.
@@ -72,9 +72,10 @@ MAX_ROWS = 64  # rows per row block: an expert's further rows take further block
 MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # A decode step's single row with MXFP4 stacks takes the one-row kernels: float32 multiply-and-sum in
 # registers instead of the matrix unit (which pads the row to 16 and takes each decoded tile through
-# shared memory into its operand layout). Measured on an H200 at gpt-oss-20b's shapes: 131 against 164
-# us; with bf16 stacks, or more rows, the row-block kernels win (bench/NOTES.md, "the experts
-# kernel's one-row form"). ROW_STEP_ELEMENTS: the weights of a column block a loop step reads
+# shared memory into its operand layout). Measured on an H200 at gpt-oss-20b's shapes: 82 against
+# 106-110 us for row blocks and 98-102 for split K (131 against 164 before `packed_offset`); with bf16
+# stacks, or more rows, the other forms win (bench/NOTES.md, "the experts kernel's one-row form" and
+# "the floor-division fix"). ROW_STEP_ELEMENTS: the weights of a column block a loop step reads
 # (4K-16K tried: equal).
 ROW_STEP_ELEMENTS = 8192
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `decode`
