@@ -571,11 +571,10 @@ class Scheduler:
         whole = planner.whole_rows(since, self._last)
         end = self._last[0]
         start = np.where(whole, since[0], end)
-        replays = {}
-        for strategy in self.refinement.replayed:
-            iterations = np.asarray(self._replay(strategy, start, end)(self._state.tokens, start, end))
-            replays[strategy] = planner.Observation.replayed(end - start, iterations, whole)
-        return replays
+        # every replay dispatched before the first is read: one wait on the device, not one a strategy
+        running = {s: self._replay(s, start, end)(self._state.tokens, start, end) for s in self.refinement.replayed}
+        return {s: planner.Observation.replayed(end - start, np.asarray(iterations), whole)
+                for s, iterations in running.items()}
 
     def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: np.ndarray):
         """`strategy`'s `Ngram.replay` over the state's tokens, compiled once per strategy and tokens'
