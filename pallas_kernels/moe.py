@@ -220,6 +220,12 @@ def _combine(y, position, expert_ids, expert_weights):
     return jnp.einsum("tkd,tk->td", rows, expert_weights, precision=lax.Precision.HIGHEST)
 
 
+def _row_experts(expert_ids, order):
+    """[T*k]: the expert of each assignment in sorted order (a dropped one's: 0, any expert, its row
+    unused), to gather per-expert biases by."""
+    return jnp.maximum(expert_ids.reshape(-1)[order], 0)
+
+
 def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_gate_up=None,
                           b_down=None, activation: str = "silu"):
     """The routed experts through XLA's grouped product (lax.ragged_dot) over the sorted assignments,
@@ -227,7 +233,7 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, laye
     float32 [T, D]."""
     k = expert_ids.shape[1]
     order, position, sizes = _route(expert_ids, w_gate_up.shape[1])
-    expert = jnp.maximum(expert_ids.reshape(-1)[order], 0)  # dropped rows, past the groups: any bias, unused
+    expert = _row_experts(expert_ids, order)
     product = functools.partial(lax.ragged_dot, group_sizes=sizes, precision=matmul_precision(x.dtype),
                                 preferred_element_type=jnp.float32)
     at_layer = lambda w: dequantize(jax.tree.map(lambda a: a[layer], w)) if isinstance(w, MXFP4) else w[layer]
@@ -529,25 +535,27 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     step = (lambda K, columns, packed: row_step(K, columns)) if one_row else step_rows
     out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(
         (N + bm, columns) if splits == 1 else (splits, N + bm, columns), dtype if splits == 1 else jnp.float32)
-    expert = jnp.maximum(expert_ids.reshape(-1)[order], 0)  # each sorted row's expert (a dropped one: any)
-    # split K: the chunks' partial sums [splits, rows, columns] added up here, and biased
-    chunk_sums = lambda partial, b: (partial[:, :N].sum(axis=0)
-                                     + (0.0 if b is None else b[layer[0], expert].astype(jnp.float32)))
+    in_kernel = lambda b, splits: b if splits == 1 else None  # split K: the kernels leave the bias out
+
+    def chunk_sums(partial, b):
+        """Split K: the chunks' partial sums [splits, rows, columns] added up, and biased."""
+        total = partial[:, :N].sum(axis=0)
+        return total if b is None else total + b[layer[0], _row_experts(expert_ids, order)].astype(jnp.float32)
+
+    gate_up_bias, down_bias = in_kernel(b_gate_up, gate_up_splits), in_kernel(b_down, down_splits)
     a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step(D // gate_up_splits, bf, gate_up_packed), bf=bf,
-                               activation=activation, packed=gate_up_packed,
-                               biased=b_gate_up is not None and gate_up_splits == 1, one_row=one_row,
-                               splits=gate_up_splits),
+                               activation=activation, packed=gate_up_packed, biased=gate_up_bias is not None,
+                               one_row=one_row, splits=gate_up_splits),
              "moe_gate_up", (S, F // bf, gate_up_splits),
              out_shape(gate_up_splits, 2 * F if gate_up_splits > 1 else F, x.dtype),
-             [layer, slots, tokens, x], w_gate_up, b_gate_up if gate_up_splits == 1 else None)
+             [layer, slots, tokens, x], w_gate_up, gate_up_bias)
     if gate_up_splits > 1:
         h = chunk_sums(a, b_gate_up)
         a = jnp.pad(activate(h[:, :F], h[:, F:], activation).astype(x.dtype), ((0, bm), (0, 0)))
     y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed), bd=bd,
-                               packed=down_packed, biased=b_down is not None and down_splits == 1, one_row=one_row,
-                               splits=down_splits),
+                               packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits),
              "moe_down", (S, D // bd, down_splits), out_shape(down_splits, D, jnp.float32),
-             [layer, slots, a], w_down, b_down if down_splits == 1 else None)
+             [layer, slots, a], w_down, down_bias)
     if down_splits > 1:
         y = chunk_sums(y, b_down)
     return _combine(y, position, expert_ids, expert_weights)

@@ -233,6 +233,22 @@ TINY = ModelConfig(model_type="llama", vocab_size=8, hidden_size=32, num_layers=
                    head_dim=8, intermediate_size=64, dtype="float32")
 
 
+def sampled_rows(params, spec, rules, prompt, rows: int, n: int, seed: int):
+    """The engine's final state after sampling n tokens in `rows` identical rows of `prompt` (TINY)."""
+    eng = engine.Engine(TINY, spec, rules, len(prompt) + n)
+    one_row = jax.jit(eng.prefill_cache)(params, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)]))
+    cache = repeated(one_row, rows)
+    prompts, lengths = jnp.tile(jnp.asarray(prompt), (rows, 1)), jnp.full((rows,), len(prompt), jnp.int32)
+
+    @jax.jit
+    def sample(params, cache):
+        state = eng.start(params, cache, prompts, lengths, jax.random.key(seed), spec.budget(), max_new_tokens=n,
+                          stop_ids=STOP)
+        return eng.decode(params, state)
+
+    return sample(params, cache)
+
+
 @pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow), (2, 2)])  # the chain: width-1 tree, slow
 def test_first_two_tokens_follow_the_target(tree):
     """Chi-square of the first two sampled tokens (64 cells, 12,000 identical rows) against the exact
@@ -242,18 +258,7 @@ def test_first_two_tokens_follow_the_target(tree):
     params = {**params, **decoder.init_params(TINY, jax.random.key(7), scale=0.6)}
     prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
     rows, spec = 12000, SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg).validate()
-    eng = engine.Engine(TINY, spec, HOT, len(prompt) + 2)
-    one_row = jax.jit(eng.prefill_cache)(params, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)]))
-    cache = repeated(one_row, rows)
-    prompts, lengths = jnp.tile(jnp.asarray(prompt), (rows, 1)), jnp.full((rows,), len(prompt), jnp.int32)
-
-    @jax.jit
-    def sample(params, cache):
-        state = eng.start(params, cache, prompts, lengths, jax.random.key(1), spec.budget(), max_new_tokens=2,
-                          stop_ids=STOP)
-        return eng.decode(params, state)
-
-    state = sample(params, cache)
+    state = sampled_rows(params, spec, HOT, prompt, rows, 2, seed=1)
     pairs = np.asarray(state.tokens[:, len(prompt):len(prompt) + 2])
     assert 0 < int(state.stats.accepted.sum()) < int(state.stats.iterations.sum()) * spec.draft_len
     V = TINY.vocab_size
@@ -298,18 +303,7 @@ def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules):
     params = {**params, **decoder.init_params(TINY, jax.random.key(11), scale=0.25)}
     prompt = np.random.default_rng(1).integers(0, TINY.vocab_size, 40).astype(np.int32)
     rows, n, spec = 12000, 6, SpecConfig(method="eagle", gamma=5, eagle=ecfg).validate()
-    eng = engine.Engine(TINY, spec, rules, len(prompt) + n)
-    one_row = jax.jit(eng.prefill_cache)(params, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)]))
-    cache = repeated(one_row, rows)
-    prompts, lengths = jnp.tile(jnp.asarray(prompt), (rows, 1)), jnp.full((rows,), len(prompt), jnp.int32)
-
-    @jax.jit
-    def sample(params, cache):
-        state = eng.start(params, cache, prompts, lengths, jax.random.key(2), spec.budget(), max_new_tokens=n,
-                          stop_ids=STOP)
-        return eng.decode(params, state)
-
-    state = sample(params, cache)
+    state = sampled_rows(params, spec, rules, prompt, rows, n, seed=2)
     tokens = np.asarray(state.tokens[:, len(prompt):len(prompt) + n])
     iterations = np.asarray(state.stats.iterations)
     assert (iterations == 1).sum() > 100 and (iterations > 1).sum() > 100  # every draft accepted, and not

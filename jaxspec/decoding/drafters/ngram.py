@@ -93,8 +93,9 @@ class Ngram(Drafter):
             land = lambda j, length: jnp.take_along_axis(lands[j], jnp.clip(length - base, 0, width - 1)[:, None], axis=1)[:, 0]
             length = base
             for j in reversed(range(len(lands))):  # the most iterations that stay short of stop
-                go = (length < stop) & (land(j, length) < stop)
-                length, iterations = jnp.where(go, land(j, length), length), iterations + go * (1 << j)
+                landing = land(j, length)
+                go = (length < stop) & (landing < stop)
+                length, iterations = jnp.where(go, landing, length), iterations + go * (1 << j)
             running = length < stop  # then one more, to stop or past it
             return jnp.where(running, land(0, length), length), iterations + running
 
