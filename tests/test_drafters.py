@@ -279,6 +279,40 @@ def test_ngram_chain_continues_the_best_of_the_tree_matches():
     np.testing.assert_array_equal(np.asarray(one)[1:], np.asarray(many)[1:, :1])
 
 
+@pytest.mark.parametrize("gamma, ngram_min, ngram_max", [(4, 1, 4), (2, 2, 3), (7, 1, 1)])
+def test_ngram_replay_walks_the_chains_propose_drafts(gamma, ngram_min, ngram_max):
+    """`replay` (every position's chain at once, by sorting n-grams) takes the iterations of a walk
+    that calls `propose` at each length and accepts its drafts while they equal the text: on fresh
+    rows of few tokens (many matches), some repeating a period with noise, windows from anywhere
+    to anywhere (empty ones included) and buffer slots past `end` poisoned."""
+    d = drafter("ngram", gamma=gamma, ngram_min=ngram_min, ngram_max=ngram_max)
+    rng = np.random.default_rng()
+    B, N = 6, 96
+    tokens = rng.integers(0, 4, size=(B, N)).astype(np.int32)
+    for b in range(0, B, 2):
+        period = int(rng.integers(2, 9))
+        tokens[b] = np.tile(tokens[b, :period], N // period + 1)[:N]
+        tokens[b, rng.random(N) < 0.1] = 3
+    start = rng.integers(1, N, size=B).astype(np.int32)
+    end = np.minimum(start + rng.integers(0, N, size=B), N - 4).astype(np.int32)
+    end[0], start[1], start[2] = start[0], N - 4, 1  # an empty window; one from past its end; one from the start
+    tokens[np.arange(N)[None, :] >= end[:, None] + gamma] = -7  # past every draft's reach: never read
+    propose = jax.jit(lambda t, length: d.propose(t, length, TreeShape.chain(gamma))[:, 1:])
+    drafts = np.stack([np.asarray(propose(jnp.asarray(tokens), jnp.full((B,), p, jnp.int32))) for p in range(N)], axis=1)
+    expected = []
+    for b in range(B):
+        length, iterations = int(start[b]), 0
+        while length < end[b]:
+            accepted = 0
+            while accepted < gamma and length + accepted < end[b] and drafts[b, length, accepted] == tokens[b, length + accepted]:
+                accepted += 1
+            length, iterations = length + accepted + 1, iterations + 1
+        expected.append(iterations)
+    got = np.asarray(jax.jit(d.replay)(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(end)))
+    assert got.tolist() == expected
+    assert expected[0] == expected[1] == 0 and max(expected) > 5
+
+
 # --- draft trees: the nodes of one depth draft together, each seeing its own ancestors -------------
 
 TREE = TreeShape((2, 2), "dfs")  # rows: 0 root; 1 (kids 2, 3); 4 (kids 5, 6)

@@ -20,8 +20,6 @@ from jaxspec.decoding.drafters.base import Drafter
 from jaxspec.decoding.tree import TreeShape
 
 MAX_MATCHES = 16
-REPLAY_CHUNK = 32  # window positions proposed together by `replay` ([chunk, B, N] match tensors a pass)
-REPLAY_WIDTH = 256  # positions `replay` proposes ahead of each row before walking them (REPLAY_CHUNK's multiple)
 
 
 class Ngram(Drafter):
@@ -64,43 +62,37 @@ class Ngram(Drafter):
         running the model. Why it is exact in distribution: a one-hot draft x is accepted iff the
         target's own draw equals x (accepted with probability p(x); on rejection the residual is p
         without x), so verifying drafts against text the target drew is verifying them against fresh
-        draws; the planner watches ngram this way while another strategy runs. The proposals at the
-        REPLAY_WIDTH positions from where each row stands are made at once (REPLAY_CHUNK a pass),
-        walked, and made again from where the walk stopped (an iteration may end past the stretch:
-        its drafts were proposed inside it), until every row reaches `end`: one program for windows
-        of any length, a device loop step per stretch."""
-        gamma, width = self.spec.gamma, REPLAY_WIDTH
-        tree = TreeShape.chain(gamma)
-        propose = jax.vmap(lambda length: self.propose(tokens, length, tree)[:, 1:], in_axes=1, out_axes=1)
-        B = tokens.shape[0]
+        draws; the planner watches ngram this way while another strategy runs.
 
-        def stretch(carry):
-            base, iterations = carry
-            positions = base[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]: a row's length
-            chunks = positions.reshape(B, width // REPLAY_CHUNK, REPLAY_CHUNK).transpose(1, 0, 2)
-            drafts = jax.lax.map(propose, chunks).transpose(1, 0, 2, 3).reshape(B, width, gamma)
-            cols = positions[:, :, None] + jnp.arange(gamma, dtype=jnp.int32)  # the tokens the drafts stand for
-            target = jnp.take_along_axis(tokens, jnp.minimum(cols, tokens.shape[1] - 1).reshape(B, -1), axis=1).reshape(cols.shape)
-            accepted = jnp.cumprod((drafts == target) & (cols < end[:, None, None]), axis=2).sum(axis=2)  # [B, W]
-            stop = jnp.minimum(end, base + width)
-            # The walk from base to stop by binary lifting, not an iteration at a time (a device loop
-            # of one small step per iteration waits on the host for every condition): lands[j][i] is
-            # where 2^j iterations from positions[i] land, a landing at or past stop kept there.
-            lands = [jnp.minimum(positions + accepted + 1, end[:, None])]
-            for _ in range(width.bit_length() - 1):
-                at = jnp.take_along_axis(lands[-1], jnp.clip(lands[-1] - base[:, None], 0, width - 1), axis=1)
-                lands.append(jnp.where(lands[-1] < stop[:, None], at, lands[-1]))
-            land = lambda j, length: jnp.take_along_axis(lands[j], jnp.clip(length - base, 0, width - 1)[:, None], axis=1)[:, 0]
-            length = base
-            for j in reversed(range(len(lands))):  # the most iterations that stay short of stop
-                landing = land(j, length)
-                go = (length < stop) & (landing < stop)
-                length, iterations = jnp.where(go, landing, length), iterations + go * (1 << j)
-            running = length < stop  # then one more, to stop or past it
-            return jnp.where(running, land(0, length), length), iterations + running
-
-        _, iterations = jax.lax.while_loop(lambda c: jnp.any(c[0] < end), stretch, (start, jnp.zeros_like(start)))
-        return iterations
+        Every position's chain at once, in O(N log N) and no device loop (a watch window's replay
+        is time the device does not decode): at length p the chain continues the latest earlier
+        occurrence of the longest suffix n-gram, i.e. `previous_occurrence` of the n-gram ending
+        at p - 1, and the walk from `start` to `end` goes by binary lifting."""
+        B, N = tokens.shape
+        best = jnp.full((B, N), -1, jnp.int32)  # [B, q]: where the best match of the n-gram ending at q ends
+        for n in range(self.spec.ngram_min, self.spec.ngram_max + 1):  # the longest n that matches wins
+            previous = previous_occurrence(tokens, n)
+            best = jnp.where(previous >= 0, previous, best)
+        # at length p (p >= 1): drafts tokens[min(s + k, p - 1)], s one past the match (none: s = p - 1)
+        p = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+        match = jnp.take_along_axis(best, jnp.maximum(p - 1, 0), axis=1)
+        s = jnp.where(match >= 0, match + 1, p - 1)
+        k = jnp.arange(self.spec.gamma, dtype=jnp.int32)
+        source = jnp.clip(jnp.minimum(s[:, :, None] + k, p[:, :, None] - 1), 0, N - 1)
+        drafts = jnp.take_along_axis(tokens, source.reshape(B, -1), axis=1).reshape(B, N, -1)
+        cols = p[:, :, None] + k  # the tokens the drafts stand for
+        target = jnp.take_along_axis(tokens, jnp.minimum(cols, N - 1).reshape(B, -1), axis=1).reshape(cols.shape)
+        accepted = jnp.cumprod((drafts == target) & (cols < end[:, None, None]), axis=2).sum(axis=2)  # [B, N]
+        # jumps[j][p]: where 2^j iterations from length p land (at end at most; lengths 0..N)
+        jumps = [jnp.minimum(jnp.pad(p + accepted + 1, ((0, 0), (0, 1)), constant_values=N), end[:, None])]
+        for _ in range(max(N, 1).bit_length()):
+            jumps.append(jnp.take_along_axis(jumps[-1], jumps[-1], axis=1))
+        length, iterations = start, jnp.zeros_like(start)
+        for j in reversed(range(len(jumps))):  # the most iterations that stay short of end
+            landing = jnp.take_along_axis(jumps[j], length[:, None], axis=1)[:, 0]
+            go = landing < end
+            length, iterations = jnp.where(go, landing, length), iterations + go * (1 << j)
+        return iterations + (length < end)  # then one more, to end
 
     def continuations(self, tokens, length, num_matches: int, depth: int):
         """The best `num_matches` continuation starts (longest n first, then most recent) and the
@@ -128,3 +120,21 @@ class Ngram(Drafter):
         source = jnp.minimum(start[:, :, None] + np.arange(depth), last)
         conts = jnp.take_along_axis(tokens, source.reshape(B, -1), axis=1).reshape(B, num_matches, depth)
         return conts, top >= 0
+
+
+def previous_occurrence(tokens: jax.Array, n: int) -> jax.Array:
+    """[B, N]: for the n-gram ending at each position q (q >= n - 1), the end of its latest earlier
+    occurrence, else -1. One sort of the n-grams by their tokens, then position: an occurrence's
+    predecessor in that order is its previous one."""
+    B, N = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    grams = [jnp.pad(tokens[:, : N - t], ((0, 0), (t, 0)), constant_values=-1) for t in reversed(range(n))]
+    valid = positions >= n - 1
+    keys = [jnp.where(valid, g, -1) for g in grams]
+    *ordered, at = jax.lax.sort((*keys, positions), dimension=1, num_keys=n + 1)
+    same = jnp.ones((B, N - 1), bool)
+    for o in ordered:
+        same &= o[:, 1:] == o[:, :-1]
+    same &= jnp.take_along_axis(valid, at[:, 1:], axis=1)  # a window that starts before the row matches nothing
+    previous = jnp.pad(jnp.where(same, at[:, :-1], -1), ((0, 0), (1, 0)), constant_values=-1)
+    return jnp.zeros((B, N), jnp.int32).at[jnp.arange(B)[:, None], at].set(previous)
