@@ -641,7 +641,7 @@ def test_watch_windows_run_ahead_and_stay_lossless(tiny, monkeypatch):
     reference = [g.tolist() for g in run_generation(params, cfg, batch, **{**common, "shrink": False}).generated()]
     monkeypatch.setattr(refine, "WATCH", 16)
     replays, pause = Scheduler._replays, 0.5
-    monkeypatch.setattr(Scheduler, "_replays", lambda self, *a: (time.sleep(pause), replays(self, *a))[1])
+    monkeypatch.setattr(Scheduler, "_replays", lambda self, since: (time.sleep(pause), replays(self, since))[1])
     shrink, rows = Scheduler._shrink, []
     monkeypatch.setattr(Scheduler, "_shrink", lambda self: (shrink(self), rows.append(self.rows)))
     plan = planner.Plan((Prediction(PLAIN, 100.0, 1.0, 0.02), Prediction(NGRAM, 100.0, 2.0, 0.04)), PLAIN, "table:t.json", 1024)

@@ -235,7 +235,7 @@ class Scheduler:
         if self.refinement is not None:  # the replays of its first segments (each a compile)
             length = np.asarray(jax.device_get(self._state.length))
             for strategy in self.refinement.replayed:
-                self._replay(strategy, length, self._state.length)
+                self._replay(strategy, length, length)
         if self.shrink:
             self._warm_up_shrinking()
 
@@ -500,13 +500,10 @@ class Scheduler:
         if self._ahead is None:
             self._reserve()
             self._state = self._call(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
-        report, ahead, early = self._report(), None, None
+        report, ahead = self._report(), None
         # the next segment runs while the host reads this one's report: serving's segments, and a closed
         # batch's watch windows (the device would idle through each window's hand-out; a switch comes a window later)
         if (self.segment is not None or watching) and not refining and self._running:
-            if watching and self.segment is None and self._watch_from is not None:  # a closed batch's window ends
-                # here: its replays go before the next window, not after it with the device idle
-                early = self._dispatch_replays(self._watch_from[0][0], self._state.length)
             self._reserve()  # this one's report
             ahead = self._dispatch(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
         seconds = self._deliver(start, report, ahead)
@@ -521,7 +518,7 @@ class Scheduler:
             (since, began), self._watch_from = self._watch_from, None
             seen = planner.Observation.between(since, self._last, self._last_at - began)  # to the report, not past it
             replayed = time.perf_counter()
-            replays = self._replays(since, early)
+            replays = self._replays(since)  # over the state after the segment run ahead (which has ended)
             if self._ahead is not None:  # the device idled through the replays: not the next window's time
                 self._ahead += time.perf_counter() - replayed
             target = self.refinement.watch(seen, not self._running, replays)
@@ -568,24 +565,18 @@ class Scheduler:
         self.metrics.count_preemption()
         log.info("preempted request %s after %d tokens: the KV pool is full", h.id, h.read)
 
-    def _replays(self, since, early: dict | None = None) -> dict:
+    def _replays(self, since) -> dict:
         """{Strategy: Observation.replayed} of the refinement's replayed strategies over the tokens
-        committed since the report `since` (`early`: dispatched at the window's end, else now), by
-        the rows that ran the whole window."""
+        committed since the report `since`, by the rows that ran the whole window."""
         whole = planner.whole_rows(since, self._last)
-        running = early or self._dispatch_replays(since[0], self._last[0])
-        tokens = np.where(whole, self._last[0] - since[0], 0)
-        return {s: planner.Observation.replayed(tokens, np.where(whole, np.asarray(iterations), 0), whole)
+        end = self._last[0]
+        start = np.where(whole, since[0], end)
+        # every replay dispatched before the first is read: one wait on the device, not one a strategy
+        running = {s: self._replay(s, start, end)(self._state.tokens, start, end) for s in self.refinement.replayed}
+        return {s: planner.Observation.replayed(end - start, np.asarray(iterations), whole)
                 for s, iterations in running.items()}
 
-    def _dispatch_replays(self, start: np.ndarray, end) -> dict:
-        """{Strategy: replayed iterations [B], on the device} over the state's tokens from `start` to
-        `end` [B] (host values go in as the state's lengths do: one program for both), every replay
-        dispatched before any is read (one wait on the device)."""
-        end = end if isinstance(end, jax.Array) else jax.device_put(end, self._state.length.sharding)
-        return {s: self._replay(s, start, end)(self._state.tokens, start, end) for s in self.refinement.replayed}
-
-    def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: jax.Array):
+    def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: np.ndarray):
         """`strategy`'s `Ngram.replay` over the state's tokens, compiled once per strategy and tokens'
         shape (their width is the running strategy's depth)."""
         return self._executable(programs.replay(self.cfg, strategy.spec(self.base), self.max_len), self._state.tokens, start,
