@@ -30,8 +30,8 @@ scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the b
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
-stacks takes the one-row form of both calls (6.5x); rows through bf16 stacks the split-K form, whose
-programs keep wide column blocks and, for a few rows, divide K (`default_form`). The reference decodes the
+stacks takes the one-row form of both calls (6.5x); up to 128 rows through bf16 stacks the split-K
+form, whose programs keep wide column blocks and, for a few rows, divide K (`default_form`). The reference decodes the
 layer's whole stack with the same function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
@@ -88,10 +88,12 @@ SCALED_DOT = True
 # each row of K, 3 KB apart (Qwen3-30B-A3B); splitting K keeps each program's runs SPLIT_COLUMNS wide.
 # Measured on an H200 at Qwen3-30B-A3B's shapes: one row 35.5 against 48.7 us (1.96x the bytes floor
 # against 2.70x), 2-16 rows 2-12% faster, 32-128 rows (one chunk of K: the wider column blocks alone)
-# 2-4% faster; bf16 stacks take it at every row count (bench/NOTES.md). MXFP4 stacks keep their forms
+# 2-4% faster; bf16 stacks take it up to SPLIT_ROWS rows, the measured range (bench/NOTES.md; a
+# prefill chunk's 64-row blocks of its wide columns spill on sm_90). MXFP4 stacks keep their forms
 # (one row: 98-102 against the one-row form's 82 us).
 SPLIT_GATE_UP_COLUMNS = 128
 SPLIT_DOWN_COLUMNS = 256
+SPLIT_ROWS = 128
 FORMS = ("row_blocks", "one_row", "split_k")
 
 
@@ -346,10 +348,11 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
 
 def default_form(rows: int, packed: bool) -> str:
     """The kernel's form (`FORMS`) for `rows` token rows: through MXFP4 stacks one row (a decode
-    step's) takes the one-row form and more rows row blocks; float stacks split K."""
+    step's) takes the one-row form and more rows row blocks; through float stacks up to SPLIT_ROWS
+    rows split K, more row blocks."""
     if packed:
         return "one_row" if rows == 1 else "row_blocks"
-    return "split_k"
+    return "split_k" if rows <= SPLIT_ROWS else "row_blocks"
 
 
 def k_splits(K: int, programs: int, packed: bool) -> int:
