@@ -31,8 +31,8 @@ quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code 
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
 stacks takes the one-row form of both calls (6.5x); up to 128 rows through bf16 stacks the split-K
-form, whose programs keep wide column blocks and, for a few rows, divide K (`default_form`). The reference decodes the
-layer's whole stack with the same function and runs the float path.
+form, whose programs keep wide column blocks and, for a few rows, divide K (`default_form`). The
+reference decodes the layer's whole stack with the same function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
 expert's rows, no slot covers it, and its output row counts as zero.

@@ -298,13 +298,15 @@ def test_ngram_replay_walks_the_chains_propose_drafts(gamma, ngram_min, ngram_ma
     end[0], start[1], start[2] = start[0], N - 4, 1  # an empty window; one from past its end; one from the start
     tokens[np.arange(N)[None, :] >= end[:, None] + gamma] = -7  # past every draft's reach: never read
     propose = jax.jit(lambda t, length: d.propose(t, length, TreeShape.chain(gamma))[:, 1:])
-    drafts = np.stack([np.asarray(propose(jnp.asarray(tokens), jnp.full((B,), p, jnp.int32))) for p in range(N)], axis=1)
+    drafts = np.stack([np.asarray(propose(jnp.asarray(tokens), jnp.full((B,), p, jnp.int32))) for p in range(N)],
+                      axis=1)  # [B, length, gamma]
     expected = []
     for b in range(B):
         length, iterations = int(start[b]), 0
         while length < end[b]:
             accepted = 0
-            while accepted < gamma and length + accepted < end[b] and drafts[b, length, accepted] == tokens[b, length + accepted]:
+            while (accepted < gamma and length + accepted < end[b]
+                   and drafts[b, length, accepted] == tokens[b, length + accepted]):
                 accepted += 1
             length, iterations = length + accepted + 1, iterations + 1
         expected.append(iterations)
