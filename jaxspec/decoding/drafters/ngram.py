@@ -67,32 +67,30 @@ class Ngram(Drafter):
         Every position's chain at once, in O(N log N) and no device loop (a watch window's replay
         is time the device does not decode): at length p the chain continues the latest earlier
         occurrence of the longest suffix n-gram, i.e. `previous_occurrence` of the n-gram ending
-        at p - 1, and the walk from `start` to `end` goes by binary lifting."""
+        at p - 1, and the walk from `start` to `end` is counted by pointer jumping."""
         B, N = tokens.shape
         best = jnp.full((B, N), -1, jnp.int32)  # [B, q]: where the best match of the n-gram ending at q ends
         for n in range(self.spec.ngram_min, self.spec.ngram_max + 1):  # the longest n that matches wins
             previous = previous_occurrence(tokens, n)
             best = jnp.where(previous >= 0, previous, best)
-        # at length p (p >= 1): drafts tokens[min(s + k, p - 1)], s one past the match (none: s = p - 1)
+        # at length p (p >= 1) the chain drafts tokens[min(s + k, p - 1)], s one past the match (none:
+        # s = p - 1), each checked against the text, [B, N] arrays a draft position (not [B, N, gamma])
         p = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
         match = jnp.take_along_axis(best, jnp.maximum(p - 1, 0), axis=1)
         s = jnp.where(match >= 0, match + 1, p - 1)
-        k = jnp.arange(self.spec.gamma, dtype=jnp.int32)
-        source = jnp.clip(jnp.minimum(s[:, :, None] + k, p[:, :, None] - 1), 0, N - 1)
-        drafts = jnp.take_along_axis(tokens, source.reshape(B, -1), axis=1).reshape(B, N, -1)
-        cols = p[:, :, None] + k  # the tokens the drafts stand for
-        target = jnp.take_along_axis(tokens, jnp.minimum(cols, N - 1).reshape(B, -1), axis=1).reshape(cols.shape)
-        accepted = jnp.cumprod((drafts == target) & (cols < end[:, None, None]), axis=2).sum(axis=2)  # [B, N]
-        # jumps[j][p]: where 2^j iterations from length p land (at end at most; lengths 0..N)
-        jumps = [jnp.minimum(jnp.pad(p + accepted + 1, ((0, 0), (0, 1)), constant_values=N), end[:, None])]
+        accepted, agreeing = jnp.zeros((B, N), jnp.int32), jnp.ones((B, N), bool)
+        for k in range(self.spec.gamma):
+            draft = jnp.take_along_axis(tokens, jnp.clip(jnp.minimum(s + k, p - 1), 0, N - 1), axis=1)
+            text = jnp.take_along_axis(tokens, jnp.minimum(p + k, N - 1), axis=1)
+            agreeing &= (draft == text) & (p + k < end[:, None])
+            accepted += agreeing
+        # iterations from each length to end, by pointer jumping over lengths 0..N (one at end or past
+        # it is done: it jumps to end, which jumps to itself and counts nothing)
+        jump = jnp.minimum(jnp.pad(p + accepted + 1, ((0, 0), (0, 1)), constant_values=N), end[:, None])
+        steps = (jnp.arange(N + 1, dtype=jnp.int32) < end[:, None]).astype(jnp.int32)
         for _ in range(max(N, 1).bit_length()):
-            jumps.append(jnp.take_along_axis(jumps[-1], jumps[-1], axis=1))
-        length, iterations = start, jnp.zeros_like(start)
-        for j in reversed(range(len(jumps))):  # the most iterations that stay short of end
-            landing = jnp.take_along_axis(jumps[j], length[:, None], axis=1)[:, 0]
-            go = landing < end
-            length, iterations = jnp.where(go, landing, length), iterations + go * (1 << j)
-        return iterations + (length < end)  # then one more, to end
+            steps, jump = steps + jnp.take_along_axis(steps, jump, axis=1), jnp.take_along_axis(jump, jump, axis=1)
+        return jnp.take_along_axis(steps, start[:, None], axis=1)[:, 0]
 
     def continuations(self, tokens, length, num_matches: int, depth: int):
         """The best `num_matches` continuation starts (longest n first, then most recent) and the
