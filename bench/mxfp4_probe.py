@@ -6,14 +6,14 @@ One Pallas-Triton product x [M, K] @ W^T over an MXFP4 matrix W [N, K] (bytes [N
 [N, K/32]; N = 32 x 5,760 columns, K = 3,072: gpt-oss-20b's 32 experts' gate/up columns), a grid of
 column blocks, a loop over K, as pallas_kernels/moe.py's row blocks stream an expert. Variants read the
 same bytes and decode less, to tell the decode's arithmetic from the loads:
-- `bytes`: the kernel's own decode (`moe.decode`'s arithmetic: both nibbles, the scale, interleaved);
+- `bytes`: the kernel's own decode (`moe.decode`: both nibbles, the scale, interleaved; in a Triton
+  kernel each code decoded by placing its bits, `moe.code_values`: exact only where float32 subnormals
+  are kept, which `max_rel_err` tells);
+- `exact`: `bytes` with `moe.e2m1`'s arithmetic (no subnormals; the decode before 2026-12-03 midday);
 - `low`: the low nibble of each byte decoded and scaled (half the arithmetic; x's first K/2 columns);
 - `raw`: each byte converted to bf16 as it is (no decoding);
 - `split`: the kernel's decode without its interleave: the low codes times x's even columns, the high
   codes times its odd ones (x's tile split by a reshape), two products;
-- `shifted`: `split` with each code decoded by placing its bits (`e2m1_placed`: fewer integer operations
-  than `moe.e2m1`; exact only where float32 subnormals are kept, as they are not on the CPU: `max_rel_err`
-  tells);
 - `asm`: the decode in inline PTX (`DECODE_PTX`), packed bf16 integer tricks a byte pair at a time, the
   low and high codes multiplied with x's even and odd columns (two products, nothing interleaved).
 The floor is W's bytes over the copy bandwidth measured in the same run. Writes DIR/mxfp4_probe.json
@@ -33,10 +33,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bench import common
-from pallas_kernels.moe import MXFP4_GROUP, decode, e2m1, packed_offset, per_byte, scale_power
+from pallas_kernels.moe import MXFP4_GROUP, code_values, decode, e2m1, packed_offset, per_byte, scale_power
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
-VARIANTS = ("bytes", "low", "raw", "split", "shifted", "asm")
+VARIANTS = ("bytes", "exact", "low", "raw", "split", "asm")
 # Four MXFP4 bytes ($2) and each one's scale byte ($3) to the bf16 values of their four low codes
 # (DECODE_PTX[0]) or high codes ([1]) ($0, $1: two a register). A code s e1 e0 m placed as
 # bf16 bits s << 15 | e1 e0 m << 6 is 2^-126 times its value (e = 0: a subnormal m 2^-127), so one
@@ -66,14 +66,6 @@ DECODE_PTX = (decode_ptx(False), decode_ptx(True))
 TILES = ((64, 128), (128, 64))  # (columns, K step)
 
 
-def e2m1_placed(codes):
-    """float32 values of e2m1 codes (int32 0..15) as `moe.e2m1` gives them, by placing a code's
-    exponent and mantissa bits at float32's lowest exponent bits and its mantissa's top (2^-126 times
-    its value; 0.5 becomes a subnormal) and its sign at bit 31, then one multiply by 2^126."""
-    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
-    return lax.bitcast_convert_type(bits, jnp.float32) * jnp.float32(2.0 ** 126)
-
-
 def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: bool = False):
     """The probe's pallas_call for `variant`: float32 [M, N]."""
     def kernel(x_ref, c_ref, s_ref, o_ref):
@@ -93,14 +85,17 @@ def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: b
                 return acc + product(even, low) + product(odd, high)
             if variant == "bytes":
                 return acc + product(x_ref[:, pl.ds(k0, bk)], decode(codes, per_byte(scale_power(scales))))
-            if variant in ("split", "shifted"):
-                power, codes = per_byte(scale_power(scales)), codes.astype(jnp.int32)
-                values = e2m1 if variant == "split" else e2m1_placed
+            power, ints = per_byte(scale_power(scales)), codes.astype(jnp.int32)
+            if variant == "exact":
+                w = jnp.stack([e2m1(ints & 15) * power, e2m1(ints >> 4) * power], axis=-1).reshape(bn, bk)
+                return acc + product(x_ref[:, pl.ds(k0, bk)], w)
+            if variant == "split":
                 even, odd = lax.unstack(x_ref[:, pl.ds(k0, bk)].reshape(M, bk // 2, 2), axis=2)
-                return acc + product(even, values(codes & 15) * power) + product(odd, values(codes >> 4) * power)
+                return (acc + product(even, code_values(ints, high=False) * power)
+                        + product(odd, code_values(ints, high=True) * power))
             w = codes.astype(jnp.float32)  # raw
             if variant == "low":
-                w = e2m1(codes.astype(jnp.int32) & 15) * per_byte(scale_power(scales))
+                w = e2m1(ints & 15) * power
             return acc + product(x_ref[:, pl.ds(packed_offset(k0, 2), bk // 2)], w)
 
         o_ref[:, cols] = lax.fori_loop(0, K // bk, step, jnp.zeros((M, bn), jnp.float32))
@@ -132,7 +127,7 @@ def main():
             for bn, bk in TILES:
                 f = jax.jit(product(variant, M, N, K, bn, bk, args.tiny))
                 out = f(x, blocks, scales)
-                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant in ("bytes", "split", "shifted", "asm") else None
+                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant in ("bytes", "exact", "split", "asm") else None
                 seconds = common.seconds_per_call(f, x, blocks, scales)
                 rows.append(dict(rows=M, variant=variant, columns=bn, k_step=bk, us=seconds * 1e6,
                                  floor_us=floor_s * 1e6, over_floor=seconds / floor_s, max_rel_err=err))

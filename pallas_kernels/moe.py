@@ -141,8 +141,37 @@ def decode(blocks, power):
     """float32 [..., 2n]: the values of MXFP4 bytes `blocks` [..., n] (the low nibble's code first)
     times each byte's power of two `power` [..., n] (`scale_power` of its scale)."""
     codes = blocks.astype(jnp.int32)
-    pairs = jnp.stack([e2m1(codes & 15) * power, e2m1(codes >> 4) * power], axis=-1)
+    pairs = jnp.stack([code_values(codes, high=False) * power, code_values(codes, high=True) * power], axis=-1)
     return pairs.reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
+
+
+code_values_p = Primitive("mxfp4_code_values")
+
+
+def code_values(codes, high: bool):
+    """float32 values of the low (high: the high) e2m1 codes of MXFP4 bytes `codes` (int32 0..255).
+    Inside a Triton kernel by placing the code's bits (`_placed_values`: 5 instructions a weight
+    instead of ~11, the one-row form's bound: bench/NOTES.md), elsewhere `e2m1`."""
+    return code_values_p.bind(codes, high=high)
+
+
+def _exact_values(codes, high: bool):
+    return e2m1(codes >> 4 if high else codes & 15)
+
+
+def _placed_values(codes, high: bool):
+    """`_exact_values` with a code s e1 e0 m placed as float32 bits s << 31 | e1 e0 m << 22 (2^-126
+    times its value), then one multiply by 2^126: exact where float32 subnormals are kept (the code
+    0.5 is placed as 2^-127), as Triton keeps them; the CPU flushes them, hence `_exact_values` there."""
+    shift = 18 if high else 22
+    bits = ((codes << shift) & 0x01C00000) | ((codes << shift + 6) & jnp.int32(-(1 << 31)))
+    return lax.bitcast_convert_type(bits, jnp.float32) * jnp.float32(2.0 ** 126)
+
+
+code_values_p.def_abstract_eval(lambda codes, high: jax.core.ShapedArray(codes.shape, jnp.float32))
+code_values_p.def_impl(_exact_values)
+mlir.register_lowering(code_values_p, mlir.lower_fun(_exact_values, multiple_results=False))
+triton_lowering.register_lowering(code_values_p)(triton_lowering.lower_fun(_placed_values, multiple_results=False))
 
 
 mxfp4_dot_p = Primitive("mxfp4_dot")
@@ -398,7 +427,8 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
         for acc, cols in zip(accs, column_blocks):
             codes = load(blocks_ref.at[layer, e, cols, pl.ds(byte0, half)], inside[None, :]).astype(jnp.int32)
             power = per_byte(scale_power(load(scales_ref.at[layer, e, cols, pl.ds(group0, groups)], whole[None, :])))
-            out.append(acc + jnp.sum((e2m1(codes & 15) * even + e2m1(codes >> 4) * odd) * power, axis=1))
+            low, high = code_values(codes, high=False), code_values(codes, high=True)
+            out.append(acc + jnp.sum((low * even + high * odd) * power, axis=1))
         return tuple(out)
 
     zeros = tuple(jnp.zeros((cols.size,), jnp.float32) for cols in column_blocks)
