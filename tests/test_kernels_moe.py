@@ -142,6 +142,27 @@ def test_moe_experts_mxfp4_equal_float64_loop(T, activation, dtype):
         assert err < tol, f"{implementation} T={T} {activation}: max error {err:.2e} of the largest output"
 
 
+def test_placed_code_values_equal_e2m1_where_subnormals_do_not_matter(monkeypatch):
+    """The placed decode (`moe.PLACED_DECODE`, inside Triton kernels) of every byte's low and high
+    code equals `e2m1` of that code: exactly for every code but +-0.5, and for those (placed as
+    2^-127) either exactly or as the CPU's flushed 0. With the flag on, the kernel in
+    interpret mode runs the exact decode (the primitive's own lowering) and still equals the loop."""
+    codes = jnp.arange(256, dtype=jnp.int32)
+    for high in (False, True):
+        nibbles = np.asarray(codes >> 4 if high else codes & 15)
+        exact = np.asarray(moe.e2m1(jnp.asarray(nibbles)))
+        placed = np.asarray(jax.jit(moe._placed_values, static_argnums=1)(codes, high))
+        half = (nibbles & 7) == 1
+        np.testing.assert_array_equal(placed[~half], exact[~half])
+        assert ((placed[half] == exact[half]) | (placed[half] == 0)).all()
+    monkeypatch.setattr(moe, "PLACED_DECODE", True)
+    inputs = packed_inputs(7, 1, jnp.float32, True)
+    x, ids, weights, w_gate_up, w_down, *biases = inputs
+    want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), *biases, "gpt_oss")
+    got = run("one_row", inputs, "gpt_oss")
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
 @pytest.mark.parametrize("T", [1, 5, 64])
 def test_moe_kernel_never_reads_unrouted_mxfp4_experts(T):
     """Scale 255 (inf once decoded) in every layer but LAYER and in every expert of LAYER no row
