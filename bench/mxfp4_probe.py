@@ -6,9 +6,9 @@ One Pallas-Triton product x [M, K] @ W^T over an MXFP4 matrix W [N, K] (bytes [N
 [N, K/32]; N = 32 x 5,760 columns, K = 3,072: gpt-oss-20b's 32 experts' gate/up columns), a grid of
 column blocks, a loop over K, as pallas_kernels/moe.py's row blocks stream an expert. Variants read the
 same bytes and decode less, to tell the decode's arithmetic from the loads:
-- `bytes`: the kernel's own decode (`moe.decode`: both nibbles, the scale, interleaved; in a Triton
-  kernel each code decoded by placing its bits, `moe.code_values`: exact only where float32 subnormals
-  are kept, which `max_rel_err` tells);
+- `bytes`: the kernel's own decode (`moe.decode`: both nibbles, the scale, interleaved; with
+  `moe.PLACED_DECODE` each code decoded in a Triton kernel by placing its bits, `moe.code_values`:
+  exact only where float32 subnormals are kept, which `max_rel_err` tells);
 - `exact`: `bytes` with `moe.e2m1`'s arithmetic (no subnormals; the decode before 2026-12-03 midday);
 - `low`: the low nibble of each byte decoded and scaled (half the arithmetic; x's first K/2 columns);
 - `raw`: each byte converted to bf16 as it is (no decoding);
