@@ -1,6 +1,7 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
-    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--out DIR] [--tiny]
+    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes exact,placed]
+        [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
@@ -12,7 +13,10 @@ MXFP4 dequantized first). The floor is the routed experts' bytes (MXFP4: packed 
 the distinct experts hit times one expert's bytes, over the copy bandwidth measured in the same run.
 Each timed call is one of REPEATS in a scan, each with its own routing and alternating between the two
 layers of the stacks, so no call finds its experts in L2. Every kernel form's outputs are checked
-against the reference first (`max_rel_err`). Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny:
+against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each
+decode of the codes in the kernels (`exact`: `moe.e2m1`; `placed`: `moe.PLACED_DECODE`, the codes' bits
+placed, exact only where float32 subnormals are kept: `max_rel_err` tells), in this process, the
+compiled programs dropped between them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny:
 moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke
 test of this script) and prints a table last.
 """
@@ -28,6 +32,7 @@ from jax import lax
 
 from bench import common
 import pallas_kernels as kernels
+from pallas_kernels import moe
 from pallas_kernels.moe import FORMS, MXFP4, default_form, moe_experts_pallas
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
@@ -106,9 +111,13 @@ def main():
     p.add_argument("--format", choices=tuple(SHAPES), default="bf16",
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
+    p.add_argument("--decodes", default="exact", type=lambda s: s.split(","),
+                   help="MXFP4: the kernels' decodes to time, of exact, placed (moe.PLACED_DECODE)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
+    if unknown := set(args.decodes) - {"exact", "placed"}:
+        p.error(f"unknown decodes {sorted(unknown)}: exact, placed")
     shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
     result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
@@ -116,12 +125,16 @@ def main():
     stacks = random_stacks(args.format, shape)
     name = "moe" + ("_mxfp4" if args.format == "mxfp4" else "") + ("_tiny" if args.tiny else "")
     path = args.out / f"{name}.json"
+    decodes = args.decodes if args.format == "mxfp4" else ["exact"]
     for T in rows:
-        result["rows"].append(time_rows(T, shape, repeats, stacks, result["rates"]["copy_GBps"]))
-        print(result["rows"][-1], flush=True)
-        common.write_json(path, result)
+        for decode in decodes:
+            moe.PLACED_DECODE = decode == "placed"
+            jax.clear_caches()
+            result["rows"].append({"decode": decode} | time_rows(T, shape, repeats, stacks, result["rates"]["copy_GBps"]))
+            print(result["rows"][-1], flush=True)
+            common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
-        ("T", "rows", "d"), ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
+        ("T", "rows", "d"), ("decode", "decode", "s"), ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],
         ("rule", "rule", "s"), ("max rel err", "max_rel_err", ".1e")]))
