@@ -9,7 +9,8 @@ same bytes and decode less, to tell the decode's arithmetic from the loads:
 - `bytes`: the kernel's own decode (`moe.decode`: both nibbles, the scale, interleaved; with
   `moe.PLACED_DECODE` each code decoded in a Triton kernel by placing its bits, `moe.code_values`:
   exact only where float32 subnormals are kept, which `max_rel_err` tells);
-- `exact`: `bytes` with `moe.e2m1`'s arithmetic (no subnormals; the decode before 2026-12-03 midday);
+- `exact`: `bytes` with `moe.exact_values` whatever the flag (`moe.e2m1`'s arithmetic, no subnormals:
+  the decode before 2026-12-03 midday);
 - `low`: the low nibble of each byte decoded and scaled (half the arithmetic; x's first K/2 columns);
 - `raw`: each byte converted to bf16 as it is (no decoding);
 - `split`: the kernel's decode without its interleave: the low codes times x's even columns, the high
@@ -33,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bench import common
-from pallas_kernels.moe import MXFP4_GROUP, code_values, decode, e2m1, packed_offset, per_byte, scale_power
+from pallas_kernels.moe import (MXFP4_GROUP, code_values, decode, exact_values, packed_offset, per_byte,
+                                scale_power)
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
 VARIANTS = ("bytes", "exact", "low", "raw", "split", "asm")
@@ -87,15 +89,14 @@ def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: b
                 return acc + product(x_ref[:, pl.ds(k0, bk)], decode(codes, per_byte(scale_power(scales))))
             power, ints = per_byte(scale_power(scales)), codes.astype(jnp.int32)
             if variant == "exact":
-                w = jnp.stack([e2m1(ints & 15) * power, e2m1(ints >> 4) * power], axis=-1).reshape(bn, bk)
-                return acc + product(x_ref[:, pl.ds(k0, bk)], w)
+                return acc + product(x_ref[:, pl.ds(k0, bk)], decode(codes, power, exact_values))
             if variant == "split":
                 even, odd = lax.unstack(x_ref[:, pl.ds(k0, bk)].reshape(M, bk // 2, 2), axis=2)
                 return (acc + product(even, code_values(ints, high=False) * power)
                         + product(odd, code_values(ints, high=True) * power))
             w = codes.astype(jnp.float32)  # raw
             if variant == "low":
-                w = e2m1(ints & 15) * power
+                w = exact_values(ints, high=False) * power
             return acc + product(x_ref[:, pl.ds(packed_offset(k0, 2), bk // 2)], w)
 
         o_ref[:, cols] = lax.fori_loop(0, K // bk, step, jnp.zeros((M, bn), jnp.float32))

@@ -137,11 +137,12 @@ def scale_power(scales):
     return lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
 
 
-def decode(blocks, power):
+def decode(blocks, power, values=None):
     """float32 [..., 2n]: the values of MXFP4 bytes `blocks` [..., n] (the low nibble's code first)
-    times each byte's power of two `power` [..., n] (`scale_power` of its scale)."""
-    codes = blocks.astype(jnp.int32)
-    pairs = jnp.stack([code_values(codes, high=False) * power, code_values(codes, high=True) * power], axis=-1)
+    times each byte's power of two `power` [..., n] (`scale_power` of its scale); `values`: the codes'
+    decode (default `code_values`; bench/mxfp4_probe.py times `exact_values` beside it)."""
+    codes, values = blocks.astype(jnp.int32), values or code_values
+    pairs = jnp.stack([values(codes, high=False) * power, values(codes, high=True) * power], axis=-1)
     return pairs.reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
 
 
@@ -155,25 +156,26 @@ def code_values(codes, high: bool):
     """float32 values of the low (high: the high) e2m1 codes of MXFP4 bytes `codes` (int32 0..255).
     With PLACED_DECODE, inside a Triton kernel by placing the code's bits (`_placed_values`: the
     one-row loops' instructions a weight 11 -> 8, their bound: bench/NOTES.md), elsewhere `e2m1`."""
-    return code_values_p.bind(codes, high=high) if PLACED_DECODE else _exact_values(codes, high)
+    return code_values_p.bind(codes, high=high) if PLACED_DECODE else exact_values(codes, high)
 
 
-def _exact_values(codes, high: bool):
+def exact_values(codes, high: bool):
+    """`code_values` by `e2m1`: exact on every platform."""
     return e2m1(codes >> 4 if high else codes & 15)
 
 
 def _placed_values(codes, high: bool):
-    """`_exact_values` with a code s e1 e0 m placed as float32 bits s << 31 | e1 e0 m << 22 (2^-126
+    """`exact_values` with a code s e1 e0 m placed as float32 bits s << 31 | e1 e0 m << 22 (2^-126
     times its value), then one multiply by 2^126: exact where float32 subnormals are kept (the code
-    0.5 is placed as 2^-127), as Triton keeps them; the CPU flushes them, hence `_exact_values` there."""
+    0.5 is placed as 2^-127), as Triton keeps them; the CPU flushes them, hence `exact_values` there."""
     shift = 18 if high else 22
     bits = ((codes << shift) & 0x01C00000) | ((codes << shift + 6) & jnp.int32(-(1 << 31)))
     return lax.bitcast_convert_type(bits, jnp.float32) * jnp.float32(2.0 ** 126)
 
 
 code_values_p.def_abstract_eval(lambda codes, high: jax.core.ShapedArray(codes.shape, jnp.float32))
-code_values_p.def_impl(_exact_values)
-mlir.register_lowering(code_values_p, mlir.lower_fun(_exact_values, multiple_results=False))
+code_values_p.def_impl(exact_values)
+mlir.register_lowering(code_values_p, mlir.lower_fun(exact_values, multiple_results=False))
 triton_lowering.register_lowering(code_values_p)(triton_lowering.lower_fun(_placed_values, multiple_results=False))
 
 
