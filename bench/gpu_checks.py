@@ -1,7 +1,7 @@
 """Engine losslessness with the Pallas backend on the GPU (teacher-forced, bf16).
 
     PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|qwen3-30b-a3b|gpt-oss-20b|smollm2|PATH] [--context N] [--new N]
-        [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--dtype float32] [--route-all] [--layers N] [--backend reference] [--experts mxfp4 [--placed-decode]] [--tiny] [--out DIR]
+        [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--dtype float32] [--route-all] [--layers N] [--backend reference] [--experts mxfp4 [--exact-decode]] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
@@ -19,8 +19,8 @@ bench/NOTES.md). `--dtype float32` multiplies in full float32 (JAX's default on 
 expert. At 24 layers random gpt-oss weights amplify even float32 rounding past the near-ties, routed
 or not (bench/NOTES.md): there the check to read is every method emitting plain's tokens (when plain runs first, as by
 default, each other row records `equals_plain`; every row records its emitted tokens, and whether the
-full forward's logits were finite). `--placed-decode`: the MXFP4 kernels decode by placing the codes' bits
-(`moe.PLACED_DECODE`). Writes DIR/gpu_checks_<model>[_tree][_float32][_route_all][_mxfp4][_placed][_reference].json.
+full forward's logits were finite). `--exact-decode`: the MXFP4 kernels decode the codes by `moe.exact_values`, not by placing their bits
+(`moe.PLACED_DECODE`, the default). Writes DIR/gpu_checks_<model>[_tree][_float32][_route_all][_mxfp4][_exact][_reference].json.
 """
 
 from __future__ import annotations
@@ -117,11 +117,11 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
                    help="random-weight MoE models: the expert stacks in the weights' dtype, or packed MXFP4")
-    p.add_argument("--placed-decode", action="store_true",
-                   help="MXFP4 experts: decode their codes in the kernels by placing the bits (moe.PLACED_DECODE)")
+    p.add_argument("--exact-decode", action="store_true",
+                   help="MXFP4 experts: decode their codes in the kernels by moe.exact_values (not moe.PLACED_DECODE)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
-    moe.PLACED_DECODE = args.placed_decode
+    moe.PLACED_DECODE = not args.exact_decode
     if args.dtype == "float32":  # XLA and Triton multiply float32 in TF32 by default on the GPU
         jax.config.update("jax_default_matmul_precision", "highest")
     backend = args.backend
@@ -167,7 +167,7 @@ def main():
         result["rows"].append(row)
     tag = "" if tree is None else f"_tree{args.traversal}{args.tree.replace(',', '')}"
     tag += ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_route_all" if args.route_all else "")
-    tag += ("" if args.experts == "bf16" else f"_{args.experts}") + ("_placed" if args.placed_decode else "")
+    tag += ("" if args.experts == "bf16" else f"_{args.experts}") + ("_exact" if args.exact_decode else "")
     tag += "" if backend == "pallas" else f"_{backend}"
     common.write_json(args.out / f"gpu_checks_{Path(args.model).stem}{tag}.json", result)
     ok = all(r["all_within_near_tie"] for r in result["rows"])

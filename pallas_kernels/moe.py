@@ -147,9 +147,9 @@ def decode(blocks, power, values=None):
 
 
 code_values_p = Primitive("mxfp4_code_values")
-# Off until checked on a GPU (the placed decode needs the float32 subnormals Triton keeps: bench/moe.py's
-# max rel err and bench/gpu_checks.py's gpt-oss-20b check with MXFP4 experts); the lowering tests cover it.
-PLACED_DECODE = False
+# On: checked on an H200 (exact there: Triton keeps float32 subnormals; gpt-oss-20b emits the same tokens
+# with it as with `exact_values`; the one-row form 78 -> 67 us: bench/NOTES.md). False: `exact_values` everywhere.
+PLACED_DECODE = True
 
 
 def code_values(codes, high: bool):

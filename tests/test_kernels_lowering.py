@@ -239,15 +239,15 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (128, 128, 2048, 768, 8, "silu", False, None),     # a verify pass of 128 rows: wide columns, one chunk of K
     (512, 128, 2048, 768, 8, "silu", False, None),     # a prefill chunk: 64-row blocks
     (64, 32, 2880, 2880, 4, "gpt_oss", False, None),   # gpt-oss-20b (biases), D = F = 45 x 64
-    (1, 32, 2880, 2880, 4, "gpt_oss", True, None),     # gpt-oss-20b's released MXFP4 experts, decoded in registers
-    (1, 32, 2880, 2880, 4, "gpt_oss", "placed", None),  # the same with the codes' bits placed (moe.PLACED_DECODE)
+    (1, 32, 2880, 2880, 4, "gpt_oss", "placed", None),  # gpt-oss-20b's released MXFP4 experts, the codes' bits placed
+    (1, 32, 2880, 2880, 4, "gpt_oss", "exact", None),   # the same decoded by moe.exact_values (PLACED_DECODE off)
     (1, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", "split_k"),
-    (64, 32, 2880, 2880, 4, "gpt_oss", True, None),
+    (64, 32, 2880, 2880, 4, "gpt_oss", "placed", None),
     (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", None),  # the same through Triton's scaled dot (moe.SCALED_DOT)
 ])
 def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed, form):
     monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")
-    monkeypatch.setattr(moe, "PLACED_DECODE", packed == "placed")
+    monkeypatch.setattr(moe, "PLACED_DECODE", packed != "exact")
     biased = activation == "gpt_oss"
     stack = lambda K, N: (MXFP4(spec((2, E, N, K // 2), jnp.uint8), spec((2, E, N, K // 32), jnp.uint8)) if packed
                           else spec((2, E, K, N), jnp.bfloat16))
