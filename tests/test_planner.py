@@ -518,6 +518,60 @@ def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
     assert expected == pytest.approx((8 * 800 + 64 * 500) / 72 * 2.5 / 1.25)
 
 
+def test_watch_thresholds_are_where_watch_switches():
+    """A closed batch settled on plain watches on the device by thresholds: each replayed ngram
+    strategy's is the least replayed tokens per iteration (its slowest row's) at which `decide`, as
+    `watch` calls it now, switches to it; just below it stays; a candidate that cannot beat plain
+    even copying its whole depth gets inf; a running drafter or an open batch is watched on the host."""
+    g8, g2 = Strategy("ngram", gamma=8), Strategy("ngram", gamma=2)
+    candidates = (Prediction(PLAIN, 900, 1.0, 8 / 900, 5, iterations=144), Prediction(NGRAM, 800, 1.6, 8 * 1.6 / 800, 10),
+                  Prediction(g8, 600, 1.8, 8 * 1.8 / 600, 20), Prediction(g2, 300, 1.5, 8 * 1.5 / 300, 10))
+    r = planner.Refinement.of(planner.Plan(candidates, PLAIN, "table:t.json", 1024), closed=True)
+    r.watched(Observation(64, 8 * 64, 64 * 8 / 950, 1.0, 1.0), refine.WATCH)  # plain observed at 950 tok/s
+    assert r.watches_on_device and set(r.replayed) == {NGRAM, g8, g2}
+    thresholds = r.thresholds()
+    assert thresholds[g2] == math.inf and 1 < thresholds[NGRAM] < 1 + NGRAM.depth and 1 < thresholds[g8] < 1 + g8.depth
+    for strategy in (NGRAM, g8):
+        for tpi, switches in ((thresholds[strategy], True), (thresholds[strategy] * (1 - 1e-4), False)):
+            replays = {s: Observation(8, 8, 0.0, 1.0, 1.0) for s in r.replayed}  # judged: at the slowest row
+            replays[strategy] = Observation(8, round(8 * tpi), 0.0, tpi, tpi)
+            target, _ = refine.decide(candidates, r.observations, PLAIN, probe_plain=False, replays=replays, closed=True)
+            assert (target == strategy) == switches, (strategy, tpi)
+    assert not planner.Refinement.of(planner.Plan(candidates, PLAIN, "table:t.json", 1024), closed=False).watches_on_device
+    assert not planner.Refinement.of(planner.Plan(candidates, VEGAS, "table:t.json", 1024), closed=True).watches_on_device
+
+
+def test_device_watch_crosses_where_the_host_replay_would(tiny):
+    """`programs.watched` over one window decodes what plain decoding does, and its replay of ngram
+    (the slowest whole row's tokens per iteration) crosses a threshold exactly where the host's
+    `Observation.replayed` of the window it reports reaches it."""
+    from jaxspec.decoding.drafters import make_drafter
+    from jaxspec.runner import decode_fns, prefill_fn
+    from jaxspec.serving import programs
+
+    cfg, params, batch = tiny
+    max_len, sampling, spec = 160, SamplingConfig(), SpecConfig()
+    ids, lengths = jnp.asarray(batch.ids), jnp.asarray(batch.lengths)
+    start, decode = decode_fns(cfg, spec, sampling, max_len)
+    state = decode(params, start(params, prefill_fn(cfg, max_len, "reference", 256)(params, ids, lengths), ids, lengths,
+                                 key=jax.random.key(0), budget=spec.budget(), max_new_tokens=jnp.int32(120),
+                                 stop_ids=jnp.asarray([-1])), max_iterations=jnp.int32(24))
+    reference = decode(params, jax.tree.map(jnp.copy, state), max_iterations=jnp.int32(40))
+    watched = programs.watched(cfg, spec.compiled(max_len), sampling, max_len, (NGRAM.spec(spec),)).jitted
+    run = lambda threshold: watched(params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0), np.int32(64),
+                                    np.asarray([threshold], np.float32))
+    out, length, ran, window, crossed = run(np.inf)
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    assert not crossed and int(window) == 128 and (np.asarray(length) == np.asarray(state.length)).all()
+    iterations = np.asarray(out.stats.iterations) - np.asarray(ran)
+    whole, end = iterations == iterations.max(), np.asarray(out.length)
+    begin = np.where(whole, np.asarray(length), end)
+    replayed = np.asarray(make_drafter(NGRAM.spec(spec), cfg, max_len).replay(out.tokens, begin, end))
+    slowest = Observation.replayed(end - begin, replayed, whole).slowest_tokens_per_iteration
+    assert slowest > 1  # the text repeats: chains to find
+    assert bool(run(np.float32(slowest))[4]) and not bool(run(np.nextafter(np.float32(slowest), np.float32(np.inf)))[4])
+
+
 def test_watch_leaves_a_model_drafter_that_does_badly_on_this_text():
     """Settled on a model drafter (here eagle, chosen from its table entry), the refinement keeps
     watching it with nothing to replay: all its windows pooled, which outweigh its table rate as they
@@ -611,23 +665,24 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     out = jax.device_get(run.output.stats)
     assert out.iterations.max() > 24 and (out.accepted <= out.drafted).all()
     # a table's plain choice runs straight to the end, as plain decoding does: no segments, no
-    # switch; with an ngram candidate it only watches it, in windows of WATCH, then 2 WATCH iterations
+    # switch; with an ngram candidate it only watches it, on the device: one call to the end
     monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
     for plain_plan, windows in ((planner.Plan(candidates[:3], PLAIN, "table:t.json", 1024), 0),
-                                (planner.Plan(candidates, PLAIN, "table:t.json", 1024), 2)):  # 64 + 128 of 279 iterations
+                                (planner.Plan(candidates, PLAIN, "table:t.json", 1024), 1)):
         run = run_generation(params, cfg, batch, plan=plain_plan, spec=SpecConfig(), **common)
         assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
         assert [s["watch"] for s in run.auto.segments] == [True] * windows and run.auto.switches == []
 
 
-def test_watch_windows_run_ahead_and_stay_lossless(tiny, monkeypatch):
-    """A closed batch settled on plain watches ngram with each window's next segment dispatched
-    ahead of its report, replays and decision (a window then spans the segment run ahead and the
-    next: WATCH, then WATCH + 2 WATCH iterations); it emits plain decoding's tokens, and no window's
-    time holds the replays the host blocks on at a boundary (0.5 s each here). Switches decided
-    while a window runs ahead (plain -> ngram -> plain) hand out its tokens first, and its stats reach
-    the rows. With `shrink` (6 of 8 rows end within 90 tokens), the next window starts from the
-    first report of the 2 rows left (4 WATCH iterations)."""
+def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, monkeypatch):
+    """A closed batch settled on plain watches ngram on the device (`programs.watched`). With every
+    threshold at one token an iteration, each window crosses: its call ends, and the host replays
+    the window and decides (scripted here): windows of WATCH, then 2 WATCH iterations. It emits
+    plain decoding's tokens, and no window's time holds the replays the host blocks on (0.5 s each
+    here). Switched to ngram, the host watches, each window's next segment dispatched ahead of its
+    report; a switch decided while a window runs ahead (ngram -> plain) hands out its tokens first,
+    and its stats reach the rows. With `shrink` (6 of 8 rows end within 90 tokens) the batch shrinks
+    to its 2 long rows."""
     import time
 
     from jaxspec.runner import Batch
@@ -644,6 +699,7 @@ def test_watch_windows_run_ahead_and_stay_lossless(tiny, monkeypatch):
     monkeypatch.setattr(Scheduler, "_replays", lambda self, since: (time.sleep(pause), replays(self, since))[1])
     shrink, rows = Scheduler._shrink, []
     monkeypatch.setattr(Scheduler, "_shrink", lambda self: (shrink(self), rows.append(self.rows)))
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: 1.0 for s in self.replayed})
     plan = planner.Plan((Prediction(PLAIN, 100.0, 1.0, 0.02), Prediction(NGRAM, 100.0, 2.0, 0.04)), PLAIN, "table:t.json", 1024)
     for script in ([], [NGRAM, PLAIN]):
         decisions, rows[:] = iter(script), []
@@ -653,8 +709,9 @@ def test_watch_windows_run_ahead_and_stay_lossless(tiny, monkeypatch):
         assert [g.tolist() for g in run.generated()] == reference
         segments = run.auto.segments
         assert all(s["watch"] for s in segments) and all(s["iterations"] * s["iteration_s"] < pause for s in segments)
+        # the first shrinkable call ends at the shrink, its window replayed and decided at once
         assert [(s["strategy"], s["iterations"]) for s in segments][:3] == (
-            [("plain", 16), ("plain", 48), ("plain", 64)] if not script else [("plain", 16), ("ngram g4", 16), ("plain", 16)])
+            [("plain", 16), ("plain", 32), ("plain", 41)] if not script else [("plain", 16), ("ngram g4", 16), ("plain", 3)])
         assert [(s["from"], s["to"]) for s in run.auto.switches] == [(a.name, b.name) for a, b in zip((PLAIN, *script), script)]
         assert rows == [2]
         stats = jax.device_get(run.output.stats)

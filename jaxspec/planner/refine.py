@@ -266,6 +266,48 @@ class Refinement:
         self.window = WATCH
         return self._switch(target, reason, seen)
 
+    @property
+    def watches_on_device(self) -> bool:
+        """Whether the watch can run inside the decode (`thresholds`): a closed batch settled on plain
+        with ngram to replay (a running drafter is judged by its own timed windows, which only the host
+        sees; an open batch's segments are the host's anyway)."""
+        return self.closed and self.watching and self.current.plain and bool(self.replayed)
+
+    def thresholds(self) -> dict[Strategy, float]:
+        """The watch as the device applies it (`serving.programs.watched`): for each replayed strategy,
+        the least tokens per iteration of its replay over a window, as judged (its slowest row's in a
+        closed batch), at which `watch` would switch now, the other replays at one token an iteration;
+        inf where none up to its depth + 1 would. A window that crosses one ends the device's loop, and
+        the host replays that window and decides as `watch` does: a threshold says when to look."""
+
+        def switches(strategy: Strategy, tpi: float) -> bool:
+            replays = {s: Observation(1, 1, 0.0, tpi, tpi) if s == strategy else Observation(1, 1, 0.0, 1.0, 1.0)
+                       for s in self.replayed}
+            return decide(self.plan.candidates, self.observations, self.current, probe_plain=False, replays=replays,
+                          closed=self.closed)[0] != self.current
+
+        out = {}
+        for strategy in self.replayed:
+            low, high = 1.0, 1.0 + strategy.depth
+            if not switches(strategy, high):
+                out[strategy] = float("inf")
+                continue
+            if switches(strategy, low):
+                out[strategy] = low
+                continue
+            for _ in range(20):  # bisection: decide's rate grows with the replay's tokens per iteration
+                middle = (low + high) / 2
+                low, high = (low, middle) if switches(strategy, middle) else (middle, high)
+            out[strategy] = high
+        return out
+
+    def watched(self, seen: Observation, window: int) -> None:
+        """Records a stretch the device watched without crossing a threshold (`thresholds`): pooled
+        into the current strategy's observations; `window`, the device's next window, is the next
+        stretch's first."""
+        self._record(seen, {}, watch=True)
+        self.window = window
+
     def _judged(self, strategy: Strategy, seen: Observation) -> Observation:
         """`seen` as the refinement weighs it for `strategy` (see `closed`)."""
         return seen.at_slowest() if by_slowest_row(strategy, self.closed) else seen

@@ -483,6 +483,8 @@ class Scheduler:
     def run_segment(self) -> None:
         """Decodes a segment (`segment` iterations; planner.SEGMENT while refining), hands out its
         tokens, and lets the refinement switch strategy."""
+        if self.refinement is not None and self.refinement.watches_on_device and self.segment is None:
+            return self._run_watched()
         refining = self.refinement is not None and self.refinement.active
         watching = self.refinement is not None and self.refinement.watching
         iterations = planner.SEGMENT if refining else self.refinement.window if watching and self.segment is None else self.segment
@@ -524,6 +526,43 @@ class Scheduler:
             target = self.refinement.watch(seen, not self._running, replays)
         if target is not None:
             self._switch(target)
+        self._shrink_if_few()
+
+    def _run_watched(self) -> None:
+        """`run_segment` for a closed batch settled on plain that watches ngram
+        (`planner.Refinement.watches_on_device`): one call of `programs.watched` decodes to the end of
+        the run, unless a window's replay crosses its threshold (the host then replays that window and
+        decides, as its own watch does) or the batch can shrink."""
+        r = self.refinement
+        program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
+                                   tuple(s.spec(self.base) for s in r.replayed), self.mesh)
+        thresholds = r.thresholds()
+        thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
+
+        def call(iterations: int, floor: int):
+            return self._call(program, self.params, self._state, np.int32(iterations), np.int32(floor),
+                              np.int32(r.window), thresholds, shape=(self.rows,))
+
+        if r.current not in r.observations:  # its first call loads the program: not observed
+            self._state = call(0, 0)[0]
+        before, start = self._last, time.perf_counter()
+        most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
+        self._reserve()
+        self._state, length, ran, window, crossed = call(np.iinfo(np.int32).max, most if len(self._running) > most else 0)
+        seconds = self._deliver(start)
+        seen = planner.Observation.between(before, self._last, seconds)
+        length, ran, window, crossed = jax.device_get((length, ran, window, crossed))
+        if not crossed:
+            r.watched(seen, int(window))
+        else:
+            r.window = int(window) // 2  # the window that crossed: `watch` doubles it, or starts again on a switch
+            since = (length, dataclasses.replace(self._last[1], iterations=ran))
+            target = r.watch(seen, not self._running, self._replays(since))
+            if target is not None:
+                self._switch(target)
+        self._shrink_if_few()
+
+    def _shrink_if_few(self) -> None:
         if self._may_shrink() and 0 < len(self._running) <= self.rows // SHRINK_FACTOR:
             self._shrink()
 
@@ -599,6 +638,7 @@ class Scheduler:
         if not self._fits(take):
             return
         self._state = take(self.params, self._state, order)
+        self._last = jax.tree.map(lambda x: x[np.asarray(order)], self._last)  # the latest report, of the rows taken
         self._watch_from = None  # a watch window's rows are those of one state
         self._running = {row: self._running[slot] for row, slot in enumerate(running)}
         for row, h in self._running.items():
