@@ -481,8 +481,8 @@ def test_observation_reports_the_slowest_running_row():
 def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
     """Settled on vegas, the refinement watches ngram through replays of each window: a window whose
     text ngram would copy 5 tokens an iteration switches to it (a closed batch only if its slowest row
-    copies too); once running, ngram is judged by its latest window, and one that copies nothing
-    switches back to vegas."""
+    copies too; not with fewer than WATCH tokens left); once running, ngram is judged by its latest
+    window, and one that copies nothing switches back to vegas."""
     ngram = Strategy("ngram", gamma=6)
     candidates = (Prediction(VEGAS, 1200, 5.0, 8 * 5.0 / 1200, 50, iterations=29),
                   Prediction(PLAIN, 900, 1.0, 8 / 900, 5, iterations=144),
@@ -496,7 +496,9 @@ def test_watch_replays_ngram_and_switches_when_the_text_starts_to_repeat():
         assert r.observe(window(5.0, n=8), finished=False, replays={ngram: window(1.5, n=8, step=0)}) is None
         assert not r.active and r.watching and r.replayed == (ngram,)
         replay = looping if slowest_row_copies else dataclasses.replace(looping, slowest_tokens_per_iteration=1.0)
-        switched = r.watch(window(5.0, 4.6), finished=False, replays={ngram: replay})
+        # too few tokens left for a switch to pay: none is made
+        assert r.watch(window(5.0, 4.6), finished=False, replays={ngram: replay}, left=refine.WATCH - 1) is None
+        switched = r.watch(window(5.0, 4.6), finished=False, replays={ngram: replay}, left=refine.WATCH)
         if closed and not slowest_row_copies:
             assert switched is None and r.current == VEGAS
             continue

@@ -248,15 +248,18 @@ class Refinement:
             return None
         return self._switch(target, reason, seen)
 
-    def watch(self, seen: Observation, finished: bool, replays: dict | None = None) -> Strategy | None:
+    def watch(self, seen: Observation, finished: bool, replays: dict | None = None,
+              left: int | None = None) -> Strategy | None:
         """A settled refinement's check over the latest window (`window` iterations): running ngram
         judged by this window alone (its acceptance drifts along a run: greedy text starts to loop
         after a few hundred tokens), a running model drafter by all it did (`_record` pooled this
         window in), ngram candidates by their replays over the window, the others as `corrected`
-        predicts them; returns the strategy to switch to (staying settled), or None."""
+        predicts them; returns the strategy to switch to (staying settled), or None. `left`: the most
+        tokens a row of a closed batch may still take; under WATCH no switch could pay for itself (a
+        switch's step and first window), so none is made (bench/NOTES.md, "the watch on the device")."""
         replays = self._record(seen, replays, watch=True)
         c = self.current
-        if finished or len(self.switches) == MAX_SWITCHES:
+        if finished or len(self.switches) == MAX_SWITCHES or (left is not None and left < WATCH):
             return None
         observations = {**self.observations, c: self._judged(c, seen)} if c.method == "ngram" else self.observations
         target, reason = decide(self.plan.candidates, observations, c, probe_plain=False, replays=replays, closed=self.closed)

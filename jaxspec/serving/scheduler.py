@@ -523,7 +523,7 @@ class Scheduler:
             replays = self._replays(since)  # over the state after the segment run ahead (which has ended)
             if self._ahead is not None:  # the device idled through the replays: not the next window's time
                 self._ahead += time.perf_counter() - replayed
-            target = self.refinement.watch(seen, not self._running, replays)
+            target = self.refinement.watch(seen, not self._running, replays, self._left())
         if target is not None:
             self._switch(target)
         self._shrink_if_few()
@@ -543,8 +543,8 @@ class Scheduler:
             return self._call(program, self.params, self._state, np.int32(iterations), np.int32(floor),
                               np.int32(r.window), thresholds, shape=(self.rows,))
 
-        if r.current not in r.observations:  # its first call loads the program: not observed
-            self._state = call(0, 0)[0]
+        if (program, (self.rows,)) not in self._executables or r.current not in r.observations:
+            self._state = call(0, 0)[0]  # its first call compiles and loads the program: not observed
         before, start = self._last, time.perf_counter()
         most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
         self._reserve()
@@ -557,10 +557,17 @@ class Scheduler:
         else:
             r.window = int(window) // 2  # the window that crossed: `watch` doubles it, or starts again on a switch
             since = (length, dataclasses.replace(self._last[1], iterations=ran))
-            target = r.watch(seen, not self._running, self._replays(since))
+            target = r.watch(seen, not self._running, self._replays(since), self._left())
             if target is not None:
                 self._switch(target)
         self._shrink_if_few()
+
+    def _left(self) -> int | None:
+        """The most tokens a running row of a static batch may still take (None in a server: its
+        freed rows take new requests)."""
+        if not self.static:
+            return None
+        return max((h.request.max_new_tokens - len(h.tokens) for h in self._running.values()), default=0)
 
     def _shrink_if_few(self) -> None:
         if self._may_shrink() and 0 < len(self._running) <= self.rows // SHRINK_FACTOR:
