@@ -209,6 +209,30 @@ def test_sampled_tokens_equal_one_device(qwen3):
     assert qwen3.generate(spec("vegas"), 2, hot) == qwen3.generate(spec("vegas"), 1, hot)
 
 
+def test_device_watch_equals_one_device(qwen3, monkeypatch):
+    """A static batch settled on plain watches ngram on the device (`programs.watched` under the
+    mesh); every window crosses (thresholds of one token an iteration) and the host switches to ngram
+    and back (scripted): the tokens equal plain decoding's on one device."""
+    from jaxspec import planner
+    from jaxspec.planner import refine
+    from jaxspec.planner.strategy import Prediction, Strategy
+
+    devices_needed(2)
+    plain, ngram = Strategy(), Strategy("ngram", gamma=4)
+    decisions = iter([ngram, plain])
+    monkeypatch.setattr(refine, "WATCH", 4)
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: 1.0 for s in self.replayed})
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (
+        next(decisions, None) or current, "scripted"))
+    plan = planner.Plan((Prediction(plain, 100.0, 1.0, 0.02), Prediction(ngram, 100.0, 2.0, 0.04)), plain, "table:t", 1024)
+    mesh = sharding.make_mesh(2)
+    run = run_generation(sharding.shard_params(qwen3.params, qwen3.cfg, mesh), qwen3.cfg, qwen3.batch, spec=SpecConfig(),
+                         sampling=GREEDY, max_len=int(qwen3.batch.lengths.max()) + qwen3.max_new,
+                         max_new_tokens=qwen3.max_new, stop_ids=(), seed=3, mesh=mesh, plan=plan)
+    assert [g.tolist() for g in run.generated()] == qwen3.generate(SpecConfig(), 1)
+    assert [(s["from"], s["to"]) for s in run.auto.switches] == [("plain", "ngram g4"), ("ngram g4", "plain")]
+
+
 def test_every_device_holds_only_its_shard(qwen3):
     """Weights, quantized draft copies and the KV cache: each device's block has the designed shape;
     only norms are replicated. The fused q/k/v columns of device s are its own heads' (TP layout)."""
