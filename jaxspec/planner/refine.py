@@ -279,30 +279,18 @@ class Refinement:
     def thresholds(self) -> dict[Strategy, float]:
         """The watch as the device applies it (`serving.programs.watched`): for each replayed strategy,
         the least tokens per iteration of its replay over a window, as judged (its slowest row's in a
-        closed batch), at which `watch` would switch now, the other replays at one token an iteration;
-        inf where none up to its depth + 1 would. A window that crosses one ends the device's loop, and
-        the host replays that window and decides as `watch` does: a threshold says when to look."""
-
-        def switches(strategy: Strategy, tpi: float) -> bool:
-            replays = {s: Observation(1, 1, 0.0, tpi, tpi) if s == strategy else Observation(1, 1, 0.0, 1.0, 1.0)
-                       for s in self.replayed}
-            return decide(self.plan.candidates, self.observations, self.current, probe_plain=False, replays=replays,
-                          closed=self.closed)[0] != self.current
-
-        out = {}
-        for strategy in self.replayed:
-            low, high = 1.0, 1.0 + strategy.depth
-            if not switches(strategy, high):
-                out[strategy] = float("inf")
-                continue
-            if switches(strategy, low):
-                out[strategy] = low
-                continue
-            for _ in range(20):  # bisection: decide's rate grows with the replay's tokens per iteration
-                middle = (low + high) / 2
-                low, high = (low, middle) if switches(strategy, middle) else (middle, high)
-            out[strategy] = high
-        return out
+        closed batch), at which `decide` would switch now, the other replays at one token an iteration;
+        inf where none up to its depth + 1 would. `corrected`'s rate of a replayed strategy is its
+        rate at one token an iteration times the replay's tokens per iteration, so each threshold is
+        the switch's bar over that rate. A window that crosses one ends the device's loop, and the host
+        replays that window and decides as `watch` does: a threshold says when to look."""
+        ones = {s: Observation(1, 1, 0.0, 1.0, 1.0) for s in self.replayed}
+        expected = corrected(self.plan.candidates, self.observations, ones, self.closed)
+        bar = expected[self.current] * (1 + MARGIN)
+        if any(rate > bar for s, rate in expected.items() if s != self.current and s.method != "eagle"):
+            return {s: 1.0 for s in self.replayed}  # `decide` switches whatever the replays
+        least = {s: bar / expected[s] * (1 + 1e-9) for s in self.replayed}  # just over the bar
+        return {s: x if x <= 1 + s.depth else float("inf") for s, x in least.items()}
 
     def watched(self, seen: Observation, window: int) -> None:
         """Records a stretch the device watched without crossing a threshold (`thresholds`): pooled
