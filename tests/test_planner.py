@@ -546,7 +546,7 @@ def test_watch_thresholds_are_where_watch_switches():
 def test_device_watch_crosses_where_the_host_replay_would(tiny):
     """`programs.watched` over one window decodes what plain decoding does, and its replay of ngram
     (the slowest whole row's tokens per iteration) crosses a threshold exactly where the host's
-    `Observation.replayed` of the window it reports reaches it."""
+    `Observation.replayed` of the window it reports reaches it, if the window ends within `until`."""
     from jaxspec.decoding.drafters import make_drafter
     from jaxspec.runner import decode_fns, prefill_fn
     from jaxspec.serving import programs
@@ -560,8 +560,8 @@ def test_device_watch_crosses_where_the_host_replay_would(tiny):
                                  stop_ids=jnp.asarray([-1])), max_iterations=jnp.int32(24))
     reference = decode(params, jax.tree.map(jnp.copy, state), max_iterations=jnp.int32(40))
     watched = programs.watched(cfg, spec.compiled(max_len), sampling, max_len, (NGRAM.spec(spec),)).jitted
-    run = lambda threshold: watched(params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0), np.int32(64),
-                                    np.asarray([threshold], np.float32))
+    run = lambda threshold, until=40: watched(params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0),
+                                              np.int32(64), np.asarray([threshold], np.float32), np.int32(until))
     out, length, ran, window, crossed = run(np.inf)
     np.testing.assert_array_equal(out.tokens, reference.tokens)
     assert not crossed and int(window) == 128 and (np.asarray(length) == np.asarray(state.length)).all()
@@ -572,6 +572,7 @@ def test_device_watch_crosses_where_the_host_replay_would(tiny):
     slowest = Observation.replayed(end - begin, replayed, whole).slowest_tokens_per_iteration
     assert slowest > 1  # the text repeats: chains to find
     assert bool(run(np.float32(slowest))[4]) and not bool(run(np.nextafter(np.float32(slowest), np.float32(np.inf)))[4])
+    assert not bool(run(np.float32(slowest), until=39)[4])  # a window ending past `until` is not judged
 
 
 def test_watch_leaves_a_model_drafter_that_does_badly_on_this_text():

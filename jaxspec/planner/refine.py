@@ -292,6 +292,12 @@ class Refinement:
         least = {s: bar / expected[s] * (1 + 1e-9) for s in self.replayed}  # just over the bar
         return {s: x if x <= 1 + s.depth else float("inf") for s, x in least.items()}
 
+    def watch_until(self, left: int) -> int:
+        """Iterations of plain (a token a row an iteration) from now within which a window's crossing
+        can lead to a switch, with `left` the most tokens a row of the closed batch may still take:
+        later, fewer than WATCH would be left (`watch`)."""
+        return left - WATCH
+
     def watched(self, seen: Observation, window: int) -> None:
         """Records a stretch the device watched without crossing a threshold (`thresholds`): pooled
         into the current strategy's observations; `window`, the device's next window, is the next

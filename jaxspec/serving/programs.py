@@ -126,18 +126,19 @@ def replay(cfg, spec: SpecConfig, max_len: int) -> Program:
 def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, replayed: tuple[SpecConfig, ...],
             mesh: Mesh | None = None) -> Program:
     """A closed batch's decode that watches ngram on the device (`planner.Refinement.thresholds`):
-    (params, state, iterations, min_live, window, thresholds [S]) -> (state, the last window's start
-    lengths [B] and row iterations [B], the next window, crossed). It decodes windows of `window`,
-    2 `window`, ... iterations as `decode` does (up to `iterations`, or until at most `min_live` rows
-    run), and after each replays each of `replayed` (`Ngram.replay`) over the rows that ran the whole
-    window, as the host's watch does; it stops after the first window whose slowest such row's replayed
-    tokens per iteration reaches that strategy's threshold (`crossed`). So a run whose text never
-    repeats is one call, with no host work between windows (bench/NOTES.md, "the watch on the device")."""
+    (params, state, iterations, min_live, window, thresholds [S], until) -> (state, the last window's
+    start lengths [B] and row iterations [B], the next window, crossed). It decodes windows of
+    `window`, 2 `window`, ... iterations as `decode` does (up to `iterations`, or until at most
+    `min_live` rows run), and after each replays each of `replayed` (`Ngram.replay`) over the rows that
+    ran the whole window, as the host's watch does; it stops after the first window, ending within
+    `until` iterations of the call's start, whose slowest such row's replayed tokens per iteration
+    reaches that strategy's threshold (`crossed`). So a run whose text never repeats is one call, with
+    no host work between windows (bench/NOTES.md, "the watch on the device")."""
 
     def make(c):
         eng, drafters = engine.Engine(c, spec, sampling, max_len), [make_drafter(r, c, max_len) for r in replayed]
 
-        def run(params, state, iterations, min_live, window, thresholds):
+        def run(params, state, iterations, min_live, window, thresholds, until):
             def cond(carry):
                 state, i, _, _, _, crossed = carry
                 return ~crossed & (jnp.sum(~state.done) > min_live) & (i < iterations)
@@ -150,13 +151,13 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
                 whole = rows == rows.max()
                 start = jnp.where(whole, length, state.length)
                 tokens = (state.length - start).astype(jnp.float32)
-                crossed = jnp.bool_(False)
+                crossed, i = jnp.bool_(False), i + rows.max()
                 for d, threshold in zip(drafters, thresholds):
                     replayed = d.replay(state.tokens, start, state.length)
                     counted = whole & (replayed > 0)
                     slowest = jnp.min(jnp.where(counted, tokens / jnp.maximum(replayed, 1), jnp.inf))
-                    crossed |= counted.any() & (slowest >= threshold)
-                return state, i + rows.max(), 2 * window, length, ran, crossed
+                    crossed |= counted.any() & (slowest >= threshold) & (i <= until)
+                return state, i, 2 * window, length, ran, crossed
 
             zeros = jnp.zeros_like(state.length)
             state, _, window, length, ran, crossed = jax.lax.while_loop(

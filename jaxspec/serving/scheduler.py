@@ -538,10 +538,11 @@ class Scheduler:
                                    tuple(s.spec(self.base) for s in r.replayed), self.mesh)
         thresholds = r.thresholds()
         thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
+        until = np.int32(r.watch_until(self._left()))
 
         def call(iterations: int, floor: int):
             return self._call(program, self.params, self._state, np.int32(iterations), np.int32(floor),
-                              np.int32(r.window), thresholds, shape=(self.rows,))
+                              np.int32(r.window), thresholds, until, shape=(self.rows,))
 
         if (program, (self.rows,)) not in self._executables or r.current not in r.observations:
             self._state = call(0, 0)[0]  # its first call compiles and loads the program: not observed
