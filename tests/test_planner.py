@@ -725,6 +725,26 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
             assert 0 <= drawn + stats.iterations[b] + stats.accepted[b] - len(generated) <= NGRAM.gamma, b
 
 
+def test_device_watch_judges_no_window_too_late_for_a_switch(tiny, monkeypatch):
+    """A window ending with fewer than WATCH tokens left is not judged (`Refinement.watch_until`):
+    with every threshold at one token an iteration, a static batch of 59 decode iterations crosses at
+    its first window (16 iterations, 43 left: the host decides); its second (32 iterations) would end
+    with 11 left, so the call runs to the end of the batch, nothing decided (judged, it would have
+    ended there: segments of 16, 32 and 11)."""
+    cfg, params, batch = tiny
+    common = dict(sampling=SamplingConfig(), max_len=128, max_new_tokens=60, stop_ids=(), spec=SpecConfig())
+    reference = run_generation(params, cfg, batch, **common)
+    monkeypatch.setattr(refine, "WATCH", 16)
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: 1.0 for s in self.replayed})
+    decided = []
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (
+        decided.append(current) or current, "scripted"))
+    plan = planner.Plan((Prediction(PLAIN, 100.0, 1.0, 0.02), Prediction(NGRAM, 100.0, 2.0, 0.04)), PLAIN, "table:t.json", 1024)
+    run = run_generation(params, cfg, batch, plan=plan, **common)
+    assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
+    assert [s["iterations"] for s in run.auto.segments] == [16, 43] and decided == [PLAIN]
+
+
 @pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 0.05])  # greedy: a special case, slow
 def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperature):
     """Replaying ngram over the tokens an ngram run committed takes that run's iterations, row by
