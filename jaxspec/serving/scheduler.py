@@ -497,8 +497,7 @@ class Scheduler:
         if watching and self._watch_from is None and len(before[0]) == self.rows:
             self._watch_from = (before, start)
         limit = np.iinfo(np.int32).max if iterations is None else iterations
-        most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
-        floor = most if len(self._running) > most else 0
+        floor = self._floor()
         if self._ahead is None:
             self._reserve()
             self._state = self._call(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
@@ -547,9 +546,9 @@ class Scheduler:
         if (program, (self.rows,)) not in self._executables or r.current not in r.observations:
             self._state = call(0, 0)[0]  # its first call compiles and loads the program: not observed
         before, start = self._last, time.perf_counter()
-        most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0  # the most rows that run when it shrinks
+        floor = self._floor()
         self._reserve()
-        self._state, length, ran, window, crossed = call(np.iinfo(np.int32).max, most if len(self._running) > most else 0)
+        self._state, length, ran, window, crossed = call(np.iinfo(np.int32).max, floor)
         seconds = self._deliver(start)
         seen = planner.Observation.between(before, self._last, seconds)
         length, ran, window, crossed = jax.device_get((length, ran, window, crossed))
@@ -562,6 +561,12 @@ class Scheduler:
             if target is not None:
                 self._switch(target)
         self._shrink_if_few()
+
+    def _floor(self) -> int:
+        """A segment's `min_live`: it ends when at most this many rows run, the most that run when the
+        batch shrinks (0: it does not shrink, or already runs no more)."""
+        most = self.rows // SHRINK_FACTOR if self._may_shrink() else 0
+        return most if len(self._running) > most else 0
 
     def _left(self) -> int | None:
         """The most tokens a running row of a static batch may still take (None in a server: its
