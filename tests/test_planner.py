@@ -545,8 +545,9 @@ def test_watch_thresholds_are_where_watch_switches():
 
 def test_device_watch_crosses_where_the_host_replay_would(tiny):
     """`programs.watched` over one window decodes what plain decoding does, and its replay of ngram
-    (the slowest whole row's tokens per iteration) crosses a threshold exactly where the host's
-    `Observation.replayed` of the window it reports reaches it, if the window ends within `until`."""
+    (the slowest whole row's tokens per iteration, its iterations as the host's replay counts them)
+    crosses a threshold exactly where the host's `Observation.replayed` of the window it reports
+    reaches it, if the window ends within `until`."""
     from jaxspec.decoding.drafters import make_drafter
     from jaxspec.runner import decode_fns, prefill_fn
     from jaxspec.serving import programs
@@ -562,13 +563,14 @@ def test_device_watch_crosses_where_the_host_replay_would(tiny):
     watched = programs.watched(cfg, spec.compiled(max_len), sampling, max_len, (NGRAM.spec(spec),)).jitted
     run = lambda threshold, until=40: watched(params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0),
                                               np.int32(64), np.asarray([threshold], np.float32), np.int32(until))
-    out, length, ran, window, crossed = run(np.inf)
+    out, length, ran, window, crossed, replays = run(np.inf)
     np.testing.assert_array_equal(out.tokens, reference.tokens)
     assert not crossed and int(window) == 128 and (np.asarray(length) == np.asarray(state.length)).all()
     iterations = np.asarray(out.stats.iterations) - np.asarray(ran)
     whole, end = iterations == iterations.max(), np.asarray(out.length)
     begin = np.where(whole, np.asarray(length), end)
     replayed = np.asarray(make_drafter(NGRAM.spec(spec), cfg, max_len).replay(out.tokens, begin, end))
+    np.testing.assert_array_equal(replays, replayed[None])  # the host's replays need not run again
     slowest = Observation.replayed(end - begin, replayed, whole).slowest_tokens_per_iteration
     assert slowest > 1  # the text repeats: chains to find
     assert bool(run(np.float32(slowest))[4]) and not bool(run(np.nextafter(np.float32(slowest), np.float32(np.inf)))[4])
@@ -701,7 +703,7 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
     reference = [g.tolist() for g in run_generation(params, cfg, batch, **{**common, "shrink": False}).generated()]
     monkeypatch.setattr(refine, "WATCH", 16)
     replays, pause = Scheduler._replays, 0.5
-    monkeypatch.setattr(Scheduler, "_replays", lambda self, since: (time.sleep(pause), replays(self, since))[1])
+    monkeypatch.setattr(Scheduler, "_replays", lambda self, *args: (time.sleep(pause), replays(self, *args))[1])
     shrink, rows = Scheduler._shrink, []
     monkeypatch.setattr(Scheduler, "_shrink", lambda self: (shrink(self), rows.append(self.rows)))
     monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: 1.0 for s in self.replayed})

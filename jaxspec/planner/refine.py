@@ -283,7 +283,8 @@ class Refinement:
         inf where none up to its depth + 1 would. `corrected`'s rate of a replayed strategy is its
         rate at one token an iteration times the replay's tokens per iteration, so each threshold is
         the switch's bar over that rate. A window that crosses one ends the device's loop, and the host
-        replays that window and decides as `watch` does: a threshold says when to look."""
+        judges the device's replays of that window and decides as `watch` does: a threshold says when
+        to look."""
         ones = {s: Observation(1, 1, 0.0, 1.0, 1.0) for s in self.replayed}
         expected = corrected(self.plan.candidates, self.observations, ones, self.closed)
         bar = expected[self.current] * (1 + MARGIN)

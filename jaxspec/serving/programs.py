@@ -127,7 +127,9 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
             mesh: Mesh | None = None) -> Program:
     """A closed batch's decode that watches ngram on the device (`planner.Refinement.thresholds`):
     (params, state, iterations, min_live, window, thresholds [S], until) -> (state, the last window's
-    start lengths [B] and row iterations [B], the next window, crossed). It decodes windows of
+    start lengths [B] and row iterations [B], the next window, crossed, each replay's iterations over
+    the last window [S, B] (as `Ngram.replay` gives them: the host's replays need not run again)). It
+    decodes windows of
     `window`, 2 `window`, ... iterations as `decode` does (up to `iterations`, or until at most
     `min_live` rows run), and after each replays each of `replayed` (`Ngram.replay`) over the rows that
     ran the whole window, as the host's watch does; it stops after the first window, ending within
@@ -140,11 +142,11 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
 
         def run(params, state, iterations, min_live, window, thresholds, until):
             def cond(carry):
-                state, i, _, _, _, crossed = carry
+                state, i, _, _, _, crossed, _ = carry
                 return ~crossed & (jnp.sum(~state.done) > min_live) & (i < iterations)
 
             def body(carry):
-                state, i, window, _, _, _ = carry
+                state, i, window, _, _, _, _ = carry
                 length, ran = state.length, state.stats.iterations
                 state = eng.decode(params, state, max_iterations=jnp.minimum(window, iterations - i), min_live=min_live)
                 rows = state.stats.iterations - ran
@@ -152,17 +154,18 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
                 start = jnp.where(whole, length, state.length)
                 tokens = (state.length - start).astype(jnp.float32)
                 crossed, i = jnp.bool_(False), i + rows.max()
-                for d, threshold in zip(drafters, thresholds):
-                    replayed = d.replay(state.tokens, start, state.length)
+                replays = jnp.stack([d.replay(state.tokens, start, state.length) for d in drafters])
+                for replayed, threshold in zip(replays, thresholds):
                     counted = whole & (replayed > 0)
                     slowest = jnp.min(jnp.where(counted, tokens / jnp.maximum(replayed, 1), jnp.inf))
                     crossed |= counted.any() & (slowest >= threshold) & (i <= until)
-                return state, i, 2 * window, length, ran, crossed
+                return state, i, 2 * window, length, ran, crossed, replays
 
             zeros = jnp.zeros_like(state.length)
-            state, _, window, length, ran, crossed = jax.lax.while_loop(
-                cond, body, (state, jnp.int32(0), window, zeros, zeros, jnp.bool_(False)))
-            return state, length, ran, window, crossed
+            state, _, window, length, ran, crossed, replays = jax.lax.while_loop(
+                cond, body, (state, jnp.int32(0), window, zeros, zeros, jnp.bool_(False),
+                             jnp.zeros((len(drafters), *zeros.shape), jnp.int32)))
+            return state, length, ran, window, crossed, replays
 
         return run
 

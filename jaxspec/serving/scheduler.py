@@ -530,8 +530,8 @@ class Scheduler:
     def _run_watched(self) -> None:
         """`run_segment` for a closed batch settled on plain that watches ngram
         (`planner.Refinement.watches_on_device`): one call of `programs.watched` decodes to the end of
-        the run, unless a window's replay crosses its threshold (the host then replays that window and
-        decides, as its own watch does) or the batch can shrink."""
+        the run, unless a window's replay crosses its threshold (the host then judges the device's replays
+        of that window and decides, as its own watch does) or the batch can shrink."""
         r = self.refinement
         program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
                                    tuple(s.spec(self.base) for s in r.replayed), self.mesh)
@@ -548,16 +548,16 @@ class Scheduler:
         before, start = self._last, time.perf_counter()
         floor = self._floor()
         self._reserve()
-        self._state, length, ran, window, crossed = call(np.iinfo(np.int32).max, floor)
+        self._state, length, ran, window, crossed, replayed = call(np.iinfo(np.int32).max, floor)
         seconds = self._deliver(start)
         seen = planner.Observation.between(before, self._last, seconds)
-        length, ran, window, crossed = jax.device_get((length, ran, window, crossed))
+        length, ran, window, crossed, replayed = jax.device_get((length, ran, window, crossed, replayed))
         if not crossed:
             r.watched(seen, int(window))
         else:
             r.window = int(window) // 2  # the window that crossed: `watch` doubles it, or starts again on a switch
             since = (length, dataclasses.replace(self._last[1], iterations=ran))
-            target = r.watch(seen, not self._running, self._replays(since), self._left())
+            target = r.watch(seen, not self._running, self._replays(since, replayed), self._left())
             if target is not None:
                 self._switch(target)
         self._shrink_if_few()
@@ -617,16 +617,17 @@ class Scheduler:
         self.metrics.count_preemption()
         log.info("preempted request %s after %d tokens: the KV pool is full", h.id, h.read)
 
-    def _replays(self, since) -> dict:
+    def _replays(self, since, replayed=None) -> dict:
         """{Strategy: Observation.replayed} of the refinement's replayed strategies over the tokens
-        committed since the report `since`, by the rows that ran the whole window."""
+        committed since the report `since`, by the rows that ran the whole window; `replayed`: their
+        iterations [S, B] when the device replayed that window already (`programs.watched`)."""
         whole = planner.whole_rows(since, self._last)
         end = self._last[0]
         start = np.where(whole, since[0], end)
-        # every replay dispatched before the first is read: one wait on the device, not one a strategy
-        running = {s: self._replay(s, start, end)(self._state.tokens, start, end) for s in self.refinement.replayed}
+        if replayed is None:  # every replay dispatched before the first is read: one wait on the device
+            replayed = [self._replay(s, start, end)(self._state.tokens, start, end) for s in self.refinement.replayed]
         return {s: planner.Observation.replayed(end - start, np.asarray(iterations), whole)
-                for s, iterations in running.items()}
+                for s, iterations in zip(self.refinement.replayed, replayed)}
 
     def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: np.ndarray):
         """`strategy`'s `Ngram.replay` over the state's tokens, compiled once per strategy and tokens'
