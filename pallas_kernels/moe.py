@@ -30,9 +30,10 @@ scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the b
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
-stacks takes the one-row form of both calls (6.5x); up to 128 rows through bf16 stacks the split-K
-form, whose programs keep wide column blocks and, for a few rows, divide K (`default_form`). The
-reference decodes the layer's whole stack with the same function and runs the float path.
+stacks takes the one-row form of both calls (5.4x, the codes' bits placed: `code_values`); up to 128
+rows through bf16 stacks the split-K form, whose programs keep wide column blocks and, for a few
+rows, divide K (`default_form`). The reference decodes the layer's whole stack with the same
+function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
 expert's rows, no slot covers it, and its output row counts as zero.
@@ -90,7 +91,7 @@ SCALED_DOT = True
 # against 2.70x), 2-16 rows 2-12% faster, 32-128 rows (one chunk of K: the wider column blocks alone)
 # 2-4% faster; bf16 stacks take it up to SPLIT_ROWS rows, the measured range (bench/NOTES.md; a
 # prefill chunk's 64-row blocks of its wide columns spill on sm_90). MXFP4 stacks keep their forms
-# (one row: 98-102 against the one-row form's 82 us).
+# (one row: 97 against the one-row form's 67 us, H200, the placed decode).
 SPLIT_GATE_UP_COLUMNS = 128
 SPLIT_DOWN_COLUMNS = 256
 SPLIT_ROWS = 128
