@@ -19,8 +19,9 @@ bench/NOTES.md). `--dtype float32` multiplies in full float32 (JAX's default on 
 expert. At 24 layers random gpt-oss weights amplify even float32 rounding past the near-ties, routed
 or not (bench/NOTES.md): there the check to read is every method emitting plain's tokens (when plain runs first, as by
 default, each other row records `equals_plain`; every row records its emitted tokens, and whether the
-full forward's logits were finite). `--exact-decode`: the MXFP4 kernels decode the codes by `moe.exact_values`, not by placing their bits
-(`moe.PLACED_DECODE`, the default). Writes DIR/gpu_checks_<model>[_tree][_float32][_route_all][_mxfp4][_exact][_reference].json.
+full forward's logits were finite). `--exact-decode`: the MXFP4 kernels decode the codes by
+`moe.exact_values`, not by placing their bits (`moe.PLACED_DECODE`, the default). Writes
+DIR/gpu_checks_<model>[_tree][_float32][_route_all][_mxfp4][_exact][_reference].json.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@
 Rows of random tokens whose second half repeats a stretch of the first (matches for the chains to
 walk), a window of each length from the middle of the row. Timed: one jitted replay of rows already on
 the device called and waited on, back-to-back, 10 calls a run, median of --repeats runs, ms a call:
-what a watch boundary waits for (its launch and the host's wait included). Checked: the iterations equal a walk that calls
-`Ngram.propose` at each length (on the first row, the first window). Writes DIR/replay.json
-and prints a table last.
+what a watch boundary waits for (its launch and the host's wait included). Checked: the iterations
+equal a walk that calls `Ngram.propose` at each length (on the first row, the first window). Writes
+DIR/replay.json and prints a table last.
 """
 from __future__ import annotations
 
