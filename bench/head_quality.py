@@ -1,0 +1,115 @@
+"""How well EAGLE-3 heads follow their target, teacher-forced, on a few kinds of text (CPU, float32).
+
+    PYTHONPATH=. python3 bench/head_quality.py --heads checkpoints/eagle3-smollm2,DIR [--new 200]
+                                               [--out bench/results/head_quality_cpu.json]
+
+For each text, the target scores it from position 0 and each head runs EAGLE-3's training-time test
+over it (`training.eagle.ttt_loss`, the training loss's own accuracy): the share of positions where
+the head's top draft token, mapped to target ids, is the target's argmax, at draft depths 1-3 (depths
+2 and 3 fed the true tokens). It measures a head without timing anything, so heads trained elsewhere
+compare on one machine. The texts:
+- `default greedy` / `default sampled`: `generate`'s default request, chat-templated, and the
+  target's own answer (greedy; T 0.7, top-p 0.95, seed 0), `--new` tokens;
+- `chat turns`: a prompt of 12 identical chat turns and the target's greedy continuation past its
+  turn's end (text that repeats itself exactly: a head that knows chat's structure drafts it well);
+- `held-out documents`: two windows of 512 tokens of the held-out documents (`training.data`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.spec import SpecConfig
+from jaxspec.generate import DEFAULT_PROMPT
+from jaxspec.loaders import load_model
+from jaxspec.loaders.eagle import load_eagle
+from jaxspec.models import decoder, eagle
+from jaxspec.runner import Batch, run_generation
+from jaxspec.training import data
+
+DEPTHS = 3
+TOP_K = 4
+CHAT_TURN = ("What is the capital of France?", "The capital of France is Paris.")
+
+
+def answer(params, cfg, tokenizer, prompt: str, new: int, sampling: SamplingConfig,
+           stop: bool = True) -> tuple[np.ndarray, int]:
+    """(the tokens of `prompt`, already templated, followed by the target's own continuation (plain
+    decoding; past the end of its turn unless `stop`), the prompt's length)."""
+    ids = tokenizer.encode(prompt)
+    batch = Batch(np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32))
+    run = run_generation(params, cfg, batch, spec=SpecConfig(method="plain", backend="reference").validate(),
+                         sampling=sampling, max_len=len(ids) + new, max_new_tokens=new,
+                         stop_ids=tokenizer.eos_token_ids if stop else (), seed=0)
+    return np.asarray(ids + [int(t) for t in run.generated()[0]], np.int32), len(ids)
+
+
+def texts(params, cfg, tokenizer, new: int) -> dict[str, tuple[np.ndarray, int]]:
+    """name -> ([N, T] token rows, the first target position scored: the prompt's last, whose
+    prediction is the answer's first token), as the module docstring lists."""
+    template = lambda turns: tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+    request = template([{"role": "user", "content": DEFAULT_PROMPT}])
+    turns = [{"role": r, "content": c} for _ in range(12) for r, c in zip(("user", "assistant"), CHAT_TURN)]
+    sample = SamplingConfig(temperature=0.7, top_p=0.95)
+    answers = {"default greedy": (request, SamplingConfig(), True), "default sampled": (request, sample, True),
+               "chat turns": (template(turns[:-1]), SamplingConfig(), False)}
+    rows = {}
+    for name, (prompt, sampling, stop) in answers.items():
+        ids, first = answer(params, cfg, tokenizer, prompt, new, sampling, stop)
+        rows[name] = (ids[None], first - 1)
+    rows["held-out documents"] = (data.heldout_windows(tokenizer, 512, count=2), 0)
+    return rows
+
+
+def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dict:
+    """Agreement with the target's argmax over the target's predictions at positions >= `start` of
+    `tokens` [N, T]: the head's top 1 at draft depths 1..DEPTHS, and its top TOP_K at depth 1."""
+    ecfg, head = load_eagle(head_dir, cfg, dtype="float32")
+    tokens = jnp.asarray(tokens)
+    logits, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
+    argmax = np.asarray(jnp.argmax(logits, axis=-1))
+    outs = eagle.ttt_forward(head, ecfg, params, cfg, tokens, features, DEPTHS)
+    T = tokens.shape[1]
+    result = {}
+    for k in range(DEPTHS):
+        at = np.arange(T - 1) + k + 1  # row t's draft at depth k + 1 is scored against the target at t + k + 1
+        rows = (at <= T - 1) & (at >= start)
+        ranked = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, outs[k])), axis=-1)[..., :TOP_K]
+        hits = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(ranked))) == argmax[:, np.minimum(at, T - 1), None]
+        result[f"depth {k + 1} top-1"] = round(float(hits[:, rows, 0].mean()), 4)
+        if k == 0:
+            result[f"depth 1 top-{TOP_K}"] = round(float(hits[:, rows].any(-1).mean()), 4)
+    result["positions"] = int(tokens.shape[0] * np.sum((np.arange(T - 1) + 1 >= start)))
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", required=True, help="head directories, comma-separated")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--new", type=int, default=200, help="tokens of each generated answer")
+    p.add_argument("--out", type=Path, default=common.RESULTS / "head_quality_cpu.json")
+    args = p.parse_args(argv)
+    cfg, params, tokenizer = load_model(args.model, dtype="float32")
+    rows = texts(params, cfg, tokenizer, args.new)
+    heads = [Path(h) for h in args.heads.split(",")]
+    results = {str(h): {name: accuracy(h, params, cfg, t, start) for name, (t, start) in rows.items()} for h in heads}
+    keys = [k for k in results[str(heads[0])][next(iter(rows))] if k != "positions"]
+    print(f"{', '.join(keys)} (the target's argmax among the head's drafts)\n")
+    print("| text (positions) | " + " | ".join(h.name or str(h) for h in heads) + " |")
+    print("|---|" + "---|" * len(heads))
+    for name in rows:
+        cells = [" / ".join(f"{results[str(h)][name][k]:.2f}" for k in keys) for h in heads]
+        print(f"| {name} ({results[str(heads[0])][name]['positions']}) | " + " | ".join(cells) + " |")
+    record = {**common.run_info(), "texts": {name: int(t.size) for name, (t, _) in rows.items()}, "accuracy": results}
+    common.write_json(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
