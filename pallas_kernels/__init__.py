@@ -117,12 +117,12 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_ga
 
 
 def rope_write(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *, num_heads: int,
-               rope_scale: float, eps: float, scale=None, bias=None, q_norm=None, k_norm=None,
+               rope_scale: float, eps: float, page_size: int, scale=None, bias=None, q_norm=None, k_norm=None,
                backend: str = "reference"):
     """A layer's q/k/v product `sums` [S, R, N] (partial sums of rows b*T + t; times `scale` [E, N]
     at `entry` if given) to q [B, T, Hq, Dh] and the pools [L, Hkv, N, Dh] with k and v of layer
     `layer` written at pool slots write_slots [B, T] (`KVCache.slots`: a token past its row's end
-    writes into the null page): bias, qk-norm, RoPE at positions [B, T]
+    writes into the null page of `page_size` slots): bias, qk-norm, RoPE at positions [B, T]
     (pallas_kernels/rope_write.py). The Pallas kernel covers T <= 64 and head dims whose half is a power
     of two; prefill chunks run the reference (XLA), which is cheap next to their products."""
     options = dict(num_heads=num_heads, rope_scale=rope_scale, eps=eps, scale=scale, bias=bias,
@@ -130,7 +130,8 @@ def rope_write(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_f
     if _is_pallas(backend) and rope_write_supported(k_pool.shape[-1]) and positions.shape[1] <= EPILOGUE_ROWS:
         return rope_write_pallas(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq,
                                  interpret=interpret_default(), **options)
-    return rope_write_reference(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, **options)
+    return rope_write_reference(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq,
+                                page_size=page_size, **options)
 
 
 def residual_norm(x, sums, weight, entry, *, eps: float, scale=None, backend: str = "reference"):

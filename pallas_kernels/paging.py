@@ -42,6 +42,14 @@ def physical(pages: jax.Array, slots: jax.Array, page_size: int) -> jax.Array:
     return ids * page_size + slots % page_size
 
 
+def scatter_slots(slots: jax.Array, page_size: int, size: int) -> jax.Array:
+    """Pool `slots` for an XLA scatter with mode="drop": those in the null page become `size`, out of
+    range, so their writes are dropped. Every padded position of a batch maps to the same null-page
+    slot, and a GPU scatter of many updates to one slot runs them one after another (a prefill of 256
+    rows padded to 2,047 tokens took minutes, not seconds); the kernels write the null page instead."""
+    return jnp.where(slots // page_size == NULL_PAGE, size, slots)
+
+
 def layer_view(pool: jax.Array, layer, pages: jax.Array, page_size: int) -> jax.Array:
     """[B, Hkv, R * page_size, Dh]: layer `layer` of a pool [L, Hkv, N, Dh] as each row's contiguous
     slots (a gather of every page in the table: the references' and tests' view)."""

@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paging
 from pallas_kernels._common import next_pow2
 from pallas_kernels.row_matmul import product_rows
 
@@ -76,12 +77,12 @@ def _check(sums, positions, write_slots, k_pool, v_pool, num_heads):
 
 
 def rope_write_reference(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *,
-                         num_heads: int, rope_scale: float, eps: float, scale=None, bias=None,
+                         num_heads: int, rope_scale: float, eps: float, page_size: int, scale=None, bias=None,
                          q_norm=None, k_norm=None):
     """Plain jnp. `scale` [E, N] (int8 column scales), `bias` [E, N], `q_norm`/`k_norm` [E, Dh] are
     stacks read at `entry` (the params' layer); the pools' layer is `layer`. k and v of token (b, t)
-    go to pool slot write_slots[b, t] (an invalid token's is in the null page, which nothing reads).
-    Returns q [B, T, Hq, Dh] and the two pools."""
+    go to pool slot write_slots[b, t]; an invalid token's, in the null page (pages of `page_size`
+    slots), is dropped (`paging.scatter_slots`). Returns q [B, T, Hq, Dh] and the two pools."""
     _check(sums, positions, write_slots, k_pool, v_pool, num_heads)
     B, T = positions.shape
     Hkv, Dh = k_pool.shape[1], k_pool.shape[3]
@@ -95,8 +96,9 @@ def rope_write_reference(sums, positions, write_slots, k_pool, v_pool, entry, la
         k = rms_norm(k, k_norm[entry], eps)
     q = apply_rope(q, positions, inv_freq, rope_scale)
     k = apply_rope(k, positions, inv_freq, rope_scale)
-    k_pool = k_pool.at[layer, :, write_slots].set(k.astype(k_pool.dtype))  # [B, T, Hkv, Dh] at [B, T]
-    v_pool = v_pool.at[layer, :, write_slots].set(v.astype(v_pool.dtype))
+    slots = paging.scatter_slots(write_slots, page_size, k_pool.shape[2])
+    k_pool = k_pool.at[layer, :, slots].set(k.astype(k_pool.dtype), mode="drop")  # [B, T, Hkv, Dh] at [B, T]
+    v_pool = v_pool.at[layer, :, slots].set(v.astype(v_pool.dtype), mode="drop")
     return q, k_pool, v_pool
 
 

@@ -339,8 +339,8 @@ def attention_inputs(cfg: ModelConfig, h: jax.Array, wqkv, stacks: dict, entry: 
     sums, scale = product_sums(h, wqkv)
     q, k_cache, v_cache = kernels.rope_write(
         sums, positions, write_slots, cache.k, cache.v, entry, cache_layer, inv_freq, num_heads=cfg.num_heads,
-        rope_scale=rope_scale, eps=cfg.rms_norm_eps, scale=scale, bias=stacks["bqkv"], q_norm=stacks["q_norm"],
-        k_norm=stacks["k_norm"], backend=backend)
+        rope_scale=rope_scale, eps=cfg.rms_norm_eps, page_size=cache.page_size, scale=scale, bias=stacks["bqkv"],
+        q_norm=stacks["q_norm"], k_norm=stacks["k_norm"], backend=backend)
     cache = cache.written(cache_layer, write_pos, k_cache, v_cache)
     if not cfg.nsa:
         return q, cache, None

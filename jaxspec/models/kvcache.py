@@ -91,7 +91,8 @@ class KVCache:
         """Copies logical slots src [B, n] to slots dst [B, n] (consecutive) in every layer; an NSA cache
         then recomputes the compressed blocks of dst (a draft tree's accepted path moving into place)."""
         to, at = self.slots(dst), self.slots(src)
-        moved = lambda x: x.at[:, :, to].set(x[:, :, at])
+        to = paging.scatter_slots(to, self.page_size, self.k.shape[2])  # a slot past the table: dropped
+        moved = lambda x: x.at[:, :, to].set(x[:, :, at], mode="drop")
         cache = dataclasses.replace(self, k=moved(self.k), v=moved(self.v))
         if self.k_cmp is None:
             return cache
