@@ -434,10 +434,12 @@ def test_cached_decoding_equals_full_forward(qwen3_case):
         np.testing.assert_allclose(np.asarray(got), full[t], rtol=1e-4, atol=1e-4 * np.abs(full[t]).max())
 
 
-def test_prefill_padding_writes_only_the_last_slot():
-    """A prefill chunk over rows of different prompt lengths writes each row's prompt slots and, for
-    its padding tokens, the null page alone (past the table: decoder.forward): every other slot of the
-    rows' (scattered) pages keeps the poison."""
+def test_prefill_padding_writes_only_the_prompts():
+    """A prefill chunk over rows of different prompt lengths writes each row's prompt slots and
+    nothing for its padding tokens: every other slot of the rows' (scattered) pages keeps the poison,
+    and so does the null page, where padding goes (past the table: decoder.forward) and the XLA write
+    drops it (paging.scatter_slots: on the GPU a scatter of every padded position to one slot
+    serialises)."""
     params = decoder.init_params(TINY, jax.random.key(3), scale=0.5)
     prompt_len = jnp.asarray([9, 3], jnp.int32)
     prompts = jax.random.randint(jax.random.key(4), (2, 12), 0, TINY.vocab_size)
@@ -453,6 +455,8 @@ def test_prefill_padding_writes_only_the_last_slot():
         changed = np.any(rows(new) != rows(old), axis=(0, 2, 4))  # [B, S]
         for b, n in enumerate(np.asarray(prompt_len) - 1):  # the last prompt token is the first decode step's
             assert changed[b, :n].all() and not changed[b, n:].any(), b
+        null = slice(paging.NULL_PAGE * cache.page_size, (paging.NULL_PAGE + 1) * cache.page_size)
+        np.testing.assert_array_equal(np.asarray(new)[:, :, null], np.asarray(old)[:, :, null])
 
 
 def test_prefill_reads_only_the_pages_under_the_prompts():
