@@ -3,9 +3,10 @@
 A cache stack is a pool [L, Hkv, N, Dh] of N = num_pages * page_size slots, shared by all rows. Row b's
 logical slot s (its token position) lives in pool slot pages[b, s // page_size] * page_size +
 s % page_size, where pages [B, R] is the page table (R pages a row, so R * page_size logical slots).
-Page 0 is the null page: no request owns it, table entries a row does not use point at it, and writes
-to slots past a row's table land there. Nothing reads it unmasked, so its contents never matter
-(tests poison it); it only has to stay finite, which every write keeps it.
+Page 0 is the null page: no request owns it, table entries a row does not use point at it, and the
+kernels' writes to slots past a row's table land there (XLA scatters drop them: `scatter_slots`).
+Nothing reads it unmasked, so its contents never matter (tests poison it); it only has to stay
+finite, which every write keeps it.
 
 NSA's compressed stacks [L, Hkv, N / block_size, Dh] use the same table: page p holds the compressed
 entries of its page_size / block_size blocks.
