@@ -688,8 +688,8 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
     plain decoding's tokens, and no window's time holds the replays the host blocks on (0.5 s each
     here). Switched to ngram, the host watches, each window's next segment dispatched ahead of its
     report; a switch decided while a window runs ahead (ngram -> plain) hands out its tokens first,
-    and its stats reach the rows. With `shrink` (6 of 8 rows end within 90 tokens) the batch shrinks
-    to its 2 long rows."""
+    its stats reach the rows, and it is ngram's segment (the switch comes after it). With `shrink` (6
+    of 8 rows end within 90 tokens) the batch shrinks to its 2 long rows."""
     import time
 
     from jaxspec.runner import Batch
@@ -717,11 +717,15 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
         segments = run.auto.segments
         assert all(s["watch"] for s in segments) and all(s["iterations"] * s["iteration_s"] < pause for s in segments)
         # the first shrinkable call ends at the shrink, its window replayed and decided at once
-        assert [(s["strategy"], s["iterations"]) for s in segments][:3] == (
-            [("plain", 16), ("plain", 32), ("plain", 41)] if not script else [("plain", 16), ("ngram g4", 16), ("plain", 3)])
-        assert [(s["from"], s["to"]) for s in run.auto.switches] == [(a.name, b.name) for a, b in zip((PLAIN, *script), script)]
+        # the window ngram ran ahead while its last was judged is its segment too, and the switch comes after it
+        assert [(s["strategy"], s["iterations"]) for s in segments][:4] == (
+            [("plain", 16), ("plain", 32), ("plain", 41), ("plain", 128)] if not script else
+            [("plain", 16), ("ngram g4", 16), ("ngram g4", 16), ("plain", 3)])
+        assert [(s["from"], s["to"], s["iteration"]) for s in run.auto.switches] == [
+            (a.name, b.name, i) for a, b, i in zip((PLAIN, *script), script, (16, 48))]
         assert rows == [2]
         stats = jax.device_get(run.output.stats)
+        assert sum(s["iterations"] for s in segments) == stats.iterations.max()  # every iteration in a segment
         drawn = 1 + len(run.auto.switches)  # the prefill's token and each switch's plain step
         for b, generated in enumerate(reference):  # a row's last iteration may draft past its limit
             assert 0 <= drawn + stats.iterations[b] + stats.accepted[b] - len(generated) <= NGRAM.gamma, b

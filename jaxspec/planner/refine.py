@@ -212,6 +212,7 @@ class Refinement:
     switches: list = dataclasses.field(default_factory=list)
     segments: list = dataclasses.field(default_factory=list)
     ran: set = dataclasses.field(default_factory=set)
+    previous: Strategy | None = None  # the strategy the last switch left
 
     @classmethod
     def of(cls, plan: Plan, closed: bool = False) -> Refinement:
@@ -310,11 +311,18 @@ class Refinement:
         """`seen` as the refinement weighs it for `strategy` (see `closed`)."""
         return seen.at_slowest() if by_slowest_row(strategy, self.closed) else seen
 
-    def _record(self, seen: Observation, replays: dict | None, watch: bool) -> dict:
-        """Pools `seen` into the current strategy's observations, appends the segment (with the
-        replays' tokens per iteration as judged), and returns the replays as judged."""
+    def ran_ahead(self, seen: Observation) -> None:
+        """Records the window the strategy switched away from ran while its last one was judged (a
+        running strategy's next window is dispatched before that judgement: the scheduler hands its
+        tokens out at the switch): its segment, and the switch, which takes effect after it."""
+        self._record(seen, {}, watch=True, strategy=self.previous)
+        self.switches[-1]["iteration"] = self.iterations
+
+    def _record(self, seen: Observation, replays: dict | None, watch: bool, strategy: Strategy | None = None) -> dict:
+        """Pools `seen` into the observations of `strategy` (default: the current one), appends the
+        segment (with the replays' tokens per iteration as judged), and returns the replays as judged."""
         self.iterations += seen.iterations
-        c = self.current
+        c = strategy or self.current
         seen_judged = self._judged(c, seen)
         self.observations[c] = self.observations[c].merge(seen_judged) if c in self.observations else seen_judged
         replays = {s: self._judged(s, r) for s, r in (replays or {}).items()}
@@ -327,7 +335,7 @@ class Refinement:
     def _switch(self, target: Strategy, reason: str, seen: Observation) -> Strategy:
         self.switches.append({"iteration": self.iterations, "from": self.current.name, "to": target.name,
                               "reason": reason, "observed_tokens_per_s": seen.tokens_per_s})
-        self.current = target
+        self.previous, self.current = self.current, target
         self.ran.add(target)
         return target
 

@@ -687,8 +687,10 @@ class Scheduler:
     def _switch(self, target: planner.Strategy) -> None:
         """Every slot continues under `target` (`engine.Engine.switch`: exact); the slots' stats so far move
         to their requests (the switch zeroes the state's)."""
-        if self._ahead is not None:  # the segment run ahead first: its tokens, and its stats the switch zeroes
-            self._deliver(self._ahead)
+        if self._ahead is not None:  # the window run ahead first: its tokens, its segment, its stats the switch zeroes
+            before = self._last
+            seconds = self._deliver(self._ahead)
+            self.refinement.ran_ahead(planner.Observation.between(before, self._last, seconds))
         _, stats = self._last
         for slot, h in self._running.items():
             h.before_switch = _add_row_stats(h.before_switch, _row_stats(stats, slot))
