@@ -29,9 +29,10 @@ from jaxspec.decoding.spec import SpecConfig
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle
-from jaxspec.models import decoder, eagle
+from jaxspec.models import eagle
 from jaxspec.runner import Batch, run_generation
 from jaxspec.training import data
+from jaxspec.training.eagle import teacher
 
 DEPTHS = 3
 TOP_K = 4
@@ -72,9 +73,9 @@ def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dic
     `tokens` [N, T]: the head's top 1 at draft depths 1..DEPTHS, and its top TOP_K at depth 1."""
     ecfg, head = load_eagle(head_dir, cfg, dtype="float32")
     tokens = jnp.asarray(tokens)
-    logits, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
-    argmax = np.asarray(jnp.argmax(logits, axis=-1))
-    outs = eagle.ttt_forward(head, ecfg, params, cfg, tokens, features, DEPTHS)
+    target = teacher(params, cfg, ecfg, head["d2t"], tokens)  # the target's features and argmax, as training's
+    argmax = np.asarray(target.argmax)
+    outs = eagle.ttt_forward(head, ecfg, params, cfg, tokens, target.features, DEPTHS)
     T = tokens.shape[1]
     result = {}
     for k in range(DEPTHS):
@@ -85,7 +86,7 @@ def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dic
         result[f"depth {k + 1} top-1"] = round(float(hits[:, rows, 0].mean()), 4)
         if k == 0:
             result[f"depth 1 top-{TOP_K}"] = round(float(hits[:, rows].any(-1).mean()), 4)
-    result["positions"] = int(tokens.shape[0] * np.sum((np.arange(T - 1) + 1 >= start)))
+            result["positions"] = int(tokens.shape[0] * rows.sum())
     return result
 
 

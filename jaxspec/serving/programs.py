@@ -129,13 +129,12 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
     (params, state, iterations, min_live, window, thresholds [S], until) -> (state, the last window's
     start lengths [B] and row iterations [B], the next window, crossed, each replay's iterations over
     the last window [S, B] (as `Ngram.replay` gives them: the host's replays need not run again)). It
-    decodes windows of
-    `window`, 2 `window`, ... iterations as `decode` does (up to `iterations`, or until at most
-    `min_live` rows run), and after each replays each of `replayed` (`Ngram.replay`) over the rows that
-    ran the whole window, as the host's watch does; it stops after the first window, ending within
-    `until` iterations of the call's start, whose slowest such row's replayed tokens per iteration
-    reaches that strategy's threshold (`crossed`). So a run whose text never repeats is one call, with
-    no host work between windows (bench/NOTES.md, "the watch on the device")."""
+    decodes windows of `window`, 2 `window`, ... iterations as `decode` does (up to `iterations`, or
+    until at most `min_live` rows run), and after each replays each of `replayed` (`Ngram.replay`)
+    over the rows that ran the whole window, as the host's watch does; it stops after the first
+    window, ending within `until` iterations of the call's start, whose slowest such row's replayed
+    tokens per iteration reaches that strategy's threshold (`crossed`). So a run whose text never
+    repeats is one call, with no host work between windows (bench/NOTES.md, "the watch on the device")."""
 
     def make(c):
         eng, drafters = engine.Engine(c, spec, sampling, max_len), [make_drafter(r, c, max_len) for r in replayed]
