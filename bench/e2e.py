@@ -3,7 +3,7 @@ process on the same long real-text prompts, with the ideal speed-up beside each 
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
         [--methods plain,vegas,stream,quest,ngram,auto,eagle] [--draft-model DIR] [--heldout] [--shapes chain:6,eagle=bfs:3,2,1] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
-        [--select-every 1,2]
+        [--select-every 1,2] [--groups 0,8,1]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy] [--shrink on,off]
         [--greedy-methods plain,vegas,auto] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
@@ -20,7 +20,8 @@ settings of its `batches` for each batch: `jaxspec.decoding.spec.at_batch`) then
 --metrics runs the score methods with each named metric, --ratios the sparse drafters with each budget
 ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at the chosen gamma),
 --balances with each budget balance (`SpecConfig.balance`: rows share the budget by their lost drafts),
---select-every the score methods selecting after every N-th verification (`SpecConfig.select_every`).
+--select-every the score methods selecting after every N-th verification (`SpecConfig.select_every`),
+--groups (NSA models) the drafters with each verification group (`SpecConfig.group`).
 --shrink on,off runs the drafting methods with and without shrinking the batch as its rows finish
 (`run_generation`'s `shrink`, off by default as in `generate`; plain's rows finish together, so it
 runs once, with the first setting). `auto` is `generate`'s default, `--method auto`: the planner's
@@ -98,8 +99,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
             specs = [spec_of("plain", "", backend)] + [
                 dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every, head), draft_weights=w,
-                                    draft_skip=skip)
+                                    draft_skip=skip, group=group).validate()
                 for m in methods if m not in ("plain", "auto") for s in shapes_of(args.shapes, m) for w, skip in drafts
+                for group in (args.groups if cfg.nsa else [SpecConfig.group])
                 if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])
@@ -183,6 +185,7 @@ def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
         ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
         ("ratio", "ratio", ".2f"), ("balance", "balance", "g"), ("select every", "select_every", "d"), ("metric", "metric", "s"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
+        ("group", "group", "d"),
         ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"), ("shrink", "shrink", "s"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("tokens/iter", "tokens_per_iteration", ".2f"), ("iter ms", "iteration_ms", ".2f"),
@@ -212,7 +215,8 @@ def line_label(row: dict, tuning: dict | None) -> str:
         label = (f"{row['method']} " + (row["tree"] and f"{row['traversal']}:{row['tree']}" or f"gamma {row['gamma']}")
                  + draft_label(row) + (f" ratio {row['ratio']}" if row.get("ratio") not in (None, RATIO) else "")
                  + (f" balance {row['balance']:g}" if row.get("balance") not in (None, 1) else "")
-                 + (f" select every {row['select_every']}" if row.get("select_every") not in (None, 1) else ""))
+                 + (f" select every {row['select_every']}" if row.get("select_every") not in (None, 1) else "")
+                 + (f" group {row['group']}" if row.get("group") not in (None, SpecConfig.group) else ""))
     return label + (" shrink" if row.get("shrink") == "on" else "")
 
 
@@ -297,6 +301,8 @@ def main():
                    help="1,2: run the sparse drafters with each budget balance (default: the --tuned choice, else 1)")
     p.add_argument("--select-every", default=None,
                    help="1,2: run the score methods selecting after every N-th verification (default: the --tuned choice, else 1)")
+    p.add_argument("--groups", default="0", type=lambda s: [int(n) for n in s.split(",")],
+                   help="NSA models: the drafters' verification groups (adjacent draft rows per program), each run")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--greedy-methods", default="plain,vegas,auto", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--shrink", default="off", help="on,off: shrink the batch as its rows finish, or not, or both")

@@ -1,10 +1,12 @@
-"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B, Qwen3-30B-A3B, gpt-oss-20b, SmolLM2 or 1.2B Llama shapes.
+"""Where an iteration's time goes: a device profile of each stage at Qwen3-8B, Qwen3-30B-A3B, gpt-oss-20b,
+SmolLM2 (dense, or converted to NSA as `jaxspec.convert --to-nsa` does) or 1.2B Llama shapes.
 
-    PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|smollm2|llama-1b] [--methods plain,vegas]
+    PYTHONPATH=. python3 bench/profile_step.py [--model qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|smollm2|nsa-smollm2|llama-1b]
+        [--methods plain,vegas]
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
-        [--head-contexts full,selected] [--experts bf16|mxfp4]
+        [--head-contexts full,selected] [--experts bf16|mxfp4] [--groups 0,8,1]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -39,6 +41,7 @@ import numpy as np
 from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder, draft_weights
+from jaxspec.models.nsa_convert import DEFAULT_NSA, nsa_model_config
 from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, takes_draft_model
 from pallas_kernels.verify_attention import METRICS
 
@@ -144,8 +147,8 @@ def skewed(state, balance: float, iterations: int = 10_000):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "smollm2", "llama-1b"),
-                   default="qwen3-8b")
+    p.add_argument("--model", default="qwen3-8b",
+                   choices=("qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "smollm2", "nsa-smollm2", "llama-1b"))
     p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
     p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
                    help="an MoE model's expert stacks: the config's dtype, or packed MXFP4 (random codes)")
@@ -167,6 +170,8 @@ def main():
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones")
     p.add_argument("--stages", default=None, type=lambda s: s.split(","),
                    help="only these stages (iteration, draft, verify, select); default all")
+    p.add_argument("--groups", default=[0], type=lambda s: [int(n) for n in s.split(",")],
+                   help="NSA models: the drafters' verification groups (adjacent draft rows per program), each run")
     p.add_argument("--head-contexts", default=["full"], type=lambda s: s.split(","),
                    help="eagle: the head's context, full and/or selected (--ratio of the context, as vegas selects)")
     p.add_argument("--balance", type=float, default=1.0,
@@ -181,7 +186,8 @@ def main():
     from bench.decode import TINY_CFG
 
     models = {"qwen3-8b": common.QWEN3_8B, "qwen3-30b-a3b": common.QWEN3_30B_A3B, "gpt-oss-20b": common.GPT_OSS_20B,
-              "smollm2": common.SMOLLM2, "llama-1b": common.LLAMA_1B}
+              "smollm2": common.SMOLLM2, "nsa-smollm2": nsa_model_config(common.SMOLLM2, DEFAULT_NSA),
+              "llama-1b": common.LLAMA_1B}
     cfg = TINY_CFG if args.tiny else models[args.model]
     if args.tiny and "eagle" in args.methods:  # an EAGLE-3 head reads three distinct layers: (2, L // 2, L - 3)
         cfg = dataclasses.replace(cfg, num_layers=8)
@@ -195,13 +201,16 @@ def main():
     max_len, slots, k_max = common.random_lengths(context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
-    runs = [(m, w, c) for m in args.methods for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
-            for c in (args.head_contexts if m == "eagle" else ["full"]) if takes_draft_model(m, w)]
+    runs = [(m, w, c, g) for m in args.methods
+            for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
+            for c in (args.head_contexts if m == "eagle" else ["full"])
+            for g in (args.groups if cfg.nsa and m != "plain" else [0]) if takes_draft_model(m, w)]
     head, head_params = common.random_head(cfg) if "eagle" in args.methods else (None, None)  # timing only
-    for method, weights, head_context in runs:
+    for method, weights, head_context, group in runs:
         spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None,
                                             eagle=head if method == "eagle" else None),
-                                   draft_weights=weights, head_context=head_context, balance=args.balance if method in SPARSE_METHODS else 1.0,
+                                   draft_weights=weights, head_context=head_context, group=group,
+                                   balance=args.balance if method in SPARSE_METHODS else 1.0,
                                    select_every=args.select_every if method in SCORE_METHODS else 1)
         copies = draft_weights.with_draft_weights(params, weights)
         if method == "eagle":
@@ -222,14 +231,16 @@ def main():
                 state = dataclasses.replace(skewed(state, spec.balance), done=jnp.arange(B) >= live)
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace,
                                            warmup=args.warmup)
-            row = {"method": method if head_context == "full" else f"{method} ({head_context} context)",
+            label = method + ("" if head_context == "full" else f" ({head_context} context)")
+            row = {"method": label + (f" group {group or 'auto'}" if cfg.nsa and method != "plain" else ""),
                    "draft_weights": weights, "stage": name.removesuffix("_ms") + ("" if live is None else f" live {live}"),
                    "iterations_per_call": per_call} | summary
             result["stages"].append(row)
             if args.no_trace:
-                print(f"\n{method} {weights} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall")
+                print(f"\n{row['method']} {weights} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall")
                 continue
-            print(f"\n{method} {weights} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall ({summary['wall_ms_profiled']:.2f} profiled), "
+            print(f"\n{row['method']} {weights} {row['stage']}: {summary['wall_ms']:.2f} ms/call wall "
+                  f"({summary['wall_ms_profiled']:.2f} profiled), "
                   f"GPU busy {summary['busy_ms']:.2f} ms, {summary['kernels_per_call']} kernels/call; lines {summary['lines']}")
             for n, us, count in summary["top_kernels"]:
                 print(f"  {us:9.1f} us  x{count:<5d} {n[:110]}")

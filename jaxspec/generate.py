@@ -69,7 +69,8 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--precision", choices=PRECISIONS, default="strict",
                    help="NSA verification precision class (only strict is lossless); with --method auto, the classes auto may use")
-    p.add_argument("--group", type=int, default=None, help="NSA models: adjacent draft rows verified per program (default 8)")
+    p.add_argument("--group", type=int, default=None,
+                   help="NSA models: adjacent draft rows verified per program (default 0: by the batch and draft rows)")
     p.add_argument("--draft-weights", choices=draft_weights.DRAFT_WEIGHTS, default=None,
                    help="layer weights draft steps read: exact (default), or int8 / int4 copies made at load (verification stays exact)")
     p.add_argument("--draft-model", type=Path, default=None,

@@ -75,7 +75,7 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weig
     (score methods) x balance (sparse methods), on NSA models also x group x precision class. Dense
     models verify exactly: one class (strict), group unused."""
     if cfg.nsa is None:
-        groups, precisions = (8,), ("strict",)
+        groups, precisions = (0,), ("strict",)
     space = [Strategy(precision=p) for p in precisions]
     shapes = [dict(gamma=g) for g in gammas] + [dict(tree=t.branching, traversal=t.order) for t in trees]
     for method in methods:

@@ -13,7 +13,7 @@ from pallas_kernels.nsa_compressed import (
     radix_topk,
     select_blocks,
 )
-from pallas_kernels.nsa_grouped import nsa_grouped_pallas, nsa_grouped_reference, nsa_tree_compressed
+from pallas_kernels.nsa_grouped import auto_group, nsa_grouped_pallas, nsa_grouped_reference, nsa_tree_compressed
 from pallas_kernels.nsa_selected import nsa_selected_pallas, nsa_selected_reference
 from pallas_kernels.nsa_tree import tree_paths
 from pallas_kernels.sparse_attention import (
@@ -262,12 +262,13 @@ def nsa_tree_attention(q, k_pool, v_pool, k_cmp, v_cmp, pages, layer, first, anc
     """NSA attention of a draft tree's rows (slot first + t, position first + depth(t); ancestors
     [T, T] static) over the pools and compressed pools through pages [B, R], each over its
     root-to-node path, in groups of `group` adjacent rows (SSV; `shared`: one representative row's
-    blocks per group). Returns (out [B, T, Hq, Dh], importance
+    blocks per group; 0: `auto_group`'s choice for this shape). Returns (out [B, T, Hq, Dh], importance
     weights [B, T, Hkv, NB] or None, positions [B, T], selected blocks [B, T, Hkv, S]).
 
     idx None (a refresh layer): the compressed branch, then the selection (the radix select on the
     Pallas backend); idx given (a reuse layer): no compressed branch, weights None. The Pallas
     kernel covers T <= 64; other shapes run the reference."""
+    group = group or auto_group(q.shape[0], q.shape[1], k_pool.shape[1], shared)
     pallas = _nsa_pallas(backend, q.shape[-1], block_size)
     o_cmp = weights = None
     if idx is None:

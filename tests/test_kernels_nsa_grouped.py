@@ -19,6 +19,8 @@ import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels.nsa_compressed import nsa_compressed_pallas, nsa_compressed_reference, select_blocks
 from pallas_kernels.nsa_grouped import (
+    SHARED_GROUP,
+    auto_group,
     group_schedule,
     nsa_grouped_pallas,
     nsa_grouped_reference,
@@ -114,7 +116,7 @@ def test_group_schedule():
     bs, S, T = 16, 4, tree.rows
     _, idx = own_selection(q, k, v, k_cmp, v_cmp, pages, first, tree.ancestors, bs, S)
     depth = tree.node_depth
-    for group, shared in ((4, False), (8, True), (5, False)):
+    for group, shared in ((4, False), (8, True), (5, False), (1, False)):
         schedule = jitted(group_schedule, depth=depth, group=group, shared=shared, block_size=bs)  # eagerly ~1.3 s a group
         sched = jax.tree.map(np.asarray, schedule(idx, first))
         row_idx = np.asarray(idx)[:, np.arange(T) // group * group] if shared else np.asarray(idx)
@@ -155,13 +157,14 @@ def test_exact_groups_equal_the_oracle_bit_for_bit(shape, order, groups):
 
 
 def test_tree_attention_equals_nsa_tree_reference():
-    """The full refresh layer (compressed branch, selection, grouped branches) is nsa_tree_reference's
-    result; with the compressed gate at 0 the selection and the other branches are bit for bit."""
+    """The full refresh layer (compressed branch, selection, grouped branches, the group by the shape)
+    is nsa_tree_reference's result; with the compressed gate at 0 the selection and the other branches
+    are bit for bit."""
     tree = TreeShape((3, 2, 2), "bfs")
     q, k, v, k_cmp, v_cmp, pages, gates, first = tree_inputs(40, tree)
     kw = dict(page_size=PAGE, block_size=16, block_counts=3, window=24, rule="nsa1b", scale=0.25)
     run = jax.jit(lambda gates: pallas_kernels.nsa_tree_attention(
-        q, k, v, k_cmp, v_cmp, pages, LAYER, first, tree.ancestors, gates, group=8, shared=False, **kw))
+        q, k, v, k_cmp, v_cmp, pages, LAYER, first, tree.ancestors, gates, group=0, shared=False, **kw))
     for g_cmp in (gates[..., 0], jnp.zeros_like(gates[..., 0])):
         gated = gates.at[..., 0].set(g_cmp)
         out, weights, q_pos, idx = run(gated)
@@ -174,6 +177,16 @@ def test_tree_attention_equals_nsa_tree_reference():
             np.testing.assert_array_equal(out, want)
         else:
             assert_close(out, want, 1e-5, "out")
+
+
+def test_auto_group_fills_the_grid_before_it_shares_loads():
+    """Group 0's choice: one row per program until the grid has 256 programs to spare (the measured
+    shapes: a 5-row chain at batch 1 and 8, SmolLM2's 3 KV heads), then the largest group that keeps
+    them (63 rows at batch 8: 4; 16 rows at batch 32: 4, at 128: 8); a shared index keeps 8."""
+    cases = {(1, 5): 1, (8, 5): 1, (1, 63): 1, (8, 16): 1, (8, 63): 4, (32, 16): 4, (128, 16): 8}
+    for (batch, rows), group in cases.items():
+        assert auto_group(batch, rows, 3, shared=False) == group, (batch, rows)
+        assert auto_group(batch, rows, 3, shared=True) == SHARED_GROUP
 
 
 def test_shared_index_is_the_representatives_selection():

@@ -851,7 +851,7 @@ def test_cli_auto_end_to_end(hf_checkpoints, tmp_path, capsys):
     (["--precision", "approx"], "needs an NSA model"),
     (["--method", "vegas", "--precision", "reuse"], "needs an NSA model"),
     (["--precision", "exact"], "--precision"),
-    (["--method", "vegas", "--group", "0"], "--group"),
+    (["--method", "vegas", "--group", "-1"], "--group"),
 ])
 def test_cli_auto_errors(hf_checkpoints, capsys, args, fragment):
     with pytest.raises(SystemExit) as exit_info:
@@ -944,7 +944,7 @@ def test_profile_strategy_space_for_nsa_models():
     assert space[:2] == [PLAIN, Strategy(precision="approx")]
     assert len(space) == 2 + 2 * 2 * 2 * 2  # methods x shapes x groups x precisions
     dense = profile.strategy_space(SMOLLM2, ("plain", "vegas"), (4,), [tree], (0.03, 0.07), (1, 8), ("strict", "approx"))
-    assert len(dense) == 1 + 2 * 2 and {s.precision for s in dense} == {"strict"} and {s.group for s in dense} == {8}
+    assert len(dense) == 1 + 2 * 2 and {s.precision for s in dense} == {"strict"} and {s.group for s in dense} == {0}
     # draft weights: every model drafter with each kind, full with the quantized one only, ngram exact
     drafts = profile.strategy_space(SMOLLM2, ("plain", "vegas", "full", "ngram"), (4,), [], (0.07,), (8,), ("strict",),
                                     ("exact", "int8"))

@@ -102,7 +102,7 @@ def test_bad_schedules_and_precisions_are_one_line_errors(model):
     with pytest.raises(JaxspecError, match="--precision"):
         SpecConfig(method="vegas", precision="fast").validate()
     with pytest.raises(JaxspecError, match="--group"):
-        SpecConfig(method="vegas", group=0).validate()
+        SpecConfig(method="vegas", group=-1).validate()
     dense = cfg.replace(model_type="llama", nsa=None)
     with pytest.raises(JaxspecError, match="needs an NSA model"):
         SpecConfig(method="vegas", precision="approx").validate().check_model(dense)

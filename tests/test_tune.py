@@ -100,7 +100,7 @@ def test_settings_given_win_over_tuned_ones_over_defaults():
              "traversal": "dfs", "tokens_per_s": 9.0}
     spec = spec_from_settings("vegas", tuned=tuned, traversal="bfs", group=None)
     assert (spec.tree, spec.traversal, spec.gamma, spec.ratio, spec.metric) == ((2, 2), "dfs", 2, 0.5, "logit")
-    assert (spec.balance, spec.select_every, spec.group) == (1.0, 1, 8)
+    assert (spec.balance, spec.select_every, spec.group) == (1.0, 1, 0)
     chain = spec_from_settings("vegas", tuned=tuned, gamma=4, ratio=0.1, metric="weight", backend="pallas")
     assert (chain.tree, chain.traversal, chain.gamma, chain.ratio, chain.metric, chain.backend) == (None, "bfs", 4, 0.1, "weight", "pallas")
     assert spec_from_settings("vegas", tuned=tuned, tree=(3, 1)).tree == (3, 1)

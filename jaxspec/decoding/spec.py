@@ -81,7 +81,7 @@ class SpecConfig:
     backend: str = "reference"  # attention kernels: "reference" (jnp) or "pallas"
     prefill_chunk: int = 256
     precision: str = "strict"  # NSA targets: SSV precision class of the target passes (PRECISIONS)
-    group: int = 8  # NSA targets: adjacent draft rows verified per program (1: each row its own)
+    group: int = 0  # NSA targets: adjacent draft rows verified per program (0: by the shape, nsa_grouped.auto_group)
     draft_weights: str = "exact"  # the layer weights draft steps read: exact, int8 or int4 (models.draft_weights)
     draft_skip: tuple[int, ...] = ()  # the layers draft steps leave out (models.draft_weights), increasing
     balance: float = 1.0  # sparse drafters: the largest share of the budget a row may take (1: every row the same)
@@ -123,8 +123,8 @@ class SpecConfig:
             raise JaxspecError(f"prefill chunk must be positive, got {self.prefill_chunk}")
         if self.precision not in PRECISIONS:
             raise JaxspecError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if not 1 <= self.group <= MAX_TREE_ROWS:
-            raise JaxspecError(f"--group must be between 1 and {MAX_TREE_ROWS}, got {self.group}")
+        if not 0 <= self.group <= MAX_TREE_ROWS:
+            raise JaxspecError(f"--group must be between 0 (by the batch) and {MAX_TREE_ROWS}, got {self.group}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise JaxspecError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.draft_weights != "exact" and self.method in ("plain", "ngram", "eagle"):

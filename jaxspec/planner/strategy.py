@@ -29,7 +29,7 @@ class Strategy:
     traversal: str | None = None
     ratio: float | None = None
     precision: str = "strict"
-    group: int = 8
+    group: int = 0
     draft_weights: str = "exact"
     select_every: int | None = None
     balance: float | None = None
@@ -82,7 +82,7 @@ class Strategy:
     @property
     def name(self) -> str:
         """e.g. 'plain', 'vegas g6 r0.07', 'vegas bfs:3,2,1 r0.07', 'ngram g8', '... approx group 4' (the
-        group when it is not the default 8), 'full g6 int8' (draft weights other than exact), 'vegas g6
+        group when one is set, not chosen by the shape), 'full g6 int8' (draft weights other than exact), 'vegas g6
         r0.07 every 2' (selecting after every 2nd verification), 'vegas g10 r0.07 balance 2' (a shared
         budget)."""
         parts = [self.method]
@@ -94,7 +94,7 @@ class Strategy:
             parts.append(f"r{self.ratio:g}")
         if self.precision != "strict":
             parts.append(self.precision)
-        if self.group != 8:
+        if self.group:
             parts.append(f"group {self.group}")
         if self.draft_weights != "exact":
             parts.append(self.draft_weights)
