@@ -29,6 +29,7 @@ from jax import lax
 
 import pallas_kernels as kernels
 from pallas_kernels.nsa_compressed import visible_blocks
+from pallas_kernels.nsa_selected import MAX_PALLAS_ROWS as SELECTED_ROWS  # the rows its decode kernel takes
 from pallas_kernels.verify_attention import mask_scores
 from jaxspec.models.config import ModelConfig
 
@@ -71,15 +72,40 @@ def attend_fn(cfg: ModelConfig, q_pos, backend: str, collect: kernels.Collect | 
     with a draft tree's mask, q_pos are the rows' slots. `verification` marks a target pass over
     draft rows (None: prefill or scoring, rows at consecutive positions). `refresh` [L] bool (may be
     traced; calibration) sets a refresh/reuse schedule; by default the verification's. With a
-    schedule the carry is `initial_carry(..., reuse=True)`'s, else ()."""
-    nsa = cfg.nsa
-    scale = cfg.head_dim**-0.5
+    schedule the carry is `initial_carry(..., reuse=True)`'s, else ().
+
+    A chain (no tree mask, up to SELECTED_ROWS rows) in exact groups of one row is T decode steps at
+    consecutive positions (the cache refreshes the compressed blocks the rows complete before any row
+    reads them), so it runs the rows' own attention, the decode step's kernels, rather than the tree
+    path's per-path views and group schedule: the group is resolved per layer from the shapes
+    (`kernels.auto_group`)."""
     if refresh is None:
         refresh = refresh_mask(cfg, verification)
-    if verification is not None and q_pos.shape[1] > 1:
-        if tree is None:  # a chain: the tree 1, ..., 1
-            tree = kernels.TreeMask(q_pos[:, 0], np.tril(np.ones((q_pos.shape[1],) * 2, bool)))
+    rows = q_pos.shape[1]
+    if verification is None or rows == 1:
+        return _rows_attend_fn(cfg, q_pos, collect, refresh, backend)
+    if tree is not None or verification.shared_index or rows > SELECTED_ROWS:
+        tree = chain_mask(q_pos) if tree is None else tree
         return _tree_attend_fn(cfg, tree, collect, verification, refresh, backend)
+    as_tree = _tree_attend_fn(cfg, chain_mask(q_pos), collect, verification, refresh, backend)
+    as_rows = _rows_attend_fn(cfg, q_pos, collect, refresh, backend)
+
+    def attend(layer, q, cache, lx, gates, carry):
+        group = verification.group or kernels.auto_group(q.shape[0], rows, cache.k.shape[1], shared=False)
+        return (as_rows if group == 1 else as_tree)(layer, q, cache, lx, gates, carry)
+
+    return attend
+
+
+def chain_mask(q_pos) -> kernels.TreeMask:
+    """The tree 1, ..., 1 of a chain whose root is at q_pos[:, 0]."""
+    return kernels.TreeMask(q_pos[:, 0], np.tril(np.ones((q_pos.shape[1],) * 2, bool)))
+
+
+def _rows_attend_fn(cfg: ModelConfig, q_pos, collect: kernels.Collect | None, refresh, backend: str):
+    """NSA for rows at their own consecutive positions q_pos [B, T] (prefill, decode, a chain)."""
+    nsa = cfg.nsa
+    scale = cfg.head_dim**-0.5
 
     def selection(layer, q, cache):
         return kernels.nsa_compressed_attention(
