@@ -688,8 +688,8 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
     plain decoding's tokens, and no window's time holds the replays the host blocks on (0.5 s each
     here). Switched to ngram, the host watches, each window's next segment dispatched ahead of its
     report; a switch decided while a window runs ahead (ngram -> plain) hands out its tokens first,
-    its stats reach the rows, and it is ngram's segment (the switch comes after it). With `shrink` (6
-    of 8 rows end within 90 tokens) the batch shrinks to its 2 long rows."""
+    its stats reach the rows, and it is ngram's segment (the switch comes after it): AHEAD iterations,
+    not a window. With `shrink` (6 of 8 rows end within 90 tokens) the batch shrinks to its 2 long rows."""
     import time
 
     from jaxspec.runner import Batch
@@ -702,6 +702,7 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
     common = dict(sampling=SamplingConfig(), max_len=320, max_new_tokens=280, stop_ids=(), spec=SpecConfig(), shrink=True)
     reference = [g.tolist() for g in run_generation(params, cfg, batch, **{**common, "shrink": False}).generated()]
     monkeypatch.setattr(refine, "WATCH", 16)
+    monkeypatch.setattr(planner, "AHEAD", 8)
     replays, pause = Scheduler._replays, 0.5
     monkeypatch.setattr(Scheduler, "_replays", lambda self, *args: (time.sleep(pause), replays(self, *args))[1])
     shrink, rows = Scheduler._shrink, []
@@ -720,9 +721,9 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
         # the window ngram ran ahead while its last was judged is its segment too, and the switch comes after it
         assert [(s["strategy"], s["iterations"]) for s in segments][:4] == (
             [("plain", 16), ("plain", 32), ("plain", 41), ("plain", 128)] if not script else
-            [("plain", 16), ("ngram g4", 16), ("ngram g4", 16), ("plain", 3)])
+            [("plain", 16), ("ngram g4", 16), ("ngram g4", 8), ("plain", 13)])
         assert [(s["from"], s["to"], s["iteration"]) for s in run.auto.switches] == [
-            (a.name, b.name, i) for a, b, i in zip((PLAIN, *script), script, (16, 48))]
+            (a.name, b.name, i) for a, b, i in zip((PLAIN, *script), script, (16, 40))]
         assert rows == [2]
         stats = jax.device_get(run.output.stats)
         assert sum(s["iterations"] for s in segments) == stats.iterations.max()  # every iteration in a segment

@@ -24,8 +24,8 @@ floors, import `tables` and `cost`.
 
 from jaxspec.planner.cost import tree_bytes
 from jaxspec.planner.plan import Plan, allowed_precisions, make_plan
-from jaxspec.planner.refine import SEGMENT, Observation, Refinement, whole_rows
+from jaxspec.planner.refine import AHEAD, SEGMENT, Observation, Refinement, whole_rows
 from jaxspec.planner.strategy import Prediction, Strategy
 
-__all__ = ["SEGMENT", "Observation", "Plan", "Prediction", "Refinement", "Strategy", "allowed_precisions", "make_plan",
-           "tree_bytes", "whole_rows"]
+__all__ = ["AHEAD", "SEGMENT", "Observation", "Plan", "Prediction", "Refinement", "Strategy", "allowed_precisions",
+           "make_plan", "tree_bytes", "whole_rows"]

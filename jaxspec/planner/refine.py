@@ -8,7 +8,9 @@ candidate predicted faster by MARGIN, or to plain when plain is unmeasured and n
 PROBE_MARGIN slower (`decide`); it measures that one for a segment and decides again, at most
 MAX_SWITCHES times. Settled, it keeps watching (`Refinement.watch`) while a speculative strategy runs
 or ngram could: after windows of WATCH, 2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch:
-each check costs a host sync and a replay, so their number grows with the log of the run's length) it
+each check costs a host sync and a replay, so their number grows with the log of the run's length;
+a running drafter's windows run in segments of AHEAD, so a switch away from it lands at most AHEAD
+iterations after its judgement) it
 replays the chain ngram candidates over the tokens just committed (`Ngram.replay`: what ngram would
 have accepted, exact in distribution, at no model cost) and switches when one is predicted MARGIN
 faster than the running strategy, or when the running one falls MARGIN below any candidate. ngram is
@@ -28,6 +30,7 @@ from jaxspec.planner.strategy import Prediction, Strategy
 
 SEGMENT = 8  # decode iterations per refinement segment
 WATCH = 64  # decode iterations of a settled refinement's first watch window; it doubles while nothing switches
+AHEAD = 16  # decode iterations per segment of a watched running drafter: each runs ahead of the last one's judgement
 MAX_SWITCHES = 3
 PROBE_MARGIN = 0.25  # plain is measured unless the running strategy beats its corrected prediction by 25%
 

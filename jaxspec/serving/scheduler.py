@@ -481,15 +481,19 @@ class Scheduler:
                           self._rules(configs))
 
     def run_segment(self) -> None:
-        """Decodes a segment (`segment` iterations; planner.SEGMENT while refining), hands out its
+        """Decodes a segment (`segment` iterations; planner.SEGMENT while refining; while a closed batch
+        watches, its window, in segments of planner.AHEAD: the next segment runs ahead of each report,
+        so a switch decided at a window's end lands at most AHEAD iterations late), hands out its
         tokens, and lets the refinement switch strategy."""
         if self.refinement is not None and self.refinement.watches_on_device and self.segment is None:
             return self._run_watched()
         refining = self.refinement is not None and self.refinement.active
         watching = self.refinement is not None and self.refinement.watching
-        iterations = planner.SEGMENT if refining else self.refinement.window if watching and self.segment is None else self.segment
-        if (refining or watching) and self.refinement.current not in self.refinement.observations:  # a strategy's first segment
-            # loads the program: not observed
+        iterations = (planner.SEGMENT if refining else min(self.refinement.window, planner.AHEAD)
+                      if watching and self.segment is None else self.segment)
+        unobserved = (refining or watching) and self.refinement.current not in self.refinement.observations
+        if unobserved and self._watch_from is None:  # a strategy's first segment loads its program, unobserved (once:
+            # a watch window of several segments has begun after it)
             self._state = self._call(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
             self._watch_from = None
         before, start = self._last, self._ahead or time.perf_counter()
