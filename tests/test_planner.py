@@ -718,7 +718,7 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
         segments = run.auto.segments
         assert all(s["watch"] for s in segments) and all(s["iterations"] * s["iteration_s"] < pause for s in segments)
         # the first shrinkable call ends at the shrink, its window replayed and decided at once
-        # the window ngram ran ahead while its last was judged is its segment too, and the switch comes after it
+        # the segment ngram ran ahead while its window was judged is recorded too, and the switch comes after it
         assert [(s["strategy"], s["iterations"]) for s in segments][:4] == (
             [("plain", 16), ("plain", 32), ("plain", 41), ("plain", 128)] if not script else
             [("plain", 16), ("ngram g4", 16), ("ngram g4", 8), ("plain", 13)])

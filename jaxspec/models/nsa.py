@@ -37,9 +37,9 @@ from jaxspec.models.config import ModelConfig
 @dataclasses.dataclass(frozen=True)
 class Verification:
     """How a target pass verifies its rows (static): `group` adjacent rows per program (0: by the
-    verified shape, `kernels.nsa_tree_attention`); a group
-    shares its representative row's blocks when `shared_index`; `reuse` runs the model's calibrated
-    refresh/reuse schedule (NSAConfig.refresh_layers)."""
+    verified shape, `kernels.auto_group`); a group shares its representative row's blocks when
+    `shared_index`; `reuse` runs the model's calibrated refresh/reuse schedule
+    (NSAConfig.refresh_layers)."""
 
     group: int = 0
     shared_index: bool = False

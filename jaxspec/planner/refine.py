@@ -315,9 +315,9 @@ class Refinement:
         return seen.at_slowest() if by_slowest_row(strategy, self.closed) else seen
 
     def ran_ahead(self, seen: Observation) -> None:
-        """Records the window the strategy switched away from ran while its last one was judged (a
-        running strategy's next window is dispatched before that judgement: the scheduler hands its
-        tokens out at the switch): its segment, and the switch, which takes effect after it."""
+        """Records the segment the strategy switched away from ran while its last window was judged (a
+        running strategy's next segment, AHEAD iterations, is dispatched before that judgement: the
+        scheduler hands its tokens out at the switch), and the switch, which takes effect after it."""
         self._record(seen, {}, watch=True, strategy=self.previous)
         self.switches[-1]["iteration"] = self.iterations
 

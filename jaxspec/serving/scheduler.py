@@ -495,7 +495,6 @@ class Scheduler:
         if unobserved and self._watch_from is None:  # a strategy's first segment loads its program, unobserved (once:
             # a watch window of several segments has begun after it)
             self._state = self._call(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
-            self._watch_from = None
         before, start = self._last, self._ahead or time.perf_counter()
         # a watch window starts at a report of the state's rows (not one read before a shrink or growth)
         if watching and self._watch_from is None and len(before[0]) == self.rows:
@@ -691,7 +690,7 @@ class Scheduler:
     def _switch(self, target: planner.Strategy) -> None:
         """Every slot continues under `target` (`engine.Engine.switch`: exact); the slots' stats so far move
         to their requests (the switch zeroes the state's)."""
-        if self._ahead is not None:  # the window run ahead first: its tokens, its segment, its stats the switch zeroes
+        if self._ahead is not None:  # the segment run ahead first: its tokens, its record, its stats the switch zeroes
             before = self._last
             seconds = self._deliver(self._ahead)
             self.refinement.ran_ahead(planner.Observation.between(before, self._last, seconds))
