@@ -31,7 +31,7 @@ from jaxspec.planner.strategy import Prediction, Strategy
 SEGMENT = 8  # decode iterations per refinement segment
 WATCH = 64  # decode iterations of a settled refinement's first watch window; it doubles while nothing switches
 AHEAD = 64  # decode iterations per segment of a watched running drafter: each runs ahead of the last one's judgement
-# (each segment costs ~1.6 ms more on an H200: at 16, batch 1 and 8 ran 7-12% slower; bench/NOTES.md)
+# (each segment costs ~1.2-2 ms on an H200: at 16, batch 1's iterations ran 6-15% longer; bench/NOTES.md)
 MAX_SWITCHES = 3
 PROBE_MARGIN = 0.25  # plain is measured unless the running strategy beats its corrected prediction by 25%
 
