@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 head (jaxspec.training.eagle, python -m jaxspec.train_eagle) on tiny random targets.
+"""Training an EAGLE-3 head (jaxspec.training.eagle, python -m jaxspec.train_eagle) on tiny dense and NSA targets.
 
 The training-time test's forward is the inference head's: step 0 is `eagle.feature_forward` over the
 same rows, and step k's row t is the state the engine's drafter reaches at draft depth k after
@@ -22,41 +22,47 @@ from jaxspec import train_eagle
 from jaxspec.loaders import hf
 from jaxspec.loaders.eagle import load_eagle, save_eagle
 from jaxspec.models import decoder, eagle
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.tokenizer import Tokenizer
 from jaxspec.training import eagle as training
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=256, hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2,
                   head_dim=16, intermediate_size=128, qk_norm=True, dtype="float32")
+# An NSA target whose 16-token windows are sparse (4 selected blocks of 2, a window of 4): a head for
+# an NSA model trains on that model's own features (the dense model's head accepts less there)
+NSA = ModelConfig(model_type="llama-nsa", vocab_size=256, hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=128, max_position_embeddings=256, dtype="float32",
+                  nsa=NSAConfig(block_size=2, block_counts=2, window_size=4, topk_rule="exact"))
 
 
-@pytest.fixture(scope="module")
-def target():
-    params = decoder.init_params(CFG, jax.random.key(0), scale=0.4)  # peaked next-token distributions
-    ecfg = training.head_config(CFG, 96)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 12)), jnp.int32)
-    return params, ecfg, tokens
+@pytest.fixture(scope="module", params=[CFG, NSA], ids=["qwen3", "nsa"])
+def target(request):
+    cfg = request.param
+    params = decoder.init_params(cfg, jax.random.key(0), scale=0.4)  # peaked next-token distributions
+    ecfg = training.head_config(cfg, 96)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    return cfg, params, ecfg, tokens
 
 
 def test_ttt_forward_is_the_inference_head(target):
-    params, ecfg, tokens = target
+    cfg, params, ecfg, tokens = target
     head = eagle.init_params(jax.random.key(2), ecfg, jnp.float32, scale=0.1)
     B, T = tokens.shape
     steps = 3
-    _, features = decoder.score(params, CFG, tokens, capture=ecfg.feature_layers)
-    outs = jax.jit(eagle.ttt_forward, static_argnums=(1, 3, 6))(head, ecfg, params, CFG, tokens, features, steps)
+    _, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
+    outs = jax.jit(eagle.ttt_forward, static_argnums=(1, 3, 6))(head, ecfg, params, cfg, tokens, features, steps)
     assert outs.shape == (steps, B, T - 1, ecfg.hidden_size)
 
     positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
 
     @jax.jit
     def committed(t):  # the head's pass over rows 0..t only (the cache a draft after position t reads)
-        return eagle.feature_forward(head, ecfg, params, CFG, tokens[:, 1:], features[:, :-1], positions,
+        return eagle.feature_forward(head, ecfg, params, cfg, tokens[:, 1:], features[:, :-1], positions,
                                      positions <= t, eagle.init_cache(ecfg, B, T + steps, "float32"))
 
     @jax.jit
     def depth(token, hidden, pos, cache):  # one draft row per batch row, as the engine's chain drafts it
-        return eagle.head_forward(head, ecfg, eagle.token_embeds(head, params, CFG, token), hidden, pos,
+        return eagle.head_forward(head, ecfg, eagle.token_embeds(head, params, cfg, token), hidden, pos,
                                   jnp.ones((B, 1), bool), cache)
 
     out0, _ = committed(T - 2)
@@ -70,22 +76,22 @@ def test_ttt_forward_is_the_inference_head(target):
 
 
 def test_a_few_steps_reduce_the_loss_and_the_head_reloads(target, tmp_path):
-    params, ecfg, _ = target
-    stream = np.random.default_rng(3).integers(0, CFG.vocab_size, 16).astype(np.int32)  # one window: every batch
-    ids = training.draft_vocabulary(stream, CFG.vocab_size, ecfg.draft_vocab_size)
+    cfg, params, ecfg, _ = target
+    stream = np.random.default_rng(3).integers(0, cfg.vocab_size, 16).astype(np.int32)  # one window: every batch
+    ids = training.draft_vocabulary(stream, cfg.vocab_size, ecfg.draft_vocab_size)
     head = training.init_head(jax.random.key(4), ecfg, ids)
     settings = training.Settings(tokens=len(stream), steps=8, batch=2, seq=16, ttt=3, lr=1e-2, warmup=2)
     trainable, d2t = training.trainable_part(head), head["d2t"]
-    opt, _ = training.make_step(CFG, ecfg, settings.ttt, settings.lr, settings.steps, settings.warmup)
+    opt, _ = training.make_step(cfg, ecfg, settings.ttt, settings.lr, settings.steps, settings.warmup)
     history = []
-    trainable, _ = training.train(CFG, params, ecfg, stream, trainable, opt.init(trainable), d2t, settings,
+    trainable, _ = training.train(cfg, params, ecfg, stream, trainable, opt.init(trainable), d2t, settings,
                                   history=history)
     assert history[-1]["step"] == 8 and len(history[0]["acc"]) == 3
     assert history[-1]["loss"] < 0.8 * history[0]["loss"], [r["loss"] for r in history]
 
     trained = {**trainable, "d2t": d2t}
     save_eagle(tmp_path / "head", ecfg, trained)
-    loaded_cfg, loaded = load_eagle(tmp_path / "head", CFG, "float32")
+    loaded_cfg, loaded = load_eagle(tmp_path / "head", cfg, "float32")
     assert loaded_cfg == ecfg
     hidden = jax.random.normal(jax.random.key(5), (1, 3, ecfg.hidden_size))
     np.testing.assert_array_equal(eagle.draft_logits(loaded, ecfg, hidden), eagle.draft_logits(trained, ecfg, hidden))
