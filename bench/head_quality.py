@@ -1,6 +1,7 @@
 """How well EAGLE-3 heads follow their target, teacher-forced, on a few kinds of text (CPU, float32).
 
     PYTHONPATH=. python3 bench/head_quality.py --heads checkpoints/eagle3-smollm2,DIR [--new 200]
+                                               [--window 512] [--texts NAME,...]
                                                [--out bench/results/head_quality_cpu.json]
 
 For each text, the target scores it from position 0 and each head runs EAGLE-3's training-time test
@@ -12,7 +13,8 @@ compare on one machine. The texts:
   target's own answer (greedy; T 0.7, top-p 0.95, seed 0), `--new` tokens;
 - `chat turns`: a prompt of 12 identical chat turns and the target's greedy continuation past its
   turn's end (text that repeats itself exactly: a head that knows chat's structure drafts it well);
-- `held-out documents`: two windows of 512 tokens of the held-out documents (`training.data`).
+- `held-out documents`: two windows of `--window` (512) tokens of the held-out documents
+  (`training.data`); a long window scores a head where the target's context is long.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jaxspec.training.eagle import teacher
 DEPTHS = 3
 TOP_K = 4
 CHAT_TURN = ("What is the capital of France?", "The capital of France is Paris.")
+TEXTS = ("default greedy", "default sampled", "chat turns", "held-out documents")
 
 
 def answer(params, cfg, tokenizer, prompt: str, new: int, sampling: SamplingConfig,
@@ -51,9 +54,9 @@ def answer(params, cfg, tokenizer, prompt: str, new: int, sampling: SamplingConf
     return np.asarray(ids + [int(t) for t in run.generated()[0]], np.int32), len(ids)
 
 
-def texts(params, cfg, tokenizer, new: int) -> dict[str, tuple[np.ndarray, int]]:
+def texts(params, cfg, tokenizer, new: int, window: int, names: list[str]) -> dict[str, tuple[np.ndarray, int]]:
     """name -> ([N, T] token rows, the first target position scored: the prompt's last, whose
-    prediction is the answer's first token), as the module docstring lists."""
+    prediction is the answer's first token), as the module docstring lists, for `names` of TEXTS."""
     template = lambda turns: tokenizer.apply_chat_template(turns, add_generation_prompt=True)
     request = template([{"role": "user", "content": DEFAULT_PROMPT}])
     turns = [{"role": r, "content": c} for _ in range(12) for r, c in zip(("user", "assistant"), CHAT_TURN)]
@@ -62,9 +65,11 @@ def texts(params, cfg, tokenizer, new: int) -> dict[str, tuple[np.ndarray, int]]
                "chat turns": (template(turns[:-1]), SamplingConfig(), False)}
     rows = {}
     for name, (prompt, sampling, stop) in answers.items():
-        ids, first = answer(params, cfg, tokenizer, prompt, new, sampling, stop)
-        rows[name] = (ids[None], first - 1)
-    rows["held-out documents"] = (data.heldout_windows(tokenizer, 512, count=2), 0)
+        if name in names:
+            ids, first = answer(params, cfg, tokenizer, prompt, new, sampling, stop)
+            rows[name] = (ids[None], first - 1)
+    if "held-out documents" in names:
+        rows["held-out documents"] = (data.heldout_windows(tokenizer, window, count=2), 0)
     return rows
 
 
@@ -96,10 +101,15 @@ def main(argv=None) -> None:
     p.add_argument("--heads", required=True, help="head directories, comma-separated")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--new", type=int, default=200, help="tokens of each generated answer")
+    p.add_argument("--window", type=int, default=512, help="tokens of each of the two held-out document windows")
+    p.add_argument("--texts", default=",".join(TEXTS), help="which texts, comma-separated")
     p.add_argument("--out", type=Path, default=common.RESULTS / "head_quality_cpu.json")
     args = p.parse_args(argv)
+    names = args.texts.split(",")
+    if not set(names) <= set(TEXTS):
+        p.error(f"--texts: expected names of {TEXTS}, got {args.texts!r}")
     cfg, params, tokenizer = load_model(args.model, dtype="float32")
-    rows = texts(params, cfg, tokenizer, args.new)
+    rows = texts(params, cfg, tokenizer, args.new, args.window, names)
     heads = [Path(h) for h in args.heads.split(",")]
     results = {str(h): {name: accuracy(h, params, cfg, t, start) for name, (t, start) in rows.items()} for h in heads}
     keys = [k for k in results[str(heads[0])][next(iter(rows))] if k != "positions"]
