@@ -15,6 +15,7 @@ default-run target (eagle >= 1.5x plain on this request) reads off the table. Th
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import jax
@@ -55,18 +56,21 @@ def main() -> None:
     for sampling_name in args.samplings.split(","):
         plain = None
         for name, shape, with_head, spec in configs:
+            sampling = common.SAMPLINGS[sampling_name]
             runs = [common.run_measures(run_generation(
-                with_head, cfg, batch, spec=spec, sampling=common.SAMPLINGS[sampling_name], max_len=max_len,
-                max_new_tokens=args.new, stop_ids=tokenizer.eos_token_ids, seed=seed))[0] for seed in range(args.repeats)]
-            row = {"sampling": sampling_name, "config": name, "shape": shape, "runs": runs, **common.median_of_runs(runs)}
+                with_head, cfg, batch, spec=spec, sampling=sampling, max_len=max_len, max_new_tokens=args.new,
+                stop_ids=tokenizer.eos_token_ids, seed=seed))[0] for seed in range(args.repeats)]
+            row = {"sampling": sampling_name, "config": name, "shape": shape, "runs": runs,
+                   **common.median_of_runs(runs)}
             plain = plain or row["decode_tokens_per_s"]
             row["x_plain"] = row["decode_tokens_per_s"] / plain
-            row["acceptance_1_3"] = " ".join(f"{sorted(r['acceptance_rate_by_depth'][d] for r in runs)[len(runs) // 2]:.2f}"
-                                             for d in range(min(3, len(runs[0]["acceptance_rate_by_depth"]))))
+            depths = range(min(3, len(runs[0]["acceptance_rate_by_depth"])))
+            row["acceptance_1_3"] = " ".join(
+                f"{statistics.median(r['acceptance_rate_by_depth'][d] for r in runs):.2f}" for d in depths)
             result["rows"].append(row)
             common.write_json(path, result)  # after every row: a cut-off run keeps what it measured
-            print(f"{sampling_name} {name} {shape}: {row['decode_tokens_per_s']:.0f} tok/s, {row['x_plain']:.2f}x plain, "
-                  f"{row['tokens_per_iteration']:.2f} tokens/iteration", flush=True)
+            print(f"{sampling_name} {name} {shape}: {row['decode_tokens_per_s']:.0f} tok/s, "
+                  f"{row['x_plain']:.2f}x plain, {row['tokens_per_iteration']:.2f} tokens/iteration", flush=True)
     print(common.markdown_table(result["rows"], [
         ("sampling", "sampling", "s"), ("config", "config", "s"), ("shape", "shape", "s"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),

@@ -2,7 +2,7 @@
 process on the same long real-text prompts, with the ideal speed-up beside each measured one.
 
     PYTHONPATH=. python3 bench/e2e.py [--model smollm2] [--batches 1,8,32,128]
-        [--methods plain,vegas,stream,quest,ngram,auto,eagle] [--draft-model DIR] [--heldout] [--shapes chain:6,eagle=bfs:3,2,1] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
+        [--methods plain,vegas,stream,quest,ngram,auto,eagle] [--draft-model DIR[,DIR]] [--heldout] [--shapes chain:6,eagle=bfs:3,2,1] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
         [--select-every 1,2] [--groups 0,8,1]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
         [--samplings sample,greedy] [--shrink on,off]
@@ -27,6 +27,8 @@ ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at 
 runs once, with the first setting). `auto` is `generate`'s default, `--method auto`: the planner's
 plan for the batch (the shipped table of this model and device, else the cost model), refined and
 switched as it runs; its row gives the strategy each run ended with and the ideal of the first run's.
+--draft-model A,B compares heads in one process: B's eagle rows run on B's own prefill of the same
+prompts (one program: the same bits, so greedy texts are plain's whatever the head).
 
 The ideal speed-up is a projection from measured acceptance and the bytes floors: tokens per
 iteration x plain step floor / iteration floor, the iteration floor being depth draft forwards over
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -81,23 +84,29 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, m
     return spec_from_settings(method, tree=tree.branching, traversal=tree.order, **settings)
 
 
-def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, head=None):
-    """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each);
-    `head`: the config of the EAGLE-3 head in params["eagle"], for method eagle."""
+def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, heads=((None, None, None),)):
+    """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each).
+    `heads`: (name, config, params) of each EAGLE-3 head that method eagle drafts with, the first one's
+    already params["eagle"]; the first runs every method, each other one only eagle, on its own prefill
+    of the same prompts (the same program, so the same bits: greedy texts are plain's for every head,
+    and the heads compare on them)."""
     backend = "reference" if args.tiny else "pallas"
     weight_bytes = common.tree_bytes({k: v for k, v in params.items() if k != "eagle"})
     skips = [()] + ([draft_weights.parse_skip(args.draft_skip, cfg.num_layers)] if args.draft_skip else [])
     drafts = [(w, skip) for w in args.draft_weights for skip in skips]
     with_copies = {(w, skip): draft_weights.with_draft_weights(params, w, skip) for w, skip in drafts}
-    for batch_size in args.batches:
-        batch, max_len, cache = common.real_text_batch(cfg, params, tokenizer, batch_size, args.prompt_tokens, args.new,
-                                                       backend, head, args.heldout)
+    plain_of = {}  # (batch, sampling) -> plain's tokens/s and first run's rows
+    for batch_size, (k, (head_name, head, head_params)) in itertools.product(args.batches, enumerate(heads)):
+        with_head = params if k == 0 else {**params, "eagle": head_params}
+        batch, max_len, cache = common.real_text_batch(cfg, with_head, tokenizer, batch_size, args.prompt_tokens,
+                                                       args.new, backend, head, args.heldout)
         context = int(batch.lengths.mean()) + args.new // 2
         tuned = {m: at_batch(choice, batch_size) for m, choice in (tuning or {}).items()}  # this batch's settings
         for sampling_name in args.samplings:
             sampling = common.SAMPLINGS[sampling_name]
             methods = args.greedy_methods if sampling_name == "greedy" else args.methods
-            specs = [spec_of("plain", "", backend)] + [
+            methods = methods if k == 0 else [m for m in methods if m == "eagle"]
+            specs = [spec_of("plain", "", backend)] * (k == 0) + [
                 dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every, head), draft_weights=w,
                                     draft_skip=skip, group=group).validate()
                 for m in methods if m not in ("plain", "auto") for s in shapes_of(args.shapes, m) for w, skip in drafts
@@ -107,7 +116,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
                 for ratio in (args.ratios if m in SPARSE_METHODS else [None])
                 for balance in (args.balances if m in SPARSE_METHODS else [None])
                 for every in (args.select_every if m in SCORE_METHODS else [None])]
-            plain_tps = plain_rows = None
+            if k == 0:  # the first head's plain row is every head's
+                plain_of[batch_size, sampling_name] = None, None
+            plain_tps, plain_rows = plain_of[batch_size, sampling_name]
             shrunk_rows = {}  # spec -> its first run's outputs with shrinking
             runs_of = [(spec, shrink, None) for spec in specs for shrink in (args.shrink[:1] if spec.method == "plain" else args.shrink)]
             if "auto" in methods:  # generate's default: plain's spec and the planner's plan for this batch
@@ -115,10 +126,11 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
                                          new_tokens=args.new, sampling=sampling)
                 if (plan.draft_weights, ()) not in with_copies:
                     with_copies[plan.draft_weights, ()] = draft_weights.with_draft_weights(params, plan.draft_weights)
-                runs_of.append((specs[0], args.shrink[0], plan))
+                runs_of.append((spec_of("plain", "", backend), args.shrink[0], plan))
             for spec, shrink, plan in runs_of:
                 runs, first_rows = [], None
-                weights = with_copies.get((plan.draft_weights, ()) if plan else (spec.draft_weights, spec.draft_skip), params)
+                weights = with_head if k else with_copies.get(
+                    (plan.draft_weights, ()) if plan else (spec.draft_weights, spec.draft_skip), params)
                 for repeat in range(args.repeats):
                     run = run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
                                          max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, common.cache_for(spec, cache)),
@@ -132,11 +144,13 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
                 row = {"skipped_layers": len(ran.draft_skip), "batch": batch_size, "prompt_tokens": int(batch.lengths.mean()), "new_tokens": args.new,
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "shrink": "on" if shrink else "off", "runs": runs,
                        **common.median_of_runs(runs)}
-                draft_bytes = (common.tree_bytes(params["eagle"]) if ran.method == "eagle"
+                if ran.method == "eagle":
+                    row["head"] = head_name
+                draft_bytes = (common.tree_bytes(with_head["eagle"]) if ran.method == "eagle"
                                else draft_weights.read_bytes(cfg, weight_bytes, ran.draft_weights, ran.draft_skip))
                 row |= common.floors(cfg, weight_bytes, ran, batch_size, context, rates, draft_bytes)
                 if spec.method == "plain" and not plan:
-                    plain_tps, plain_rows = row["decode_tokens_per_s"], first_rows
+                    plain_tps, plain_rows = plain_of[batch_size, sampling_name] = row["decode_tokens_per_s"], first_rows
                     row["ratio_to_floor"] = row["iteration_ms"] / (row["plain_floor_s"] * 1e3)
                 else:
                     if sampling_name == "greedy":  # bf16: a near-tie may flip between row counts
@@ -176,14 +190,16 @@ def share_equal(rows: list, reference: list) -> float:
 
 
 def draft_label(row: dict) -> str:
-    """' int4 skip 2' for a draft model other than the exact one ('' for it)."""
+    """' int4 skip 2' for a draft model other than the exact one ('' for it), ' DIR' for a head."""
     return ((f" {row['draft_weights']}" if row.get("draft_weights", "exact") != "exact" else "")
-            + (f" skip {len(row['draft_skip'])}" if row.get("draft_skip") else ""))
+            + (f" skip {len(row['draft_skip'])}" if row.get("draft_skip") else "")
+            + (f" {row['head']}" if row.get("head") else ""))
 
 
 def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
-        ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("gamma", "gamma", "d"),
+        ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("head", "head", "s"),
+        ("gamma", "gamma", "d"),
         ("ratio", "ratio", ".2f"), ("balance", "balance", "g"), ("select every", "select_every", "d"), ("metric", "metric", "s"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
         ("group", "group", "d"),
         ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"), ("shrink", "shrink", "s"),
@@ -307,7 +323,8 @@ def main():
     p.add_argument("--greedy-methods", default="plain,vegas,auto", help="the methods run greedy (sampling runs --methods)")
     p.add_argument("--shrink", default="off", help="on,off: shrink the batch as its rows finish, or not, or both")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
-    p.add_argument("--draft-model", type=Path, default=None, help="the EAGLE-3 head that method eagle drafts with")
+    p.add_argument("--draft-model", default=None,
+                   help="the EAGLE-3 heads that method eagle drafts with, comma-separated (compared in one process)")
     p.add_argument("--heldout", action="store_true", help="prompts from the held-out documents only (training.data)")
     p.add_argument("--prompt-tokens", type=int, default=7500)
     p.add_argument("--new", type=int, default=1024)
@@ -342,16 +359,17 @@ def main():
     rates = common.measure_rates(args.tiny)
     dtype = "float32" if args.tiny else "bfloat16"
     cfg, params, tokenizer = load_model(args.model, dtype=dtype)
-    head = None
+    heads = [(None, None, None)]
     if args.draft_model:
-        head, head_params = load_eagle(args.draft_model, cfg, dtype)
-        params = {**params, "eagle": jax.device_put(head_params)}
+        heads = [(Path(d).name, *load_eagle(d, cfg, dtype)) for d in args.draft_model.split(",")]
+        heads = [(name, head, jax.device_put(head_params)) for name, head, head_params in heads]
+        params = {**params, "eagle": heads[0][2]}
     elif "eagle" in args.methods + args.greedy_methods:
         p.error("method eagle needs --draft-model")
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     result = common.run_info() | {"rates": rates, "tuning": tuning, "rows": []}
     path = args.out / f"e2e_{device}{args.tag}.json"
-    run_rows(args, cfg, params, tokenizer, rates, result["rows"], lambda: common.write_json(path, result), tuning, head)
+    run_rows(args, cfg, params, tokenizer, rates, result["rows"], lambda: common.write_json(path, result), tuning, heads)
     plot([result], path.with_suffix(".png"))
     print(table(result["rows"]))
 
