@@ -14,7 +14,10 @@ compare on one machine. The texts:
 - `chat turns`: a prompt of 12 identical chat turns and the target's greedy continuation past its
   turn's end (text that repeats itself exactly: a head that knows chat's structure drafts it well);
 - `held-out documents`: two windows of `--window` (512) tokens of the held-out documents
-  (`training.data`); a long window scores a head where the target's context is long.
+  (`training.data`); a long window scores a head where the target's context is long;
+- `document continuation`: `bench/e2e.py --heldout`'s kind of prompt (held-out documents, `--window`
+  tokens, a continuation request, chat template) and the target's greedy continuation, `--new` tokens
+  without stopping: the text an end-to-end run drafts, which loops where the written documents do not.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
+from jaxspec import corpus
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.generate import DEFAULT_PROMPT
@@ -39,7 +43,7 @@ from jaxspec.training.eagle import teacher
 DEPTHS = 3
 TOP_K = 4
 CHAT_TURN = ("What is the capital of France?", "The capital of France is Paris.")
-TEXTS = ("default greedy", "default sampled", "chat turns", "held-out documents")
+TEXTS = ("default greedy", "default sampled", "chat turns", "held-out documents", "document continuation")
 
 
 def answer(params, cfg, tokenizer, prompt: str, new: int, sampling: SamplingConfig,
@@ -63,6 +67,9 @@ def texts(params, cfg, tokenizer, new: int, window: int, names: list[str]) -> di
     sample = SamplingConfig(temperature=0.7, top_p=0.95)
     answers = {"default greedy": (request, SamplingConfig(), True), "default sampled": (request, sample, True),
                "chat turns": (template(turns[:-1]), SamplingConfig(), False)}
+    if "document continuation" in names:
+        document = corpus.long_prompt(tokenizer, window, task="continue", docs=data.split_documents()[1])
+        answers["document continuation"] = (template([{"role": "user", "content": document}]), SamplingConfig(), False)
     rows = {}
     for name, (prompt, sampling, stop) in answers.items():
         if name in names:
