@@ -1,15 +1,17 @@
 """generate's default request (`python -m jaxspec.generate` with no prompt): plain against eagle with
 each head and draft shape, in one process.
 
-    PYTHONPATH=. python3 bench/default_request.py --heads checkpoints/eagle3-smollm2,DIR [--model smollm2]
+    PYTHONPATH=. python3 bench/default_request.py [--heads checkpoints/eagle3-smollm2,DIR] [--model smollm2]
         [--shapes chain:4,bfs:3,2,1] [--samplings sample,greedy] [--new 256] [--repeats 3] [--tiny]
         [--out DIR] [--tag T]
 
 The request is the CLI's: DEFAULT_PROMPT through the chat template, batch 1, `--new` (generate's 256)
-new tokens, stopping at EOS. Each (sampling, config) runs with seeds 0.. (median and spread of decode
-tokens/s); a row gives its speed over plain's, tokens an iteration and acceptance at depths 1-3, so the
-default-run target (eagle >= 1.5x plain on this request) reads off the table. The shapes are
-`bench/e2e.py`'s. Writes DIR/default_request_<device><tag>.json after every row; prints the table last.
+new tokens, stopping at EOS. Configs: plain, eagle with each head (default: the model's shipped one)
+and shape (`bench/e2e.py`'s shapes), and auto, the default run itself (generate's plan with the first
+head; its shape column is the planned strategy, its runs record where each ended). Each (sampling,
+config) runs with seeds 0.. (median and spread of decode tokens/s); a row gives its speed over plain's,
+tokens an iteration and acceptance at depths 1-3, so the default-run target (>= 1.5x plain on this
+request) reads off the table. Writes DIR/default_request_<device><tag>.json after every row; prints the table last.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ from pathlib import Path
 import jax
 
 from bench import common
-from bench.e2e import spec_of, split_shapes
+from bench.e2e import auto_choices, spec_of, split_shapes
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
-from jaxspec.loaders.eagle import load_eagle
+from jaxspec.loaders.eagle import load_eagle, shipped_head
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", required=True, help="EAGLE-3 head directories, comma-separated")
+    p.add_argument("--heads", default=None, help="EAGLE-3 head directories, comma-separated (default: the "
+                                                 "model's shipped head); the first is auto's")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--shapes", default="chain:4", help="eagle's draft shapes, comma-separated (bench/e2e.py's)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
@@ -44,32 +47,41 @@ def main() -> None:
     cfg, params, tokenizer = load_model(args.model, dtype=dtype)
     batch = encode_prompts(tokenizer, [DEFAULT_PROMPT], chat=tokenizer.has_chat_template)
     max_len = resolve_max_len(batch, args.new, None, cfg.max_position_embeddings)
-    configs = [("plain", "", params, spec_of("plain", "", backend))]
-    for head in args.heads.split(","):
+    heads = args.heads.split(",") if args.heads else [shipped_head(args.model)]
+    if heads[0] is None:
+        p.error(f"no head ships for {args.model}: give --heads")
+    configs, auto = [("plain", "", params, spec_of("plain", "", backend))], None
+    for head in heads:
         ecfg, head_params = load_eagle(head, cfg, dtype)
         with_head = {**params, "eagle": jax.device_put(head_params)}
+        auto = auto or ("auto", "", with_head, (ecfg, head))
         configs += [(Path(head).name, shape, with_head, spec_of("eagle", shape, backend, head=ecfg))
                     for shape in split_shapes(args.shapes)]
+    configs.append(auto)
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     path = args.out / f"default_request_{device}{args.tag}.json"
     result = common.run_info() | {"prompt_tokens": int(batch.lengths[0]), "new": args.new, "rows": []}
     for sampling_name in args.samplings.split(","):
         plain = None
         for name, shape, with_head, spec in configs:
-            sampling = common.SAMPLINGS[sampling_name]
-            runs = [common.run_measures(run_generation(
-                with_head, cfg, batch, spec=spec, sampling=sampling, max_len=max_len, max_new_tokens=args.new,
-                stop_ids=tokenizer.eos_token_ids, seed=seed))[0] for seed in range(args.repeats)]
-            row = {"sampling": sampling_name, "config": name, "shape": shape, "runs": runs,
-                   **common.median_of_runs(runs)}
+            sampling, plan = common.SAMPLINGS[sampling_name], None
+            if name == "auto":  # what the default run does: generate's plan, with the first head
+                plan, spec = common.auto_plan(cfg, params, configs[0][3], *spec, batch=1, new_tokens=args.new,
+                                              prompt_tokens=int(batch.lengths[0]), sampling=sampling)
+            ran = [run_generation(with_head, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
+                                  max_new_tokens=args.new, stop_ids=tokenizer.eos_token_ids, seed=seed, plan=plan)
+                   for seed in range(args.repeats)]
+            runs = [common.run_measures(run)[0] | (auto_choices(run) if plan else {}) for run in ran]
+            row = {"sampling": sampling_name, "config": name, "shape": plan.first.name if plan else shape,
+                   "runs": runs, **common.median_of_runs(runs)}
             plain = plain or row["decode_tokens_per_s"]
             row["x_plain"] = row["decode_tokens_per_s"] / plain
-            depths = range(min(3, len(runs[0]["acceptance_rate_by_depth"])))
+            depths = range(min(3, *(len(r["acceptance_rate_by_depth"]) for r in runs)))
             row["acceptance_1_3"] = " ".join(
                 f"{statistics.median(r['acceptance_rate_by_depth'][d] for r in runs):.2f}" for d in depths)
             result["rows"].append(row)
             common.write_json(path, result)  # after every row: a cut-off run keeps what it measured
-            print(f"{sampling_name} {name} {shape}: {row['decode_tokens_per_s']:.0f} tok/s, "
+            print(f"{sampling_name} {name} {row['shape']}: {row['decode_tokens_per_s']:.0f} tok/s, "
                   f"{row['x_plain']:.2f}x plain, {row['tokens_per_iteration']:.2f} tokens/iteration", flush=True)
     print(common.markdown_table(result["rows"], [
         ("sampling", "sampling", "s"), ("config", "config", "s"), ("shape", "shape", "s"),

@@ -25,10 +25,12 @@ ratio (the last of Vegas' tuning steps, the ratio re-adjusted for throughput at 
 --shrink on,off runs the drafting methods with and without shrinking the batch as its rows finish
 (`run_generation`'s `shrink`, off by default as in `generate`; plain's rows finish together, so it
 runs once, with the first setting). `auto` is `generate`'s default, `--method auto`: the planner's
-plan for the batch (the shipped table of this model and device, else the cost model), refined and
-switched as it runs; its row gives the strategy each run ended with and the ideal of the first run's.
---draft-model A,B compares heads in one process: B's eagle rows run on B's own prefill of the same
-prompts (one program: the same bits, so greedy texts are plain's whatever the head).
+plan for the batch (the shipped table of this model and device, else the cost model) with the run's
+head among its strategies, refined and switched as it runs; its row gives the strategy each run ended
+with and the ideal of the first run's. The head of eagle and auto is the model's shipped one, as in
+generate, unless --draft-model names others: A,B compares heads in one process, B's eagle rows on B's
+own prefill of the same prompts (one program: the same bits, so greedy texts are plain's whatever
+the head).
 
 The ideal speed-up is a projection from measured acceptance and the bytes floors: tokens per
 iteration x plain step floor / iteration floor, the iteration floor being depth draft forwards over
@@ -57,7 +59,7 @@ from jaxspec.decoding.spec import (MAX_BALANCE, MAX_SELECT_EVERY, SCORE_METHODS,
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
-from jaxspec.loaders.eagle import load_eagle
+from jaxspec.loaders.eagle import load_eagle, shipped_head
 from jaxspec.runner import run_generation
 from pallas_kernels.verify_attention import METRICS
 
@@ -86,17 +88,17 @@ def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, m
 
 def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, heads=((None, None, None),)):
     """Every (batch, sampling, method, shape) of args, appended to rows_out (save() after each).
-    `heads`: (name, config, params) of each EAGLE-3 head that method eagle drafts with, the first one's
-    already params["eagle"]; the first runs every method, each other one only eagle, on its own prefill
-    of the same prompts (the same program, so the same bits: greedy texts are plain's for every head,
-    and the heads compare on them)."""
+    `heads`: (directory, config, params) of each EAGLE-3 head that method eagle drafts with, the first
+    one's already params["eagle"] and auto's; the first runs every method, each other one only eagle,
+    on its own prefill of the same prompts (the same program, so the same bits: greedy texts are
+    plain's for every head, and the heads compare on them)."""
     backend = "reference" if args.tiny else "pallas"
     weight_bytes = common.tree_bytes({k: v for k, v in params.items() if k != "eagle"})
     skips = [()] + ([draft_weights.parse_skip(args.draft_skip, cfg.num_layers)] if args.draft_skip else [])
     drafts = [(w, skip) for w in args.draft_weights for skip in skips]
     with_copies = {(w, skip): draft_weights.with_draft_weights(params, w, skip) for w, skip in drafts}
     plain_of = {}  # (batch, sampling) -> plain's tokens/s and first run's rows
-    for batch_size, (k, (head_name, head, head_params)) in itertools.product(args.batches, enumerate(heads)):
+    for batch_size, (k, (head_dir, head, head_params)) in itertools.product(args.batches, enumerate(heads)):
         with_head = params if k == 0 else {**params, "eagle": head_params}
         batch, max_len, cache = common.real_text_batch(cfg, with_head, tokenizer, batch_size, args.prompt_tokens,
                                                        args.new, backend, head, args.heldout)
@@ -121,12 +123,13 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
             plain_tps, plain_rows = plain_of[batch_size, sampling_name]
             shrunk_rows = {}  # spec -> its first run's outputs with shrinking
             runs_of = [(spec, shrink, None) for spec in specs for shrink in (args.shrink[:1] if spec.method == "plain" else args.shrink)]
-            if "auto" in methods:  # generate's default: plain's spec and the planner's plan for this batch
-                plan = planner.make_plan(cfg, weight_bytes, batch=batch_size, prompt_tokens=int(batch.lengths.max()),
-                                         new_tokens=args.new, sampling=sampling)
+            if "auto" in methods:  # generate's default: the planner's plan for this batch, with the first head
+                plan, auto_spec = common.auto_plan(cfg, params, spec_of("plain", "", backend), head, head_dir,
+                                                   batch=batch_size, prompt_tokens=int(batch.lengths.max()),
+                                                   new_tokens=args.new, sampling=sampling)
                 if (plan.draft_weights, ()) not in with_copies:
                     with_copies[plan.draft_weights, ()] = draft_weights.with_draft_weights(params, plan.draft_weights)
-                runs_of.append((spec_of("plain", "", backend), args.shrink[0], plan))
+                runs_of.append((auto_spec, args.shrink[0], plan))
             for spec, shrink, plan in runs_of:
                 runs, first_rows = [], None
                 weights = with_head if k else with_copies.get(
@@ -145,7 +148,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
                        "sampling": sampling_name, **described, "rows": 1 + described["nodes"], "shrink": "on" if shrink else "off", "runs": runs,
                        **common.median_of_runs(runs)}
                 if ran.method == "eagle":
-                    row["head"] = head_name
+                    row["head"] = Path(head_dir).name
                 draft_bytes = (common.tree_bytes(with_head["eagle"]) if ran.method == "eagle"
                                else draft_weights.read_bytes(cfg, weight_bytes, ran.draft_weights, ran.draft_skip))
                 row |= common.floors(cfg, weight_bytes, ran, batch_size, context, rates, draft_bytes)
@@ -324,7 +327,8 @@ def main():
     p.add_argument("--shrink", default="off", help="on,off: shrink the batch as its rows finish, or not, or both")
     p.add_argument("--tuned", type=Path, default=None, help="a `python -m jaxspec.tune` file")
     p.add_argument("--draft-model", default=None,
-                   help="the EAGLE-3 heads that method eagle drafts with, comma-separated (compared in one process)")
+                   help="the EAGLE-3 heads that method eagle drafts with, comma-separated (compared in one process; "
+                        "default: the model's shipped head, as generate), the first also auto's")
     p.add_argument("--heldout", action="store_true", help="prompts from the held-out documents only (training.data)")
     p.add_argument("--prompt-tokens", type=int, default=7500)
     p.add_argument("--new", type=int, default=1024)
@@ -360,9 +364,11 @@ def main():
     dtype = "float32" if args.tiny else "bfloat16"
     cfg, params, tokenizer = load_model(args.model, dtype=dtype)
     heads = [(None, None, None)]
-    if args.draft_model:
-        heads = [(Path(d).name, *load_eagle(d, cfg, dtype)) for d in args.draft_model.split(",")]
-        heads = [(name, head, jax.device_put(head_params)) for name, head, head_params in heads]
+    drafting = {"eagle", "auto"} & set(args.methods + args.greedy_methods)
+    head_dirs = args.draft_model.split(",") if args.draft_model else [shipped_head(args.model) if drafting else None]
+    if head_dirs[0] is not None:  # as generate: eagle and auto take the shipped head unless told otherwise
+        heads = [(d, *load_eagle(d, cfg, dtype)) for d in head_dirs]
+        heads = [(d, head, jax.device_put(head_params)) for d, head, head_params in heads]
         params = {**params, "eagle": heads[0][2]}
     elif "eagle" in args.methods + args.greedy_methods:
         p.error("method eagle needs --draft-model")

@@ -253,6 +253,12 @@ def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, mo
         entry(PLAIN, 900, 1), measured(eagle5, 1100, 3.5), entry(VEGAS, 2000, 4)])]))
     plan = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h1", **run)
     assert plan.first == VEGAS and [c.strategy for c in plan.candidates] == [VEGAS, PLAIN]
+    # eagle second of four speculative strategies: its place among the CANDIDATES goes to the fourth
+    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [
+        entry(PLAIN, 900, 1), entry(VEGAS, 2000, 4), measured(eagle5, 1900, 3.5), entry(SPACED, 1800, 4),
+        entry(TREE, 1700, 3)])]))
+    plan = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h1", **run)
+    assert plan.first == VEGAS and [c.strategy for c in plan.candidates] == [VEGAS, SPACED, TREE, PLAIN]
     # the refinement: eagle is left for a faster candidate, never probes plain, is never switched into
     candidates = (Prediction(eagle5, 2000, 3.5, 3.5 / 2000), Prediction(PLAIN, 900, 1.0, 1 / 900),
                   Prediction(VEGAS, 1000, 4.0, 4.0 / 1000))

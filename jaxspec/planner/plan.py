@@ -11,7 +11,7 @@ A run with an EAGLE-3 draft head (`head`) has eagle strategies among the predict
 entries for this head, or the cost model's without a table's answer (a head's acceptance depends on
 the kind of text too much for a prior to stand beside measurements). A run cannot switch into eagle
 (the head's cache covers only what it drafted over: `engine.Engine.switch`), so the best eagle
-strategy is a candidate only as the first choice.
+strategy is a candidate only as the first choice; otherwise its place goes to the next strategy.
 """
 
 from __future__ import annotations
@@ -122,11 +122,18 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     predictions = sorted(paid_copies(predictions), key=lambda p: -p.tokens_per_s)
     eagle = next((p for p in predictions if p.strategy.method == "eagle"), None)  # the best one only
     predictions = [p for p in predictions if p.strategy.method != "eagle" or p is eagle]
+    candidates = kept(predictions)
+    first = choose(candidates)
+    if first.method != "eagle":  # eagle cannot be switched into: its place goes to the next strategy
+        candidates = kept([p for p in predictions if p.strategy.method != "eagle"])
+    return Plan(candidates, first, source, bucket)
+
+
+def kept(predictions: list[Prediction]) -> tuple[Prediction, ...]:
+    """The candidates among `predictions` (fastest first): the CANDIDATES best speculative ones, the
+    best chain ngram one and the best plain one."""
     plain = max((p for p in predictions if p.strategy.plain), key=lambda p: p.tokens_per_s)
     speculative = [p for p in predictions if not p.strategy.plain][:CANDIDATES]
     ngram = next((p for p in predictions if p.strategy.method == "ngram" and p.strategy.tree is None), None)
     speculative += [ngram] if ngram is not None and ngram not in speculative else []
-    candidates = tuple(sorted(speculative + [plain], key=lambda p: -p.tokens_per_s))
-    first = choose(candidates)
-    candidates = tuple(c for c in candidates if c.strategy.method != "eagle" or c.strategy == first)
-    return Plan(candidates, first, source, bucket)
+    return tuple(sorted(speculative + [plain], key=lambda p: -p.tokens_per_s))
