@@ -434,8 +434,28 @@ def test_refinement_switches_on_a_mismatch_and_not_on_a_match():
     assert refine.decide(candidates, tie, PLAIN)[0] == VEGAS
     # a table's plain rate is measured: table plans do not probe it unless it is predicted 10% faster
     del tie[PLAIN]
-    assert refine.decide(candidates, tie, VEGAS, probe_plain=False)[0] == VEGAS
-    assert refine.decide(candidates, low, VEGAS, probe_plain=False)[0] == PLAIN
+    assert refine.decide(candidates, tie, VEGAS, probe_margin=None)[0] == VEGAS
+    assert refine.decide(candidates, low, VEGAS, probe_margin=None)[0] == PLAIN
+    # vegas far above plain's corrected prediction: plain goes unmeasured, unless the margin is inf (a CPU)
+    assert refine.decide(candidates, slow, VEGAS)[0] == VEGAS
+    target, reason = refine.decide(candidates, slow, VEGAS, probe_margin=math.inf)
+    assert target == PLAIN and "measuring plain" in reason
+
+
+def test_plain_is_always_probed_on_a_cpu(tmp_path, monkeypatch):
+    """The cost model counts bytes, which a CPU's verified rows do not: its plans measure plain
+    whatever the margin there, an accelerator's unless the drafter beats plain by PROBE_MARGIN, and a
+    table's never (its plain rate was measured on the device)."""
+    monkeypatch.setattr(planner.plan, "measure_bandwidth", lambda: 4000.0)
+    monkeypatch.setattr(planner.plan, "table_path", lambda cfg, device: tmp_path / "none.json")  # no shipped table
+    run = dict(batch=1, prompt_tokens=400, new_tokens=256, sampling=SamplingConfig())
+    monkeypatch.setattr(planner.plan, "device_kind", lambda: "cpu")
+    assert planner.make_plan(SMOLLM2, 270_000_000, **run).probe_margin == math.inf
+    monkeypatch.setattr(planner.plan, "device_kind", lambda: "NVIDIA H200")
+    assert planner.make_plan(SMOLLM2, 270_000_000, **run).probe_margin == planner.plan.PROBE_MARGIN
+    path = tmp_path / "t.json"
+    tables.save_table(path, table(cells=[(1, "greedy", 1024, "strict", [entry(PLAIN, 900, 1), entry(VEGAS, 2000, 4)])]))
+    assert planner.make_plan(SMOLLM2, 270_000_000, table=path, **run).probe_margin is None
 
 
 def test_refinement_pools_a_table_entry_with_what_it_observes():
@@ -450,15 +470,15 @@ def test_refinement_pools_a_table_entry_with_what_it_observes():
     slow = Observation(iterations=8, tokens=10, seconds=8 * step, tokens_per_iteration=1.25)  # 312 tok/s
     expected = refine.corrected(candidates, {ngram: slow})
     assert expected[ngram] == pytest.approx((8 * 900 + 8 * 312.5) / 16)
-    assert refine.decide(candidates, {ngram: slow}, ngram, probe_plain=False)[0] == ngram
+    assert refine.decide(candidates, {ngram: slow}, ngram, probe_margin=None)[0] == ngram
     nothing = lambda n: Observation(iterations=8 * n, tokens=8 * n, seconds=8 * n * step, tokens_per_iteration=1.0)
     for n, rate in ((2, 467), (4, 380)):    # plain (400) not 10% faster
         assert refine.corrected(candidates, {ngram: nothing(n)})[ngram] == pytest.approx(rate, abs=0.5)
-        assert refine.decide(candidates, {ngram: nothing(n)}, ngram, probe_plain=False)[0] == ngram
-    assert refine.decide(candidates, {ngram: nothing(5)}, ngram, probe_plain=False)[0] == PLAIN  # 358 tok/s
+        assert refine.decide(candidates, {ngram: nothing(n)}, ngram, probe_margin=None)[0] == ngram
+    assert refine.decide(candidates, {ngram: nothing(5)}, ngram, probe_margin=None)[0] == PLAIN  # 358 tok/s
     bare = tuple(dataclasses.replace(c, iterations=0.0) for c in candidates)
     assert refine.corrected(bare, {ngram: slow})[ngram] == pytest.approx(312.5)
-    assert refine.decide(bare, {ngram: slow}, ngram, probe_plain=False)[0] == PLAIN
+    assert refine.decide(bare, {ngram: slow}, ngram, probe_margin=None)[0] == PLAIN
 
 
 def test_observation_reports_the_slowest_running_row():
@@ -543,7 +563,7 @@ def test_watch_thresholds_are_where_watch_switches():
         for tpi, switches in ((thresholds[strategy], True), (thresholds[strategy] * (1 - 1e-4), False)):
             replays = {s: Observation(8, 8, 0.0, 1.0, 1.0) for s in r.replayed}  # judged: at the slowest row
             replays[strategy] = Observation(8, round(8 * tpi), 0.0, tpi, tpi)
-            target, _ = refine.decide(candidates, r.observations, PLAIN, probe_plain=False, replays=replays, closed=True)
+            target, _ = refine.decide(candidates, r.observations, PLAIN, probe_margin=None, replays=replays, closed=True)
             assert (target == strategy) == switches, (strategy, tpi)
     assert not planner.Refinement.of(planner.Plan(candidates, PLAIN, "table:t.json", 1024), closed=False).watches_on_device
     assert not planner.Refinement.of(planner.Plan(candidates, VEGAS, "table:t.json", 1024), closed=True).watches_on_device

@@ -17,6 +17,7 @@ strategy is a candidate only as the first choice; otherwise its place goes to th
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from jaxspec.decoding.sampling import SamplingConfig
@@ -30,17 +31,22 @@ from jaxspec.planner.tables import bucket_of, device_kind, fingerprint, load_tab
 
 MARGIN = 0.1  # a switch, or a speculative choice over plain, needs a predicted gain of 10%
 CANDIDATES = 3  # speculative strategies kept beside plain for refinement (each may need a compile)
+PROBE_MARGIN = 0.25  # plain is measured unless the running strategy beats its corrected prediction by 25%
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The candidates (ranked by prediction, plain always among them), the first choice, where the
-    predictions came from ("table:<file>" or "cost-model") and the context bucket."""
+    predictions came from ("table:<file>" or "cost-model") and the context bucket. `probe_margin`:
+    plain is measured while a running speculative strategy does not beat its corrected prediction by
+    this much (`refine.decide`); None (a table's plan: its plain rate was measured on this device)
+    never."""
 
     candidates: tuple[Prediction, ...]
     first: Strategy
     source: str
     bucket: int
+    probe_margin: float | None = None
 
     @property
     def draft_weights(self) -> str:
@@ -126,7 +132,17 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     first = choose(candidates)
     if first.method != "eagle":  # eagle cannot be switched into: its place goes to the next strategy
         candidates = kept([p for p in predictions if p.strategy.method != "eagle"])
-    return Plan(candidates, first, source, bucket)
+    return Plan(candidates, first, source, bucket, probe_margin(source))
+
+
+def probe_margin(source: str) -> float | None:
+    """A plan's `probe_margin`: none for a table's; PROBE_MARGIN for the cost model's on an
+    accelerator; on a CPU plain is always measured, since the cost model counts bytes and a CPU's
+    verified rows cost compute as well (SmolLM2 in float32 on 2 cores: a 9-row ngram verification
+    took 1.5 plain steps, so the bytes model's 2x for ngram g8 ran at 0.75x plain unprobed)."""
+    if source != "cost-model":
+        return None
+    return math.inf if device_kind() == "cpu" else PROBE_MARGIN
 
 
 def kept(predictions: list[Prediction]) -> tuple[Prediction, ...]:

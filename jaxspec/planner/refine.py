@@ -4,8 +4,8 @@ The run starts with the plan's choice, measures its accepted tokens per iteratio
 over a segment of SEGMENT iterations (`Observation`), corrects every candidate's prediction by what it
 saw (`corrected`; a strategy's own observations are pooled with its table rate, which counts as one
 more segment), and switches (`engine.Engine.switch`, which keeps the output distribution exact) to a
-candidate predicted faster by MARGIN, or to plain when plain is unmeasured and not predicted
-PROBE_MARGIN slower (`decide`); it measures that one for a segment and decides again, at most
+candidate predicted faster by MARGIN, or to plain when plain is unmeasured and not predicted the
+plan's `probe_margin` slower (`decide`); it measures that one for a segment and decides again, at most
 MAX_SWITCHES times. Settled, it keeps watching (`Refinement.watch`) while a speculative strategy runs
 or ngram could: after windows of WATCH, 2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch:
 each check costs a host sync and a replay, so their number grows with the log of the run's length;
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxspec.planner.plan import MARGIN, Plan
+from jaxspec.planner.plan import MARGIN, PROBE_MARGIN, Plan
 from jaxspec.planner.strategy import Prediction, Strategy
 
 SEGMENT = 8  # decode iterations per refinement segment
@@ -33,7 +33,6 @@ WATCH = 64  # decode iterations of a settled refinement's first watch window; it
 AHEAD = 64  # decode iterations per segment of a watched running drafter: each runs ahead of the last one's judgement
 # (each segment costs ~1.2-2 ms on an H200: at 16, batch 1's iterations ran 6-15% longer; bench/NOTES.md)
 MAX_SWITCHES = 3
-PROBE_MARGIN = 0.25  # plain is measured unless the running strategy beats its corrected prediction by 25%
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,15 +165,15 @@ def corrected(candidates, observations: dict, replays: dict | None = None, close
     return expected
 
 
-def decide(candidates, observations: dict, current: Strategy, probe_plain: bool = True,
+def decide(candidates, observations: dict, current: Strategy, probe_margin: float | None = PROBE_MARGIN,
            replays: dict | None = None, closed: bool = False) -> tuple[Strategy, str]:
     """(strategy to run next, why): the candidate with the best corrected rate if it beats the
-    current strategy's (its observations pooled with its table rate) by MARGIN; else, with
-    `probe_plain` (cost-model plans), plain, while it is unmeasured and the current speculative
-    strategy does not beat plain's corrected prediction by PROBE_MARGIN (predicted relative step
-    times can be off by that much, e.g. on a CPU, where rows cost compute: measured, a speculative
-    strategy then has to beat plain by MARGIN to be switched back to); else the current one. A
-    table's plain rate is measured on this device, so table plans do not probe it. A run cannot
+    current strategy's (its observations pooled with its table rate) by MARGIN; else plain, while it
+    is unmeasured and the current speculative strategy does not beat plain's corrected prediction by
+    `probe_margin` (the plan's: predicted relative step times can be off by that much; measured, a
+    speculative strategy then has to beat plain by MARGIN to be switched back to); else the current
+    one. A table's plain rate is measured on this device, so table plans (`probe_margin` None) do not
+    probe it. A run cannot
     switch into eagle (`engine.Engine.switch`), so eagle is never a target, and is left only for a
     candidate predicted faster (a probe could not come back). `replays`, `closed`: as `corrected`
     takes them."""
@@ -186,8 +185,8 @@ def decide(candidates, observations: dict, current: Strategy, probe_plain: bool 
         how = "observed" if best in observations else "replayed" if best in (replays or {}) else "predicted"
         return best, f"{best.name} {how} {expected[best]:.0f} tok/s > {current.name} expected {now:.0f} tok/s"
     plain = max((c.strategy for c in candidates if c.strategy.plain), key=expected.get)
-    if (probe_plain and not current.plain and current.method != "eagle" and plain not in observations
-            and expected[plain] * (1 + PROBE_MARGIN) >= now):
+    if (probe_margin is not None and not current.plain and current.method != "eagle" and plain not in observations
+            and expected[plain] * (1 + probe_margin) >= now):
         return plain, f"plain predicted {expected[plain]:.0f} tok/s, {current.name} expected {now:.0f} tok/s: measuring plain"
     return current, f"{current.name} expected {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"
 
@@ -246,7 +245,7 @@ class Refinement:
             return None
         c = self.current
         target, reason = (c, "") if len(self.switches) == MAX_SWITCHES else decide(
-            self.plan.candidates, self.observations, c, probe_plain=self.plan.source == "cost-model", replays=replays,
+            self.plan.candidates, self.observations, c, probe_margin=self.plan.probe_margin, replays=replays,
             closed=self.closed)
         if target == c:
             self.active = False
@@ -267,7 +266,8 @@ class Refinement:
         if finished or len(self.switches) == MAX_SWITCHES or (left is not None and left < WATCH):
             return None
         observations = {**self.observations, c: self._judged(c, seen)} if c.method == "ngram" else self.observations
-        target, reason = decide(self.plan.candidates, observations, c, probe_plain=False, replays=replays, closed=self.closed)
+        target, reason = decide(self.plan.candidates, observations, c, probe_margin=None, replays=replays,
+                                closed=self.closed)
         if target == c:
             self.window *= 2
             return None
