@@ -263,16 +263,22 @@ def auto_plan(cfg, params, spec: SpecConfig, head=None, head_dir: Path | None = 
     return plan, dataclasses.replace(spec, eagle=head) if plan.first.method == "eagle" else spec
 
 
+def real_text_prompts(tokenizer, batch_size: int, prompt_tokens: int, heldout: bool = False) -> list[str]:
+    """`batch_size` real-text continuation requests of about `prompt_tokens` tokens, a different
+    document per row (`heldout`: only documents that trained heads never saw, `training.data`'s
+    held-out split), before the chat template."""
+    docs = split_documents()[1] if heldout else None
+    return [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i, docs=docs)
+            for i in range(batch_size)]
+
+
 def real_text_batch(cfg, params, tokenizer, batch_size: int, prompt_tokens: int, new: int, backend: str, head=None,
                     heldout: bool = False):
     """(batch, max_len, prefilled cache) of `batch_size` real-text continuation prompts of about
     `prompt_tokens` tokens (a different document per row, chat template; `heldout`: only documents
     that trained heads never saw, `training.data`'s held-out split) with room for `new` tokens (and an
     EAGLE-3 `head`'s cache over them: `KVCache.head`, which only eagle's runs read)."""
-    docs = split_documents()[1] if heldout else None
-    prompts = [corpus.long_prompt(tokenizer, prompt_tokens, task="continue", offset=3 * i, docs=docs)
-               for i in range(batch_size)]
-    batch = encode_prompts(tokenizer, prompts, chat=True)
+    batch = encode_prompts(tokenizer, real_text_prompts(tokenizer, batch_size, prompt_tokens, heldout), chat=True)
     max_len = int(batch.lengths.max()) + new
     cache = prefill_fn(cfg, max_len, backend, 256, head)(params, jnp.asarray(batch.ids), jnp.asarray(batch.lengths))
     return batch, max_len, cache

@@ -50,30 +50,28 @@ def main() -> None:
     heads = args.heads.split(",") if args.heads else [shipped_head(args.model)]
     if heads[0] is None:
         p.error(f"no head ships for {args.model}: give --heads")
-    configs, auto = [("plain", "", params, spec_of("plain", "", backend))], None
-    for head in heads:
-        ecfg, head_params = load_eagle(head, cfg, dtype)
-        with_head = {**params, "eagle": jax.device_put(head_params)}
-        auto = auto or ("auto", "", with_head, (ecfg, head))
-        configs += [(Path(head).name, shape, with_head, spec_of("eagle", shape, backend, head=ecfg))
-                    for shape in split_shapes(args.shapes)]
-    configs.append(auto)
+    plain_spec = spec_of("plain", "", backend)
+    loaded = [load_eagle(head, cfg, dtype) for head in heads]
+    with_heads = [{**params, "eagle": jax.device_put(head_params)} for _, head_params in loaded]
+    configs = [("plain", "", params, plain_spec)] + [  # (name, shape, weights, spec)
+        (Path(head).name, shape, weights, spec_of("eagle", shape, backend, head=ecfg))
+        for head, (ecfg, _), weights in zip(heads, loaded, with_heads) for shape in split_shapes(args.shapes)]
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     path = args.out / f"default_request_{device}{args.tag}.json"
     result = common.run_info() | {"prompt_tokens": int(batch.lengths[0]), "new": args.new, "rows": []}
     for sampling_name in args.samplings.split(","):
-        plain = None
-        for name, shape, with_head, spec in configs:
-            sampling, plan = common.SAMPLINGS[sampling_name], None
-            if name == "auto":  # what the default run does: generate's plan, with the first head
-                plan, spec = common.auto_plan(cfg, params, configs[0][3], *spec, batch=1, new_tokens=args.new,
-                                              prompt_tokens=int(batch.lengths[0]), sampling=sampling)
-            ran = [run_generation(with_head, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
-                                  max_new_tokens=args.new, stop_ids=tokenizer.eos_token_ids, seed=seed, plan=plan)
+        sampling, plain = common.SAMPLINGS[sampling_name], None
+        # what the default run does: generate's plan, with the first head
+        plan, auto_spec = common.auto_plan(cfg, params, plain_spec, loaded[0][0], heads[0], batch=1,
+                                           prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling)
+        for name, shape, weights, spec, plan_of in [(*c, None) for c in configs] + [
+                ("auto", plan.first.name, with_heads[0], auto_spec, plan)]:
+            ran = [run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
+                                  max_new_tokens=args.new, stop_ids=tokenizer.eos_token_ids, seed=seed, plan=plan_of)
                    for seed in range(args.repeats)]
-            runs = [common.run_measures(run)[0] | (auto_choices(run) if plan else {}) for run in ran]
-            row = {"sampling": sampling_name, "config": name, "shape": plan.first.name if plan else shape,
-                   "runs": runs, **common.median_of_runs(runs)}
+            runs = [common.run_measures(run)[0] | (auto_choices(run) if plan_of else {}) for run in ran]
+            row = {"sampling": sampling_name, "config": name, "shape": shape, "runs": runs,
+                   **common.median_of_runs(runs)}
             plain = plain or row["decode_tokens_per_s"]
             row["x_plain"] = row["decode_tokens_per_s"] / plain
             depths = range(min(3, *(len(r["acceptance_rate_by_depth"]) for r in runs)))

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from jaxspec import corpus
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.generate import DEFAULT_PROMPT
@@ -68,7 +67,7 @@ def texts(params, cfg, tokenizer, new: int, window: int, names: list[str]) -> di
     answers = {"default greedy": (request, SamplingConfig(), True), "default sampled": (request, sample, True),
                "chat turns": (template(turns[:-1]), SamplingConfig(), False)}
     if "document continuation" in names:
-        document = corpus.long_prompt(tokenizer, window, task="continue", docs=data.split_documents()[1])
+        document = common.real_text_prompts(tokenizer, 1, window, heldout=True)[0]
         answers["document continuation"] = (template([{"role": "user", "content": document}]), SamplingConfig(), False)
     rows = {}
     for name, (prompt, sampling, stop) in answers.items():
@@ -108,7 +107,8 @@ def main(argv=None) -> None:
     p.add_argument("--heads", required=True, help="head directories, comma-separated")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--new", type=int, default=200, help="tokens of each generated answer")
-    p.add_argument("--window", type=int, default=512, help="tokens of each of the two held-out document windows")
+    p.add_argument("--window", type=int, default=512,
+                   help="tokens of each of the two held-out document windows, and of the continuation's prompt")
     p.add_argument("--texts", default=",".join(TEXTS), help="which texts, comma-separated")
     p.add_argument("--out", type=Path, default=common.RESULTS / "head_quality_cpu.json")
     args = p.parse_args(argv)

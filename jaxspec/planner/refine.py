@@ -173,10 +173,9 @@ def decide(candidates, observations: dict, current: Strategy, probe_margin: floa
     `probe_margin` (the plan's: predicted relative step times can be off by that much; measured, a
     speculative strategy then has to beat plain by MARGIN to be switched back to); else the current
     one. A table's plain rate is measured on this device, so table plans (`probe_margin` None) do not
-    probe it. A run cannot
-    switch into eagle (`engine.Engine.switch`), so eagle is never a target, and is left only for a
-    candidate predicted faster (a probe could not come back). `replays`, `closed`: as `corrected`
-    takes them."""
+    probe it. A run cannot switch into eagle (`engine.Engine.switch`), so eagle is never a target, and
+    is left only for a candidate predicted faster (a probe could not come back). `replays`, `closed`:
+    as `corrected` takes them."""
     expected = corrected(candidates, observations, replays, closed)
     expected = {s: rate for s, rate in expected.items() if s == current or s.method != "eagle"}
     best = max(expected, key=expected.get)
