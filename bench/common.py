@@ -27,8 +27,7 @@ from jaxspec.decoding.engine import DecodeState
 from jaxspec.planner.cost import kv_bytes_read, layer_attention_bytes, seconds_per_call, step_floor_s, tree_bytes  # noqa: F401
 from jaxspec.models.kvcache import KVCache, cache_slots, pool_shape
 from jaxspec.decoding.tree import MAX_TREE_ROWS
-from jaxspec import corpus, files, planner
-from jaxspec.loaders.eagle import head_fingerprint
+from jaxspec import corpus, files
 from jaxspec.runner import decode_fns, encode_prompts, prefill_fn
 from jaxspec.training import eagle as eagle_training
 from jaxspec.training.data import split_documents
@@ -251,16 +250,6 @@ def random_state(params, cfg: ModelConfig, spec: SpecConfig, cache: KVCache, con
 
 # Headline benchmarks sample (greedy SmolLM2 loops at long context, inflating acceptance); greedy beside.
 SAMPLINGS = {"sample": SamplingConfig(temperature=0.7, top_p=0.95), "greedy": SamplingConfig()}
-
-
-def auto_plan(cfg, params, spec: SpecConfig, head=None, head_dir: Path | None = None, **run):
-    """generate's `--method auto` for a run of `run` (`planner.make_plan`'s batch, prompt_tokens,
-    new_tokens, sampling): the plan with the EAGLE-3 head at `head_dir` (config `head`) among its
-    strategies, as `generate.plan_auto` makes it, and the spec it starts with (`spec`, with the
-    head's config when the plan starts with eagle)."""
-    plan = planner.make_plan(cfg, tree_bytes({k: v for k, v in params.items() if k != "eagle"}), head=head,
-                             head_id=head_dir and head_fingerprint(Path(head_dir)), **run)
-    return plan, dataclasses.replace(spec, eagle=head) if plan.first.method == "eagle" else spec
 
 
 def real_text_prompts(tokenizer, batch_size: int, prompt_tokens: int, heldout: bool = False) -> list[str]:

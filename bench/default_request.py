@@ -24,7 +24,7 @@ import jax
 
 from bench import common
 from bench.e2e import auto_choices, spec_of, split_shapes
-from jaxspec.generate import DEFAULT_PROMPT
+from jaxspec.generate import DEFAULT_PROMPT, plan_with_head
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle, shipped_head
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation
@@ -62,8 +62,8 @@ def main() -> None:
     for sampling_name in args.samplings.split(","):
         sampling, plain = common.SAMPLINGS[sampling_name], None
         # what the default run does: generate's plan, with the first head
-        plan, auto_spec = common.auto_plan(cfg, params, plain_spec, loaded[0][0], heads[0], batch=1,
-                                           prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling)
+        plan, auto_spec = plan_with_head(cfg, common.tree_bytes(params), plain_spec, loaded[0][0], heads[0], batch=1,
+                                         prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling)
         for name, shape, weights, spec, plan_of in [(*c, None) for c in configs] + [
                 ("auto", plan.first.name, with_heads[0], auto_spec, plan)]:
             ran = [run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,

@@ -57,6 +57,7 @@ from jaxspec import planner
 from jaxspec.decoding.spec import (MAX_BALANCE, MAX_SELECT_EVERY, SCORE_METHODS, SPARSE_METHODS, SpecConfig, at_batch,
                                   spec_from_settings, takes_draft_model)
 from jaxspec.decoding.tree import TreeShape
+from jaxspec.generate import plan_with_head
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
 from jaxspec.loaders.eagle import load_eagle, shipped_head
@@ -124,9 +125,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
             shrunk_rows = {}  # spec -> its first run's outputs with shrinking
             runs_of = [(spec, shrink, None) for spec in specs for shrink in (args.shrink[:1] if spec.method == "plain" else args.shrink)]
             if "auto" in methods:  # generate's default: the planner's plan for this batch, with the first head
-                plan, auto_spec = common.auto_plan(cfg, params, spec_of("plain", "", backend), head, head_dir,
-                                                   batch=batch_size, prompt_tokens=int(batch.lengths.max()),
-                                                   new_tokens=args.new, sampling=sampling)
+                plan, auto_spec = plan_with_head(cfg, weight_bytes, spec_of("plain", "", backend), head, head_dir,
+                                                 batch=batch_size, prompt_tokens=int(batch.lengths.max()),
+                                                 new_tokens=args.new, sampling=sampling)
                 if (plan.draft_weights, ()) not in with_copies:
                     with_copies[plan.draft_weights, ()] = draft_weights.with_draft_weights(params, plan.draft_weights)
                 runs_of.append((auto_spec, args.shrink[0], plan))

@@ -194,16 +194,25 @@ def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner
     """--method auto: the plan for a run of `run` (`planner.make_plan`'s run arguments), with the head
     of `head_path`, if any, among its strategies; and the spec and params it starts with (the head's
     config and weights when the plan starts with eagle, the draft weights' copies its candidates need)."""
-    from jaxspec.loaders.eagle import head_fingerprint
-
     head = head_config(args, cfg)
-    plan = planner.make_plan(cfg, planner.tree_bytes(params), precisions=planner.allowed_precisions(args.precision),
-                             table=args.planner_table, min_tokens=args.min_tokens, head=head,
-                             head_id=head and head_fingerprint(head_path(args)), **run)
+    plan, spec = plan_with_head(cfg, planner.tree_bytes(params), spec, head, head and head_path(args),
+                                precisions=planner.allowed_precisions(args.precision), table=args.planner_table,
+                                min_tokens=args.min_tokens, **run)
     params = with_draft_model(params, plan.draft_weights, (), mesh, cfg.expert_parallel)
     if plan.first.method == "eagle":
-        spec, params = dataclasses.replace(spec, eagle=head), with_head(params, args, cfg, mesh)
+        params = with_head(params, args, cfg, mesh)
     return plan, spec, params
+
+
+def plan_with_head(cfg, weight_bytes: int, spec: SpecConfig, head: EagleConfig | None, head_dir: Path | None,
+                   **run) -> tuple[planner.Plan, SpecConfig]:
+    """`planner.make_plan` (`run`: its run arguments) with the EAGLE-3 head at `head_dir` (config
+    `head`; None: no head) among its strategies, and the spec the plan starts with: `spec`, with the
+    head's config when the plan starts with eagle."""
+    from jaxspec.loaders.eagle import head_fingerprint
+
+    plan = planner.make_plan(cfg, weight_bytes, head=head, head_id=head_dir and head_fingerprint(Path(head_dir)), **run)
+    return plan, dataclasses.replace(spec, eagle=head) if plan.first.method == "eagle" else spec
 
 
 def check_draft(args, spec: SpecConfig, precision: str | None = None) -> SpecConfig:
