@@ -569,6 +569,23 @@ def test_watch_thresholds_are_where_watch_switches():
     assert not planner.Refinement.of(planner.Plan(candidates, VEGAS, "table:t.json", 1024), closed=True).watches_on_device
 
 
+
+def test_plain_choice_starts_settled():
+    """The cost model's plain choice starts settled, as a table's does: a segment of plain leaves
+    `decide` on plain at whatever rate plain is observed (every prediction scales by one tau), so
+    only a replay of ngram could move it, which the watch does (on the device, in a closed batch)."""
+    candidates = (Prediction(PLAIN, 900, 1.0, 8 / 900), Prediction(VEGAS, 850, 2.0, 8 * 2.0 / 850),
+                  Prediction(NGRAM, 800, 1.6, 8 * 1.6 / 800))
+    plan = planner.Plan(candidates, PLAIN, "cost-model", 2048)
+    r = planner.Refinement.of(plan, closed=True)
+    assert not r.active and r.watching and r.watches_on_device
+    for rate in (300.0, 900.0, 2700.0):  # plain observed a third, once, three times as fast as predicted
+        seen = {PLAIN: Observation(8, 64, 64 / rate, 1.0, 1.0)}
+        assert refine.decide(candidates, seen, PLAIN, probe_margin=refine.PROBE_MARGIN)[0] == PLAIN
+        copying = {NGRAM: Observation(8, 8 * 4, 0.0, 4.0, 4.0)}
+        assert refine.decide(candidates, seen, PLAIN, probe_margin=refine.PROBE_MARGIN, replays=copying)[0] == NGRAM
+    assert planner.Refinement.of(planner.Plan(candidates, VEGAS, "cost-model", 2048), closed=True).active
+
 def test_device_watch_crosses_where_the_host_replay_would(tiny):
     """`programs.watched` over one window decodes what plain decoding does, and its replay of ngram
     (the slowest whole row's tokens per iteration, its iterations as the host's replay counts them)
@@ -695,16 +712,31 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     assert len(stats["acceptance_by_depth"]) == 6  # padded to vegas' depth
     out = jax.device_get(run.output.stats)
     assert out.iterations.max() > 24 and (out.accepted <= out.drafted).all()
-    # a table's plain choice runs straight to the end, as plain decoding does: no segments, no
-    # switch; with an ngram candidate it only watches it, on the device (a call to the end, or to each
-    # window whose replay crosses its threshold, where the host decides: here never to switch)
+    # a plain choice (a table's or the cost model's) runs straight to the end, as plain decoding does:
+    # no segments, no switch; with an ngram candidate it only watches it, on the device (a call to the
+    # end, or to each window whose replay crosses its threshold, where the host decides: here never to
+    # switch). The watching program's first call in the process, of no iterations, loads it; no later one.
+    from jaxspec.serving import programs
+    from jaxspec.serving.scheduler import Scheduler
+
     monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
+    call, loads = Scheduler._call, []
+
+    def counted(self, program, *args, **kw):
+        if program.name == "watched" and args[2] == 0:  # args: params, state, iterations, ...
+            loads.append(program.name)
+        return call(self, program, *args, **kw)
+
+    monkeypatch.setattr(Scheduler, "_call", counted)
+    programs.clear_executables()
     for plain_plan, watched in ((planner.Plan(candidates[:3], PLAIN, "table:t.json", 1024), False),
-                                (planner.Plan(candidates, PLAIN, "table:t.json", 1024), True)):
+                                (planner.Plan(candidates, PLAIN, "table:t.json", 1024), True),
+                                (planner.Plan(candidates, PLAIN, "cost-model", 1024), True)):
         run = run_generation(params, cfg, batch, plan=plain_plan, spec=SpecConfig(), **common)
         assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
         assert bool(run.auto.segments) == watched and all(s["watch"] for s in run.auto.segments)
         assert run.auto.switches == [] and sum(s["iterations"] for s in run.auto.segments) == (new - 1) * watched
+    assert loads == ["watched"]
 
 
 def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, monkeypatch):

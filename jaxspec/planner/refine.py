@@ -195,9 +195,11 @@ class Refinement:
     """Refinement at run time (the module's docstring) as the scheduler drives it: the
     strategy running now, what each strategy was observed to do, the switches made and the segments
     seen. `active` until the choice is settled: `decide` keeps the current strategy, or MAX_SWITCHES
-    were made (not when the rows finished: a server goes on with its next requests). A measured
-    table's plain choice has nothing to refine (no
-    drafts to observe), so it starts settled and runs as plain does. Settled, it is `watching` while
+    were made (not when the rows finished: a server goes on with its next requests). A plain choice
+    starts settled, a table's or the cost model's: it has no drafts to observe, and a segment of it
+    scales every unobserved candidate's prediction and its own by one tau (`corrected`), so only
+    ngram's replays could move the choice, and the watch replays ngram (on the device, with no host
+    sync, in a closed batch: bench/NOTES.md, "auto's first segment"). Settled, it is `watching` while
     it has ngram to watch. `closed`: a static batch (the rows it starts with are all it runs, and it
     lasts as long as its slowest row): ngram, running or replayed, is then judged by its slowest row,
     since it leaves some rows at one token an iteration while others copy (its slowest row needs
@@ -218,8 +220,7 @@ class Refinement:
 
     @classmethod
     def of(cls, plan: Plan, closed: bool = False) -> Refinement:
-        return cls(plan, plan.first, active=not (plan.first.plain and plan.source != "cost-model"), closed=closed,
-                   window=WATCH, ran={plan.first})
+        return cls(plan, plan.first, active=not plan.first.plain, closed=closed, window=WATCH, ran={plan.first})
 
     @property
     def replayed(self) -> tuple[Strategy, ...]:

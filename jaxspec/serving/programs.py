@@ -28,10 +28,21 @@ from jaxspec.decoding.tree import MAX_TREE_ROWS
 from jaxspec.models import sharding
 
 _EXECUTABLES: dict = {}  # {(Program, argument signature): compiled executable}
+_RAN: set = set()  # the executables called at least once in this process (their first call loads them on the device)
 
 
 def clear_executables() -> None:
     _EXECUTABLES.clear()
+    _RAN.clear()
+
+
+def ran(executable) -> bool:
+    """Whether this process has called `executable` (`called` marks it)."""
+    return executable in _RAN
+
+
+def called(executable) -> None:
+    _RAN.add(executable)
 
 
 class Program:

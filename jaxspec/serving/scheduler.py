@@ -492,9 +492,8 @@ class Scheduler:
         iterations = (planner.SEGMENT if refining else min(self.refinement.window, planner.AHEAD)
                       if watching and self.segment is None else self.segment)
         unobserved = (refining or watching) and self.refinement.current not in self.refinement.observations
-        if unobserved and self._watch_from is None:  # a strategy's first segment loads its program, unobserved (once:
-            # a watch window of several segments has begun after it)
-            self._state = self._call(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
+        if unobserved and self._watch_from is None:  # (once: a watch window of several segments has begun after it)
+            self._load(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
         before, start = self._last, self._ahead or time.perf_counter()
         # a watch window starts at a report of the state's rows (not one read before a shrink or growth)
         if watching and self._watch_from is None and len(before[0]) == self.rows:
@@ -542,16 +541,16 @@ class Scheduler:
         thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
         until = np.int32(r.watch_until(self._left()))
 
-        def call(iterations: int, floor: int):
-            return self._call(program, self.params, self._state, np.int32(iterations), np.int32(floor),
-                              np.int32(r.window), thresholds, until, shape=(self.rows,))
+        def args(iterations: int, floor: int):
+            window = np.int32(r.window)
+            return self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, until
 
-        if (program, (self.rows,)) not in self._executables or r.current not in r.observations:
-            self._state = call(0, 0)[0]  # its first call compiles and loads the program: not observed
+        self._load(program, *args(0, 0), shape=(self.rows,), first=0)
         before, start = self._last, time.perf_counter()
         floor = self._floor()
         self._reserve()
-        self._state, length, ran, window, crossed, replayed = call(np.iinfo(np.int32).max, floor)
+        self._state, length, ran, window, crossed, replayed = self._call(program, *args(np.iinfo(np.int32).max, floor),
+                                                                         shape=(self.rows,))
         seconds = self._deliver(start)
         seen = planner.Observation.between(before, self._last, seconds)
         length, ran, window, crossed, replayed = jax.device_get((length, ran, window, crossed, replayed))
@@ -821,11 +820,23 @@ class Scheduler:
         """`program` on `args`. A segment's host values go in as numpy: a jnp scalar made here is
         an eager dispatch of its own on the scheduler thread (bench/NOTES.md, "where a 16-slot
         segment's time went")."""
-        return self._executable(program, *args, shape=shape)(*args)
+        executable = self._executable(program, *args, shape=shape)
+        programs.called(executable)
+        return executable(*args)
+
+    def _load(self, program: programs.Program, *args, shape: tuple = (), first: int | None = None) -> None:
+        """Calls `program` on `args` (a segment of no iterations; its output's state, or its output's
+        `first` item, is the new state) unless this process has called it before: a program's first
+        call loads it on the device, which no observation of a strategy's rate should count."""
+        if not programs.ran(self._executable(program, *args, shape=shape)):
+            out = self._call(program, *args, shape=shape)
+            self._state = out if first is None else out[first]
 
     def _dispatch(self, program: programs.Program, *args) -> concurrent.futures.Future:
         """`_call` whose call waits on the dispatch thread (the program is found here)."""
-        return self._dispatcher.submit(self._executable(program, *args), *args)
+        executable = self._executable(program, *args)
+        programs.called(executable)
+        return self._dispatcher.submit(executable, *args)
 
     def _executable(self, program: programs.Program, *args, shape: tuple = ()):
         """`program` compiled ahead of time for `args` (once a process: `programs.Program.compile`),
