@@ -2,8 +2,8 @@
 each head and draft shape, in one process.
 
     PYTHONPATH=. python3 bench/default_request.py [--heads checkpoints/eagle3-smollm2,DIR] [--model smollm2]
-        [--shapes chain:4,bfs:3,2,1] [--samplings sample,greedy] [--new 256] [--repeats 3] [--tiny]
-        [--out DIR] [--tag T]
+        [--shapes chain:4,bfs:3,2,1] [--samplings sample,greedy] [--draws sampled,top] [--new 256] [--repeats 3]
+        [--tiny] [--out DIR] [--tag T]
 
 The request is the CLI's: DEFAULT_PROMPT through the chat template, batch 1, `--new` (generate's 256)
 new tokens, stopping at EOS. Configs: plain, eagle with each head (default: the model's shipped one)
@@ -17,6 +17,7 @@ request) reads off the table. Writes DIR/default_request_<device><tag>.json afte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from bench.e2e import auto_choices, spec_of, split_shapes
 from jaxspec.generate import DEFAULT_PROMPT, plan_with_head
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle, shipped_head
+from jaxspec.models import draft_weights
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation
 
 
@@ -37,6 +39,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--shapes", default="chain:4", help="eagle's draft shapes, comma-separated (bench/e2e.py's)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
+    p.add_argument("--draws", default="sampled", help="eagle's draws when sampling (SpecConfig.draws), comma-separated")
     p.add_argument("--new", type=int, default=256, help="new tokens (generate's default)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: float32, reference backend")
@@ -54,8 +57,10 @@ def main() -> None:
     loaded = [load_eagle(head, cfg, dtype) for head in heads]
     with_heads = [{**params, "eagle": jax.device_put(head_params)} for _, head_params in loaded]
     configs = [("plain", "", params, plain_spec)] + [  # (name, shape, weights, spec)
-        (Path(head).name, shape, weights, spec_of("eagle", shape, backend, head=ecfg))
-        for head, (ecfg, _), weights in zip(heads, loaded, with_heads) for shape in split_shapes(args.shapes)]
+        (Path(head).name, shape + ("" if draws == "sampled" else f" draws {draws}"), weights,
+         dataclasses.replace(spec_of("eagle", shape, backend, head=ecfg), draws=draws).validate())
+        for head, (ecfg, _), weights in zip(heads, loaded, with_heads) for shape in split_shapes(args.shapes)
+        for draws in args.draws.split(",")]
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     path = args.out / f"default_request_{device}{args.tag}.json"
     result = common.run_info() | {"prompt_tokens": int(batch.lengths[0]), "new": args.new, "rows": []}
@@ -65,7 +70,8 @@ def main() -> None:
         plan, auto_spec = plan_with_head(cfg, common.tree_bytes(params), plain_spec, loaded[0][0], heads[0], batch=1,
                                          prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling)
         for name, shape, weights, spec, plan_of in [(*c, None) for c in configs] + [
-                ("auto", plan.first.name, with_heads[0], auto_spec, plan)]:
+                ("auto", plan.first.name, draft_weights.with_draft_weights(with_heads[0], plan.draft_weights),
+                 auto_spec, plan)]:
             ran = [run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
                                   max_new_tokens=args.new, stop_ids=tokenizer.eos_token_ids, seed=seed, plan=plan_of)
                    for seed in range(args.repeats)]

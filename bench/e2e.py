@@ -5,7 +5,7 @@ process on the same long real-text prompts, with the ideal speed-up beside each 
         [--methods plain,vegas,stream,quest,ngram,auto,eagle] [--draft-model DIR[,DIR]] [--heldout] [--shapes chain:6,eagle=bfs:3,2,1] [--metrics weight,logit] [--ratios 0.035,0.07] [--balances 1,2]
         [--select-every 1,2] [--groups 0,8,1]
         [--draft-weights exact,int8,int4] [--draft-skip 4]
-        [--samplings sample,greedy] [--shrink on,off]
+        [--samplings sample,greedy] [--draws sampled,top] [--shrink on,off]
         [--greedy-methods plain,vegas,auto] [--tuned FILE] [--prompt-tokens 7500] [--new 1024] [--repeats 3]
         [--tiny] [--out DIR] [--tag T] [--plot-from JSON]
 
@@ -111,8 +111,9 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
             methods = methods if k == 0 else [m for m in methods if m == "eagle"]
             specs = [spec_of("plain", "", backend)] * (k == 0) + [
                 dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every, head), draft_weights=w,
-                                    draft_skip=skip, group=group).validate()
+                                    draft_skip=skip, group=group, draws=draws).validate()
                 for m in methods if m not in ("plain", "auto") for s in shapes_of(args.shapes, m) for w, skip in drafts
+                for draws in (args.draws if m != "ngram" and sampling_name != "greedy" else ["sampled"])
                 for group in (args.groups if cfg.nsa else [SpecConfig.group])
                 if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
@@ -194,10 +195,12 @@ def share_equal(rows: list, reference: list) -> float:
 
 
 def draft_label(row: dict) -> str:
-    """' int4 skip 2' for a draft model other than the exact one ('' for it), ' DIR' for a head."""
+    """' int4 skip 2' for a draft model other than the exact one ('' for it), ' DIR' for a head, ' draws
+    top' for top-b children."""
     return ((f" {row['draft_weights']}" if row.get("draft_weights", "exact") != "exact" else "")
             + (f" skip {len(row['draft_skip'])}" if row.get("draft_skip") else "")
-            + (f" {row['head']}" if row.get("head") else ""))
+            + (f" {row['head']}" if row.get("head") else "")
+            + (f" draws {row['draws']}" if row.get("draws") not in (None, "sampled") else ""))
 
 
 def table(rows: list[dict]) -> str:
@@ -321,6 +324,8 @@ def main():
                    help="1,2: run the sparse drafters with each budget balance (default: the --tuned choice, else 1)")
     p.add_argument("--select-every", default=None,
                    help="1,2: run the score methods selecting after every N-th verification (default: the --tuned choice, else 1)")
+    p.add_argument("--draws", default="sampled", type=lambda s: s.split(","),
+                   help="a model drafter's children when sampling (SpecConfig.draws: sampled, top), comma-separated")
     p.add_argument("--groups", default="0", type=lambda s: [int(n) for n in s.split(",")],
                    help="NSA models: the drafters' verification groups (adjacent draft rows per program), each run")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")

@@ -22,7 +22,8 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec import planner
 from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, run_generation, summarize
 from jaxspec.decoding.sampling import SamplingConfig
-from jaxspec.decoding.spec import HEAD_CONTEXTS, METHODS, METRICS, PRECISIONS, SpecConfig, at_batch, load_tuned, spec_from_settings
+from jaxspec.decoding.spec import (DRAWS, HEAD_CONTEXTS, METHODS, METRICS, PRECISIONS,
+                                    SpecConfig, at_batch, load_tuned, spec_from_settings)
 from jaxspec.decoding.tree import TreeShape
 from jaxspec.calibrate_skip import resolve_skip
 from jaxspec.models import draft_weights, sharding
@@ -80,6 +81,10 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-context", choices=HEAD_CONTEXTS, default=None,
                    help="--method eagle: the head attends its whole cache (full, default) or the slots the last "
                         "verification scored highest, as vegas selects them (--ratio, --min-tokens, --metric), plus the tail")
+    p.add_argument("--draws", choices=DRAWS, default=None,
+                   help="when sampling, a drafter's children: drawn from its distribution (sampled, default) or "
+                        "its top tokens (top), verified as one-hot candidates; lossless either way. top costs less "
+                        "an iteration and accepts a little less (bench/NOTES.md, \"draws\")")
     p.add_argument("--draft-skip", default=None,
                    help="layers draft steps leave out: 3,5,10-12 | everyN | calibrated (python -m jaxspec.calibrate_skip) | a calibration file")
     p.add_argument("--planner-table", type=Path, default=None,
@@ -119,7 +124,8 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
         fixed = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree), ("--ratio", args.ratio),
                                           ("--group", args.group), ("--tuned", args.tuned), ("--balance", args.balance),
                                           ("--select-every", args.select_every), ("--draft-weights", args.draft_weights),
-                                          ("--draft-skip", args.draft_skip), ("--head-context", args.head_context))
+                                          ("--draft-skip", args.draft_skip), ("--head-context", args.head_context),
+                                          ("--draws", args.draws))
                  if value is not None]
         if fixed:
             raise JaxspecError(f"--method auto chooses {', '.join(fixed)} itself; give a --method to fix them")
@@ -134,7 +140,7 @@ def spec_from_args(args, batch: int = 1) -> SpecConfig:
         backend=args.backend, precision="strict" if auto else args.precision, group=args.group,
         draft_weights=args.draft_weights, balance=args.balance, select_every=args.select_every,
         eagle=None if auto else head,  # auto: the plan says whether it drafts with the head
-        head_context=args.head_context,
+        head_context=args.head_context, draws=args.draws,
     )
 
 

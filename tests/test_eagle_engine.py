@@ -249,15 +249,17 @@ def sampled_rows(params, spec, rules, prompt, rows: int, n: int, seed: int):
     return sample(params, cache)
 
 
-@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow), (2, 2)])  # the chain: width-1 tree, slow
-def test_first_two_tokens_follow_the_target(tree):
+@pytest.mark.parametrize("tree,draws", [pytest.param(None, "sampled", marks=pytest.mark.slow),  # the width-1 tree
+                                        ((2, 2), "sampled"), ((2, 2), "top")])
+def test_first_two_tokens_follow_the_target(tree, draws):
     """Chi-square of the first two sampled tokens (64 cells, 12,000 identical rows) against the exact
     joint of teacher-forced forwards; the head's draft vocabulary holds 6 of the 8 tokens, so q is 0
-    for two of them, and drafts are both accepted and rejected."""
+    for two of them, and drafts are both accepted and rejected (draws "top": the head's top-2 tokens
+    as one-hot candidates)."""
     params, ecfg = with_head(TINY, 7, draft_vocab=6, scale=0.6)
     params = {**params, **decoder.init_params(TINY, jax.random.key(7), scale=0.6)}
     prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
-    rows, spec = 12000, SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg).validate()
+    rows, spec = 12000, SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg, draws=draws).validate()
     state = sampled_rows(params, spec, HOT, prompt, rows, 2, seed=1)
     pairs = np.asarray(state.tokens[:, len(prompt):len(prompt) + 2])
     assert 0 < int(state.stats.accepted.sum()) < int(state.stats.iterations.sum()) * spec.draft_len

@@ -521,32 +521,36 @@ def tiny_rows():
     return params, prompt, batch, repeated(one_row, rows)
 
 
-@pytest.mark.parametrize("method,tree,order,weights,skip", [
+@pytest.mark.parametrize("method,tree,order,weights,skip,draws", [
     # plain checks the harness; stream's and ngram's chains sample as vegas's does, stream's tree as
-    # vegas's, and draft models as the target (vegas's chain and tree, ngram's one-hot q in its tree run
-    # by default; the rest with the slow tests: the default run's 20 minutes)
-    pytest.param("plain", None, "bfs", "exact", (), marks=pytest.mark.slow),
-    pytest.param("vegas", None, "bfs", "exact", (), marks=pytest.mark.slow),  # the width-1 tree of the tree cases
-    pytest.param("stream", None, "bfs", "exact", (), marks=pytest.mark.slow),
-    pytest.param("ngram", None, "bfs", "exact", (), marks=pytest.mark.slow), ("vegas", (3, 2), "bfs", "exact", ()),
-    pytest.param("stream", (2, 1, 2), "dfs", "exact", (), marks=pytest.mark.slow), ("ngram", (2, 2), "bfs", "exact", ()),
-    pytest.param("vegas", None, "bfs", "int8", (), marks=pytest.mark.slow),
-    pytest.param("full", (2, 2), "bfs", "int4", (1,), marks=pytest.mark.slow),
+    # vegas's, and draft models as the target (vegas's chain and tree, its tree's top-b children, and
+    # ngram's one-hot q in its tree run by default; the rest with the slow tests: the default run's 20 minutes)
+    pytest.param("plain", None, "bfs", "exact", (), "sampled", marks=pytest.mark.slow),
+    pytest.param("vegas", None, "bfs", "exact", (), "sampled", marks=pytest.mark.slow),  # the tree cases' width-1 tree
+    pytest.param("stream", None, "bfs", "exact", (), "sampled", marks=pytest.mark.slow),
+    pytest.param("ngram", None, "bfs", "exact", (), "sampled", marks=pytest.mark.slow),
+    ("vegas", (3, 2), "bfs", "exact", (), "sampled"), ("vegas", (3, 2), "bfs", "exact", (), "top"),
+    pytest.param("vegas", None, "bfs", "exact", (), "top", marks=pytest.mark.slow),
+    pytest.param("stream", (2, 1, 2), "dfs", "exact", (), "sampled", marks=pytest.mark.slow),
+    ("ngram", (2, 2), "bfs", "exact", (), "sampled"),
+    pytest.param("vegas", None, "bfs", "int8", (), "sampled", marks=pytest.mark.slow),
+    pytest.param("full", (2, 2), "bfs", "int4", (1,), "sampled", marks=pytest.mark.slow),
 ])
-def test_first_two_tokens_follow_the_target(tiny_rows, method, tree, order, weights, skip):
+def test_first_two_tokens_follow_the_target(tiny_rows, method, tree, order, weights, skip, draws):
     """Chi-square of the first two sampled tokens (V^2 = 64 cells, 12,000 rows) against the exact joint.
 
     The drafters here really differ from the target (16 of 50 context slots), so the recovered-token
     path is exercised; ngram exercises one-hot q (its trees: several earlier matches of the suffix);
-    trees exercise sampling children without replacement and recursive rejection; quantized draft
-    weights and a skipped layer a draft model that differs from the target in its weights too. One
-    batch of identical rows gives independent draws.
+    trees exercise sampling children without replacement and recursive rejection, or with draws
+    "top" a model drafter's top-b children as one-hot candidates; quantized draft weights and a
+    skipped layer a draft model that differs from the target in its weights too. One batch of
+    identical rows gives independent draws.
     """
     target, prompt, batch, cache = tiny_rows
     params = draft_weights.with_draft_weights(target, weights, skip)
     rows, max_len = len(batch.lengths), len(prompt) + 2
     spec = SpecConfig(method=method, gamma=3, tree=tree, traversal=order, ratio=0.3, min_tokens=1, ngram_min=1,
-                      ngram_max=2, draft_weights=weights, draft_skip=skip).validate()
+                      ngram_max=2, draft_weights=weights, draft_skip=skip, draws=draws).validate()
     out, stats_ = generate(params, TINY, batch, cache, spec, max_len, 2, sampling=SamplingConfig(temperature=1.0), seed=1)
     pairs = np.array(out)
     assert pairs.shape == (rows, 2)

@@ -23,6 +23,7 @@ METHODS = ("plain", "vegas", "all_rows", "last_accepted", "stream", "quest", "fu
 SPARSE_METHODS = ("vegas", "all_rows", "last_accepted", "stream", "quest")
 SCORE_METHODS = ("vegas", "all_rows", "last_accepted")  # select by verification scores (--metric)
 HEAD_CONTEXTS = ("full", "selected")  # SpecConfig.head_context
+DRAWS = ("sampled", "top")  # SpecConfig.draws
 MAX_GAMMA = MAX_TREE_ROWS - 1  # a chain of gamma drafts verifies gamma + 1 rows
 PAGE = QUEST_PAGE  # page size of the page-granular policies (stream, quest): the slots a Quest bound covers
 MAX_BALANCE = 8.0  # SpecConfig.balance: a row's budget within [1/8, 8] of the even share
@@ -93,6 +94,11 @@ class SpecConfig:
     # last verification scored highest on its top layer, chosen as vegas chooses (ratio, min_tokens,
     # metric), plus the tail since that verification
     head_context: str = "full"
+    # when sampling, a model drafter's children: drawn from its processed distribution q ("sampled"), or
+    # its top-b tokens ("top"), verified as one-hot candidates as ngram's are (lossless either way: a
+    # draft x is then accepted with the target's p(x)). "top" skips the draft's top-p and the q it
+    # hands verification: fewer tokens an iteration, cheaper iterations (bench/NOTES.md, "draws")
+    draws: str = "sampled"
 
     def validate(self) -> SpecConfig:
         """Raises JaxspecError naming the first invalid field; returns the config, with a tree's
@@ -133,6 +139,10 @@ class SpecConfig:
             raise JaxspecError(f"--draft-skip needs a model drafter; {self.method} runs no draft forward")
         if self.head_context not in HEAD_CONTEXTS:
             raise JaxspecError(f"--head-context must be one of {', '.join(HEAD_CONTEXTS)}, got {self.head_context!r}")
+        if self.draws not in DRAWS:
+            raise JaxspecError(f"--draws must be one of {', '.join(DRAWS)}, got {self.draws!r}")
+        if self.draws != "sampled" and self.method in ("plain", "ngram"):
+            raise JaxspecError(f"--draws {self.draws} chooses a model drafter's children; {self.method} draws none")
         if self.head_context != "full" and self.method != "eagle":
             raise JaxspecError(f"--head-context {self.head_context} is the eagle head's; {self.method} has no head")
         balance = self.balance
@@ -215,6 +225,7 @@ class SpecConfig:
             "ratio": self.ratio if self.method in SPARSE_METHODS or self.selects_head_context else None,
             "metric": self.metric if self.method in SCORE_METHODS or self.selects_head_context else None,
             "head_context": self.head_context if self.method == "eagle" else None,
+            "draws": self.draws if self.method not in ("plain", "ngram") else None,
             "precision": self.precision,
             "lossless": self.lossless,
             "group": self.group,
