@@ -39,7 +39,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--shapes", default="chain:4", help="eagle's draft shapes, comma-separated (bench/e2e.py's)")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
-    p.add_argument("--draws", default="sampled", help="eagle's draws when sampling (SpecConfig.draws), comma-separated")
+    p.add_argument("--draws", default=None, help="eagle's draws when sampling (SpecConfig.draws: sampled, top; "
+                                                  "default: eagle's), comma-separated")
     p.add_argument("--new", type=int, default=256, help="new tokens (generate's default)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: float32, reference backend")
@@ -57,10 +58,10 @@ def main() -> None:
     loaded = [load_eagle(head, cfg, dtype) for head in heads]
     with_heads = [{**params, "eagle": jax.device_put(head_params)} for _, head_params in loaded]
     configs = [("plain", "", params, plain_spec)] + [  # (name, shape, weights, spec)
-        (Path(head).name, shape + ("" if draws == "sampled" else f" draws {draws}"), weights,
+        (Path(head).name, shape + ("" if draws is None else f" draws {draws}"), weights,
          dataclasses.replace(spec_of("eagle", shape, backend, head=ecfg), draws=draws).validate())
         for head, (ecfg, _), weights in zip(heads, loaded, with_heads) for shape in split_shapes(args.shapes)
-        for draws in args.draws.split(",")]
+        for draws in (args.draws.split(",") if args.draws else [None])]
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     path = args.out / f"default_request_{device}{args.tag}.json"
     result = common.run_info() | {"prompt_tokens": int(batch.lengths[0]), "new": args.new, "rows": []}

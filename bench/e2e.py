@@ -113,7 +113,7 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
                 dataclasses.replace(spec_of(m, s, backend, tuned, metric, ratio, balance, every, head), draft_weights=w,
                                     draft_skip=skip, group=group, draws=draws).validate()
                 for m in methods if m not in ("plain", "auto") for s in shapes_of(args.shapes, m) for w, skip in drafts
-                for draws in (args.draws if m != "ngram" and sampling_name != "greedy" else ["sampled"])
+                for draws in (args.draws if m != "ngram" and sampling_name != "greedy" else [None])
                 for group in (args.groups if cfg.nsa else [SpecConfig.group])
                 if takes_draft_model(m, w, skip)
                 for metric in (args.metrics if m in SCORE_METHODS else [None])
@@ -324,8 +324,9 @@ def main():
                    help="1,2: run the sparse drafters with each budget balance (default: the --tuned choice, else 1)")
     p.add_argument("--select-every", default=None,
                    help="1,2: run the score methods selecting after every N-th verification (default: the --tuned choice, else 1)")
-    p.add_argument("--draws", default="sampled", type=lambda s: s.split(","),
-                   help="a model drafter's children when sampling (SpecConfig.draws: sampled, top), comma-separated")
+    p.add_argument("--draws", default=[None], type=lambda s: s.split(","),
+                   help="a model drafter's children when sampling (SpecConfig.draws: sampled, top; default: the "
+                        "method's), comma-separated")
     p.add_argument("--groups", default="0", type=lambda s: [int(n) for n in s.split(",")],
                    help="NSA models: the drafters' verification groups (adjacent draft rows per program), each run")
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")

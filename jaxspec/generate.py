@@ -82,9 +82,9 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
                    help="--method eagle: the head attends its whole cache (full, default) or the slots the last "
                         "verification scored highest, as vegas selects them (--ratio, --min-tokens, --metric), plus the tail")
     p.add_argument("--draws", choices=DRAWS, default=None,
-                   help="when sampling, a drafter's children: drawn from its distribution (sampled, default) or "
-                        "its top tokens (top), verified as one-hot candidates; lossless either way. top costs less "
-                        "an iteration and accepts a little less (bench/NOTES.md, \"draws\")")
+                   help="when sampling, a drafter's children: drawn from its distribution (sampled) or its top "
+                        "tokens (top), verified as one-hot candidates; lossless either way, top iterates faster. "
+                        "Default: top for eagle, sampled for the others (bench/NOTES.md, \"draws\")")
     p.add_argument("--draft-skip", default=None,
                    help="layers draft steps leave out: 3,5,10-12 | everyN | calibrated (python -m jaxspec.calibrate_skip) | a calibration file")
     p.add_argument("--planner-table", type=Path, default=None,

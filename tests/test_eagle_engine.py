@@ -102,7 +102,7 @@ def test_a_windowed_head_is_lossless_and_drafts_from_its_window(dense):
     assert out == plain
     probs = []
     for head in (ecfg, windowed, dataclasses.replace(ecfg, sliding_window=max(lengths) + 8)):
-        spec = SpecConfig(method="eagle", gamma=3, eagle=head).validate()
+        spec = SpecConfig(method="eagle", gamma=3, eagle=head, draws="sampled").validate()  # draws: their q
         eng = engine.Engine(CFG, spec, HOT, max(lengths) + 8)
         state = jax.jit(eng.prefill)(params, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(2), max_new_tokens=8,
                                      stop_ids=STOP)
@@ -296,19 +296,20 @@ def exact_marginals(params, cfg, prompt, n: int, rules) -> np.ndarray:
     return np.stack(marginals)
 
 
-@pytest.mark.parametrize("rules", [HOT, SamplingConfig(temperature=0.7, top_p=0.9)])
-def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules):
+@pytest.mark.parametrize("rules,draws", [(HOT, None), (SamplingConfig(temperature=0.7, top_p=0.9), "sampled")])
+def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules, draws):
     """A chain of 5 reaches draft depths the two-token test above does not: the marginal of each of
     the first six sampled tokens (12,000 identical rows, chi-square over 8 cells each) against the
-    exact one; with top-p as well, where q and p are both filtered."""
+    exact one; with eagle's default top draws, and with top-p and sampled draws, where q and p are
+    both filtered."""
     params, ecfg = with_head(TINY, 11, draft_vocab=6)  # a near-uniform head over 6 of the 8 tokens
     params = {**params, **decoder.init_params(TINY, jax.random.key(11), scale=0.25)}
     prompt = np.random.default_rng(1).integers(0, TINY.vocab_size, 40).astype(np.int32)
-    rows, n, spec = 12000, 6, SpecConfig(method="eagle", gamma=5, eagle=ecfg).validate()
+    rows, n, spec = 12000, 6, SpecConfig(method="eagle", gamma=5, eagle=ecfg, draws=draws).validate()
     state = sampled_rows(params, spec, rules, prompt, rows, n, seed=2)
     tokens = np.asarray(state.tokens[:, len(prompt):len(prompt) + n])
     iterations = np.asarray(state.stats.iterations)
-    assert (iterations == 1).sum() > 100 and (iterations > 1).sum() > 100  # every draft accepted, and not
+    assert (iterations == 1).sum() > 5 and (iterations > 1).sum() > 100  # every draft accepted, and not
     want = exact_marginals(params, TINY, prompt, n, rules) * rows
     for k in range(n):
         counts = np.bincount(tokens[:, k], minlength=TINY.vocab_size)

@@ -743,7 +743,7 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
     """A closed batch settled on plain watches ngram on the device (`programs.watched`). With every
     threshold at one token an iteration, each window crosses: its call ends, and the host replays
     the window and decides (scripted here): windows of WATCH, then 2 WATCH iterations. It emits
-    plain decoding's tokens, and no window's time holds the replays the host blocks on (0.5 s each
+    plain decoding's tokens, and no window's time holds the replays the host blocks on (1 s each
     here). Switched to ngram, the host watches, each window's next segment dispatched ahead of its
     report; a switch decided while a window runs ahead (ngram -> plain) hands out its tokens first,
     its stats reach the rows, and it is ngram's segment (the switch comes after it): AHEAD iterations,
@@ -761,7 +761,7 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
     reference = [g.tolist() for g in run_generation(params, cfg, batch, **{**common, "shrink": False}).generated()]
     monkeypatch.setattr(refine, "WATCH", 16)
     monkeypatch.setattr(planner, "AHEAD", 8)
-    replays, pause = Scheduler._replays, 0.5
+    replays, pause = Scheduler._replays, 1.0  # a 128-iteration window takes ~0.4 s on 2 cores
     monkeypatch.setattr(Scheduler, "_replays", lambda self, *args: (time.sleep(pause), replays(self, *args))[1])
     shrink, rows = Scheduler._shrink, []
     monkeypatch.setattr(Scheduler, "_shrink", lambda self: (shrink(self), rows.append(self.rows)))

@@ -426,14 +426,14 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     """Drafts `spec`'s tree with the target model (reading the draft's quantized copies and leaving
     out its skipped layers: `models.draft_weights`) over the drafter's KV subset: one forward per
     depth, whose rows are that depth's nodes; each node's children are its top-b draft tokens (greedy, or
-    `spec.draws` "top") or b tokens drawn from its draft distribution without replacement (Gumbel top-b).
+    `spec.draw_mode` "top") or b tokens drawn from its draft distribution without replacement (Gumbel top-b).
 
     Returns (tokens [B, rows]: row 0 the pending token, then every node's draft; their distributions
     [B, rows, V], row r the one r's children were drawn from, or None for top-b children; the state
     with the drafted rows' KV written and the drafter's per-step state updated).
     """
     tree = spec.shape
-    sampling = SamplingConfig() if spec.draws == "top" else rules(sampling, state)  # top: one-hot candidates
+    sampling = SamplingConfig() if spec.draw_mode == "top" else rules(sampling, state)  # top: one-hot candidates
     params, layer_ids = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
     B = state.length.shape[0]
     first, live = roots(state.length, state.done), ~state.done

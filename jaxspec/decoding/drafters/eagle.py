@@ -14,8 +14,8 @@ ancestors.
 A node's children are the head's top-b draft tokens, or b draws without replacement when sampling,
 after the sampling rules' processing over the draft vocabulary; q, zero outside the draft vocabulary,
 is what they were drawn from, so verification's exact rejection sampling keeps the output the target's.
-With `SpecConfig.draws` "top" they are the top-b tokens when sampling too, verified as one-hot
-candidates (no q).
+With `SpecConfig.draw_mode` "top" (eagle's default) they are the top-b tokens when sampling too,
+verified as one-hot candidates (no q).
 The head's weights travel in params["eagle"]; its cache in the model's cache (`KVCache.head`), filled
 over the prompt at prefill (`engine.prefill_chunk`).
 
@@ -101,7 +101,7 @@ class Eagle(Drafter):
     def draft(self, params, tokens, length, done, cache, state: PathRows, key, rules):
         """Catch-up on the accepted path, then the tree, depth by depth (see the module docstring)."""
         ecfg, tree, backend = self.spec.eagle, self.spec.shape, self.spec.backend
-        rules = SamplingConfig() if self.spec.draws == "top" else rules
+        rules = SamplingConfig() if self.spec.draw_mode == "top" else rules
         head = params["eagle"]
         B, live = length.shape[0], ~done
         path = jnp.arange(state.features.shape[1], dtype=jnp.int32)
