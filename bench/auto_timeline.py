@@ -18,8 +18,8 @@ DIR/auto_timeline_<device><tag>.json and prints the table last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 
@@ -37,8 +37,8 @@ from jaxspec.runner import Batch, prefill_fn, run_generation
 from jaxspec.serving.scheduler import Scheduler
 
 LOGGED = ("_call", "_dispatch", "_deliver", "_replays", "_run_watched", "run_segment")
-TABLE = [("repeat", "repeat", "d"), ("plain s", "plain_s", ".4f"), ("auto s", "auto_s", ".4f"), ("auto x plain", "ratio", ".4f"),
-         ("segments s", "segments_s", ".4f"), ("gap ms", "gap_ms", ".2f")]
+TABLE = [("repeat", "repeat", "d"), ("plain s", "plain_s", ".4f"), ("auto s", "auto_s", ".4f"),
+         ("auto x plain", "ratio", ".4f"), ("segments s", "segments_s", ".4f"), ("gap ms", "gap_ms", ".2f")]
 
 
 @contextlib.contextmanager
@@ -102,14 +102,14 @@ def main():
         p.error(f"the plan starts with {plan.first.name}, not plain: this bench times a run settled on plain")
     with_copies = draft_weights.with_draft_weights(params, plan.draft_weights)  # the plan's draft copies, as generate
     info = common.run_info()
-    result = {**info, "model": args.model or "random smollm2 shapes", "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new": args.new,
-              "planned": plan.describe(), "rows": []}
+    result = {**info, "model": args.model or "random smollm2 shapes", "batch": args.batch,
+              "prompt_tokens": args.prompt_tokens, "new": args.new, "planned": plan.describe(), "rows": []}
     path = args.out / f"auto_timeline_{info['device'].split(' (')[0].replace(' ', '_')}{args.tag}.json"
 
     def run(with_plan: bool, seed: int):
-        return run_generation(with_copies if with_plan else params, cfg, batch, spec=plain, sampling=sampling, max_len=max_len,
-                              max_new_tokens=args.new, stop_ids=(), seed=seed, cache=jax.tree.map(jnp.copy, cache),
-                              plan=plan if with_plan else None)
+        return run_generation(with_copies if with_plan else params, cfg, batch, spec=plain, sampling=sampling,
+                              max_len=max_len, max_new_tokens=args.new, stop_ids=(), seed=seed,
+                              cache=jax.tree.map(jnp.copy, cache), plan=plan if with_plan else None)
 
     run(False, 99), run(True, 99)  # compiles and first executions
     for repeat in range(args.repeats):
@@ -126,7 +126,8 @@ def main():
                 timed = run(True, repeat)
             row["synced" if sync else "logged"] = {
                 "decode_s": timed.decode_s,
-                "events": [(name, label, round((a - start) * 1e3, 3), round((b - a) * 1e3, 3)) for name, label, a, b in events]}
+                "events": [(name, label, round((a - start) * 1e3, 3), round((b - a) * 1e3, 3))
+                           for name, label, a, b in events]}
         result["rows"].append(row)
         common.write_json(path, result)
         print(f"repeat {repeat}: plain {row['plain_s']:.4f} s, auto {row['auto_s']:.4f} s, gap {row['gap_ms']:.2f} ms",

@@ -309,7 +309,8 @@ def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules, draws):
     state = sampled_rows(params, spec, rules, prompt, rows, n, seed=2)
     tokens = np.asarray(state.tokens[:, len(prompt):len(prompt) + n])
     iterations = np.asarray(state.stats.iterations)
-    assert (iterations == 1).sum() > 5 and (iterations > 1).sum() > 100  # every draft accepted, and not
+    whole = 100 if spec.draw_mode == "sampled" else 5  # a near-uniform head's top tokens rarely all match
+    assert (iterations == 1).sum() > whole and (iterations > 1).sum() > 100  # every draft accepted, and not
     want = exact_marginals(params, TINY, prompt, n, rules) * rows
     for k in range(n):
         counts = np.bincount(tokens[:, k], minlength=TINY.vocab_size)

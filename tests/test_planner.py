@@ -569,7 +569,6 @@ def test_watch_thresholds_are_where_watch_switches():
     assert not planner.Refinement.of(planner.Plan(candidates, VEGAS, "table:t.json", 1024), closed=True).watches_on_device
 
 
-
 def test_plain_choice_starts_settled():
     """The cost model's plain choice starts settled, as a table's does: a segment of plain leaves
     `decide` on plain at whatever rate plain is observed (every prediction scales by one tau), so
@@ -585,6 +584,7 @@ def test_plain_choice_starts_settled():
         copying = {NGRAM: Observation(8, 8 * 4, 0.0, 4.0, 4.0)}
         assert refine.decide(candidates, seen, PLAIN, probe_margin=refine.PROBE_MARGIN, replays=copying)[0] == NGRAM
     assert planner.Refinement.of(planner.Plan(candidates, VEGAS, "cost-model", 2048), closed=True).active
+
 
 def test_device_watch_crosses_where_the_host_replay_would(tiny):
     """`programs.watched` over one window decodes what plain decoding does, and its replay of ngram

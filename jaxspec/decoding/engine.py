@@ -433,7 +433,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     with the drafted rows' KV written and the drafter's per-step state updated).
     """
     tree = spec.shape
-    sampling = SamplingConfig() if spec.draw_mode == "top" else rules(sampling, state)  # top: one-hot candidates
+    sampling = spec.draft_rules(rules(sampling, state))
     params, layer_ids = draft_weights.draft_params(params, spec.draft_weights, spec.draft_skip, spec.backend)
     B = state.length.shape[0]
     first, live = roots(state.length, state.done), ~state.done

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decoding.sampling import Rules, SamplingConfig
 from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape
 from jaxspec.errors import JaxspecError
 from jaxspec.models.draft_weights import DRAFT_WEIGHTS, check_skip
@@ -203,6 +204,11 @@ class SpecConfig:
         """`draws`, or the method's default: top for eagle (faster in every cell measured, its acceptance
         about unchanged: bench/NOTES.md, "draws"), sampled for the model's own drafts (not measured)."""
         return self.draws or ("top" if self.method == "eagle" else "sampled")
+
+    def draft_rules(self, rules: Rules) -> Rules:
+        """The rules a drafter picks its children by: the run's `rules`, or greedy ones (its top-b
+        tokens, handed to verification without a q: one-hot candidates) when `draw_mode` is top."""
+        return SamplingConfig() if self.draw_mode == "top" else rules
 
     @property
     def selects_head_context(self) -> bool:

@@ -492,7 +492,7 @@ class Scheduler:
         iterations = (planner.SEGMENT if refining else min(self.refinement.window, planner.AHEAD)
                       if watching and self.segment is None else self.segment)
         unobserved = (refining or watching) and self.refinement.current not in self.refinement.observations
-        if unobserved and self._watch_from is None:  # (once: a watch window of several segments has begun after it)
+        if unobserved and self._watch_from is None:  # load its program unobserved (once a window: it may have begun)
             self._load(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
         before, start = self._last, self._ahead or time.perf_counter()
         # a watch window starts at a report of the state's rows (not one read before a shrink or growth)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import pallas_kernels as kernels
 from jaxspec.decoding.drafters.base import Drafter, DraftRows, Selection
 from jaxspec.decoding.drafters.vegas import first_and_last
-from jaxspec.decoding.sampling import SamplingConfig, expand, split_rows
+from jaxspec.decoding.sampling import expand, split_rows
 from jaxspec.models import eagle
 from jaxspec.models.kvcache import KVCache
 from pallas_kernels.verify_attention import mask_scores
@@ -101,7 +101,7 @@ class Eagle(Drafter):
     def draft(self, params, tokens, length, done, cache, state: PathRows, key, rules):
         """Catch-up on the accepted path, then the tree, depth by depth (see the module docstring)."""
         ecfg, tree, backend = self.spec.eagle, self.spec.shape, self.spec.backend
-        rules = SamplingConfig() if self.spec.draw_mode == "top" else rules
+        rules = self.spec.draft_rules(rules)
         head = params["eagle"]
         B, live = length.shape[0], ~done
         path = jnp.arange(state.features.shape[1], dtype=jnp.int32)
