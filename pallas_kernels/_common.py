@@ -10,7 +10,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -232,12 +231,13 @@ def split_outputs(B: int, Hkv: int, n_blocks: int, n_splits: int, n_rows: int, D
     return specs, shapes
 
 
-def merged(o_part, lse_part, dtype, interpret: bool = False):
-    """split_outputs' partials merged: (out [..., rows, Dh] in `dtype`, lse [..., rows] fp32); one
-    split as it is (stored final), more by merge_splits_pallas."""
+def merged(o_part, lse_part, T: int, G: int, dtype, interpret: bool = False):
+    """split_outputs' partials merged and unpacked to heads: (out [B, T, Hkv G, Dh] in `dtype`, lse
+    [B, T, Hkv G] fp32). One split is final as stored (unpacked by XLA); more go to
+    merge_splits_pallas, which writes the unpacked rows itself."""
     if o_part.shape[-3] == 1:
-        return o_part[..., 0, :, :], lse_part[..., 0, :]
-    return merge_splits_pallas(o_part, lse_part, dtype, interpret=interpret)
+        return unpack_rows(o_part[..., 0, :, :], T, G), unpack_rows(lse_part[..., 0, :], T, G)
+    return merge_splits_pallas(o_part, lse_part, dtype, T=T, G=G, interpret=interpret)
 
 
 def merge_splits(o_part, lse_part):
@@ -253,40 +253,53 @@ def merge_splits(o_part, lse_part):
     return out, m_safe + jnp.log(l)
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits: int, width: int):
-    """Program (p, row): that row's splits, read as one [width, Dh] tile (splits past n_splits masked)."""
-    p, row = pl.program_id(0), pl.program_id(1)
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits: int, width: int, Hkv: int, n_blocks: int,
+                  rows: int, G: int, T: int):
+    """Program (p, j): packed row j of block p = (b, h, r), its splits read as one [width, Dh] tile
+    (splits past n_splits masked), written to head h G + g of row t (none past T: the last block's
+    padding)."""
+    p, j = pl.program_id(0), pl.program_id(1)
     Dh = o_ref.shape[-1]
     ok = jnp.arange(width) < n_splits
-    lse = plgpu.load(lse_ref.at[p, pl.ds(0, width), row], mask=ok, other=-jnp.inf)
-    o = plgpu.load(o_ref.at[p, pl.ds(0, width), row, pl.ds(0, Dh)], mask=ok[:, None], other=0.0)
+    lse = plgpu.load(lse_ref.at[p, pl.ds(0, width), j], mask=ok, other=-jnp.inf)
+    o = plgpu.load(o_ref.at[p, pl.ds(0, width), j, pl.ds(0, Dh)], mask=ok[:, None], other=0.0)
     m = jnp.max(lse)
     m_safe = jnp.where(m > -jnp.inf, m, 0.0)
     w = jnp.exp(lse - m_safe)
     l = jnp.sum(w)
     out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(l > 0, l, 1.0)
-    plgpu.store(out_ref.at[p, row, pl.ds(0, Dh)], out.astype(out_ref.dtype))
-    lse_out_ref[p, row] = m_safe + jnp.log(l)
+    b, h, r = p // (Hkv * n_blocks), p // n_blocks % Hkv, p % n_blocks
+    t, head = r * rows + j // G, h * G + j % G
+
+    @pl.when(t < T)
+    def _():
+        plgpu.store(out_ref.at[b, t, head, pl.ds(0, Dh)], out.astype(out_ref.dtype))
+        lse_out_ref[b, t, head] = m_safe + jnp.log(l)
 
 
-def merge_splits_pallas(o_part, lse_part, dtype, *, interpret: bool = False):
-    """merge_splits as one kernel, out in `dtype`: XLA ran it as three (the max, the weights, the
-    weighted sum with its conversion), whose fixed costs dominate small batches (bench/NOTES.md,
-    "the split merge in one kernel"). Grid (leading entries, rows): one program a row, all its
-    splits in one tile."""
-    *lead, n_splits, rows, Dh = o_part.shape
-    P = int(np.prod(lead))
-    out, lse = pl.pallas_call(
-        functools.partial(_merge_kernel, n_splits=n_splits, width=next_pow2(max(n_splits, 2))),
-        grid=(P, rows),
+def merge_splits_pallas(o_part, lse_part, dtype, *, T: int, G: int, interpret: bool = False):
+    """merge_splits as one kernel over split_outputs' partials o_part [B, Hkv, n_blocks, n_splits,
+    rows G, Dh] and lse_part [..., rows G], writing the rows unpacked to heads: out [B, T, Hkv G, Dh]
+    in `dtype`, lse [B, T, Hkv G] fp32. XLA ran the merge as three kernels (the max, the weights, the
+    weighted sum with its conversion), whose fixed costs dominate small batches (bench/NOTES.md, "the
+    split merge in one kernel"), and the unpacking of more than one row as a transpose kernel more
+    (bench/NOTES.md, "the verify pass's transposes"). Grid (blocks, packed rows): one program a row,
+    all its splits in one tile."""
+    B, Hkv, n_blocks, n_splits, packed, Dh = o_part.shape
+    P = B * Hkv * n_blocks
+    kernel = functools.partial(_merge_kernel, n_splits=n_splits, width=next_pow2(max(n_splits, 2)), Hkv=Hkv,
+                               n_blocks=n_blocks, rows=packed // G, G=G, T=T)
+    return pl.pallas_call(
+        kernel,
+        grid=(P, packed),
         in_specs=[pl.no_block_spec] * 2,
         out_specs=[pl.no_block_spec] * 2,
-        out_shape=[jax.ShapeDtypeStruct((P, rows, Dh), dtype), jax.ShapeDtypeStruct((P, rows), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, T, Hkv * G, Dh), dtype),
+                   jax.ShapeDtypeStruct((B, T, Hkv * G), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="merge_splits",
-    )(o_part.reshape(P, n_splits, rows, Dh), lse_part.reshape(P, n_splits, rows))
-    return out.reshape(*lead, rows, Dh), lse.reshape(*lead, rows)
+    )(o_part.reshape(P, n_splits, packed, Dh), lse_part.reshape(P, n_splits, packed))
 
 
 def interpret_default() -> bool:

@@ -40,7 +40,6 @@ from pallas_kernels._common import (
     tile_positions,
     tile_queries,
     tile_sinks,
-    unpack_rows,
 )
 
 BLOCK_K = 64
@@ -215,5 +214,4 @@ def sparse_attention_pallas(q, k_pool, v_pool, pages, layer, idx, n_idx, tail_st
         kernel, grid=(B, Hkv, n_blocks, n_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(), interpret=interpret, name="sparse_attention",
     )(*args)
-    out, _ = merged(o_part, lse_part, q.dtype, interpret)
-    return unpack_rows(out, T, G)
+    return merged(o_part, lse_part, T, G, q.dtype, interpret)[0]

@@ -47,7 +47,6 @@ from pallas_kernels._common import (
     tile_positions,
     tile_queries,
     tile_sinks,
-    unpack_rows,
 )
 
 MAX_PALLAS_ROWS = 64
@@ -365,8 +364,7 @@ def verify_attention_pallas(q, k_pool, v_pool, pages, layer, q_pos, *, page_size
                           out_specs=out_specs, out_shape=out_shape,
                           compiler_params=compiler_params(PAGED_STAGES), interpret=interpret,
                           name="verify_attention")(*args)
-    out, lse = merged(outs[0], outs[1], q.dtype, interpret)
-    out, lse = unpack_rows(out, T, G), unpack_rows(lse, T, G)         # [B, T, Hq, Dh], [B, T, Hq]
+    out, lse = merged(outs[0], outs[1], T, G, q.dtype, interpret)    # [B, T, Hq, Dh], [B, T, Hq]
     scores = None
     if collect is not None:
         picked = np.asarray(collect.rows)

@@ -1,6 +1,7 @@
 """`decoder.forward(..., capture=layers)`: the residual stream entering chosen layers (EAGLE-3's
 features) equals transformers' `output_hidden_states[i]`, over a prefill and over cached one-token
-steps; without `capture` the program is unchanged; a draft's skipped layer cannot be captured."""
+steps; without `capture` the program is unchanged, and with it each layer keeps its own inputs and
+outputs; a draft's skipped layer cannot be captured."""
 
 from __future__ import annotations
 
@@ -79,6 +80,29 @@ def test_program_without_capture_is_unchanged():
     default = lowered()
     assert lowered(capture=()) == default
     assert lowered(capture=(2,)) != default
+
+
+def test_capture_keeps_per_layer_inputs_and_outputs():
+    """With capture the layers run as several scans: each layer still reads its own `layer_xs` and
+    returns its own output, stacked in layer order, and the stream leaving the last layer is unchanged."""
+    cfg, params, _ = twin("qwen3")
+    rng = np.random.default_rng(11)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)).astype(np.int32))
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    base = decoder.attention(cfg, positions, "reference")
+
+    def attend(layer, q, cache, lx, gates, carry):  # a per-layer output that depends on the layer's input
+        out, _, carry = base(layer, q, cache, lx, gates, carry)
+        return out, jnp.sum(q, axis=(2, 3)) * lx, carry
+
+    layer_xs = jnp.asarray(rng.normal(size=LAYERS).astype(np.float32))
+    step = lambda **kw: decoder.forward(params, cfg, tokens, positions, jnp.ones(tokens.shape, bool),
+                                        init_cache(cfg, 2, 8), attend, layer_xs, **kw)
+    x, _, ys = step()
+    x_c, _, ys_c, _ = step(capture=CAPTURE["qwen3"])
+    assert ys.shape == (LAYERS, 2, 5)
+    np.testing.assert_allclose(ys_c, ys, rtol=1e-6)
+    np.testing.assert_allclose(x_c, x, rtol=1e-6)
 
 
 def test_skipped_or_repeated_layer_cannot_be_captured():

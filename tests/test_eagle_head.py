@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders.eagle import build_params, load_eagle, save_eagle
-from jaxspec.models import eagle
+from jaxspec.models import decoder, eagle
 from jaxspec.models.config import ModelConfig, RopeConfig
 
 TARGET = ModelConfig(model_type="llama", vocab_size=100, hidden_size=32, num_layers=8, num_heads=2, num_kv_heads=1,
@@ -191,17 +191,21 @@ def test_pallas_backend_matches_the_reference():
     in test_kernels_*)."""
     params = jax_params(public_weights(13))
     embeds, features, positions = inputs(14, 4)
-    hidden = eagle.project_features(params, f32(features))
     pos = jnp.asarray(positions.numpy(), jnp.int32)
+    # the matrices the row kernel reads in place at these shapes (the rest stay XLA's products)
+    in_place = [name for name in ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+                if isinstance(decoder.row_kernel_matrix(params[name], B * 4, "pallas"), decoder.InPlace)]
+    assert {"fc", "wqkv", "w_gate_up"} <= set(in_place)
     for ecfg in (ECFG, dataclasses.replace(ECFG, sliding_window=2)):
         outs = []
         for backend in ("reference", "pallas"):
+            hidden = eagle.project_features(params, f32(features), backend)
             cache = eagle.init_cache(ecfg, B, 16, "float32")
             out, cache = eagle.head_forward(params, ecfg, f32(embeds), hidden, pos, jnp.ones(pos.shape, bool), cache,
                                             backend=backend)
             step, _ = eagle.head_forward(params, ecfg, f32(embeds[:, :1]), out[:, -1:], pos[:, -1:] + 1,
                                          jnp.ones((B, 1), bool), cache, backend=backend)
-            outs.append((out, step))
+            outs.append((hidden, out, step, eagle.draft_logits(params, ecfg, out, backend)))
         for want, got in zip(*outs):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

@@ -118,24 +118,29 @@ def test_split_count_follows_skew():
     assert num_splits(8, 4096, 8.0) == 64  # MAX_SPLITS
 
 
-@pytest.mark.parametrize("n_splits, rows, dtype", [(43, 3, jnp.bfloat16), (5, 9, jnp.float32), (2, 16, jnp.float32)])
-def test_merge_splits_kernel(n_splits, rows, dtype):
-    """The split merge's kernel against float64: fresh partials, splits that saw no key (lse -inf, out
-    0), and a row no split saw (out 0, lse -inf); 43 splits fill a 64-wide tile with masked lanes."""
+@pytest.mark.parametrize("n_splits, B, Hkv, n_blocks, rows, G, T, dtype", [
+    (43, 2, 3, 1, 1, 3, 1, jnp.bfloat16), (5, 2, 2, 2, 5, 2, 9, jnp.float32), (2, 1, 3, 1, 16, 1, 16, jnp.float32)])
+def test_merge_splits_kernel(n_splits, B, Hkv, n_blocks, rows, G, T, dtype):
+    """The split merge's kernel against float64, its rows unpacked to heads: fresh partials, splits
+    that saw no key (lse -inf, out 0), and a row no split saw (out 0, lse -inf); 43 splits fill a
+    64-wide tile with masked lanes; 2 blocks of 5 rows for 9 (the last block's padding row dropped)."""
     ko, kl, km = jax.random.split(jax.random.key(n_splits), 3)
-    o = jax.random.normal(ko, (2, 3, n_splits, rows, 64))
-    lse = 4 * jax.random.normal(kl, (2, 3, n_splits, rows))
-    unseen = jax.random.bernoulli(km, 0.3, lse.shape).at[1, 2, :, 0].set(True)
+    o = jax.random.normal(ko, (B, Hkv, n_blocks, n_splits, rows * G, 64))
+    lse = 4 * jax.random.normal(kl, o.shape[:-1])
+    unseen = jax.random.bernoulli(km, 0.3, lse.shape).at[0, 1, 0, :, 0].set(True)
     lse, o = jnp.where(unseen, -jnp.inf, lse), jnp.where(unseen[..., None], 0.0, o)
-    out, got_lse = merge_splits_pallas(o, lse, dtype, interpret=True)
+    out, got_lse = merge_splits_pallas(o, lse, dtype, T=T, G=G, interpret=True)
     w = np.exp(f64(lse) - np.max(f64(lse), axis=-2, keepdims=True, initial=-1e300))
     l = w.sum(axis=-2)
     want = np.where(l[..., None] > 0, (w[..., None] * f64(o)).sum(axis=-3) / np.maximum(l, 1e-300)[..., None], 0.0)
-    assert out.dtype == dtype and got_lse.dtype == jnp.float32
-    np.testing.assert_allclose(f64(out), want, rtol=TOL[dtype], atol=TOL[dtype])
     want_lse = np.where(l > 0, np.log(np.maximum(l, 1e-300)) + np.max(f64(lse), axis=-2, initial=-1e300), -np.inf)
-    np.testing.assert_allclose(f64(got_lse), want_lse, rtol=1e-5, atol=1e-5)
-    assert np.isneginf(np.asarray(got_lse)[1, 2, 0]) and not np.asarray(out)[1, 2, 0].any()
+    # packed row (block r, row i, head g) of KV head h is query row r * rows + i, head h * G + g
+    heads = lambda x: np.moveaxis(x.reshape(B, Hkv, n_blocks * rows, G, *x.shape[4:])[:, :, :T], 1, 2).reshape(
+        B, T, Hkv * G, *x.shape[4:])
+    assert out.shape == (B, T, Hkv * G, 64) and out.dtype == dtype and got_lse.dtype == jnp.float32
+    np.testing.assert_allclose(f64(out), heads(want), rtol=TOL[dtype], atol=TOL[dtype])
+    np.testing.assert_allclose(f64(got_lse), heads(want_lse), rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.asarray(got_lse)[0, 0, G]) and not np.asarray(out)[0, 0, G].any()
 
 
 VERIFY_CASES = [

@@ -259,11 +259,13 @@ def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, 
                spec((2, E, D), jnp.bfloat16) if biased else None)
 
 
-@pytest.mark.parametrize("P, splits, rows, Dh", [(3, 43, 3, 64), (2, 64, 16, 64), (8, 16, 4, 128)])
-def test_merge_splits_lowers(check_cuda, P, splits, rows, Dh):
-    """The split merge at batch 1: SmolLM2's draft step, a 1.2B Llama's plain step, Qwen3-8B's."""
-    check_cuda(lambda o, lse: merge_splits_pallas(o, lse, jnp.bfloat16),
-               spec((P, splits, rows, Dh), jnp.float32), spec((P, splits, rows), jnp.float32))
+@pytest.mark.parametrize("Hkv, splits, T, G, Dh", [(3, 43, 1, 3, 64), (3, 43, 5, 3, 64), (2, 64, 1, 16, 64),
+                                                  (8, 16, 1, 4, 128)])
+def test_merge_splits_lowers(check_cuda, Hkv, splits, T, G, Dh):
+    """The split merge at batch 1: SmolLM2's draft step and 5-row verification, a 1.2B Llama's plain
+    step, Qwen3-8B's."""
+    check_cuda(lambda o, lse: merge_splits_pallas(o, lse, jnp.bfloat16, T=T, G=G),
+               spec((1, Hkv, 1, splits, T * G, Dh), jnp.float32), spec((1, Hkv, 1, splits, T * G), jnp.float32))
 
 
 @pytest.mark.parametrize("Lq, Bq, Hq, H, P, Dh", [  # Qwen3-8B's at batch 1: slow (the default run's 20 minutes)

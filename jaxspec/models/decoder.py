@@ -145,6 +145,14 @@ class InPlace:
     scale = None  # exact: no scale (not a field)
 
 
+def row_kernel_matrix(w: jax.Array, rows: int, backend: str) -> jax.Array | InPlace:
+    """A matrix w [K, N] outside the layer stack (a draft head's) as a one-entry `InPlace` stack where
+    the row kernel reads it for `rows` rows (kernels.row_matmul_reads_exact), else w: XLA's product
+    of a few rows ran pad and copy kernels around each gemm (bench/NOTES.md, "the head's kernels")."""
+    stack = w[None]
+    return InPlace(stack, jnp.int32(0), backend) if kernels.row_matmul_reads_exact(stack, rows, backend) else w
+
+
 def matmul(x: jax.Array, w: jax.Array | Quantized | InPlace, out_dtype=None) -> jax.Array:
     """x [..., K] @ w [K, N], a single row given twice where XLA would rewrite a one-row product.
 
@@ -231,14 +239,10 @@ def forward(
     scanned = {name: a for name, a in layers.items() if name not in in_place and name not in stacks
                and name not in experts and name != "attn_norm"}
     num_entries = layers["attn_norm"].shape[0]
-    # capture: the buffer slot of each entry's input (len(capture): a slot that takes the uncaptured ones)
-    slot_of = jnp.asarray(capture_slots(capture, layer_ids, num_entries)) if capture else None
 
     def layer(state, xs):
-        x, h, cache, carry, entry, *feats = state  # h: the stream x, normed for this layer's attention
+        x, h, cache, carry, entry = state  # h: the stream x, normed for this layer's attention
         p, cache_layer, lx = xs
-        if capture:  # the layer's input, into its slot of the buffer
-            feats = [jax.lax.dynamic_update_slice_in_dim(feats[0], x[None], slot_of[entry], axis=0)]
         cache_layer = entry if cache_layer is None else cache_layer
         p = {**p, **{name: dataclasses.replace(m, layer=entry) if isinstance(m, Quantized) else InPlace(m, entry, backend)
                      for name, m in in_place.items()}}
@@ -255,7 +259,7 @@ def forward(
         else:
             x, h = residual_add_norm(cfg, x, moe.experts(cfg, h, p, experts, entry, backend), None, stacks["next_norm"],
                                      entry, backend)
-        return (x, h, cache, carry, entry + 1, *feats), ly
+        return (x, h, cache, carry, entry + 1), ly
 
     if remat:
         layer = jax.checkpoint(layer, prevent_cse=False)
@@ -265,13 +269,33 @@ def forward(
     # in place. An iota among the scanned inputs was sliced by a copy kernel every layer (and so is
     # layer_ids, passed only for a draft that skips layers).
     ids = None if layer_ids is None else jnp.asarray(layer_ids, jnp.int32)
-    feats = [jnp.zeros((len(capture) + 1, B, T, x.shape[-1]), x.dtype)] if capture else []
-    (x, _, cache, _, _, *feats), layer_ys = jax.lax.scan(layer, (x, h, cache, carry, jnp.int32(0), *feats),
-                                                         (scanned, ids, layer_xs), length=num_entries)
+    xs, state = (scanned, ids, layer_xs), (x, h, cache, carry, jnp.int32(0))
     if not capture:
+        (x, _, cache, _, _), layer_ys = jax.lax.scan(layer, state, xs, length=num_entries)
         return x, cache, layer_ys
-    features = jnp.moveaxis(feats[0][:-1], 0, 2).reshape(B, T, -1)  # [B, T, n * D], layer by layer
-    return x, cache, layer_ys, features
+    # Captured: the layers run as loops that end before each captured entry, whose input is taken
+    # between them (a write into a buffer inside the one scan cost a kernel in every layer). Each loop
+    # counts the entry itself from a constant, so XLA knows its trip count and keeps no second counter
+    # (a scan's own counter beside an entry from lo > 0 cost an add kernel a layer). While loops are
+    # not reverse-differentiable: capture serves inference and the training's teacher.
+    entries = capture_entries(capture, layer_ids, num_entries)
+    at = lambda entry: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, entry, 0, False), xs)
+    ys = jax.tree.map(lambda y: jnp.zeros((num_entries, *y.shape), y.dtype), jax.eval_shape(layer, state, at(0))[1])
+
+    def step(loop):  # one layer; its output into the stack at its entry
+        state, ys = loop
+        entry = state[4]
+        state, ly = layer(state, at(entry))
+        return state, jax.tree.map(lambda stack, y: jax.lax.dynamic_update_index_in_dim(stack, y, entry, 0), ys, ly)
+
+    taken = {}
+    for lo, hi in zip([0, *sorted(entries)], [*sorted(entries), num_entries]):
+        state = (*state[:4], jnp.int32(lo))  # a constant start: a known trip count
+        if hi > lo:
+            state, ys = jax.lax.while_loop(lambda loop, hi=hi: loop[0][4] < hi, step, (state, ys))
+        taken[hi] = state[0]
+    features = jnp.concatenate([taken[e] for e in entries], axis=-1)  # [B, T, n * D], in capture's order
+    return state[0], state[2], ys, features
 
 
 @jax.tree_util.register_dataclass
@@ -307,22 +331,21 @@ def window_start(positions: jax.Array, window: int) -> jax.Array:
     return jnp.maximum(positions - window + 1, 0).astype(jnp.int32)
 
 
-def capture_slots(capture: tuple[int, ...], layer_ids, num_entries: int) -> np.ndarray:
-    """The buffer slot [num_entries] of each layer-stack entry under `forward`'s `capture`: k for the
-    entry of capture[k] (a model layer: the entry's `layer_ids` value, or its index), len(capture) for
-    the rest. One-line errors for a layer the stack does not hold (a draft's skipped layer) or one
-    given twice."""
+def capture_entries(capture: tuple[int, ...], layer_ids, num_entries: int) -> list[int]:
+    """The layer-stack entry of each of `forward`'s `capture` layers, in its order (a model layer's
+    entry: where `layer_ids` holds it, or its index). One-line errors for a layer the stack does not
+    hold (a draft's skipped layer) or one given twice."""
     layers = np.arange(num_entries) if layer_ids is None else np.asarray(layer_ids)
-    slots = np.full(num_entries, len(capture), np.int32)
+    entries = []
     for k, i in enumerate(capture):
-        entries = np.flatnonzero(layers == i)
+        found = np.flatnonzero(layers == i)
         if i in capture[:k]:
             raise JaxspecError(f"capture: layer {i} is given twice")
-        if len(entries) != 1:
+        if len(found) != 1:
             raise JaxspecError(f"capture: layer {i} is not one of this forward's layers {layers.tolist()} (a skipped "
                                f"layer has no input to capture)")
-        slots[entries[0]] = k
-    return slots
+        entries.append(int(found[0]))
+    return entries
 
 
 def attention_inputs(cfg: ModelConfig, h: jax.Array, wqkv, stacks: dict, entry: jax.Array, positions: jax.Array,

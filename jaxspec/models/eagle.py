@@ -132,9 +132,14 @@ def token_embeds(params: Params, target_params: Params, target_cfg: ModelConfig,
     return decoder.embed(target_params, target_cfg, tokens)
 
 
-def project_features(params: Params, features: jax.Array) -> jax.Array:
+def rows_of(x: jax.Array) -> int:
+    """The rows of a product's input [..., K]."""
+    return math.prod(x.shape[:-1])
+
+
+def project_features(params: Params, features: jax.Array, backend: str = "reference") -> jax.Array:
     """The target's three feature rows, concatenated [B, T, 3 Ht], projected to the head's input [B, T, H]."""
-    return matmul(features, params["fc"])
+    return matmul(features, decoder.row_kernel_matrix(params["fc"], rows_of(features), backend))
 
 
 def head_forward(
@@ -167,17 +172,19 @@ def head_forward(
         attend = attention(ecfg, positions if slots is None else slots, positions, backend)
     layer = jnp.int32(0)  # the cache's one layer, and the entry of the one-entry norm stack below
     no_stacks = {"bqkv": None, "q_norm": None, "k_norm": None}
+    w = {name: decoder.row_kernel_matrix(params[name], B * T, backend)
+         for name in ("wqkv", "wo", "w_gate_up", "w_down")}
 
     eps = ecfg.rms_norm_eps
     pair = jnp.concatenate([rms_norm(embeds, params["embed_norm"], eps), rms_norm(hidden, params["hidden_norm"], eps)],
                            axis=-1)  # [B, T, 2H]: q, k and v read both
-    q, cache, _ = decoder.attention_inputs(cfg, pair, params["wqkv"], no_stacks, layer, positions, write_pos,
+    q, cache, _ = decoder.attention_inputs(cfg, pair, w["wqkv"], no_stacks, layer, positions, write_pos,
                                            cache.slots(write_pos), cache, layer, backend)
     attn, _, _ = attend(layer, q, cache, None, None, ())
     # the residual is the pre-norm hidden input; the MLP's norm is fused with the add
-    x, h = decoder.residual_add_norm(cfg, hidden, attn.reshape(B, T, -1), params["wo"], params["mlp_norm"][None],
+    x, h = decoder.residual_add_norm(cfg, hidden, attn.reshape(B, T, -1), w["wo"], params["mlp_norm"][None],
                                      layer, backend)
-    x = x + matmul(decoder.swiglu(h, params["w_gate_up"]), params["w_down"])
+    x = x + matmul(decoder.swiglu(h, w["w_gate_up"]), w["w_down"])
     return x, cache
 
 
@@ -190,8 +197,8 @@ def feature_forward(params: Params, ecfg: EagleConfig, target_params: Params, ta
     accepted path run this; draft steps feed the head's own state instead. `attend`: as `head_forward`
     takes it (default causal over the whole cache)."""
     embeds = token_embeds(params, target_params, target_cfg, next_tokens)
-    return head_forward(params, ecfg, embeds, project_features(params, features), positions, valid, cache, attend,
-                        backend=backend)
+    return head_forward(params, ecfg, embeds, project_features(params, features, backend), positions, valid, cache,
+                        attend, backend=backend)
 
 
 def ttt_forward(params: Params, ecfg: EagleConfig, target_params: Params, target_cfg: ModelConfig,
@@ -257,10 +264,10 @@ def ttt_attention(ecfg: EagleConfig, rows: int, step: int) -> AttendFn:
     return attend
 
 
-def draft_logits(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array) -> jax.Array:
+def draft_logits(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array, backend: str = "reference") -> jax.Array:
     """Final norm and the draft LM head: float32 logits [B, T, Vd] over the draft vocabulary."""
     h = rms_norm(prenorm_out, params["final_norm"], ecfg.rms_norm_eps)
-    return matmul(h, params["lm_head"], jnp.float32)
+    return matmul(h, decoder.row_kernel_matrix(params["lm_head"], rows_of(h), backend), jnp.float32)
 
 
 def to_target_ids(d2t: jax.Array, draft_ids: jax.Array) -> jax.Array:
