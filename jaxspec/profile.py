@@ -10,14 +10,17 @@ the real decode loop over the strategy space and writes the ranked table that `-
         [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
         [--draft-weights exact,int8] [--select-every 1,2] [--balances 1,2] [--draft-model DIR] [--new 256] [--repeats 3]
-        [--budget SECONDS] [--out FILE]
+        [--prompts documents|requests] [--budget SECONDS] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
 setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
 documents from CALIBRATION_OFFSET on, which bench/planner.py's held-out prompts never reach; a
 different document per row; chat template), each about bucket - new tokens long so the run ends
-inside the bucket, prefilled once; then plain and every strategy of the space decode `--new` tokens
-from a copy of its cache (seed = repeat), and the entry is the median decode tokens/s over the batches
+inside the bucket (`--prompts requests`: `corpus.REQUESTS`, short chat requests with no document,
+whose cells are their own: a run takes the cells whose prompts are nearest its own prompt's length,
+so a chat request is not planned from document rates, nor a document from chat ones), prefilled
+once; then plain and every strategy of the space decode `--new` tokens from a copy of its cache
+(seed = repeat), and the entry is the median decode tokens/s over the batches
 with its spread. One batch's cache is held at a time, with a copy per run (large batches at long
 contexts may need XLA_PYTHON_CLIENT_MEM_FRACTION=0.95: docs/development.md).
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
@@ -95,9 +98,16 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weig
     return space
 
 
-def calibration_batch(tokenizer, chat: bool, batch: int, tokens: int, repeat: int) -> Batch:
+def calibration_batch(tokenizer, chat: bool, batch: int, tokens: int, repeat: int, prompts: str = "documents") -> Batch:
     """`batch` prompts of at most `tokens` tokens (chat template included), repeat r's rows taking the
-    documents after repeat r - 1's."""
+    documents after repeat r - 1's; with `prompts` "requests", `corpus.REQUESTS` in turn instead (short
+    chat requests, whatever `tokens`: a bucket that cannot hold one is an error)."""
+    if prompts == "requests":
+        rows = [corpus.REQUESTS[(repeat * batch + row) % len(corpus.REQUESTS)] for row in range(batch)]
+        encoded = encode_prompts(tokenizer, rows, chat)
+        if encoded.lengths.max() > tokens:
+            raise JaxspecError(f"a bucket of {tokens} prompt tokens is too small for the calibration requests")
+        return encoded
     overhead = int(encode_prompts(tokenizer, ["x"], chat).lengths[0]) - len(tokenizer.encode("x")) + 2
     if tokens - overhead < 16:
         raise JaxspecError(f"a bucket of {tokens} prompt tokens is too small for the calibration prompts")
@@ -158,6 +168,9 @@ def parse_args(argv):
     p.add_argument("--draft-model", type=Path, default=None,
                    help="the EAGLE-3 head of --methods eagle (default: the head shipped for --model); its entries "
                         "record it, and answer only for runs with that head")
+    p.add_argument("--prompts", choices=("documents", "requests"), default="documents",
+                   help="calibration prompts: documents and a task, sized to the bucket, or short chat requests "
+                        "(their own cells: a run takes the cells whose prompts are nearest its prompt's length)")
     p.add_argument("--new", type=int, default=256,
                    help="new tokens per measurement (generate's default run; 48 understates speculation, bench/NOTES.md)")
     p.add_argument("--repeats", type=int, default=3, help="calibration batches per bucket (median and spread)")
@@ -238,7 +251,7 @@ def main(argv=None):
                            args.select_every, args.balances)
     params = draft_weights.with_draft_weights(params, next((w for w in args.draft_weights if w != "exact"), "exact"))
     chat = tokenizer.has_chat_template
-    prompts = {(b, bucket, r): calibration_batch(tokenizer, chat, b, bucket - args.new, r)
+    prompts = {(b, bucket, r): calibration_batch(tokenizer, chat, b, bucket - args.new, r, args.prompts)
                for b in args.batch for bucket in args.buckets for r in range(args.repeats)}
     width = max(x.ids.shape[1] for x in prompts.values())
     max_len = width + args.new
@@ -300,7 +313,7 @@ def main(argv=None):
                 for precision, rows in entries.items():
                     if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
                         tables.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens,
-                                        **{k: profile[k] for k in PROVENANCE})
+                                        prompts=args.prompts, **{k: profile[k] for k in PROVENANCE})
                         measured.append(table["cells"][-1])
                 if measured:
                     tables.save_table(out, table)

@@ -217,6 +217,35 @@ def test_ngram_entries_need_a_prompt_like_the_cells(tmp_path):
     assert planner.make_plan(SMOLLM2, 1, prompt_tokens=240, **run).first == NGRAM  # a quarter of 960: kept
 
 
+def test_request_cells_answer_runs_with_short_prompts(tmp_path):
+    """Cells profiled on short chat requests (`jaxspec.profile --prompts requests`) are their own:
+    they do not replace the document cells of the same bucket, a run with a short prompt plans from
+    them (eagle kept: the cell's prompts are as short as the run's), and a run with a document-sized
+    prompt plans from the document cells, in whatever bucket those are."""
+    eagle = Strategy("eagle", tree=(2, 1), traversal="bfs")
+    path = tmp_path / "t.json"
+    t = table(cells=[])
+    t["cells"].clear()
+    tables.set_cell(t, 1, "greedy", 2048, "strict", [entry(PLAIN, 900, 1), entry(NGRAM, 2000, 2.5),
+                                                     {**entry(eagle, 1500, 2.4), "head": "h1"}], prompt_tokens=1005)
+    tables.set_cell(t, 1, "greedy", 1024, "strict", [entry(PLAIN, 950, 1), {**entry(eagle, 1100, 1.6), "head": "h1"},
+                                                     entry(NGRAM, 700, 1.1)], prompt_tokens=45, prompts="requests")
+    tables.set_cell(t, 1, "greedy", 2048, "strict", [entry(PLAIN, 940, 1), entry(VEGAS, 990, 2)], prompt_tokens=50,
+                    prompts="requests")
+    tables.save_table(path, t)
+    assert len(t["cells"]) == 3 and [tables.prompt_kind(c) for c in t["cells"]] == ["documents", "requests", "requests"]
+    run = dict(batch=1, new_tokens=256, sampling=SamplingConfig(), table=path, head=SMOLLM2_HEAD, head_id="h1")
+    chat = planner.make_plan(SMOLLM2, 270_000_000, prompt_tokens=47, **run)
+    assert chat.bucket == 1024 and chat.first == eagle and NGRAM in {c.strategy for c in chat.candidates}
+    assert chat.candidates[0].tokens_per_s == pytest.approx(1100, rel=0.2)  # the request cell's rate (run tail aside)
+    document = planner.make_plan(SMOLLM2, 270_000_000, prompt_tokens=600, **run)
+    assert document.bucket == 2048 and document.first == NGRAM  # the document cell, not the nearer request bucket
+    # without a request cell the short run falls back to the document cell, less eagle and ngram
+    t["cells"] = t["cells"][:1]
+    tables.save_table(path, t)
+    assert planner.make_plan(SMOLLM2, 270_000_000, prompt_tokens=47, **run).first == PLAIN
+
+
 def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, monkeypatch):
     """A table's eagle entries answer only for runs with the head they measured and a prompt like the
     cell's; without a table the cost model predicts eagle; the best eagle strategy is a candidate only
@@ -994,6 +1023,31 @@ def test_profile_runs_each_calibration_batch_in_turn(hf_checkpoints, tmp_path, m
         ranked = tables.load_table(out)["cells"][0]["ranked"]
         assert sorted(e["name"] for e in ranked) == ["plain", "vegas g2 r0.5"]
         assert [e["runs"] for e in ranked] == [runs, runs] and len(prefills) == runs
+
+
+def test_profile_of_requests_keeps_the_document_cells(hf_checkpoints, tmp_path, capsys):
+    """`--prompts requests`: the calibration prompts are corpus.REQUESTS in turn (short, whatever the
+    bucket), recorded as a cell of their own beside the same bucket's document cell; a bucket that
+    cannot hold a request is a one-line error."""
+    from jaxspec import corpus
+    from jaxspec.loaders import load_model
+    from jaxspec.runner import encode_prompts
+
+    model, out = hf_checkpoints["llama"], tmp_path / "t.json"
+    flags = ["--model", str(model), "--new", "4", "--repeats", "2", "--samplings", "greedy", "--methods", "plain",
+             "--out", str(out)]
+    profile.main(flags + ["--buckets", "200"])  # this tokenizer's requests are ~100 tokens with the template
+    profile.main(flags + ["--buckets", "200", "--prompts", "requests"])
+    cells = tables.load_table(out)["cells"]
+    assert [(c["bucket"], tables.prompt_kind(c)) for c in cells] == [(200, "documents"), (200, "requests")]
+    _, _, tokenizer = load_model(str(model), dtype="float32")
+    lengths = encode_prompts(tokenizer, list(corpus.REQUESTS[:2]), tokenizer.has_chat_template).lengths
+    assert cells[1]["prompt_tokens"] == int(np.mean(lengths)) < cells[0]["prompt_tokens"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        profile.main(flags + ["--buckets", "12", "--prompts", "requests"])
+    error = capsys.readouterr().err
+    assert error.startswith("error: a bucket of 8 prompt tokens is too small for the calibration requests")
 
 
 def test_profile_strategy_space_for_nsa_models():

@@ -48,6 +48,7 @@ TABLE_FORMAT = 1
 # little of a short chat request's (bench/NOTES.md, "Issue 59: eagle in the planner").
 PROMPT_SHARE = 0.25
 PROMPT_DRAFTERS = ("ngram", "eagle")  # whose cell entries need a prompt like the cell's
+DOCUMENTS = "documents"  # the calibration prompts of a cell that does not name its kind
 
 
 def bucket_of(context: int, buckets=BUCKETS) -> int:
@@ -108,7 +109,7 @@ def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str
     Strategy.to_json(), "tokens_per_s", "tokens_per_iteration", "iteration_s", ...}. Cells measured
     over different run lengths (`info["new_tokens"]`) are different cells: `lookup` takes the
     nearest."""
-    key = (batch, sampling, bucket, precision, info.get("new_tokens"))
+    key = (batch, sampling, bucket, precision, info.get("new_tokens"), info.get("prompts", DOCUMENTS))
     table["cells"] = [c for c in table["cells"] if _cell_key(c) != key]
     ranked = sorted(entries, key=lambda e: -e["tokens_per_s"])
     table["cells"].append({"batch": batch, "sampling": sampling, "bucket": bucket, "precision": precision, **info,
@@ -116,7 +117,12 @@ def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str
 
 
 def _cell_key(cell: dict) -> tuple:
-    return cell["batch"], cell["sampling"], cell["bucket"], cell["precision"], cell.get("new_tokens")
+    return cell["batch"], cell["sampling"], cell["bucket"], cell["precision"], cell.get("new_tokens"), prompt_kind(cell)
+
+
+def prompt_kind(cell: dict) -> str:
+    """The kind of a cell's calibration prompts (`jaxspec.profile --prompts`; older cells: documents)."""
+    return cell.get("prompts", DOCUMENTS)
 
 
 def save_table(path: Path, table: dict) -> None:
@@ -153,7 +159,9 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
            prompt_tokens: int | None = None, new_tokens: int | None = None,
            head: str | None = None) -> tuple[int, list[Prediction]]:
     """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
-    if profiled (else the other), the nearest batch, the exact bucket or the nearest profiled one,
+    if profiled (else the other), the nearest batch, the kind of calibration prompts (`prompt_kind`)
+    of the cell whose prompts are nearest `prompt_tokens` in length (documents or short requests: their
+    acceptance differs), the exact bucket or the nearest profiled one,
     the run length nearest `new_tokens` by ratio (without it, the shortest: a short static batch
     loses more to its slowest row, and how much differs by strategy more than `run_tail` says);
     the entries of every allowed precision class, less ngram's and eagle's where the run's prompt is
@@ -175,6 +183,10 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     if apart(b, batch):
         return bucket_of(context), []
     cells = [c for c in cells if c["batch"] == b]
+    if prompt_tokens is not None:  # the kind of calibration prompts nearest this run's prompt in length
+        log_apart = lambda c: abs(math.log(max(prompt_tokens, 1) / max(c.get("prompt_tokens", 1), 1)))
+        kind = prompt_kind(min(cells, key=log_apart))
+        cells = [c for c in cells if prompt_kind(c) == kind]
     bucket = nearest(bucket_of(context), {c["bucket"] for c in cells})
     if apart(bucket_of(context), bucket_of(bucket)):  # on BUCKETS' scale (a profile may name its own)
         return bucket_of(context), []
