@@ -18,6 +18,8 @@ compare on one machine. The texts:
 - `document continuation`: `bench/e2e.py --heldout`'s kind of prompt (held-out documents, `--window`
   tokens, a continuation request, chat template) and the target's greedy continuation, `--new` tokens
   without stopping: the text an end-to-end run drafts, which loops where the written documents do not.
+It also prints, per text, what a perfect head could reach there with top draws when the target samples
+(`target_bound`): the target's own top-1 probability bounds it, whatever head drafts.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.sampling import SamplingConfig, process_logits
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle
-from jaxspec.models import eagle
+from jaxspec.models import decoder, eagle
 from jaxspec.runner import Batch, run_generation
 from jaxspec.training import data
 from jaxspec.training.eagle import teacher
@@ -102,6 +104,21 @@ def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dic
     return result
 
 
+def target_bound(params, cfg, tokens: np.ndarray, start: int, chains=(2, 4)) -> dict:
+    """What a perfect head could get from the target sampling at T 0.7, top-p 0.95 with top draws
+    (eagle's default): the mean over positions >= `start` of the target's largest probability, which
+    is a perfect top-1 candidate's chance of acceptance, and a perfect chain's tokens an iteration
+    (1 + the sum of the running products of those probabilities along the text)."""
+    logits = decoder.score(params, cfg, jnp.asarray(tokens))
+    top = np.asarray(jnp.max(process_logits(logits, SamplingConfig(temperature=0.7, top_p=0.95)), axis=-1))
+    top = top[:, max(start, 0):-1]  # the predictions of the scored positions' tokens
+    result = {"target top-1 probability": round(float(top.mean()), 4)}
+    for g in chains:
+        runs = np.stack([np.cumprod(top[:, t:t + g], axis=1).sum(axis=1) for t in range(top.shape[1] - g)], axis=1)
+        result[f"perfect chain of {g}"] = round(float(1 + runs.mean()), 3)
+    return result
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", required=True, help="head directories, comma-separated")
@@ -126,7 +143,12 @@ def main(argv=None) -> None:
     for name in rows:
         cells = [" / ".join(f"{results[str(h)][name][k]:.2f}" for k in keys) for h in heads]
         print(f"| {name} ({results[str(heads[0])][name]['positions']}) | " + " | ".join(cells) + " |")
-    record = {**common.run_info(), "texts": {name: int(t.size) for name, (t, _) in rows.items()}, "accuracy": results}
+    bounds = {name: target_bound(params, cfg, t, start) for name, (t, start) in rows.items()}
+    print("\nA perfect head with top draws, the target sampling at T 0.7, top-p 0.95:")
+    for name, bound in bounds.items():
+        print(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in bound.items()))
+    record = {**common.run_info(), "texts": {name: int(t.size) for name, (t, _) in rows.items()}, "accuracy": results,
+              "perfect head": bounds}
     common.write_json(args.out, record)
 
 
