@@ -98,7 +98,8 @@ def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weig
     return space
 
 
-def calibration_batch(tokenizer, chat: bool, batch: int, tokens: int, repeat: int, prompts: str = "documents") -> Batch:
+def calibration_batch(tokenizer, chat: bool, batch: int, tokens: int, repeat: int,
+                      prompts: str = tables.DOCUMENTS) -> Batch:
     """`batch` prompts of at most `tokens` tokens (chat template included), repeat r's rows taking the
     documents after repeat r - 1's; with `prompts` "requests", `corpus.REQUESTS` in turn instead (short
     chat requests, whatever `tokens`: a bucket that cannot hold one is an error)."""
@@ -168,7 +169,7 @@ def parse_args(argv):
     p.add_argument("--draft-model", type=Path, default=None,
                    help="the EAGLE-3 head of --methods eagle (default: the head shipped for --model); its entries "
                         "record it, and answer only for runs with that head")
-    p.add_argument("--prompts", choices=("documents", "requests"), default="documents",
+    p.add_argument("--prompts", choices=tables.PROMPT_KINDS, default=tables.DOCUMENTS,
                    help="calibration prompts: documents and a task, sized to the bucket, or short chat requests "
                         "(their own cells: a run takes the cells whose prompts are nearest its prompt's length)")
     p.add_argument("--new", type=int, default=256,

@@ -194,7 +194,7 @@ def test_pallas_backend_matches_the_reference():
     pos = jnp.asarray(positions.numpy(), jnp.int32)
     # the matrices the row kernel reads in place at these shapes (the rest stay XLA's products)
     in_place = [name for name in ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")
-                if isinstance(decoder.row_kernel_matrix(params[name], B * 4, "pallas"), decoder.InPlace)]
+                if isinstance(decoder.row_kernel_matrix(params[name], f32(embeds), "pallas"), decoder.InPlace)]
     assert {"fc", "wqkv", "w_gate_up"} <= set(in_place)
     for ecfg in (ECFG, dataclasses.replace(ECFG, sliding_window=2)):
         outs = []

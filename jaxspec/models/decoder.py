@@ -145,11 +145,12 @@ class InPlace:
     scale = None  # exact: no scale (not a field)
 
 
-def row_kernel_matrix(w: jax.Array, rows: int, backend: str) -> jax.Array | InPlace:
+def row_kernel_matrix(w: jax.Array, x: jax.Array, backend: str) -> jax.Array | InPlace:
     """A matrix w [K, N] outside the layer stack (a draft head's) as a one-entry `InPlace` stack where
-    the row kernel reads it for `rows` rows (kernels.row_matmul_reads_exact), else w: XLA's product
-    of a few rows ran pad and copy kernels around each gemm (bench/NOTES.md, "the head's kernels")."""
+    the row kernel reads it for the rows of x [..., K] (kernels.row_matmul_reads_exact), else w: XLA's
+    product of a few rows ran pad and copy kernels around each gemm (bench/NOTES.md, "the head's kernels")."""
     stack = w[None]
+    rows = math.prod(x.shape[:-1])
     return InPlace(stack, jnp.int32(0), backend) if kernels.row_matmul_reads_exact(stack, rows, backend) else w
 
 

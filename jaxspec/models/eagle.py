@@ -132,14 +132,9 @@ def token_embeds(params: Params, target_params: Params, target_cfg: ModelConfig,
     return decoder.embed(target_params, target_cfg, tokens)
 
 
-def rows_of(x: jax.Array) -> int:
-    """The rows of a product's input [..., K]."""
-    return math.prod(x.shape[:-1])
-
-
 def project_features(params: Params, features: jax.Array, backend: str = "reference") -> jax.Array:
     """The target's three feature rows, concatenated [B, T, 3 Ht], projected to the head's input [B, T, H]."""
-    return matmul(features, decoder.row_kernel_matrix(params["fc"], rows_of(features), backend))
+    return matmul(features, decoder.row_kernel_matrix(params["fc"], features, backend))
 
 
 def head_forward(
@@ -172,7 +167,7 @@ def head_forward(
         attend = attention(ecfg, positions if slots is None else slots, positions, backend)
     layer = jnp.int32(0)  # the cache's one layer, and the entry of the one-entry norm stack below
     no_stacks = {"bqkv": None, "q_norm": None, "k_norm": None}
-    w = {name: decoder.row_kernel_matrix(params[name], B * T, backend)
+    w = {name: decoder.row_kernel_matrix(params[name], embeds, backend)
          for name in ("wqkv", "wo", "w_gate_up", "w_down")}
 
     eps = ecfg.rms_norm_eps
@@ -267,7 +262,7 @@ def ttt_attention(ecfg: EagleConfig, rows: int, step: int) -> AttendFn:
 def draft_logits(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array, backend: str = "reference") -> jax.Array:
     """Final norm and the draft LM head: float32 logits [B, T, Vd] over the draft vocabulary."""
     h = rms_norm(prenorm_out, params["final_norm"], ecfg.rms_norm_eps)
-    return matmul(h, decoder.row_kernel_matrix(params["lm_head"], rows_of(h), backend), jnp.float32)
+    return matmul(h, decoder.row_kernel_matrix(params["lm_head"], h, backend), jnp.float32)
 
 
 def to_target_ids(d2t: jax.Array, draft_ids: jax.Array) -> jax.Array:

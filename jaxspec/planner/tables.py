@@ -48,7 +48,8 @@ TABLE_FORMAT = 1
 # little of a short chat request's (bench/NOTES.md, "Issue 59: eagle in the planner").
 PROMPT_SHARE = 0.25
 PROMPT_DRAFTERS = ("ngram", "eagle")  # whose cell entries need a prompt like the cell's
-DOCUMENTS = "documents"  # the calibration prompts of a cell that does not name its kind
+PROMPT_KINDS = ("documents", "requests")  # a cell's calibration prompts (`jaxspec.profile --prompts`)
+DOCUMENTS = PROMPT_KINDS[0]  # the kind of a cell that does not name one
 
 
 def bucket_of(context: int, buckets=BUCKETS) -> int:
