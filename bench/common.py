@@ -229,9 +229,10 @@ def random_head(cfg: ModelConfig, seed: int = 2):
 
 
 def cache_for(spec: SpecConfig, cache: KVCache) -> KVCache:
-    """A prefilled cache as `spec`'s runs take it: the EAGLE-3 head's cache (`KVCache.head`) only for
-    method eagle, so the other methods run the programs they always ran."""
-    return cache if spec.method == "eagle" else dataclasses.replace(cache, head=None)
+    """A prefilled cache as `spec`'s runs take it: the EAGLE-3 head's cache (`KVCache.head`) only for a
+    spec that drafts with the head (method eagle, or auto's spec when its plan starts with eagle), so
+    the other methods run the programs they always ran."""
+    return cache if spec.eagle is not None else dataclasses.replace(cache, head=None)
 
 
 def random_prompts(cfg: ModelConfig, batch: int, context: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

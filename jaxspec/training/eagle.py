@@ -305,8 +305,8 @@ class Settings:
     """A training run's settings (`python -m jaxspec.train_eagle`'s flags; the defaults size a
     SmolLM2-135M run on one H200: see checkpoints/README.md)."""
 
-    tokens: int = 3_000_000  # self-distilled tokens (prompts and continuations)
-    steps: int = 2500
+    tokens: int = 6_000_000  # self-distilled tokens (prompts and continuations)
+    steps: int = 1500
     batch: int = 16
     seq: int = 2048
     ttt: int = 7  # unrolled draft steps of the training-time test
