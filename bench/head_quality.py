@@ -1,14 +1,15 @@
 """How well EAGLE-3 heads follow their target, teacher-forced, on a few kinds of text (CPU, float32).
 
     PYTHONPATH=. python3 bench/head_quality.py --heads checkpoints/eagle3-smollm2,DIR [--new 200]
-                                               [--window 512] [--texts NAME,...]
+                                               [--window 512] [--texts NAME,...] [--vocab-sizes N,...]
                                                [--out bench/results/head_quality_cpu.json]
 
 For each text, the target scores it from position 0 and each head runs EAGLE-3's training-time test
 over it (`training.eagle.ttt_loss`, the training loss's own accuracy): the share of positions where
 the head's top draft token, mapped to target ids, is the target's argmax, at draft depths 1-3 (depths
-2 and 3 fed the true tokens). It measures a head without timing anything, so heads trained elsewhere
-compare on one machine. The texts:
+2 and 3 fed the true tokens), and the share where that argmax is in the head's draft vocabulary at
+all (`in draft vocabulary`: the head can draft nothing else). It measures a head without timing
+anything, so heads trained elsewhere compare on one machine. The texts:
 - `default greedy` / `default sampled`: `generate`'s default request, chat-templated, and the
   target's own answer (greedy; T 0.7, top-p 0.95, seed 0), `--new` tokens;
 - `chat turns`: a prompt of 12 identical chat turns and the target's greedy continuation past its
@@ -19,7 +20,9 @@ compare on one machine. The texts:
   tokens, a continuation request, chat template) and the target's greedy continuation, `--new` tokens
   without stopping: the text an end-to-end run drafts, which loops where the written documents do not.
 It also prints, per text, what a perfect head could reach there with top draws when the target samples
-(`target_bound`): the target's own top-1 probability bounds it, whatever head drafts.
+(`target_bound`): the target's own top-1 probability bounds it, whatever head drafts; and with
+`--vocab-sizes`, how much of the target's argmax draft vocabularies of those sizes would hold
+(`vocabulary_coverage`: the training documents' most frequent tokens, as a head trained on them gets).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from jaxspec.loaders.eagle import load_eagle
 from jaxspec.models import decoder, eagle
 from jaxspec.runner import Batch, run_generation
 from jaxspec.training import data
-from jaxspec.training.eagle import teacher
+from jaxspec.training.eagle import draft_vocabulary, teacher
 
 DEPTHS = 3
 TOP_K = 4
@@ -101,7 +104,16 @@ def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dic
         if k == 0:
             result[f"depth 1 top-{TOP_K}"] = round(float(hits[:, rows].any(-1).mean()), 4)
             result["positions"] = int(tokens.shape[0] * rows.sum())
+    scored = np.asarray(target.in_vocab)[:, max(start, 0):]  # the predictions of positions >= start
+    result["in draft vocabulary"] = round(float(scored.mean()), 4)
     return result
+
+
+def vocabulary_coverage(params, cfg, tokens: np.ndarray, start: int, vocabularies: dict[int, np.ndarray]) -> dict:
+    """For each size n, the share of the target's argmax over positions >= `start` of `tokens` that a
+    draft vocabulary of n tokens (`vocabularies`: size -> target ids) holds."""
+    argmax = np.asarray(jnp.argmax(decoder.score(params, cfg, jnp.asarray(tokens)), axis=-1))[:, max(start, 0):]
+    return {n: round(float(np.isin(argmax, ids).mean()), 4) for n, ids in vocabularies.items()}
 
 
 def target_bound(params, cfg, tokens: np.ndarray, start: int, chains=(2, 4)) -> dict:
@@ -127,6 +139,8 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=512,
                    help="tokens of each of the two held-out document windows, and of the continuation's prompt")
     p.add_argument("--texts", default=",".join(TEXTS), help="which texts, comma-separated")
+    p.add_argument("--vocab-sizes", default="", type=lambda s: [int(n) for n in s.split(",") if n],
+                   help="also each text's coverage by draft vocabularies of these sizes (vocabulary_coverage)")
     p.add_argument("--out", type=Path, default=common.RESULTS / "head_quality_cpu.json")
     args = p.parse_args(argv)
     names = args.texts.split(",")
@@ -143,12 +157,21 @@ def main(argv=None) -> None:
     for name in rows:
         cells = [" / ".join(f"{results[str(h)][name][k]:.2f}" for k in keys) for h in heads]
         print(f"| {name} ({results[str(heads[0])][name]['positions']}) | " + " | ".join(cells) + " |")
+    # The draft vocabularies a head trained on the documents alone would get (training.eagle.draft_vocabulary)
+    stream = data.token_stream(tokenizer, data.split_documents()[0]) if args.vocab_sizes else None
+    vocabularies = {n: draft_vocabulary(stream, cfg.vocab_size, n) for n in args.vocab_sizes}
+    coverage = {name: vocabulary_coverage(params, cfg, t, start, vocabularies) for name, (t, start) in rows.items()}
+    if vocabularies:
+        print("\nThe target's argmax in the training documents' n most frequent tokens, n = " +
+              ", ".join(map(str, vocabularies)) + ":")
+        for name, shares in coverage.items():
+            print(f"- {name}: " + ", ".join(f"{v:.3f}" for v in shares.values()))
     bounds = {name: target_bound(params, cfg, t, start) for name, (t, start) in rows.items()}
     print("\nA perfect head with top draws, the target sampling at T 0.7, top-p 0.95:")
     for name, bound in bounds.items():
         print(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in bound.items()))
     record = {**common.run_info(), "texts": {name: int(t.size) for name, (t, _) in rows.items()}, "accuracy": results,
-              "perfect head": bounds}
+              "vocabulary coverage": coverage if vocabularies else {}, "perfect head": bounds}
     common.write_json(args.out, record)
 
 
