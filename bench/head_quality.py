@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -109,19 +110,19 @@ def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dic
     return result
 
 
-def vocabulary_coverage(params, cfg, tokens: np.ndarray, start: int, vocabularies: dict[int, np.ndarray]) -> dict:
-    """For each size n, the share of the target's argmax over positions >= `start` of `tokens` that a
-    draft vocabulary of n tokens (`vocabularies`: size -> target ids) holds."""
-    argmax = np.asarray(jnp.argmax(decoder.score(params, cfg, jnp.asarray(tokens)), axis=-1))[:, max(start, 0):]
+def vocabulary_coverage(logits: jax.Array, start: int, vocabularies: dict[int, np.ndarray]) -> dict:
+    """For each size n, the share of the target's argmax (its `logits` [N, T, V] over a text) over
+    positions >= `start` that a draft vocabulary of n tokens (`vocabularies`: size -> target ids) holds."""
+    argmax = np.asarray(jnp.argmax(logits, axis=-1))[:, max(start, 0):]
     return {n: round(float(np.isin(argmax, ids).mean()), 4) for n, ids in vocabularies.items()}
 
 
-def target_bound(params, cfg, tokens: np.ndarray, start: int, chains=(2, 4)) -> dict:
-    """What a perfect head could get from the target sampling at T 0.7, top-p 0.95 with top draws
-    (eagle's default): the mean over positions >= `start` of the target's largest probability, which
-    is a perfect top-1 candidate's chance of acceptance, and a perfect chain's tokens an iteration
-    (1 + the sum of the running products of those probabilities along the text)."""
-    logits = decoder.score(params, cfg, jnp.asarray(tokens))
+def target_bound(logits: jax.Array, start: int, chains=(2, 4)) -> dict:
+    """What a perfect head could get from the target (its `logits` [N, T, V] over a text) sampling at
+    T 0.7, top-p 0.95 with top draws (eagle's default): the mean over positions >= `start` of the
+    target's largest probability, which is a perfect top-1 candidate's chance of acceptance, and a
+    perfect chain's tokens an iteration (1 + the sum of the running products of those probabilities
+    along the text)."""
     top = np.asarray(jnp.max(process_logits(logits, SamplingConfig(temperature=0.7, top_p=0.95)), axis=-1))
     top = top[:, max(start, 0):-1]  # the predictions of the scored positions' tokens
     result = {"target top-1 probability": round(float(top.mean()), 4)}
@@ -160,18 +161,20 @@ def main(argv=None) -> None:
     # The draft vocabularies a head trained on the documents alone would get (training.eagle.draft_vocabulary)
     stream = data.token_stream(tokenizer, data.split_documents()[0]) if args.vocab_sizes else None
     vocabularies = {n: draft_vocabulary(stream, cfg.vocab_size, n) for n in args.vocab_sizes}
-    coverage = {name: vocabulary_coverage(params, cfg, t, start, vocabularies) for name, (t, start) in rows.items()}
+    logits = {name: decoder.score(params, cfg, jnp.asarray(t)) for name, (t, _) in rows.items()}  # one forward a text
+    coverage = {name: vocabulary_coverage(logits[name], start, vocabularies)
+                for name, (_, start) in rows.items()} if vocabularies else {}
     if vocabularies:
         print("\nThe target's argmax in the training documents' n most frequent tokens, n = " +
               ", ".join(map(str, vocabularies)) + ":")
         for name, shares in coverage.items():
             print(f"- {name}: " + ", ".join(f"{v:.3f}" for v in shares.values()))
-    bounds = {name: target_bound(params, cfg, t, start) for name, (t, start) in rows.items()}
+    bounds = {name: target_bound(logits[name], start) for name, (_, start) in rows.items()}
     print("\nA perfect head with top draws, the target sampling at T 0.7, top-p 0.95:")
     for name, bound in bounds.items():
         print(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in bound.items()))
     record = {**common.run_info(), "texts": {name: int(t.size) for name, (t, _) in rows.items()}, "accuracy": results,
-              "vocabulary coverage": coverage if vocabularies else {}, "perfect head": bounds}
+              "vocabulary coverage": coverage, "perfect head": bounds}
     common.write_json(args.out, record)
 
 
