@@ -20,7 +20,8 @@ import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec import planner
-from jaxspec.runner import encode_prompts, gpu_unseen_warning, resolve_max_len, run_generation, summarize
+from jaxspec.runner import (PROGRESS_SEGMENT, encode_prompts, gpu_unseen_warning, resolve_max_len, run_generation,
+                            summarize)
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import (DRAWS, HEAD_CONTEXTS, METHODS, METRICS, PRECISIONS,
                                     SpecConfig, at_batch, load_tuned, spec_from_settings)
@@ -302,7 +303,8 @@ def _stream(params, cfg, tokenizer, spec: SpecConfig, plan, batch, sampling: Sam
     """One prompt through the serving scheduler (one slot): its text printed as tokens are accepted,
     then the request's stats. `--method auto` refines the plan as the batch path does."""
     ids = tuple(int(t) for t in batch.ids[0, : batch.lengths[0]])
-    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=1, max_len=max_len, sampling=sampling, plan=plan, mesh=mesh)
+    scheduler = Scheduler(params, cfg, tokenizer, spec, slots=1, max_len=max_len, sampling=sampling, plan=plan, mesh=mesh,
+                          segment=PROGRESS_SEGMENT)
     scheduler.warm_up(len(ids))
     scheduler.start()
     finished, last = threading.Event(), []
