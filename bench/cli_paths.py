@@ -18,18 +18,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import threading
-from pathlib import Path
 
 import jax
 
 from bench import common
+from bench.default_request import load_request, request_flags
 from bench.e2e import spec_of
 from jaxspec import runner
-from jaxspec.generate import DEFAULT_PROMPT, plan_with_head
-from jaxspec.loaders import load_model
+from jaxspec.generate import plan_with_head
 from jaxspec.loaders.eagle import load_eagle, shipped_head
 from jaxspec.models import draft_weights
-from jaxspec.runner import encode_prompts, resolve_max_len, run_generation
+from jaxspec.runner import resolve_max_len, run_generation
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
 
@@ -78,16 +77,9 @@ def main() -> None:
     p.add_argument("--segments", default="16,64", help="progress-bar segment lengths, comma-separated")
     p.add_argument("--stream-segments", default="2,64", help="streamed-path segment lengths, comma-separated")
     p.add_argument("--sampling", default="greedy", help="of bench.common.SAMPLINGS (generate's default: greedy)")
-    p.add_argument("--new", type=int, default=256, help="new tokens (generate's default)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: float32, reference backend")
-    p.add_argument("--out", type=Path, default=common.RESULTS)
-    p.add_argument("--tag", default="", help="suffix of the file name")
+    request_flags(p)
     args = p.parse_args()
-
-    backend, dtype = ("reference", "float32") if args.tiny else ("pallas", "bfloat16")
-    cfg, params, tokenizer = load_model("smollm2", dtype=dtype)
-    batch = encode_prompts(tokenizer, [DEFAULT_PROMPT], chat=tokenizer.has_chat_template)
+    backend, dtype, cfg, params, tokenizer, batch = load_request("smollm2", args.tiny)
     ids = tuple(int(t) for t in batch.ids[0, : batch.lengths[0]])
     max_len = resolve_max_len(batch, args.new, None, cfg.max_position_embeddings)
     sampling = common.SAMPLINGS[args.sampling]

@@ -32,6 +32,24 @@ from jaxspec.models import draft_weights
 from jaxspec.runner import encode_prompts, resolve_max_len, run_generation
 
 
+def request_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a bench on generate's default request: new tokens, repeats, --tiny, --out, --tag."""
+    p.add_argument("--new", type=int, default=256, help="new tokens (generate's default)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: float32, reference backend")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--tag", default="", help="suffix of the file name")
+
+
+def load_request(model: str, tiny: bool):
+    """(backend, dtype, cfg, params, tokenizer, batch): `model` and generate's default request as one
+    batch (float32 on the reference backend with `tiny`)."""
+    backend, dtype = ("reference", "float32") if tiny else ("pallas", "bfloat16")
+    cfg, params, tokenizer = load_model(model, dtype=dtype)
+    return backend, dtype, cfg, params, tokenizer, encode_prompts(tokenizer, [DEFAULT_PROMPT],
+                                                                  chat=tokenizer.has_chat_template)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", default=None, help="EAGLE-3 head directories, comma-separated (default: the "
@@ -41,15 +59,9 @@ def main() -> None:
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--draws", default=None, help="eagle's draws when sampling (SpecConfig.draws: sampled, top; "
                                                   "default: eagle's), comma-separated")
-    p.add_argument("--new", type=int, default=256, help="new tokens (generate's default)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: float32, reference backend")
-    p.add_argument("--out", type=Path, default=common.RESULTS)
-    p.add_argument("--tag", default="", help="suffix of the file name")
+    request_flags(p)
     args = p.parse_args()
-    backend, dtype = ("reference", "float32") if args.tiny else ("pallas", "bfloat16")
-    cfg, params, tokenizer = load_model(args.model, dtype=dtype)
-    batch = encode_prompts(tokenizer, [DEFAULT_PROMPT], chat=tokenizer.has_chat_template)
+    backend, dtype, cfg, params, tokenizer, batch = load_request(args.model, args.tiny)
     max_len = resolve_max_len(batch, args.new, None, cfg.max_position_embeddings)
     heads = args.heads.split(",") if args.heads else [shipped_head(args.model)]
     if heads[0] is None:
