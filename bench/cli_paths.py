@@ -90,15 +90,15 @@ def main() -> None:
                                      prompt_tokens=len(ids), new_tokens=args.new, sampling=sampling)
     with_head = {**params, "eagle": jax.device_put(head_params)}
     auto_weights = draft_weights.with_draft_weights(with_head, plan.draft_weights)
-    paths = ([("one call", None)] + [(f"progress bar, {n}", int(n)) for n in args.segments.split(",")]
-             + [(f"streamed, {n}", -int(n)) for n in args.stream_segments.split(",")])
+    paths = ([("one call", False, None)] + [(f"progress bar, {n}", False, int(n)) for n in args.segments.split(",")]
+             + [(f"streamed, {n}", True, int(n)) for n in args.stream_segments.split(",")])  # (name, streamed, segment)
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     path = args.out / f"cli_paths_{device}{args.tag}.json"
     result = common.run_info() | {"sampling": args.sampling, "new": args.new, "plan": plan.first.name, "rows": []}
     for name, weights, spec, plan_of in [("plain", params, plain, None), ("auto", auto_weights, auto_spec, plan)]:
-        for path_name, segment in paths:
-            if segment is not None and segment < 0:
-                rates = stream_rates(weights, cfg, tokenizer, ids, spec, plan_of, sampling, max_len, args.new, -segment,
+        for path_name, streamed, segment in paths:
+            if streamed:
+                rates = stream_rates(weights, cfg, tokenizer, ids, spec, plan_of, sampling, max_len, args.new, segment,
                                      args.repeats)
             else:
                 rates = batch_rates(weights, cfg, batch, spec, plan_of, sampling, max_len, args.new,

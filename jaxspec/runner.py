@@ -37,8 +37,8 @@ from jaxspec.tokenizer import Tokenizer
 
 # Decode iterations between progress updates and between chunks of streamed text. Each segment's end idles the
 # device ~1.6 ms at one row (the host reads, hands out and dispatches the next): at 16, SmolLM2's plain decoding
-# ran 15% slower on an H200; 64 bounds it near 4% for its 0.7 ms step (bench/NOTES.md, "what auto's and the
-# CLI's segments cost"), still ~20 updates a second there.
+# ran 15% slower on an H200 and an eagle tree 11%, at 64 the tree 3% (bench/NOTES.md, "what auto's and the CLI's
+# segments cost"); still ~20 updates a second there.
 PROGRESS_SEGMENT = 64
 
 
