@@ -9,7 +9,7 @@ real-text prompts, auto planned with its shipped head as generate plans it; samp
 0.95). The plan must start plain (the case this times). Per repeat, in one
 process, alternating: plain and auto through `runner.run_generation` (decode seconds as the CLI and
 bench/e2e.py time them), then one auto run whose scheduler calls are logged (host start and end of
-each `_call`, `_dispatch`, `_deliver`, `_replays`, relative to the decode's start), and one whose every
+each `_call`, `_queue`, `_deliver`, `_replays`, relative to the decode's start), and one whose every
 call is waited on (`jax.block_until_ready`: each call's device time, the run slower by its syncs). The
 gap (auto's decode seconds less its segments' observed seconds) is time no segment saw. Writes
 DIR/auto_timeline_<device><tag>.json and prints the table last.
@@ -36,7 +36,7 @@ from jaxspec.models import decoder, draft_weights
 from jaxspec.runner import Batch, prefill_fn, run_generation
 from jaxspec.serving.scheduler import Scheduler
 
-LOGGED = ("_call", "_dispatch", "_deliver", "_replays", "_run_watched", "run_segment")
+LOGGED = ("_call", "_queue", "_deliver", "_replays", "_run_watched", "run_segment")
 TABLE = [("repeat", "repeat", "d"), ("plain s", "plain_s", ".4f"), ("auto s", "auto_s", ".4f"),
          ("auto x plain", "ratio", ".4f"), ("segments s", "segments_s", ".4f"), ("gap ms", "gap_ms", ".2f")]
 
@@ -53,7 +53,7 @@ def logged(events: list, sync: bool):
             out = method(self, *args, **kwargs)
             if sync and name == "_call":
                 jax.block_until_ready(out)
-            label = getattr(args[0], "name", "") if name in ("_call", "_dispatch") else ""
+            label = getattr(args[0], "name", "") if name in ("_call", "_queue") else ""
             events.append((name, label, start, time.perf_counter()))
             return out
         return wrapper

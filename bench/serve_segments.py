@@ -9,8 +9,9 @@ request end to end; then --slots requests (real-text prompts of about --prompt-t
 the chat template, --new tokens each, T 0.7 / top-p 0.95, fixed seeds) are submitted at once, --repeats
 times. Per run: completion tok/s from the submission to the last token, tok/s while every request
 runs (from the last first token to the first finish), and the scheduler thread's seconds in its
-calls by program, in reading and handing out reports (`_hand_out`) and in whole deliveries (which
-also wait for the next segment's call). The gap between this and `bench/serve_load.py` is the HTTP
+calls by program, in reading and handing out reports (`_hand_out`), in whole deliveries, and in a
+segment's delivery (`_deliver_segment`, which waits for the segment to end: the programs that take
+the state run queued on the dispatch thread). The gap between this and `bench/serve_load.py` is the HTTP
 server's; the gap to `none` is the segments' (bench/NOTES.md, "Serving: where a 16-slot segment's time
 went"). Writes DIR/serve_segments_<device><tag>.json and prints the table last.
 """
@@ -32,13 +33,13 @@ from jaxspec.serving.scheduler import Scheduler
 
 TABLE = [("method", "method", "s"), ("segment", "segment", "s"), ("repeat", "repeat", "d"), ("tok/s", "tokens_per_s", ".0f"),
          ("tok/s all running", "running_tokens_per_s", ".0f"), ("deliveries", "deliveries", "d"),
-         ("decode calls ms/delivery", "decode_call_ms", ".2f"), ("hand-out ms/delivery", "hand_out_ms", ".2f"),
+         ("segment ms/delivery", "segment_ms", ".2f"), ("hand-out ms/delivery", "hand_out_ms", ".2f"),
          ("delivery ms", "deliver_ms", ".2f")]
 
 
 def timed(scheduler: Scheduler, seconds: collections.Counter, counts: collections.Counter) -> None:
     """Wraps the scheduler's calls, hand-outs and deliveries with timers (this scheduler only)."""
-    for name in ("_call", "_hand_out", "_deliver"):
+    for name in ("_call", "_hand_out", "_deliver", "_deliver_segment"):
         method = getattr(scheduler, name)
 
         def wrapper(*args, _method=method, _name=name, **kwargs):
@@ -98,7 +99,7 @@ def main():
     info = common.run_info()
     cfg, params, tokenizer = load_model(args.model, "float32" if args.tiny else "bfloat16")
     backend = "reference" if args.tiny else "pallas"
-    ids = prompts(tokenizer, args.slots, args.prompt_tokens)
+    ids = prompts(tokenizer, args.slots, (args.prompt_tokens, args.prompt_tokens))
     max_len = min(cfg.max_position_embeddings, max(len(x) for x in ids) + args.new + 1)
     result = {**info, "model": args.model, "slots": args.slots, "prompt_tokens": [len(x) for x in ids], "new": args.new,
               "runs": []}
@@ -121,7 +122,7 @@ def main():
                 deliveries = counts["_hand_out"]  # the segments' and the admissions'
                 run.update(method=method, segment=str(segment), repeat=repeat, deliveries=deliveries,
                            seconds_in={k: round(v, 4) for k, v in seconds.items()}, calls=dict(counts),
-                           decode_call_ms=seconds["_call:decode"] / deliveries * 1e3,
+                           segment_ms=seconds["_deliver_segment"] / deliveries * 1e3,
                            hand_out_ms=seconds["_hand_out"] / deliveries * 1e3, deliver_ms=seconds["_deliver"] / deliveries * 1e3)
                 result["runs"].append(run)
                 common.write_json(path, result)

@@ -35,10 +35,10 @@ from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
 from jaxspec.tokenizer import Tokenizer
 
-# Decode iterations between progress updates and between chunks of streamed text. Each segment's end idles the
-# device ~1.6 ms at one row (the host reads, hands out and dispatches the next): at 16, SmolLM2's plain decoding
+# Decode iterations between progress updates and between chunks of streamed text. A segment's end idled the
+# device ~1.6 ms at one row while the host read its report and dispatched the next: at 16, SmolLM2's plain decoding
 # ran 15% slower on an H200 and an eagle tree 11%, at 64 the tree 3% (bench/NOTES.md, "what auto's and the CLI's
-# segments cost"); still ~20 updates a second there.
+# segments cost"); still ~20 updates a second there. Segments are now queued one ahead (`serving.scheduler`).
 PROGRESS_SEGMENT = 64
 
 

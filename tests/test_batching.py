@@ -193,18 +193,19 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     segment runs (with chunked prefill of 32 positions: once their last chunk is written, a chunk
     per round), the others admitted into freed slots; each emits its tokens alone. With a selection
     every third iteration a segment of two runs three, and its report must still hold their tokens.
-    Segments are pipelined: each segment's report is read with the next segment already dispatched
+    Segments are pipelined: each segment's report is read with the next segment already queued
     behind it (on the dispatch thread: the device does not wait on the host's hand-out); admissions
-    read theirs at once."""
+    read theirs at once, a report that covers the segment queued ahead."""
     from jaxspec.serving import scheduler as serving
 
     spec = SpecConfig(method=method, gamma=3, min_tokens=32, select_every=every).validate()
     requests = [Request(10 + i, 30 + 20 * i, [12, 30, 8, 20, 16][i], [GREEDY, HOT][i % 2]) for i in range(5)]
     scheduler = serving.Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=None, max_top_k=32,
                                   prefill_chunk=chunk)
-    events, call, dispatch, get = [], scheduler._call, scheduler._dispatch, jax.device_get
+    events, call, queue, get = [], scheduler._call, scheduler._queue, jax.device_get
     monkeypatch.setattr(scheduler, "_call", lambda program, *a, **k: (events.append(program.name), call(program, *a, **k))[1])
-    monkeypatch.setattr(scheduler, "_dispatch", lambda program, *a: (events.append(program.name), dispatch(program, *a))[1])
+    monkeypatch.setattr(scheduler, "_queue",
+                        lambda program, *a, **k: (events.append(program.name), queue(program, *a, **k))[1])
     monkeypatch.setattr(serving.jax, "device_get", lambda x: (events.append("read"), get(x))[1])
     tokens, finished = submit_all(scheduler, requests)
     rounds = 1 if chunk is None else -(-(max(len(r.ids) for r in requests[:3]) - 1) // chunk)  # chunks of the first group
@@ -216,11 +217,61 @@ def test_scheduler_admits_groups_and_hands_out_first_tokens_at_once(params, meth
     while len(finished) < 5:
         scheduler.step()
     reads = [tuple(events[i - 2 : i]) for i, e in enumerate(events) if e == "read"]
-    assert set(reads) <= {("report", "decode"), *((admission, "report") for admission in ("prefill", "start", "admit", "admit_prefilled"))}
-    assert reads.count(("report", "decode")) >= 3
+    admissions = {(admission, "report") for admission in ("prefill", "start", "admit", "admit_prefilled")}
+    assert all(r in admissions or r[1] == "decode" for r in reads), reads
+    queued, read, ahead = 0, 0, []  # segments queued and read; at each segment's read, how many are queued behind it
+    for e, nxt in zip(events, events[1:]):
+        queued += e == "decode"
+        if e == "report":  # a report of the state: it covers every segment queued
+            read = queued
+        elif nxt == "read":  # a segment's report
+            read += 1
+            ahead.append(queued - read)
+    assert len(ahead) >= 3 and set(ahead) == {1}, ahead
     for i, r in enumerate(requests):
         assert finished[i].finish_reason == "length" and tokens[i] == alone(params, spec, r), i
         assert finished[i].stats.completion_tokens == r.max_new and finished[i].stats.iterations > 0
+
+
+def test_a_failed_segment_fails_its_request_and_the_server_goes_on(params):
+    """A segment whose program fails on the dispatch thread (the third decode call here, with the next
+    segment queued behind it) ends the running request with an internal error; the scheduler's thread
+    goes on, and the next request runs from a fresh state to exactly its tokens alone."""
+    import time
+
+    from jaxspec.serving import scheduler as serving
+
+    spec = SpecConfig(method="plain").validate()
+    first, second = Request(20, 40, 30, GREEDY), Request(21, 50, 12, HOT)
+    scheduler = serving.Scheduler(params, CFG, None, spec, slots=1, max_len=MAX_LEN, max_top_k=32)
+    scheduler.warm_up()
+    key = (scheduler._programs().decode, ())
+    decode, calls = scheduler._executables[key], []
+
+    def failing_third(*args):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("the device fell over")
+        return decode(*args)
+
+    scheduler._executables[key] = failing_third
+
+    def served(r: Request):
+        tokens, finished = submit_all(scheduler, [r])
+        deadline = time.monotonic() + 120
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finished, "the request never finished"
+        return tokens[0], finished[0]
+
+    scheduler.start()
+    try:
+        _, failed = served(first)
+        tokens, last = served(second)
+    finally:
+        scheduler.stop()
+    assert failed.finish_reason == "error" and "the device fell over" in failed.error
+    assert len(calls) > 3 and last.finish_reason == "length" and tokens == alone(params, spec, second)
 
 
 def test_static_batching_admits_only_into_an_empty_batch(params):

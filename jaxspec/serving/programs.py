@@ -83,9 +83,9 @@ class Programs:
     prefill: Program  # every row at once: the prefill is the state
     start: Program  # every row at once from their prompts' KV (`runner.prefill_fn`)
     admit: Program  # rows prefilled into chosen slots of the running state
-    decode: Program  # a segment: (params, state, iterations, min_live)
+    decode: Program  # a segment: (params, state, iterations, min_live, since) -> (state, its report from since)
     release: Program  # (state, free [rows] bool)
-    report: Program  # what the host reads after a segment (`unpack_report`)
+    report: Program  # what the host reads of a state, from since (`unpack_report`)
     switch: Program  # the running state under this table's strategy (`engine.Engine.switch`)
     take: Program  # a shrunk state of chosen rows (params, state, rows)
     place: Program  # a grown state: a shrunk one's rows first, free rows after (params, state, rules, budget)
@@ -238,11 +238,8 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         pages before a segment; an index past the rows: dropped)."""
         return dataclasses.replace(state, cache=state.cache.with_pages(state.cache.pages.at[rows].set(pages, mode="drop")))
 
-    def decode(params, state, iterations, min_live):
-        return eng.decode(params, state, max_iterations=iterations, min_live=min_live)
-
     def report(state, since):
-        """What the host reads after a segment, as one int32 array (one copy, not seven:
+        """What the host reads of a state, as one int32 array (one copy, not seven:
         `unpack_report`): per slot its length, done, stats and `window` tokens from `since`."""
         cols = since[:, None] + jnp.arange(window, dtype=jnp.int32)
         tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
@@ -250,6 +247,12 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         depth = jnp.full_like(state.length, s.accepted_by_depth.shape[1])
         head = jnp.stack([state.length, state.done, s.iterations, s.drafted, s.accepted, depth], axis=1)
         return jnp.concatenate([x.astype(jnp.int32) for x in (head, tokens, s.accepted_by_depth)], axis=1)
+
+    def decode(params, state, iterations, min_live, since):
+        """A segment and its report: a report of its own would be another call between segments,
+        which takes ~0.6 ms of host time on an H200 (bench/NOTES.md, "segments queued ahead")."""
+        state = eng.decode(params, state, max_iterations=iterations, min_live=min_live)
+        return state, report(state, since)
 
     def switch(params, state, budget):
         return eng.switch(params, state, budget)

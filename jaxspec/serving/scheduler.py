@@ -5,11 +5,12 @@ loop in segments of a few iterations. Between segments the host, in one thread, 
 finished and cancelled requests (`engine.release`), admits waiting requests into free slots
 (`engine.Engine.admit`: a jitted prefill of the new rows written into the running state) and hands each
 running request the tokens its slot accepted during the segment. Serving segments are pipelined:
-the next one is dispatched before the host reads the last one's report, so the device runs while
-the host hands out tokens; admissions, releases and a settled refinement's switches then take effect
-one segment later (while the refinement is still deciding, each segment is timed alone). The next
-segment's call waits on a second thread: a decode's call returns only once its loop has ended on the
-GPU (XLA reads a while loop's condition on the host every iteration), and it releases the GIL. Every slot
+the programs that take the state run on a second thread, in the order queued (`_queue`), and the next
+segment is queued before the host waits on the last one's report, so the device starts it as the last
+one ends while the host hands out tokens; releases, admissions and a settled refinement's switches
+then take effect one segment later (while the refinement is still deciding, each segment is timed
+alone). A decode's call returns only once its loop has ended on the GPU (XLA reads a while loop's
+condition on the host every iteration), and it releases the GIL. Every slot
 follows its own request's sampling rules, seed, stop token ids and token limit (row rules: `sampling.RowSampling`);
 stop strings are found on the host, which then frees the slot. Speculation runs per slot as in a
 batch, with the server's one method. With `shrink`, the running rows move into a state of fewer rows
@@ -61,6 +62,7 @@ log = logging.getLogger("jaxspec.serving")
 MAX_STOP_TOKEN_IDS = 8  # stop token ids a request may add to the model's end-of-sequence ids
 MIN_PROMPT_BUCKET = 64  # prompts are padded to powers of two from here (one admit program per bucket)
 SHRINK_FACTOR = 4  # with `shrink`, the state shrinks once at most 1 / SHRINK_FACTOR of its rows run
+_STATE = object()  # in `_queue`'s arguments: the state that the work queued before leaves
 
 
 class Scheduler:
@@ -134,11 +136,12 @@ class Scheduler:
         self._pages: dict[Handle, list[int]] = {}  # each admitted (or staged) request's pages, in order
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-decode")  # `_dispatch`
-        self._state: engine.DecodeState | None = None  # made by the first admission
+        self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxspec-decode")  # `_queue`
+        self._value: engine.DecodeState | None = None  # the state (`_state`), made by the first admission
+        self._queued: concurrent.futures.Future | None = None  # the last work queued on the state (`_queue`)
         self._last = None  # (length, stats) host copies at the latest report, for refinement
         self._last_at = 0.0  # when the latest report arrived
-        self._ahead: float | None = None  # a segment runs beyond the latest report, timed from then
+        self._pending: _Segment | None = None  # a segment queued whose report the host has not read
         self._watch_from = None  # (report, start time) where a settled refinement's watch window began
 
     # --- called from any thread ---------------------------------------------------------------------
@@ -151,6 +154,17 @@ class Scheduler:
     def state(self) -> engine.DecodeState | None:
         """The running decode state (every slot's tokens, lengths and stats under the current strategy)."""
         return self._state
+
+    @property
+    def _state(self) -> engine.DecodeState | None:
+        """The state as the work queued on it leaves it (waits for that work)."""
+        if self._queued is not None:
+            self._value, self._queued = self._queued.result()[0], None
+        return self._value
+
+    @_state.setter
+    def _state(self, state: engine.DecodeState | None) -> None:
+        self._value, self._queued = state, None
 
     def check(self, request: Request) -> None:
         """Raises JaxspecError (HTTP 400) for a request this scheduler cannot run."""
@@ -241,10 +255,10 @@ class Scheduler:
 
     def _compile_segment(self, state: engine.DecodeState, rows: int) -> None:
         """Compiles a segment's programs (decode, release, report) for `state` of `rows` rows."""
-        table = self._programs(rows)
-        self._executable(table.decode, self.params, state, np.int32(0), np.int32(0))
+        table, since = self._programs(rows), np.zeros((rows,), np.int32)
+        self._executable(table.decode, self.params, state, np.int32(0), np.int32(0), since)
         self._executable(table.release, state, np.zeros((rows,), bool))
-        self._executable(table.report, state, np.zeros((rows,), np.int32))
+        self._executable(table.report, state, since)
         if self.paged:
             self._executable(table.grow, state, np.zeros((rows,), np.int32), np.zeros((rows, self.row_pages), np.int32))
 
@@ -356,7 +370,7 @@ class Scheduler:
     def _horizon(self) -> int:
         """Positions a row may write beyond what the host has handed out: the segment in flight and the
         next one (the host knows lengths only up to the last report)."""
-        return 2 * self._window()
+        return self._window() + 1
 
     def _wants(self, h: Handle) -> int:
         """The pages `h`'s row needs before the next segment."""
@@ -420,9 +434,8 @@ class Scheduler:
     def _prefill_next_chunk(self) -> bool:
         """Writes the staged admission's next chunk; after its last, admits it. Whether it did."""
         st = self._staged
-        self._state = self._call(self._programs().chunk, self.params, self._state, st.args.pages,
-                                 st.args.begin + np.int32(st.offset), st.args.prompts, st.args.lengths,
-                                 shape=st.args.prompts.shape)
+        self._queue(self._programs().chunk, self.params, _STATE, st.args.pages, st.args.begin + np.int32(st.offset),
+                    st.args.prompts, st.args.lengths, shape=st.args.prompts.shape)
         st.offset += self.prefill_chunk
         if st.offset < st.end:
             return False
@@ -484,7 +497,8 @@ class Scheduler:
         """Decodes a segment (`segment` iterations; planner.SEGMENT while refining; while a closed batch
         watches, its window, in segments of planner.AHEAD: the next segment runs ahead of each report,
         so a switch decided at a window's end lands at most AHEAD iterations late), hands out its
-        tokens, and lets the refinement switch strategy."""
+        tokens, and lets the refinement switch strategy. Serving's segments and a watch's are queued
+        one ahead: the next is queued before the host waits on this one's report."""
         if self.refinement is not None and self.refinement.watches_on_device and self.segment is None:
             return self._run_watched()
         refining = self.refinement is not None and self.refinement.active
@@ -493,25 +507,24 @@ class Scheduler:
                       if watching and self.segment is None else self.segment)
         unobserved = (refining or watching) and self.refinement.current not in self.refinement.observations
         if unobserved and self._watch_from is None:  # load its program unobserved (once a window: it may have begun)
-            self._load(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0))
-        before, start = self._last, self._ahead or time.perf_counter()
+            self._load(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0),
+                       np.zeros((self.rows,), np.int32), first=0)
+        limit = np.int32(np.iinfo(np.int32).max if iterations is None else iterations)
+        floor = np.int32(self._floor())
+        before, (this, self._pending) = self._last, (self._pending, None)
+        if this is None:
+            self._reserve()
+            this = self._segment(limit, floor)
         # a watch window starts at a report of the state's rows (not one read before a shrink or growth)
         if watching and self._watch_from is None and len(before[0]) == self.rows:
-            self._watch_from = (before, start)
-        limit = np.iinfo(np.int32).max if iterations is None else iterations
-        floor = self._floor()
-        if self._ahead is None:
-            self._reserve()
-            self._state = self._call(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
-        report, ahead = self._report(), None
-        # the next segment runs while the host reads this one's report: serving's segments, and a closed
-        # batch's watch windows (the device would idle through each window's hand-out; a switch comes a window later)
+            self._watch_from = (before, this.start)
+        ahead = None
         if (self.segment is not None or watching) and not refining and self._running:
-            self._reserve()  # this one's report
-            ahead = self._dispatch(self._programs().decode, self.params, self._state, np.int32(limit), np.int32(floor))
-        seconds = self._deliver(start, report, ahead)
-        if ahead is not None:
-            self._ahead = start + seconds
+            self._reserve()  # for this one and the next
+            ahead = self._segment(limit, floor)
+        seconds = self._deliver_segment(this, then=ahead)
+        if ahead is not None:  # it began on the device as this one ended, when its report arrived
+            self._pending = ahead._replace(start=self._last_at)
         target = None
         if refining:
             target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running,
@@ -520,14 +533,23 @@ class Scheduler:
               and self._last[1].iterations.max() - self._watch_from[0][1].iterations.max() >= self.refinement.window):
             (since, began), self._watch_from = self._watch_from, None
             seen = planner.Observation.between(since, self._last, self._last_at - began)  # to the report, not past it
+            jax.block_until_ready(self._state.tokens)  # the replays read the tokens of the segment queued ahead
             replayed = time.perf_counter()
-            replays = self._replays(since)  # over the state after the segment run ahead (which has ended)
-            if self._ahead is not None:  # the device idled through the replays: not the next window's time
-                self._ahead += time.perf_counter() - replayed
+            replays = self._replays(since)
+            if self._pending is not None:  # the device idled through the replays: not the next window's time
+                self._pending = self._pending._replace(start=self._pending.start + time.perf_counter() - replayed)
             target = self.refinement.watch(seen, not self._running, replays, self._left())
         if target is not None:
             self._switch(target)
         self._shrink_if_few()
+
+    def _segment(self, limit: np.int32, floor: np.int32) -> _Segment:
+        """Queues a decode segment of at most `limit` iterations (ending once at most `floor` rows run),
+        its report read from what the host has handed out so far."""
+        since, started = self._since(), threading.Event()
+        future = self._queue(self._programs().decode, self.params, _STATE, limit, floor, since, first=True,
+                             started=started)
+        return _Segment(future, since, time.perf_counter(), started)
 
     def _run_watched(self) -> None:
         """`run_segment` for a closed batch settled on plain that watches ngram
@@ -579,7 +601,9 @@ class Scheduler:
 
     def _shrink_if_few(self) -> None:
         if self._may_shrink() and 0 < len(self._running) <= self.rows // SHRINK_FACTOR:
-            self._shrink()
+            self._flush()
+            if self._running:
+                self._shrink()
 
     def _reserve(self) -> None:
         """Gives each running row the pages the segment in flight and the next one may write (the host
@@ -603,7 +627,7 @@ class Scheduler:
             table = np.zeros((self.rows, self.row_pages), np.int32)
             for slot, h in self._running.items():
                 table[slot, : len(self._pages[h])] = self._pages[h]
-            self._state = self._call(self._programs().grow, self._state, np.arange(self.rows, dtype=np.int32), table)
+            self._queue(self._programs().grow, _STATE, np.arange(self.rows, dtype=np.int32), table)
 
     def _preempt(self, h: Handle) -> None:
         """Frees `h`'s slot and pages and queues it first, to be prefilled again with the tokens it has
@@ -677,6 +701,7 @@ class Scheduler:
     def _grow(self) -> None:
         """Back to `slots` rows for waiting requests: the running rows keep their row numbers in a
         fresh state of free rows (with none running, the next admission makes the state)."""
+        self._flush()
         if not self._running and not self.paged:
             self._state, self.rows, self._watch_from = None, self.slots, None
             self._new_pool()
@@ -689,9 +714,9 @@ class Scheduler:
     def _switch(self, target: planner.Strategy) -> None:
         """Every slot continues under `target` (`engine.Engine.switch`: exact); the slots' stats so far move
         to their requests (the switch zeroes the state's)."""
-        if self._ahead is not None:  # the segment run ahead first: its tokens, its record, its stats the switch zeroes
-            before = self._last
-            seconds = self._deliver(self._ahead)
+        before = self._last
+        seconds = self._flush()  # the segment queued ahead first: its tokens, its record, its stats the switch zeroes
+        if seconds is not None:
             self.refinement.ran_ahead(planner.Observation.between(before, self._last, seconds))
         _, stats = self._last
         for slot, h in self._running.items():
@@ -703,26 +728,27 @@ class Scheduler:
             self._state = self._call(self._programs().switch, self.params, self._state, self.spec.budget(), shape=(old,))
         self._deliver(start)  # the switch's plain step drew a token per slot
 
-    def _report(self):
-        """(since, the report program's output on the device, not yet read) for the running slots'
-        tokens since the last delivery."""
+    def _since(self) -> np.ndarray:
+        """[rows] each running slot's position up to which its tokens are handed out."""
         since = np.zeros((self.rows,), np.int32)
         for slot, h in self._running.items():
             since[slot] = len(h.request.ids) + h.read
+        return since
+
+    def _report(self):
+        """(since, the report program's output on the device, not yet read) for the running slots'
+        tokens since the last delivery: all that the work queued so far commits, the segment queued
+        ahead's included (its own report is not read)."""
+        since, self._pending = self._since(), None
         return since, self._call(self._programs().report, self._state, since)
 
-    def _deliver(self, start: float, report=None, ahead: concurrent.futures.Future | None = None) -> float:
+    def _deliver(self, start: float, report=None) -> float:
         """Hands each running request the tokens its slot committed since the last delivery (up to
-        `report`, default: all work queued so far) and finishes the requests that are done; returns
-        the seconds since `start` (when the work that committed them began) to the tokens' arrival
-        on the host. `ahead`: the next segment's call (`_dispatch`), running meanwhile; its state is
-        taken back before any slot is freed."""
+        `report`, (since, the report): a segment's, default: all work queued so far) and finishes the
+        requests that are done; returns the seconds since `start` (when the work that committed them
+        began) to the tokens' arrival on the host."""
         since, report = report or self._report()
-        try:
-            finished, seconds = self._hand_out(start, since, report)
-        finally:
-            if ahead is not None:
-                self._state = ahead.result()
+        finished, seconds = self._hand_out(start, since, report)
         self._free([h.slot for h in finished])  # those done on the device too: their tables leave their pages
         for h in finished:
             del self._running[h.slot]
@@ -730,16 +756,33 @@ class Scheduler:
             self.metrics.set_queue(len(self._waiting), len(self._running))
         return seconds
 
+    def _deliver_segment(self, segment: _Segment, then: _Segment | None = None) -> float:
+        """`_deliver` of a queued segment's report (waits for the segment to end). `then`: the segment
+        queued behind it, whose call the hand-out waits for: the dispatch thread needs the GIL to make
+        it, and the hand-out would hold it."""
+        report = segment.future.result()[1][1]
+        if then is not None:
+            then.started.wait()
+        return self._deliver(segment.start, (segment.since, report))
+
+    def _flush(self) -> float | None:
+        """Delivers the segment queued ahead, if any (before the rows change: its report is of the
+        rows as they are); the seconds to its report, or None."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else self._deliver_segment(pending)
+
     def _hand_out(self, start: float, since: np.ndarray, report) -> tuple[list[Handle], float]:
-        """Reads `report` and hands each running request its tokens from `since`; returns the requests
-        that finished and the seconds from `start` to the report's arrival."""
+        """Reads `report` (tokens from `since`; the host may have handed out some of them since then)
+        and hands each running request its tokens from where it is; returns the requests that finished
+        and the seconds from `start` to the report's arrival."""
         length, done, window, stats = programs.unpack_report(jax.device_get(report))
-        self._last, self._ahead = (length, stats), None
+        self._last = (length, stats)
         now = self._last_at = time.perf_counter()
         finished, new_tokens, seconds = [], 0, now - start
         for slot, h in list(self._running.items()):
-            count = int(length[slot] - since[slot])
-            tokens = window[slot, :count].tolist()
+            read = len(h.request.ids) + h.read
+            count = int(length[slot] - read)
+            tokens = window[slot, read - since[slot] : read - since[slot] + count].tolist()
             h.tokens += tokens
             new_tokens += count
             if count and h.first_token is None:
@@ -778,7 +821,7 @@ class Scheduler:
         if slots:
             mask = np.zeros((self.rows,), bool)
             mask[slots] = True
-            self._state = self._call(self._programs().release, self._state, mask)
+            self._queue(self._programs().release, _STATE, mask)
 
     def _finish(self, h: Handle, reason: str, text: str = "", tokens: tuple[int, ...] = (), error: str | None = None,
                 row: tuple = (0, 0, 0, ())) -> None:
@@ -803,7 +846,7 @@ class Scheduler:
         """Fails the running requests and starts again from free slots (the state may be lost)."""
         handles = list(self._running.values()) + (self._staged.group if self._staged else [])
         self._running.clear()
-        self._state, self._staged, self._ahead = None, None, None
+        self._state, self._staged, self._pending = None, None, None
         for h in handles:
             self._finish(h, "error", error=error)
         self._new_pool()
@@ -814,7 +857,11 @@ class Scheduler:
 
     def _lost(self) -> bool:
         """Whether the state's buffers are gone (donated to a program that failed)."""
-        return self._state is not None and any(x.is_deleted() for x in jax.tree.leaves(self._state))
+        try:
+            state = self._state
+        except Exception:  # queued work on it failed
+            return True
+        return state is not None and any(x.is_deleted() for x in jax.tree.leaves(state))
 
     def _call(self, program: programs.Program, *args, shape: tuple = ()):
         """`program` on `args`. A segment's host values go in as numpy: a jnp scalar made here is
@@ -832,11 +879,28 @@ class Scheduler:
             out = self._call(program, *args, shape=shape)
             self._state = out if first is None else out[first]
 
-    def _dispatch(self, program: programs.Program, *args) -> concurrent.futures.Future:
-        """`_call` whose call waits on the dispatch thread (the program is found here)."""
-        executable = self._executable(program, *args)
+    def _queue(self, program: programs.Program, *args, shape: tuple = (), first: bool = False,
+               started: threading.Event | None = None) -> concurrent.futures.Future:
+        """Queues `program` on `args` on the dispatch thread, behind the work queued before; `_STATE` in
+        `args` stands for the state that work leaves, and the output (its `first` item) is the state
+        from then on. Returns the future of (that state, the output). The device starts it as the work
+        before it ends, with no host work between them; the host waits only where it reads the state.
+        `started` is set as the dispatch thread takes it up."""
+        if (program, shape) not in self._executables:  # compiled once, for the state as it will be
+            self._executable(program, *(self._state if a is _STATE else a for a in args), shape=shape)
+        executable = self._executables[program, shape]
         programs.called(executable)
-        return self._dispatcher.submit(executable, *args)
+        prior, state = self._queued, self._value
+
+        def run():
+            if started is not None:
+                started.set()
+            current = prior.result()[0] if prior is not None else state
+            out = executable(*(current if a is _STATE else a for a in args))
+            return out[0] if first else out, out
+
+        self._queued = self._dispatcher.submit(run)
+        return self._queued
 
     def _executable(self, program: programs.Program, *args, shape: tuple = ()):
         """`program` compiled ahead of time for `args` (once a process: `programs.Program.compile`),
@@ -855,10 +919,11 @@ class Scheduler:
                               self.mesh)
 
     def _window(self) -> int:
-        """Tokens a report reads per slot: what the longest segment can commit, plus the first token
+        """Tokens a report reads per slot: what the two longest segments can commit (a segment's report
+        reads from where the host was when it was queued, one segment ahead), plus the first token
         (a segment runs whole groups of `select_every` iterations)."""
         iterations = self.spec.whole_groups(max(self.segment or self.max_len, planner.SEGMENT if self.refinement else 0))
-        return min(iterations * (self.spec.draft_len + 1) + 1, self.max_len)
+        return min(2 * iterations * (self.spec.draft_len + 1) + 1, self.max_len)
 
     def _bucket(self, n: int) -> int:
         return min(max(MIN_PROMPT_BUCKET, next_pow2(n)), self.max_len)
@@ -922,6 +987,17 @@ def _add_row_stats(a: tuple, b: tuple) -> tuple:
     depth = max(len(a[3]), len(b[3]))
     pad = lambda x: (*x, *(0,) * (depth - len(x)))
     return (a[0] + b[0], a[1] + b[1], a[2] + b[2], tuple(x + y for x, y in zip(pad(a[3]), pad(b[3]))))
+
+
+class _Segment(NamedTuple):
+    """A decode segment queued (`Scheduler._segment`): the future of (state, (state, report)), where
+    its report reads from (each row's position handed out when it was queued), when it began, and
+    whether the dispatch thread has taken it up."""
+
+    future: concurrent.futures.Future
+    since: np.ndarray
+    start: float
+    started: threading.Event  # set as the dispatch thread takes it up
 
 
 class _Admission(NamedTuple):
