@@ -1,7 +1,7 @@
 """What a segment boundary costs the device, emulated on the CPU (no GPU needed).
 
-    PYTHONPATH=. python3 bench/segment_gaps.py [--segments 2,16,64] [--new 513] [--step-ms 1.0] [--repeats 5]
-                                               [--out bench/results] [--tag T]
+    PYTHONPATH=. python3 bench/segment_gaps.py [--segments 2,16,64] [--server-slots 4] [--new 513] [--step-ms 1.0]
+                                               [--repeats 5] [--out bench/results] [--tag T]
 
 On a GPU a decode segment's call returns only once its loop has ended (XLA reads a while loop's
 condition on the host every iteration), so between two segments the device idles while the host
@@ -11,8 +11,10 @@ outputs and then sleeps `--step-ms` for each iteration it ran (an emulated devic
 and no GIL), and records when each call began and ended. A tiny random model (bench/decode.py's,
 float32) decodes one 64-token prompt for `--new` tokens through `runner.run_generation`, in one call
 and under the progress bar at each of `--segments` iterations a segment (`runner.PROGRESS_SEGMENT`);
-per configuration: ms per decode step and the mean gap between one segment's end and the next
-one's start (the device's idle time a boundary), medians over `--repeats` runs after a first one.
+and as a server runs: `--server-slots` requests of as many tokens, admitted at once into a scheduler
+of as many slots, in segments of 2 (`serve`'s default); per configuration: ms per decode step and the
+mean gap between one segment's end and the next one's start (the device's idle time a boundary),
+medians over `--repeats` runs after a first one.
 To set two trees against each other, run it with PYTHONPATH at each (the emulation patches only
 `serving.programs.Program.compile`, which both have).
 """
@@ -35,6 +37,8 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.models import decoder
 from jaxspec.serving import programs
+from jaxspec.serving.requests import Request
+from jaxspec.serving.scheduler import Scheduler
 
 TABLE = [("path", "path", "s"), ("ms / step", "ms_per_step", ".4f"), ("spread", "ms_per_step_spread", ".4f"),
          ("gap ms / boundary", "gap_ms", ".3f"), ("gap spread", "gap_ms_spread", ".3f"),
@@ -72,9 +76,30 @@ def emulate(step: float, calls: list) -> None:
     programs.Program.compile = compile
 
 
+def serve(params, cfg, spec: SpecConfig, slots: int, new: int, max_len: int) -> float:
+    """Seconds from admission to the last token of `slots` requests of `new` tokens (64-token prompts,
+    greedy), admitted at once into a scheduler of `slots` slots in segments of 2."""
+    scheduler, done = Scheduler(params, cfg, None, spec, slots=slots, max_len=max_len, stop_ids=()), []
+
+    def hear(delta):
+        if delta.finish_reason is not None:
+            done.append(delta)
+
+    for i in range(slots):
+        ids = tuple(np.random.default_rng(i).integers(0, cfg.vocab_size, 64).tolist())
+        scheduler.submit(Request(ids, new, SamplingConfig(), i), hear)
+    scheduler.admit_waiting()
+    start = time.perf_counter()
+    while len(done) < slots:
+        scheduler.step()
+    scheduler.stop()
+    return time.perf_counter() - start
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--segments", default="2,16,64")
+    p.add_argument("--server-slots", type=int, default=4)
     p.add_argument("--new", type=int, default=513)
     p.add_argument("--step-ms", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5)
@@ -92,15 +117,19 @@ def main():
     settings = dict(spec=spec, sampling=SamplingConfig(), max_len=64 + args.new, max_new_tokens=args.new, stop_ids=())
     tree = Path(runner.__file__).resolve().parents[1]  # the jaxspec measured (PYTHONPATH)
     result = {**common.run_info(), "tree": str(tree), "step_ms": args.step_ms, "new": args.new, "rows": []}
-    paths = [("one call", None)] + [(f"segments of {s}", int(s)) for s in args.segments.split(",")]
+    paths = ([("one call", None)] + [(f"segments of {s}", int(s)) for s in args.segments.split(",")]
+             + [(f"server, {args.server_slots} slots, segments of 2", "server")])
     for name, segment in paths:
-        runner.PROGRESS_SEGMENT = segment or runner.PROGRESS_SEGMENT
+        runner.PROGRESS_SEGMENT = segment if isinstance(segment, int) else runner.PROGRESS_SEGMENT
         steps, gaps = [], []
         for _ in range(args.repeats + 1):
             calls.clear()
-            run = runner.run_generation(params, cfg, batch, progress=segment is not None, **settings)
+            if segment == "server":
+                seconds = serve(params, cfg, spec, args.server_slots, args.new, settings["max_len"])
+            else:
+                seconds = runner.run_generation(params, cfg, batch, progress=segment is not None, **settings).decode_s
             segments = [c for c in calls if c[1] - c[0] > args.step_ms * 1e-3 / 2]  # not a program's load
-            steps.append(run.decode_s / (args.new - 1) * 1e3)
+            steps.append(seconds / (args.new - 1) * 1e3)
             gaps.append(statistics.mean([b[0] - a[1] for a, b in zip(segments, segments[1:])] or [0.0]) * 1e3)
         steps, gaps = steps[1:], gaps[1:]  # the first run compiles
         result["rows"].append(dict(path=name, ms_per_step=statistics.median(steps), gap_ms=statistics.median(gaps),
