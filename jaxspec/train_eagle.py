@@ -1,7 +1,7 @@
 """`python -m jaxspec.train_eagle`: train an EAGLE-3 draft head for a model (`--method eagle --draft-model DIR`).
 
     python -m jaxspec.train_eagle --model M --out DIR [--tokens N] [--steps S] [--batch B] [--seq T]
-        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--seed N] [--resume]
+        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--seed N] [--init HEAD] [--resume]
 
 Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the training documents,
 then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
@@ -9,7 +9,10 @@ DIR gets the head in the public layout (config.json + model.safetensors, at --dt
 (the progress records, settings, data size, seconds), data.npy (the generated tokens) and train_state/
 (head, optimizer, step: saved once the data are generated and every CHECKPOINT_EVERY steps, so
 `--resume` continues an interrupted run with the same flags without generating the data again).
-DIR must be new or empty, unless resuming; the finished directory replaces it at once.
+DIR must be new or empty, unless resuming; the finished directory replaces it at once. `--init HEAD`
+starts from a head for the same model (its weights, draft vocabulary and config) instead of random
+weights: a head trained further on newly generated data (another `--seed`), so training can go on in
+pieces, e.g. one GPU session at a time.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def parse(argv) -> tuple:
     p.add_argument("--chat-share", type=float, default=d.chat_share,
                    help="share of the prompts that are requests the model wrote itself (with a chat template; the "
                         "rest are documentation tasks)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this head (weights, draft vocabulary, config) instead of random weights")
     p.add_argument("--resume", action="store_true", help="continue DIR's saved run")
     args = p.parse_args(argv)
     settings = Settings(tokens=args.tokens, steps=args.steps, batch=args.batch, seq=args.seq, ttt=args.ttt,
@@ -67,6 +72,10 @@ def parse(argv) -> tuple:
         raise JaxspecError(f"--chat-share must be in [0, 1], got {args.chat_share}")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise JaxspecError(f"--draft-vocab must be positive, got {args.draft_vocab}")
+    if args.init is not None and not (args.init / "config.json").is_file():
+        raise JaxspecError(f"--init {args.init} is not an EAGLE-3 head (no config.json)")
+    if args.init is not None and args.draft_vocab is not None:
+        raise JaxspecError("--draft-vocab with --init: the head keeps --init's draft vocabulary")
     out = args.out
     if out.exists() and not out.is_dir():
         raise JaxspecError(f"--out {out} is a file")
@@ -85,7 +94,7 @@ def main(argv=None) -> None:
 
     from jaxspec import files
     from jaxspec.loaders import load_model
-    from jaxspec.loaders.eagle import write_eagle
+    from jaxspec.loaders.eagle import head_fingerprint, load_eagle, write_eagle
     from jaxspec.training import eagle as training
 
     begin = time.perf_counter()
@@ -93,12 +102,21 @@ def main(argv=None) -> None:
     cfg, target, tokenizer = load_model(args.model, dtype=args.dtype)
     if args.seq + args.ttt > cfg.max_position_embeddings:
         raise JaxspecError(f"--seq {args.seq} + --ttt {args.ttt} is past the model's context {cfg.max_position_embeddings}")
-    settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab or training.default_draft_vocab(cfg.vocab_size))
-    ecfg = training.head_config(cfg, settings.draft_vocab, settings.seq)
-    record = {"model": args.model, "dtype": args.dtype, "settings": dataclasses.asdict(settings)}
+    start = None  # --init's head
+    if args.init is not None:
+        ecfg, start = load_eagle(args.init, cfg, "float32")  # one-line error for a head that does not fit
+        if "embed" in start:
+            raise JaxspecError(f"--init {args.init} has its own embedding, which train_eagle does not train")
+        settings = dataclasses.replace(settings, draft_vocab=ecfg.draft_vocab_size)
+    else:
+        settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab
+                                       or training.default_draft_vocab(cfg.vocab_size))
+        ecfg = training.head_config(cfg, settings.draft_vocab, settings.seq)
+    record = {"model": args.model, "dtype": args.dtype, "settings": dataclasses.asdict(settings),
+              "init": head_fingerprint(args.init) if args.init is not None else None}
     if args.resume:
         saved = training.read_record(out)
-        for key in ("model", "dtype", "settings"):
+        for key in ("model", "dtype", "settings", "init"):
             if saved.get(key) != record[key]:
                 raise JaxspecError(f"--resume: {out} was trained with {key} {saved.get(key)}, not {record[key]}")
         stream = training.load_data(out)
@@ -108,9 +126,13 @@ def main(argv=None) -> None:
         stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
                                        backend, log, settings.chat_share)
         files.write_file(out / training.DATA_FILE, lambda tmp: training.write_data(tmp, stream))
-    ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)
+    if start is None:
+        ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)
+        head = training.init_head(jax.random.key(settings.seed), ecfg, ids)
+    else:
+        head = jax.tree.map(jax.numpy.asarray, start)
+        ids = np.arange(ecfg.draft_vocab_size) + np.asarray(start["d2t"])
     log(f"draft vocabulary: {len(ids)} of {cfg.vocab_size} tokens, {np.isin(stream, ids).mean():.1%} of the data")
-    head = training.init_head(jax.random.key(settings.seed), ecfg, ids)
     trainable, d2t = training.trainable_part(head), head["d2t"]
     opt, _ = training.make_step(cfg, ecfg, settings.ttt, settings.lr, settings.steps, settings.warmup)
     state = (trainable, opt.init(trainable), d2t)

@@ -20,7 +20,7 @@ import pytest
 
 from jaxspec import train_eagle
 from jaxspec.loaders import hf
-from jaxspec.loaders.eagle import load_eagle, save_eagle
+from jaxspec.loaders.eagle import head_fingerprint, load_eagle, save_eagle
 from jaxspec.models import decoder, eagle
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.tokenizer import Tokenizer
@@ -167,6 +167,25 @@ def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+def test_init_trains_on_from_a_head(capsys, tiny_model, tmp_path):
+    """--init starts from a head (its weights, draft vocabulary and config) and records which: with a
+    learning rate too small to move anything, the head it writes is the head it started from; it
+    keeps the head's draft vocabulary, so --draft-vocab with it is a one-line error."""
+    first, more = tmp_path / "first", tmp_path / "more"
+    assert cli(capsys, "--model", tiny_model, "--out", first, *SMALL)[0] == 0
+    unsized = [x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v)]
+    code, err = cli(capsys, "--model", tiny_model, "--out", more, *unsized, "--seed", 1, "--lr", 1e-12, "--init", first)
+    assert code == 0, err
+    assert json.loads((more / "train_log.json").read_text())["init"] == head_fingerprint(first)
+    target_cfg = hf.read_config(tiny_model, "float32")
+    (ca, a), (cb, b) = load_eagle(first, target_cfg, "float32"), load_eagle(more, target_cfg, "float32")
+    assert ca == cb
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    code, err = cli(capsys, "--model", tiny_model, "--out", tmp_path / "sized", *SMALL, "--init", first)
+    assert code == 2 and "keeps --init's draft vocabulary" in err and len(err.strip().splitlines()) == 1
+
+
 def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeypatch):
     """The pre-query template is the chat template up to the user's message; the target's own requests
     are whole messages (they ended with a stop token); and self_distill prompts `chat_share` of a
@@ -197,6 +216,7 @@ def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeyp
     (("--ttt", 0), "--ttt >= 1"),
     (("--chat-share", 1.5), "--chat-share must be in [0, 1]"),
     (("--resume",), "has no train_state"),
+    (("--init", "no/such/head"), "is not an EAGLE-3 head"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(capsys, tiny_model, tmp_path, args, fragment):
     defaults = {"--model": tiny_model, "--out": tmp_path / "head", **dict(zip(SMALL[::2], SMALL[1::2]))}
