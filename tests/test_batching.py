@@ -408,7 +408,7 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
 
     from jaxspec import planner
     from jaxspec.planner import Prediction, Strategy, refine
-    from jaxspec.serving.programs import replay
+    from jaxspec.serving.programs import replays
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app
 
@@ -419,7 +419,7 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
                           max_top_k=32)
     scheduler.warm_up(128)  # prompts of up to 128 tokens: buckets 64 and 128
     compiled_s, programs = scheduler.compile_s, set(scheduler._executables)
-    assert (replay(CFG, g2.spec(scheduler.base), MAX_LEN), scheduler._state.tokens.shape) in programs
+    assert (replays(CFG, (g2.spec(scheduler.base),), MAX_LEN), scheduler._state.tokens.shape) in programs
     requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # buckets 64 and 128
     tokens, finished = submit_all(scheduler, requests)
     while len(finished) < 3:

@@ -839,6 +839,39 @@ def test_device_watch_judges_no_window_too_late_for_a_switch(tiny, monkeypatch):
     assert [s["iterations"] for s in run.auto.segments] == [16, 43] and decided == [PLAIN]
 
 
+def test_replays_queued_behind_a_window_are_its_replays(tiny, monkeypatch):
+    """The refinement's replays run on the device, queued behind the segment that ends a window
+    (`programs.replays`); what the host reads from them equals `Ngram.replay` over that window's
+    committed tokens (the rows that ran all of it, from its start to the latest report), at every
+    refinement segment and watch window of a run that drafts with ngram g4 and replays ngram g2."""
+    from jaxspec.decoding.drafters import make_drafter
+    from jaxspec.serving.scheduler import Scheduler
+
+    cfg, params, batch = tiny
+    monkeypatch.setattr(refine, "WATCH", 16)
+    monkeypatch.setattr(planner, "AHEAD", 8)
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
+    g2 = planner.Strategy("ngram", gamma=2)
+    plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (NGRAM, g2, PLAIN)), NGRAM, "table:t.json", 1024)
+    replays, checked = Scheduler._replays, []
+
+    def checked_replays(self, since, replayed):
+        got = replays(self, since, replayed)
+        whole = planner.whole_rows(since, self._last)
+        end = self._last[0]
+        start = np.where(whole, since[0], end)
+        for strategy, seen in got.items():  # the tokens up to `end` are the window's, whatever ran after it
+            drafter = make_drafter(strategy.spec(self.base), self.cfg, self.max_len)
+            iterations = drafter.replay(self._state.tokens, jnp.asarray(start), jnp.asarray(end))
+            checked.append(seen == Observation.replayed(end - start, np.asarray(iterations), whole))
+        return got
+
+    monkeypatch.setattr(Scheduler, "_replays", checked_replays)
+    run = run_generation(params, cfg, batch, plan=plan, sampling=SamplingConfig(), max_len=240, max_new_tokens=200,
+                         stop_ids=(), spec=SpecConfig())
+    assert len(run.auto.segments) >= 3 and len(checked) == len(run.auto.segments) and all(checked)
+
+
 @pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 0.05])  # greedy: a special case, slow
 def test_ngram_replay_takes_the_iterations_of_the_run_it_replays(tiny, temperature):
     """Replaying ngram over the tokens an ngram run committed takes that run's iterations, row by

@@ -128,9 +128,21 @@ def table(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, 
 
 
 @functools.lru_cache(maxsize=None)
-def replay(cfg, spec: SpecConfig, max_len: int) -> Program:
-    """The jitted `Ngram.replay` of one strategy (the refinement's replays of strategies not running)."""
-    return Program("replay", jax.jit(make_drafter(spec, cfg, max_len).replay))
+def replays(cfg, specs: tuple[SpecConfig, ...], max_len: int) -> Program:
+    """The refinement's replays of the strategies not running (`Ngram.replay` of each of `specs`) over
+    the window that ends at a state: (state, the window's start lengths [B], the rows' iterations
+    there [B]) -> iterations [S, B] (`window_replays`). Queued behind a window's last segment, they
+    run on the device as it ends, and the host reads them with its report."""
+    drafters = [make_drafter(s, cfg, max_len) for s in specs]
+    return Program("replays", jax.jit(lambda state, length, ran: window_replays(drafters, state, length, ran)))
+
+
+def window_replays(drafters, state, length, ran):
+    """Each drafter's `replay` [S, B] over the rows of `state` that ran every iteration since lengths
+    `length` and row iterations `ran` [B] (the others replay nothing): the window ends at the state."""
+    rows = state.stats.iterations - ran
+    start = jnp.where(rows == rows.max(), length, state.length)
+    return jnp.stack([d.replay(state.tokens, start, state.length) for d in drafters])
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,10 +173,9 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
                 state = eng.decode(params, state, max_iterations=jnp.minimum(window, iterations - i), min_live=min_live)
                 rows = state.stats.iterations - ran
                 whole = rows == rows.max()
-                start = jnp.where(whole, length, state.length)
-                tokens = (state.length - start).astype(jnp.float32)
+                tokens = (state.length - jnp.where(whole, length, state.length)).astype(jnp.float32)
                 crossed, i = jnp.bool_(False), i + rows.max()
-                replays = jnp.stack([d.replay(state.tokens, start, state.length) for d in drafters])
+                replays = window_replays(drafters, state, length, ran)
                 for replayed, threshold in zip(replays, thresholds):
                     counted = whole & (replayed > 0)
                     slowest = jnp.min(jnp.where(counted, tokens / jnp.maximum(replayed, 1), jnp.inf))

@@ -246,10 +246,9 @@ class Scheduler:
                 admit = self._programs().admit_prefilled if chunked else self._programs().admit
                 self._executable(admit, self.params, self._state, *args, shape=(n, width, chunked))
         self._compile_segment(self._state, self.slots)
-        if self.refinement is not None:  # the replays of its first segments (each a compile)
-            length = np.asarray(jax.device_get(self._state.length))
-            for strategy in self.refinement.replayed:
-                self._replay(strategy, length, length)
+        if self.refinement is not None and self.refinement.replayed:  # the replays of its first segments
+            length, ran = jax.device_get((self._state.length, self._state.stats.iterations))
+            self._executable(self._replays_program(), self._state, length, ran, shape=self._state.tokens.shape)
         if self.shrink:
             self._warm_up_shrinking()
 
@@ -518,6 +517,11 @@ class Scheduler:
         # a watch window starts at a report of the state's rows (not one read before a shrink or growth)
         if watching and self._watch_from is None and len(before[0]) == self.rows:
             self._watch_from = (before, this.start)
+        # the replays of the window `this` may end, queued behind it: the device runs them as it ends, and
+        # a window is judged only if they were queued (it cannot end unforeseen: `_ends_window`)
+        ends = watching and self._watch_from is not None and self._ends_window(before, this)
+        window = before if refining else self._watch_from[0] if ends else None
+        replays = self._queue_replays(window) if window is not None else None
         ahead = None
         if (self.segment is not None or watching) and not refining and self._running:
             self._reserve()  # for this one and the next
@@ -528,17 +532,15 @@ class Scheduler:
         target = None
         if refining:
             target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running,
-                                             self._replays(before))
-        elif (watching and self._watch_from is not None
-              and self._last[1].iterations.max() - self._watch_from[0][1].iterations.max() >= self.refinement.window):
+                                             self._replays(before, replays))
+        elif ends and (self._last[1].iterations.max() - self._watch_from[0][1].iterations.max()
+                       >= self.refinement.window):
             (since, began), self._watch_from = self._watch_from, None
             seen = planner.Observation.between(since, self._last, self._last_at - began)  # to the report, not past it
-            jax.block_until_ready(self._state.tokens)  # the replays read the tokens of the segment queued ahead
-            replayed = time.perf_counter()
-            replays = self._replays(since)
-            if self._pending is not None:  # the device idled through the replays: not the next window's time
-                self._pending = self._pending._replace(start=self._pending.start + time.perf_counter() - replayed)
-            target = self.refinement.watch(seen, not self._running, replays, self._left())
+            judging = time.perf_counter()
+            target = self.refinement.watch(seen, not self._running, self._replays(since, replays), self._left())
+            if self._pending is not None:  # the host's judgement is not the next segment's time (it runs meanwhile)
+                self._pending = self._pending._replace(start=self._pending.start + time.perf_counter() - judging)
         if target is not None:
             self._switch(target)
         self._shrink_if_few()
@@ -549,7 +551,21 @@ class Scheduler:
         since, started = self._since(), threading.Event()
         future = self._queue(self._programs().decode, self.params, _STATE, limit, floor, since, first=True,
                              started=started)
-        return _Segment(future, since, time.perf_counter(), started)
+        return _Segment(future, since, time.perf_counter(), started, self.spec.whole_groups(int(limit)))
+
+    def _ends_window(self, before, this: _Segment) -> bool:
+        """Whether `this` segment, queued after the report `before`, may end the watch window: its rows
+        run at most its iterations."""
+        ran = before[1].iterations.max() + this.iterations - self._watch_from[0][1].iterations.max()
+        return ran >= self.refinement.window
+
+    def _queue_replays(self, since) -> concurrent.futures.Future | None:
+        """The refinement's replays over the window from the report `since` to the end of the work
+        queued so far, queued behind it (`programs.replays`), or None with nothing to replay."""
+        if not self.refinement.replayed:
+            return None
+        return self._queue(self._replays_program(), _STATE, since[0], since[1].iterations,
+                           shape=self._value.tokens.shape, keeps=True)
 
     def _run_watched(self) -> None:
         """`run_segment` for a closed batch settled on plain that watches ngram
@@ -643,23 +659,27 @@ class Scheduler:
         self.metrics.count_preemption()
         log.info("preempted request %s after %d tokens: the KV pool is full", h.id, h.read)
 
-    def _replays(self, since, replayed=None) -> dict:
+    def _replays(self, since, replayed) -> dict:
         """{Strategy: Observation.replayed} of the refinement's replayed strategies over the tokens
-        committed since the report `since`, by the rows that ran the whole window; `replayed`: their
-        iterations [S, B] when the device replayed that window already (`programs.watched`)."""
+        committed since the report `since` up to the latest one, by the rows that ran the whole window,
+        from `replayed`, the device's replays of that window: their iterations [S, B] (`programs.watched`)
+        or the future of `_queue_replays` (None: nothing to replay)."""
+        if not self.refinement.replayed:
+            return {}
         whole = planner.whole_rows(since, self._last)
         end = self._last[0]
         start = np.where(whole, since[0], end)
-        if replayed is None:  # every replay dispatched before the first is read: one wait on the device
-            replayed = [self._replay(s, start, end)(self._state.tokens, start, end) for s in self.refinement.replayed]
-        return {s: planner.Observation.replayed(end - start, np.asarray(iterations), whole)
+        if isinstance(replayed, concurrent.futures.Future):
+            replayed = replayed.result()[1]
+        replayed = np.asarray(jax.device_get(replayed))
+        return {s: planner.Observation.replayed(end - start, iterations, whole)
                 for s, iterations in zip(self.refinement.replayed, replayed)}
 
-    def _replay(self, strategy: planner.Strategy, start: np.ndarray, end: np.ndarray):
-        """`strategy`'s `Ngram.replay` over the state's tokens, compiled once per strategy and tokens'
-        shape (their width is the running strategy's depth)."""
-        return self._executable(programs.replay(self.cfg, strategy.spec(self.base), self.max_len), self._state.tokens, start,
-                                end, shape=self._state.tokens.shape)
+    def _replays_program(self) -> programs.Program:
+        """`programs.replays` of the refinement's replayed strategies (compiled per tokens' shape: their
+        width is the running strategy's depth)."""
+        specs = tuple(s.spec(self.base) for s in self.refinement.replayed)
+        return programs.replays(self.cfg, specs, self.max_len)
 
     def _may_shrink(self) -> bool:
         return (self.shrink and not self._waiting and self._staged is None
@@ -879,13 +899,13 @@ class Scheduler:
             out = self._call(program, *args, shape=shape)
             self._state = out if first is None else out[first]
 
-    def _queue(self, program: programs.Program, *args, shape: tuple = (), first: bool = False,
+    def _queue(self, program: programs.Program, *args, shape: tuple = (), first: bool = False, keeps: bool = False,
                started: threading.Event | None = None) -> concurrent.futures.Future:
         """Queues `program` on `args` on the dispatch thread, behind the work queued before; `_STATE` in
-        `args` stands for the state that work leaves, and the output (its `first` item) is the state
-        from then on. Returns the future of (that state, the output). The device starts it as the work
-        before it ends, with no host work between them; the host waits only where it reads the state.
-        `started` is set as the dispatch thread takes it up."""
+        `args` stands for the state that work leaves, and the output (its `first` item; with `keeps`,
+        none of it: the state stays) is the state from then on. Returns the future of (that state, the
+        output). The device starts it as the work before it ends, with no host work between them; the
+        host waits only where it reads the state. `started` is set as the dispatch thread takes it up."""
         if (program, shape) not in self._executables:  # compiled once, for the state as it will be
             self._executable(program, *(self._state if a is _STATE else a for a in args), shape=shape)
         executable = self._executables[program, shape]
@@ -897,7 +917,7 @@ class Scheduler:
                 started.set()
             current = prior.result()[0] if prior is not None else state
             out = executable(*(current if a is _STATE else a for a in args))
-            return out[0] if first else out, out
+            return current if keeps else out[0] if first else out, out
 
         self._queued = self._dispatcher.submit(run)
         return self._queued
@@ -998,6 +1018,7 @@ class _Segment(NamedTuple):
     since: np.ndarray
     start: float
     started: threading.Event  # set as the dispatch thread takes it up
+    iterations: int  # the most it runs
 
 
 class _Admission(NamedTuple):
