@@ -95,6 +95,7 @@ def main(argv=None) -> None:
     from jaxspec import files
     from jaxspec.loaders import load_model
     from jaxspec.loaders.eagle import head_fingerprint, load_eagle, write_eagle
+    from jaxspec.models.eagle import to_target_ids
     from jaxspec.training import eagle as training
 
     begin = time.perf_counter()
@@ -131,7 +132,7 @@ def main(argv=None) -> None:
         head = training.init_head(jax.random.key(settings.seed), ecfg, ids)
     else:
         head = jax.tree.map(jax.numpy.asarray, start)
-        ids = np.arange(ecfg.draft_vocab_size) + np.asarray(start["d2t"])
+        ids = to_target_ids(np.asarray(start["d2t"]), np.arange(ecfg.draft_vocab_size))
     log(f"draft vocabulary: {len(ids)} of {cfg.vocab_size} tokens, {np.isin(stream, ids).mean():.1%} of the data")
     trainable, d2t = training.trainable_part(head), head["d2t"]
     opt, _ = training.make_step(cfg, ecfg, settings.ttt, settings.lr, settings.steps, settings.warmup)
