@@ -274,6 +274,120 @@ def test_a_failed_segment_fails_its_request_and_the_server_goes_on(params):
     assert len(calls) > 3 and last.finish_reason == "length" and tokens == alone(params, spec, second)
 
 
+def test_a_failed_segment_queued_ahead_fails_the_requests_it_ran_only(params):
+    """The segment queued ahead fails while a request arrives: the running request ends with the
+    internal error, and the new one (admitted next, onto a fresh state) emits its tokens alone, not the
+    failure of work that never ran it."""
+    import time
+
+    from jaxspec.serving import scheduler as serving
+    from jaxspec.serving.requests import Request as Job
+
+    spec = SpecConfig(method="plain").validate()
+    first, second = Request(20, 40, 30, GREEDY), Request(21, 50, 12, HOT)
+    scheduler = serving.Scheduler(params, CFG, None, spec, slots=2, max_len=MAX_LEN, max_top_k=32)
+    scheduler.warm_up()
+    key = (scheduler._programs().decode, ())
+    decode, calls, tokens, finished = scheduler._executables[key], [], [], {}
+
+    def failing_second(*args):  # the first segment queued ahead of another
+        calls.append(len(calls))
+        if len(calls) == 2:
+            scheduler.submit(Job(tuple(second.ids.tolist()), second.max_new, second.rules, second.seed),
+                             lambda d: (tokens.extend(d.token_ids), d.finish_reason and finished.update(second=d)))
+            raise RuntimeError("the device fell over")
+        return decode(*args)
+
+    scheduler._executables[key] = failing_second
+    scheduler.submit(Job(tuple(first.ids.tolist()), first.max_new, first.rules, first.seed),
+                     lambda d: d.finish_reason and finished.update(first=d))
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 120
+        while len(finished) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert finished["first"].finish_reason == "error" and "the device fell over" in finished["first"].error
+    assert finished["second"].finish_reason == "length" and tokens == alone(params, spec, second)
+
+
+def test_an_admission_that_fails_after_another_leaves_that_one_its_own_tokens(params, monkeypatch):
+    """One round admits a request into a slot freed under a segment queued ahead, then fails the next
+    request's admission: the first still emits exactly its tokens alone (the report of the segment
+    queued ahead is of the slot's former request), the failed one ends with its error, and the running
+    request is undisturbed."""
+    from jaxspec.serving.scheduler import Scheduler
+
+    spec = SpecConfig(method="plain").validate()
+    scheduler = Scheduler(params, CFG, None, spec, slots=3, max_len=MAX_LEN, admit_rows=1, max_top_k=32, segment=2)
+    running, short, admitted, failing = (Request(1, 40, 60, GREEDY), Request(2, 120, 3, GREEDY),
+                                         Request(3, 30, 10, GREEDY), Request(4, 30, 10, GREEDY))
+    tokens, finished = submit_all(scheduler, [running, short])
+    while 1 not in finished:
+        scheduler.step()
+    assert scheduler._pending is not None  # a segment queued ahead, its report of the short request's slot
+    admission = scheduler._admission
+
+    def fails_for_the_second(group, slots, n, width):
+        if any(h.request.ids == tuple(failing.ids.tolist()) for h in group):
+            raise RuntimeError("no admission for you")
+        return admission(group, slots, n, width)
+
+    monkeypatch.setattr(scheduler, "_admission", fails_for_the_second)
+    later_tokens, later = submit_all(scheduler, [admitted, failing])
+    with pytest.raises(RuntimeError, match="no admission"):
+        scheduler.step()
+    while len(later) < 2 or 0 not in finished:
+        scheduler.step()
+    assert later[1].finish_reason == "error" and "no admission" in later[1].error
+    assert later[0].finish_reason == "length" and later_tokens[0] == alone(params, spec, admitted)
+    assert finished[0].finish_reason == "length" and tokens[0] == alone(params, spec, running)
+
+
+def test_a_cancel_during_admission_or_before_a_preemption_ends_the_request(params):
+    """A cancel that arrives after a request left the queue but before it has a slot (its admission
+    waits for the segment queued ahead) frees its slot once it runs; one that arrives before the
+    request is preempted ends it instead of queueing it again."""
+    import threading
+
+    from jaxspec.serving.requests import Request as Job
+    from jaxspec.serving.scheduler import Scheduler
+
+    spec = SpecConfig(method="plain").validate()
+    scheduler = Scheduler(params, CFG, None, spec, slots=2, max_len=MAX_LEN, max_top_k=32)
+    submit_all(scheduler, [Request(1, 40, 60, GREEDY)])
+    scheduler.step()
+    scheduler.step()
+    assert scheduler._pending is not None
+    done = {}
+    job = Request(2, 30, 50, GREEDY)
+    handle = scheduler.submit(Job(tuple(job.ids.tolist()), job.max_new), lambda d: d.finish_reason and done.update(d=d))
+    admit = scheduler._admit
+
+    def cancelled_while_admitted(group, slots, *args, **kwargs):
+        if handle in group:  # out of the queue, not yet in a slot: the server's thread cancels now
+            thread = threading.Thread(target=handle.cancel)
+            thread.start()
+            thread.join()
+        return admit(group, slots, *args, **kwargs)
+
+    scheduler._admit = cancelled_while_admitted
+    for _ in range(20):
+        if "d" in done:
+            break
+        scheduler.step()
+    assert done["d"].finish_reason == "cancelled" and done["d"].stats.completion_tokens < job.max_new
+
+    scheduler._admit = admit
+    late = {}
+    handle = scheduler.submit(Job(tuple(job.ids.tolist()), job.max_new), lambda d: d.finish_reason and late.update(d=d))
+    scheduler.step()
+    handle.cancel()  # then preempted before the next round frees its slot
+    scheduler._preempt(handle)
+    assert late["d"].finish_reason == "cancelled" and handle not in scheduler._waiting
+
+
 def test_static_batching_admits_only_into_an_empty_batch(params):
     """`serve --batching static`'s gate: a waiting request is admitted only once every running one
     has finished (not into the first freed slot, as continuous batching does), and emits its tokens alone."""

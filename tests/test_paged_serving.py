@@ -219,3 +219,25 @@ def test_chunked_prefill_from_a_cached_prefix_and_shrinking(params):
     for out, r in zip([tokens[0], *later_tokens.values()], [first, longer, other, again]):
         assert out == alone(params, spec, r)
     assert_pool_idle(s)
+
+
+def test_a_failure_in_a_shrunk_state_starts_again_from_every_slot(params):
+    """A failure while a paged scheduler runs shrunk fails what ran and starts again from `slots` free
+    rows: the next request runs to its tokens alone (the next admission once grew a state it no
+    longer had, failing every round)."""
+    spec = SpecConfig(method="plain").validate()
+    s = Scheduler(params, CFG, None, spec, slots=4, max_len=MAX_LEN, max_top_k=32, kv_pages=13, page_size=64,
+                  shrink=True)
+    _, finished = submit_all(s, [Request(10 + i, 40, n, GREEDY) for i, n in enumerate([200, 3, 3, 3])])
+    while s.rows == s.slots:
+        s.step()
+    s._fail_all("internal error: the device fell over")  # what the server's loop does on a failed segment
+    assert finished[0].finish_reason == "error" and s.rows == s.slots
+    late = Request(20, 40, 5, GREEDY)
+    tokens, done = submit_all(s, [late])
+    for _ in range(10):
+        if done:
+            break
+        s.step()
+    assert done[0].finish_reason == "length" and tokens[0] == alone(params, spec, late)
+    assert_pool_idle(s)

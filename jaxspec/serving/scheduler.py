@@ -151,11 +151,6 @@ class Scheduler:
         return self._stopping
 
     @property
-    def state(self) -> engine.DecodeState | None:
-        """The running decode state (every slot's tokens, lengths and stats under the current strategy)."""
-        return self._state
-
-    @property
     def _state(self) -> engine.DecodeState | None:
         """The state as the work queued on it leaves it (waits for that work)."""
         if self._queued is not None:
@@ -213,7 +208,7 @@ class Scheduler:
             if handle in self._waiting:
                 self._waiting.remove(handle)
                 self._finish(handle, "cancelled")
-            elif handle.slot is not None:
+            else:  # running, or being admitted: its slot is freed once it runs (`_release_cancelled`)
                 self._cancelled.add(handle)
             self._lock.notify()
 
@@ -289,6 +284,12 @@ class Scheduler:
 
     # --- the scheduler thread (the server's) or the caller's (the runner's) ----------------------------
 
+    @property
+    def state(self) -> engine.DecodeState | None:
+        """The running decode state (every slot's tokens, lengths and stats under the current strategy),
+        once the work queued on it has run: read it on the scheduler's thread only, which queues that work."""
+        return self._state
+
     def step(self) -> None:
         """One round: frees cancelled slots, admits waiting requests, runs a segment. Raises on failure."""
         self._release_cancelled()
@@ -335,22 +336,30 @@ class Scheduler:
         if self._waiting and self.rows < self.slots:
             self._grow()
         free = [s for s in range(self.slots) if s not in self._running]
+        if free and self._waiting and self._queued is not None:
+            self._queued.result()  # a failure of the work queued so far is the running requests', raised here
         admitted = 0
-        while free:
-            with self._lock:
-                group = []  # the longest run of waiting requests, in order, whose pages the pool has now
-                while self._waiting and len(group) < min(len(free), self.admit_rows) and self._take_pages(self._waiting[0]):
-                    group.append(self._waiting.popleft())
-                self.metrics.set_queue(len(self._waiting), len(self._running))
-            if not group:
-                break
-            slots, free = free[: len(group)], free[len(group) :]
-            width = self._bucket(max(len(self._prompt(h)) for h in group))
-            if cache is None and self.prefill_chunk is not None and width > self.prefill_chunk:
-                admitted += len(group) if self._guarded(group, lambda: self._stage(group, slots)) else 0
-                break
-            self._guarded(group, lambda: self._admit(group, slots, cache))
-            admitted += len(group)
+        try:
+            while free:
+                with self._lock:
+                    group = []  # the longest run of waiting requests, in order, whose pages the pool has now
+                    most = min(len(free), self.admit_rows)
+                    while self._waiting and len(group) < most and self._take_pages(self._waiting[0]):
+                        group.append(self._waiting.popleft())
+                    self.metrics.set_queue(len(self._waiting), len(self._running))
+                if not group:
+                    break
+                slots, free = free[: len(group)], free[len(group) :]
+                width = self._bucket(max(len(self._prompt(h)) for h in group))
+                if cache is None and self.prefill_chunk is not None and width > self.prefill_chunk:
+                    admitted += len(group) if self._guarded(group, lambda: self._stage(group, slots)) else 0
+                    break
+                self._guarded(group, lambda: self._admit(group, slots, cache))
+                admitted += len(group)
+        except Exception:  # what was admitted gets its first token when a later group fails (the report
+            if admitted and not self._lost():  # of a segment queued ahead is of the rows before them)
+                self._deliver(start)
+            raise
         if admitted:
             self._deliver(start)
 
@@ -537,10 +546,10 @@ class Scheduler:
                        >= self.refinement.window):
             (since, began), self._watch_from = self._watch_from, None
             seen = planner.Observation.between(since, self._last, self._last_at - began)  # to the report, not past it
-            judging = time.perf_counter()
-            target = self.refinement.watch(seen, not self._running, self._replays(since, replays), self._left())
-            if self._pending is not None:  # the host's judgement is not the next segment's time (it runs meanwhile)
-                self._pending = self._pending._replace(start=self._pending.start + time.perf_counter() - judging)
+            replayed = self._replays(since, replays)
+            if self._pending is not None:  # queued behind the replays: it ran from their end (about their arrival)
+                self._pending = self._pending._replace(start=time.perf_counter())
+            target = self.refinement.watch(seen, not self._running, replayed, self._left())
         if target is not None:
             self._switch(target)
         self._shrink_if_few()
@@ -655,7 +664,11 @@ class Scheduler:
         self._drop_pages(h)
         h.slot = None
         with self._lock:
-            self._waiting.appendleft(h)
+            if h in self._cancelled:  # its client is gone: it ends here
+                self._cancelled.discard(h)
+                self._finish(h, "cancelled")
+            else:
+                self._waiting.appendleft(h)
         self.metrics.count_preemption()
         log.info("preempted request %s after %d tokens: the KV pool is full", h.id, h.read)
 
@@ -817,7 +830,7 @@ class Scheduler:
                 reason = "stop"
             if reason is None:
                 if text or tokens:
-                    h.listener(Delta(text, tuple(tokens)))
+                    _tell(h, Delta(text, tuple(tokens)))
                 continue
             finished.append(h)
             text += h.text.flush() if h.text else ""
@@ -857,16 +870,17 @@ class Scheduler:
             total_s=now - h.submitted,
         )
         self.metrics.finish_request(reason, stats)
-        try:
-            h.listener(Delta(text, tokens, reason, stats, error))
-        except Exception:  # a listener's failure (a vanished client) is not the scheduler's
-            log.exception("listener failed")
+        _tell(h, Delta(text, tokens, reason, stats, error))
 
     def _fail_all(self, error: str) -> None:
-        """Fails the running requests and starts again from free slots (the state may be lost)."""
+        """Fails the running requests and starts again from free slots of `slots` rows (the state may be
+        lost), once the work queued on the old state has ended (its buffers go before a new pool comes)."""
         handles = list(self._running.values()) + (self._staged.group if self._staged else [])
+        if self._queued is not None:
+            concurrent.futures.wait([self._queued])  # the dispatch thread runs its work in order: all of it
         self._running.clear()
         self._state, self._staged, self._pending = None, None, None
+        self.rows, self._last, self._watch_from = self.slots, None, None
         for h in handles:
             self._finish(h, "error", error=error)
         self._new_pool()
@@ -973,6 +987,14 @@ class Scheduler:
 
     def _rules(self, configs: list[SamplingConfig]) -> RowSampling | None:
         return None if self.sampling is not None else RowSampling.of(configs, self.max_top_k)
+
+
+def _tell(h: Handle, delta: Delta) -> None:
+    """Hands `h`'s listener a delta; its failure (a vanished client) is not the scheduler's."""
+    try:
+        h.listener(delta)
+    except Exception:
+        log.exception("listener failed")
 
 
 def row_pages(max_len: int, page_size: int) -> int:
