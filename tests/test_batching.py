@@ -454,6 +454,28 @@ def test_model_end_tokens_end_a_request_unless_it_ignores_them(params):
     assert finished[True].finish_reason == "length" and tokens[True] == want
 
 
+def test_a_watch_window_ends_on_the_iterations_its_rows_ran(params):
+    """A server's watch window ends once a running row has run the window's iterations, also when a
+    row freed before the window holds a larger count (its count does not move: the maxima's
+    difference would stay 0 and the window never end)."""
+    import types
+
+    from jaxspec import planner
+    from jaxspec.planner import Prediction, Strategy
+    from jaxspec.serving.scheduler import Scheduler, _Segment
+
+    plain, ngram = Strategy(), Strategy("ngram", gamma=3)
+    plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (plain, ngram)), plain, "test", 1024)
+    scheduler = Scheduler(params, CFG, None, SpecConfig(), slots=2, max_len=MAX_LEN, plan=plan, max_top_k=32)
+    window = scheduler.refinement.window
+    report = lambda *iterations: (None, types.SimpleNamespace(iterations=np.asarray(iterations)))
+    scheduler._watch_from = (report(900, 10), 0.0)  # row 0 was freed at 900 iterations
+    segment = _Segment(None, None, 0.0, None, 8)
+    assert scheduler._ends_window(report(900, 10 + window - 8), segment)
+    assert not scheduler._ends_window(report(900, 10 + window - 9), segment)
+    assert scheduler._watched(report(900, 10 + window)) == window
+
+
 @pytest.mark.slow  # by default: test_planner's switches keep greedy output, and its CLI auto run end to end
 def test_auto_switches_while_serving(params, monkeypatch):
     """A scheduler given a plan refines while requests come and go: scripted decisions switch every

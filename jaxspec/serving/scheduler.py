@@ -542,8 +542,7 @@ class Scheduler:
         if refining:
             target = self.refinement.observe(planner.Observation.between(before, self._last, seconds), not self._running,
                                              self._replays(before, replays))
-        elif ends and (self._last[1].iterations.max() - self._watch_from[0][1].iterations.max()
-                       >= self.refinement.window):
+        elif ends and self._watched(self._last) >= self.refinement.window:
             (since, began), self._watch_from = self._watch_from, None
             seen = planner.Observation.between(since, self._last, self._last_at - began)  # to the report, not past it
             replayed = self._replays(since, replays)
@@ -565,8 +564,13 @@ class Scheduler:
     def _ends_window(self, before, this: _Segment) -> bool:
         """Whether `this` segment, queued after the report `before`, may end the watch window: its rows
         run at most its iterations."""
-        ran = before[1].iterations.max() + this.iterations - self._watch_from[0][1].iterations.max()
-        return ran >= self.refinement.window
+        return self._watched(before) + this.iterations >= self.refinement.window
+
+    def _watched(self, report) -> int:
+        """Iterations the rows ran from the watch window's start to `report`: the most any row ran (a row
+        freed before the window keeps its count, above the running rows', and would hide theirs in a
+        difference of the maxima)."""
+        return int((report[1].iterations - self._watch_from[0][1].iterations).max())
 
     def _queue_replays(self, since) -> concurrent.futures.Future | None:
         """The refinement's replays over the window from the report `since` to the end of the work
