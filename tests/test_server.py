@@ -228,6 +228,15 @@ BAD = [
     (json.dumps({"prompt": [5, 100000]}).encode(), "outside the vocabulary"),
     (json.dumps({"prompt": "word " * 400}).encode(), "context"),
     (json.dumps({"prompt": "hi", "max_tokens": MAX_LEN}).encode(), "context"),
+    (b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", "is not valid JSON text"),  # > 4,300 digits: json's own limit
+    (b'{"prompt": "hi", "top_k": 1' + b"0" * 400 + b"}", "top_k 1" + "0" * 20),  # > a float: compared exactly
+    (b'{"prompt": "hi", "max_tokens": 1e400}', "max_tokens must be"),
+    (b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "is not valid JSON text"),
+    (b'{"prompt": "\\ud800 alone"}', "is not valid JSON text"),  # a lone surrogate is no text
+    (json.dumps({"prompt": "hi", "stop_token_ids": 0}).encode(), "stop_token_ids must be"),
+    (json.dumps({"prompt": "hi", "stream_options": {"include_usage": "yes"}}).encode(), "stream_options"),
+    (json.dumps({"prompt": "hi", "user": 5}).encode(), "user must be"),
+    (json.dumps({"prompt": "hi", "model": None}).encode(), "model must be a string"),
 ]
 
 
@@ -243,6 +252,11 @@ def test_bad_requests_are_400s_and_others_complete(main):
         assert fragment in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error", answer
     status, answer = main.post("/v1/chat/completions", json.dumps({"messages": []}).encode())
     assert status == 400 and answer["error"]["param"] == "messages"
+    status, answer = main.post("/v1/completions", json.dumps({"prompt": "x" * (70_000 + 64 * MAX_LEN)}).encode())
+    assert status == 413 and "larger than this server takes" in answer["error"]["message"]
+    for path, want in (("/v1/nope", 404), ("/v1/completions/", 404), ("/health", 405)):
+        status, answer = main.post(path, b"{}")  # unknown routes and methods: OpenAI-style errors too
+        assert status == want and answer["error"]["type"] == "invalid_request_error", (path, answer)
     with pytest.raises(openai.NotFoundError):
         main.client.completions.create(model="other", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):

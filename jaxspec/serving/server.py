@@ -7,7 +7,9 @@ depth, latency).
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
 `stream`, one chunk per segment's accepted tokens), GET /v1/models, /health and /metrics
 (Prometheus text). Bad input is a 400 with an OpenAI-style error body (`{"error": {"message",
-"type", "param", "code"}}`); an unknown model 404; a full queue 429; a server shutting down 503.
+"type", "param", "code"}}`), as are an unknown route (404) or method (405) and a body larger than a
+prompt of the server's context could be (413); an unknown model 404; a full queue 429; a server
+shutting down 503. Prompts are tokenized off the event loop.
 A client that disconnects gives its slot back; a request that fails fails alone.
 
 The scheduler calls a request's listener from its own thread; the listener hands each `Delta` to the
@@ -22,6 +24,8 @@ import math
 import time
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,6 +44,7 @@ DEFAULT_ONLY = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"} | set(DEFAULT_ONLY)
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"} | set(DEFAULT_ONLY) - {"echo", "suffix", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+BODY_BYTES_PER_TOKEN = 64  # a body's limit per token of context (and 64 KB besides): JSON-escaped text stays below
 
 
 class BadRequest(Exception):
@@ -49,7 +54,7 @@ class BadRequest(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
@@ -81,11 +86,13 @@ def create_app(scheduler: Scheduler, model_name: str) -> Starlette:
 
     async def serve(http: HttpRequest, chat: bool) -> Response:
         try:
-            body = await read_json(http)
+            body = await read_json(http, (1 << 16) + BODY_BYTES_PER_TOKEN * scheduler.max_len)
+            if not isinstance(body.get("model", model_name), str):
+                raise BadRequest("model must be a string", "model")
             if body.get("model", model_name) != model_name:
                 raise BadRequest(f"model {body['model']!r} does not exist; this server serves {model_name!r}", "model",
                                  404, "model_not_found")
-            ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
+            ids = await asyncio.to_thread(chat_prompt if chat else completion_prompt, body, tokenizer)
             request, stream, usage_chunk = parse_request(body, ids, chat, scheduler.max_len)
             loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
             handle = scheduler.submit(request, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
@@ -102,17 +109,38 @@ def create_app(scheduler: Scheduler, model_name: str) -> Starlette:
             return StreamingResponse(sse(handle, deltas, shape, usage_chunk), media_type="text/event-stream")
         return await complete(http, handle, deltas, shape)
 
-    return Starlette(routes=[
+    async def http_error(_: HttpRequest, e: HTTPException) -> Response:  # unknown routes and methods
+        response = error_response(e.status_code, e.detail)
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
+
+    app = Starlette(routes=[
         Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
         Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ])
+    ], exception_handlers={HTTPException: http_error})
+    app.router.redirect_slashes = False  # a route with a trailing slash is not found, not redirected
+    return app
 
 
-async def read_json(http: HttpRequest) -> dict:
+async def read_json(http: HttpRequest, limit: int) -> dict:
+    """The body, a JSON object of at most `limit` bytes, whose strings are text (no lone surrogates)."""
+    too_large = BadRequest(f"the request body is larger than this server takes ({limit} bytes)", status=413)
+    size = http.headers.get("content-length", "")
+    if size.isdigit() and int(size) > limit:
+        raise too_large
+    data = bytearray()
     try:
-        body = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        async for chunk in http.stream():
+            data += chunk
+            if len(data) > limit:
+                raise too_large
+    except ClientDisconnect:
+        raise BadRequest("the client disconnected before its body ended") from None
+    try:
+        body = json.loads(bytes(data))
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate (an unpaired \ud800 escape) is no text
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bytes or text, or an integer of > 4,300 digits
+        raise BadRequest(f"the request body is not valid JSON text: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
@@ -176,10 +204,11 @@ def parse_request(body: dict, ids: list[int], chat: bool, max_len: int) -> tuple
         value = body.get(name)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                kind is int and isinstance(value, float) and not value.is_integer()):
             raise BadRequest(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
         ok = (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
-        if not ok or not math.isfinite(value):
+        if not ok or isinstance(value, float) and not math.isfinite(value):  # (an int of any size compares exactly)
             interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
             raise BadRequest(f"{name} must be in {interval}, got {value!r}", name)
         return kind(value)
@@ -196,7 +225,8 @@ def parse_request(body: dict, ids: list[int], chat: bool, max_len: int) -> tuple
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
         raise BadRequest("stop must be a string or a list of at most 4 strings", "stop")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
     ignore_eos = body.get("ignore_eos", False)
@@ -205,9 +235,13 @@ def parse_request(body: dict, ids: list[int], chat: bool, max_len: int) -> tuple
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise BadRequest("stream_options takes include_usage only", "stream_options")
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+            options.get("include_usage", False), bool):
+        raise BadRequest("stream_options takes include_usage (true or false) only", "stream_options")
+    if not isinstance(body.get("user", ""), str):
+        raise BadRequest("user must be a string", "user")
     sampling = SamplingConfig(temperature=temperature, top_k=0 if top_k == -1 else top_k, top_p=top_p, min_p=min_p)
     request = Request(tuple(ids), max_tokens, sampling, seed, tuple(stop), tuple(stop_ids), ignore_eos)
     return request, stream, bool(options.get("include_usage"))
