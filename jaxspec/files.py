@@ -45,7 +45,10 @@ def write_text(path: Path, text: str) -> None:
 def write_dir(dst: Path, write: Callable[[Path], None]) -> None:
     """write(tmp) fills a new directory tmp; it then replaces dst (an existing dst is moved aside
     first, restored if the rename fails, deleted once the new one is in place)."""
-    tmp = _sibling(dst, "tmp")
+    try:
+        tmp = _sibling(dst, "tmp")
+    except OSError as e:
+        raise JaxspecError(f"cannot write {dst}: {e}") from None
     try:
         try:
             write(tmp)

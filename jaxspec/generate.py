@@ -20,8 +20,8 @@ import jax
 
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec import planner
-from jaxspec.runner import (PROGRESS_SEGMENT, encode_prompts, gpu_unseen_warning, resolve_max_len, run_generation,
-                            summarize)
+from jaxspec.runner import (PROGRESS_SEGMENT, encode_prompts, gpu_unseen_warning, read_prompt, resolve_max_len,
+                            run_generation, summarize)
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import (DRAWS, HEAD_CONTEXTS, METHODS, METRICS, PRECISIONS,
                                     SpecConfig, at_batch, load_tuned, spec_from_settings)
@@ -258,7 +258,7 @@ def main(argv=None):
         raise JaxspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     auto = args.method == "auto"
-    prompts = list(args.prompt) + [_read_prompt(path) for path in args.prompt_file]
+    prompts = list(args.prompt) + [read_prompt(path) for path in args.prompt_file]
     prompts = prompts or [DEFAULT_PROMPT]
     spec = spec_from_args(args, batch=len(prompts))
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -332,13 +332,6 @@ def _stream(params, cfg, tokenizer, spec: SpecConfig, plan, batch, sampling: Sam
     print(f"method           {spec.method} (backend {spec.backend}, device {jax.devices()[0].device_kind}; streamed)")
     if s.iterations and spec.method != "plain":
         print(f"iterations       {s.iterations}, {(s.accepted + s.iterations) / s.iterations:.2f} tokens/iteration")
-
-
-def _read_prompt(path: Path) -> str:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise JaxspecError(f"cannot read prompt file {path}: {e}") from None
 
 
 def _print_human(results: list[dict], stats: dict) -> None:

@@ -92,15 +92,23 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], chat: bool) -> Batc
     return Batch(batch, lengths)
 
 
+def read_prompt(path: Path) -> str:
+    """The text of a --prompt-file (one-line errors)."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxspecError(f"cannot read prompt file {path}: {e}") from None
+
+
 def resolve_max_len(batch: Batch, max_new_tokens: int, max_len: int | None, model_max: int) -> int:
-    """Total length cap (prompt + generated) of the run: the model's context unless `max_len` says
-    otherwise; the prompts must leave room for one token."""
+    """Total length cap (prompt + generated) of the run: the model's context unless `max_len` lowers
+    it; the prompts must leave room for one token."""
     longest = int(batch.lengths.max())
+    if max_len is not None and not 2 <= max_len <= model_max:
+        raise JaxspecError(f"--max-len must be in [2, {model_max}] for this model, got {max_len}")
     if max_len is None:
         if longest >= model_max:
-            raise JaxspecError(
-                f"prompt of {longest} tokens does not fit the model's context of {model_max} tokens (--max-len overrides it)"
-            )
+            raise JaxspecError(f"prompt of {longest} tokens does not fit the model's context of {model_max} tokens")
         return min(longest + max_new_tokens, model_max)
     if longest >= max_len:
         raise JaxspecError(f"prompt of {longest} tokens does not fit --max-len {max_len} (it needs room to generate)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
 
 import jax
@@ -71,6 +72,7 @@ def main(argv=None):
                              ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0), ("--kv-pages", args.kv_pages, 0)):
         if value < low:
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
+    check_address(args.host, args.port)
     try:  # before the weights load (the scheduler checks it against an NSA model's blocks too)
         kvcache.paging.check_page_size(args.page_size)
     except ValueError as e:
@@ -113,6 +115,20 @@ def main(argv=None):
     finally:
         scheduler.stop()
     print("stopped", file=sys.stderr)
+
+
+def check_address(host: str, port: int) -> None:
+    """That this host can listen on (host, port), before the weights load (uvicorn would find out only
+    after them, in a traceback)."""
+    if not 0 <= port <= 65535:
+        raise JaxspecError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        raise JaxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def default_pages(cfg, spec, slots: int, row_pages: int, page_size: int, devices: int) -> int:

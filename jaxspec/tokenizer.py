@@ -221,6 +221,9 @@ def _read_backend(path: Path) -> Backend:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise JaxspecError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise JaxspecError(f"{path} is not a JSON object")
+    return value

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -49,8 +50,9 @@ def parse(argv) -> tuple:
     p.add_argument("--ttt", type=int, default=d.ttt, help="unrolled draft steps of the training-time test")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default min(32768, V / 4))")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warmup, then cosine decay)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="the model's and the saved head's dtype (the head trains in float32)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="the model's and the saved head's dtype (the head trains in float32; default bfloat16 on a "
+                        "GPU, float32 on a CPU, whose products take no bfloat16)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--chat-share", type=float, default=d.chat_share,
                    help="share of the prompts that are requests the model wrote itself (with a chat template; the "
@@ -62,8 +64,8 @@ def parse(argv) -> tuple:
     settings = Settings(tokens=args.tokens, steps=args.steps, batch=args.batch, seq=args.seq, ttt=args.ttt,
                         draft_vocab=args.draft_vocab, lr=args.lr, warmup=min(d.warmup, args.steps // 10),
                         seed=args.seed, chat_share=args.chat_share)
-    if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not args.lr > 0:
-        raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and --lr > 0")
+    if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not 0 < args.lr < math.inf:
+        raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and a finite --lr > 0")
     if args.ttt >= args.seq - 1:
         raise JaxspecError(f"--ttt {args.ttt} must be below --seq - 1 ({args.seq - 1})")
     if args.tokens < 4 * args.seq:
@@ -100,6 +102,7 @@ def main(argv=None) -> None:
 
     begin = time.perf_counter()
     out = args.out
+    args.dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     cfg, target, tokenizer = load_model(args.model, dtype=args.dtype)
     if args.seq + args.ttt > cfg.max_position_embeddings:
         raise JaxspecError(f"--seq {args.seq} + --ttt {args.ttt} is past the model's context {cfg.max_position_embeddings}")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxspec import corpus, files
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
-from jaxspec.runner import Batch, encode_prompts, prefill_fn, resolve_max_len, run_generation
+from jaxspec.runner import Batch, encode_prompts, prefill_fn, read_prompt, resolve_max_len, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SPARSE_METHODS, spec_from_settings
 from jaxspec.decoding.tree import TreeShape
@@ -124,11 +124,13 @@ def main(argv=None):
         spec_from_settings(ratio=value)
     trees = [parse_tree(text) for text in args.trees]
     sampling = SamplingConfig(temperature=args.temperature)
+    if args.max_new_tokens < 1 or (args.corpus and min(args.corpus) < 1) or not 0 <= args.tolerance < 1:
+        raise JaxspecError("need --max-new-tokens >= 1, --corpus N TOKENS of at least 1 each and --tolerance in [0, 1)")
 
     from jaxspec.loaders import load_model
 
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
-    prompts = list(args.prompt) + [p.read_text() for p in args.prompt_file]
+    prompts = list(args.prompt) + [read_prompt(p) for p in args.prompt_file]
     if not prompts:
         n, tokens = args.corpus or (4, 2000)
         prompts = [corpus.long_prompt(tokenizer, tokens, offset=9 * i) for i in range(n)]

@@ -212,6 +212,8 @@ def test_prompt_errors(capsys, hf_checkpoints):
 def test_prompt_longer_than_the_model_context(capsys, hf_checkpoints):
     long_prompt = " ".join(["word"] * 400)  # the test checkpoints have 256 positions
     assert_one_line_error(generate_here(capsys, "--model", str(hf_checkpoints["llama"]), "--no-chat", "--prompt", long_prompt), "model's context")
+    assert_one_line_error(generate_here(capsys, "--model", str(hf_checkpoints["llama"]), "--max-len", "100000"),
+                          "--max-len must be in [2, 256]")
 
 
 @pytest.mark.parametrize("method", ["plain", "auto"])

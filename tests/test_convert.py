@@ -99,10 +99,11 @@ def bad_inputs(hf_checkpoints, tmp_path: Path) -> dict[str, tuple[list[str], str
         "unsupported": ([str(mistral), str(tmp_path / "out")], "unsupported architecture 'mistral'"),
         "exists": ([str(hf_checkpoints["llama"]), str(existing)], "already exists"),
         "no_parent": ([str(hf_checkpoints["llama"]), str(tmp_path / "a" / "b")], "does not exist"),
+        "unwritable": ([str(hf_checkpoints["llama"]), "/proc/jaxspec_out"], "cannot write /proc/jaxspec_out"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "garbage", "unsupported", "exists", "no_parent"])
+@pytest.mark.parametrize("case", ["missing", "garbage", "unsupported", "exists", "no_parent", "unwritable"])
 def test_cli_bad_input(hf_checkpoints, tmp_path, case):
     args, message = bad_inputs(hf_checkpoints, tmp_path)[case]
     before = sorted(p.name for p in tmp_path.iterdir())

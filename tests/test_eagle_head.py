@@ -315,6 +315,11 @@ def test_unreadable_heads_are_one_line_errors(tmp_path):
     (path / "config.json").write_text("{")
     with pytest.raises(JaxspecError, match="cannot read EAGLE head config"):
         load_eagle(path, TARGET, "float32")
+    for config, words in (([], "is not a JSON object"), ({**PUBLIC_CONFIG, "num_attention_heads": 0, "head_dim": None},
+                                                          "has a bad value")):
+        (path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(JaxspecError, match=words):
+            load_eagle(path, TARGET, "float32")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

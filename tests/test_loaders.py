@@ -185,6 +185,20 @@ def test_unsupported_hf_architecture(hf_checkpoints, tmp_path):
     expect_error(str(path), "unsupported architecture 'mistral'")
 
 
+@pytest.mark.parametrize("file, change, message", [
+    ("config.json", lambda c: [1, 2], "is not a model config"),
+    ("config.json", lambda c: {**c, "hidden_size": "abc"}, "has a bad value"),
+    ("config.json", lambda c: {**c, "vocab_size": None}, "has a bad value"),
+    ("config.json", lambda c: {**c, "rope_scaling": "yarn"}, "has a bad value"),
+    ("tokenizer_config.json", lambda c: [1], "is not a JSON object"),
+])
+def test_malformed_configs_are_one_line_errors(hf_checkpoints, tmp_path, file, change, message):
+    """JSON that parses but is not a config of the expected shape (a list, a string for a number)."""
+    path = copy_checkpoint(hf_checkpoints["llama"], tmp_path / "ckpt")
+    (path / file).write_text(json.dumps(change(json.loads((path / file).read_text()))))
+    expect_error(str(path), message)
+
+
 def test_hf_missing_tokenizer(hf_checkpoints, tmp_path):
     path = copy_checkpoint(hf_checkpoints["llama"], tmp_path / "ckpt")
     (path / "tokenizer.json").unlink()

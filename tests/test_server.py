@@ -320,12 +320,24 @@ def test_queue_limit_disconnect_and_drain(small):
     (["--model", "/nonexistent/model.gguf"], "nonexistent"),
     (["--page-size", "96"], "--page-size: page size must be a positive multiple of 64, got 96"),
     (["--max-len", "512", "--kv-pages", "4"], "holds fewer than one request of --max-len 512"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1"),
 ])
 def test_bad_command_lines_are_one_line_errors(flags, fragment):
     result = subprocess.run([sys.executable, "-m", "jaxspec.serve", *flags], capture_output=True, text=True, env=ENV, timeout=300)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and lines[-1].startswith("error:") and fragment in lines[-1], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_a_one_line_error_before_the_weights_load(monkeypatch, capsys):
+    from jaxspec import loaders, serve
+
+    monkeypatch.setattr(loaders, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(SystemExit) as e:
+            serve.main(["--port", str(taken.getsockname()[1])])
+    assert e.value.code == 2 and "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
 def test_start_up_line_says_what_the_pool_holds():

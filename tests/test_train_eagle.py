@@ -214,6 +214,7 @@ def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeyp
     (("--tokens", 100), "fewer than 4 sequences"),
     (("--draft-vocab", 401), "--draft-vocab must be in 1..400"),
     (("--ttt", 0), "--ttt >= 1"),
+    (("--lr", "inf"), "a finite --lr > 0"),
     (("--chat-share", 1.5), "--chat-share must be in [0, 1]"),
     (("--resume",), "has no train_state"),
     (("--init", "no/such/head"), "is not an EAGLE-3 head"),

@@ -130,10 +130,17 @@ def test_tuned_file_errors(tuned_file, tmp_path, capsys):
         generate.main(["--method", "quest", "--tuned", str(tuned_file)])
     assert exit_info.value.code == 2 and "no entry for method 'quest'" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
-    bad.write_text("not json")
-    with pytest.raises(SystemExit):
-        generate.main(["--method", "vegas", "--tuned", str(bad)])
-    assert "cannot read tuned file" in capsys.readouterr().err
+    for text in (b"not json", bytes(range(256))):  # and bytes that are no text
+        bad.write_bytes(text)
+        with pytest.raises(SystemExit):
+            generate.main(["--method", "vegas", "--tuned", str(bad)])
+        assert "cannot read tuned file" in capsys.readouterr().err
+    for args, fragment in ((["--prompt-file", str(tmp_path)], "cannot read prompt file"),
+                           (["--corpus", "0", "0"], "--corpus N TOKENS of at least 1"),
+                           (["--tolerance", "nan"], "--tolerance in [0, 1)")):
+        with pytest.raises(SystemExit) as exit_info:
+            tune.main(["--methods", "plain", *args])
+        assert exit_info.value.code == 2 and fragment in capsys.readouterr().err
     for setting, fragment in (({"gamma": "six"}, "vegas.gamma must be an integer"), ({"select_every": 2.5}, "vegas.select_every"),
                               ({"ratio": True}, "vegas.ratio must be a number"), ([6], "must be an object"),
                               ({"batches": [128]}, "vegas.batches must be an object"),

@@ -334,7 +334,7 @@ def load_tuned(path: Path, method: str) -> dict:
     a setting of the wrong type is a JaxspecError naming it."""
     try:
         methods = json.loads(path.read_text())["methods"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or bytes
         raise JaxspecError(f"cannot read tuned file {path}: {e}") from None
     if not isinstance(methods, dict) or method not in methods:
         have = ", ".join(methods) if isinstance(methods, dict) else "no methods"

@@ -51,8 +51,10 @@ def read_config(path: Path, target_cfg: ModelConfig) -> EagleConfig:
     """The head's config from config.json, checked against the target (one-line errors)."""
     try:
         raw = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bytes
         raise JaxspecError(f"cannot read EAGLE head config {path / 'config.json'}: {e}") from None
+    if not isinstance(raw, dict):
+        raise JaxspecError(f"EAGLE head config {path / 'config.json'} is not a JSON object")
     unsupported = {"num_hidden_layers": 1, "attention_bias": False, "mlp_bias": False,
                    "norm_before_residual": False, "hidden_act": "silu"}
     for key, supported in unsupported.items():
@@ -79,8 +81,9 @@ def read_config(path: Path, target_cfg: ModelConfig) -> EagleConfig:
         )
     except KeyError as e:
         raise JaxspecError(f"EAGLE head config {path / 'config.json'} is missing {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise JaxspecError(f"EAGLE head config {path / 'config.json'} has a bad value: {e}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise JaxspecError(f"EAGLE head config {path / 'config.json'} has a bad value: "
+                           f"{type(e).__name__}: {e}") from None
     check_fits(ecfg, target_cfg, path)
     return ecfg
 

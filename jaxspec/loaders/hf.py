@@ -96,9 +96,14 @@ def layer_tensor_names(cfg: ModelConfig, key: str) -> tuple[str, ...]:
 def read_config(path: Path, dtype: str) -> ModelConfig:
     try:
         hf = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bytes
         raise JaxspecError(f"cannot read {path / 'config.json'}: {e}") from None
-    return ModelConfig.from_hf(hf, dtype=dtype)
+    if not isinstance(hf, dict):
+        raise JaxspecError(f"{path / 'config.json'} is not a model config (a JSON object)")
+    try:
+        return ModelConfig.from_hf(hf, dtype=dtype)
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:  # a value of the wrong kind
+        raise JaxspecError(f"{path / 'config.json'} has a bad value: {type(e).__name__}: {e}") from None
 
 
 def build_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool] = lambda _: True) -> Params:

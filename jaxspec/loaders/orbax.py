@@ -60,7 +60,7 @@ def read_saved_config(path: Path) -> ModelConfig:
     """The checkpoint's config as saved (its dtype is the saved params')."""
     try:
         return config_from_json((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError, TypeError, KeyError) as e:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise JaxspecError(f"cannot read {path / CONFIG_FILE}: {e}") from None
 
 

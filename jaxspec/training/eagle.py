@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import json
 import time
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -390,7 +391,7 @@ def load_state(out: Path, like):
     try:
         with np.load(path / "leaves.npz") as f:
             leaves = [f[name] for name in sorted(f.files)]
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise JaxspecError(f"cannot read the train state {path}: {e}") from None
     if [x.shape for x in leaves] != [np.shape(x) for x in jax.tree.leaves(like)]:
         raise JaxspecError(f"the train state {path} does not fit this run's head and optimizer")
