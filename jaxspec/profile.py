@@ -220,6 +220,8 @@ def check_args(args) -> None:
     check_listed("--balances", args.balances, "balance", args.methods, SPARSE_METHODS, "shares the budget of")
     if args.new < 2 or args.repeats < 1 or min(args.batch) < 1 or min(args.buckets) < 1:
         raise JaxspecError("need --new >= 2, --repeats >= 1 and positive --batch and --buckets")
+    if args.budget is not None and not args.budget > 0:  # (NaN too)
+        raise JaxspecError(f"--budget must be a positive number of seconds, got {args.budget}")
 
 
 @cli_main

@@ -151,6 +151,7 @@ def test_json_batch_trees_and_quantized_drafts_are_lossless(capsys, tmp_path):
         (["--method", "vegas", "--draft-skip", "40"], "layer 40 does not exist"),
         (["--method", "vegas", "--draft-skip", "0-29"], "skips all 30 layers"),
         (["--method", "vegas", "--draft-skip", "x"], "takes layers and ranges"),
+        (["--method", "vegas", "--draft-skip", "5-2"], "takes layers and ranges"),
         (["--method", "vegas", "--draft-skip", "/nonexistent/skip.json"], "no calibration at"),
         (["--method", "full"], "needs a cheaper draft model"),
         (["--method", "vegas", "--select-every", "0"], "--select-every must be"),

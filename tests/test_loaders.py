@@ -190,6 +190,7 @@ def test_unsupported_hf_architecture(hf_checkpoints, tmp_path):
     ("config.json", lambda c: {**c, "hidden_size": "abc"}, "has a bad value"),
     ("config.json", lambda c: {**c, "vocab_size": None}, "has a bad value"),
     ("config.json", lambda c: {**c, "rope_scaling": "yarn"}, "has a bad value"),
+    ("config.json", lambda c: {**c, "num_hidden_layers": -1}, "num_layers must be at least 1, got -1"),
     ("tokenizer_config.json", lambda c: [1], "is not a JSON object"),
 ])
 def test_malformed_configs_are_one_line_errors(hf_checkpoints, tmp_path, file, change, message):

@@ -194,6 +194,12 @@ class ModelConfig:
             raise JaxspecError(
                 f"unsupported architecture {self.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+                 "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                 "intermediate_size": self.intermediate_size, "max_position_embeddings": self.max_position_embeddings}
+        for name, size in sizes.items():
+            if size < 1:
+                raise JaxspecError(f"{name} must be at least 1, got {size}")
         if self.num_heads % self.num_kv_heads:
             raise JaxspecError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.dtype not in ("bfloat16", "float32"):

@@ -120,6 +120,8 @@ def parse_skip(text: str, num_layers: int) -> tuple[int, ...]:
             skip = set()
             for part in text.split(","):
                 lo, _, hi = part.partition("-")
+                if int(hi or lo) < int(lo):  # a range runs upwards
+                    raise ValueError
                 skip.update(range(int(lo), int(hi or lo) + 1))
             skip = tuple(sorted(skip))
     except ValueError:
