@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -184,3 +186,18 @@ def test_damaged_checkpoint(hf_checkpoints, tmp_path):
     (dst / orbax.CONFIG_FILE).write_text("{}")
     with pytest.raises(JaxspecError, match="cannot read"):
         load_model(str(dst))
+
+
+def test_ctrl_c_during_a_save_raises_once_it_has_ended():
+    """orbax's save threads write on after an interrupt, into the directory `files.write_dir` then
+    removes: a Ctrl-C during the save is raised when it has ended."""
+    from jaxspec.loaders import orbax as orbax_loader
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with orbax_loader._interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            ran.append("the rest of the save")
+    assert ran == ["the rest of the save"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -9,8 +9,11 @@ Layout of a checkpoint directory (written by `python -m jaxspec.convert`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import signal
+import threading
 from pathlib import Path
 
 import jax
@@ -49,11 +52,29 @@ def config_from_json(text: str) -> ModelConfig:
 
 def save(path: Path, cfg: ModelConfig, params: Params, tokenizer: Tokenizer) -> None:
     """Writes a checkpoint into the existing, empty directory `path`."""
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _interrupts_deferred(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path.absolute() / PARAMS_DIR, params)
         checkpointer.wait_until_finished()
     (path / CONFIG_FILE).write_text(config_to_json(cfg))
     tokenizer.save(path)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """A Ctrl-C during the block raises once it has ended: orbax's save threads write on after an
+    interrupt, into a directory the caller then removes, and fail at the interpreter's exit (on the
+    main thread only: no other can take a signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def read_saved_config(path: Path) -> ModelConfig:
