@@ -140,9 +140,16 @@ def replays(cfg, specs: tuple[SpecConfig, ...], max_len: int) -> Program:
 def window_replays(drafters, state, length, ran):
     """Each drafter's `replay` [S, B] over the rows of `state` that ran every iteration since lengths
     `length` and row iterations `ran` [B] (the others replay nothing): the window ends at the state."""
-    rows = state.stats.iterations - ran
-    start = jnp.where(rows == rows.max(), length, state.length)
+    start = window_start(state, length, ran)[1]
     return jnp.stack([d.replay(state.tokens, start, state.length) for d in drafters])
+
+
+def window_start(state, length, ran):
+    """(the rows of `state` that ran every iteration since lengths `length` and row iterations `ran`
+    [B], where each row's window starts: `length` for those rows, the state's length for the others)."""
+    rows = state.stats.iterations - ran
+    whole = rows == rows.max()
+    return whole, jnp.where(whole, length, state.length)
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,10 +178,9 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
                 state, i, window, _, _, _, _ = carry
                 length, ran = state.length, state.stats.iterations
                 state = eng.decode(params, state, max_iterations=jnp.minimum(window, iterations - i), min_live=min_live)
-                rows = state.stats.iterations - ran
-                whole = rows == rows.max()
-                tokens = (state.length - jnp.where(whole, length, state.length)).astype(jnp.float32)
-                crossed, i = jnp.bool_(False), i + rows.max()
+                whole, start = window_start(state, length, ran)
+                tokens = (state.length - start).astype(jnp.float32)
+                crossed, i = jnp.bool_(False), i + (state.stats.iterations - ran).max()
                 replays = window_replays(drafters, state, length, ran)
                 for replayed, threshold in zip(replays, thresholds):
                     counted = whole & (replayed > 0)

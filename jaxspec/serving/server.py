@@ -87,11 +87,12 @@ def create_app(scheduler: Scheduler, model_name: str) -> Starlette:
     async def serve(http: HttpRequest, chat: bool) -> Response:
         try:
             body = await read_json(http, (1 << 16) + BODY_BYTES_PER_TOKEN * scheduler.max_len)
-            if not isinstance(body.get("model", model_name), str):
+            model = body.get("model", model_name)
+            if not isinstance(model, str):
                 raise BadRequest("model must be a string", "model")
-            if body.get("model", model_name) != model_name:
-                raise BadRequest(f"model {body['model']!r} does not exist; this server serves {model_name!r}", "model",
-                                 404, "model_not_found")
+            if model != model_name:
+                raise BadRequest(f"model {model!r} does not exist; this server serves {model_name!r}", "model", 404,
+                                 "model_not_found")
             ids = await asyncio.to_thread(chat_prompt if chat else completion_prompt, body, tokenizer)
             request, stream, usage_chunk = parse_request(body, ids, chat, scheduler.max_len)
             loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
