@@ -1,10 +1,12 @@
-"""Outputs written atomically: built under a hidden name beside the destination (same filesystem),
-then renamed into place, so an error or an interrupt leaves the old output (or none), never half of
-one. An OSError becomes a one-line JaxspecError naming the destination."""
+"""Files in and out. Outputs are written atomically: built under a hidden name beside the destination
+(same filesystem), then renamed into place, so an error or an interrupt leaves the old output (or
+none), never half of one. An OSError becomes a one-line JaxspecError naming the file, as does a JSON
+input that cannot be read or is not an object."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -12,6 +14,17 @@ from pathlib import Path
 from typing import Callable
 
 from jaxspec.errors import JaxspecError
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in `path`; `what` names the file in the one-line errors."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bytes
+        raise JaxspecError(f"cannot read {what} {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise JaxspecError(f"{what} {path} is not a JSON object")
+    return value
 
 
 def write_file(path: Path, write: Callable[[Path], None]) -> None:

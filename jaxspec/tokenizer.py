@@ -18,6 +18,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from jaxspec import files
 from jaxspec.errors import JaxspecError
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
@@ -90,16 +91,17 @@ class Tokenizer:
     def from_saved(cls, path: Path) -> Tokenizer:
         """Reads what `save` wrote (ids are stored resolved, so nothing is derived again)."""
         backend = _read_backend(path / "tokenizer.json")
-        config = _read_json(path / "tokenizer_config.json")
+        config = files.read_json_object(path / "tokenizer_config.json", "tokenizer config")
         return cls(backend, config.get("chat_template"), config.get("bos_token_id"), tuple(config.get("eos_token_ids", ())))
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json, config.json)."""
         backend = _read_backend(path / "tokenizer.json")
-        tok_config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
-        gen_config = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
-        model_config = _read_json(path / "config.json") if (path / "config.json").exists() else {}
+        optional = lambda name, what: files.read_json_object(path / name, what) if (path / name).exists() else {}
+        tok_config = optional("tokenizer_config.json", "tokenizer config")
+        gen_config = optional("generation_config.json", "generation config")
+        model_config = optional("config.json", "model config")
 
         template = tok_config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
@@ -219,11 +221,3 @@ def _read_backend(path: Path) -> Backend:
         raise JaxspecError(f"cannot read tokenizer {path}: {str(e).splitlines()[0]}") from None
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise JaxspecError(f"cannot read {path}: {e}") from None
-    if not isinstance(value, dict):
-        raise JaxspecError(f"{path} is not a JSON object")
-    return value

@@ -186,7 +186,7 @@ def test_unsupported_hf_architecture(hf_checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("file, change, message", [
-    ("config.json", lambda c: [1, 2], "is not a model config"),
+    ("config.json", lambda c: [1, 2], "config.json is not a JSON object"),
     ("config.json", lambda c: {**c, "hidden_size": "abc"}, "has a bad value"),
     ("config.json", lambda c: {**c, "vocab_size": None}, "has a bad value"),
     ("config.json", lambda c: {**c, "rope_scaling": "yarn"}, "has a bad value"),

@@ -49,12 +49,7 @@ IGNORED_SUFFIX = "rotary_emb.inv_freq"  # older torch checkpoints store RoPE's b
 
 def read_config(path: Path, target_cfg: ModelConfig) -> EagleConfig:
     """The head's config from config.json, checked against the target (one-line errors)."""
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:  # ValueError: bad JSON or bytes
-        raise JaxspecError(f"cannot read EAGLE head config {path / 'config.json'}: {e}") from None
-    if not isinstance(raw, dict):
-        raise JaxspecError(f"EAGLE head config {path / 'config.json'} is not a JSON object")
+    raw = files.read_json_object(path / "config.json", "EAGLE head config")
     unsupported = {"num_hidden_layers": 1, "attention_bias": False, "mlp_bias": False,
                    "norm_before_residual": False, "hidden_act": "silu"}
     for key, supported in unsupported.items():

@@ -94,12 +94,7 @@ def layer_tensor_names(cfg: ModelConfig, key: str) -> tuple[str, ...]:
 
 
 def read_config(path: Path, dtype: str) -> ModelConfig:
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:  # ValueError: bad JSON or bytes
-        raise JaxspecError(f"cannot read {path / 'config.json'}: {e}") from None
-    if not isinstance(hf, dict):
-        raise JaxspecError(f"{path / 'config.json'} is not a model config (a JSON object)")
+    hf = files.read_json_object(path / "config.json", "model config")
     try:
         return ModelConfig.from_hf(hf, dtype=dtype)
     except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:  # a value of the wrong kind
