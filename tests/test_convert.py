@@ -4,6 +4,7 @@ conversion leaves nothing behind and never damages an existing DST), and the CLI
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -185,6 +186,27 @@ def test_damaged_checkpoint(hf_checkpoints, tmp_path):
         load_model(str(dst))
     (dst / orbax.CONFIG_FILE).write_text("{}")
     with pytest.raises(JaxspecError, match="cannot read"):
+        load_model(str(dst))
+
+
+def test_truncated_checkpoint_is_one_line_naming_the_cause(hf_checkpoints, tmp_path, caplog):
+    """Data files cut short (a copy that stopped): orbax's loop logs a traceback for each failed read
+    and raises an exception wrapping others; the user sees one line with the first cause, nothing else."""
+    dst = tmp_path / "ckpt"
+    convert(str(hf_checkpoints["llama"]), dst, "float32")
+    arrays = list((dst / orbax.PARAMS_DIR).glob("ocdbt.process_*/d/*"))  # the arrays' data (not the tree's)
+    assert arrays
+    for file in arrays:
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with caplog.at_level(logging.DEBUG), pytest.raises(JaxspecError) as info:
+        load_model(str(dst))
+    message = str(info.value)
+    assert message.startswith("cannot restore orbax checkpoint") and "\n" not in message
+    assert "is not valid for value of size" in message, message  # tensorstore's own words, not orbax's wrapper
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    for file in (dst / orbax.PARAMS_DIR / "d").iterdir():  # the tree's own database: its metadata goes too
+        file.write_bytes(b"")
+    with pytest.raises(JaxspecError, match="cannot restore orbax checkpoint .*: the saved tree's metadata is unread"):
         load_model(str(dst))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -77,6 +78,24 @@ def _interrupts_deferred():
         raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _restoring(path: Path):
+    """Reading the params: any failure is one JaxspecError naming the first cause (orbax and
+    tensorstore raise many types for missing or damaged files, each wrapping the one before), and the
+    tracebacks orbax's asyncio loop logs for its other failed reads on the way are dropped."""
+    quiet = lambda record: record.levelno < logging.ERROR  # noqa: E731 (a filter may be any callable)
+    logging.getLogger("asyncio").addFilter(quiet)
+    try:
+        yield
+    except Exception as e:
+        while e.__cause__ is not None:
+            e = e.__cause__
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise JaxspecError(f"cannot restore orbax checkpoint {path / PARAMS_DIR}: {first}") from None
+    finally:
+        logging.getLogger("asyncio").removeFilter(quiet)
+
+
 def read_saved_config(path: Path) -> ModelConfig:
     """The checkpoint's config as saved (its dtype is the saved params')."""
     try:
@@ -88,12 +107,13 @@ def read_saved_config(path: Path) -> ModelConfig:
 def packed_stacks(path: Path) -> tuple[str, ...]:
     """The layer stacks the checkpoint holds in MXFP4 (gpt-oss's released experts: saved as their
     bytes and scales, `pallas_kernels.moe.MXFP4`), from orbax's metadata of the saved tree."""
-    try:
+    with _restoring(path):
         with ocp.StandardCheckpointer() as checkpointer:
-            tree = checkpointer.metadata(path.absolute() / PARAMS_DIR).item_metadata.tree
-    except Exception as e:  # as for restore below
-        raise JaxspecError(f"cannot restore orbax checkpoint {path / PARAMS_DIR}: {str(e).splitlines()[0]}") from None
-    return tuple(name for name, leaf in tree.get("layers", {}).items() if isinstance(leaf, dict) and "blocks" in leaf)
+            metadata = checkpointer.metadata(path.absolute() / PARAMS_DIR).item_metadata
+        if metadata is None:  # how orbax reads a damaged tree's metadata
+            raise ValueError("the saved tree's metadata is unreadable")
+    layers = metadata.tree.get("layers", {})
+    return tuple(name for name, leaf in layers.items() if isinstance(leaf, dict) and "blocks" in leaf)
 
 
 def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
@@ -124,11 +144,9 @@ def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig,
                         for name, t in target["layers"].items()}
     if mesh is not None:
         sharding.check_packed(target, saved, mesh.size)
-    try:
+    with _restoring(path):
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(path.absolute() / PARAMS_DIR, target)
-    except Exception as e:  # orbax/tensorstore raise many types for missing or damaged files
-        raise JaxspecError(f"cannot restore orbax checkpoint {path / PARAMS_DIR}: {str(e).splitlines()[0]}") from None
     cfg = saved.replace(dtype=dtype)
     params = jax.tree.map(lambda x: x if isinstance(x, MXFP4) else x.astype(jnp.dtype(dtype)), params,
                           is_leaf=lambda x: isinstance(x, MXFP4))
