@@ -1,7 +1,8 @@
 """`python -m jaxspec.train_eagle`: train an EAGLE-3 draft head for a model (`--method eagle --draft-model DIR`).
 
     python -m jaxspec.train_eagle --model M --out DIR [--tokens N] [--steps S] [--batch B] [--seq T]
-        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--seed N] [--init HEAD] [--resume]
+        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--seed N] [--chat-share X]
+        [--cut-loops] [--init HEAD] [--resume]
 
 Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the training documents,
 then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
@@ -57,13 +58,16 @@ def parse(argv) -> tuple:
     p.add_argument("--chat-share", type=float, default=d.chat_share,
                    help="share of the prompts that are requests the model wrote itself (with a chat template; the "
                         "rest are documentation tasks)")
+    p.add_argument("--cut-loops", action="store_true",
+                   help="keep each continuation only up to where it starts to repeat itself (more distinct text "
+                        "for the same --tokens; the generation takes longer)")
     p.add_argument("--init", type=Path, default=None,
                    help="start from this head (weights, draft vocabulary, config) instead of random weights")
     p.add_argument("--resume", action="store_true", help="continue DIR's saved run")
     args = p.parse_args(argv)
     settings = Settings(tokens=args.tokens, steps=args.steps, batch=args.batch, seq=args.seq, ttt=args.ttt,
                         draft_vocab=args.draft_vocab, lr=args.lr, warmup=min(d.warmup, args.steps // 10),
-                        seed=args.seed, chat_share=args.chat_share)
+                        seed=args.seed, chat_share=args.chat_share, cut_loops=args.cut_loops)
     if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not 0 < args.lr < math.inf:
         raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and a finite --lr > 0")
     if args.ttt >= args.seq - 1:
@@ -120,6 +124,8 @@ def main(argv=None) -> None:
               "init": head_fingerprint(args.init) if args.init is not None else None}
     if args.resume:
         saved = training.read_record(out)
+        if isinstance(saved.get("settings"), dict):  # a run saved before a setting existed had its default
+            saved["settings"] = {**dataclasses.asdict(training.Settings()), **saved["settings"]}
         for key in ("model", "dtype", "settings", "init"):
             if saved.get(key) != record[key]:
                 raise JaxspecError(f"--resume: {out} was trained with {key} {saved.get(key)}, not {record[key]}")
@@ -128,7 +134,7 @@ def main(argv=None) -> None:
         rows = min(GENERATION_BATCH, -(-settings.tokens // settings.seq))
         backend = "pallas" if jax.default_backend() == "gpu" else "reference"  # generate's default
         stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
-                                       backend, log, settings.chat_share)
+                                       backend, log, settings.chat_share, settings.cut_loops)
         files.write_file(out / training.DATA_FILE, lambda tmp: training.write_data(tmp, stream))
     if start is None:
         ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)

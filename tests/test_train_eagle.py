@@ -159,6 +159,10 @@ def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model
     assert code == 130 and "data:" not in err
     assert training.read_record(parts)["step"] == 2 and not (parts / "config.json").exists()
     stop[0] = None
+    state = parts / training.STATE_DIR / "state.json"  # a run saved before --cut-loops existed resumes as one without
+    record = json.loads(state.read_text())
+    assert record["settings"].pop("cut_loops") is False
+    state.write_text(json.dumps(record))
     code, err = cli(capsys, "--model", tiny_model, "--out", parts, *SMALL, "--resume")
     assert code == 0, err
     target_cfg = hf.read_config(tiny_model, "float32")
@@ -207,6 +211,65 @@ def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeyp
     for request in ("tell me about fish", "why"):
         assert text(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": request}]))) in text(stream)
     assert len(asked) >= 1
+
+
+def loop_cut_by_hand(sequence, prompt_len):
+    """training.loop_cut written out: n-grams as tuples in a set, the window counted token by token."""
+    n, seen, repeats = training.LOOP_GRAM, set(), []
+    for t in range(len(sequence)):
+        gram = tuple(sequence[t - n + 1:t + 1]) if t >= n - 1 else None
+        repeats.append(gram is not None and gram in seen)
+        seen.add(gram)
+    for t in range(prompt_len + training.LOOP_WINDOW - 1, len(sequence)):
+        if sum(repeats[t - training.LOOP_WINDOW + 1:t + 1]) >= training.LOOP_SHARE * training.LOOP_WINDOW:
+            return t + 1
+    return len(sequence)
+
+
+def test_loop_cut_keeps_text_up_to_where_it_repeats_itself():
+    rng = np.random.default_rng()
+    prompt, novel = rng.integers(0, 1000, 50), rng.integers(0, 1000, 120)
+    period = rng.integers(0, 1000, 9)
+    looped = np.concatenate([prompt, novel, np.tile(period, 40)])
+    cut = training.loop_cut(looped, len(prompt))
+    assert cut == loop_cut_by_hand(looped.tolist(), len(prompt))
+    # the novel text and the loop's first repetitions stay; the cut falls within a window of its start
+    assert len(prompt) + len(novel) + len(period) < cut <= len(prompt) + len(novel) + training.LOOP_WINDOW + len(period)
+    fresh = np.concatenate([prompt, rng.integers(0, 1000, 400)])
+    assert training.loop_cut(fresh, len(prompt)) == len(fresh)  # nothing repeats: all kept
+    copied = np.concatenate([prompt, prompt, prompt[:30]])  # copying the prompt is repeating too
+    assert training.loop_cut(copied, len(prompt)) == loop_cut_by_hand(copied.tolist(), len(prompt)) < len(copied)
+    short = np.concatenate([prompt, np.tile(period, 5)])  # a continuation shorter than the window
+    assert training.loop_cut(short, len(prompt)) == len(short)
+    for _ in range(20):  # loops of every kind: the hashed n-grams against the tuples
+        parts = [rng.integers(0, 50, int(rng.integers(1, 60))) for _ in range(6)]
+        sequence = np.concatenate([np.tile(x, int(rng.integers(1, 6))) for x in parts])
+        start = int(rng.integers(0, len(sequence)))
+        assert training.loop_cut(sequence, start) == loop_cut_by_hand(sequence.tolist(), start)
+
+
+def test_self_distill_cuts_each_continuation_where_loop_cut_says(tiny_model, monkeypatch):
+    """With cut_loops, each row's sequence is kept up to loop_cut(sequence, its prompt's length): with
+    every prompt a known request and loop_cut keeping the prompt and one token, the stream is those."""
+    from jaxspec.loaders import load_model
+
+    cfg, params, tokenizer = load_model(str(tiny_model), "float32")
+    requests = ["tell me about fish", "why", "how do birds fly", "name three rivers"]
+    monkeypatch.setattr(training, "asker", lambda *_: lambda params, key: requests)
+    calls = []
+    keep_one = lambda x, prompt_len: calls.append((len(x), prompt_len)) or prompt_len + 1
+    monkeypatch.setattr(training, "loop_cut", keep_one)
+    lines = []
+    stream = training.self_distill(cfg, params, tokenizer, 120, 96, batch=4, chat_share=1.0, cut_loops=True,
+                                   log=lines.append)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": r}])) for r in requests]
+    assert len(calls) % 4 == 0 and [p for _, p in calls] == [len(x) for x in prompts] * (len(calls) // 4)
+    assert all(n > p + 1 for n, p in calls)  # the target continued every prompt (no stop among the first tokens)
+    at = 0
+    for prompt in prompts * (len(calls) // 4):
+        assert stream[at:at + len(prompt)].tolist() == prompt
+        at += len(prompt) + 1
+    assert at == len(stream) >= 120 and "of the generated kept" in lines[-1]
 
 
 @pytest.mark.parametrize("args, fragment", [
