@@ -69,10 +69,10 @@ def main(argv=None):
     for flag, value, low in (("--slots", args.slots, 1), ("--queue", args.queue, 0), ("--segment", args.segment, 1),
                              ("--admit-rows", args.admit_rows, 1), ("--warm-up-tokens", args.warm_up_tokens, 1),
                              ("--prefill-chunk", args.prefill_chunk, 0),
-                             ("--max-top-k", args.max_top_k, 0), ("--port", args.port, 0), ("--kv-pages", args.kv_pages, 0)):
+                             ("--max-top-k", args.max_top_k, 0), ("--kv-pages", args.kv_pages, 0)):
         if value < low:
             raise JaxspecError(f"{flag} must be at least {low}, got {value}")
-    check_address(args.host, args.port)
+    check_address(args.host, args.port)  # --port's range too
     try:  # before the weights load (the scheduler checks it against an NSA model's blocks too)
         kvcache.paging.check_page_size(args.page_size)
     except ValueError as e:

@@ -14,12 +14,12 @@ template, a share of the prompts (`chat_share`) are instead short requests the t
 head also sees the target answering ordinary chat. The target continues the prompts with jaxspec's
 batched decoding (temperature 0.7, top-p 0.95) until it stops or the sequence reaches `seq` tokens.
 Prompt and continuation, concatenated sequence after sequence, are the token stream; training
-windows are random [B, seq] cuts of it. SmolLM2's continuations often end in loops (measured on CPU:
-over half of a sample's positions repeat the 6 tokens before them, where a head's top-1 accuracy is
-0.95 against 0.64 elsewhere): `cut_loops` keeps each continuation only up to where it starts to repeat
-itself (`loop_cut`), so the same tokens hold more distinct text. A window may span two sequences: the labels are the
-target's own distributions over that window (teacher-forced), so what the head learns is still the
-target.
+windows are random [B, seq] cuts of it. A window may span two sequences: the labels are the target's
+own distributions over that window (teacher-forced), so what the head learns is still the target.
+SmolLM2's continuations often end in loops (measured on CPU: over half of a sample's positions repeat
+the 6 tokens before them, where a head's top-1 accuracy is 0.95 against 0.64 elsewhere): `cut_loops`
+keeps each continuation only up to where it starts to repeat itself (`loop_cut`), so the same tokens
+hold more distinct text.
 
 Loss (`ttt_loss`): EAGLE-3's training-time test (`eagle.ttt_forward`): for step k the head's
 draft-vocabulary distribution at row t against the target's next-token distribution at position
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import corpus
+from jaxspec import corpus, files
 from jaxspec.decoding.engine import Engine
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
@@ -416,10 +416,7 @@ def write_state(directory: Path, trainable: Params, opt_state, d2t, record: dict
 
 def read_record(out: Path) -> dict:
     """The record of out/train_state (the step, the settings, the log so far)."""
-    try:
-        return json.loads((out / STATE_DIR / "state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise JaxspecError(f"cannot read the train state {out / STATE_DIR}: {e}") from None
+    return files.read_json_object(out / STATE_DIR / "state.json", "train state")
 
 
 def load_state(out: Path, like):
