@@ -633,8 +633,9 @@ def test_device_watch_crosses_where_the_host_replay_would(tiny):
                                  stop_ids=jnp.asarray([-1])), max_iterations=jnp.int32(24))
     reference = decode(params, jax.tree.map(jnp.copy, state), max_iterations=jnp.int32(40))
     watched = programs.watched(cfg, spec.compiled(max_len), sampling, max_len, (NGRAM.spec(spec),)).jitted
-    run = lambda threshold, until=40: watched(params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0),
-                                              np.int32(64), np.asarray([threshold], np.float32), np.int32(until))
+    run = lambda threshold, until=40, own_floor=0.0: watched(
+        params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0), np.int32(64),
+        np.asarray([threshold], np.float32), np.float32(own_floor), np.int32(until))
     out, length, ran, window, crossed, replays = run(np.inf)
     np.testing.assert_array_equal(out.tokens, reference.tokens)
     assert not crossed and int(window) == 128 and (np.asarray(length) == np.asarray(state.length)).all()
@@ -647,6 +648,12 @@ def test_device_watch_crosses_where_the_host_replay_would(tiny):
     assert slowest > 1  # the text repeats: chains to find
     assert bool(run(np.float32(slowest))[4]) and not bool(run(np.nextafter(np.float32(slowest), np.float32(np.inf)))[4])
     assert not bool(run(np.float32(slowest), until=39)[4])  # a window ending past `until` is not judged
+    # the running strategy's own tokens per iteration since the call's start, as the host counts them
+    own = Observation.between((np.asarray(state.length), jax.device_get(state.stats)),
+                              (end, jax.device_get(out.stats)), 1.0).tokens_per_iteration
+    assert bool(run(np.inf, own_floor=np.nextafter(np.float32(own), np.float32(np.inf)))[4])
+    assert not bool(run(np.inf, own_floor=np.float32(own) * (1 - 1e-6))[4])
+    assert not bool(run(np.inf, until=39, own_floor=np.inf)[4])
 
 
 def test_watch_leaves_a_model_drafter_that_does_badly_on_this_text():
@@ -669,6 +676,45 @@ def test_watch_leaves_a_model_drafter_that_does_badly_on_this_text():
         assert switched is None and r.window == 2 * refine.WATCH
         assert r.watch(window(128, tpi), finished=False) is None and r.watching
         assert r.observations[eagle5].iterations == 8 + 64 + 128  # pooled, not the latest window alone
+
+
+def test_a_running_drafter_is_watched_on_the_device_down_to_its_floor():
+    """Settled on an observed model drafter, a closed batch watches on the device: `own_floor` is the
+    tokens per iteration under which a long stretch of the drafter makes `watch` leave it, just over
+    which it stays; a call of one window over the floor never leaves it (the floor looks early, never
+    late). The replays' thresholds are taken with the drafter at its floor: a replay there switches,
+    and they are no higher than at the drafter's present rate. Plain's floor is 0; running ngram and
+    a drafter not yet observed are watched on the host."""
+    import copy
+
+    eagle5, g8 = Strategy("eagle", gamma=5), Strategy("ngram", gamma=8)
+    candidates = (Prediction(eagle5, 2000, 3.5, 3.5 / 2000, iterations=29),
+                  Prediction(PLAIN, 900, 1.0, 1 / 900, iterations=144), Prediction(g8, 600, 1.8, 1.8 / 600, 20))
+    plan = planner.Plan(candidates, eagle5, "table:t.json", 8192)
+    window = lambda n, tpi: Observation(n, n * tpi, n * 3.5 / 2000, tpi)  # one row at the table's iteration time
+    r = planner.Refinement.of(plan, closed=True)
+    assert not r.watches_on_device  # refining
+    assert r.observe(window(8, 3.0), finished=False, replays={g8: Observation(8, 8, 0.0, 1.0, 1.0)}) is None
+    assert r.watches_on_device
+    floor = r.own_floor()
+    assert 1 < floor < 2  # eagle at 571 tok/s a token an iteration against plain's 900
+    ones = {g8: Observation(1, 1, 0.0, 1.0, 1.0)}
+    for n, tpi, leaves in ((refine.STRETCH, floor * (1 - 1e-6), True), (refine.STRETCH, floor * (1 + 1e-6), False),
+                           (refine.WATCH, floor * (1 + 1e-6), False)):
+        watched = copy.deepcopy(r)
+        assert (watched.watch(window(n, tpi), finished=False, replays=ones) == PLAIN) == leaves, (n, tpi)
+    threshold = r.thresholds()[g8]
+    at_floor = r._after(floor)
+    for tpi, switches in ((threshold, True), (threshold * (1 - 1e-4), False)):
+        target, _ = refine.decide(candidates, at_floor, eagle5, probe_margin=None,
+                                  replays={g8: Observation(8, 8 * tpi, 0.0, tpi, tpi)}, closed=True)
+        assert (target == g8) == switches
+    expected = refine.corrected(candidates, r.observations, ones, closed=True)
+    assert threshold < expected[eagle5] * (1 + refine.MARGIN) / expected[g8]  # the host's bar now
+    assert planner.Refinement.of(planner.Plan(candidates, PLAIN, "table:t.json", 8192), closed=True).own_floor() == 0
+    assert not planner.Refinement(plan, eagle5, active=False, closed=True).watches_on_device  # not observed
+    running_ngram = planner.Refinement(plan, g8, active=False, closed=True, observations={g8: window(8, 2.0)})
+    assert running_ngram.watching and not running_ngram.watches_on_device
 
 
 def test_predictions_and_observations_meet_on_one_basis():
@@ -837,6 +883,34 @@ def test_device_watch_judges_no_window_too_late_for_a_switch(tiny, monkeypatch):
     run = run_generation(params, cfg, batch, plan=plan, **common)
     assert [g.tolist() for g in run.generated()] == [g.tolist() for g in reference.generated()]
     assert [s["iterations"] for s in run.auto.segments] == [16, 43] and decided == [PLAIN]
+
+
+def test_a_closed_batch_settled_on_a_drafter_decodes_in_one_call(tiny, monkeypatch):
+    """Settled on vegas after its first segment, a closed batch watches on the device: with no replay
+    crossing and the drafter over its floor, the rest of the run is one call; with every window under
+    the floor, each call ends at its window (WATCH, 2 WATCH, ...) and the host judges it (scripted
+    here to stay), with an ngram candidate to replay or none. All emit plain decoding's tokens (the
+    tiny model's text repeats: vegas takes ~7 tokens an iteration)."""
+    cfg, params, batch = tiny
+    common = dict(sampling=SamplingConfig(), max_len=200, max_new_tokens=150, stop_ids=(), spec=SpecConfig())
+    reference = [g.tolist() for g in run_generation(params, cfg, batch, **common).generated()]
+    monkeypatch.setattr(refine, "WATCH", 2)
+    monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: math.inf for s in self.replayed})
+    plan = planner.Plan((Prediction(VEGAS, 100.0, 2.0, 0.02), Prediction(PLAIN, 60.0, 1.0, 0.02),
+                         Prediction(NGRAM, 50.0, 1.5, 0.03)), VEGAS, "table:t.json", 1024)
+    no_ngram = planner.Plan(plan.candidates[:2], VEGAS, "table:t.json", 1024)  # nothing to replay
+    for own_floor, plan in ((0.0, plan), (math.inf, plan), (math.inf, no_ngram)):
+        monkeypatch.setattr(refine.Refinement, "own_floor", lambda self: own_floor)
+        run = run_generation(params, cfg, batch, plan=plan, **common)
+        assert [g.tolist() for g in run.generated()] == reference
+        iterations = [s["iterations"] for s in run.auto.segments]
+        total = int(jax.device_get(run.output.stats).iterations.max())
+        assert sum(iterations) == total and not run.auto.switches
+        if own_floor == 0:
+            assert iterations == [planner.SEGMENT, total - planner.SEGMENT]
+        else:
+            assert iterations[:3] == [planner.SEGMENT, 2, 4] and len(iterations) >= 4
 
 
 def test_replays_queued_behind_a_window_are_its_replays(tiny, monkeypatch):

@@ -9,8 +9,10 @@ plan's `probe_margin` slower (`decide`); it measures that one for a segment and 
 MAX_SWITCHES times. Settled, it keeps watching (`Refinement.watch`) while a speculative strategy runs
 or ngram could: after windows of WATCH, 2 WATCH, 4 WATCH ... iterations (back to WATCH after a switch:
 each check costs a host sync and a replay, so their number grows with the log of the run's length;
-a running drafter's windows run in segments of AHEAD, so a switch away from it lands at most AHEAD
-iterations after its judgement) it
+in a closed batch settled on plain or an observed model drafter the windows run inside one device
+call, which returns only where the host may decide (`Refinement.thresholds`, `own_floor`); otherwise
+in segments of AHEAD, so a switch away from a running drafter lands at most AHEAD iterations after
+its judgement) it
 replays the chain ngram candidates over the tokens just committed (`Ngram.replay`: what ngram would
 have accepted, exact in distribution, at no model cost) and switches when one is predicted MARGIN
 faster than the running strategy, or when the running one falls MARGIN below any candidate. ngram is
@@ -33,6 +35,7 @@ WATCH = 64  # decode iterations of a settled refinement's first watch window; it
 AHEAD = 64  # decode iterations per segment of a watched running drafter: each runs ahead of the last one's judgement
 # (each segment costs ~1.2-2 ms on an H200: at 16, batch 1's iterations ran 6-15% longer; bench/NOTES.md)
 MAX_SWITCHES = 3
+STRETCH = 1 << 20  # iterations of `Refinement.own_floor`'s long stretch: its table rate and segments weigh nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +202,9 @@ class Refinement:
     starts settled, a table's or the cost model's: it has no drafts to observe, and a segment of it
     scales every unobserved candidate's prediction and its own by one tau (`corrected`), so only
     ngram's replays could move the choice, and the watch replays ngram (on the device, with no host
-    sync, in a closed batch: bench/NOTES.md, "auto's first segment"). Settled, it is `watching` while
-    it has ngram to watch. `closed`: a static batch (the rows it starts with are all it runs, and it
+    sync, in a closed batch: bench/NOTES.md, "auto's first segment"; a closed batch settled on an
+    observed model drafter is watched there too). Settled, it is `watching` while it has ngram to
+    watch or a speculative strategy runs. `closed`: a static batch (the rows it starts with are all it runs, and it
     lasts as long as its slowest row): ngram, running or replayed, is then judged by its slowest row,
     since it leaves some rows at one token an iteration while others copy (its slowest row needs
     about twice its mean row's iterations, a model drafter's barely more: bench/NOTES.md, "auto
@@ -276,10 +280,34 @@ class Refinement:
 
     @property
     def watches_on_device(self) -> bool:
-        """Whether the watch can run inside the decode (`thresholds`): a closed batch settled on plain
-        with ngram to replay (a running drafter is judged by its own timed windows, which only the host
-        sees; an open batch's segments are the host's anyway)."""
-        return self.closed and self.watching and self.current.plain and bool(self.replayed)
+        """Whether the watch can run inside the decode (`thresholds`, `own_floor`): a closed batch settled
+        on plain with ngram to replay, or on an observed model drafter (running ngram is judged by its
+        latest window's slowest row, and an open batch's segments are the host's anyway)."""
+        c = self.current
+        return self.closed and self.watching and c.method != "ngram" and (c.plain or c in self.observations)
+
+    def own_floor(self) -> float:
+        """The device's watch of a running model drafter (`serving.programs.watched`): the least tokens
+        per iteration (the mean row's) at which a long stretch of it, at its pooled iteration time,
+        keeps `decide` on it with no replay copying; 0 for plain (its rate does not drift) or a drafter
+        no candidate beats even at one token an iteration, inf for one `decide` leaves now. A call
+        whose own tokens per iteration fall under it ends, and the host judges as `watch` does: a
+        floor says when to look. A shorter stretch pulls the pooled rate down less, so its own floor
+        is lower: this one looks early, never late."""
+        c = self.current
+        if c.plain:
+            return 0.0
+        keeps = lambda tpi: decide(self.plan.candidates, self._after(tpi), c, probe_margin=None,
+                                   replays=self._not_copying(), closed=self.closed)[0] == c
+        low, high = 1.0, 1.0 + c.depth
+        if keeps(low):
+            return 0.0
+        if not keeps(high):
+            return float("inf")
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (low, mid) if keeps(mid) else (mid, high)
+        return high
 
     def thresholds(self) -> dict[Strategy, float]:
         """The watch as the device applies it (`serving.programs.watched`): for each replayed strategy,
@@ -287,16 +315,33 @@ class Refinement:
         closed batch), at which `decide` would switch now, the other replays at one token an iteration;
         inf where none up to its depth + 1 would. `corrected`'s rate of a replayed strategy is its
         rate at one token an iteration times the replay's tokens per iteration, so each threshold is
-        the switch's bar over that rate. A window that crosses one ends the device's loop, and the host
-        judges the device's replays of that window and decides as `watch` does: a threshold says when
-        to look."""
-        ones = {s: Observation(1, 1, 0.0, 1.0, 1.0) for s in self.replayed}
-        expected = corrected(self.plan.candidates, self.observations, ones, self.closed)
+        the switch's bar over that rate. A running model drafter's bar is taken at its `own_floor` (the
+        lowest it may sink to within a call that does not cross it). A window that crosses one ends
+        the device's loop, and the host judges the device's replays of that window and decides as
+        `watch` does: a threshold says when to look."""
+        floor = self.own_floor()
+        if floor == float("inf"):
+            return {s: 1.0 for s in self.replayed}
+        observations = self.observations if self.current.plain else self._after(max(floor, 1.0))
+        expected = corrected(self.plan.candidates, observations, self._not_copying(), self.closed)
         bar = expected[self.current] * (1 + MARGIN)
         if any(rate > bar for s, rate in expected.items() if s != self.current and s.method != "eagle"):
             return {s: 1.0 for s in self.replayed}  # `decide` switches whatever the replays
         least = {s: bar / expected[s] * (1 + 1e-9) for s in self.replayed}  # just over the bar
         return {s: x if x <= 1 + s.depth else float("inf") for s, x in least.items()}
+
+    def _not_copying(self) -> dict[Strategy, Observation]:
+        """Each replayed strategy's replay at one token an iteration."""
+        return {s: Observation(1, 1, 0.0, 1.0, 1.0) for s in self.replayed}
+
+    def _after(self, tokens_per_iteration: float) -> dict[Strategy, Observation]:
+        """The observations after a long stretch (STRETCH iterations) of the running drafter at
+        `tokens_per_iteration`, its rows and iteration time as observed."""
+        o = self.observations[self.current]
+        rows = o.tokens / max(o.iterations * o.tokens_per_iteration, 1e-9)
+        stretch = Observation(STRETCH, STRETCH * rows * tokens_per_iteration, STRETCH * o.iteration_s,
+                              tokens_per_iteration)
+        return {**self.observations, self.current: o.merge(stretch)}
 
     def watch_until(self, left: int) -> int:
         """Iterations of plain (a token a row an iteration) from now within which a window's crossing

@@ -139,7 +139,10 @@ def replays(cfg, specs: tuple[SpecConfig, ...], max_len: int) -> Program:
 
 def window_replays(drafters, state, length, ran):
     """Each drafter's `replay` [S, B] over the rows of `state` that ran every iteration since lengths
-    `length` and row iterations `ran` [B] (the others replay nothing): the window ends at the state."""
+    `length` and row iterations `ran` [B] (the others replay nothing): the window ends at the state.
+    [0, B] with no drafters (a running drafter watched with no ngram candidate)."""
+    if not drafters:
+        return jnp.zeros((0, *length.shape), jnp.int32)
     start = window_start(state, length, ran)[1]
     return jnp.stack([d.replay(state.tokens, start, state.length) for d in drafters])
 
@@ -155,21 +158,26 @@ def window_start(state, length, ran):
 @functools.lru_cache(maxsize=None)
 def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, replayed: tuple[SpecConfig, ...],
             mesh: Mesh | None = None) -> Program:
-    """A closed batch's decode that watches ngram on the device (`planner.Refinement.thresholds`):
-    (params, state, iterations, min_live, window, thresholds [S], until) -> (state, the last window's
-    start lengths [B] and row iterations [B], the next window, crossed, each replay's iterations over
-    the last window [S, B] (as `Ngram.replay` gives them: the host's replays need not run again)). It
-    decodes windows of `window`, 2 `window`, ... iterations as `decode` does (up to `iterations`, or
-    until at most `min_live` rows run), and after each replays each of `replayed` (`Ngram.replay`)
-    over the rows that ran the whole window, as the host's watch does; it stops after the first
-    window, ending within `until` iterations of the call's start, whose slowest such row's replayed
-    tokens per iteration reaches that strategy's threshold (`crossed`). So a run whose text never
-    repeats is one call, with no host work between windows (bench/NOTES.md, "the watch on the device")."""
+    """A closed batch's decode that watches on the device (`planner.Refinement.thresholds` and
+    `own_floor`): (params, state, iterations, min_live, window, thresholds [S], own_floor, until) -> (state,
+    the last window's start lengths [B] and row iterations [B], the next window, crossed, each
+    replay's iterations over the last window [S, B] (as `Ngram.replay` gives them: the host's replays
+    need not run again)). It decodes windows of `window`, 2 `window`, ... iterations as `decode` does
+    (up to `iterations`, or until at most `min_live` rows run), and after each replays each of
+    `replayed` (`Ngram.replay`) over the rows that ran the whole window, as the host's watch does; it
+    stops after the first window, ending within `until` iterations of the call's start, whose slowest
+    such row's replayed tokens per iteration reaches that strategy's threshold, or after which the
+    running strategy's own tokens per iteration since the call's start (the mean row's, as
+    `planner.Observation.between` counts them) are under `own_floor` (`crossed`). So a run whose text
+    neither repeats nor leaves its drafter is one call, with no host work between windows
+    (bench/NOTES.md, "the watch on the device")."""
 
     def make(c):
         eng, drafters = engine.Engine(c, spec, sampling, max_len), [make_drafter(r, c, max_len) for r in replayed]
 
-        def run(params, state, iterations, min_live, window, thresholds, until):
+        def run(params, state, iterations, min_live, window, thresholds, own_floor, until):
+            first = state.stats
+
             def cond(carry):
                 state, i, _, _, _, crossed, _ = carry
                 return ~crossed & (jnp.sum(~state.done) > min_live) & (i < iterations)
@@ -186,6 +194,9 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
                     counted = whole & (replayed > 0)
                     slowest = jnp.min(jnp.where(counted, tokens / jnp.maximum(replayed, 1), jnp.inf))
                     crossed |= counted.any() & (slowest >= threshold) & (i <= until)
+                row_iterations = jnp.sum(state.stats.iterations - first.iterations)
+                own = (jnp.sum(state.stats.accepted - first.accepted) + row_iterations) / jnp.maximum(row_iterations, 1)
+                crossed |= (row_iterations > 0) & (own < own_floor) & (i <= until)
                 return state, i, 2 * window, length, ran, crossed, replays
 
             zeros = jnp.zeros_like(state.length)

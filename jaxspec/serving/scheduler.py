@@ -503,7 +503,7 @@ class Scheduler:
 
     def run_segment(self) -> None:
         """Decodes a segment (`segment` iterations; planner.SEGMENT while refining; while a closed batch
-        watches, its window, in segments of planner.AHEAD: the next segment runs ahead of each report,
+        watches on the host, its window, in segments of planner.AHEAD: the next segment runs ahead of each report,
         so a switch decided at a window's end lands at most AHEAD iterations late), hands out its
         tokens, and lets the refinement switch strategy. Serving's segments and a watch's are queued
         one ahead: the next is queued before the host waits on this one's report."""
@@ -581,20 +581,22 @@ class Scheduler:
                            shape=self._value.tokens.shape, keeps=True)
 
     def _run_watched(self) -> None:
-        """`run_segment` for a closed batch settled on plain that watches ngram
+        """`run_segment` for a closed batch settled on plain or an observed model drafter
         (`planner.Refinement.watches_on_device`): one call of `programs.watched` decodes to the end of
-        the run, unless a window's replay crosses its threshold (the host then judges the device's replays
-        of that window and decides, as its own watch does) or the batch can shrink."""
+        the run, unless a window's replay crosses its threshold or the drafter's own tokens per
+        iteration fall under its floor (the host then judges the call and the device's replays of its
+        last window, and decides as its own watch does) or the batch can shrink."""
         r = self.refinement
         program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
                                    tuple(s.spec(self.base) for s in r.replayed), self.mesh)
         thresholds = r.thresholds()
         thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
+        own_floor = np.float32(r.own_floor())
         until = np.int32(r.watch_until(self._left()))
 
         def args(iterations: int, floor: int):
             window = np.int32(r.window)
-            return self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, until
+            return self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, own_floor, until
 
         self._load(program, *args(0, 0), shape=(self.rows,), first=0)
         before, start = self._last, time.perf_counter()
