@@ -586,7 +586,7 @@ def test_watch_thresholds_are_where_watch_switches():
     r = planner.Refinement.of(planner.Plan(candidates, PLAIN, "table:t.json", 1024), closed=True)
     r.watched(Observation(64, 8 * 64, 64 * 8 / 950, 1.0, 1.0), refine.WATCH)  # plain observed at 950 tok/s
     assert r.watches_on_device and set(r.replayed) == {NGRAM, g8, g2}
-    thresholds = r.thresholds()
+    thresholds = r.thresholds(r.own_floor())
     assert thresholds[g2] == math.inf and 1 < thresholds[NGRAM] < 1 + NGRAM.depth and 1 < thresholds[g8] < 1 + g8.depth
     for strategy in (NGRAM, g8):
         for tpi, switches in ((thresholds[strategy], True), (thresholds[strategy] * (1 - 1e-4), False)):
@@ -703,7 +703,7 @@ def test_a_running_drafter_is_watched_on_the_device_down_to_its_floor():
                            (refine.WATCH, floor * (1 + 1e-6), False)):
         watched = copy.deepcopy(r)
         assert (watched.watch(window(n, tpi), finished=False, replays=ones) == PLAIN) == leaves, (n, tpi)
-    threshold = r.thresholds()[g8]
+    threshold = r.thresholds(floor)[g8]
     at_floor = r._after(floor)
     for tpi, switches in ((threshold, True), (threshold * (1 - 1e-4), False)):
         target, _ = refine.decide(candidates, at_floor, eagle5, probe_margin=None,
@@ -840,7 +840,7 @@ def test_watch_windows_on_the_device_and_ahead_of_the_host_stay_lossless(tiny, m
     monkeypatch.setattr(Scheduler, "_replays", lambda self, *args: (time.sleep(pause), replays(self, *args))[1])
     shrink, rows = Scheduler._shrink, []
     monkeypatch.setattr(Scheduler, "_shrink", lambda self: (shrink(self), rows.append(self.rows)))
-    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: 1.0 for s in self.replayed})
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self, floor: {s: 1.0 for s in self.replayed})
     plan = planner.Plan((Prediction(PLAIN, 100.0, 1.0, 0.02), Prediction(NGRAM, 100.0, 2.0, 0.04)), PLAIN, "table:t.json", 1024)
     for script in ([], [NGRAM, PLAIN]):
         decisions, rows[:] = iter(script), []
@@ -875,7 +875,7 @@ def test_device_watch_judges_no_window_too_late_for_a_switch(tiny, monkeypatch):
     common = dict(sampling=SamplingConfig(), max_len=128, max_new_tokens=60, stop_ids=(), spec=SpecConfig())
     reference = run_generation(params, cfg, batch, **common)
     monkeypatch.setattr(refine, "WATCH", 16)
-    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: 1.0 for s in self.replayed})
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self, floor: {s: 1.0 for s in self.replayed})
     decided = []
     monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (
         decided.append(current) or current, "scripted"))
@@ -896,7 +896,7 @@ def test_a_closed_batch_settled_on_a_drafter_decodes_in_one_call(tiny, monkeypat
     reference = [g.tolist() for g in run_generation(params, cfg, batch, **common).generated()]
     monkeypatch.setattr(refine, "WATCH", 2)
     monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
-    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: math.inf for s in self.replayed})
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self, floor: {s: math.inf for s in self.replayed})
     plan = planner.Plan((Prediction(VEGAS, 100.0, 2.0, 0.02), Prediction(PLAIN, 60.0, 1.0, 0.02),
                          Prediction(NGRAM, 50.0, 1.5, 0.03)), VEGAS, "table:t.json", 1024)
     no_ngram = planner.Plan(plan.candidates[:2], VEGAS, "table:t.json", 1024)  # nothing to replay

@@ -221,7 +221,7 @@ def test_device_watch_equals_one_device(qwen3, monkeypatch):
     plain, ngram = Strategy(), Strategy("ngram", gamma=4)
     decisions = iter([ngram, plain])
     monkeypatch.setattr(refine, "WATCH", 4)
-    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self: {s: 1.0 for s in self.replayed})
+    monkeypatch.setattr(refine.Refinement, "thresholds", lambda self, floor: {s: 1.0 for s in self.replayed})
     monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (
         next(decisions, None) or current, "scripted"))
     plan = planner.Plan((Prediction(plain, 100.0, 1.0, 0.02), Prediction(ngram, 100.0, 2.0, 0.04)), plain, "table:t", 1024)

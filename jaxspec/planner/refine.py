@@ -36,6 +36,7 @@ AHEAD = 64  # decode iterations per segment of a watched running drafter: each r
 # (each segment costs ~1.2-2 ms on an H200: at 16, batch 1's iterations ran 6-15% longer; bench/NOTES.md)
 MAX_SWITCHES = 3
 STRETCH = 1 << 20  # iterations of `Refinement.own_floor`'s long stretch: its table rate and segments weigh nothing
+FLOOR_PRECISION = 2.0 ** -24  # of `own_floor`'s bisection: float32's, in which the device compares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,29 +298,29 @@ class Refinement:
         c = self.current
         if c.plain:
             return 0.0
-        keeps = lambda tpi: decide(self.plan.candidates, self._after(tpi), c, probe_margin=None,
-                                   replays=self._not_copying(), closed=self.closed)[0] == c
+        ones = self._not_copying()
+        keeps = lambda tpi: decide(self.plan.candidates, self._after(tpi), c, probe_margin=None, replays=ones,
+                                   closed=self.closed)[0] == c
         low, high = 1.0, 1.0 + c.depth
         if keeps(low):
             return 0.0
         if not keeps(high):
             return float("inf")
-        for _ in range(40):
+        while high - low > high * FLOOR_PRECISION:  # each `decide` costs ~0.1 ms of host time, the device idle
             mid = (low + high) / 2
             low, high = (low, mid) if keeps(mid) else (mid, high)
         return high
 
-    def thresholds(self) -> dict[Strategy, float]:
+    def thresholds(self, floor: float) -> dict[Strategy, float]:
         """The watch as the device applies it (`serving.programs.watched`): for each replayed strategy,
         the least tokens per iteration of its replay over a window, as judged (its slowest row's in a
         closed batch), at which `decide` would switch now, the other replays at one token an iteration;
         inf where none up to its depth + 1 would. `corrected`'s rate of a replayed strategy is its
         rate at one token an iteration times the replay's tokens per iteration, so each threshold is
-        the switch's bar over that rate. A running model drafter's bar is taken at its `own_floor` (the
-        lowest it may sink to within a call that does not cross it). A window that crosses one ends
-        the device's loop, and the host judges the device's replays of that window and decides as
-        `watch` does: a threshold says when to look."""
-        floor = self.own_floor()
+        the switch's bar over that rate. A running model drafter's bar is taken at `floor`, its
+        `own_floor` (the lowest it may sink to within a call that does not cross it). A window that
+        crosses one ends the device's loop, and the host judges the device's replays of that window and
+        decides as `watch` does: a threshold says when to look."""
         if floor == float("inf"):
             return {s: 1.0 for s in self.replayed}
         observations = self.observations if self.current.plain else self._after(max(floor, 1.0))

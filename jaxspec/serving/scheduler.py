@@ -589,9 +589,10 @@ class Scheduler:
         r = self.refinement
         program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
                                    tuple(s.spec(self.base) for s in r.replayed), self.mesh)
-        thresholds = r.thresholds()
+        own_floor = r.own_floor()
+        thresholds = r.thresholds(own_floor)
         thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
-        own_floor = np.float32(r.own_floor())
+        own_floor = np.float32(own_floor)
         until = np.int32(r.watch_until(self._left()))
 
         def args(iterations: int, floor: int):
