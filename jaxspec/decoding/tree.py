@@ -16,9 +16,12 @@ Each emitted token is then distributed exactly as the target's p given its prefi
 per node this is the chain's speculative sampling.
 
 The target's cutoffs (top-p thresholds and normalisers) are found for every verified row in one
-call. A level whose nodes have one child reads p and q at that child's token only, and the residual
-of the level where a row stopped is formed once, after the walk: a chain touches whole vocabulary
-rows twice (the cutoff, the final draw) instead of at every depth.
+call. A level whose nodes have one drafted child reads p and q at that child's token only; so does a
+level of one-hot candidates (top-b children, ngram's), whatever their number: after rejecting
+candidates x_1..x_i the residual is p without them over 1 - their p, so child i + 1 is accepted with
+probability p(x) / (1 - p(x_1) - ... - p(x_i)) (0 for a token already rejected). The residual of the
+level where a row stopped is formed once, after the walk: such trees touch whole vocabulary rows
+twice (the cutoff, the final draw) instead of several times at every depth.
 """
 
 from __future__ import annotations
@@ -213,24 +216,28 @@ def tree_accept(
     threshold, log_norm = cutoff(target_logits, cfg, backend)  # every row's target cutoff in one call
     # [B, rows]: a greedy row's p is the one-hot of its argmax (row rules only: a config here samples every row)
     top = jnp.argmax(target_logits, axis=-1) if isinstance(cfg, RowSampling) else None
+    one_hot = draft_probs is None  # every candidate one-hot: every level is tested at its candidates' tokens only
     narrow = 1 in tree.branching  # some level has one child per node
-    q_mass = jnp.sum(draft_probs, axis=-1) if narrow and draft_probs is not None else None  # [B, rows]
+    q_mass = jnp.sum(draft_probs, axis=-1) if narrow and not one_hot else None  # [B, rows]
 
     def target(r):
         """p at tree row r [B]: [B, V], as process_logits gives it."""
         probs = probs_from_cutoff(at(target_logits, r), at(threshold, r), at(log_norm, r), cfg)
         return probs if top is None else jnp.where(greedy, jax.nn.one_hot(at(top, r), V, dtype=jnp.float32), probs)
 
+    def target_at(r, x):
+        """p at tree row r [B] at tokens x [B, n]: [B, n], without forming the row's p."""
+        p_x = probs_from_cutoff(target_logits[rows[:, None], r[:, None], x], threshold[rows, r], log_norm[rows, r], cfg)
+        return p_x if top is None else jnp.where(greedy, (x == at(top, r)[:, None]).astype(jnp.float32), p_x)
+
     def sibling(q, x, mass=None):
         """(q_i [B, V], whether it can be tried [B]): the distribution child token x was drawn from,
-        given the draft's q at its parent with the earlier siblings removed (None: one-hot); `mass`
-        [B], q's sum when already known."""
-        one_hot = jax.nn.one_hot(x, V, dtype=jnp.float32)
-        if q is None:
-            return one_hot, jnp.ones((B,), bool)
+        given the draft's q at its parent with the earlier siblings removed (a greedy row's: one-hot);
+        `mass` [B], q's sum when already known."""
         # a sibling drawn after q's support ran out is no candidate
         mass = jnp.sum(q, axis=-1, keepdims=True) if mass is None else mass[:, None]
-        return jnp.where(greedy, one_hot, q / jnp.maximum(mass, 1e-30)), (mass[:, 0] > 0) | greedy[:, 0]
+        q_i = jnp.where(greedy, jax.nn.one_hot(x, V, dtype=jnp.float32), q / jnp.maximum(mass, 1e-30))
+        return q_i, (mass[:, 0] > 0) | greedy[:, 0]
 
     def rejected_residual(resid, q_i):
         """norm(max(r - q_i, 0)); zero mass has probability 0 in exact arithmetic: keep r rather than drawing token 0."""
@@ -238,28 +245,36 @@ def tree_accept(
         mass = jnp.sum(new, axis=-1, keepdims=True)
         return jnp.where(mass > 0, new / jnp.where(mass > 0, mass, 1.0), resid)
 
-    final = jnp.zeros((B, V), jnp.float32)  # the stop token's distribution where a level with siblings set it
-    narrow_stop = jnp.zeros((B,), bool)  # stopped at a one-child level: its residual is formed once, at the end
+    final = jnp.zeros((B, V), jnp.float32)  # the stop token's distribution where a level with drafted siblings set it
+    token_stop = jnp.zeros((B,), bool)  # stopped at a level tested at its tokens: residual formed once, at the end
     for d in range(D):
-        kids = children[cur]
+        kids = children[cur][:, :tree.branching[d]]
         chosen = jnp.full((B,), -1, jnp.int32)
-        if tree.branching[d] == 1:  # one child: the test needs p and q at its token only
+        if one_hot:  # one-hot siblings: r after rejecting x_1..x_i is p without them, over 1 - their p
+            x = tokens[rows[:, None], jnp.maximum(kids, 0)]
+            p_x = target_at(cur, x)
+            kept = jnp.ones((B,), jnp.float32)  # 1 - the p of the siblings rejected so far: r's normaliser
+            for i in range(kids.shape[1]):
+                again = functools.reduce(jnp.logical_or, [x[:, j] == x[:, i] for j in range(i)], jnp.zeros((B,), bool))
+                p_i = jnp.where(again, 0.0, p_x[:, i])  # a token already rejected has r = 0
+                trying = alive & (chosen < 0) & (kids[:, i] >= 0)
+                accept = trying & (uniform_rows(keys[d * K + i]) * kept < p_i)  # u < r(x) = p(x) / kept
+                chosen = jnp.where(accept, kids[:, i], chosen)
+                kept = kept - jnp.where(trying & ~accept, p_i, 0.0)
+            token_stop |= alive & (chosen < 0)
+        elif tree.branching[d] == 1:  # one drafted child: the test needs p and q at its token only
             x = at(tokens, jnp.maximum(kids[:, 0], 0))
-            p_x = probs_from_cutoff(target_logits[rows, cur, x], threshold[rows, cur, 0], log_norm[rows, cur, 0], cfg)
-            if top is not None:
-                p_x = jnp.where(greedy[:, 0], (x == at(top, cur)).astype(jnp.float32), p_x)
-            q_x, trying = jnp.ones((B,), jnp.float32), alive
-            if draft_probs is not None:
-                mass = at(q_mass, cur)
-                q_x = jnp.where(greedy[:, 0], 1.0, draft_probs[rows, cur, x] / jnp.maximum(mass, 1e-30))
-                trying &= (mass > 0) | greedy[:, 0]
+            p_x = target_at(cur, x[:, None])[:, 0]
+            mass = at(q_mass, cur)
+            q_x = jnp.where(greedy[:, 0], 1.0, draft_probs[rows, cur, x] / jnp.maximum(mass, 1e-30))
+            trying = alive & ((mass > 0) | greedy[:, 0])
             accept = trying & (uniform_rows(keys[d * K]) * q_x < p_x)  # u < p/q: q(x) = 0 accepts iff p(x) > 0
             chosen = jnp.where(accept, kids[:, 0], chosen)
-            narrow_stop |= trying & ~accept
-        else:  # siblings: each later one is tested against the residual the earlier rejections left
+            token_stop |= trying & ~accept
+        else:  # drafted siblings: each later one is tested against the residual the earlier rejections left
             resid = target(cur)
-            q = None if draft_probs is None else at(draft_probs, cur)
-            for i in range(K):
+            q = at(draft_probs, cur)
+            for i in range(kids.shape[1]):
                 kid = kids[:, i]
                 x = at(tokens, jnp.maximum(kid, 0))
                 q_i, usable = sibling(q, x)
@@ -269,8 +284,8 @@ def tree_accept(
                 chosen = jnp.where(accept, kid, chosen)
                 rejected = trying & ~accept
                 resid = jnp.where(rejected[:, None], rejected_residual(resid, q_i), resid)
-                if q is not None:  # the next sibling was drawn without replacement: x is out of its q
-                    q = jnp.where(rejected[:, None] & (jnp.arange(V) == x[:, None]), 0.0, q)
+                # the next sibling was drawn without replacement: x is out of its q
+                q = jnp.where(rejected[:, None] & (jnp.arange(V) == x[:, None]), 0.0, q)
             final = jnp.where((alive & (chosen < 0))[:, None], resid, final)
         step = alive & (chosen >= 0)
         emitted = emitted.at[:, d].set(jnp.where(step, at(tokens, jnp.maximum(chosen, 0)), emitted[:, d]))
@@ -280,10 +295,16 @@ def tree_accept(
         alive = step
     # cur is now the leaf (alive rows: the bonus draws from its p) or the node where the row stopped.
     p = target(cur)
-    if narrow:
-        q = None if draft_probs is None else at(draft_probs, cur)
-        q_i, _ = sibling(q, at(tokens, jnp.maximum(children[cur, 0], 0)), None if q is None else at(q_mass, cur))
-        final = jnp.where(narrow_stop[:, None], rejected_residual(p, q_i), final)
+    kids = children[cur]
+    if one_hot:  # every child of the stop node was tried and rejected: r is p without their tokens (unnormalised:
+        # the draw normalises), or p where that leaves no mass (probability 0 in exact arithmetic)
+        x = tokens[rows[:, None], jnp.maximum(kids, 0)]
+        out = jnp.any((jnp.arange(V) == x[:, :, None]) & (kids >= 0)[:, :, None], axis=1)
+        resid = jnp.where(out, 0.0, p)
+        final = jnp.where(token_stop[:, None], jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p), final)
+    elif narrow:
+        q_i, _ = sibling(at(draft_probs, cur), at(tokens, jnp.maximum(kids[:, 0], 0)), at(q_mass, cur))
+        final = jnp.where(token_stop[:, None], rejected_residual(p, q_i), final)
     final = jnp.where(alive[:, None], p, final)
     last = draw(keys[-1], final)
     emitted = jnp.where(jnp.arange(D + 1) == num_accepted[:, None], last[:, None], emitted)
