@@ -1,0 +1,149 @@
+"""Greedy tokens an iteration of any static draft tree for an EAGLE-3 head, replayed exactly (CPU, float32).
+
+    PYTHONPATH=. python3 bench/tree_replay.py [--heads checkpoints/eagle3-smollm2,DIR] [--new 256]
+                                              [--shapes 3,2 3,2,1 ...] [--sizes 6,9,12,15]
+                                              [--out bench/results/tree_replay_cpu.json]
+
+On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token, so
+only the tree's nodes along the text matter: at row t the head's drafts of depth j (EAGLE-3's
+training-time test teacher-forced on the text, `models.eagle.ttt_forward`, as inference computes them
+along an accepted path) rank the text's token x_{t+j+2} at some r_j; an iteration whose pending token
+sits at position P accepts the longest prefix of (r_0, r_1, ...) at row P - 1 that is a node of the
+tree (a tree is a prefix-closed set of rank paths: 3,2 is every (a) and (a, b) with a < 3, b < 2).
+Replaying iteration after iteration over the target's own greedy answers gives each tree's tokens an
+iteration without a device, for shapes the engine does not run: the best tree of n nodes is grown from
+the calibration answers (a node a rank path, added in order of how often the text follows it; each node's
+count bounds its children's, so this is the most often accepted set of n nodes) and scored on held-out
+answers and on generate's default request. Texts: the target's greedy answers (`--new` tokens) to
+generate's default prompt and to the planner's calibration requests (`corpus.REQUESTS`: the first half
+grows the trees, the second half and the default request score them). Writes the JSON and prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from bench.head_quality import answer
+from jaxspec.corpus import REQUESTS
+from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.generate import DEFAULT_PROMPT
+from jaxspec.loaders import load_model
+from jaxspec.loaders.eagle import load_eagle
+from jaxspec.models import eagle
+from jaxspec.training.eagle import teacher
+
+DEPTH = 4  # draft depths replayed
+RANKS = 16  # ranks looked at per depth (a text token ranked lower is never drafted)
+
+
+def ranks(head_dir: Path, params, cfg, ids: np.ndarray) -> np.ndarray:
+    """[T, DEPTH]: at row t, the rank among the head's depth-j drafts of the target's argmax at
+    position t + j + 1 (RANKS where it is not among the first RANKS or past the text)."""
+    ecfg, head = load_eagle(head_dir, cfg, dtype="float32")
+    tokens = jnp.asarray(ids)[None]
+    target = teacher(params, cfg, ecfg, head["d2t"], tokens)
+    argmax = np.asarray(target.argmax)[0]
+    outs = eagle.ttt_forward(head, ecfg, params, cfg, tokens, target.features, DEPTH)
+    T = len(ids)
+    result = np.full((T, DEPTH), RANKS, np.int32)
+    for j in range(DEPTH):
+        order = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, outs[j]))[0], axis=-1)[:, :RANKS]
+        drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(order)))  # [T - 1, RANKS]
+        rows = np.arange(T - 1 - j)
+        hit = drafted[rows] == argmax[rows + j + 1, None]
+        result[rows, j] = np.where(hit.any(axis=1), hit.argmax(axis=1), RANKS)
+    return result
+
+
+def accepted(row_ranks: np.ndarray, tree: set) -> int:
+    """Drafts accepted at one row: the longest prefix of its ranks that is a node of `tree`."""
+    k = 0
+    while k < DEPTH and tuple(row_ranks[: k + 1].tolist()) in tree:
+        k += 1
+    return k
+
+
+def replay(texts: dict, tree: set, names: list[str]) -> float:
+    """Tokens an iteration over the answers of `names` (text -> (ranks, the answer's first position, T)),
+    iterations from the answer's first token on, as generate runs them (the last ones cut at the text's end)."""
+    tokens = iterations = 0
+    for name in names:
+        rk, first, T = texts[name]
+        pending = first
+        while pending < T - 1:
+            k = min(accepted(rk[pending - 1], tree), T - 2 - pending)
+            tokens, iterations, pending = tokens + k + 1, iterations + 1, pending + k + 1
+    return tokens / iterations
+
+
+def uniform(branching: tuple[int, ...]) -> set:
+    """The rank paths of a uniform tree (TreeShape's branching per depth)."""
+    return {path for d in range(1, len(branching) + 1) for path in itertools.product(*map(range, branching[:d]))}
+
+
+def grown(texts: dict, names: list[str], size: int, depth: int) -> set:
+    """The `size` nodes of depth <= `depth` the answers of `names` follow most often (prefix-closed)."""
+    count = collections.Counter()
+    for name in names:
+        rk, first, T = texts[name]
+        for t in range(first - 1, T - 1):
+            for d in range(1, depth + 1):
+                if rk[t, d - 1] >= RANKS:
+                    break
+                count[tuple(rk[t, :d].tolist())] += 1
+    tree: set = set()
+    while len(tree) < size:
+        open_ = [(c, path) for path, c in count.items() if path not in tree and (len(path) == 1 or path[:-1] in tree)]
+        if not open_:
+            break
+        tree.add(max(open_)[1])
+    return tree
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", default="checkpoints/eagle3-smollm2", help="head directories, comma-separated")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--new", type=int, default=256, help="tokens of each greedy answer")
+    p.add_argument("--shapes", nargs="*", default=["2,1", "3,2", "3,2,1", "4,2,1", "6,2"], help="uniform trees")
+    p.add_argument("--sizes", default="6,9,12,15", type=lambda s: [int(n) for n in s.split(",")],
+                   help="node counts of the grown trees (each at depths 2, 3 and 4)")
+    p.add_argument("--out", type=Path, default=common.RESULTS / "tree_replay_cpu.json")
+    args = p.parse_args(argv)
+    cfg, params, tokenizer = load_model(args.model, dtype="float32")
+    template = lambda prompt: tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                            add_generation_prompt=True)
+    prompts = {"default": DEFAULT_PROMPT, **{f"request {i}": r for i, r in enumerate(REQUESTS)}}
+    answers = {name: answer(params, cfg, tokenizer, template(prompt), args.new, SamplingConfig())
+               for name, prompt in prompts.items()}
+    half = len(REQUESTS) // 2
+    groups = {"calibration": [f"request {i}" for i in range(half)],
+              "held-out": [f"request {i}" for i in range(half, len(REQUESTS))], "default": ["default"]}
+    rows, record = [], {}
+    for head in args.heads.split(","):
+        texts = {name: (ranks(Path(head), params, cfg, ids), first, len(ids)) for name, (ids, first) in answers.items()}
+        trees = {f"uniform {s}": uniform(tuple(int(b) for b in s.split(","))) for s in args.shapes}
+        trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
+                  for n in args.sizes for d in (2, 3, 4)}
+        for name, tree in trees.items():
+            scores = {g: round(replay(texts, tree, names), 3) for g, names in groups.items()}
+            depth = max(len(path) for path in tree)
+            rows.append({"head": Path(head).name, "tree": name, "nodes": len(tree), "depth": depth, **scores})
+            record[f"{head} | {name}"] = {**rows[-1], "paths": sorted(sorted(tree), key=len)}
+    common.write_json(args.out, {**common.run_info(), "answers": {n: int(len(i) - f) for n, (i, f) in answers.items()},
+                                 "trees": record})
+    print(common.markdown_table(rows, [("head", "head", "s"), ("tree", "tree", "s"), ("nodes", "nodes", "d"),
+                                       ("depth", "depth", "d"), ("calibration", "calibration", ".3f"),
+                                       ("held-out", "held-out", ".3f"), ("default request", "default", ".3f")]))
+
+
+if __name__ == "__main__":
+    main()
