@@ -741,6 +741,25 @@ def test_predictions_and_observations_meet_on_one_basis():
     assert refine.corrected(candidates, {ngram: seen}, closed=True)[ngram] == pytest.approx(800)
 
 
+def test_eagle_shapes_are_ranked_as_the_choice_ranks(tmp_path):
+    """Of a head's shapes the plan keeps the one `choose` would rank first, by its pessimistic rate:
+    the H200 table's sampled request cell at one row (round three's head), where 3,2,1 measured
+    1,803 +- 313 tok/s and 3,2 1,715 +- 107, plans 3,2; with equal spreads, the higher median."""
+    wide, narrow = Strategy("eagle", tree=(3, 2, 1), traversal="bfs"), Strategy("eagle", tree=(3, 2), traversal="bfs")
+    spread = lambda e, x: {**e, "head": "h1", "spread_tokens_per_s": x}
+    path = tmp_path / "t.json"
+    run = dict(batch=1, prompt_tokens=40, new_tokens=256, sampling=SamplingConfig(temperature=0.7, top_p=0.95),
+               table=path, head=SMOLLM2_HEAD, head_id="h1")
+    for spreads, first in (((313, 107), narrow), ((107, 107), wide)):
+        t = table(cells=[])
+        entries = [entry(PLAIN, 1336, 1), spread(entry(wide, 1803, 1.98), spreads[0]),
+                   spread(entry(narrow, 1715, 1.82), spreads[1])]
+        tables.set_cell(t, 1, "sample", 1024, "strict", entries, prompt_tokens=40)
+        tables.save_table(path, t)
+        plan = planner.make_plan(SMOLLM2, 270_000_000, **run)
+        assert plan.first == first and sum(c.strategy.method == "eagle" for c in plan.candidates) == 1
+
+
 def test_choice_discounts_a_noisy_table_win():
     """A speculative entry whose median beats plain but whose spread reaches below plain + MARGIN is
     no win (the shipped SmolLM2 table's greedy 1K bucket: ngram 1,086 +- 562 vs plain 778)."""

@@ -11,7 +11,8 @@ A run with an EAGLE-3 draft head (`head`) has eagle strategies among the predict
 entries for this head, or the cost model's without a table's answer (a head's acceptance depends on
 the kind of text too much for a prior to stand beside measurements). A run cannot switch into eagle
 (the head's cache covers only what it drafted over: `engine.Engine.switch`), so the best eagle
-strategy is a candidate only as the first choice; otherwise its place goes to the next strategy.
+strategy (by its `pessimistic` rate, as `choose` ranks) is a candidate only as the first choice;
+otherwise its place goes to the next strategy.
 """
 
 from __future__ import annotations
@@ -75,15 +76,21 @@ def allowed_precisions(precision: str) -> tuple[str, ...]:
     return tuple(p for p in PRECISIONS if p == "strict" or set(p.split("+")) <= set(precision.split("+")))
 
 
+def pessimistic(p: Prediction) -> float:
+    """A prediction's rate at the low end of its table's runs (median - spread / 2): a table's noisy
+    win is no win."""
+    return p.tokens_per_s - p.spread / 2
+
+
 def choose(candidates) -> Strategy:
-    """The speculative candidate with the best pessimistic rate (median - spread / 2: a table's
-    noisy win is no win) if that beats the best plain one by MARGIN, else that plain."""
+    """The speculative candidate with the best `pessimistic` rate if that beats the best plain one by
+    MARGIN, else that plain."""
     plain = max((p for p in candidates if p.strategy.plain), key=lambda p: p.tokens_per_s)
     speculative = [p for p in candidates if not p.strategy.plain]
     if not speculative:
         return plain.strategy
-    best = max(speculative, key=lambda p: p.tokens_per_s - p.spread / 2)
-    return best.strategy if best.tokens_per_s - best.spread / 2 > plain.tokens_per_s * (1 + MARGIN) else plain.strategy
+    best = max(speculative, key=pessimistic)
+    return best.strategy if pessimistic(best) > plain.tokens_per_s * (1 + MARGIN) else plain.strategy
 
 
 def paid_copies(predictions: list[Prediction]) -> list[Prediction]:
@@ -126,7 +133,8 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
         middle = prompt_tokens + new_tokens // 2
         predictions = cost_model(cfg, weight_bytes, batch, middle, measure_bandwidth(), min_tokens, head, closed)
     predictions = sorted(paid_copies(predictions), key=lambda p: -p.tokens_per_s)
-    eagle = next((p for p in predictions if p.strategy.method == "eagle"), None)  # the best one only
+    # the best eagle strategy only, ranked as `choose` ranks (its shapes' medians are often within their spreads)
+    eagle = max((p for p in predictions if p.strategy.method == "eagle"), key=pessimistic, default=None)
     predictions = [p for p in predictions if p.strategy.method != "eagle" or p is eagle]
     candidates = kept(predictions)
     first = choose(candidates)
