@@ -1,6 +1,6 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
-    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes exact,placed]
+    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes exact,placed,paired]
         [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
@@ -15,10 +15,11 @@ Each timed call is one of REPEATS in a scan, each with its own routing and alter
 layers of the stacks, so no call finds its experts in L2. Every kernel form's outputs are checked
 against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each
 decode of the codes in the kernels (`exact`: `moe.e2m1`; `placed`: `moe.PLACED_DECODE`, the codes' bits
-placed, exact only where float32 subnormals are kept: `max_rel_err` tells), in this process, the
-compiled programs dropped between them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny:
-moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke
-test of this script) and prints a table last.
+placed, exact only where float32 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the
+row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in
+inline PTX), in this process, the compiled programs dropped between them. Writes DIR/moe.json (mxfp4:
+moe_mxfp4.json; --tiny: moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in
+interpret mode: a smoke test of this script) and prints a table last.
 """
 from __future__ import annotations
 
@@ -112,12 +113,13 @@ def main():
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--decodes", default="placed", type=lambda s: s.split(","),
-                   help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE, the default) and exact")
+                   help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE, the default), exact "
+                        "and paired (moe.PAIRED_DECODE)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
-    if unknown := set(args.decodes) - {"exact", "placed"}:
-        p.error(f"unknown decodes {sorted(unknown)}: exact, placed")
+    if unknown := set(args.decodes) - {"exact", "placed", "paired"}:
+        p.error(f"unknown decodes {sorted(unknown)}: exact, placed, paired")
     shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
     result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
@@ -128,7 +130,7 @@ def main():
     decodes = args.decodes if args.format == "mxfp4" else ["exact"]
     for T in rows:
         for decode in decodes:
-            moe.PLACED_DECODE = decode == "placed"
+            moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
             jax.clear_caches()
             result["rows"].append({"decode": decode} | time_rows(T, shape, repeats, stacks, result["rates"]["copy_GBps"]))
             print(result["rows"][-1], flush=True)

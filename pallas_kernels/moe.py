@@ -26,7 +26,8 @@ decoder's layer scan would be copied first (bench/NOTES.md, "fused layer project
 
 Either stack may be `MXFP4` (gpt-oss's released expert form, 4.25 bits a weight instead of 16): the
 kernel then reads each routed expert's packed bytes and scales once, bf16 rows through Triton's
-scaled dot (`mxfp4_dot`), float32 rows decoded in registers (`decode`), so the bytes floor is a
+scaled dot (`mxfp4_dot`; with PAIRED_DECODE, a byte's two codes into one bf16x2 register in inline
+PTX: `paired_weights`), float32 rows decoded in registers (`decode`), so the bytes floor is a
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
@@ -83,6 +84,12 @@ ROW_STEP_ELEMENTS = 8192
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
 SCALED_DOT = True
+# Row blocks of bf16 rows through MXFP4 stacks: each byte's two codes decoded into one bf16x2 register in
+# inline PTX (`paired_values`: a byte permute, two shifts, two masks and two multiplies) and the product
+# taken as W^T x^T, the decoded weights the matrix unit's A operand from registers, in place of the scaled
+# dot's table lookups (compiled for sm_90: 9.4 -> 6.6 instructions a weight in the product's loop,
+# bench/NOTES.md). Off until measured on a GPU; tests patch it on.
+PAIRED_DECODE = False
 # The split-K form (`FORMS`): row blocks of wide column blocks, K split among programs, partial sums
 # added (and the gate/up activation applied) by XLA after each call. A decode step's few experts fill
 # the GPU only as narrow column blocks, and over [K, N] stacks a 16-column bf16 block reads 32 bytes of
@@ -216,6 +223,70 @@ mxfp4_dot_p.def_abstract_eval(lambda acc, x, codes, scales: jax.core.ShapedArray
 mxfp4_dot_p.def_impl(_mxfp4_dot_reference)
 mlir.register_lowering(mxfp4_dot_p, mlir.lower_fun(_mxfp4_dot_reference, multiple_results=False))
 triton_lowering.register_lowering(mxfp4_dot_p)(_mxfp4_dot_triton)
+
+
+paired_values_p = Primitive("mxfp4_paired_values")
+
+
+def paired_values(codes, factors):
+    """int32 [..., n]: each MXFP4 byte of `codes` [..., n] (uint8) as two bf16 values in one word, its
+    low code's in the low half, each times the byte's power of two 2^(scale - 127), which `factors`
+    [..., n] int32 hold as bf16 bits in both halves (`pair_factors`). Inside a Triton kernel by inline
+    PTX (`PAIRED_PTX`), elsewhere by `e2m1`."""
+    return paired_values_p.bind(codes, factors)
+
+
+def pair_factors(scales):
+    """int32 [..., n]: `paired_values`' factors of uint8 MXFP4 scales, 2^(scale - 127) as bf16 bits in
+    both halves (scale 0 decodes as 0 and 255 as inf, as `scale_power`)."""
+    s = scales.astype(jnp.int32)
+    return (s << 7) | (s << 23)
+
+
+def _paired_exact(codes, factors):
+    """`paired_values` by `e2m1`: exact on every platform (every decoded weight is a bf16)."""
+    c, power = codes.astype(jnp.int32), scale_power(lax.shift_right_logical(factors, 7) & 255)
+    bf16 = lambda nibble: (e2m1(nibble) * power).astype(jnp.bfloat16)
+    half = lambda nibble: lax.bitcast_convert_type(bf16(nibble), jnp.uint16).astype(jnp.int32)
+    return half(c & 15) | (half(c >> 4) << 16)
+
+
+def _pair_ptx(j: int) -> str:
+    """Byte j of the four in $4 to the bf16x2 word $j: its codes s e1 e0 m (low nibble, and the high one
+    brought down in u = $4 >> 4) placed as bf16 bits s << 15 | e1 e0 m << 6 in each half by one byte
+    permute, two shifts and two masks (2^-126 times their value: the code 0.5 a subnormal, which bf16
+    arithmetic keeps), then times 2^126 and the byte's factor $(5 + j). The other bytes the permute
+    brings in land outside the masks."""
+    select = j | j << 4 | (4 + j) << 8 | (4 + j) << 12
+    return (f"prmt.b32 v, $4, u, {select:#x};\nshl.b32 a, v, 6;\nshl.b32 b, v, 12;\n"
+            f"and.b32 b, b, 0x80008000;\nand.b32 a, a, 0x01C001C0;\nor.b32 a, a, b;\n"
+            f"mul.rn.bf16x2 a, a, two126;\nmul.rn.bf16x2 ${j}, a, ${5 + j};")
+
+
+PAIRED_PTX = ("{\n.reg .b32 u, v, a, b, two126;\nmov.b32 two126, 0x7E807E80;\nshr.u32 u, $4, 4;\n"
+              + "\n".join(_pair_ptx(j) for j in range(4)) + "\n}")
+
+
+def _paired_ptx(codes, factors):
+    [pairs] = plgpu.elementwise_inline_asm(PAIRED_PTX, args=[codes, factors], constraints="=r,=r,=r,=r,r,r,r,r,r",
+                                           pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.int32)])
+    return pairs
+
+
+paired_values_p.def_abstract_eval(lambda codes, factors: jax.core.ShapedArray(codes.shape, jnp.int32))
+paired_values_p.def_impl(_paired_exact)
+mlir.register_lowering(paired_values_p, mlir.lower_fun(_paired_exact, multiple_results=False))
+triton_lowering.register_lowering(paired_values_p)(triton_lowering.lower_fun(_paired_ptx, multiple_results=False))
+
+
+def paired_weights(codes, scales):
+    """bf16 [columns, 2n]: the weights of MXFP4 bytes codes [columns, n] and their scales [columns, n/16]
+    in K's order, by `paired_values` (the two halves of each word split and joined again: compiled,
+    the words are the matrix unit's operand registers as they are)."""
+    pairs = paired_values(codes, per_byte(pair_factors(scales)))
+    half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+    low, high = half(pairs), half(lax.shift_right_logical(pairs, 16))
+    return jnp.stack([low, high], axis=-1).reshape(codes.shape[0], 2 * codes.shape[1])
 
 
 def dequantize(w: MXFP4):
@@ -368,7 +439,8 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
     """Inside a kernel: float32 acc [rows, columns] + x's columns [k0, k0 + bk) (load_x(slice), in x's
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
     MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
-    registers (a transposed product), or with SCALED_DOT and bf16 rows, by `mxfp4_dot`."""
+    registers (a transposed product), or with SCALED_DOT and bf16 rows, by `mxfp4_dot`; with
+    `_paired` stacks acc is [columns, rows] (W^T x^T, by `paired_weights`)."""
     x = load_x(pl.ds(k0, bk))
     if len(w_refs) == 1:
         w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
@@ -376,9 +448,26 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
     blocks_ref, scales_ref = w_refs
     codes = blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 2), bk // 2)]
     scales = scales_ref[layer, e, cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
+    if _paired(w_refs, x.dtype):
+        return acc + lax.dot_general(paired_weights(codes, scales), x, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
     if SCALED_DOT and x.dtype == jnp.bfloat16:
         return mxfp4_dot(acc, x, codes, scales)
     return _mxfp4_dot_reference(acc, x, codes, scales)
+
+
+def _paired(w_refs, dtype) -> bool:
+    """Whether `_product` takes MXFP4 weights through `paired_weights` (PAIRED_DECODE, bf16 rows)."""
+    return PAIRED_DECODE and len(w_refs) == 2 and dtype == jnp.bfloat16
+
+
+def _over_rows(step, K: int, bk: int, first, bm: int, columns: int, w_refs, dtype, products: int):
+    """`_over_k` of `products` float32 accumulators [bm, columns] (`_paired` ones as [columns, bm] inside
+    the loop, transposed once after it)."""
+    paired = _paired(w_refs, dtype)
+    zeros = jnp.zeros((columns, bm) if paired else (bm, columns), jnp.float32)
+    accs = _over_k(step, (zeros,) * products, K, bk, first)
+    return tuple(a.T for a in accs) if paired else accs
 
 
 def default_form(rows: int, packed: bool) -> str:
@@ -474,8 +563,7 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
             return (_product(acc[0], load_x, w_refs, layer, e, k0, size, gate),
                     _product(acc[1], load_x, w_refs, layer, e, k0, size, up))
 
-        zeros = jnp.zeros((bm, bf), jnp.float32)
-        g, u = _over_k(step, (zeros, zeros), K, bk, first)
+        g, u = _over_rows(step, K, bk, first, bm, bf, w_refs, x_ref.dtype, 2)
         if splits > 1:
             for cols, h in ((gate, g), (up, u)):
                 plgpu.store(a_ref.at[split, pl.ds(start, bm), cols], h, mask=real[:, None])
@@ -504,8 +592,8 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
 
     def rows(start, real):
         load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
-        step = lambda acc, k0, size: _product(acc, load_a, w_refs, layer, e, k0, size, cols)
-        y = _over_k(step, jnp.zeros((bm, bd), jnp.float32), K, bk, first)
+        step = lambda acc, k0, size: (_product(acc[0], load_a, w_refs, layer, e, k0, size, cols),)
+        (y,) = _over_rows(step, K, bk, first, bm, bd, w_refs, a_ref.dtype, 1)
         if splits > 1:
             plgpu.store(y_ref.at[split, pl.ds(start, bm), cols], y, mask=real[:, None])
             return

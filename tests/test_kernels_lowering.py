@@ -244,9 +244,11 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (1, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", "split_k"),
     (64, 32, 2880, 2880, 4, "gpt_oss", "placed", None),
     (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", None),  # the same through Triton's scaled dot (moe.SCALED_DOT)
+    (64, 32, 2880, 2880, 4, "gpt_oss", "paired", None),  # the same through paired_weights' PTX (moe.PAIRED_DECODE)
 ])
 def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed, form):
     monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")
+    monkeypatch.setattr(moe, "PAIRED_DECODE", packed == "paired")
     monkeypatch.setattr(moe, "PLACED_DECODE", packed != "exact")
     biased = activation == "gpt_oss"
     stack = lambda K, N: (MXFP4(spec((2, E, N, K // 2), jnp.uint8), spec((2, E, N, K // 32), jnp.uint8)) if packed

@@ -59,8 +59,9 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 
 
 # The reference, the kernel's three forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
-# interpret-mode form, so this checks what the kernel hands it, not Triton's conversion).
-IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot")
+# interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
+# paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed).
+IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
 
 
 def run(implementation: str, inputs, activation: str):
@@ -71,7 +72,8 @@ def run(implementation: str, inputs, activation: str):
         return np.asarray(pallas_kernels.moe_experts(*args, **options, backend="reference"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "SCALED_DOT", implementation == "scaled dot")
-        form = "row_blocks" if implementation == "scaled dot" else implementation
+        patch.setattr(moe, "PAIRED_DECODE", implementation == "paired decode")
+        form = "row_blocks" if implementation in ("scaled dot", "paired decode") else implementation
         return np.asarray(moe_experts_pallas(*args, **options, interpret=True, form=form))
 
 
@@ -161,6 +163,75 @@ def test_placed_code_values_equal_e2m1_where_subnormals_do_not_matter(monkeypatc
     want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), *biases, "gpt_oss")
     got = run("one_row", inputs, "gpt_oss")
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_paired_values_hold_each_bytes_two_weights():
+    """`paired_values` (its exact form, which the CPU runs) of every byte at scales 0 (zero), 1, 100,
+    127 (one), 200 and 255 (inf): the low half the low code's weight, the high half the high code's,
+    as bf16 bits of `decode`'s float32 values (every one a bf16), NaN where the scale is inf and the
+    codes +-0; and the words split into K's order (`paired_weights`) equal `decode` of the tile."""
+    codes = jnp.tile(jnp.arange(256, dtype=jnp.int32), 6).astype(jnp.uint8)
+    scales = jnp.repeat(jnp.asarray([0, 1, 100, 127, 200, 255], jnp.int32), 256).astype(jnp.uint8)
+    pairs = np.asarray(moe.paired_values(codes, moe.pair_factors(scales))).view(np.uint32)
+    want = np.asarray(moe.decode(codes, moe.scale_power(scales))).reshape(-1, 2)
+    for half, shift in ((0, 0), (1, 16)):
+        got = ((pairs >> shift) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(got, want[:, half])
+    assert np.isnan(want).sum() == 64 and not want[np.asarray(scales) == 0].any()  # the checks above bite
+    rng = np.random.default_rng(3)
+    tile = jnp.asarray(rng.integers(0, 256, (16, 64), dtype=np.uint8))
+    tile_scales = jnp.asarray(rng.integers(110, 130, (16, 4), dtype=np.uint8))
+    got = np.asarray(moe.paired_weights(tile, tile_scales)).astype(np.float32)
+    np.testing.assert_array_equal(got, np.asarray(moe.decode(tile, moe.per_byte(moe.scale_power(tile_scales)))))
+
+
+def run_ptx(ptx: str, args: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The few PTX instructions `moe.PAIRED_PTX` uses, run in numpy over uint32 registers: `args` the
+    operands' registers ("$4": ...), returns every register after the last instruction. prmt.b32 d, a,
+    b, s: byte i of d is byte (s >> 4i) & 7 of b:a; mul.rn.bf16x2 in float32 (the products here are of
+    powers of two: exact, subnormals kept, as the GPU keeps them)."""
+    regs = {k: v.astype(np.uint32) for k, v in args.items()}
+    value = lambda x: regs[x] if x in regs else np.uint32(int(x, 0))
+    halves = lambda w: np.stack([w & 0xFFFF, w >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+
+    def word(h):
+        bits = h.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+        return bits[..., 0] | bits[..., 1] << np.uint32(16)
+
+    def prmt(a, b, select):
+        byte = lambda i: int(select) >> 4 * i & 7
+        return sum(((a if byte(i) < 4 else b) >> np.uint32(8 * (byte(i) & 3)) & np.uint32(255)) << np.uint32(8 * i)
+                   for i in range(4))
+
+    ops = {"mov.b32": lambda a: a + np.zeros_like(regs["$4"]), "shr.u32": lambda a, n: a >> n,
+           "shl.b32": lambda a, n: a << n, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
+           "prmt.b32": prmt, "mul.rn.bf16x2": lambda a, b: word(halves(a) * halves(b))}
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." :
+            continue
+        op, operands = line.split(None, 1)
+        dest, *sources = [x.strip() for x in operands.split(",")]
+        regs[dest] = ops[op](*map(value, sources)).astype(np.uint32)
+    return regs
+
+
+def test_paired_ptx_holds_each_bytes_two_weights():
+    """The inline PTX itself (run in numpy: interpret mode runs the exact form instead) gives every
+    byte's two weights bit for bit, at scales 1, 100, 127 and 200: float64 e2m1 values times
+    2^(scale - 127) as bf16, subnormals included (the code 0.5 at scale 1: 2^-127, which the GPU keeps
+    and the CPU's exact form flushes), and the exact form's words wherever no subnormal arises."""
+    codes = np.tile(np.arange(256, dtype=np.uint8), 4)
+    scales = np.repeat(np.asarray([1, 100, 127, 200], np.uint8), 256)
+    factors = np.asarray(moe.pair_factors(jnp.asarray(scales))).view(np.uint32).reshape(-1, 4)
+    regs = run_ptx(moe.PAIRED_PTX, {"$4": codes.view(np.uint32), **{f"${5 + j}": factors[:, j] for j in range(4)}})
+    got = np.stack([regs[f"${j}"] for j in range(4)], -1).reshape(-1)
+    e2m1 = np.asarray([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    bits = lambda nibbles: (e2m1[nibbles] * 2.0 ** (scales.astype(np.float64) - 127)).astype(ml_dtypes.bfloat16).view(
+        np.uint16).astype(np.uint32)
+    np.testing.assert_array_equal(got, bits(codes & 15) | bits(codes >> 4) << np.uint32(16))
+    exact = np.asarray(moe.paired_values(jnp.asarray(codes), moe.pair_factors(jnp.asarray(scales)))).view(np.uint32)
+    np.testing.assert_array_equal(got[scales > 1], exact[scales > 1])
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
