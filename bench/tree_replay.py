@@ -5,19 +5,20 @@
                                               [--out bench/results/tree_replay_cpu.json]
 
 On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token, so
-only the tree's nodes along the text matter: at row t the head's drafts of depth j (EAGLE-3's
-training-time test teacher-forced on the text, `models.eagle.ttt_forward`, as inference computes them
-along an accepted path) rank the text's token x_{t+j+2} at some r_j; an iteration whose pending token
-sits at position P accepts the longest prefix of (r_0, r_1, ...) at row P - 1 that is a node of the
-tree (a tree is a prefix-closed set of rank paths: 3,2 is every (a) and (a, b) with a < 3, b < 2).
-Replaying iteration after iteration over the target's own greedy answers gives each tree's tokens an
-iteration without a device, for shapes the engine does not run: the best tree of n nodes is grown from
-the calibration answers (a node a rank path, added in order of how often the text follows it; each node's
+only the tree's nodes along the text matter: at row t the head's drafts of depth j (EAGLE-3's training-
+time test teacher-forced on the text, `models.eagle.ttt_forward`, as inference computes them along an
+accepted path) rank the text's token x_{t+j+2} at some r_j; an iteration whose pending token sits at
+position P accepts the longest prefix of (r_0, r_1, ...) at row P - 1 that is a node of the tree (a tree
+is a prefix-closed set of rank paths: 3,2 is every (a) and (a, b) with a < 3, b < 2). Replaying
+iteration after iteration over the target's own greedy answers gives each tree's tokens an iteration
+without a device, for shapes the engine does not run: the best tree of n nodes is grown from the
+calibration answers (a node a rank path, added in order of how often the text follows it; each node's
 count bounds its children's, so this is the most often accepted set of n nodes) and scored on held-out
-answers and on generate's default request. Texts: the target's greedy answers (`--new` tokens) to
-generate's default prompt and to the planner's calibration requests (`corpus.REQUESTS`: the first half
-grows the trees, the second half and the default request score them). Writes the JSON and prints a
-table last.
+answers and on generate's default request, with the share of its iterations that stop at a token outside
+the head's draft vocabulary (which no tree can draft). Texts: the target's greedy answers (`--new`
+tokens) to generate's default prompt and to the planner's calibration requests (`corpus.REQUESTS`: the
+first half grows the trees, the second half and the default request score them). Writes the JSON and
+prints a table last.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ from jaxspec.training.eagle import teacher
 
 DEPTH = 4  # draft depths replayed
 RANKS = 16  # ranks looked at per depth (a text token ranked lower is never drafted)
+OUT = RANKS + 1  # the rank of a text token outside the head's draft vocabulary
 
 
 def ranks(head_dir: Path, params, cfg, ids: np.ndarray) -> np.ndarray:
     """[T, DEPTH]: at row t, the rank among the head's depth-j drafts of the target's argmax at
-    position t + j + 1 (RANKS where it is not among the first RANKS or past the text)."""
+    position t + j + 1 (RANKS where it is not among the first RANKS or past the text, OUT where it is
+    outside the draft vocabulary)."""
     ecfg, head = load_eagle(head_dir, cfg, dtype="float32")
     tokens = jnp.asarray(ids)[None]
     target = teacher(params, cfg, ecfg, head["d2t"], tokens)
@@ -59,7 +62,8 @@ def ranks(head_dir: Path, params, cfg, ids: np.ndarray) -> np.ndarray:
         drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(order)))  # [T - 1, RANKS]
         rows = np.arange(T - 1 - j)
         hit = drafted[rows] == argmax[rows + j + 1, None]
-        result[rows, j] = np.where(hit.any(axis=1), hit.argmax(axis=1), RANKS)
+        out = ~np.asarray(target.in_vocab)[0, rows + j + 1]
+        result[rows, j] = np.where(hit.any(axis=1), hit.argmax(axis=1), np.where(out, OUT, RANKS))
     return result
 
 
@@ -71,17 +75,21 @@ def accepted(row_ranks: np.ndarray, tree: set) -> int:
     return k
 
 
-def replay(texts: dict, tree: set, names: list[str]) -> float:
-    """Tokens an iteration over the answers of `names` (text -> (ranks, the answer's first position, T)),
-    iterations from the answer's first token on, as generate runs them (the last ones cut at the text's end)."""
-    tokens = iterations = 0
+def replay(texts: dict, tree: set, names: list[str]) -> tuple[float, float]:
+    """(tokens an iteration, the share of iterations stopped by a token outside the draft vocabulary)
+    over the answers of `names` (text -> (ranks, the answer's first position, T)), iterations from the
+    answer's first token on, as generate runs them (the last ones cut at the text's end)."""
+    tokens = iterations = out = 0
+    depth = max(len(path) for path in tree)
     for name in names:
         rk, first, T = texts[name]
         pending = first
         while pending < T - 1:
-            k = min(accepted(rk[pending - 1], tree), T - 2 - pending)
+            whole = accepted(rk[pending - 1], tree)
+            k = min(whole, T - 2 - pending)
+            out += k == whole < depth and rk[pending - 1, whole] == OUT
             tokens, iterations, pending = tokens + k + 1, iterations + 1, pending + k + 1
-    return tokens / iterations
+    return tokens / iterations, out / iterations
 
 
 def uniform(branching: tuple[int, ...]) -> set:
@@ -134,15 +142,18 @@ def main(argv=None) -> None:
         trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
                   for n in args.sizes for d in (2, 3, 4)}
         for name, tree in trees.items():
-            scores = {g: round(replay(texts, tree, names), 3) for g, names in groups.items()}
+            scores = {g: replay(texts, tree, names) for g, names in groups.items()}
             depth = max(len(path) for path in tree)
-            rows.append({"head": Path(head).name, "tree": name, "nodes": len(tree), "depth": depth, **scores})
+            rows.append({"head": Path(head).name, "tree": name, "nodes": len(tree), "depth": depth,
+                         **{g: round(tpi, 3) for g, (tpi, _) in scores.items()},
+                         "default out of vocabulary": round(scores["default"][1], 3)})
             record[f"{head} | {name}"] = {**rows[-1], "paths": sorted(sorted(tree), key=len)}
     common.write_json(args.out, {**common.run_info(), "answers": {n: int(len(i) - f) for n, (i, f) in answers.items()},
                                  "trees": record})
     print(common.markdown_table(rows, [("head", "head", "s"), ("tree", "tree", "s"), ("nodes", "nodes", "d"),
                                        ("depth", "depth", "d"), ("calibration", "calibration", ".3f"),
-                                       ("held-out", "held-out", ".3f"), ("default request", "default", ".3f")]))
+                                       ("held-out", "held-out", ".3f"), ("default request", "default", ".3f"),
+                                       ("default: stops outside the vocabulary", "default out of vocabulary", ".3f")]))
 
 
 if __name__ == "__main__":
