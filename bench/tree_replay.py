@@ -46,11 +46,10 @@ RANKS = 16  # ranks looked at per depth (a text token ranked lower is never draf
 OUT = RANKS + 1  # the rank of a text token outside the head's draft vocabulary
 
 
-def ranks(head_dir: Path, params, cfg, ids: np.ndarray) -> np.ndarray:
-    """[T, DEPTH]: at row t, the rank among the head's depth-j drafts of the target's argmax at
-    position t + j + 1 (RANKS where it is not among the first RANKS or past the text, OUT where it is
-    outside the draft vocabulary)."""
-    ecfg, head = load_eagle(head_dir, cfg, dtype="float32")
+def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> np.ndarray:
+    """[T, DEPTH]: at row t, the rank among the head's (`load_eagle`'s config and weights) depth-j
+    drafts of the target's argmax at position t + j + 1 (RANKS where it is not among the first RANKS
+    or past the text, OUT where it is outside the draft vocabulary)."""
     tokens = jnp.asarray(ids)[None]
     target = teacher(params, cfg, ecfg, head["d2t"], tokens)
     argmax = np.asarray(target.argmax)[0]
@@ -137,7 +136,9 @@ def main(argv=None) -> None:
               "held-out": [f"request {i}" for i in range(half, len(REQUESTS))], "default": ["default"]}
     rows, record = [], {}
     for head in args.heads.split(","):
-        texts = {name: (ranks(Path(head), params, cfg, ids), first, len(ids)) for name, (ids, first) in answers.items()}
+        ecfg, weights = load_eagle(Path(head), cfg, dtype="float32")
+        texts = {name: (ranks(ecfg, weights, params, cfg, ids), first, len(ids))
+                 for name, (ids, first) in answers.items()}
         trees = {f"uniform {s}": uniform(tuple(int(b) for b in s.split(","))) for s in args.shapes}
         trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
                   for n in args.sizes for d in (2, 3, 4)}
