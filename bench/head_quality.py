@@ -98,7 +98,7 @@ def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dic
     for k in range(DEPTHS):
         at = np.arange(T - 1) + k + 1  # row t's draft at depth k + 1 is scored against the target at t + k + 1
         rows = (at <= T - 1) & (at >= start)
-        ranked = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, outs[k])), axis=-1)[..., :TOP_K]
+        ranked = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, params, cfg, outs[k])), axis=-1)[..., :TOP_K]
         drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(ranked)))
         hits = drafted == argmax[:, np.minimum(at, T - 1), None]
         result[f"depth {k + 1} top-1"] = round(float(hits[:, rows, 0].mean()), 4)

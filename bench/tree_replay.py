@@ -57,7 +57,7 @@ def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> np.ndarray:
     T = len(ids)
     result = np.full((T, DEPTH), RANKS, np.int32)
     for j in range(DEPTH):
-        order = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, outs[j]))[0], axis=-1)[:, :RANKS]
+        order = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, params, cfg, outs[j]))[0], axis=-1)[:, :RANKS]
         drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(order)))  # [T - 1, RANKS]
         rows = np.arange(T - 1 - j)
         hit = drafted[rows] == argmax[rows + j + 1, None]

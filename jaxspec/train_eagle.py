@@ -1,8 +1,8 @@
 """`python -m jaxspec.train_eagle`: train an EAGLE-3 draft head for a model (`--method eagle --draft-model DIR`).
 
     python -m jaxspec.train_eagle --model M --out DIR [--tokens N] [--steps S] [--batch B] [--seq T]
-        [--ttt K] [--draft-vocab V] [--lr X] [--dtype bfloat16|float32] [--seed N] [--chat-share X]
-        [--cut-loops] [--init HEAD] [--resume]
+        [--ttt K] [--draft-vocab V | --shared-lm-head] [--lr X] [--dtype bfloat16|float32] [--seed N]
+        [--chat-share X] [--cut-loops] [--init HEAD] [--resume]
 
 Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the training documents,
 then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
@@ -13,7 +13,9 @@ DIR gets the head in the public layout (config.json + model.safetensors, at --dt
 DIR must be new or empty, unless resuming; the finished directory replaces it at once. `--init HEAD`
 starts from a head for the same model (its weights, draft vocabulary and config) instead of random
 weights: a head trained further on newly generated data (another `--seed`), so training can go on in
-pieces, e.g. one GPU session at a time.
+pieces, e.g. one GPU session at a time. `--shared-lm-head` drafts through the model's own LM head over
+its whole vocabulary (no token out of the head's reach, and no LM head in the checkpoint); with `--init`
+of a head with its own LM head, its layer goes on through the model's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def parse(argv) -> tuple:
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per training sequence (and longest generation)")
     p.add_argument("--ttt", type=int, default=d.ttt, help="unrolled draft steps of the training-time test")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default min(32768, V / 4))")
+    p.add_argument("--shared-lm-head", action="store_true",
+                   help="draft through the model's own LM head, over its whole vocabulary (no LM head of the head's)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warmup, then cosine decay)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="the model's and the saved head's dtype (the head trains in float32; default bfloat16 on a "
@@ -67,7 +71,8 @@ def parse(argv) -> tuple:
     args = p.parse_args(argv)
     settings = Settings(tokens=args.tokens, steps=args.steps, batch=args.batch, seq=args.seq, ttt=args.ttt,
                         draft_vocab=args.draft_vocab, lr=args.lr, warmup=min(d.warmup, args.steps // 10),
-                        seed=args.seed, chat_share=args.chat_share, cut_loops=args.cut_loops)
+                        seed=args.seed, chat_share=args.chat_share, cut_loops=args.cut_loops,
+                        shared_lm_head=args.shared_lm_head)
     if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not 0 < args.lr < math.inf:
         raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and a finite --lr > 0")
     if args.ttt >= args.seq - 1:
@@ -80,6 +85,8 @@ def parse(argv) -> tuple:
         raise JaxspecError(f"--draft-vocab must be positive, got {args.draft_vocab}")
     if args.init is not None and not (args.init / "config.json").is_file():
         raise JaxspecError(f"--init {args.init} is not an EAGLE-3 head (no config.json)")
+    if args.shared_lm_head and args.draft_vocab is not None:
+        raise JaxspecError("--draft-vocab with --shared-lm-head: the head drafts over the model's whole vocabulary")
     if args.init is not None and args.draft_vocab is not None:
         raise JaxspecError("--draft-vocab with --init: the head keeps --init's draft vocabulary")
     out = args.out
@@ -115,11 +122,14 @@ def main(argv=None) -> None:
         ecfg, start = load_eagle(args.init, cfg, "float32")  # one-line error for a head that does not fit
         if "embed" in start:
             raise JaxspecError(f"--init {args.init} has its own embedding, which train_eagle does not train")
-        settings = dataclasses.replace(settings, draft_vocab=ecfg.draft_vocab_size)
+        if settings.shared_lm_head and not ecfg.shared_lm_head:  # its layer, through the model's LM head
+            ecfg, start = training.share_lm_head(ecfg, start)
+        settings = dataclasses.replace(settings, draft_vocab=ecfg.draft_vocab_size, shared_lm_head=ecfg.shared_lm_head)
     else:
-        settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab
+        whole = cfg.vocab_size if settings.shared_lm_head else None
+        settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab or whole
                                        or training.default_draft_vocab(cfg.vocab_size))
-        ecfg = training.head_config(cfg, settings.draft_vocab, settings.seq)
+        ecfg = training.head_config(cfg, settings.draft_vocab, settings.seq, settings.shared_lm_head)
     record = {"model": args.model, "dtype": args.dtype, "settings": dataclasses.asdict(settings),
               "init": head_fingerprint(args.init) if args.init is not None else None}
     if args.resume:

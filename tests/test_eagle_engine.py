@@ -40,17 +40,18 @@ CFG = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=128, num_layer
                   head_dim=32, intermediate_size=256, qk_norm=True, dtype="float32")
 
 
-def head_config(cfg: ModelConfig, draft_vocab: int, layers=None) -> eagle.EagleConfig:
+def head_config(cfg: ModelConfig, draft_vocab: int, layers=None, shared: bool = False) -> eagle.EagleConfig:
+    """A head of the target's shapes; `shared`: through the target's LM head, over the whole vocabulary."""
     return eagle.EagleConfig(
         hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size, draft_vocab_size=draft_vocab, vocab_size=cfg.vocab_size,
-        target_hidden_size=cfg.hidden_size, rope=cfg.rope,
-        feature_layers=layers or eagle.default_feature_layers(cfg.num_layers))
+        intermediate_size=cfg.intermediate_size, draft_vocab_size=cfg.vocab_size if shared else draft_vocab,
+        vocab_size=cfg.vocab_size, target_hidden_size=cfg.hidden_size, rope=cfg.rope,
+        feature_layers=layers or eagle.default_feature_layers(cfg.num_layers), shared_lm_head=shared)
 
 
-def with_head(cfg, seed: int, draft_vocab: int, layers=None, scale: float = 0.05):
+def with_head(cfg, seed: int, draft_vocab: int = 0, layers=None, scale: float = 0.05, shared: bool = False):
     """(random target params with a random head under "eagle", the head's config)."""
-    ecfg = head_config(cfg, draft_vocab, layers)
+    ecfg = head_config(cfg, draft_vocab, layers, shared)
     params = decoder.init_params(cfg, jax.random.key(seed), scale=0.08)
     return {**params, "eagle": eagle.init_params(jax.random.key(seed + 1), ecfg, jnp.float32, scale)}, ecfg
 
@@ -90,6 +91,41 @@ def test_greedy_equals_plain(dense, tree, order):
     out, st = run(params, CFG, spec, ids, lengths, 32)
     assert out == plain
     assert st.drafted.sum() == (spec.validate().shape.rows - 1) * st.iterations.sum() > 0
+
+
+def test_a_head_sharing_the_targets_lm_head_is_lossless_and_drafts_through_it(dense):
+    """A head without an LM head of its own (the dense head's layer, the whole vocabulary through the
+    target's LM head): greedy output equals plain on a tree, and each depth-1 draft is the argmax of
+    the target's LM head (float64, by hand) over the head's normed root state."""
+    params, ecfg, ids, lengths, plain = dense
+    shared = dataclasses.replace(ecfg, shared_lm_head=True, draft_vocab_size=CFG.vocab_size)
+    head = {name: w for name, w in params["eagle"].items() if name not in ("lm_head", "d2t")}
+    params = {**params, "eagle": {**head, "d2t": jnp.zeros(CFG.vocab_size, jnp.int32)}}
+    out, st = run(params, CFG, SpecConfig(method="eagle", tree=(3, 2), eagle=shared), ids, lengths, 32)
+    assert out == plain and st.accepted.sum() > 0
+    spec = SpecConfig(method="eagle", gamma=1, eagle=shared).validate()
+    eng = engine.Engine(CFG, spec, GREEDY, max(lengths) + 8)
+    state = jax.jit(eng.prefill)(params, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(0), max_new_tokens=8,
+                                 stop_ids=STOP)
+    drafted = jax.jit(make_drafter(spec, CFG, eng.max_len).draft, static_argnums=7)(
+        params, state.tokens, state.length, state.done, state.cache, state.drafter, state.key, GREEDY)[0]
+    lm_head = np.asarray(params["lm_head"] if "lm_head" in params else params["embed"].T, np.float64)
+    tokens, length = jax.device_get((state.tokens, state.length))  # the prompt and its first token
+    for b in range(len(lengths)):
+        root = fresh_root(params, CFG, shared, tokens[b, :length[b]])
+        h = root * np.asarray(head["final_norm"], np.float64) / np.sqrt((root**2).mean() + shared.rms_norm_eps)
+        assert int(drafted[b, 1]) == int(np.argmax(h @ lm_head)), b
+
+
+def fresh_root(params, cfg, ecfg, committed: np.ndarray) -> np.ndarray:
+    """The head's pre-norm output state [H] (float64) at the last committed token, run afresh."""
+    tokens = jnp.asarray(committed[None])
+    L = len(committed)
+    _, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
+    out, _ = eagle.feature_forward(params["eagle"], ecfg, params, cfg, tokens[:, 1:], features[:, :-1],
+                                   jnp.arange(L - 1, dtype=jnp.int32)[None], jnp.ones((1, L - 1), bool),
+                                   eagle.init_cache(ecfg, 1, L, "float32"))
+    return np.asarray(out[0, -1], np.float64)
 
 
 def test_a_windowed_head_is_lossless_and_drafts_from_its_window(dense):
@@ -167,7 +203,7 @@ def fresh_children(params, cfg, ecfg, committed: np.ndarray, tree) -> dict[int, 
             for depth, node in enumerate(path, start=1):
                 h, c = step(jnp.asarray([[token_of[node]]]), h, jnp.asarray([[L - 2 + depth]], jnp.int32), c)
             states[row] = h
-        logits = np.asarray(eagle.draft_logits(head, ecfg, states[row]))[0, 0]
+        logits = np.asarray(eagle.draft_logits(head, ecfg, params, cfg, states[row]))[0, 0]
         top = np.argsort(-logits, kind="stable")[:tree.branching[tree.node_depth[row]]]
         children[row] = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(top))).tolist()
         for kid, token in zip(tree.children[row], children[row]):
@@ -249,14 +285,15 @@ def sampled_rows(params, spec, rules, prompt, rows: int, n: int, seed: int):
     return sample(params, cache)
 
 
-@pytest.mark.parametrize("tree,draws", [pytest.param(None, "sampled", marks=pytest.mark.slow),  # the width-1 tree
-                                        ((2, 2), "sampled"), ((2, 2), "top")])
-def test_first_two_tokens_follow_the_target(tree, draws):
+@pytest.mark.parametrize("tree,draws,shared", [pytest.param(None, "sampled", False, marks=pytest.mark.slow),  # width 1
+                                               ((2, 2), "sampled", False), ((2, 2), "top", False),
+                                               ((2, 2), "sampled", True)])
+def test_first_two_tokens_follow_the_target(tree, draws, shared):
     """Chi-square of the first two sampled tokens (64 cells, 12,000 identical rows) against the exact
     joint of teacher-forced forwards; the head's draft vocabulary holds 6 of the 8 tokens, so q is 0
     for two of them, and drafts are both accepted and rejected (draws "top": the head's top-2 tokens
-    as one-hot candidates)."""
-    params, ecfg = with_head(TINY, 7, draft_vocab=6, scale=0.6)
+    as one-hot candidates; `shared`: a head through the target's LM head, q over every token)."""
+    params, ecfg = with_head(TINY, 7, draft_vocab=6, scale=0.6, shared=shared)
     params = {**params, **decoder.init_params(TINY, jax.random.key(7), scale=0.6)}
     prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 50).astype(np.int32)
     rows, spec = 12000, SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg, draws=draws).validate()

@@ -124,7 +124,7 @@ def run_head(params, cache, embeds, hidden, positions, slots):
     """The head over rows at RoPE `positions` and cache `slots`: (draft logits, pre-norm output, cache)."""
     out, cache = eagle.head_forward(params, ECFG, embeds, hidden, positions, jnp.ones(positions.shape, bool), cache,
                                     slots=slots)
-    return eagle.draft_logits(params, ECFG, out), out, cache
+    return eagle.draft_logits(params, ECFG, None, None, out), out, cache
 
 
 def jax_prefill(params, embeds, hidden, positions):
@@ -205,7 +205,7 @@ def test_pallas_backend_matches_the_reference():
                                             backend=backend)
             step, _ = eagle.head_forward(params, ecfg, f32(embeds[:, :1]), out[:, -1:], pos[:, -1:] + 1,
                                          jnp.ones((B, 1), bool), cache, backend=backend)
-            outs.append((hidden, out, step, eagle.draft_logits(params, ecfg, out, backend)))
+            outs.append((hidden, out, step, eagle.draft_logits(params, ecfg, None, None, out, backend)))
         for want, got in zip(*outs):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -289,6 +289,11 @@ BAD_HEADS = {
     "d2t": ({}, (), {"d2t": torch.full((40,), 99)}, "d2t maps draft ids outside the target vocabulary 0..99"),
     "t2d": ({}, (), {"t2d": torch.ones(100, dtype=torch.bool)}, "t2d does not mark exactly the d2t target ids"),
     "two_layers": ({"num_hidden_layers": 2}, (), {}, "num_hidden_layers 2 is not supported"),
+    "no_lm_head": ({}, ("lm_head.weight",), {}, "has no tensor lm_head.weight (a head without one drafts through the "
+                   "target's LM head, so its draft_vocab_size must be vocab_size 100)"),
+    "whole_vocab_permuted": ({"draft_vocab_size": 100}, (), {
+        "lm_head.weight": torch.ones(100, 32), "t2d": torch.ones(100, dtype=torch.bool),
+        "d2t": torch.arange(99, -1, -1) - torch.arange(100)}, "its draft vocabulary is the whole vocabulary, but d2t"),
 }
 
 
@@ -333,3 +338,51 @@ def test_save_load_round_trip_is_exact(tmp_path, dtype):
         np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(params[name]), err_msg=name)
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+
+
+def shared_head_weights(seed: int) -> dict[str, torch.Tensor]:
+    """A head that shares the target's LM head: the public tensors without lm_head.weight, its draft
+    vocabulary the whole vocabulary (d2t zeros, t2d all true)."""
+    w = public_weights(seed)
+    del w["lm_head.weight"]
+    V = ECFG.vocab_size
+    return {**w, "d2t": torch.zeros(V, dtype=torch.int64), "t2d": torch.ones(V, dtype=torch.bool)}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied_embedding"])
+def test_a_head_without_an_lm_head_drafts_through_the_targets(tmp_path, tied):
+    """No lm_head.weight: the head's logits are its final norm through the target's LM head (or the
+    tied embedding) over the whole vocabulary, against the float64 reference with that matrix; it
+    writes and reloads exactly, without an LM head of its own."""
+    w = shared_head_weights(15)
+    path = write_public(tmp_path / "head", w, config={**PUBLIC_CONFIG, "draft_vocab_size": 100})
+    ecfg, params = load_eagle(path, TARGET, "float32")
+    assert ecfg == dataclasses.replace(ECFG, draft_vocab_size=100, shared_lm_head=True) and "lm_head" not in params
+    table = torch.randn(ECFG.vocab_size, ECFG.hidden_size, dtype=torch.float64) / math.sqrt(ECFG.hidden_size)
+    target = {"embed": f32(table)} if tied else {"embed": f32(torch.randn_like(table)), "lm_head": f32(table.T)}
+    params = jax.device_put(params)
+    embeds, features, positions = inputs(16)
+    want, _ = reference({**w, "lm_head.weight": table}, embeds, lin_fc(w, features), positions)
+    pos = jnp.asarray(positions.numpy(), jnp.int32)
+    slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), pos.shape)  # as jax_prefill places them
+    out, _ = eagle.head_forward(params, ecfg, f32(embeds), eagle.project_features(params, f32(features)), pos,
+                                jnp.ones(pos.shape, bool), eagle.init_cache(ecfg, B, 32, "float32"), slots=slots)
+    logits = eagle.draft_logits(params, ecfg, target, TARGET, out)
+    np.testing.assert_allclose(logits, want.numpy(), rtol=1e-5, atol=1e-5)
+
+    save_eagle(tmp_path / "again", ecfg, params)
+    assert "lm_head.weight" not in load_names(tmp_path / "again")
+    again_cfg, again = load_eagle(tmp_path / "again", TARGET, "float32")
+    assert again_cfg == ecfg and again.keys() == params.keys()
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(params[name]), err_msg=name)
+    probs = jax.nn.softmax(jnp.asarray(np.random.default_rng().normal(size=(B, 3, 100)), jnp.float32))
+    np.testing.assert_array_equal(eagle.to_target_probs(again["d2t"], probs, 100), probs)  # q is its distribution
+
+
+def load_names(path) -> list[str]:
+    """The tensor names of a written head's model.safetensors."""
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", framework="numpy") as f:
+        return list(f.keys())

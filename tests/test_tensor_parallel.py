@@ -22,7 +22,7 @@ from jaxspec import corpus, generate as generate_cli
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.models import decoder, sharding
+from jaxspec.models import decoder, eagle, sharding
 from jaxspec.models.config import ModelConfig, NSAConfig
 from jaxspec.models.quantize import Quantized
 from jaxspec.runner import Batch, encode_prompts, run_generation
@@ -157,6 +157,30 @@ def test_qwen3_greedy_tokens_equal_one_device(qwen3, tp, spec_):
     one = qwen3.generate(spec_, 1)
     assert one == qwen3.generate(SpecConfig(), 1)  # lossless on one device, so the comparison below means TP is
     assert qwen3.generate(spec_, tp) == one
+
+
+def test_eagle_heads_greedy_tokens_and_shared_lm_head_logits_equal_one_device(qwen3):
+    """EAGLE-3 heads (whole on each device): a tree with a head that shares the target's LM head (its
+    vocabulary split over the devices, the logits gathered) emits one device's tokens, and its draft
+    logits equal one device's; a chain with a head of its own LM head too."""
+    from test_eagle_engine import head_config
+
+    devices_needed(2)
+    layers = (0, 1, 2)
+    shared, own = head_config(QWEN3, 0, layers, shared=True), head_config(QWEN3, 96, layers)
+    heads = {cfg: eagle.init_params(jax.random.key(i), cfg, jnp.float32, 0.1) for i, cfg in enumerate((shared, own))}
+    for ecfg, shape in ((shared, dict(tree=(2, 2))), (own, dict(gamma=3))):
+        model = Model(QWEN3, {**qwen3.params, "eagle": heads[ecfg]}, qwen3.batch, qwen3.max_new)
+        one = model.generate(spec("eagle", eagle=ecfg, **shape), 1)
+        assert one == qwen3.generate(SpecConfig(), 1)
+        assert model.generate(spec("eagle", eagle=ecfg, **shape), 2) == one
+    params = {**qwen3.params, "eagle": heads[shared]}
+    mesh = sharding.make_mesh(2)
+    h = jax.random.normal(jax.random.key(5), (2, 3, QWEN3.hidden_size))
+    logits = lambda cfg: lambda params, h: eagle.draft_logits(params["eagle"], shared, params, cfg, h)
+    two = sharding.Parallel(logits, QWEN3, mesh)(sharding.shard_params(params, QWEN3, mesh), h)
+    assert two.shape == (2, 3, QWEN3.vocab_size)
+    np.testing.assert_allclose(two, logits(QWEN3)(params, h), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec_", [

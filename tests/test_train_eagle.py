@@ -75,8 +75,13 @@ def test_ttt_forward_is_the_inference_head(target):
             np.testing.assert_allclose(outs[k][:, t:t + 1], h, rtol=1e-4, atol=1e-4, err_msg=f"t {t}, step {k}")
 
 
-def test_a_few_steps_reduce_the_loss_and_the_head_reloads(target, tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["own_lm_head", "shared_lm_head"])
+def test_a_few_steps_reduce_the_loss_and_the_head_reloads(target, tmp_path, shared):
+    """`shared`: a head through the target's LM head over the whole vocabulary (nothing of it to train
+    but the layer), saved without an LM head."""
     cfg, params, ecfg, _ = target
+    if shared:
+        ecfg = training.head_config(cfg, cfg.vocab_size, shared_lm_head=True)
     stream = np.random.default_rng(3).integers(0, cfg.vocab_size, 16).astype(np.int32)  # one window: every batch
     ids = training.draft_vocabulary(stream, cfg.vocab_size, ecfg.draft_vocab_size)
     head = training.init_head(jax.random.key(4), ecfg, ids)
@@ -94,8 +99,10 @@ def test_a_few_steps_reduce_the_loss_and_the_head_reloads(target, tmp_path):
     loaded_cfg, loaded = load_eagle(tmp_path / "head", cfg, "float32")
     assert loaded_cfg == ecfg
     hidden = jax.random.normal(jax.random.key(5), (1, 3, ecfg.hidden_size))
-    np.testing.assert_array_equal(eagle.draft_logits(loaded, ecfg, hidden), eagle.draft_logits(trained, ecfg, hidden))
+    np.testing.assert_array_equal(eagle.draft_logits(loaded, ecfg, params, cfg, hidden),
+                                  eagle.draft_logits(trained, ecfg, params, cfg, hidden))
     np.testing.assert_array_equal(loaded["d2t"], ids - np.arange(len(ids)))
+    assert ("lm_head" in trainable) != shared and not (shared and loaded["d2t"].any())
 
 
 def test_draft_vocabulary_is_the_most_frequent_tokens_sorted():
@@ -190,6 +197,30 @@ def test_init_trains_on_from_a_head(capsys, tiny_model, tmp_path):
     assert code == 2 and "keeps --init's draft vocabulary" in err and len(err.strip().splitlines()) == 1
 
 
+def test_shared_lm_head_trains_a_head_without_one_and_goes_on_from_a_heads_layer(capsys, tiny_model, tmp_path):
+    """--shared-lm-head: the head drafts over the whole vocabulary through the model's LM head and is
+    written without one; with --init of a head with its own LM head, the layer goes on (a learning
+    rate too small to move anything keeps it exactly) and the LM head is dropped."""
+    first, shared, more = tmp_path / "first", tmp_path / "shared", tmp_path / "more"
+    unsized = [x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v)]
+    target_cfg = hf.read_config(tiny_model, "float32")
+    code, err = cli(capsys, "--model", tiny_model, "--out", shared, *unsized, "--shared-lm-head")
+    assert code == 0, err
+    ecfg, head = load_eagle(shared, target_cfg, "float32")
+    assert ecfg.shared_lm_head and ecfg.draft_vocab_size == 400 and "lm_head" not in head and not head["d2t"].any()
+    assert json.loads((shared / "train_log.json").read_text())["settings"]["shared_lm_head"] is True
+
+    assert cli(capsys, "--model", tiny_model, "--out", first, *SMALL)[0] == 0
+    code, err = cli(capsys, "--model", tiny_model, "--out", more, *unsized, "--lr", 1e-12, "--init", first,
+                    "--shared-lm-head")
+    assert code == 0, err
+    (ca, a), (cb, b) = load_eagle(first, target_cfg, "float32"), load_eagle(more, target_cfg, "float32")
+    assert cb == dataclasses.replace(ca, shared_lm_head=True, draft_vocab_size=400)
+    assert b.keys() == a.keys() - {"lm_head"}
+    for name in b.keys() - {"d2t"}:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeypatch):
     """The pre-query template is the chat template up to the user's message; the target's own requests
     are whole messages (they ended with a stop token); and self_distill prompts `chat_share` of a
@@ -276,6 +307,7 @@ def test_self_distill_cuts_each_continuation_where_loop_cut_says(tiny_model, mon
     (("--model", "no/such/model"), "does not exist"),
     (("--tokens", 100), "fewer than 4 sequences"),
     (("--draft-vocab", 401), "--draft-vocab must be in 1..400"),
+    (("--shared-lm-head",), "--draft-vocab with --shared-lm-head"),
     (("--ttt", 0), "--ttt >= 1"),
     (("--lr", "inf"), "a finite --lr > 0"),
     (("--chat-share", 1.5), "--chat-share must be in [0, 1]"),

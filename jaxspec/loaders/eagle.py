@@ -3,7 +3,8 @@
 `eagle_aux_hidden_state_layer_ids`) and model.safetensors (or pytorch_model.bin) with the tensors
 named in PUBLIC_NAMES. `load_eagle` reads one and checks that it fits the target model, each misfit a
 one-line JaxspecError; `save_eagle` writes the same layout (`write_eagle` into a directory of
-other files too: what training writes).
+other files too: what training writes). A head without `lm_head.weight` shares the target's LM head
+(`EagleConfig.shared_lm_head`): its draft vocabulary is the whole vocabulary, d2t zeros.
 
 Linear weights are stored [out, in] and transposed to jaxspec's x @ W; q/k/v and gate/up are fused
 as in `jaxspec.models.eagle`'s params; `t2d` (a bool mask over the target vocabulary) is derived from
@@ -27,6 +28,7 @@ from jaxspec.models.config import ModelConfig, rope_from_hf
 from jaxspec.models.decoder import Params
 from jaxspec.models.eagle import EagleConfig
 
+LM_HEAD_NAME = "lm_head.weight"  # absent: the head shares the target's LM head
 # jaxspec param -> (public tensor names, concatenated along jaxspec's last axis; transposed)
 PUBLIC_NAMES = {
     "fc": (("fc.weight",), True),
@@ -39,7 +41,7 @@ PUBLIC_NAMES = {
     "w_gate_up": (("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"), True),
     "w_down": (("midlayer.mlp.down_proj.weight",), True),
     "final_norm": (("norm.weight",), False),
-    "lm_head": (("lm_head.weight",), True),
+    "lm_head": ((LM_HEAD_NAME,), True),
     "d2t": (("d2t",), False),
 }
 EMBED_NAME = "embed_tokens.weight"  # optional: the head's own token embedding [V, H]
@@ -48,7 +50,8 @@ IGNORED_SUFFIX = "rotary_emb.inv_freq"  # older torch checkpoints store RoPE's b
 
 
 def read_config(path: Path, target_cfg: ModelConfig) -> EagleConfig:
-    """The head's config from config.json, checked against the target (one-line errors)."""
+    """The head's config from config.json and its tensors' names (whether it has an LM head of its
+    own), checked against the target (one-line errors)."""
     raw = files.read_json_object(path / "config.json", "EAGLE head config")
     unsupported = {"num_hidden_layers": 1, "attention_bias": False, "mlp_bias": False,
                    "norm_before_residual": False, "hidden_act": "silu"}
@@ -73,6 +76,7 @@ def read_config(path: Path, target_cfg: ModelConfig) -> EagleConfig:
             rope=rope_from_hf(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             sliding_window=int(raw.get("sliding_window") or 0),
+            shared_lm_head=LM_HEAD_NAME not in tensor_names(path),
         )
     except KeyError as e:
         raise JaxspecError(f"EAGLE head config {path / 'config.json'} is missing {e.args[0]!r}") from None
@@ -99,10 +103,26 @@ def check_fits(ecfg: EagleConfig, target_cfg: ModelConfig, path: Path) -> None:
     if not 0 < ecfg.draft_vocab_size <= ecfg.vocab_size:
         raise JaxspecError(f"EAGLE head {path}: draft_vocab_size {ecfg.draft_vocab_size} is not in "
                            f"1..{ecfg.vocab_size}")
+    if ecfg.shared_lm_head and ecfg.draft_vocab_size != ecfg.vocab_size:
+        raise JaxspecError(f"EAGLE head {path} has no tensor {LM_HEAD_NAME} (a head without one drafts through the "
+                           f"target's LM head, so its draft_vocab_size must be vocab_size {ecfg.vocab_size})")
     layers = ecfg.feature_layers
     if len(layers) != 3 or not all(0 <= i < target_cfg.num_layers for i in layers):
         raise JaxspecError(f"EAGLE head {path}: eagle_aux_hidden_state_layer_ids {list(layers)} are not three "
                            f"layers of the target's {target_cfg.num_layers}")
+
+
+def tensor_names(path: Path) -> set[str]:
+    """The names of the head's tensors (model.safetensors' header only, or the whole .bin)."""
+    if (path / "model.safetensors").is_file():
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(path / "model.safetensors", framework="numpy") as f:
+                return set(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise JaxspecError(f"corrupt or unreadable safetensors file {path / 'model.safetensors'}: {e}") from None
+    return set(read_tensors(path))
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -145,6 +165,8 @@ def build_params(ecfg: EagleConfig, tensors: dict[str, np.ndarray], dtype, path:
 
     params: Params = {}
     for key, (names, transpose) in PUBLIC_NAMES.items():
+        if key not in shapes:  # a shared LM head
+            continue
         shape = shapes[key][::-1] if transpose else shapes[key]
         width = shape[0] if transpose else shape[-1]  # the fused axis: q, k, v and gate, up split it
         parts = split_sizes(ecfg, key) or [width]
@@ -173,13 +195,16 @@ def target_mask(ecfg: EagleConfig, d2t: np.ndarray) -> np.ndarray:
 
 
 def check_vocabulary(ecfg: EagleConfig, d2t: np.ndarray, t2d: np.ndarray, path: Path) -> None:
-    """d2t maps the draft vocabulary to distinct target ids, the ones t2d marks."""
+    """d2t maps the draft vocabulary to distinct target ids, the ones t2d marks; a whole vocabulary's
+    to the same ids (`eagle.to_target_probs` takes its distribution as it is)."""
     targets = np.arange(ecfg.draft_vocab_size) + d2t
     if targets.min() < 0 or targets.max() >= ecfg.vocab_size:
         raise JaxspecError(f"EAGLE head {path}: d2t maps draft ids outside the target vocabulary "
                            f"0..{ecfg.vocab_size - 1}")
     if not np.array_equal(target_mask(ecfg, d2t), t2d.astype(bool)) or len(np.unique(targets)) != len(targets):
         raise JaxspecError(f"EAGLE head {path}: t2d does not mark exactly the d2t target ids")
+    if ecfg.draft_vocab_size == ecfg.vocab_size and d2t.any():
+        raise JaxspecError(f"EAGLE head {path}: its draft vocabulary is the whole vocabulary, but d2t is not zeros")
 
 
 SHIPPED = {"smollm2": "eagle3-smollm2"}  # model name -> its head in the repository's checkpoints/
@@ -241,6 +266,8 @@ def public_tensors(ecfg: EagleConfig, params: Params) -> dict[str, np.ndarray]:
     """The params under their public names and layouts ([out, in]; d2t int64, t2d bool)."""
     out = {}
     for key, (names, transpose) in PUBLIC_NAMES.items():
+        if key not in params:  # a shared LM head
+            continue
         w = np.asarray(params[key])
         parts = np.split(w, np.cumsum(split_sizes(ecfg, key) or [w.shape[-1]])[:-1], axis=-1)
         out.update({name: np.ascontiguousarray(p.T if transpose else p) for name, p in zip(names, parts)})

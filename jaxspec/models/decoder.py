@@ -185,7 +185,12 @@ def product_sums(x: jax.Array, w: jax.Array | Quantized | InPlace) -> tuple[jax.
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final norm and LM head; float32 logits [..., V]."""
-    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    return output_logits(params, cfg, rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps))
+
+
+def output_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """The LM head (or the tied embedding) over normed rows h [..., D]: float32 logits [..., V] (an
+    EAGLE head that shares the target's LM head reads it here too)."""
     head = params["lm_head"] if "lm_head" in params else params["embed"].T  # a draft's int8 head too
     return sharding.gather_vocab(matmul(h, head, jnp.float32), cfg)
 

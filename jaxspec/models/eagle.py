@@ -7,15 +7,17 @@ layers (`EagleConfig.feature_layers`, HF `output_hidden_states[i]`), concatenate
 token's embedding (the target's table) and that feature, each RMS-normed and concatenated, so its
 q/k/v read 2 x hidden; its residual is the feature itself. The head keeps its own one-layer KV cache
 over every position (`init_cache`). A final norm and an LM head over a reduced draft vocabulary give
-draft logits; draft id i is target id i + d2t[i]. Draft step k > 0 feeds the head's own output
-(`head_forward`'s pre-norm state) back in place of the projected feature.
+draft logits; draft id i is target id i + d2t[i]. A head may instead share the target's own LM head
+(`EagleConfig.shared_lm_head`, EAGLE-1's and vLLM's shared head): it drafts over the whole vocabulary
+(d2t zeros), so no token is out of its reach, and carries no LM head of its own. Draft step k > 0
+feeds the head's own output (`head_forward`'s pre-norm state) back in place of the projected feature.
 
 Params layout (x @ W convention; H = hidden, Ht = target hidden, F = intermediate, Vd = draft vocab):
     fc [3 Ht, H], embed_norm [H] (the public `input_layernorm`, on the token embedding),
     hidden_norm [H], wqkv [2H, (Hq + 2 Hkv) Dh] (q, k, v side by side), wo [Hq Dh, H],
     mlp_norm [H] (`post_attention_layernorm`), w_gate_up [H, 2F] (gate then up), w_down [F, H],
-    final_norm [H] (`norm`), lm_head [H, Vd], d2t [Vd] int32, and embed [V, H] only when the head
-    carries its own token embedding.
+    final_norm [H] (`norm`), lm_head [H, Vd] (absent with a shared LM head), d2t [Vd] int32, and
+    embed [V, H] only when the head carries its own token embedding.
 The layer is the decoder's own (`decoder.attention_inputs`, `residual_add_norm`, `swiglu`, and
 `decoder.attention` by default), so the backend switch and the cache code path are the decoder's.
 """
@@ -56,6 +58,9 @@ class EagleConfig:
     # > 0: the head attends only keys less than this many positions back, the relative distances its
     # training sequences held (config.json's `sliding_window`; `attention`)
     sliding_window: int = 0
+    # the target's LM head gives the draft logits over the whole vocabulary (draft_vocab_size =
+    # vocab_size, d2t zeros; a checkpoint without lm_head.weight): no draft token is out of reach
+    shared_lm_head: bool = False
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -86,10 +91,11 @@ def attention(ecfg: EagleConfig, q_slot: jax.Array, positions: jax.Array, backen
 
 
 def param_shapes(ecfg: EagleConfig) -> Params:
-    """The exact shapes of a head's params (without the optional `embed` [V, H])."""
+    """The exact shapes of a head's params (without the optional `embed` [V, H]; no lm_head when the
+    head shares the target's)."""
     H, F = ecfg.hidden_size, ecfg.intermediate_size
     q_dim, kv_dim = ecfg.num_heads * ecfg.head_dim, ecfg.num_kv_heads * ecfg.head_dim
-    return {
+    shapes = {
         "fc": (3 * ecfg.target_hidden_size, H),
         "embed_norm": (H,), "hidden_norm": (H,),
         "wqkv": (2 * H, q_dim + 2 * kv_dim), "wo": (q_dim, H),
@@ -97,6 +103,9 @@ def param_shapes(ecfg: EagleConfig) -> Params:
         "final_norm": (H,), "lm_head": (H, ecfg.draft_vocab_size),
         "d2t": (ecfg.draft_vocab_size,),
     }
+    if ecfg.shared_lm_head:
+        del shapes["lm_head"]
+    return shapes
 
 
 def init_params(key: jax.Array, ecfg: EagleConfig, dtype, scale: float = 0.05) -> Params:
@@ -259,9 +268,13 @@ def ttt_attention(ecfg: EagleConfig, rows: int, step: int) -> AttendFn:
     return attend
 
 
-def draft_logits(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array, backend: str = "reference") -> jax.Array:
-    """Final norm and the draft LM head: float32 logits [B, T, Vd] over the draft vocabulary."""
+def draft_logits(params: Params, ecfg: EagleConfig, target_params: Params, target_cfg: ModelConfig,
+                 prenorm_out: jax.Array, backend: str = "reference") -> jax.Array:
+    """The head's final norm and its LM head, or the target's (`EagleConfig.shared_lm_head`, read as
+    the target's logits are): float32 logits [B, T, Vd] over the draft vocabulary."""
     h = rms_norm(prenorm_out, params["final_norm"], ecfg.rms_norm_eps)
+    if ecfg.shared_lm_head:
+        return decoder.output_logits(target_params, target_cfg, h)
     return matmul(h, decoder.row_kernel_matrix(params["lm_head"], h, backend), jnp.float32)
 
 
@@ -273,7 +286,10 @@ def to_target_ids(d2t: jax.Array, draft_ids: jax.Array) -> jax.Array:
 def to_target_probs(d2t: jax.Array, draft_probs: jax.Array, vocab_size: int) -> jax.Array:
     """The head's distribution over the target vocabulary [..., V] from its draft-vocabulary one
     [..., Vd] (after the logits processing, which commutes with the scatter: tokens outside the draft
-    vocabulary have logit -inf, so probability 0): the q of exact rejection sampling."""
+    vocabulary have logit -inf, so probability 0): the q of exact rejection sampling. A whole
+    vocabulary's d2t is zeros (`loaders.eagle.check_vocabulary`): its distribution is already q."""
+    if draft_probs.shape[-1] == vocab_size:
+        return draft_probs
     targets = to_target_ids(d2t, jnp.arange(d2t.shape[0]))
     zeros = jnp.zeros((*draft_probs.shape[:-1], vocab_size), draft_probs.dtype)
     return zeros.at[..., targets].set(draft_probs)

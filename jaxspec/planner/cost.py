@@ -131,10 +131,13 @@ def measure_bandwidth() -> float:
 
 
 def head_step_bytes(head: EagleConfig, cfg: ModelConfig, batch: int, context: int) -> int:
-    """Bytes one step of an EAGLE-3 draft head reads and writes: its weights, its own K and V over
-    `context` positions (its window's, if shorter), and float32 logits over its draft vocabulary."""
+    """Bytes one step of an EAGLE-3 draft head reads and writes: its weights (and the target's LM head
+    when it shares it), its own K and V over `context` positions (its window's, if shorter), and
+    float32 logits over its draft vocabulary."""
     itemsize = jnp.dtype(cfg.dtype).itemsize
     weights = sum(math.prod(shape) for shape in eagle.param_shapes(head).values()) * itemsize
+    if head.shared_lm_head:
+        weights += cfg.vocab_size * cfg.hidden_size * itemsize
     keys = min(context, head.sliding_window or context)
     kv = batch * keys * head.num_kv_heads * head.head_dim * 2 * itemsize
     return weights + kv + batch * head.draft_vocab_size * 4

@@ -3,6 +3,7 @@
     self_distill(cfg, params, tokenizer, tokens, seq, ...) -> token stream   the target's own text
     draft_vocabulary(stream, vocab_size, size) -> ids     the most frequent tokens, sorted
     init_head(key, ecfg, ids) -> params                   random head (float32), d2t from the ids
+    share_lm_head(ecfg, head) -> (ecfg, head)             a head's layer, through the target's LM head
     make_step(cfg, ecfg, ttt, ...) -> (optimizer, step)   AdamW on the head; step(...) -> losses, accs
     train(...)                                            the loop: progress lines, checkpoints
     write_state / read_record / load_state                the resumable train state
@@ -24,7 +25,9 @@ hold more distinct text.
 Loss (`ttt_loss`): EAGLE-3's training-time test (`eagle.ttt_forward`): for step k the head's
 draft-vocabulary distribution at row t against the target's next-token distribution at position
 t + k + 1, restricted to the draft vocabulary and renormalised; cross-entropy over rows in range whose
-target argmax is in the draft vocabulary (as SpecForge masks), steps weighted TTT_DECAY^k. The top-1
+target argmax is in the draft vocabulary (as SpecForge masks), steps weighted TTT_DECAY^k. A head that
+shares the target's LM head (`EagleConfig.shared_lm_head`) drafts and learns over the whole vocabulary
+through it, the LM head frozen (it is the target's). The top-1
 accuracy of step k (the head's argmax is the target's, over every row in range) is the acceptance
 proxy the progress line reports.
 """
@@ -212,33 +215,46 @@ def default_draft_vocab(vocab_size: int) -> int:
     return min(32768, vocab_size // 4)
 
 
-def head_config(cfg: ModelConfig, draft_vocab: int, window: int = 0) -> EagleConfig:
+def head_config(cfg: ModelConfig, draft_vocab: int, window: int = 0, shared_lm_head: bool = False) -> EagleConfig:
     """A head of the target's width, heads, MLP, RoPE and norm epsilon, reading EAGLE-3's default
     feature layers (one-line error for a target too shallow to have three distinct ones); `window`:
-    its training sequences' length, the farthest it attends at inference (`EagleConfig.sliding_window`)."""
+    its training sequences' length, the farthest it attends at inference (`EagleConfig.sliding_window`);
+    `shared_lm_head`: it drafts through the target's LM head (draft_vocab must be the whole vocabulary)."""
     layers = eagle.default_feature_layers(cfg.num_layers)
     if len(set(layers)) != 3 or min(layers) < 0 or max(layers) >= cfg.num_layers:
         raise JaxspecError(f"an EAGLE-3 head reads layers (2, L / 2, L - 3) of its target: the model's "
                            f"{cfg.num_layers} layers are too few (at least 7)")
     if not 0 < draft_vocab <= cfg.vocab_size:
         raise JaxspecError(f"--draft-vocab must be in 1..{cfg.vocab_size} (the model's vocabulary), got {draft_vocab}")
+    if shared_lm_head and draft_vocab != cfg.vocab_size:
+        raise JaxspecError(f"a head that shares the model's LM head drafts over its whole vocabulary "
+                           f"({cfg.vocab_size}), not {draft_vocab}")
     return EagleConfig(
         hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size, draft_vocab_size=draft_vocab, vocab_size=cfg.vocab_size,
         target_hidden_size=cfg.hidden_size, feature_layers=layers, rms_norm_eps=cfg.rms_norm_eps, rope=cfg.rope,
-        max_position_embeddings=cfg.max_position_embeddings, sliding_window=window)
+        max_position_embeddings=cfg.max_position_embeddings, sliding_window=window, shared_lm_head=shared_lm_head)
 
 
 def init_head(key: jax.Array, ecfg: EagleConfig, draft_ids: np.ndarray) -> Params:
     """A float32 head to train: matrices normal * INIT_SCALE, norms 1, d2t of the draft vocabulary."""
     params = {}
-    for (name, shape), k in zip(eagle.param_shapes(ecfg).items(), jax.random.split(key, 11)):
+    shapes = eagle.param_shapes(ecfg)
+    for (name, shape), k in zip(shapes.items(), jax.random.split(key, len(shapes))):
         if name.endswith("norm"):
             params[name] = jnp.ones(shape, jnp.float32)
         elif name != "d2t":
             params[name] = INIT_SCALE * jax.random.normal(k, shape, jnp.float32)
     params["d2t"] = jnp.asarray(draft_ids - np.arange(len(draft_ids)), jnp.int32)
     return params
+
+
+def share_lm_head(ecfg: EagleConfig, head: Params) -> tuple[EagleConfig, Params]:
+    """A head's layer weights drafting through the target's LM head instead of its own: its LM head
+    dropped, the draft vocabulary the whole vocabulary (d2t zeros). Training goes on from the layer."""
+    ecfg = dataclasses.replace(ecfg, shared_lm_head=True, draft_vocab_size=ecfg.vocab_size)
+    kept = {name: w for name, w in head.items() if name not in ("lm_head", "d2t")}
+    return ecfg, {**kept, "d2t": jnp.zeros(ecfg.vocab_size, jnp.int32)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,9 +275,11 @@ class Teacher:
 def teacher(target_params: Params, cfg: ModelConfig, ecfg: EagleConfig, d2t: jax.Array, tokens: jax.Array) -> Teacher:
     """A teacher-forced forward of the target from position 0: its features and next-token distributions."""
     logits, features = decoder.score(target_params, cfg, tokens, capture=ecfg.feature_layers)  # [B, T, V] float32
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if ecfg.draft_vocab_size == cfg.vocab_size:  # the whole vocabulary, d2t zeros
+        return Teacher(features, jax.nn.log_softmax(logits, axis=-1), argmax, jnp.ones(argmax.shape, bool))
     ids = eagle.to_target_ids(d2t, jnp.arange(ecfg.draft_vocab_size))
     in_vocab = jnp.zeros(cfg.vocab_size, bool).at[ids].set(True)
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return Teacher(features, jax.nn.log_softmax(logits[..., ids], axis=-1), argmax, in_vocab[argmax])
 
 
@@ -280,7 +298,7 @@ def ttt_loss(trainable: Params, d2t: jax.Array, ecfg: EagleConfig, target_params
     def step_loss(out, k):
         at = lambda x: jax.lax.dynamic_slice_in_dim(x, k + 1, rows, axis=1)  # the target at t + k + 1
         in_range = jnp.arange(rows) < rows - k  # t + k + 1 <= T - 1
-        logq = jax.nn.log_softmax(eagle.draft_logits(head, ecfg, out), axis=-1)
+        logq = jax.nn.log_softmax(eagle.draft_logits(head, ecfg, target_params, cfg, out), axis=-1)
         mask = in_range[None] & at(in_vocab)
         ce = -jnp.sum(jnp.exp(at(logp)) * logq, axis=-1)
         loss = jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
@@ -347,7 +365,8 @@ class Settings:
     batch: int = 16
     seq: int = 2048
     ttt: int = 7  # unrolled draft steps of the training-time test
-    draft_vocab: int | None = None  # None: default_draft_vocab
+    draft_vocab: int | None = None  # None: default_draft_vocab (the whole vocabulary with shared_lm_head)
+    shared_lm_head: bool = False  # draft through the target's LM head (`EagleConfig.shared_lm_head`)
     lr: float = 5e-4
     warmup: int = 100
     seed: int = 0

@@ -129,7 +129,7 @@ class Eagle(Drafter):
                     head, ecfg, embeds, states[:, tree.parent[rows]], at, jnp.broadcast_to(live[:, None], at.shape),
                     head_cache, self.context(state.selection, nodes, at), slots=nodes.slots, backend=backend)
                 states = states.at[:, rows].set(out)
-            logits = eagle.draft_logits(head, ecfg, states[:, rows], backend)
+            logits = eagle.draft_logits(head, ecfg, params, self.cfg, states[:, rows], backend)
             kids = tree.children[rows][:, :tree.branching[depth]]
             children, q = expand(keys[depth], logits, kids.shape[1], rules, backend)
             draft_tokens = draft_tokens.at[:, kids].set(eagle.to_target_ids(head["d2t"], children))
