@@ -407,6 +407,16 @@ def test_cost_model_reads_a_windowed_heads_kv_within_its_window():
     assert step(windowed, 1000) == step(SMOLLM2_HEAD, 1000)
 
 
+def test_cost_model_reads_a_shared_lm_head_from_the_target():
+    """A head through the target's LM head reads the target's matrix instead of its own, and forms
+    logits over the whole vocabulary (4 rows of float32)."""
+    shared = dataclasses.replace(SMOLLM2_HEAD, shared_lm_head=True, draft_vocab_size=SMOLLM2.vocab_size)
+    step = lambda head: cost.head_step_bytes(head, SMOLLM2, 4, 1000)
+    V, Vd, H, itemsize = SMOLLM2.vocab_size, SMOLLM2_HEAD.draft_vocab_size, SMOLLM2.hidden_size, 2
+    assert SMOLLM2.dtype == "bfloat16"
+    assert step(shared) - step(SMOLLM2_HEAD) == (V - Vd) * H * itemsize + 4 * (V - Vd) * 4
+
+
 def test_cost_model_moe_rows_read_the_experts_they_hit():
     """At Qwen3-30B-A3B's shapes one token reads 8 of each layer's 128 experts, a verify pass of 7
     rows the expected distinct ones (~47), so its floor is dearer than a plain step's by those

@@ -135,7 +135,8 @@ def head_step_bytes(head: EagleConfig, cfg: ModelConfig, batch: int, context: in
     when it shares it), its own K and V over `context` positions (its window's, if shorter), and
     float32 logits over its draft vocabulary."""
     itemsize = jnp.dtype(cfg.dtype).itemsize
-    weights = sum(math.prod(shape) for shape in eagle.param_shapes(head).values()) * itemsize
+    shapes = eagle.param_shapes(head)
+    weights = sum(math.prod(shape) for name, shape in shapes.items() if name != "d2t") * itemsize  # d2t: a gather
     if head.shared_lm_head:
         weights += cfg.vocab_size * cfg.hidden_size * itemsize
     keys = min(context, head.sliding_window or context)
