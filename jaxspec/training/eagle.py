@@ -291,19 +291,16 @@ def ttt_loss(trainable: Params, d2t: jax.Array, ecfg: EagleConfig, target_params
     head = jax.tree.map(lambda w: w.astype(cfg.dtype), trainable)
     outs = eagle.ttt_forward(head, ecfg, target_params, cfg, tokens, target.features, steps, remat)
     B, T = tokens.shape
-    rows = T - 1
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, steps)) + ((0, 0),) * (x.ndim - 2))
-    logp, argmax, in_vocab = pad(target.logp), pad(target.argmax), pad(target.in_vocab)
 
     def step_loss(out, k):
-        at = lambda x: jax.lax.dynamic_slice_in_dim(x, k + 1, rows, axis=1)  # the target at t + k + 1
-        in_range = jnp.arange(rows) < rows - k  # t + k + 1 <= T - 1
-        logq = jax.nn.log_softmax(eagle.draft_logits(head, ecfg, target_params, cfg, out), axis=-1)
-        mask = in_range[None] & at(in_vocab)
-        ce = -jnp.sum(jnp.exp(at(logp)) * logq, axis=-1)
+        n = T - 1 - k  # rows t in range: t + k + 1 <= T - 1 (the rest read past the batch: garbage)
+        at = lambda x: x[:, k + 1:]  # the target at t + k + 1
+        logq = jax.nn.log_softmax(eagle.draft_logits(head, ecfg, target_params, cfg, out[:, :n]), axis=-1)
+        mask = at(target.in_vocab)
+        ce = -jnp.sum(jnp.exp(at(target.logp)) * logq, axis=-1)
         loss = jnp.sum(jnp.where(mask, ce, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
-        hit = eagle.to_target_ids(d2t, jnp.argmax(logq, axis=-1)) == at(argmax)
-        acc = jnp.sum(hit & in_range[None]) / (B * (rows - k))
+        hit = eagle.to_target_ids(d2t, jnp.argmax(logq, axis=-1)) == at(target.argmax)
+        acc = jnp.sum(hit) / (B * n)
         return loss, acc
 
     if remat:
