@@ -112,9 +112,9 @@ def main():
     p.add_argument("--format", choices=tuple(SHAPES), default="bf16",
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
-    p.add_argument("--decodes", default="placed", type=lambda s: s.split(","),
-                   help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE, the default), exact "
-                        "and paired (moe.PAIRED_DECODE)")
+    p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
+                   help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact and paired "
+                        "(moe.PAIRED_DECODE, the default)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()

@@ -30,7 +30,8 @@ scaled dot (`mxfp4_dot`; with PAIRED_DECODE, a byte's two codes into one bf16x2 
 PTX: `paired_weights`), float32 rows decoded in registers (`decode`), so the bytes floor is a
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
-4.9-5.6x since (the decode's arithmetic, bench/NOTES.md). A decode step's single row through MXFP4
+4.9-5.6x since (the decode's arithmetic, bench/NOTES.md); through the paired decode, 4.0-4.2x at 8-128
+rows. A decode step's single row through MXFP4
 stacks takes the one-row form of both calls (5.4x, the codes' bits placed: `code_values`); up to 128
 rows through bf16 stacks the split-K form, whose programs keep wide column blocks and, for a few
 rows, divide K (`default_form`). The reference decodes the layer's whole stack with the same
@@ -87,9 +88,10 @@ SCALED_DOT = True
 # Row blocks of bf16 rows through MXFP4 stacks: each byte's two codes decoded into one bf16x2 register in
 # inline PTX (`paired_values`: a byte permute, two shifts, two masks and two multiplies) and the product
 # taken as W^T x^T, the decoded weights the matrix unit's A operand from registers, in place of the scaled
-# dot's table lookups (compiled for sm_90: 9.4 -> 6.6 instructions a weight in the product's loop,
-# bench/NOTES.md). Off until measured on a GPU; tests patch it on.
-PAIRED_DECODE = False
+# dot's table lookups (compiled for sm_90: 9.4 -> 6.6 instructions a weight in the product's loop;
+# measured on the H200 at gpt-oss-20b's shapes, 8-128 rows: row blocks 21-26% faster, 5.0-5.6x -> 4.0-4.2x
+# the bytes floor, the same error; bench/NOTES.md). Tests patch it off to cover the other decodes.
+PAIRED_DECODE = True
 # The split-K form (`FORMS`): row blocks of wide column blocks, K split among programs, partial sums
 # added (and the gate/up activation applied) by XLA after each call. A decode step's few experts fill
 # the GPU only as narrow column blocks, and over [K, N] stacks a 16-column bf16 block reads 32 bytes of
