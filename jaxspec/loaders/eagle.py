@@ -112,29 +112,28 @@ def check_fits(ecfg: EagleConfig, target_cfg: ModelConfig, path: Path) -> None:
                            f"layers of the target's {target_cfg.num_layers}")
 
 
+def read_safetensors(path: Path, read):
+    """read(f) of the head's model.safetensors opened with safe_open (a bad file: one-line error)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path / "model.safetensors", framework="numpy") as f:
+            return read(f)
+    except (SafetensorError, OSError) as e:
+        raise JaxspecError(f"corrupt or unreadable safetensors file {path / 'model.safetensors'}: {e}") from None
+
+
 def tensor_names(path: Path) -> set[str]:
     """The names of the head's tensors (model.safetensors' header only, or the whole .bin)."""
     if (path / "model.safetensors").is_file():
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(path / "model.safetensors", framework="numpy") as f:
-                return set(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise JaxspecError(f"corrupt or unreadable safetensors file {path / 'model.safetensors'}: {e}") from None
+        return read_safetensors(path, lambda f: set(f.keys()))
     return set(read_tensors(path))
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of model.safetensors, or of pytorch_model.bin (through torch, if installed)."""
     if (path / "model.safetensors").is_file():
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(path / "model.safetensors", framework="numpy") as f:
-                return {name: f.get_tensor(name) for name in f.keys()}
-        except (SafetensorError, OSError) as e:
-            raise JaxspecError(f"corrupt or unreadable safetensors file {path / 'model.safetensors'}: {e}") from None
+        return read_safetensors(path, lambda f: {name: f.get_tensor(name) for name in f.keys()})
     if (path / "pytorch_model.bin").is_file():
         try:
             import torch
