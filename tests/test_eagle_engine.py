@@ -112,20 +112,9 @@ def test_a_head_sharing_the_targets_lm_head_is_lossless_and_drafts_through_it(de
     lm_head = np.asarray(params["lm_head"] if "lm_head" in params else params["embed"].T, np.float64)
     tokens, length = jax.device_get((state.tokens, state.length))  # the prompt and its first token
     for b in range(len(lengths)):
-        root = fresh_root(params, CFG, shared, tokens[b, :length[b]])
+        root = np.asarray(fresh_head(params, CFG, shared, tokens[b, :length[b]], 0)[0][0, -1], np.float64)
         h = root * np.asarray(head["final_norm"], np.float64) / np.sqrt((root**2).mean() + shared.rms_norm_eps)
         assert int(drafted[b, 1]) == int(np.argmax(h @ lm_head)), b
-
-
-def fresh_root(params, cfg, ecfg, committed: np.ndarray) -> np.ndarray:
-    """The head's pre-norm output state [H] (float64) at the last committed token, run afresh."""
-    tokens = jnp.asarray(committed[None])
-    L = len(committed)
-    _, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
-    out, _ = eagle.feature_forward(params["eagle"], ecfg, params, cfg, tokens[:, 1:], features[:, :-1],
-                                   jnp.arange(L - 1, dtype=jnp.int32)[None], jnp.ones((1, L - 1), bool),
-                                   eagle.init_cache(ecfg, 1, L, "float32"))
-    return np.asarray(out[0, -1], np.float64)
 
 
 def test_a_windowed_head_is_lossless_and_drafts_from_its_window(dense):
@@ -178,17 +167,24 @@ def test_selected_head_context_is_lossless_and_is_the_full_context_when_it_keeps
     assert (drafts(everything, dataclasses.replace(state.drafter, selection=few)) != whole).any()
 
 
+def fresh_head(params, cfg, ecfg, committed: np.ndarray, room: int):
+    """The head run afresh over the committed tokens (the target's features of a full forward, paired
+    with the next tokens): its pre-norm outputs [1, L - 1, H] and its cache (`room` slots to spare)."""
+    L = len(committed)
+    tokens = jnp.asarray(committed[None])
+    _, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
+    return eagle.feature_forward(params["eagle"], ecfg, params, cfg, tokens[:, 1:], features[:, :-1],
+                                 jnp.arange(L - 1, dtype=jnp.int32)[None], jnp.ones((1, L - 1), bool),
+                                 eagle.init_cache(ecfg, 1, L + room, "float32"))
+
+
 def fresh_children(params, cfg, ecfg, committed: np.ndarray, tree) -> dict[int, list[int]]:
     """Reference drafts of one row: the head run afresh over the committed tokens (the target's
     features of a full forward, paired with the next tokens, then each tree node's path one row at a
     time on its parent's output state): row -> its children's target ids (greedy top-b)."""
     L = len(committed)
-    tokens = jnp.asarray(committed[None])
-    positions = jnp.arange(L, dtype=jnp.int32)[None]
-    _, features = decoder.score(params, cfg, tokens, capture=ecfg.feature_layers)
+    out, head_cache = fresh_head(params, cfg, ecfg, committed, tree.depth)
     head = params["eagle"]
-    out, head_cache = eagle.feature_forward(head, ecfg, params, cfg, tokens[:, 1:], features[:, :-1], positions[:, :-1],
-                                            jnp.ones((1, L - 1), bool), eagle.init_cache(ecfg, 1, L + tree.depth, "float32"))
     step = jax.jit(lambda token, hidden, pos, c: eagle.head_forward(
         head, ecfg, eagle.token_embeds(head, params, cfg, token), hidden, pos, jnp.ones((1, 1), bool), c))
     states, children, token_of = {0: out[:, -1:]}, {}, {}
@@ -218,7 +214,7 @@ def test_drafts_equal_a_fresh_head_after_accepted_drafts(dense, tree):
     """Sampled iterations (drafts accepted and rejected), then one greedy draft from the running state:
     each node's children are those of the head run afresh over each row's committed text."""
     params, ecfg, ids, lengths, _ = dense
-    spec = SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg).validate()
+    spec = SpecConfig(method="eagle", gamma=3, tree=tree, eagle=ecfg, draws="sampled").validate()  # some accepted
     eng = engine.Engine(CFG, spec, HOT, max(lengths) + 40)
     state = jax.jit(eng.prefill)(params, jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(1), max_new_tokens=40,
                                  stop_ids=STOP)
