@@ -124,27 +124,33 @@ def read_safetensors(path: Path, read):
 
 
 def tensor_names(path: Path) -> set[str]:
-    """The names of the head's tensors (model.safetensors' header only, or the whole .bin)."""
+    """The names of the head's tensors (model.safetensors' header, or the .bin mapped, not read)."""
     if (path / "model.safetensors").is_file():
         return read_safetensors(path, lambda f: set(f.keys()))
-    return set(read_tensors(path))
+    return set(read_bin(path, mmap=True))
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of model.safetensors, or of pytorch_model.bin (through torch, if installed)."""
     if (path / "model.safetensors").is_file():
         return read_safetensors(path, lambda f: {name: f.get_tensor(name) for name in f.keys()})
-    if (path / "pytorch_model.bin").is_file():
-        try:
-            import torch
-        except ImportError:
-            raise JaxspecError(f"EAGLE head {path} has only pytorch_model.bin, which needs torch installed") from None
-        try:
-            state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises many types for a bad file
-            raise JaxspecError(f"cannot read {path / 'pytorch_model.bin'}: {str(e).splitlines()[0]}") from None
-        return {name: (t.float() if t.is_floating_point() else t).numpy() for name, t in state.items()}
-    raise JaxspecError(f"EAGLE head {path} has no model.safetensors or pytorch_model.bin")
+    state = read_bin(path, mmap=False)
+    return {name: (t.float() if t.is_floating_point() else t).numpy() for name, t in state.items()}
+
+
+def read_bin(path: Path, mmap: bool) -> dict:
+    """pytorch_model.bin's state dict of torch tensors (`mmap`: mapped, so reading its names costs no
+    read of its data; a bad or missing file: one-line error)."""
+    if not (path / "pytorch_model.bin").is_file():
+        raise JaxspecError(f"EAGLE head {path} has no model.safetensors or pytorch_model.bin")
+    try:
+        import torch
+    except ImportError:
+        raise JaxspecError(f"EAGLE head {path} has only pytorch_model.bin, which needs torch installed") from None
+    try:
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # torch raises many types for a bad file
+        raise JaxspecError(f"cannot read {path / 'pytorch_model.bin'}: {str(e).splitlines()[0]}") from None
 
 
 def build_params(ecfg: EagleConfig, tensors: dict[str, np.ndarray], dtype, path: Path) -> Params:
