@@ -6,7 +6,7 @@ SmolLM2 (dense, or converted to NSA as `jaxspec.convert --to-nsa` does) or 1.2B 
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
-        [--head-contexts full,selected] [--experts bf16|mxfp4] [--groups 0,8,1]
+        [--head-contexts full,selected] [--experts bf16|mxfp4] [--groups 0,8,1] [--tree bfs:3,2]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -15,7 +15,8 @@ kernels by device time. A stage whose wall time exceeds its busy time loses it t
 round trips; one whose kernels cost more than their bytes shows which (XLA names fusion kernels as in
 the optimized HLO: `--xla_dump_to` to read them). `--sequence N` keeps the first N kernels of a stage's
 first profiled call in launch order (name, us): one layer's chain of kernels, to see what to fuse.
-`--live N,...` also times the iteration with only the first N rows unfinished (a static batch's
+`--tree bfs:3,2` drafts that tree (`bench/e2e.py`'s shapes) instead of a chain of --gamma with
+the drafters that take one. `--live N,...` also times the iteration with only the first N rows unfinished (a static batch's
 tail: finished rows stay in the batch until its last row is done). `--balance B` runs the sparse
 drafters with a shared budget over rows that drafted unevenly well (`skewed`). Random bf16 weights
 (timing only; the largest shapes, e.g. Qwen3-30B-A3B at 4 x 128K, need
@@ -42,6 +43,7 @@ from bench import common
 from bench.throughput import spec_for, stage_fns
 from jaxspec.models import decoder, draft_weights
 from jaxspec.models.nsa_convert import DEFAULT_NSA, nsa_model_config
+from jaxspec.decoding.tree import TreeShape
 from jaxspec.decoding.spec import SCORE_METHODS, SPARSE_METHODS, takes_draft_model
 from pallas_kernels.verify_attention import METRICS
 
@@ -158,6 +160,7 @@ def main():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--tree", default=None, help="a draft tree ('bfs:3,2') instead of a chain of --gamma")
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--metric", choices=METRICS, default="weight", help="the score-collecting drafters' metric")
     p.add_argument("--backend", default="pallas" if jax.default_backend() == "gpu" else "reference")
@@ -199,8 +202,8 @@ def main():
     if args.experts == "mxfp4":
         params = common.with_mxfp4_experts(params)
     max_len, slots, k_max = common.random_lengths(context)
-    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "ratio": args.ratio, "metric": args.metric, "stages": []}
-    tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
+    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
+    tuning = {m: {"gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w, c, g) for m in args.methods
             for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
             for c in (args.head_contexts if m == "eagle" else ["full"])
@@ -212,6 +215,9 @@ def main():
                                    draft_weights=weights, head_context=head_context, group=group,
                                    balance=args.balance if method in SPARSE_METHODS else 1.0,
                                    select_every=args.select_every if method in SCORE_METHODS else 1)
+        if args.tree and method != "plain":
+            tree = TreeShape.parse(*reversed(args.tree.split(":")))
+            spec = dataclasses.replace(spec, tree=tree.branching, traversal=tree.order).validate()
         copies = draft_weights.with_draft_weights(params, weights)
         if method == "eagle":
             copies = {**copies, "eagle": head_params}
