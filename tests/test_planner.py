@@ -589,7 +589,8 @@ def test_watch_thresholds_are_where_watch_switches():
     """A closed batch settled on plain watches on the device by thresholds: each replayed ngram
     strategy's is the least replayed tokens per iteration (its slowest row's) at which `decide`, as
     `watch` calls it now, switches to it; just below it stays; a candidate that cannot beat plain
-    even copying its whole depth gets inf; a running drafter or an open batch is watched on the host."""
+    even copying its whole depth gets inf; an open batch, or a drafter the cost model planned, is watched on
+    the host; a table's drafter in a closed batch on the device from its first iteration."""
     g8, g2 = Strategy("ngram", gamma=8), Strategy("ngram", gamma=2)
     candidates = (Prediction(PLAIN, 900, 1.0, 8 / 900, 5, iterations=144), Prediction(NGRAM, 800, 1.6, 8 * 1.6 / 800, 10),
                   Prediction(g8, 600, 1.8, 8 * 1.8 / 600, 20), Prediction(g2, 300, 1.5, 8 * 1.5 / 300, 10))
@@ -605,7 +606,9 @@ def test_watch_thresholds_are_where_watch_switches():
             target, _ = refine.decide(candidates, r.observations, PLAIN, probe_margin=None, replays=replays, closed=True)
             assert (target == strategy) == switches, (strategy, tpi)
     assert not planner.Refinement.of(planner.Plan(candidates, PLAIN, "table:t.json", 1024), closed=False).watches_on_device
-    assert not planner.Refinement.of(planner.Plan(candidates, VEGAS, "table:t.json", 1024), closed=True).watches_on_device
+    assert not planner.Refinement.of(planner.Plan(candidates, VEGAS, "cost-model", 1024), closed=True).watches_on_device
+    assert not planner.Refinement.of(planner.Plan(candidates, VEGAS, "table:t.json", 1024)).watches_on_device
+    assert planner.Refinement.of(planner.Plan(candidates, VEGAS, "table:t.json", 1024), closed=True).watches_on_device
 
 
 def test_plain_choice_starts_settled():
@@ -700,7 +703,7 @@ def test_a_running_drafter_is_watched_on_the_device_down_to_its_floor():
     eagle5, g8 = Strategy("eagle", gamma=5), Strategy("ngram", gamma=8)
     candidates = (Prediction(eagle5, 2000, 3.5, 3.5 / 2000, iterations=29),
                   Prediction(PLAIN, 900, 1.0, 1 / 900, iterations=144), Prediction(g8, 600, 1.8, 1.8 / 600, 20))
-    plan = planner.Plan(candidates, eagle5, "table:t.json", 8192)
+    plan = planner.Plan(candidates, eagle5, "cost-model", 8192)
     window = lambda n, tpi: Observation(n, n * tpi, n * 3.5 / 2000, tpi)  # one row at the table's iteration time
     r = planner.Refinement.of(plan, closed=True)
     assert not r.watches_on_device  # refining
@@ -723,6 +726,13 @@ def test_a_running_drafter_is_watched_on_the_device_down_to_its_floor():
     assert threshold < expected[eagle5] * (1 + refine.MARGIN) / expected[g8]  # the host's bar now
     assert planner.Refinement.of(planner.Plan(candidates, PLAIN, "table:t.json", 8192), closed=True).own_floor() == 0
     assert not planner.Refinement(plan, eagle5, active=False, closed=True).watches_on_device  # not observed
+    # a table's drafter starts watched on the device, its floor from the table's rate: the floor of a
+    # refinement that observed that rate (one row at the table's iteration time and tokens an iteration)
+    table = planner.Refinement.of(dataclasses.replace(plan, source="table:t.json"), closed=True)
+    assert not table.active and table.watches_on_device and not table.observations
+    observed = planner.Refinement.of(plan, closed=True)
+    assert observed.observe(window(8, 3.5), finished=False, replays={g8: Observation(8, 8, 0.0, 1.0, 1.0)}) is None
+    assert table.own_floor() == pytest.approx(observed.own_floor(), rel=1e-4) and 1 < table.own_floor() < 2
     running_ngram = planner.Refinement(plan, g8, active=False, closed=True, observations={g8: window(8, 2.0)})
     assert running_ngram.watching and not running_ngram.watches_on_device
 
@@ -915,31 +925,33 @@ def test_device_watch_judges_no_window_too_late_for_a_switch(tiny, monkeypatch):
 
 
 def test_a_closed_batch_settled_on_a_drafter_decodes_in_one_call(tiny, monkeypatch):
-    """Settled on vegas after its first segment, a closed batch watches on the device: with no replay
-    crossing and the drafter over its floor, the rest of the run is one call; with every window under
-    the floor, each call ends at its window (WATCH, 2 WATCH, ...) and the host judges it (scripted
-    here to stay), with an ngram candidate to replay or none. All emit plain decoding's tokens (the
-    tiny model's text repeats: vegas takes ~7 tokens an iteration)."""
+    """A closed batch watches a drafter on the device: a table's from its first iteration, the cost
+    model's once its first segment settles on it. With no replay crossing and the drafter over its
+    floor, the rest of the run is one call; with every window under the floor, each call ends at its
+    window (WATCH, 2 WATCH, ...) and the host judges it (scripted here to stay), with an ngram candidate
+    to replay or none. All emit plain decoding's tokens (the tiny model's text repeats: vegas takes ~7
+    tokens an iteration)."""
     cfg, params, batch = tiny
     common = dict(sampling=SamplingConfig(), max_len=200, max_new_tokens=150, stop_ids=(), spec=SpecConfig())
     reference = [g.tolist() for g in run_generation(params, cfg, batch, **common).generated()]
     monkeypatch.setattr(refine, "WATCH", 2)
     monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
     monkeypatch.setattr(refine.Refinement, "thresholds", lambda self, floor: {s: math.inf for s in self.replayed})
-    plan = planner.Plan((Prediction(VEGAS, 100.0, 2.0, 0.02), Prediction(PLAIN, 60.0, 1.0, 0.02),
-                         Prediction(NGRAM, 50.0, 1.5, 0.03)), VEGAS, "table:t.json", 1024)
-    no_ngram = planner.Plan(plan.candidates[:2], VEGAS, "table:t.json", 1024)  # nothing to replay
-    for own_floor, plan in ((0.0, plan), (math.inf, plan), (math.inf, no_ngram)):
-        monkeypatch.setattr(refine.Refinement, "own_floor", lambda self: own_floor)
-        run = run_generation(params, cfg, batch, plan=plan, **common)
-        assert [g.tolist() for g in run.generated()] == reference
-        iterations = [s["iterations"] for s in run.auto.segments]
-        total = int(jax.device_get(run.output.stats).iterations.max())
-        assert sum(iterations) == total and not run.auto.switches
-        if own_floor == 0:
-            assert iterations == [planner.SEGMENT, total - planner.SEGMENT]
-        else:
-            assert iterations[:3] == [planner.SEGMENT, 2, 4] and len(iterations) >= 4
+    candidates = (Prediction(VEGAS, 100.0, 2.0, 0.02), Prediction(PLAIN, 60.0, 1.0, 0.02),
+                  Prediction(NGRAM, 50.0, 1.5, 0.03))
+    for source in ("table:t.json", "cost-model"):
+        first = [] if source.startswith("table:") else [planner.SEGMENT]  # the cost model's drafter is refined first
+        for own_floor, plan in ((0.0, candidates), (math.inf, candidates), (math.inf, candidates[:2])):  # no ngram
+            monkeypatch.setattr(refine.Refinement, "own_floor", lambda self: own_floor)
+            run = run_generation(params, cfg, batch, plan=planner.Plan(plan, VEGAS, source, 1024), **common)
+            assert [g.tolist() for g in run.generated()] == reference
+            iterations = [s["iterations"] for s in run.auto.segments]
+            total = int(jax.device_get(run.output.stats).iterations.max())
+            assert sum(iterations) == total and not run.auto.switches
+            if own_floor == 0:
+                assert iterations == first + [total - sum(first)], source
+            else:
+                assert iterations[: len(first) + 2] == first + [2, 4] and len(iterations) >= len(first) + 3, source
 
 
 def test_replays_queued_behind_a_window_are_its_replays(tiny, monkeypatch):

@@ -194,6 +194,13 @@ def decide(candidates, observations: dict, current: Strategy, probe_margin: floa
     return current, f"{current.name} expected {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"
 
 
+def measured_first(plan: Plan, closed: bool) -> bool:
+    """Whether `plan` starts a closed batch with a model drafter a table measured on this device
+    (`Refinement.of` watches it from its first iteration)."""
+    first = plan.first
+    return closed and plan.source.startswith("table:") and not first.plain and first.method != "ngram"
+
+
 @dataclasses.dataclass
 class Refinement:
     """Refinement at run time (the module's docstring) as the scheduler drives it: the
@@ -225,7 +232,14 @@ class Refinement:
 
     @classmethod
     def of(cls, plan: Plan, closed: bool = False) -> Refinement:
-        return cls(plan, plan.first, active=not plan.first.plain, closed=closed, window=WATCH, ran={plan.first})
+        """The refinement of a run that starts with `plan`. A closed batch whose plan starts with a model
+        drafter measured by a table (on this device) starts settled: the device watches it from its first
+        iteration, its table rate standing for the refining segment's observation. That segment's
+        boundary and judgement cost a closed run at one row ~10% (bench/NOTES.md, "auto's overhead
+        at one row"); a drafter doing worse than its table still falls under its floor within a window."""
+        first = plan.first
+        return cls(plan, first, active=not first.plain and not measured_first(plan, closed), closed=closed,
+                   window=WATCH, ran={first})
 
     @property
     def replayed(self) -> tuple[Strategy, ...]:
@@ -285,7 +299,8 @@ class Refinement:
         on plain with ngram to replay, or on an observed model drafter (running ngram is judged by its
         latest window's slowest row, and an open batch's segments are the host's anyway)."""
         c = self.current
-        return self.closed and self.watching and c.method != "ngram" and (c.plain or c in self.observations)
+        first = not self.switches and measured_first(self.plan, self.closed)  # not yet observed: watched from the start
+        return self.closed and self.watching and c.method != "ngram" and (c.plain or c in self.observations or first)
 
     def own_floor(self) -> float:
         """The device's watch of a running model drafter (`serving.programs.watched`): the least tokens
@@ -337,12 +352,18 @@ class Refinement:
 
     def _after(self, tokens_per_iteration: float) -> dict[Strategy, Observation]:
         """The observations after a long stretch (STRETCH iterations) of the running drafter at
-        `tokens_per_iteration`, its rows and iteration time as observed."""
-        o = self.observations[self.current]
-        rows = o.tokens / max(o.iterations * o.tokens_per_iteration, 1e-9)
-        stretch = Observation(STRETCH, STRETCH * rows * tokens_per_iteration, STRETCH * o.iteration_s,
-                              tokens_per_iteration)
-        return {**self.observations, self.current: o.merge(stretch)}
+        `tokens_per_iteration`, its rows and iteration time as observed (not yet observed, `of`'s
+        measured drafter: as its table measured them, on the mean row's basis `corrected` sets
+        observations against)."""
+        o = self.observations.get(self.current)
+        if o is not None:
+            rows, iteration_s = o.tokens / max(o.iterations * o.tokens_per_iteration, 1e-9), o.iteration_s
+        else:
+            p = next(p for p in self.plan.candidates if p.strategy == self.current)
+            rows, iteration_s = p.tokens_per_s * p.iteration_s / (p.tail * p.tokens_per_iteration), p.iteration_s
+        tpi = tokens_per_iteration
+        stretch = Observation(STRETCH, STRETCH * rows * tpi, STRETCH * iteration_s, tpi)
+        return {**self.observations, self.current: o.merge(stretch) if o is not None else stretch}
 
     def watch_until(self, left: int) -> int:
         """Iterations of plain (a token a row an iteration) from now within which a window's crossing
