@@ -716,6 +716,10 @@ def test_a_running_drafter_is_watched_on_the_device_down_to_its_floor():
                            (refine.WATCH, floor * (1 + 1e-6), False)):
         watched = copy.deepcopy(r)
         assert (watched.watch(window(n, tpi), finished=False, replays=ones) == PLAIN) == leaves, (n, tpi)
+    # the call looks midway between the floor and the drafter's rate, its thresholds taken there: higher
+    level, rate = r.look_level(floor), r.observations[eagle5].tokens_per_iteration
+    assert floor < level < rate and level == pytest.approx((floor + rate) / 2) and r.look_level(math.inf) == math.inf
+    assert r.thresholds(level)[g8] > r.thresholds(floor)[g8]
     threshold = r.thresholds(floor)[g8]
     at_floor = r._after(floor)
     for tpi, switches in ((threshold, True), (threshold * (1 - 1e-4), False)):

@@ -326,6 +326,21 @@ class Refinement:
             low, high = (low, mid) if keeps(mid) else (mid, high)
         return high
 
+    def look_level(self, floor: float) -> float:
+        """Where the device's call of a running model drafter returns for the host to look: its own
+        tokens per iteration since the call began under this level. Midway between its floor
+        (`own_floor`, at least one token an iteration) and its mean row's rate so far (observed, or its
+        table's), and the replays' thresholds are taken there (`thresholds`): valid while the drafter
+        keeps over it. Taken at the floor, they were 1.06-1.07 tokens an iteration on the default
+        request, which the prose's ngram replays crossed in every window (bench/NOTES.md, "auto's
+        overhead at one row"). 0 or inf as the floor is, for plain or a drafter `decide` leaves now."""
+        if self.current.plain or floor == float("inf"):
+            return floor
+        o = self.observations.get(self.current)
+        rate = o.tokens_per_iteration if o is not None else self._prediction().tokens_per_iteration
+        low = max(floor, 1.0)
+        return max(low, (low + rate) / 2)
+
     def thresholds(self, floor: float) -> dict[Strategy, float]:
         """The watch as the device applies it (`serving.programs.watched`): for each replayed strategy,
         the least tokens per iteration of its replay over a window, as judged (its slowest row's in a
@@ -333,7 +348,7 @@ class Refinement:
         inf where none up to its depth + 1 would. `corrected`'s rate of a replayed strategy is its
         rate at one token an iteration times the replay's tokens per iteration, so each threshold is
         the switch's bar over that rate. A running model drafter's bar is taken at `floor`, its
-        `own_floor` (the lowest it may sink to within a call that does not cross it). A window that
+        `look_level` (the lowest it may sink to within a call that does not cross it). A window that
         crosses one ends the device's loop, and the host judges the device's replays of that window and
         decides as `watch` does: a threshold says when to look."""
         if floor == float("inf"):
@@ -359,11 +374,15 @@ class Refinement:
         if o is not None:
             rows, iteration_s = o.tokens / max(o.iterations * o.tokens_per_iteration, 1e-9), o.iteration_s
         else:
-            p = next(p for p in self.plan.candidates if p.strategy == self.current)
+            p = self._prediction()
             rows, iteration_s = p.tokens_per_s * p.iteration_s / (p.tail * p.tokens_per_iteration), p.iteration_s
         tpi = tokens_per_iteration
         stretch = Observation(STRETCH, STRETCH * rows * tpi, STRETCH * iteration_s, tpi)
         return {**self.observations, self.current: o.merge(stretch) if o is not None else stretch}
+
+    def _prediction(self) -> Prediction:
+        """The plan's prediction of the running strategy."""
+        return next(p for p in self.plan.candidates if p.strategy == self.current)
 
     def watch_until(self, left: int) -> int:
         """Iterations of plain (a token a row an iteration) from now within which a window's crossing

@@ -159,7 +159,7 @@ def window_start(state, length, ran):
 def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, replayed: tuple[SpecConfig, ...],
             mesh: Mesh | None = None) -> Program:
     """A closed batch's decode that watches on the device (`planner.Refinement.thresholds` and
-    `own_floor`): (params, state, iterations, min_live, window, thresholds [S], own_floor, until) -> (state,
+    `look_level`): (params, state, iterations, min_live, window, thresholds [S], level, until) -> (state,
     the last window's start lengths [B] and row iterations [B], the next window, crossed, each
     replay's iterations over the last window [S, B] (as `Ngram.replay` gives them: the host's replays
     need not run again)). It decodes windows of `window`, 2 `window`, ... iterations as `decode` does
@@ -168,14 +168,14 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
     stops after the first window, ending within `until` iterations of the call's start, whose slowest
     such row's replayed tokens per iteration reaches that strategy's threshold, or after which the
     running strategy's own tokens per iteration since the call's start (the mean row's, as
-    `planner.Observation.between` counts them) are under `own_floor` (`crossed`). So a run whose text
+    `planner.Observation.between` counts them) are under `level` (`crossed`). So a run whose text
     neither repeats nor leaves its drafter is one call, with no host work between windows
     (bench/NOTES.md, "the watch on the device")."""
 
     def make(c):
         eng, drafters = engine.Engine(c, spec, sampling, max_len), [make_drafter(r, c, max_len) for r in replayed]
 
-        def run(params, state, iterations, min_live, window, thresholds, own_floor, until):
+        def run(params, state, iterations, min_live, window, thresholds, level, until):
             first = state.stats
 
             def cond(carry):
@@ -196,7 +196,7 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
                     crossed |= counted.any() & (slowest >= threshold) & (i <= until)
                 row_iterations = jnp.sum(state.stats.iterations - first.iterations)
                 own = (jnp.sum(state.stats.accepted - first.accepted) + row_iterations) / jnp.maximum(row_iterations, 1)
-                crossed |= (row_iterations > 0) & (own < own_floor) & (i <= until)
+                crossed |= (row_iterations > 0) & (own < level) & (i <= until)
                 return state, i, 2 * window, length, ran, crossed, replays
 
             zeros = jnp.zeros_like(state.length)

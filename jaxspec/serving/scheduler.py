@@ -581,18 +581,18 @@ class Scheduler:
                            shape=self._value.tokens.shape, keeps=True)
 
     def _run_watched(self) -> None:
-        """`run_segment` for a closed batch settled on plain or an observed model drafter
-        (`planner.Refinement.watches_on_device`): one call of `programs.watched` decodes to the end of
-        the run, unless a window's replay crosses its threshold or the drafter's own tokens per
-        iteration fall under its floor (the host then judges the call and the device's replays of its
+        """`run_segment` for a closed batch settled on plain or on a model drafter observed or measured
+        by a table (`planner.Refinement.watches_on_device`): one call of `programs.watched` decodes to the
+        end of the run, unless a window's replay crosses its threshold or the drafter's own tokens per
+        iteration fall under its look level (the host then judges the call and the device's replays of its
         last window, and decides as its own watch does) or the batch can shrink."""
         r = self.refinement
         program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
                                    tuple(s.spec(self.base) for s in r.replayed), self.mesh)
-        own_floor = r.own_floor()
-        thresholds = r.thresholds(own_floor)
+        level = r.look_level(r.own_floor())
+        thresholds = r.thresholds(level)
         thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
-        own_floor = np.float32(own_floor)
+        own_floor = np.float32(level)
         until = np.int32(r.watch_until(self._left()))
 
         def args(iterations: int, floor: int):
