@@ -741,6 +741,29 @@ def test_a_running_drafter_is_watched_on_the_device_down_to_its_floor():
     assert running_ngram.watching and not running_ngram.watches_on_device
 
 
+def test_own_floor_is_where_decide_leaves_the_drafter():
+    """`own_floor` (a secant search on `decide`'s margin) is where `decide`, after a long stretch of
+    the running drafter, turns from leaving it to keeping it, to its precision, over random plans."""
+    rng = np.random.default_rng()
+    checked = 0
+    for _ in range(60):
+        eagle = Strategy("eagle", gamma=int(rng.integers(2, 7)))
+        u = lambda a, b: float(rng.uniform(a, b))
+        candidates = (Prediction(eagle, u(500, 3000), u(1.5, 4), u(5e-4, 2e-3), iterations=30, tail=u(0.8, 1)),
+                      Prediction(PLAIN, u(500, 1500), 1.0, u(5e-4, 1e-3), iterations=100),
+                      Prediction(VEGAS, u(300, 2000), u(1.5, 5), u(1e-3, 3e-3)),
+                      Prediction(NGRAM, u(300, 1500), u(1, 2), u(5e-4, 1e-3), tail=0.5))
+        r = planner.Refinement.of(planner.Plan(candidates, eagle, "table:t.json", 1024), closed=True)
+        floor, ones = r.own_floor(), r._not_copying()
+        if floor in (0.0, math.inf):
+            continue
+        keeps = lambda tpi: refine.decide(candidates, r._after(tpi), eagle, probe_margin=None, replays=ones,
+                                          closed=True)[0] == eagle
+        assert keeps(floor) and not keeps(floor - floor * refine.FLOOR_PRECISION * 2), floor
+        checked += 1
+    assert checked >= 10
+
+
 def test_predictions_and_observations_meet_on_one_basis():
     """A table's tokens/s is a closed batch's, its slowest row included, while its tokens per
     iteration are its mean row's. ngram's table entry keeps half its mean rate (tail 0.5), vegas's
