@@ -203,7 +203,7 @@ def main():
         params = common.with_mxfp4_experts(params)
     max_len, slots, k_max = common.random_lengths(context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
-    tuning = {m: {"gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
+    tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w, c, g) for m in args.methods
             for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
             for c in (args.head_contexts if m == "eagle" else ["full"])

@@ -194,6 +194,14 @@ def decide(candidates, observations: dict, current: Strategy, probe_margin: floa
     return current, f"{current.name} expected {now:.0f} tok/s, no candidate {MARGIN:.0%} faster"
 
 
+def margin(expected: dict, current: Strategy) -> float:
+    """How far `decide` (no probe) is from leaving `current` with these expected rates (`corrected`):
+    its rate times 1 + MARGIN less the best rival's it may switch to (eagle is never a target); < 0
+    where it leaves."""
+    rivals = [rate for s, rate in expected.items() if s != current and s.method != "eagle"]
+    return expected[current] * (1 + MARGIN) - max(rivals, default=-float("inf"))
+
+
 def measured_first(plan: Plan, closed: bool) -> bool:
     """Whether `plan` starts a closed batch with a model drafter a table measured on this device
     (`Refinement.of` watches it from its first iteration)."""
@@ -315,20 +323,14 @@ class Refinement:
             return 0.0
         ones = self._not_copying()
 
-        def margin(tpi: float) -> float:
-            """>= 0 where `decide` (no probe) keeps c after the stretch at `tpi`: no rival it may switch
-            to is expected over c's rate by MARGIN."""
-            expected = corrected(self.plan.candidates, self._after(tpi), ones, self.closed)
-            rivals = [rate for s, rate in expected.items() if s != c and s.method != "eagle"]
-            return expected[c] * (1 + MARGIN) - max(rivals, default=-float("inf"))
-
+        at = lambda tpi: margin(corrected(self.plan.candidates, self._after(tpi), ones, self.closed), c)
         low, high = 1.0, 1.0 + c.depth
-        m_low, m_high = margin(low), margin(high)
+        m_low, m_high = at(low), at(high)
         if m_low >= 0:
             return 0.0
         if m_high < 0:
             return float("inf")
-        # Each `margin` costs ~0.05 ms of host time, the device idle. The margin is piecewise affine in
+        # Each margin costs ~0.05 ms of host time, the device idle. The margin is piecewise affine in
         # tpi, so a secant step lands on the floor where it is affine across the bracket; the points a
         # precision step either side of it then close the bracket. Bisection steps between them bound
         # the search where it is not.
@@ -341,7 +343,7 @@ class Refinement:
                 points = ((low + high) / 2,)
             for point in points:
                 if low < point < high:
-                    m = margin(point)
+                    m = at(point)
                     low, m_low, high, m_high = (low, m_low, point, m) if m >= 0 else (point, m, high, m_high)
             secant = not secant
         return high
@@ -375,9 +377,9 @@ class Refinement:
             return {s: 1.0 for s in self.replayed}
         observations = self.observations if self.current.plain else self._after(max(floor, 1.0))
         expected = corrected(self.plan.candidates, observations, self._not_copying(), self.closed)
-        bar = expected[self.current] * (1 + MARGIN)
-        if any(rate > bar for s, rate in expected.items() if s != self.current and s.method != "eagle"):
+        if margin(expected, self.current) < 0:
             return {s: 1.0 for s in self.replayed}  # `decide` switches whatever the replays
+        bar = expected[self.current] * (1 + MARGIN)
         least = {s: bar / expected[s] * (1 + 1e-9) for s in self.replayed}  # just over the bar
         return {s: x if x <= 1 + s.depth else float("inf") for s, x in least.items()}
 

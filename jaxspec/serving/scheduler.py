@@ -592,12 +592,12 @@ class Scheduler:
         level = r.look_level(r.own_floor())
         thresholds = r.thresholds(level)
         thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
-        own_floor = np.float32(level)
+        level = np.float32(level)
         until = np.int32(r.watch_until(self._left()))
 
         def args(iterations: int, floor: int):
             window = np.int32(r.window)
-            return self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, own_floor, until
+            return self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, level, until
 
         self._load(program, *args(0, 0), shape=(self.rows,), first=0)
         before, start = self._last, time.perf_counter()
