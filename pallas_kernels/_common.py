@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+import numpy as np
 
 # Enough (batch x kv head x split) programs to fill a GPU of ~132 SMs about twice over; grids of
 # fewer than 16 (batch x kv head) programs aim at one wave instead, where each split's fixed cost
@@ -81,12 +82,14 @@ def row_blocks(T: int, G: int) -> tuple[int, int, int]:
 
 def pack_rows(x, n_blocks: int, rows: int, tile: int, fill=0):
     """x [N, T, G, ...] -> [N, n_blocks, tile, ...]: block i holds rows t in [i*rows, (i+1)*rows)
-    as packed row (t - i*rows)*G + g; rows past T and the tile's padding rows are `fill`."""
+    as packed row (t - i*rows)*G + g; rows past T and the tile's padding rows are `fill`. NumPy in,
+    NumPy out (a constant of the program)."""
+    xp = np if isinstance(x, np.ndarray) else jnp
     N, T, G = x.shape[:3]
     rest = [(0, 0)] * (x.ndim - 3)
-    x = jnp.pad(x, [(0, 0), (0, n_blocks * rows - T), (0, 0)] + rest, constant_values=fill)
+    x = xp.pad(x, [(0, 0), (0, n_blocks * rows - T), (0, 0)] + rest, constant_values=fill)
     x = x.reshape(N, n_blocks, rows * G, *x.shape[3:])
-    return jnp.pad(x, [(0, 0), (0, 0), (0, tile - rows * G)] + rest, constant_values=fill)
+    return xp.pad(x, [(0, 0), (0, 0), (0, tile - rows * G)] + rest, constant_values=fill)
 
 
 def tile_positions(q_pos_ref, b, block, rows: int, G: int, tile: int, fill=-1):

@@ -106,11 +106,12 @@ class TreeMask:
 
     def row_bits(self):
         """[T, 2] int32, the kernels' form: bit k of word w of row t is ancestors[t, 32*w + k]
-        (bit 31 is the sign bit: the sum of distinct powers of two wraps to the same bits)."""
-        bits = jnp.pad(jnp.asarray(self.ancestors, jnp.int32),
-                       ((0, 0), (0, MAX_TREE_ROWS - self.ancestors.shape[1])))
-        bits = bits.reshape(-1, 2, 32) << jnp.arange(32, dtype=jnp.int32)
-        return bits.sum(axis=2, dtype=jnp.int32)
+        (bit 31 is the sign bit: the sum of distinct powers of two wraps to the same bits). NumPy
+        ancestors give NumPy words."""
+        xp = np if isinstance(self.ancestors, np.ndarray) else jnp
+        bits = xp.pad(xp.asarray(self.ancestors, np.int32), ((0, 0), (0, MAX_TREE_ROWS - self.ancestors.shape[1])))
+        bits = bits.reshape(-1, 2, 32) << xp.arange(32, dtype=np.int32)
+        return bits.sum(axis=2, dtype=np.int32)
 
 
 def ancestor_visible(rel, lo, hi):
@@ -122,10 +123,13 @@ def ancestor_visible(rel, lo, hi):
 
 
 def tree_words(tree: TreeMask, G: int, n_blocks: int, rows: int, tile: int):
-    """The kernels' per-row tree inputs: first [B] and packed ancestor words [2, n_blocks, tile]."""
+    """The kernels' per-row tree inputs: first [B] and packed ancestor words [2, n_blocks, tile].
+    A static tree (NumPy ancestors: every verification pass) packs in NumPy into a constant; traced,
+    the packing would run as a kernel before every layer's call."""
     words = tree.row_bits().T  # [2, T]
-    words = jnp.broadcast_to(words[:, :, None], words.shape + (G,))
-    return tree.first.astype(jnp.int32), pack_rows(words, n_blocks, rows, tile)
+    xp = np if isinstance(words, np.ndarray) else jnp
+    words = pack_rows(xp.broadcast_to(words[:, :, None], words.shape + (G,)), n_blocks, rows, tile)
+    return tree.first.astype(jnp.int32), words
 
 
 def option_inputs(sinks, lo):

@@ -17,11 +17,12 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_reference,
 )
 from jaxspec.decoding.tree import TreeShape
-from pallas_kernels._common import merge_splits_pallas, num_splits
+from pallas_kernels._common import merge_splits_pallas, num_splits, row_blocks
 from pallas_kernels.verify_attention import (
     Collect,
     TreeMask,
     verify_attention_pallas,
+    tree_words,
     verify_attention_reference,
 )
 import paged_pools
@@ -599,3 +600,17 @@ def test_sparse_attention_rejects_blocks_across_pages():
         sparse_attention_pallas(*args, page_size=SPARSE_PAGE, scale=0.125, tail_capacity=32, block_k=128)
     with pytest.raises(ValueError, match="page size"):
         sparse_attention_reference(*args, page_size=96, scale=0.125, tail_capacity=32)
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (3, 2, 1), (2, 2, 2, 2, 2)])
+def test_static_tree_words_are_a_constant(shape):
+    """Verification's tree is static: its packed ancestor words come out as NumPy (a constant of the
+    program, not a packing kernel before every layer's call), equal bit for bit to the traced packing."""
+    rng = np.random.default_rng()
+    tree, G = TreeShape(shape, str(rng.choice(["bfs", "dfs"]))), int(rng.choice([1, 3, 4, 8]))
+    blocks = row_blocks(tree.rows, G)
+    first = jnp.asarray(rng.integers(0, 100, size=2), jnp.int32)
+    _, static = tree_words(TreeMask(first, tree.ancestors), G, *blocks)
+    traced = jax.jit(lambda a: tree_words(TreeMask(first, a), G, *blocks)[1])(jnp.asarray(tree.ancestors))
+    assert isinstance(static, np.ndarray) and static.shape == (2, blocks[0], blocks[2])
+    np.testing.assert_array_equal(static, np.asarray(traced))
