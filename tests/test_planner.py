@@ -629,10 +629,10 @@ def test_plain_choice_starts_settled():
 
 
 def test_device_watch_crosses_where_the_host_replay_would(tiny):
-    """`programs.watched` over one window decodes what plain decoding does, and its replay of ngram
-    (the slowest whole row's tokens per iteration, its iterations as the host's replay counts them)
-    crosses a threshold exactly where the host's `Observation.replayed` of the window it reports
-    reaches it, if the window ends within `until`."""
+    """`programs.watched` over one window decodes what plain decoding does and reports every token it
+    committed, and its replay of ngram (the slowest whole row's tokens per iteration, its iterations as
+    the host's replay counts them) crosses a threshold exactly where the host's `Observation.replayed`
+    of the window it reports reaches it, if the window ends within `until`."""
     from jaxspec.decoding.drafters import make_drafter
     from jaxspec.runner import decode_fns, prefill_fn
     from jaxspec.serving import programs
@@ -645,13 +645,22 @@ def test_device_watch_crosses_where_the_host_replay_would(tiny):
                                  key=jax.random.key(0), budget=spec.budget(), max_new_tokens=jnp.int32(120),
                                  stop_ids=jnp.asarray([-1])), max_iterations=jnp.int32(24))
     reference = decode(params, jax.tree.map(jnp.copy, state), max_iterations=jnp.int32(40))
-    watched = programs.watched(cfg, spec.compiled(max_len), sampling, max_len, (NGRAM.spec(spec),)).jitted
-    run = lambda threshold, until=40, own_floor=0.0: watched(
-        params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0), np.int32(64),
-        np.asarray([threshold], np.float32), np.float32(own_floor), np.int32(until))
-    out, length, ran, window, crossed, replays = run(np.inf)
+    watched = programs.watched(cfg, spec.compiled(max_len), sampling, max_len, (NGRAM.spec(spec),), max_len).jitted
+    since = np.asarray(state.length)
+
+    def run(threshold, until=40, own_floor=0.0):
+        out, report, watch = watched(params, jax.tree.map(jnp.copy, state), np.int32(40), np.int32(0), np.int32(64),
+                                     np.asarray([threshold], np.float32), np.float32(own_floor), np.int32(until), since)
+        return out, programs.unpack_report(np.asarray(report)), programs.unpack_watch(np.asarray(watch))
+
+    crossed = lambda *a, **k: run(*a, **k)[2][3]
+    out, (reported, _, read, _), (length, ran, window, is_crossed, replays) = run(np.inf)
     np.testing.assert_array_equal(out.tokens, reference.tokens)
-    assert not crossed and int(window) == 128 and (np.asarray(length) == np.asarray(state.length)).all()
+    assert not is_crossed and window == 128 and (np.asarray(length) == np.asarray(state.length)).all()
+    # its report: every token the call committed, from `since`, as the report program reads them
+    np.testing.assert_array_equal(reported, reference.length)
+    for b, (begin, end) in enumerate(zip(since, np.asarray(reference.length))):
+        np.testing.assert_array_equal(read[b, : end - begin], np.asarray(reference.tokens)[b, begin:end])
     iterations = np.asarray(out.stats.iterations) - np.asarray(ran)
     whole, end = iterations == iterations.max(), np.asarray(out.length)
     begin = np.where(whole, np.asarray(length), end)
@@ -659,14 +668,14 @@ def test_device_watch_crosses_where_the_host_replay_would(tiny):
     np.testing.assert_array_equal(replays, replayed[None])  # the host's replays need not run again
     slowest = Observation.replayed(end - begin, replayed, whole).slowest_tokens_per_iteration
     assert slowest > 1  # the text repeats: chains to find
-    assert bool(run(np.float32(slowest))[4]) and not bool(run(np.nextafter(np.float32(slowest), np.float32(np.inf)))[4])
-    assert not bool(run(np.float32(slowest), until=39)[4])  # a window ending past `until` is not judged
+    assert crossed(np.float32(slowest)) and not crossed(np.nextafter(np.float32(slowest), np.float32(np.inf)))
+    assert not crossed(np.float32(slowest), until=39)  # a window ending past `until` is not judged
     # the running strategy's own tokens per iteration since the call's start, as the host counts them
     own = Observation.between((np.asarray(state.length), jax.device_get(state.stats)),
                               (end, jax.device_get(out.stats)), 1.0).tokens_per_iteration
-    assert bool(run(np.inf, own_floor=np.nextafter(np.float32(own), np.float32(np.inf)))[4])
-    assert not bool(run(np.inf, own_floor=np.float32(own) * (1 - 1e-6))[4])
-    assert not bool(run(np.inf, until=39, own_floor=np.inf)[4])
+    assert crossed(np.inf, own_floor=np.nextafter(np.float32(own), np.float32(np.inf)))
+    assert not crossed(np.inf, own_floor=np.float32(own) * (1 - 1e-6))
+    assert not crossed(np.inf, until=39, own_floor=np.inf)
 
 
 def test_watch_leaves_a_model_drafter_that_does_badly_on_this_text():

@@ -155,14 +155,34 @@ def window_start(state, length, ran):
     return whole, jnp.where(whole, length, state.length)
 
 
+def state_report(state, since, window: int):
+    """What the host reads of a state, as one int32 array (one copy, not seven: `unpack_report`): per
+    slot its length, done, stats and `window` tokens from `since`."""
+    cols = since[:, None] + jnp.arange(window, dtype=jnp.int32)
+    tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
+    s = state.stats
+    depth = jnp.full_like(state.length, s.accepted_by_depth.shape[1])
+    head = jnp.stack([state.length, state.done, s.iterations, s.drafted, s.accepted, depth], axis=1)
+    return jnp.concatenate([x.astype(jnp.int32) for x in (head, tokens, s.accepted_by_depth)], axis=1)
+
+
+def unpack_report(packed: np.ndarray) -> tuple:
+    """The report program's array as (length, done, tokens [rows, window], engine.SpecStats)."""
+    depth = int(packed[0, 5])
+    stats = engine.SpecStats(packed[:, 2], packed[:, 3], packed[:, 4], packed[:, packed.shape[1] - depth :])
+    return packed[:, 0], packed[:, 1].astype(bool), packed[:, 6 : packed.shape[1] - depth], stats
+
+
 @functools.lru_cache(maxsize=None)
 def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int, replayed: tuple[SpecConfig, ...],
-            mesh: Mesh | None = None) -> Program:
+            tokens_read: int, mesh: Mesh | None = None) -> Program:
     """A closed batch's decode that watches on the device (`planner.Refinement.thresholds` and
-    `look_level`): (params, state, iterations, min_live, window, thresholds [S], level, until) -> (state,
-    the last window's start lengths [B] and row iterations [B], the next window, crossed, each
-    replay's iterations over the last window [S, B] (as `Ngram.replay` gives them: the host's replays
-    need not run again)). It decodes windows of `window`, 2 `window`, ... iterations as `decode` does
+    `look_level`): (params, state, iterations, min_live, window, thresholds [S], level, until, since) ->
+    (state, its report from since (`state_report` of `tokens_read` tokens a row, as `decode`'s), what the
+    watch saw (`unpack_watch`: the last window's start lengths [B] and row iterations [B], the next
+    window, crossed, each replay's iterations over the last window [S, B], as `Ngram.replay` gives
+    them: the host's replays need not run again)), the host reading the two in one copy each and no
+    report call of its own. It decodes windows of `window`, 2 `window`, ... iterations as `decode` does
     (up to `iterations`, or until at most `min_live` rows run), and after each replays each of
     `replayed` (`Ngram.replay`) over the rows that ran the whole window, as the host's watch does; it
     stops after the first window, ending within `until` iterations of the call's start, whose slowest
@@ -175,7 +195,7 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
     def make(c):
         eng, drafters = engine.Engine(c, spec, sampling, max_len), [make_drafter(r, c, max_len) for r in replayed]
 
-        def run(params, state, iterations, min_live, window, thresholds, level, until):
+        def run(params, state, iterations, min_live, window, thresholds, level, until, since):
             first = state.stats
 
             def cond(carry):
@@ -203,7 +223,9 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
             state, _, window, length, ran, crossed, replays = jax.lax.while_loop(
                 cond, body, (state, jnp.int32(0), window, zeros, zeros, jnp.bool_(False),
                              jnp.zeros((len(drafters), *zeros.shape), jnp.int32)))
-            return state, length, ran, window, crossed, replays
+            seen = jnp.stack([length, ran, jnp.broadcast_to(window, length.shape),
+                              jnp.broadcast_to(crossed, length.shape).astype(jnp.int32)])
+            return state, state_report(state, since, tokens_read), jnp.concatenate([seen, replays])
 
         return run
 
@@ -212,11 +234,10 @@ def watched(cfg, spec: SpecConfig, sampling: SamplingConfig | None, max_len: int
     return Program("watched", sharding.Parallel(make, cfg, mesh, (1,)))
 
 
-def unpack_report(packed: np.ndarray) -> tuple:
-    """The report program's array as (length, done, tokens [rows, window], engine.SpecStats)."""
-    depth = int(packed[0, 5])
-    stats = engine.SpecStats(packed[:, 2], packed[:, 3], packed[:, 4], packed[:, packed.shape[1] - depth :])
-    return packed[:, 0], packed[:, 1].astype(bool), packed[:, 6 : packed.shape[1] - depth], stats
+def unpack_watch(packed: np.ndarray) -> tuple:
+    """`watched`'s third output as (the last window's start lengths [B], row iterations [B], the next
+    window, crossed, each replay's iterations [S, B])."""
+    return packed[0], packed[1], int(packed[2, 0]), bool(packed[3, 0]), packed[4:]
 
 
 def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefill_chunk, num_pages,
@@ -266,15 +287,7 @@ def _functions(cfg, *, spec, sampling, max_len, slots, stop_width, window, prefi
         pages before a segment; an index past the rows: dropped)."""
         return dataclasses.replace(state, cache=state.cache.with_pages(state.cache.pages.at[rows].set(pages, mode="drop")))
 
-    def report(state, since):
-        """What the host reads of a state, as one int32 array (one copy, not seven:
-        `unpack_report`): per slot its length, done, stats and `window` tokens from `since`."""
-        cols = since[:, None] + jnp.arange(window, dtype=jnp.int32)
-        tokens = jnp.take_along_axis(state.tokens, jnp.minimum(cols, state.tokens.shape[1] - 1), axis=1)
-        s = state.stats
-        depth = jnp.full_like(state.length, s.accepted_by_depth.shape[1])
-        head = jnp.stack([state.length, state.done, s.iterations, s.drafted, s.accepted, depth], axis=1)
-        return jnp.concatenate([x.astype(jnp.int32) for x in (head, tokens, s.accepted_by_depth)], axis=1)
+    report = functools.partial(state_report, window=window)
 
     def decode(params, state, iterations, min_live, since):
         """A segment and its report: a report of its own would be another call between segments,

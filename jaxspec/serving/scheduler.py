@@ -588,7 +588,7 @@ class Scheduler:
         last window, and decides as its own watch does) or the batch can shrink."""
         r = self.refinement
         program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
-                                   tuple(s.spec(self.base) for s in r.replayed), self.mesh)
+                                   tuple(s.spec(self.base) for s in r.replayed), self._window(), self.mesh)
         level = r.look_level(r.own_floor())
         thresholds = r.thresholds(level)
         thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
@@ -597,21 +597,24 @@ class Scheduler:
 
         def args(iterations: int, floor: int):
             window = np.int32(r.window)
-            return self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, level, until
+            return (self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, level, until,
+                    self._since())
 
         self._load(program, *args(0, 0), shape=(self.rows,), first=0)
         before, start = self._last, time.perf_counter()
         floor = self._floor()
         self._reserve()
-        self._state, length, ran, window, crossed, replayed = self._call(program, *args(np.iinfo(np.int32).max, floor),
-                                                                         shape=(self.rows,))
-        seconds = self._deliver(start)
+        call = args(np.iinfo(np.int32).max, floor)
+        self._pending = None  # a segment queued ahead: this call's report reads its tokens too
+        self._state, report, watch = self._call(program, *call, shape=(self.rows,))
+        report, watch = jax.device_get((report, watch))  # both read at once, before a release is queued
+        seconds = self._deliver(start, (call[-1], report))
         seen = planner.Observation.between(before, self._last, seconds)
-        length, ran, window, crossed, replayed = jax.device_get((length, ran, window, crossed, replayed))
+        length, ran, window, crossed, replayed = programs.unpack_watch(watch)
         if not crossed:
-            r.watched(seen, int(window))
+            r.watched(seen, window)
         else:
-            r.window = int(window) // 2  # the window that crossed: `watch` doubles it, or starts again on a switch
+            r.window = window // 2  # the window that crossed: `watch` doubles it, or starts again on a switch
             since = (length, dataclasses.replace(self._last[1], iterations=ran))
             target = r.watch(seen, not self._running, self._replays(since, replayed), self._left())
             if target is not None:
