@@ -11,11 +11,10 @@ prompt through the chat template, one row; `--new 256` is generate's default) wi
 smollm2) and its shipped head, planned as generate plans it. Per repeat, in one process, alternating:
 the plan's first strategy run whole (plain for a plan that starts plain) and auto through
 `runner.run_generation` (decode seconds as the CLI and bench/e2e.py time them), then one auto run whose
-scheduler calls are logged (host start and end of each LOGGED method,
-relative to the decode's start), and one whose every call is waited on (`jax.block_until_ready`: each
-call's device time, the run slower by its syncs). The gap (auto's decode seconds less its segments'
-observed seconds) is time no segment saw. Writes DIR/auto_timeline_<device><tag>.json and prints the
-table last.
+scheduler calls are logged (host start and end of each LOGGED method, relative to the decode's start),
+and one whose every call is waited on (`jax.block_until_ready`: each call's device time, the run slower
+by its syncs). The gap (auto's decode seconds less its segments' observed seconds) is time no segment
+saw. Writes DIR/auto_timeline_<device><tag>.json and prints the table last.
 """
 
 from __future__ import annotations

@@ -80,11 +80,17 @@ def row_blocks(T: int, G: int) -> tuple[int, int, int]:
     return n_blocks, rows, next_pow2(max(rows * G, MIN_TILE))
 
 
+def array_module(x):
+    """np for a NumPy array, else jnp: static inputs (a verification tree's mask) stay NumPy, constants
+    of the program, where traced they would run as kernels."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
 def pack_rows(x, n_blocks: int, rows: int, tile: int, fill=0):
     """x [N, T, G, ...] -> [N, n_blocks, tile, ...]: block i holds rows t in [i*rows, (i+1)*rows)
     as packed row (t - i*rows)*G + g; rows past T and the tile's padding rows are `fill`. NumPy in,
     NumPy out (a constant of the program)."""
-    xp = np if isinstance(x, np.ndarray) else jnp
+    xp = array_module(x)
     N, T, G = x.shape[:3]
     rest = [(0, 0)] * (x.ndim - 3)
     x = xp.pad(x, [(0, 0), (0, n_blocks * rows - T), (0, 0)] + rest, constant_values=fill)

@@ -31,6 +31,7 @@ from pallas_kernels import paging
 from pallas_kernels._common import (
     MIN_TILE,
     PAGED_STAGES,
+    array_module,
     compiler_params,
     init_carry,
     matmul_precision,
@@ -108,7 +109,7 @@ class TreeMask:
         """[T, 2] int32, the kernels' form: bit k of word w of row t is ancestors[t, 32*w + k]
         (bit 31 is the sign bit: the sum of distinct powers of two wraps to the same bits). NumPy
         ancestors give NumPy words."""
-        xp = np if isinstance(self.ancestors, np.ndarray) else jnp
+        xp = array_module(self.ancestors)
         bits = xp.pad(xp.asarray(self.ancestors, np.int32), ((0, 0), (0, MAX_TREE_ROWS - self.ancestors.shape[1])))
         bits = bits.reshape(-1, 2, 32) << xp.arange(32, dtype=np.int32)
         return bits.sum(axis=2, dtype=np.int32)
@@ -127,7 +128,7 @@ def tree_words(tree: TreeMask, G: int, n_blocks: int, rows: int, tile: int):
     A static tree (NumPy ancestors: every verification pass) packs in NumPy into a constant; traced,
     the packing would run as a kernel before every layer's call."""
     words = tree.row_bits().T  # [2, T]
-    xp = np if isinstance(words, np.ndarray) else jnp
+    xp = array_module(words)
     words = pack_rows(xp.broadcast_to(words[:, :, None], words.shape + (G,)), n_blocks, rows, tile)
     return tree.first.astype(jnp.int32), words
 
