@@ -52,14 +52,14 @@ TEXTS = ("default greedy", "default sampled", "chat turns", "held-out documents"
 
 
 def answer(params, cfg, tokenizer, prompt: str, new: int, sampling: SamplingConfig,
-           stop: bool = True) -> tuple[np.ndarray, int]:
+           stop: bool = True, seed: int = 0) -> tuple[np.ndarray, int]:
     """(the tokens of `prompt`, already templated, followed by the target's own continuation (plain
-    decoding; past the end of its turn unless `stop`), the prompt's length)."""
+    decoding, sampled with `seed`; past the end of its turn unless `stop`), the prompt's length)."""
     ids = tokenizer.encode(prompt)
     batch = Batch(np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32))
     run = run_generation(params, cfg, batch, spec=SpecConfig(method="plain", backend="reference").validate(),
                          sampling=sampling, max_len=len(ids) + new, max_new_tokens=new,
-                         stop_ids=tokenizer.eos_token_ids if stop else (), seed=0)
+                         stop_ids=tokenizer.eos_token_ids if stop else (), seed=seed)
     return np.asarray(ids + [int(t) for t in run.generated()[0]], np.int32), len(ids)
 
 

@@ -4,28 +4,31 @@
                                               [--shapes 3,2 3,2,1 ...] [--sizes 6,9,12,15]
                                               [--out bench/results/tree_replay_cpu.json]
 
-On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token, so
-only the tree's nodes along the text matter: at row t the head's drafts of depth j (EAGLE-3's training-
-time test teacher-forced on the text, `models.eagle.ttt_forward`, as inference computes them along an
-accepted path) rank the text's token x_{t+j+2} at some r_j; an iteration whose pending token sits at
-position P accepts the longest prefix of (r_0, r_1, ...) at row P - 1 that is a node of the tree (a tree
-is a prefix-closed set of rank paths: 3,2 is every (a) and (a, b) with a < 3, b < 2). Replaying
-iteration after iteration over the target's own greedy answers gives each tree's tokens an iteration
-without a device, for shapes the engine does not run: the best tree of n nodes is grown from the
-calibration answers (a node a rank path, added in order of how often the text follows it; each node's
-count bounds its children's, so this is the most often accepted set of n nodes) and scored on held-out
-answers and on generate's default request, with the share of its iterations that stop at a token outside
-the head's draft vocabulary (which no tree can draft). Texts: the target's greedy answers (`--new`
-tokens) to generate's default prompt and to the planner's calibration requests (`corpus.REQUESTS`: the
-first half grows the trees, the second half and the default request score them). Writes the JSON and
-prints a table last.
+On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token. On a
+text the target sampled, a node whose children are the head's top tokens (eagle's top draws) accepts
+one with probability the target's p mass on them: that is the chance the target's own draw, the
+text's next token, is among them, and when it is not, the token emitted is that draw. So replaying a
+sampled text is exact in distribution, as ngram's replay is. Either way only the tree's nodes along the
+text matter: at row t the head's drafts of depth j (EAGLE-3's training-time test teacher-forced on the
+text, `models.eagle.ttt_forward`, as inference computes them along an accepted path) rank the text's
+token x_{t+j+2} at some r_j; an iteration whose pending token sits at position P accepts the longest
+prefix of (r_0, r_1, ...) at row P - 1 that is a node of the tree (a tree is a prefix-closed set of rank
+paths: 3,2 is every (a) and (a, b) with a < 3, b < 2). Replaying iteration after iteration over the
+target's own answers gives each tree's tokens an iteration without a device, for shapes the engine
+does not run: the best tree of n nodes is grown from the calibration answers (a node a rank path,
+added in order of how often the text follows it; each node's count bounds its children's, so this is
+the most often accepted set of n nodes; `--tree` takes it as per-node counts) and scored on held-out
+answers and on generate's default request, with the share of its iterations that stop at a token
+outside the head's draft vocabulary (which no tree can draft). Texts: the target's answers (`--new`
+tokens; greedy, or `--seeds` answers each sampled at T 0.7, top-p 0.95) to generate's default prompt
+and to the planner's calibration requests (`corpus.REQUESTS`: the first half grows the trees, the
+second half and the default request score them). Writes the JSON and prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -35,6 +38,7 @@ from bench import common
 from bench.head_quality import answer
 from jaxspec.corpus import REQUESTS
 from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.tree import TreeShape
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle
@@ -48,20 +52,21 @@ OUT = RANKS + 1  # the rank of a text token outside the head's draft vocabulary
 
 def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> np.ndarray:
     """[T, DEPTH]: at row t, the rank among the head's (`load_eagle`'s config and weights) depth-j
-    drafts of the target's argmax at position t + j + 1 (RANKS where it is not among the first RANKS
-    or past the text, OUT where it is outside the draft vocabulary)."""
+    drafts of the text's token x_{t+j+2} (RANKS where it is not among the first RANKS or past the
+    text, OUT where it is outside the draft vocabulary)."""
     tokens = jnp.asarray(ids)[None]
     target = teacher(params, cfg, ecfg, head["d2t"], tokens)
-    argmax = np.asarray(target.argmax)[0]
     outs = eagle.ttt_forward(head, ecfg, params, cfg, tokens, target.features, DEPTH)
+    drafts = np.zeros(cfg.vocab_size, bool)
+    drafts[np.asarray(eagle.to_target_ids(head["d2t"], jnp.arange(ecfg.draft_vocab_size)))] = True
     T = len(ids)
     result = np.full((T, DEPTH), RANKS, np.int32)
     for j in range(DEPTH):
         order = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, params, cfg, outs[j]))[0], axis=-1)[:, :RANKS]
         drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(order)))  # [T - 1, RANKS]
-        rows = np.arange(T - 1 - j)
-        hit = drafted[rows] == argmax[rows + j + 1, None]
-        out = ~np.asarray(target.in_vocab)[0, rows + j + 1]
+        rows = np.arange(T - 2 - j)
+        hit = drafted[rows] == ids[rows + j + 2, None]
+        out = ~drafts[ids[rows + j + 2]]
         result[rows, j] = np.where(hit.any(axis=1), hit.argmax(axis=1), np.where(out, OUT, RANKS))
     return result
 
@@ -91,9 +96,21 @@ def replay(texts: dict, tree: set, names: list[str]) -> tuple[float, float]:
     return tokens / iterations, out / iterations
 
 
-def uniform(branching: tuple[int, ...]) -> set:
-    """The rank paths of a uniform tree (TreeShape's branching per depth)."""
-    return {path for d in range(1, len(branching) + 1) for path in itertools.product(*map(range, branching[:d]))}
+def nodes(text: str) -> set:
+    """The rank paths of a --tree shape's nodes ('3,2', '5,3+1')."""
+    return set(TreeShape.parse(text).rank_paths[1:])
+
+
+def shape_text(tree: set) -> str | None:
+    """The --tree text of a set of rank paths, or None where a node's children are not its ranks 0..c-1."""
+    depth = max(len(path) for path in tree)
+    level, branching = [()], []
+    for d in range(1, depth + 1):
+        counts = [sum(1 for path in tree if len(path) == d and path[:-1] == parent) for parent in level]
+        branching.append(tuple(counts) if len(set(counts)) > 1 else counts[0])
+        level = sorted(path for path in tree if len(path) == d)
+    shape = TreeShape(tuple(branching))
+    return shape.text if set(shape.rank_paths[1:]) == tree else None
 
 
 def grown(texts: dict, names: list[str], size: int, depth: int) -> set:
@@ -119,8 +136,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", default="checkpoints/eagle3-smollm2", help="head directories, comma-separated")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--new", type=int, default=256, help="tokens of each greedy answer")
-    p.add_argument("--shapes", nargs="*", default=["2,1", "3,2", "3,2,1", "4,2,1", "6,2"], help="uniform trees")
+    p.add_argument("--new", type=int, default=256, help="tokens of each answer")
+    p.add_argument("--shapes", nargs="*", default=["2,1", "3,2", "3,2,1", "4,2,1", "6,2", "5,3+1"],
+                   help="--tree shapes to score")
+    p.add_argument("--sampling", choices=("greedy", "sample"), default="greedy",
+                   help="the answers: greedy, or sampled at T 0.7, top-p 0.95 (for top draws)")
+    p.add_argument("--seeds", type=int, default=1, help="sampled answers to each prompt")
     p.add_argument("--sizes", default="6,9,12,15", type=lambda s: [int(n) for n in s.split(",")],
                    help="node counts of the grown trees (each at depths 2, 3 and 4)")
     p.add_argument("--out", type=Path, default=common.RESULTS / "tree_replay_cpu.json")
@@ -129,29 +150,34 @@ def main(argv=None) -> None:
     template = lambda prompt: tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                             add_generation_prompt=True)
     prompts = {"default": DEFAULT_PROMPT, **{f"request {i}": r for i, r in enumerate(REQUESTS)}}
-    answers = {name: answer(params, cfg, tokenizer, template(prompt), args.new, SamplingConfig())
-               for name, prompt in prompts.items()}
+    sampling = SamplingConfig() if args.sampling == "greedy" else SamplingConfig(temperature=0.7, top_p=0.95)
+    seeds = range(args.seeds if args.sampling == "sample" else 1)
+    answers = {(name, seed): answer(params, cfg, tokenizer, template(prompt), args.new, sampling, seed=seed)
+               for name, prompt in prompts.items() for seed in seeds}
     half = len(REQUESTS) // 2
-    groups = {"calibration": [f"request {i}" for i in range(half)],
-              "held-out": [f"request {i}" for i in range(half, len(REQUESTS))], "default": ["default"]}
+    of = lambda names: [(name, seed) for name in names for seed in seeds]
+    groups = {"calibration": of(f"request {i}" for i in range(half)),
+              "held-out": of(f"request {i}" for i in range(half, len(REQUESTS))), "default": of(["default"])}
     rows, record = [], {}
     for head in args.heads.split(","):
         ecfg, weights = load_eagle(Path(head), cfg, dtype="float32")
         texts = {name: (ranks(ecfg, weights, params, cfg, ids), first, len(ids))
                  for name, (ids, first) in answers.items()}
-        trees = {f"uniform {s}": uniform(tuple(int(b) for b in s.split(","))) for s in args.shapes}
+        trees = {s: nodes(s) for s in args.shapes}
         trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
                   for n in args.sizes for d in (2, 3, 4)}
         for name, tree in trees.items():
             scores = {g: replay(texts, tree, names) for g, names in groups.items()}
             depth = max(len(path) for path in tree)
-            rows.append({"head": Path(head).name, "tree": name, "nodes": len(tree), "depth": depth,
+            rows.append({"head": Path(head).name, "tree": name, "shape": shape_text(tree), "nodes": len(tree),
+                         "depth": depth,
                          **{g: round(tpi, 3) for g, (tpi, _) in scores.items()},
                          "default out of vocabulary": round(scores["default"][1], 3)})
             record[f"{head} | {name}"] = {**rows[-1], "paths": sorted(sorted(tree), key=len)}
-    common.write_json(args.out, {**common.run_info(), "answers": {n: int(len(i) - f) for n, (i, f) in answers.items()},
-                                 "trees": record})
-    print(common.markdown_table(rows, [("head", "head", "s"), ("tree", "tree", "s"), ("nodes", "nodes", "d"),
+    lengths = {f"{name} seed {seed}": int(len(ids) - first) for (name, seed), (ids, first) in answers.items()}
+    common.write_json(args.out, {**common.run_info(), "sampling": args.sampling, "answers": lengths, "trees": record})
+    print(common.markdown_table(rows, [("head", "head", "s"), ("tree", "tree", "s"), ("shape", "shape", "s"),
+                                       ("nodes", "nodes", "d"),
                                        ("depth", "depth", "d"), ("calibration", "calibration", ".3f"),
                                        ("held-out", "held-out", ".3f"), ("default request", "default", ".3f"),
                                        ("default: stops outside the vocabulary", "default out of vocabulary", ".3f")]))

@@ -54,7 +54,8 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (default): the planner's choice for this model, device, context and batch")
     p.add_argument("--gamma", type=int, default=None, help="draft length of a chain (default 6, eagle 4, or the --tuned choice)")
     p.add_argument("--tree", default=None,
-                   help="draft a tree instead of a chain: branching per depth, e.g. 4,2,1,1 (at most 64 verified rows)")
+                   help="draft a tree instead of a chain: branching per depth, e.g. 4,2,1,1, or each node's children, "
+                        "e.g. 5,3+1 (at most 64 verified rows)")
     p.add_argument("--traversal", choices=("bfs", "dfs"), default="bfs", help="flattening order of the --tree nodes")
     p.add_argument("--ratio", type=float, default=None, help="fraction of the context a sparse drafter keeps (default 0.07, or the --tuned choice)")
     p.add_argument("--tuned", type=Path, default=None,

@@ -84,7 +84,9 @@ def dense():
 
 @pytest.mark.parametrize("tree, order", [  # dfs shares bfs's path but the layout (test_tree), and the chain runs in
     # the shipped head's test and test_cli's: slow
-    pytest.param(None, "bfs", marks=pytest.mark.slow), ((3, 2, 1), "bfs"), pytest.param((2, 2, 2), "dfs", marks=pytest.mark.slow)])
+    pytest.param(None, "bfs", marks=pytest.mark.slow), ((3, 2, 1), "bfs"),
+    pytest.param((2, 2, 2), "dfs", marks=pytest.mark.slow),
+    ((5, (3, 1)), "bfs")])  # each node its own children: the head runs only the nodes that have some
 def test_greedy_equals_plain(dense, tree, order):
     params, ecfg, ids, lengths, plain = dense
     spec = SpecConfig(method="eagle", gamma=4, tree=tree, traversal=order, eagle=ecfg)
@@ -200,7 +202,7 @@ def fresh_children(params, cfg, ecfg, committed: np.ndarray, tree) -> dict[int, 
                 h, c = step(jnp.asarray([[token_of[node]]]), h, jnp.asarray([[L - 2 + depth]], jnp.int32), c)
             states[row] = h
         logits = np.asarray(eagle.draft_logits(head, ecfg, params, cfg, states[row]))[0, 0]
-        top = np.argsort(-logits, kind="stable")[:tree.branching[tree.node_depth[row]]]
+        top = np.argsort(-logits, kind="stable")[:int((tree.children[row] >= 0).sum())]
         children[row] = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(top))).tolist()
         for kid, token in zip(tree.children[row], children[row]):
             token_of[int(kid)] = token
@@ -282,12 +284,12 @@ def sampled_rows(params, spec, rules, prompt, rows: int, n: int, seed: int):
 
 
 @pytest.mark.parametrize("tree,draws,shared", [pytest.param(None, "sampled", False, marks=pytest.mark.slow),  # width 1
-                                               ((2, 2), "sampled", False), ((2, 2), "top", False),
+                                               ((2, 2), "sampled", False), ((3, (2, 0, 1)), "top", False),
                                                ((2, 2), "sampled", True)])
 def test_first_two_tokens_follow_the_target(tree, draws, shared):
     """Chi-square of the first two sampled tokens (64 cells, 12,000 identical rows) against the exact
     joint of teacher-forced forwards; the head's draft vocabulary holds 6 of the 8 tokens, so q is 0
-    for two of them, and drafts are both accepted and rejected (draws "top": the head's top-2 tokens
+    for two of them, and drafts are both accepted and rejected (draws "top": the head's top tokens
     as one-hot candidates; `shared`: a head through the target's LM head, q over every token)."""
     params, ecfg = with_head(TINY, 7, draft_vocab=6, scale=0.6, shared=shared)
     params = {**params, **decoder.init_params(TINY, jax.random.key(7), scale=0.6)}

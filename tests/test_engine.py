@@ -34,7 +34,9 @@ from paged_pools import repeated
 SPEC_METHODS = [m for m in METHODS if m not in ("plain", "full", "eagle")]  # eagle drafts with a head: test_eagle_engine
 # By default 7 drafts for every method on the random Qwen3 and for vegas on SmolLM2, one tree each; the
 # rest with the slow tests (a chain is the width-1 tree, and the trees below cover the middle depths)
-TREES = [((3, 2, 1), "bfs"), ((2, 2, 2), "dfs")]  # 16 and 15 verified rows
+# 16 and 12 verified rows; the second gives each node its own children (a node of depth 1 and one of depth 2
+# without any: leaves above the last depth)
+TREES = [((3, 2, 1), "bfs"), ((3, (3, 1), (2, 0, 1, 1)), "dfs")]
 GREEDY = SamplingConfig()
 
 
@@ -529,7 +531,7 @@ def tiny_rows():
     pytest.param("vegas", None, "bfs", "exact", (), "sampled", marks=pytest.mark.slow),  # the tree cases' width-1 tree
     pytest.param("stream", None, "bfs", "exact", (), "sampled", marks=pytest.mark.slow),
     pytest.param("ngram", None, "bfs", "exact", (), "sampled", marks=pytest.mark.slow),
-    ("vegas", (3, 2), "bfs", "exact", (), "sampled"), ("vegas", (3, 2), "bfs", "exact", (), "top"),
+    ("vegas", (3, 2), "bfs", "exact", (), "sampled"), ("vegas", (3, (2, 0, 1)), "bfs", "exact", (), "top"),
     pytest.param("vegas", None, "bfs", "exact", (), "top", marks=pytest.mark.slow),
     pytest.param("stream", (2, 1, 2), "dfs", "exact", (), "sampled", marks=pytest.mark.slow),
     ("ngram", (2, 2), "bfs", "exact", (), "sampled"),

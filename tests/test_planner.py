@@ -31,6 +31,7 @@ PLAIN = Strategy()
 VEGAS = Strategy("vegas", gamma=6, ratio=0.07)
 NGRAM = Strategy("ngram", gamma=4)
 TREE = Strategy("vegas", tree=(3, 2, 1), traversal="dfs", ratio=0.03)
+NODES = Strategy("vegas", tree=(5, (3, 1)), traversal="bfs", ratio=0.07)
 APPROX = Strategy("vegas", gamma=4, ratio=0.07, precision="approx", group=4)
 FULL_INT8 = Strategy("full", gamma=6, draft_weights="int8")
 SPACED = Strategy("vegas", gamma=6, ratio=0.07, select_every=2)
@@ -57,8 +58,10 @@ def table(cfg=SMOLLM2, cells=None) -> dict:
 
 
 def test_strategy_json_round_trip_and_spec():
-    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX, FULL_INT8, SPACED, SHARED):
+    for s in (PLAIN, VEGAS, NGRAM, TREE, APPROX, FULL_INT8, SPACED, SHARED, NODES):
         assert Strategy.from_json(json.loads(json.dumps(s.to_json()))) == s
+    # a tree whose nodes each have their own children: named as --tree takes it, applied as given
+    assert NODES.name == "vegas bfs:5,3+1 r0.07" and NODES.spec(SpecConfig()).shape.rows == 10
     # selections spaced out: named, applied, canonical (every 1 is None, so a table written before the
     # field, whose entries lack it, reads as every 1)
     assert SPACED.name == "vegas g6 r0.07 every 2" and SPACED.spec(SpecConfig()).select_every == 2

@@ -32,7 +32,7 @@ def test_layouts():
     np.testing.assert_array_equal(dfs.node_depth, [0, 1, 2, 2, 1, 2, 2])
     np.testing.assert_array_equal(dfs.children[:2], [[1, 4], [2, 3]])
     assert dfs.ancestors[6].tolist() == [True, False, False, False, True, False, True]
-    for tree in (bfs, dfs, TreeShape((3, 1, 2), "dfs")):
+    for tree in (bfs, dfs, TreeShape((3, 1, 2), "dfs"), TreeShape.parse("3,2+0+1,1+2", "dfs")):
         for row in range(tree.rows):  # ancestors = the parent chain, each row's depth = its chain length
             chain, r = {row}, row
             while tree.parent[r] >= 0:
@@ -42,7 +42,26 @@ def test_layouts():
             assert tree.node_depth[row] == len(chain) - 1
 
 
-@pytest.mark.parametrize("text", ["4,0", "a,b", "8,8", ""])
+def test_each_node_its_own_children():
+    """5,3+1: the root's first child has 3 children, its second 1, the other three none; BFS and DFS keep
+    siblings in rank order; a drafter runs the nodes that have children, and a scatter drops the
+    missing ones; the text reads back as the same tree (a one-node count keeps its '+')."""
+    bfs, dfs = TreeShape.parse("5,3+1"), TreeShape.parse("5,3+1", "dfs")
+    assert bfs.branching == (5, (3, 1)) and bfs.rows == dfs.rows == 10 and bfs.widths == (5, 3)
+    np.testing.assert_array_equal(bfs.parent, [-1, 0, 0, 0, 0, 0, 1, 1, 1, 2])
+    np.testing.assert_array_equal(dfs.parent, [-1, 0, 1, 1, 1, 0, 5, 0, 0, 0])
+    np.testing.assert_array_equal(bfs.parents_at(1), [1, 2])
+    np.testing.assert_array_equal(bfs.kids(bfs.parents_at(1), out_of_range=True), [[6, 7, 8], [9, 10, 10]])
+    np.testing.assert_array_equal(dfs.kids(dfs.parents_at(1)), [[2, 3, 4], [6, -1, -1]])
+    assert [len(bfs.parents_at(d)) for d in range(2)] == [1, 2] and not bfs.is_chain
+    for text in ("5,3+1", "2,1+0,1", "3,2,1", "2,2+0,0+1"):
+        tree = TreeShape.parse(text)
+        assert TreeShape.parse(tree.text) == tree and tree.text == text
+    assert TreeShape.parse("2,1+0,1").branching != TreeShape.parse("2,1,1").branching
+    assert TreeShape.parse("3,2+2+2").rows == TreeShape.parse("3,2").rows and TreeShape.parse("1,1+0").is_chain
+
+
+@pytest.mark.parametrize("text", ["4,0", "a,b", "8,8", "", "3,2+2+2+2", "2,0+0", "2,1+-1", "2,1+"])
 def test_bad_shapes_are_one_line_errors(text):
     with pytest.raises(JaxspecError):
         TreeShape.parse(text)
@@ -81,6 +100,11 @@ def random_problem(rng, tree: TreeShape, batch: int, V: int, one_hot: bool, supp
     return tokens, (None if one_hot else probs), logits, target_tables
 
 
+def shape_sum(shape) -> int:
+    """A seed from a branching (per-node counts summed)."""
+    return sum(b if isinstance(b, int) else sum(b) for b in shape)
+
+
 def at_paths(tables, paths):
     """tables[d][path] for paths [n, d] of d tokens: [n, V]."""
     return np.broadcast_to(tables[paths.shape[1]][tuple(paths.T)], (paths.shape[0], tables[0].shape[-1]))
@@ -93,12 +117,12 @@ def softmax(x):
 
 @pytest.mark.parametrize("shape,order,one_hot,support", [
     ((3, 2), "bfs", False, None), ((2, 2), "dfs", False, None), ((1, 1), "bfs", False, None), ((3, 2), "dfs", True, None),
-    ((3, 3), "bfs", False, 2),
+    ((3, 3), "bfs", False, 2), ((3, (2, 0, 1), 1), "dfs", False, None), ((3, (1, 0, 2)), "bfs", True, None),
 ])
 def test_emitted_tokens_follow_the_target(shape, order, one_hot, support):
     """The first three tokens (completed by direct draws from the target where the tree stopped)
     follow p(x1) p(x2 | x1) p(x3 | x1 x2): chi-square over V^3 = 64 cells, 30,000 rows."""
-    rng = np.random.default_rng(sum(shape) + len(order) + one_hot)
+    rng = np.random.default_rng(shape_sum(shape) + len(order) + one_hot)
     tree, V, rows = TreeShape(shape, order), 4, 30000
     tokens, probs, logits, tables = random_problem(rng, tree, rows, V, one_hot, support)
     num, path, emitted = jax.device_get(tree_accept(
@@ -124,7 +148,7 @@ def test_emitted_tokens_follow_the_target(shape, order, one_hot, support):
     assert stats.chisquare(observed, expected).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("b", [1, 3, 4, 6])
+@pytest.mark.parametrize("b", [1, 3, 5, 6])
 def test_a_nodes_children_are_its_top_scores(b):
     """A node's b children (sampling.expand) are its b largest scores, largest first, a tie going to the
     lower index: repeated argmax up to ARGMAX_PICKS, a top-k beyond; against a stable numpy sort. A
@@ -234,7 +258,7 @@ def textbook_accept(key, tree, tokens, draft_probs, target_logits, cfg):
     ((1, 1, 1, 1), False, "top_p"), ((1, 1, 1), True, "unit"),
     pytest.param((3, 1, 2, 1), False, "top_p", marks=pytest.mark.slow),
     ((1, 2, 1), False, "mixed"), ((2, 1), True, "mixed"), ((3, 2), True, "top_p"), ((2, 3, 1), True, "mixed"),
-    ((3, 2), True, "repeats"),
+    ((3, 2), True, "repeats"), ((3, (1, 0, 1), 2), False, "top_p"), ((3, (2, 0, 1), (1, 0, 1)), True, "mixed"),
 ])
 def test_acceptance_equals_the_textbook_recursion(shape, one_hot, rules):
     """tree_accept tests a level of one drafted child, or of one-hot candidates, at their tokens only
@@ -242,7 +266,7 @@ def test_acceptance_equals_the_textbook_recursion(shape, one_hot, rules):
     whole-distribution recursion, for chains and for trees mixing one-child levels with siblings,
     drafted and one-hot candidates (also one-hot siblings repeating a token, as ngram's do where its
     matches run out), a top-p cutoff and a server's mixed greedy / sampled rows."""
-    rng = np.random.default_rng(sum(shape) + 10 * one_hot)
+    rng = np.random.default_rng(shape_sum(shape) + 10 * one_hot)
     tree, V, rows = TreeShape(shape), 6, 3000
     tokens, probs, logits, _ = random_problem(rng, tree, rows, V, one_hot=False)
     probs = None if one_hot else probs  # one-hot candidates: q is the drafted token's one-hot

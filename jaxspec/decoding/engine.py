@@ -441,9 +441,9 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     tokens = jnp.zeros((B, tree.rows), jnp.int32).at[:, 0].set(pending_tokens(state))
     probs = None if sampling.greedy else jnp.zeros((B, tree.rows, cfg.vocab_size), jnp.float32)
     carry = (tokens, probs, state.cache, state.drafter, key)
-    for depths in tree.draft_segments():  # runs of equal (nodes, branching): one scan each
-        rows = np.stack([tree.rows_at(d) for d in depths])  # [steps, n]
-        xs = (jnp.asarray(depths, jnp.int32), jnp.asarray(rows), jnp.asarray(tree.children[rows][..., :tree.branching[depths[0]]]),
+    for depths in tree.draft_segments():  # runs of equal (parents, width): one scan each
+        rows = np.stack([tree.parents_at(d) for d in depths])  # [steps, n]
+        xs = (jnp.asarray(depths, jnp.int32), jnp.asarray(rows), jnp.asarray(tree.kids(rows, out_of_range=True)),
               jnp.asarray(tree.ancestors[rows]))
 
         def step(carry, x):
@@ -460,7 +460,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
             )
             key, sub = split_rows(key, 2)
             children, q = expand(sub, decoder.logits(params, cfg, hidden), kids.shape[1], sampling, spec.backend)
-            tokens = tokens.at[:, kids].set(children)
+            tokens = tokens.at[:, kids].set(children, mode="drop")  # a node's missing children: dropped
             probs = None if q is None else probs.at[:, rows].set(q)
             dstate = drafter.after_draft_step(dstate, cache, at.slots)
             return (tokens, probs, cache, dstate, key), None

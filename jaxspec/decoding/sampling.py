@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from jaxspec.errors import JaxspecError
 
-ARGMAX_PICKS = 4  # a node's children picked by repeated argmax, up to this many (`top_indices`)
+ARGMAX_PICKS = 5  # a node's children picked by repeated argmax, up to this many (`top_indices`): a 5,3+1 root
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[],

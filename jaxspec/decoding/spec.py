@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decoding.sampling import Rules, SamplingConfig
-from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape
+from jaxspec.decoding.tree import MAX_TREE_ROWS, ORDERS, TreeShape, branching_text
 from jaxspec.errors import JaxspecError
 from jaxspec.models.draft_weights import DRAFT_WEIGHTS, check_skip
 from jaxspec.models.eagle import EagleConfig
@@ -72,7 +72,7 @@ class SpecConfig:
 
     method: str = "plain"
     gamma: int = 6
-    tree: tuple[int, ...] | None = None
+    tree: tuple[int | tuple[int, ...], ...] | None = None  # TreeShape.branching
     traversal: str = "bfs"
     ratio: float | None = 0.07
     min_tokens: int | None = 256
@@ -112,7 +112,8 @@ class SpecConfig:
         if self.tree is not None:
             if self.method == "plain":
                 raise JaxspecError("--tree needs a drafting method, not plain")
-            self = dataclasses.replace(self, gamma=TreeShape(self.tree, self.traversal).depth)
+            shape = TreeShape(self.tree, self.traversal)
+            self = dataclasses.replace(self, tree=shape.branching, gamma=shape.depth)
         elif self.method != "plain" and not 1 <= self.gamma <= MAX_GAMMA:
             raise JaxspecError(f"--gamma must be between 1 and {MAX_GAMMA}, got {self.gamma}")
         if self.ratio is not None and not (0 < self.ratio <= 1 and math.isfinite(self.ratio)):
@@ -232,7 +233,7 @@ class SpecConfig:
         return {
             "method": self.method,
             "gamma": self.draft_len,
-            "tree": ",".join(map(str, self.tree)) if self.tree and self.method != "plain" else None,
+            "tree": branching_text(self.tree) if self.tree and self.method != "plain" else None,
             "traversal": self.traversal if self.tree and self.method != "plain" else None,
             "nodes": self.shape.rows - 1 if self.shape else 0,
             "ratio": self.ratio if self.method in SPARSE_METHODS or self.selects_head_context else None,

@@ -1,7 +1,9 @@
 """Static draft trees and their exact acceptance (docs/architecture.md, "Draft trees").
 
 A tree's shape is its branching per depth, b_1..b_D: the root (the pending token, verify row 0) has b_1
-children, each of those b_2, and so on; a chain of gamma drafts is the tree (1, ..., 1). Nodes are
+children, each of those b_2, and so on; a chain of gamma drafts is the tree (1, ..., 1). A depth may
+instead give each node of the depth above its own number of children (5,3+1: the root's first child
+has 3, its second 1, the rest none), so the rows go where a drafter's ranks are followed. Nodes are
 flattened in BFS or DFS order after the root, and parent, depth, children and the ancestor mask are
 NumPy constants (the shape is a static jit key; the tokens that fill it are traced).
 
@@ -11,7 +13,8 @@ their order (Jeon et al. 2024; SpecInfer's multi-step speculative sampling): wit
 q_i the distribution the i-th child was drawn from (the drafter's q with the earlier siblings removed
 and renormalised: children are drawn without replacement; one-hot for model-free drafters), accept
 child i with probability min(1, r(x_i) / q_i(x_i)), else r <- norm(max(r - q_i, 0)) and try the next;
-when every child is rejected, emit a draw from r and stop; at a leaf, emit a draw from p (the bonus).
+when every child is rejected, emit a draw from r and stop; at a leaf (a node of any depth without
+children), emit a draw from p (the bonus).
 Each emitted token is then distributed exactly as the target's p given its prefix; with one child
 per node this is the chain's speculative sampling.
 
@@ -42,29 +45,40 @@ ORDERS = ("bfs", "dfs")
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
-    """branching (b_1, ..., b_D) and the flattening order; row 0 is the root, rows 1..N the nodes."""
+    """The tree's branching per depth and its flattening order; row 0 is the root, rows 1..N the nodes.
 
-    branching: tuple[int, ...]
+    A depth's branching is a number b (every node of the depth above has b children: the uniform
+    tree b_1..b_D) or a tuple (c_1, ..., c_n): the children of each node of the depth above, in rank
+    order (c_1 for the most likely), none for the nodes past its end. So (5, (3, 1)) is a root of 5
+    children whose first has 3 children and second 1: the 9 nodes a head's ranks are followed most
+    often at 10 verified rows (bench/tree_replay.py), against 3,2's 9."""
+
+    branching: tuple[int | tuple[int, ...], ...]
     order: str = "bfs"
 
     def __post_init__(self):
-        object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
-        if not self.branching or min(self.branching) < 1:
-            raise JaxspecError(f"a tree needs at least one depth and every branching >= 1, got {self.branching}")
+        object.__setattr__(self, "branching", tuple(_depth_branching(b) for b in self.branching))
+        if not self.branching:
+            raise JaxspecError("a tree needs at least one depth")
         if self.order not in ORDERS:
             raise JaxspecError(f"--traversal must be bfs or dfs, got {self.order!r}")
+        nodes = 1
+        for b in self.branching:
+            if isinstance(b, tuple) and len(b) > nodes:
+                raise JaxspecError(f"tree {self.text}: {len(b)} children counts for a depth of {nodes} nodes")
+            nodes = b * nodes if isinstance(b, int) else sum(b)
         if self.rows > MAX_TREE_ROWS:
-            raise JaxspecError(
-                f"tree {','.join(map(str, self.branching))} verifies {self.rows} rows; at most {MAX_TREE_ROWS}"
-            )
+            raise JaxspecError(f"tree {self.text} verifies {self.rows} rows; at most {MAX_TREE_ROWS}")
 
     @classmethod
     def parse(cls, text: str, order: str = "bfs") -> TreeShape:
-        """'4,2,1,1' -> TreeShape((4, 2, 1, 1))."""
+        """'4,2,1,1' -> TreeShape((4, 2, 1, 1)); '5,3+1' -> TreeShape((5, (3, 1)))."""
         try:
-            branching = tuple(int(part) for part in text.split(","))
+            branching = tuple(tuple(int(n) for n in part.split("+")) if "+" in part else int(part)
+                              for part in text.split(","))
         except ValueError:
-            raise JaxspecError(f"--tree must be comma-separated integers such as 4,2,1,1, got {text!r}") from None
+            raise JaxspecError(f"--tree must be comma-separated branchings such as 4,2,1,1 or 5,3+1 (children of "
+                               f"each node), got {text!r}") from None
         return cls(branching, order)
 
     @classmethod
@@ -72,32 +86,47 @@ class TreeShape:
         return cls((1,) * gamma)
 
     @property
+    def text(self) -> str:
+        """The branching as --tree takes it: '3,2', '5,3+1'."""
+        return branching_text(self.branching)
+
+    @property
     def depth(self) -> int:
         return len(self.branching)
 
     @property
     def rows(self) -> int:
-        """Verified rows: the root plus sum over depths of the product of the branchings so far."""
-        return 1 + int(sum(np.cumprod(self.branching)))
+        """Verified rows: the root and every node."""
+        return len(self.rank_paths)
+
+    @functools.cached_property
+    def widths(self) -> tuple[int, ...]:
+        """Per depth, the most children a node of the depth above has: the drafts it takes per node."""
+        return tuple(b if isinstance(b, int) else max(b) for b in self.branching)
 
     @property
     def max_branching(self) -> int:
-        return max(self.branching)
+        return max(self.widths)
 
     @property
     def is_chain(self) -> bool:
-        """One child per node: every earlier row is an ancestor, so masks are plain causal ones."""
-        return self.max_branching == 1
+        """One node per depth: every earlier row is an ancestor, so masks are plain causal ones."""
+        return self.rows == self.depth + 1
 
     def rows_at(self, depth: int) -> np.ndarray:
         """[n] int32: the rows of the nodes at `depth`, in flattened order."""
         return np.flatnonzero(self.node_depth == depth).astype(np.int32)
 
+    def parents_at(self, depth: int) -> np.ndarray:
+        """[n] int32: the rows of the nodes at `depth` that have children (those a drafter runs)."""
+        rows = self.rows_at(depth)
+        return rows[self.children[rows, 0] >= 0]
+
     def draft_segments(self) -> list[list[int]]:
-        """The depths 0 .. D-1 whose nodes draft children, grouped into runs of equal (nodes, branching):
+        """The depths 0 .. D-1 whose nodes draft children, grouped into runs of equal (parents, width):
         a run is one `lax.scan` of draft forwards with static shapes (a chain is a single run)."""
         runs: list[list[int]] = []
-        key = lambda d: (len(self.rows_at(d)), self.branching[d])
+        key = lambda d: (len(self.parents_at(d)), self.widths[d])
         for d in range(self.depth):
             if runs and key(runs[-1][-1]) == key(d):
                 runs[-1].append(d)
@@ -105,15 +134,24 @@ class TreeShape:
                 runs.append([d])
         return runs
 
+    def kids(self, rows: np.ndarray, out_of_range: bool = False) -> np.ndarray:
+        """[..., width] int32: the child rows of `rows` (all of one depth) in sibling order, -1 where a
+        node has fewer children than the depth's width (`out_of_range`: `self.rows`, which a scatter
+        with mode="drop" leaves out)."""
+        rows = np.asarray(rows)
+        kids = self.children[rows][..., : self.widths[int(self.node_depth[rows.flat[0]])]]
+        return np.where(kids < 0, self.rows, kids) if out_of_range else kids
+
     @functools.cached_property
     def parent(self) -> np.ndarray:
         """[rows] int32: each row's parent row (-1 for the root)."""
-        return self._layout[0]
+        index = {path: row for row, path in enumerate(self.rank_paths)}
+        return np.asarray([index.get(path[:-1], -1) if path else -1 for path in self.rank_paths], np.int32)
 
     @functools.cached_property
     def node_depth(self) -> np.ndarray:
         """[rows] int32: 0 for the root, d for the drafts of depth d."""
-        return self._layout[1]
+        return np.asarray([len(path) for path in self.rank_paths], np.int32)
 
     @functools.cached_property
     def children(self) -> np.ndarray:
@@ -135,32 +173,42 @@ class TreeShape:
         return mask
 
     @functools.cached_property
-    def _layout(self) -> tuple[np.ndarray, np.ndarray]:
-        """(parent, depth) of every row in the chosen order; siblings keep their rank order."""
-        if self.order == "bfs":
-            parent, depth, level = [-1], [0], [0]
-            for d, b in enumerate(self.branching, start=1):
-                nxt = []
-                for p in level:
-                    for _ in range(b):
-                        nxt.append(len(parent))
-                        parent.append(p)
-                        depth.append(d)
-                level = nxt
-        else:
-            parent, depth = [-1], [0]
+    def rank_paths(self) -> list[tuple[int, ...]]:
+        """Every row's rank path (the root's is ()) in the chosen order; siblings keep their rank order.
+        BFS lists the depths in turn; DFS is the paths' lexicographic order (a node, then its subtrees)."""
+        level, paths = [()], [()]
+        for b in self.branching:
+            counts = [b] * len(level) if isinstance(b, int) else list(b) + [0] * (len(level) - len(b))
+            level = [path + (rank,) for path, n in zip(level, counts) for rank in range(n)]
+            paths += level
+        return paths if self.order == "bfs" else sorted(paths)
 
-            def visit(row: int, d: int) -> None:
-                if d == self.depth:
-                    return
-                for _ in range(self.branching[d]):
-                    child = len(parent)
-                    parent.append(row)
-                    depth.append(d + 1)
-                    visit(child, d + 1)
 
-            visit(0, 0)
-        return np.asarray(parent, np.int32), np.asarray(depth, np.int32)
+def _depth_branching(b) -> int | tuple[int, ...]:
+    """One depth's branching, checked: a number >= 1, or per-node counts >= 0 with one child at least
+    (trailing zeros dropped)."""
+    if isinstance(b, (list, tuple)):
+        counts = tuple(int(n) for n in b)
+        while counts and counts[-1] == 0:
+            counts = counts[:-1]
+        if not counts or min(counts) < 0:
+            raise JaxspecError(f"a depth's children counts need one child at least and none below 0, got {b}")
+        return counts
+    if int(b) < 1:
+        raise JaxspecError(f"a tree needs every branching >= 1, got {b}")
+    return int(b)
+
+
+def branching_text(branching) -> str:
+    """(5, (3, 1)) -> '5,3+1', (2, (1,), 1) -> '2,1+0,1': a branching as --tree takes it (per-node counts
+    always with a '+', so they do not read back as a number for every node)."""
+    node_counts = lambda b: "+".join(map(str, b if len(b) > 1 else (*b, 0)))
+    return ",".join(node_counts(b) if isinstance(b, (list, tuple)) else str(b) for b in branching)
+
+
+def branching_key(branching) -> tuple:
+    """A branching read back from JSON (lists) as the hashable tuple SpecConfig.tree holds."""
+    return tuple(tuple(b) if isinstance(b, (list, tuple)) else int(b) for b in branching)
 
 
 @functools.partial(jax.jit, static_argnames=("tree", "backend"))
@@ -186,7 +234,7 @@ def tree_accept(
     accepted drafts then the recovered or bonus token; entries past num_accepted are unspecified).
     """
     B = tokens.shape[0]
-    D, K = tree.depth, tree.max_branching
+    D, K, widths = tree.depth, tree.max_branching, tree.widths
     children = jnp.asarray(tree.children)
     rows = jnp.arange(B)
     at = lambda x, r: x[rows, r]  # [B, rows, ...] at row r [B]
@@ -217,7 +265,7 @@ def tree_accept(
     # [B, rows]: a greedy row's p is the one-hot of its argmax (row rules only: a config here samples every row)
     top = jnp.argmax(target_logits, axis=-1) if isinstance(cfg, RowSampling) else None
     one_hot = draft_probs is None  # every candidate one-hot: every level is tested at its candidates' tokens only
-    narrow = 1 in tree.branching  # some level has one child per node
+    narrow = 1 in widths  # some level has one child per node at most
     q_mass = jnp.sum(draft_probs, axis=-1) if narrow and not one_hot else None  # [B, rows]
 
     def target(r):
@@ -247,8 +295,10 @@ def tree_accept(
 
     final = jnp.zeros((B, V), jnp.float32)  # the stop token's distribution where a level with drafted siblings set it
     token_stop = jnp.zeros((B,), bool)  # stopped at a level tested at its tokens: residual formed once, at the end
+    leaf = jnp.zeros((B,), bool)  # reached a node without children above the last depth: the bonus, from its p
     for d in range(D):
-        kids = children[cur][:, :tree.branching[d]]
+        kids = children[cur][:, :widths[d]]
+        leaf |= alive & (kids[:, 0] < 0)
         chosen = jnp.full((B,), -1, jnp.int32)
         if one_hot:  # one-hot siblings: r after rejecting x_1..x_i is p without them, over 1 - their p
             x = tokens[rows[:, None], jnp.maximum(kids, 0)]
@@ -262,12 +312,12 @@ def tree_accept(
                 chosen = jnp.where(accept, kids[:, i], chosen)
                 kept = kept - jnp.where(trying & ~accept, p_i, 0.0)
             token_stop |= alive & (chosen < 0)
-        elif tree.branching[d] == 1:  # one drafted child: the test needs p and q at its token only
+        elif widths[d] == 1:  # one drafted child: the test needs p and q at its token only
             x = at(tokens, jnp.maximum(kids[:, 0], 0))
             p_x = target_at(cur, x[:, None])[:, 0]
             mass = at(q_mass, cur)
             q_x = jnp.where(greedy[:, 0], 1.0, draft_probs[rows, cur, x] / jnp.maximum(mass, 1e-30))
-            trying = alive & ((mass > 0) | greedy[:, 0])
+            trying = alive & (kids[:, 0] >= 0) & ((mass > 0) | greedy[:, 0])
             accept = trying & (uniform_rows(keys[d * K]) * q_x < p_x)  # u < p/q: q(x) = 0 accepts iff p(x) > 0
             chosen = jnp.where(accept, kids[:, 0], chosen)
             token_stop |= trying & ~accept
@@ -305,7 +355,7 @@ def tree_accept(
     elif narrow:
         q_i, _ = sibling(at(draft_probs, cur), at(tokens, jnp.maximum(kids[:, 0], 0)), at(q_mass, cur))
         final = jnp.where(token_stop[:, None], rejected_residual(p, q_i), final)
-    final = jnp.where(alive[:, None], p, final)
+    final = jnp.where((alive | leaf)[:, None], p, final)
     last = draw(keys[-1], final)
     emitted = jnp.where(jnp.arange(D + 1) == num_accepted[:, None], last[:, None], emitted)
     return num_accepted, path, emitted

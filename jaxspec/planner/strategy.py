@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig, spec_from_settings
+from jaxspec.decoding.tree import branching_key, branching_text
 from jaxspec.errors import JaxspecError
 
 
@@ -25,7 +26,7 @@ class Strategy:
 
     method: str = "plain"
     gamma: int | None = None
-    tree: tuple[int, ...] | None = None
+    tree: tuple[int | tuple[int, ...], ...] | None = None  # TreeShape.branching
     traversal: str | None = None
     ratio: float | None = None
     precision: str = "strict"
@@ -43,7 +44,7 @@ class Strategy:
     @classmethod
     def of(cls, spec: SpecConfig) -> Strategy:
         plain = spec.method == "plain"
-        tree = None if plain or spec.tree is None else tuple(spec.tree)
+        tree = None if plain or spec.tree is None else branching_key(spec.tree)
         return cls(
             method=spec.method,
             gamma=None if plain or tree else spec.gamma,
@@ -87,7 +88,7 @@ class Strategy:
         budget)."""
         parts = [self.method]
         if self.tree:
-            parts.append(f"{self.traversal}:{','.join(map(str, self.tree))}")
+            parts.append(f"{self.traversal}:{branching_text(self.tree)}")
         elif self.gamma:
             parts.append(f"g{self.gamma}")
         if self.ratio is not None:
@@ -116,7 +117,7 @@ class Strategy:
         if not isinstance(d, dict) or set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise JaxspecError(f"bad strategy {d!r}")
         tree = d.get("tree")
-        return cls.of(cls(**{**d, "tree": tuple(tree) if tree else None}).spec(SpecConfig()))
+        return cls.of(cls(**{**d, "tree": branching_key(tree) if tree else None}).spec(SpecConfig()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,7 +120,7 @@ class Eagle(Drafter):
         states = jnp.zeros((B, tree.rows, root.shape[-1]), root.dtype).at[:, :1].set(root)
         keys = split_rows(key, tree.depth)
         for depth in range(tree.depth):
-            rows = tree.rows_at(depth)
+            rows = tree.parents_at(depth)
             if depth:  # the nodes of this depth through the head, each on its parent's output state
                 nodes = DraftRows(first, jnp.int32(depth), jnp.asarray(rows), jnp.asarray(tree.ancestors[rows]), tree.is_chain)
                 embeds = eagle.token_embeds(head, params, self.cfg, draft_tokens[:, rows])
@@ -130,9 +130,9 @@ class Eagle(Drafter):
                     head_cache, self.context(state.selection, nodes, at), slots=nodes.slots, backend=backend)
                 states = states.at[:, rows].set(out)
             logits = eagle.draft_logits(head, ecfg, params, self.cfg, states[:, rows], backend)
-            kids = tree.children[rows][:, :tree.branching[depth]]
+            kids = tree.kids(rows, out_of_range=True)  # a node's missing children: dropped
             children, q = expand(keys[depth], logits, kids.shape[1], rules, backend)
-            draft_tokens = draft_tokens.at[:, kids].set(eagle.to_target_ids(head["d2t"], children))
+            draft_tokens = draft_tokens.at[:, kids].set(eagle.to_target_ids(head["d2t"], children), mode="drop")
             if q is not None:
                 draft_probs = draft_probs.at[:, rows].set(q)
         # q over the target vocabulary in one scatter for the whole tree, not one a depth

@@ -10,8 +10,6 @@ is never accepted twice). Proposals have no probabilities: verification uses q =
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +31,7 @@ class Ngram(Drafter):
         """Tree tokens [B, rows] (row 0: the pending token) from the committed tokens [B, N]
         (first `length` [B] valid)."""
         B = tokens.shape[0]
-        num_matches = min(math.prod(tree.branching), MAX_MATCHES)
+        num_matches = min(int((tree.children[:, 0] < 0).sum()), MAX_MATCHES)  # one per leaf
         conts, found = self.continuations(tokens, length, num_matches, tree.depth)  # [B, M, D], [B, M]
         pending = jnp.take_along_axis(tokens, (length - 1)[:, None], axis=1)[:, 0]
         out = jnp.broadcast_to(pending[:, None], (B, tree.rows))
@@ -43,7 +41,7 @@ class Ngram(Drafter):
             for parent in tree.rows_at(d):
                 taken = jnp.zeros_like(found)  # matches whose next token a sibling already took
                 first_token = None
-                for kid in tree.children[parent][: tree.branching[d]]:
+                for kid in tree.children[parent][tree.children[parent] >= 0]:
                     left = members[parent] & ~taken
                     has = left.any(axis=1)
                     token = jnp.take_along_axis(nxt, jnp.argmax(left, axis=1)[:, None], axis=1)[:, 0]
