@@ -171,7 +171,7 @@ SCATTERED_CASES = {  # the dense model's methods besides plain and vegas, and an
     "stream": (CFG, SpecConfig(method="stream", gamma=3, min_tokens=32)),
     "quest": (CFG, SpecConfig(method="quest", gamma=3, min_tokens=32)),
     "ngram": (CFG, SpecConfig(method="ngram", gamma=3)),
-    "vegas tree 2,1": (CFG, SpecConfig(method="vegas", tree=(2, 1), min_tokens=32)),
+    "vegas tree 3,1+0+1": (CFG, SpecConfig(method="vegas", tree=(3, (1, 0, 1)), min_tokens=32)),  # per-node children
     "nsa plain": (NSA_CFG, SpecConfig(method="plain")),
     "nsa vegas": (NSA_CFG, SpecConfig(method="vegas", gamma=3, min_tokens=32)),
 }
