@@ -61,7 +61,7 @@ def test_each_node_its_own_children():
     assert TreeShape.parse("3,2+2+2").rows == TreeShape.parse("3,2").rows and TreeShape.parse("1,1+0").is_chain
 
 
-@pytest.mark.parametrize("text", ["4,0", "a,b", "8,8", "", "3,2+2+2+2", "2,0+0", "2,1+-1", "2,1+"])
+@pytest.mark.parametrize("text", ["4,0", "a,b", "8,8", "", "3,2+2+2+2", "2,0+0", "2,1+-1", "2,1+", "1000,1000,1000,1000"])
 def test_bad_shapes_are_one_line_errors(text):
     with pytest.raises(JaxspecError):
         TreeShape.parse(text)
