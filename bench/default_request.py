@@ -3,15 +3,17 @@ each head and draft shape, in one process.
 
     PYTHONPATH=. python3 bench/default_request.py [--heads checkpoints/eagle3-smollm2,DIR] [--model smollm2]
         [--shapes chain:4,bfs:3,2,1] [--samplings sample,greedy] [--draws sampled,top] [--new 256] [--repeats 3]
-        [--tiny] [--out DIR] [--tag T]
+        [--first-seed 0] [--tiny] [--out DIR] [--tag T]
 
 The request is the CLI's: DEFAULT_PROMPT through the chat template, batch 1, `--new` (generate's 256)
 new tokens, stopping at EOS. Configs: plain, eagle with each head (default: the model's shipped one)
 and shape (`bench/e2e.py`'s shapes), and auto, the default run itself (generate's plan with the first
 head; its shape column is the planned strategy, its runs record where each ended). Each (sampling,
-config) runs with seeds 0.. (median and spread of decode tokens/s); a row gives its speed over plain's,
-tokens an iteration and acceptance at depths 1-3, so the default-run target (>= 1.5x plain on this
-request) reads off the table. Writes DIR/default_request_<device><tag>.json after every row; prints the table last.
+config) runs with seeds `--first-seed`.. (median and spread of decode tokens/s; a sampled run's text
+and acceptance are its seed's, so runs with the same seeds are one sample of texts); a row gives its
+speed over plain's, tokens an iteration and acceptance at depths 1-3, so the default-run target (>= 1.5x
+plain on this request) reads off the table. Writes DIR/default_request_<device><tag>.json after every
+row; prints the table last.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main() -> None:
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--draws", default=None, help="eagle's draws when sampling (SpecConfig.draws: sampled, top; "
                                                   "default: eagle's), comma-separated")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the runs' seeds start here (a sampled run's text, and so its acceptance, is its seed's)")
     request_flags(p)
     args = p.parse_args()
     backend, dtype, cfg, params, tokenizer, batch = load_request(args.model, args.tiny)
@@ -87,7 +91,7 @@ def main() -> None:
                  auto_spec, plan)]:
             ran = [run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
                                   max_new_tokens=args.new, stop_ids=tokenizer.eos_token_ids, seed=seed, plan=plan_of)
-                   for seed in range(args.repeats)]
+                   for seed in range(args.first_seed, args.first_seed + args.repeats)]
             runs = [common.run_measures(run)[0] | (auto_choices(run) if plan_of else {}) for run in ran]
             row = {"sampling": sampling_name, "config": name, "shape": shape, "runs": runs,
                    **common.median_of_runs(runs)}

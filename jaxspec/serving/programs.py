@@ -56,12 +56,13 @@ class Program:
     def __repr__(self) -> str:
         return f"Program({self.name})"
 
-    def compile(self, *args) -> tuple[Callable, float]:
+    def compile(self, *args, before: Callable[[], None] = lambda: None) -> tuple[Callable, float]:
         """The executable for `args`' signature and the seconds spent compiling it now (0 when
-        this process compiled it before)."""
+        this process compiled it before); `before` runs first when it must compile."""
         key = (self, _signature(args))
         if key in _EXECUTABLES:
             return _EXECUTABLES[key], 0.0
+        before()
         start = time.perf_counter()
         _EXECUTABLES[key] = self.jitted.lower(*args).compile()
         return _EXECUTABLES[key], time.perf_counter() - start

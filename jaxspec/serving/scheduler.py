@@ -952,9 +952,15 @@ class Scheduler:
         `compile_s`."""
         key = (program, shape)
         if key not in self._executables:
-            self._executables[key], seconds = program.compile(*args)
+            self._executables[key], seconds = program.compile(*args, before=self._settle)
             self.compile_s += seconds
         return self._executables[key]
+
+    def _settle(self) -> None:
+        """Waits for the work queued so far to run, before a compile: compiling beside it would hide
+        that work's time in `compile_s`, which a run's decode seconds leave out (`runner`)."""
+        if not self._lost():
+            jax.block_until_ready(self._state)
 
     def _programs(self, rows: int | None = None) -> programs.Programs:
         """The programs of the current strategy for a state of `rows` rows (default: the running state's)."""
