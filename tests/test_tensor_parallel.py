@@ -140,7 +140,7 @@ QWEN3_CASES = [
     pytest.param(2, spec("quest"), marks=slow),
     pytest.param(2, spec("vegas", tree=(3, 2), traversal="dfs"), marks=slow),
     pytest.param(2, spec("vegas", draft_weights="int8"), marks=slow),
-    (2, spec("full", tree=(2, 2), draft_weights="int4", draft_skip=(1,))), (4, spec("vegas")),
+    (2, spec("full", tree=(3, (2, 0, 1)), draft_weights="int4", draft_skip=(1,))), (4, spec("vegas")),  # per-node tree
     pytest.param(2, spec("stream"), marks=slow), pytest.param(2, spec("ngram"), marks=slow),
     pytest.param(2, spec("all_rows"), marks=slow), pytest.param(2, spec("last_accepted", tree=(2, 2)), marks=slow),
     pytest.param(4, spec("quest", tree=(2, 1)), marks=slow),
