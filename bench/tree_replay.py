@@ -142,6 +142,9 @@ def main(argv=None) -> None:
     p.add_argument("--sampling", choices=("greedy", "sample"), default="greedy",
                    help="the answers: greedy, or sampled at T 0.7, top-p 0.95 (for top draws)")
     p.add_argument("--seeds", type=int, default=1, help="sampled answers to each prompt")
+    p.add_argument("--oov-ceiling", action="store_true",
+                   help="also score each --shapes tree with every text token outside the draft vocabulary ranked "
+                        "first: what a whole-vocabulary head of this head's quality could reach at most")
     p.add_argument("--sizes", default="6,9,12,15", type=lambda s: [int(n) for n in s.split(",")],
                    help="node counts of the grown trees (each at depths 2, 3 and 4)")
     p.add_argument("--out", type=Path, default=common.RESULTS / "tree_replay_cpu.json")
@@ -163,6 +166,13 @@ def main(argv=None) -> None:
         ecfg, weights = load_eagle(Path(head), cfg, dtype="float32")
         texts = {name: (ranks(ecfg, weights, params, cfg, ids), first, len(ids))
                  for name, (ids, first) in answers.items()}
+        if args.oov_ceiling:
+            ceiling = {name: (np.where(rk == OUT, 0, rk), first, T) for name, (rk, first, T) in texts.items()}
+            for shape in args.shapes:
+                scores = {g: replay(ceiling, nodes(shape), names) for g, names in groups.items()}
+                rows.append({"head": Path(head).name, "tree": f"{shape}, out-of-vocabulary tokens ranked first",
+                             "shape": shape, **{g: round(tpi, 3) for g, (tpi, _) in scores.items()}})
+                record[f"{head} | {rows[-1]['tree']}"] = rows[-1]
         trees = {s: nodes(s) for s in args.shapes}
         trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
                   for n in args.sizes for d in (2, 3, 4)}
