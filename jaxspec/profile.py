@@ -156,7 +156,8 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=0.95, help="of the sample mode")
     p.add_argument("--methods", type=words, default=("plain", "vegas", "stream", "ngram"))
     p.add_argument("--gammas", type=ints, default=(2, 4, 6))
-    p.add_argument("--trees", nargs="*", default=["3,2,1", "dfs:2,2,2"], metavar="SHAPE", help="e.g. 3,2,1 dfs:2,2,2")
+    p.add_argument("--trees", nargs="*", default=["3,2,1", "dfs:2,2,2"], metavar="SHAPE",
+                   help="e.g. 3,2,1 dfs:2,2,2 5,3+1 (each node its own children)")
     p.add_argument("--ratios", type=floats, default=(0.03, 0.07))
     p.add_argument("--groups", type=ints, default=(1, 4, 8, 16), help="NSA models: verification groups")
     p.add_argument("--precisions", type=words, default=("strict",), help="NSA models: precision classes to profile")

@@ -102,7 +102,8 @@ def parse_args(argv):
     p.add_argument("--large-gamma", type=int, default=None, help="gamma of step 1 (default: the largest of --gammas)")
     p.add_argument("--tolerance", type=float, default=0.03)
     p.add_argument("--trees", nargs="*", default=[], metavar="SHAPE",
-                   help="draft-tree shapes to try after the chain (step 4), e.g. 3,2,1 dfs:2,2,2 (traversal: bfs unless prefixed)")
+                   help="draft-tree shapes to try after the chain (step 4), e.g. 3,2,1 dfs:2,2,2 5,3+1 "
+                        "(traversal: bfs unless prefixed)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
     p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
