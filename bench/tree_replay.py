@@ -166,14 +166,14 @@ def main(argv=None) -> None:
         ecfg, weights = load_eagle(Path(head), cfg, dtype="float32")
         texts = {name: (ranks(ecfg, weights, params, cfg, ids), first, len(ids))
                  for name, (ids, first) in answers.items()}
+        trees = {s: nodes(s) for s in args.shapes}
         if args.oov_ceiling:
             ceiling = {name: (np.where(rk == OUT, 0, rk), first, T) for name, (rk, first, T) in texts.items()}
-            for shape in args.shapes:
-                scores = {g: replay(ceiling, nodes(shape), names) for g, names in groups.items()}
+            for shape, tree in trees.items():
+                scores = {g: replay(ceiling, tree, names) for g, names in groups.items()}
                 rows.append({"head": Path(head).name, "tree": f"{shape}, out-of-vocabulary tokens ranked first",
                              "shape": shape, **{g: round(tpi, 3) for g, (tpi, _) in scores.items()}})
                 record[f"{head} | {rows[-1]['tree']}"] = rows[-1]
-        trees = {s: nodes(s) for s in args.shapes}
         trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
                   for n in args.sizes for d in (2, 3, 4)}
         for name, tree in trees.items():

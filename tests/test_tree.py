@@ -51,8 +51,8 @@ def test_each_node_its_own_children():
     np.testing.assert_array_equal(bfs.parent, [-1, 0, 0, 0, 0, 0, 1, 1, 1, 2])
     np.testing.assert_array_equal(dfs.parent, [-1, 0, 1, 1, 1, 0, 5, 0, 0, 0])
     np.testing.assert_array_equal(bfs.parents_at(1), [1, 2])
-    np.testing.assert_array_equal(bfs.kids(bfs.parents_at(1), out_of_range=True), [[6, 7, 8], [9, 10, 10]])
-    np.testing.assert_array_equal(dfs.kids(dfs.parents_at(1)), [[2, 3, 4], [6, -1, -1]])
+    np.testing.assert_array_equal(bfs.kids(bfs.parents_at(1)), [[6, 7, 8], [9, 10, 10]])
+    np.testing.assert_array_equal(dfs.kids(dfs.parents_at(1)), [[2, 3, 4], [6, 10, 10]])
     assert [len(bfs.parents_at(d)) for d in range(2)] == [1, 2] and not bfs.is_chain
     for text in ("5,3+1", "2,1+0,1", "3,2,1", "2,2+0,0+1"):
         tree = TreeShape.parse(text)

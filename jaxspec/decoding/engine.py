@@ -443,7 +443,7 @@ def draft(params, cfg, spec, sampling, drafter, state, key):
     carry = (tokens, probs, state.cache, state.drafter, key)
     for depths in tree.draft_segments():  # runs of equal (parents, width): one scan each
         rows = np.stack([tree.parents_at(d) for d in depths])  # [steps, n]
-        xs = (jnp.asarray(depths, jnp.int32), jnp.asarray(rows), jnp.asarray(tree.kids(rows, out_of_range=True)),
+        xs = (jnp.asarray(depths, jnp.int32), jnp.asarray(rows), jnp.asarray(tree.kids(rows)),
               jnp.asarray(tree.ancestors[rows]))
 
         def step(carry, x):

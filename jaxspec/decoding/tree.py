@@ -135,13 +135,13 @@ class TreeShape:
                 runs.append([d])
         return runs
 
-    def kids(self, rows: np.ndarray, out_of_range: bool = False) -> np.ndarray:
-        """[..., width] int32: the child rows of `rows` (all of one depth) in sibling order, -1 where a
-        node has fewer children than the depth's width (`out_of_range`: `self.rows`, which a scatter
-        with mode="drop" leaves out)."""
+    def kids(self, rows: np.ndarray) -> np.ndarray:
+        """[..., width] int32: the child rows of `rows` (all of one depth) in sibling order, where a drafter
+        scatters their tokens; `self.rows`, out of range, where a node has fewer children than the
+        depth's width (a scatter with mode="drop" leaves it out)."""
         rows = np.asarray(rows)
         kids = self.children[rows][..., : self.widths[int(self.node_depth[rows.flat[0]])]]
-        return np.where(kids < 0, self.rows, kids) if out_of_range else kids
+        return np.where(kids < 0, self.rows, kids)
 
     @functools.cached_property
     def parent(self) -> np.ndarray:
@@ -205,11 +205,6 @@ def branching_text(branching) -> str:
     always with a '+', so they do not read back as a number for every node)."""
     node_counts = lambda b: "+".join(map(str, b if len(b) > 1 else (*b, 0)))
     return ",".join(node_counts(b) if isinstance(b, (list, tuple)) else str(b) for b in branching)
-
-
-def branching_key(branching) -> tuple:
-    """A branching read back from JSON (lists) as the hashable tuple SpecConfig.tree holds."""
-    return tuple(tuple(b) if isinstance(b, (list, tuple)) else int(b) for b in branching)
 
 
 @functools.partial(jax.jit, static_argnames=("tree", "backend"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxspec.decoding.spec import SPARSE_METHODS, SpecConfig, spec_from_settings
-from jaxspec.decoding.tree import branching_key, branching_text
+from jaxspec.decoding.tree import TreeShape, branching_text
 from jaxspec.errors import JaxspecError
 
 
@@ -44,7 +44,7 @@ class Strategy:
     @classmethod
     def of(cls, spec: SpecConfig) -> Strategy:
         plain = spec.method == "plain"
-        tree = None if plain or spec.tree is None else branching_key(spec.tree)
+        tree = None if plain or spec.tree is None else TreeShape(spec.tree).branching
         return cls(
             method=spec.method,
             gamma=None if plain or tree else spec.gamma,
@@ -117,7 +117,7 @@ class Strategy:
         if not isinstance(d, dict) or set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise JaxspecError(f"bad strategy {d!r}")
         tree = d.get("tree")
-        return cls.of(cls(**{**d, "tree": branching_key(tree) if tree else None}).spec(SpecConfig()))
+        return cls.of(cls(**{**d, "tree": TreeShape(tree).branching if tree else None}).spec(SpecConfig()))
 
 
 @dataclasses.dataclass(frozen=True)

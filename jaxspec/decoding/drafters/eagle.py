@@ -130,7 +130,7 @@ class Eagle(Drafter):
                     head_cache, self.context(state.selection, nodes, at), slots=nodes.slots, backend=backend)
                 states = states.at[:, rows].set(out)
             logits = eagle.draft_logits(head, ecfg, params, self.cfg, states[:, rows], backend)
-            kids = tree.kids(rows, out_of_range=True)  # a node's missing children: dropped
+            kids = tree.kids(rows)  # a node's missing children: dropped
             children, q = expand(keys[depth], logits, kids.shape[1], rules, backend)
             draft_tokens = draft_tokens.at[:, kids].set(eagle.to_target_ids(head["d2t"], children), mode="drop")
             if q is not None:
