@@ -155,7 +155,8 @@ def test_a_nodes_children_are_its_top_scores(b):
     sampled node's scores are -inf outside its nucleus, often for all but one or two tokens: the
     children are still distinct, the -inf ones lowest index first."""
     rng = np.random.default_rng()
-    x = np.round(rng.normal(size=(4, 3, 50)), 1).astype(np.float32)  # many ties
+    # many ties; + 0.0 turns rounding's -0.0 into 0.0: top-k orders -0.0 below 0.0, the sort ties them
+    x = np.round(rng.normal(size=(4, 3, 50)), 1).astype(np.float32) + np.float32(0.0)
     x[rng.random(x.shape) < 0.5] = -np.inf
     x[0, 0, 1:] = -np.inf  # one finite score
     want = np.argsort(-x, axis=-1, kind="stable")[..., :b]
