@@ -35,7 +35,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
 from pallas_kernels import paging
-from pallas_kernels.moe import MXFP4
+from pallas_kernels.moe import MXFP4, pack_words
 
 # Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
 # set here before any of them computes anything.
@@ -157,26 +157,28 @@ def page_table(batch: int, num_slots: int, page_size: int = paging.DEFAULT_PAGE_
     return jnp.asarray(order.reshape(batch, R), jnp.int32)
 
 
-def with_mxfp4_experts(params) -> dict:
+def with_mxfp4_experts(params, words: bool = False) -> dict:
     """params with an MoE model's expert stacks replaced by random MXFP4 ones (gpt-oss's released form,
-    decoded in the experts kernel), each bf16 stack freed before its packed one is drawn."""
+    decoded in the experts kernel; `words`: as `moe.to_words` words), each bf16 stack freed before its
+    packed one is drawn."""
     layers = params["layers"]
     for i, name in enumerate(("moe_gate_up", "moe_down")):
         shape = layers[name].shape
         layers[name].delete()
-        layers[name] = random_mxfp4(jax.random.key(10 + i), shape)
+        layers[name] = random_mxfp4(jax.random.key(10 + i), shape, words)
     return params
 
 
-def random_mxfp4(key, shape) -> MXFP4:
+def random_mxfp4(key, shape, words: bool = False) -> MXFP4:
     """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
-    2^-7..2^-1."""
+    2^-7..2^-1; `words`: the codes as `moe.pack_words` words."""
     *lead, K, N = shape
     # One matrix at a time: a whole stack's bits in one draw take 4 bytes a code (25 GB for gpt-oss-20b's).
-    draw = lambda key: (jax.random.bits(key, (N, K // 2), jnp.uint8),
+    pack = pack_words if words else lambda blocks: blocks
+    draw = lambda key: (pack(jax.random.bits(key, (N, K // 2), jnp.uint8)),
                         jax.random.randint(key, (N, K // 32), 120, 127).astype(jnp.uint8))
     blocks, scales = jax.jit(lambda keys: jax.lax.map(draw, keys))(jax.random.split(key, math.prod(lead)))
-    return MXFP4(blocks.reshape(*lead, N, K // 2), scales.reshape(*lead, N, K // 32))
+    return MXFP4(blocks.reshape(*lead, *blocks.shape[-2:]), scales.reshape(*lead, N, K // 32))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

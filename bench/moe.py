@@ -1,6 +1,6 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
-    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes exact,placed,paired]
+    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes exact,placed,paired,words]
         [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
@@ -17,9 +17,10 @@ against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count
 decode of the codes in the kernels (`exact`: `moe.e2m1`; `placed`: `moe.PLACED_DECODE`, the codes' bits
 placed, exact only where float32 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the
 row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in
-inline PTX), in this process, the compiled programs dropped between them. Writes DIR/moe.json (mxfp4:
-moe_mxfp4.json; --tiny: moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in
-interpret mode: a smoke test of this script) and prints a table last.
+inline PTX; `words`: the stacks re-packed once as `moe.to_words` words, which only the row-block form
+reads, a word's 8 codes into 4 bf16x2 words), in this process, the compiled programs dropped between
+them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny: moe_tiny.json / moe_mxfp4_tiny.json, small
+shapes on the CPU, the kernel in interpret mode: a smoke test of this script) and prints a table last.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from jax import lax
 from bench import common
 import pallas_kernels as kernels
 from pallas_kernels import moe
-from pallas_kernels.moe import FORMS, MXFP4, default_form, moe_experts_pallas
+from pallas_kernels.moe import MXFP4, default_form, moe_experts_pallas
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
 SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}
@@ -89,19 +90,23 @@ def random_stacks(fmt: str, shape: dict):
 
 
 def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float) -> dict:
+    """One row count's times of each implementation that reads `stacks` (words: the reference and row
+    blocks), checked against the reference first."""
+    words = isinstance(stacks[0], MXFP4) and stacks[0].words
+    implementations = ("reference", "row_blocks") if words else tuple(IMPLEMENTATIONS)
     D, E, k = shape["D"], shape["E"], shape["k"]
     x = jax.random.normal(jax.random.key(T), (T, D), jnp.bfloat16)
     ids, weights = routing(jax.random.key(1000 + T), repeats, T, E, k)
     layer = jnp.int32(1)
     want = experts("reference", x, ids[0], weights[0], *stacks, layer)
     errors = [float(jnp.abs(experts(i, x, ids[0], weights[0], *stacks, layer) - want).max() / jnp.abs(want).max())
-              for i in FORMS]
+              for i in implementations[1:]]
     distinct = float(np.mean([len(np.unique(np.asarray(i))) for i in ids]))
     expert_bytes = sum(a.nbytes for a in jax.tree.leaves(stacks)) / (LAYERS * E)
     floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
-    rule = default_form(T, isinstance(stacks[0], MXFP4))
+    rule = default_form(T, isinstance(stacks[0], MXFP4), words)
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
-    for implementation in IMPLEMENTATIONS:
+    for implementation in implementations:
         us = common.seconds_per_call(layer_fn(implementation), x, ids, weights, *stacks) / repeats * 1e6
         row |= {f"{implementation}_us": us, f"{implementation}_over_floor": us / floor_us}
     return row
@@ -113,13 +118,13 @@ def main():
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
-                   help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact and paired "
-                        "(moe.PAIRED_DECODE, the default)")
+                   help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact, paired "
+                        "(moe.PAIRED_DECODE, the default) and words (moe.to_words stacks, row blocks only)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
-    if unknown := set(args.decodes) - {"exact", "placed", "paired"}:
-        p.error(f"unknown decodes {sorted(unknown)}: exact, placed, paired")
+    if unknown := set(args.decodes) - {"exact", "placed", "paired", "words"}:
+        p.error(f"unknown decodes {sorted(unknown)}: exact, placed, paired, words")
     shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
     result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
@@ -132,7 +137,9 @@ def main():
         for decode in decodes:
             moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
             jax.clear_caches()
-            result["rows"].append({"decode": decode} | time_rows(T, shape, repeats, stacks, result["rates"]["copy_GBps"]))
+            timed = tuple(map(moe.to_words, stacks)) if decode == "words" else stacks
+            row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"])
+            result["rows"].append({"decode": decode} | row)
             print(result["rows"][-1], flush=True)
             common.write_json(path, result)
     print(common.markdown_table(result["rows"], [

@@ -17,6 +17,11 @@ same bytes and decode less, to tell the decode's arithmetic from the loads:
   codes times its odd ones (x's tile split by a reshape), two products;
 - `asm`: the decode in inline PTX (`DECODE_PTX`), packed bf16 integer tricks a byte pair at a time, the
   low and high codes multiplied with x's even and odd columns (two products, nothing interleaved).
+- `paired`: the kernel's decode with `moe.PAIRED_DECODE` (`moe.paired_weights`: a byte's two codes into
+  one bf16x2 word in inline PTX, the product taken as W^T x^T, the weights the matrix unit's register
+  operand);
+- `words`: the same product from the bytes re-packed as `moe.pack_words` words (done once, outside the
+  timing), a word's 8 codes decoded into 4 bf16x2 words by rotations and masks (`moe.word_weights`).
 The floor is W's bytes over the copy bandwidth measured in the same run. Writes DIR/mxfp4_probe.json
 and prints a table last (--tiny: a CPU smoke test of this script, small shapes in interpret mode,
 which runs no PTX: `asm` left out). Tile offsets along K in packed units come from `moe.packed_offset`,
@@ -34,11 +39,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bench import common
-from pallas_kernels.moe import (MXFP4_GROUP, code_values, decode, exact_values, packed_offset, per_byte,
-                                scale_power)
+from pallas_kernels.moe import (MXFP4_GROUP, code_values, decode, exact_values, pack_words, packed_offset,
+                                paired_weights, per_byte, scale_power, word_weights)
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
-VARIANTS = ("bytes", "exact", "low", "raw", "split", "asm")
+VARIANTS = ("bytes", "exact", "low", "raw", "split", "paired", "words", "asm")
+EXACT = ("bytes", "exact", "split", "paired", "words", "asm")  # the variants that compute the product
 # Four MXFP4 bytes ($2) and each one's scale byte ($3) to the bf16 values of their four low codes
 # (DECODE_PTX[0]) or high codes ([1]) ($0, $1: two a register). A code s e1 e0 m placed as
 # bf16 bits s << 15 | e1 e0 m << 6 is 2^-126 times its value (e = 0: a subnormal m 2^-127), so one
@@ -75,8 +81,14 @@ def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: b
 
         def step(i, acc):
             k0 = i * bk
-            codes = c_ref[cols, pl.ds(packed_offset(k0, 2), bk // 2)]
             scales = s_ref[cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
+            transposed = lambda w: lax.dot_general(w, x_ref[:, pl.ds(k0, bk)], (((1,), (1,)), ((), ())),
+                                                   preferred_element_type=jnp.float32)
+            if variant == "words":
+                return acc + transposed(word_weights(c_ref[cols, pl.ds(packed_offset(k0, 8), bk // 8)], scales))
+            codes = c_ref[cols, pl.ds(packed_offset(k0, 2), bk // 2)]
+            if variant == "paired":
+                return acc + transposed(paired_weights(codes, scales))
             product = lambda a, b: lax.dot_general(a, b.astype(a.dtype), (((1,), (1,)), ((), ())),
                                                    preferred_element_type=jnp.float32)
             if variant == "asm":
@@ -99,7 +111,10 @@ def product(variant: str, M: int, N: int, K: int, bn: int, bk: int, interpret: b
                 w = exact_values(ints, high=False) * power
             return acc + product(x_ref[:, pl.ds(packed_offset(k0, 2), bk // 2)], w)
 
-        o_ref[:, cols] = lax.fori_loop(0, K // bk, step, jnp.zeros((M, bn), jnp.float32))
+        if variant in ("paired", "words"):  # W^T x^T
+            o_ref[:, cols] = lax.fori_loop(0, K // bk, step, jnp.zeros((bn, M), jnp.float32)).T
+        else:
+            o_ref[:, cols] = lax.fori_loop(0, K // bk, step, jnp.zeros((M, bn), jnp.float32))
 
     return lambda x, c, s: pl.pallas_call(
         kernel, grid=(N // bn,), in_specs=[pl.no_block_spec] * 3, out_specs=pl.no_block_spec,
@@ -116,6 +131,7 @@ def main():
     N, K = (256, 256) if args.tiny else (COLUMNS, DEPTH)
     blocks = jax.random.randint(jax.random.key(0), (N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     scales = jax.random.randint(jax.random.key(1), (N, K // MXFP4_GROUP), 118, 124, jnp.int32).astype(jnp.uint8)
+    words = lax.bitcast_convert_type(pack_words(blocks), jnp.int32)
     rates = common.measure_rates(args.tiny)
     floor_s = (blocks.nbytes + scales.nbytes) / (rates["copy_GBps"] * 1e9)
     rows = []
@@ -127,9 +143,11 @@ def main():
         for variant in VARIANTS[:-1] if args.tiny else VARIANTS:  # interpret mode runs no PTX
             for bn, bk in TILES:
                 f = jax.jit(product(variant, M, N, K, bn, bk, args.tiny))
-                out = f(x, blocks, scales)
-                err = float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant in ("bytes", "exact", "split", "asm") else None
-                seconds = common.seconds_per_call(f, x, blocks, scales)
+                codes = words if variant == "words" else blocks
+                out = f(x, codes, scales)
+                err = (float(jnp.max(jnp.abs(out - reference)) / jnp.max(jnp.abs(reference))) if variant in EXACT
+                       else None)
+                seconds = common.seconds_per_call(f, x, codes, scales)
                 rows.append(dict(rows=M, variant=variant, columns=bn, k_step=bk, us=seconds * 1e6,
                                  floor_us=floor_s * 1e6, over_floor=seconds / floor_s, max_rel_err=err))
                 print(rows[-1], flush=True)

@@ -31,8 +31,10 @@ PTX: `paired_weights`), float32 rows decoded in registers (`decode`), so the byt
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md); through the paired decode, 4.0-4.2x at 8-128
-rows. A decode step's single row through MXFP4
-stacks takes the one-row form of both calls (5.4x, the codes' bits placed: `code_values`); up to 128
+rows. A stack may also hold its codes as words (`to_words`: each scale group re-packed so that a
+thread loads whole words and decodes 8 codes into its 4 operand registers by rotations and masks,
+`word_weights`), which the row-block form reads at every row count. A decode step's single row
+through MXFP4 bytes takes the one-row form of both calls (5.4x, the codes' bits placed: `code_values`); up to 128
 rows through bf16 stacks the split-K form, whose programs keep wide column blocks and, for a few
 rows, divide K (`default_form`). The reference decodes the layer's whole stack with the same
 function and runs the float path.
@@ -71,6 +73,13 @@ STEP_ELEMENTS = 64 * 64
 PACKED_STEP_ELEMENTS = 128 * 64
 GATE_UP_COLUMNS = 64  # the first call's columns per program, of the gate and of the up half each
 DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
+# MXFP4 words' K step at most: a decode step's 32-column gate/up blocks at 256 spill (sm_90: 254 registers).
+# Blocks of words narrower than WGMMA_COLUMNS (a decode step's: the matrix unit's operand A is the
+# columns) take NARROW_WORD_WARPS warps: with 4, Triton's warps split the block's rows too and decode
+# each word twice (sm_90 SASS: 8.3 instructions a weight in the gate/up loop against 4.3 with 2).
+WORD_STEP = 128
+WGMMA_COLUMNS = 64
+NARROW_WORD_WARPS = 2
 MAX_ROWS = 64  # rows per row block: an expert's further rows take further blocks, re-reading its tile
 MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # A decode step's single row with MXFP4 stacks takes the one-row kernels: float32 multiply-and-sum in
@@ -114,7 +123,9 @@ class MXFP4:
     blocks [..., N, K/2] uint8, row n holding W[:, n] two e2m1 codes a byte (even k in the low nibble,
     odd k in the high one), and scales [..., N, K/32] uint8, W[k, n] = e2m1 x 2^(scale - 127) for
     each MXFP4_GROUP values of K. Rows are output columns, as in the checkpoint: a kernel's tile of
-    [columns, K step / 2] bytes is contiguous along K (the checkpoint's blocks reshaped, no re-pack)."""
+    [columns, K step / 2] bytes is contiguous along K (the checkpoint's blocks reshaped, no re-pack).
+    Or blocks [..., N, K/8] uint32: the same codes as `pack_words` words (`to_words`), which only the
+    row-block form reads (`word_weights`)."""
 
     blocks: jax.Array
     scales: jax.Array
@@ -122,8 +133,13 @@ class MXFP4:
     @property
     def shape(self) -> tuple[int, ...]:
         """The matrices' shape [..., K, N], as a float stack's."""
-        *lead, N, half = self.blocks.shape
-        return (*lead, 2 * half, N)
+        *lead, N, n = self.blocks.shape
+        return (*lead, n * (8 if self.words else 2), N)
+
+    @property
+    def words(self) -> bool:
+        """Whether blocks holds `pack_words` words (uint32) rather than the checkpoint's bytes."""
+        return self.blocks.dtype == jnp.uint32
 
 
 def has_packed(tree) -> bool:
@@ -291,9 +307,121 @@ def paired_weights(codes, scales):
     return jnp.stack([low, high], axis=-1).reshape(codes.shape[0], 2 * codes.shape[1])
 
 
+# MXFP4 words (`pack_words`): each scale group's 32 codes re-packed into 4 uint32 words so that a thread
+# of a row block loads whole words and decodes a word's 8 codes into the 4 bf16x2 operand registers it
+# holds for the matrix unit, with no byte permutes: output j of a word is
+#   (rotr(word, magnitude_j) & WORD_MAGNITUDE) | (rotr(word, sign_j) & WORD_SIGN),
+# the codes s e1 e0 m of its two halves placed as bf16 bits s << 15 | e1 e0 m << 6 (2^-126 times their
+# values, as `paired_values`). The rotations below tile the word's 32 bits with the 8 codes' fields and
+# need 5 distinct nonzero ones (none tiles with one rotation an output). Word t of a group holds the
+# code pairs (2p, 2p + 1) with p = 4 j + t: Hopper's register operand gives lane t of a quad the pairs
+# t and t + 4 of each 16 of K, so the words' reorder into K's order (`word_weights`) is a relabelling of
+# registers once compiled (sm_90 SASS: no shuffles, no shared-memory round trip).
+WORD_ROTATIONS = ((0, 4), (3, 3), (6, 6), (9, 5))  # (magnitude_j, sign_j): right rotations for output j
+WORD_MAGNITUDE, WORD_SIGN = 0x01C001C0, 0x80008000
+
+
+def pack_words(blocks):
+    """uint32 [..., n/4]: MXFP4 bytes [..., n] (n a multiple of 16: whole scale groups) as `word_weights`
+    reads them (the layout above)."""
+    codes = blocks.astype(jnp.uint32)
+    codes = jnp.stack([codes & 15, codes >> 4], axis=-1)  # [..., n, 2]: pair p's codes 2p, 2p + 1
+    codes = codes.reshape(*blocks.shape[:-1], blocks.shape[-1] // 16, 4, 4, 2)  # [..., group, j, t, half]
+    rotl = lambda x, n: (x << n) | (x >> (32 - n)) if n else x
+    words = 0
+    for j, (magnitude, sign) in enumerate(WORD_ROTATIONS):
+        for half in range(2):
+            c = codes[..., j, :, half]
+            words = words | rotl((c & 7) << (6 + 16 * half), magnitude) | rotl((c >> 3) << (15 + 16 * half), sign)
+    return words.reshape(*blocks.shape[:-1], blocks.shape[-1] // 4).astype(jnp.uint32)
+
+
+word_values_p = Primitive("mxfp4_word_values")
+
+
+def word_values(words, factors):
+    """int32 [..., n, 4]: the 4 bf16x2 words of each MXFP4 word of `words` [..., n] (int32, `pack_words`'
+    bits), each value times its group's 2^(scale - 127), which `factors` [..., n] hold as `pair_factors`
+    does. Inside a Triton kernel by inline PTX (`WORD_PTX`: 5 rotations, 4 masks-and-ors, 8 bf16x2
+    multiplies a word), elsewhere by `e2m1`."""
+    return word_values_p.bind(words, factors)
+
+
+def _word_codes(words):
+    """int32 [..., n, 4, 2]: the codes (s e1 e0 m) of each word's output j, low half first."""
+    rotr = lambda x, n: lax.shift_right_logical(x, n) | (x << (32 - n)) if n else x
+    out = []
+    for magnitude, sign in WORD_ROTATIONS:
+        bits = (rotr(words, magnitude) & WORD_MAGNITUDE) | (rotr(words, sign) & jnp.int32(WORD_SIGN - (1 << 32)))
+        out.append(jnp.stack([(lax.shift_right_logical(bits, 6 + 16 * h) & 7)
+                              | (lax.shift_right_logical(bits, 12 + 16 * h) & 8) for h in range(2)], axis=-1))
+    return jnp.stack(out, axis=-2)
+
+
+def _word_exact(words, factors):
+    """`word_values` by `e2m1`: exact on every platform (every decoded weight is a bf16)."""
+    power = scale_power(lax.shift_right_logical(factors, 7) & 255)[..., None, None]
+    bits = lax.bitcast_convert_type((e2m1(_word_codes(words)) * power).astype(jnp.bfloat16), jnp.uint16)
+    bits = bits.astype(jnp.int32)
+    return bits[..., 0] | (bits[..., 1] << 16)
+
+
+def _word_ptx_output(j: int) -> str:
+    """Output $j of the word $(4 + j) (the same word in all four: `pack` hands one element each)."""
+    (magnitude, sign), w = WORD_ROTATIONS[j], f"${4 + j}"
+    rotate = lambda dest, n: f"shf.r.wrap.b32 {dest}, {w}, {w}, {n};" if n else f"mov.b32 {dest}, {w};"
+    if magnitude == sign:
+        place = [rotate("a", magnitude), f"and.b32 a, a, {WORD_MAGNITUDE | WORD_SIGN:#x};"]
+    else:
+        place = [rotate("a", magnitude), rotate("b", sign), f"and.b32 a, a, {WORD_MAGNITUDE:#x};",
+                 f"and.b32 b, b, {WORD_SIGN:#x};", "or.b32 a, a, b;"]
+    return "\n".join(place + ["mul.rn.bf16x2 a, a, two126;", f"mul.rn.bf16x2 ${j}, a, ${8 + j};"])
+
+
+WORD_PTX = ("{\n.reg .b32 a, b, two126;\nmov.b32 two126, 0x7E807E80;\n"
+            + "\n".join(_word_ptx_output(j) for j in range(4)) + "\n}")
+
+
+def _word_ptx(words, factors):
+    spread = lambda a: jnp.broadcast_to(a[..., None], (*a.shape, 4))
+    [values] = plgpu.elementwise_inline_asm(WORD_PTX, args=[spread(words), spread(factors)],
+                                            constraints="=r,=r,=r,=r," + ",".join(["r"] * 8), pack=4,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct((*words.shape, 4), jnp.int32)])
+    return values
+
+
+word_values_p.def_abstract_eval(lambda words, factors: jax.core.ShapedArray((*words.shape, 4), jnp.int32))
+word_values_p.def_impl(_word_exact)
+mlir.register_lowering(word_values_p, mlir.lower_fun(_word_exact, multiple_results=False))
+triton_lowering.register_lowering(word_values_p)(triton_lowering.lower_fun(_word_ptx, multiple_results=False))
+
+
+def word_weights(words, scales):
+    """bf16 [columns, 8n]: the weights of MXFP4 words [columns, n] (int32, `pack_words`) and their scales
+    [columns, n/4] in K's order, by `word_values` (output j of a group's word t is the pair 4 j + t)."""
+    columns, n = words.shape
+    factors = jnp.broadcast_to(pair_factors(scales)[:, :, None], (columns, n // 4, 4)).reshape(columns, n)
+    pairs = jnp.swapaxes(word_values(words, factors).reshape(columns, n // 4, 4, 4), 2, 3).reshape(columns, 4 * n)
+    half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+    return jnp.stack([half(pairs), half(lax.shift_right_logical(pairs, 16))], axis=-1).reshape(columns, 8 * n)
+
+
+def to_words(w: MXFP4) -> MXFP4:
+    """The stack with its bytes re-packed as `pack_words` words (the same codes and scales)."""
+    return w if w.words else MXFP4(pack_words(w.blocks), w.scales)
+
+
+def unpack_words(words):
+    """uint8 [..., 4n]: the MXFP4 bytes of `pack_words` words [..., n] (uint32): its inverse."""
+    codes = _word_codes(lax.bitcast_convert_type(words, jnp.int32))  # [..., 4 groups, 4 (j), 2 (half)]
+    codes = jnp.swapaxes(codes.reshape(*words.shape[:-1], words.shape[-1] // 4, 4, 4, 2), -3, -2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).reshape(*words.shape[:-1], 4 * words.shape[-1]).astype(jnp.uint8)
+
+
 def dequantize(w: MXFP4):
     """float32 [..., K, N]: the matrices of an MXFP4 stack."""
-    return jnp.swapaxes(decode(w.blocks, scale_power(jnp.repeat(w.scales, MXFP4_GROUP // 2, axis=-1))), -1, -2)
+    blocks = unpack_words(w.blocks) if w.words else w.blocks
+    return jnp.swapaxes(decode(blocks, scale_power(jnp.repeat(w.scales, MXFP4_GROUP // 2, axis=-1))), -1, -2)
 
 
 def activate(gate, up, activation: str):
@@ -382,11 +510,12 @@ def column_block(N: int, widest: int, slots: int) -> int:
     return block
 
 
-def step_rows(K: int, columns: int, packed: bool) -> int:
-    """Weights of K per loop step for a `columns`-wide block (BLOCK_K, STEP_ELEMENTS): a power of two."""
+def step_rows(K: int, columns: int, packed: bool, words: bool = False) -> int:
+    """Weights of K per loop step for a `columns`-wide block (BLOCK_K, STEP_ELEMENTS; MXFP4 words at most
+    WORD_STEP): a power of two."""
     floor_pow2 = lambda n: 1 << (n.bit_length() - 1)
     widest = (PACKED_STEP_ELEMENTS if packed else STEP_ELEMENTS) // columns
-    return min(max(BLOCK_K, floor_pow2(widest)), floor_pow2(K))
+    return min(max(BLOCK_K, floor_pow2(widest)), floor_pow2(K), WORD_STEP if words else K)
 
 
 def k_steps(K: int, bk: int) -> tuple[int, list[tuple[int, int]]]:
@@ -442,40 +571,47 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
     MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
     registers (a transposed product), or with SCALED_DOT and bf16 rows, by `mxfp4_dot`; with
-    `_paired` stacks acc is [columns, rows] (W^T x^T, by `paired_weights`)."""
+    `_transposed` stacks acc is [columns, rows] (W^T x^T, by `paired_weights` or `word_weights`)."""
     x = load_x(pl.ds(k0, bk))
     if len(w_refs) == 1:
         w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
     blocks_ref, scales_ref = w_refs
-    codes = blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 2), bk // 2)]
     scales = scales_ref[layer, e, cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
-    if _paired(w_refs, x.dtype):
-        return acc + lax.dot_general(paired_weights(codes, scales), x, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+    transposed = lambda w: acc + lax.dot_general(w.astype(x.dtype), x, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+    if blocks_ref.dtype == jnp.uint32:
+        words = lax.bitcast_convert_type(blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 8), bk // 8)], jnp.int32)
+        return transposed(word_weights(words, scales))
+    codes = blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 2), bk // 2)]
+    if _transposed(w_refs, x.dtype):
+        return transposed(paired_weights(codes, scales))
     if SCALED_DOT and x.dtype == jnp.bfloat16:
         return mxfp4_dot(acc, x, codes, scales)
     return _mxfp4_dot_reference(acc, x, codes, scales)
 
 
-def _paired(w_refs, dtype) -> bool:
-    """Whether `_product` takes MXFP4 weights through `paired_weights` (PAIRED_DECODE, bf16 rows)."""
-    return PAIRED_DECODE and len(w_refs) == 2 and dtype == jnp.bfloat16
+def _transposed(w_refs, dtype) -> bool:
+    """Whether `_product` takes MXFP4 weights as W^T x^T: words (`word_weights`), or bytes through
+    `paired_weights` (PAIRED_DECODE, bf16 rows)."""
+    return len(w_refs) == 2 and (w_refs[0].dtype == jnp.uint32 or PAIRED_DECODE and dtype == jnp.bfloat16)
 
 
 def _over_rows(step, K: int, bk: int, first, bm: int, columns: int, w_refs, dtype, products: int):
-    """`_over_k` of `products` float32 accumulators [bm, columns] (`_paired` ones as [columns, bm] inside
-    the loop, transposed once after it)."""
-    paired = _paired(w_refs, dtype)
-    zeros = jnp.zeros((columns, bm) if paired else (bm, columns), jnp.float32)
+    """`_over_k` of `products` float32 accumulators [bm, columns] (`_transposed` ones as [columns, bm]
+    inside the loop, transposed once after it)."""
+    transposed = _transposed(w_refs, dtype)
+    zeros = jnp.zeros((columns, bm) if transposed else (bm, columns), jnp.float32)
     accs = _over_k(step, (zeros,) * products, K, bk, first)
-    return tuple(a.T for a in accs) if paired else accs
+    return tuple(a.T for a in accs) if transposed else accs
 
 
-def default_form(rows: int, packed: bool) -> str:
+def default_form(rows: int, packed: bool, words: bool = False) -> str:
     """The kernel's form (`FORMS`) for `rows` token rows: through MXFP4 stacks one row (a decode
-    step's) takes the one-row form and more rows row blocks; through float stacks up to SPLIT_ROWS
-    rows split K, more row blocks."""
+    step's) takes the one-row form and more rows row blocks (words: row blocks always); through
+    float stacks up to SPLIT_ROWS rows split K, more row blocks."""
+    if words:
+        return "row_blocks"
     if packed:
         return "one_row" if rows == 1 else "row_blocks"
     return "split_k" if rows <= SPLIT_ROWS else "row_blocks"
@@ -644,15 +780,20 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         order, position, sizes = _route(expert_ids, E)
         slots = _slots(sizes, S)
     gate_up_packed, down_packed = isinstance(w_gate_up, MXFP4), isinstance(w_down, MXFP4)
-    form = default_form(T, gate_up_packed and down_packed) if form is None else form
+    gate_up_words, down_words = (isinstance(w, MXFP4) and w.words for w in (w_gate_up, w_down))
+    words = gate_up_words or down_words
+    form = default_form(T, gate_up_packed and down_packed, words) if form is None else form
     if form not in FORMS:
         raise ValueError(f"unknown MoE kernel form {form!r}: expected one of {FORMS}")
+    if words and form != "row_blocks":
+        raise ValueError(f"MXFP4 words are read by the row-block form only, not {form!r}")
     one_row = form == "one_row"
     bm = 1 if one_row else block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    call = functools.partial(_slot_call, params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-                             interpret=interpret)
+    call = functools.partial(_slot_call, interpret=interpret)
+    params = lambda columns, words: plgpu.CompilerParams(
+        num_warps=NARROW_WORD_WARPS if words and columns < WGMMA_COLUMNS else num_warps, num_stages=num_stages)
     if form == "split_k":
         bf, bd = divisor(F, SPLIT_GATE_UP_COLUMNS), divisor(D, SPLIT_DOWN_COLUMNS)
         gate_up_splits = k_splits(D, S * (F // bf), gate_up_packed)
@@ -660,7 +801,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     else:
         bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
         gate_up_splits = down_splits = 1
-    step = (lambda K, columns, packed: row_step(K, columns)) if one_row else step_rows
+    step = (lambda K, columns, packed, words: row_step(K, columns)) if one_row else step_rows
     out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(
         (N + bm, columns) if splits == 1 else (splits, N + bm, columns), dtype if splits == 1 else jnp.float32)
     in_kernel = lambda b, splits: b if splits == 1 else None  # split K: the kernels leave the bias out
@@ -671,19 +812,20 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         return total if b is None else total + b[layer[0], _row_experts(expert_ids, order)].astype(jnp.float32)
 
     gate_up_bias, down_bias = in_kernel(b_gate_up, gate_up_splits), in_kernel(b_down, down_splits)
-    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=step(D // gate_up_splits, bf, gate_up_packed), bf=bf,
-                               activation=activation, packed=gate_up_packed, biased=gate_up_bias is not None,
-                               one_row=one_row, splits=gate_up_splits),
+    gate_up_step = step(D // gate_up_splits, bf, gate_up_packed, gate_up_words)
+    a = call(functools.partial(_gate_up_kernel, bm=bm, bk=gate_up_step, bf=bf, activation=activation,
+                               packed=gate_up_packed, biased=gate_up_bias is not None, one_row=one_row,
+                               splits=gate_up_splits),
              "moe_gate_up", (S, F // bf, gate_up_splits),
              out_shape(gate_up_splits, 2 * F if gate_up_splits > 1 else F, x.dtype),
-             [layer, slots, tokens, x], w_gate_up, gate_up_bias)
+             [layer, slots, tokens, x], w_gate_up, gate_up_bias, params=params(bf, gate_up_words))
     if gate_up_splits > 1:
         h = chunk_sums(a, b_gate_up)
         a = jnp.pad(activate(h[:, :F], h[:, F:], activation).astype(x.dtype), ((0, bm), (0, 0)))
-    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed), bd=bd,
+    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed, down_words), bd=bd,
                                packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits),
              "moe_down", (S, D // bd, down_splits), out_shape(down_splits, D, jnp.float32),
-             [layer, slots, a], w_down, down_bias)
+             [layer, slots, a], w_down, down_bias, params=params(bd, down_words))
     if down_splits > 1:
         y = chunk_sums(y, b_down)
     return _combine(y, position, expert_ids, expert_weights)

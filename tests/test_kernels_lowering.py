@@ -245,13 +245,17 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (64, 32, 2880, 2880, 4, "gpt_oss", "placed", None),
     (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", None),  # the same through Triton's scaled dot (moe.SCALED_DOT)
     (64, 32, 2880, 2880, 4, "gpt_oss", "paired", None),  # the same through paired_weights' PTX (moe.PAIRED_DECODE)
+    (64, 32, 2880, 2880, 4, "gpt_oss", "words", None),  # the experts as moe.to_words words (word_weights' PTX)
+    (1, 32, 2880, 2880, 4, "gpt_oss", "words", None),   # a decode step's row through them: row blocks of 16
 ])
 def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed, form):
     monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")
     monkeypatch.setattr(moe, "PAIRED_DECODE", packed == "paired")
     monkeypatch.setattr(moe, "PLACED_DECODE", packed != "exact")
     biased = activation == "gpt_oss"
-    stack = lambda K, N: (MXFP4(spec((2, E, N, K // 2), jnp.uint8), spec((2, E, N, K // 32), jnp.uint8)) if packed
+    codes = lambda K, N: (spec((2, E, N, K // 8), jnp.uint32) if packed == "words"
+                          else spec((2, E, N, K // 2), jnp.uint8))
+    stack = lambda K, N: (MXFP4(codes(K, N), spec((2, E, N, K // 32), jnp.uint8)) if packed
                           else spec((2, E, K, N), jnp.bfloat16))
     check_cuda(lambda x, ids, w, w_gate_up, w_down, layer, b_gate_up, b_down: moe_experts_pallas(
                    x, ids, w, w_gate_up, w_down, layer, b_gate_up=b_gate_up, b_down=b_down, activation=activation,

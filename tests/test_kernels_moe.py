@@ -60,12 +60,16 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 
 # The reference, the kernel's three forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
-# paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed).
+# paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
+# as words (moe.to_words: row blocks through word_weights, its exact form here).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
+PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "word decode")
 
 
 def run(implementation: str, inputs, activation: str):
     x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
+    if implementation == "word decode":
+        w_gate_up, w_down = moe.to_words(w_gate_up), moe.to_words(w_down)
     args = (x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER))
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
     if implementation == "reference":
@@ -73,7 +77,7 @@ def run(implementation: str, inputs, activation: str):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "SCALED_DOT", implementation == "scaled dot")
         patch.setattr(moe, "PAIRED_DECODE", implementation == "paired decode")
-        form = "row_blocks" if implementation in ("scaled dot", "paired decode") else implementation
+        form = "row_blocks" if implementation in ("scaled dot", "paired decode", "word decode") else implementation
         return np.asarray(moe_experts_pallas(*args, **options, interpret=True, form=form))
 
 
@@ -137,7 +141,7 @@ def test_moe_experts_mxfp4_equal_float64_loop(T, activation, dtype):
     want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), *biases, activation)
     scale = np.abs(want).max()
     tol = 1e-5 if dtype == jnp.float32 else 4e-3
-    for implementation in IMPLEMENTATIONS:
+    for implementation in PACKED_IMPLEMENTATIONS:
         got = run(implementation, inputs, activation)
         assert got.shape == (T, D) and np.isfinite(got).all(), f"{implementation}: shape {got.shape} or non-finite output"
         err = np.abs(got - want).max() / scale
@@ -185,11 +189,15 @@ def test_paired_values_hold_each_bytes_two_weights():
     np.testing.assert_array_equal(got, np.asarray(moe.decode(tile, moe.per_byte(moe.scale_power(tile_scales)))))
 
 
+E2M1 = np.asarray([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
 def run_ptx(ptx: str, args: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The few PTX instructions `moe.PAIRED_PTX` uses, run in numpy over uint32 registers: `args` the
-    operands' registers ("$4": ...), returns every register after the last instruction. prmt.b32 d, a,
-    b, s: byte i of d is byte (s >> 4i) & 7 of b:a; mul.rn.bf16x2 in float32 (the products here are of
-    powers of two: exact, subnormals kept, as the GPU keeps them)."""
+    """The few PTX instructions `moe.PAIRED_PTX` and `moe.WORD_PTX` use, run in numpy over uint32
+    registers: `args` the operands' registers ("$4": ...), returns every register after the last
+    instruction. prmt.b32 d, a, b, s: byte i of d is byte (s >> 4i) & 7 of b:a; shf.r.wrap.b32 d, a, b,
+    n: the low word of b:a >> (n mod 32); mul.rn.bf16x2 in float32 (the products here are of powers of
+    two: exact, subnormals kept, as the GPU keeps them)."""
     regs = {k: v.astype(np.uint32) for k, v in args.items()}
     value = lambda x: regs[x] if x in regs else np.uint32(int(x, 0))
     halves = lambda w: np.stack([w & 0xFFFF, w >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
@@ -203,7 +211,9 @@ def run_ptx(ptx: str, args: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return sum(((a if byte(i) < 4 else b) >> np.uint32(8 * (byte(i) & 3)) & np.uint32(255)) << np.uint32(8 * i)
                    for i in range(4))
 
+    funnel = lambda a, b, n: ((a >> n) | (b << (np.uint32(32) - n))) if n else a  # shf.r.wrap: b:a >> n
     ops = {"mov.b32": lambda a: a + np.zeros_like(regs["$4"]), "shr.u32": lambda a, n: a >> n,
+           "shf.r.wrap.b32": lambda a, b, n: funnel(a, b, n % 32),
            "shl.b32": lambda a, n: a << n, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
            "prmt.b32": prmt, "mul.rn.bf16x2": lambda a, b: word(halves(a) * halves(b))}
     for line in ptx.splitlines():
@@ -226,12 +236,69 @@ def test_paired_ptx_holds_each_bytes_two_weights():
     factors = np.asarray(moe.pair_factors(jnp.asarray(scales))).view(np.uint32).reshape(-1, 4)
     regs = run_ptx(moe.PAIRED_PTX, {"$4": codes.view(np.uint32), **{f"${5 + j}": factors[:, j] for j in range(4)}})
     got = np.stack([regs[f"${j}"] for j in range(4)], -1).reshape(-1)
-    e2m1 = np.asarray([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    bits = lambda nibbles: (e2m1[nibbles] * 2.0 ** (scales.astype(np.float64) - 127)).astype(ml_dtypes.bfloat16).view(
+    bits = lambda nibbles: (E2M1[nibbles] * 2.0 ** (scales.astype(np.float64) - 127)).astype(ml_dtypes.bfloat16).view(
         np.uint16).astype(np.uint32)
     np.testing.assert_array_equal(got, bits(codes & 15) | bits(codes >> 4) << np.uint32(16))
     exact = np.asarray(moe.paired_values(jnp.asarray(codes), moe.pair_factors(jnp.asarray(scales)))).view(np.uint32)
     np.testing.assert_array_equal(got[scales > 1], exact[scales > 1])
+
+
+def test_word_weights_equal_decode():
+    """Bytes re-packed as words (`pack_words`) and decoded in K's order (`word_weights`, its exact form)
+    equal `decode` of the bytes bit for bit, at scales 0 (zero), 1, 100, 127 (one), 200 and 255 (inf:
+    NaN for the codes +-0) and at random bytes and scales; and the words hold each code once: every
+    one of the 32 bits of a word is set by exactly one code (a word of all-ones codes is all ones,
+    of a single code's bits a single field)."""
+    rng = np.random.default_rng()
+    scale_set = np.asarray([0, 1, 100, 127, 200, 255], np.uint8)
+    tiles = [(np.tile(np.arange(256, dtype=np.uint8), (6, 1)), np.repeat(scale_set[:, None], 16, axis=1)),
+             (rng.integers(0, 256, (16, 64), dtype=np.uint8), rng.integers(100, 140, (16, 4), dtype=np.uint8))]
+    for blocks, scales in tiles:
+        words = jax.lax.bitcast_convert_type(moe.pack_words(jnp.asarray(blocks)), jnp.int32)
+        got = np.asarray(moe.word_weights(words, jnp.asarray(scales))).astype(np.float32)
+        want = np.asarray(moe.decode(jnp.asarray(blocks), moe.per_byte(moe.scale_power(jnp.asarray(scales)))))
+        np.testing.assert_array_equal(got, want)
+    assert np.isnan(want).sum() == 0 and np.isnan(got).sum() == 0  # the random tile
+    np.testing.assert_array_equal(np.asarray(moe.unpack_words(moe.pack_words(jnp.asarray(blocks)))), blocks)
+    stack = MXFP4(jnp.asarray(blocks[None]), jnp.asarray(scales[None]))
+    assert moe.to_words(stack).shape == stack.shape == (1, 128, 16) and moe.to_words(stack).words
+    np.testing.assert_array_equal(np.asarray(dequantize(moe.to_words(stack))), np.asarray(dequantize(stack)))
+    ones = np.asarray(moe.pack_words(jnp.full((1, 16), 255, jnp.uint8)))
+    assert (ones == 0xFFFFFFFF).all()
+    for k in range(32):  # code k alone set to 15: 4 bits in its word, none in the others
+        single = np.zeros(16, np.uint8)
+        single[k // 2] = 15 << 4 * (k % 2)
+        bits = [bin(int(w)).count("1") for w in np.asarray(moe.pack_words(jnp.asarray(single[None])))[0]]
+        assert sorted(bits) == [0, 0, 0, 4], (k, bits)
+
+
+def test_words_take_the_row_block_form_only():
+    """A stack of words goes to row blocks at every row count; another form asked for is an error."""
+    x, ids, weights, w_gate_up, w_down, *_ = packed_inputs(5, 1, jnp.bfloat16, False)
+    assert moe.default_form(1, True, words=True) == "row_blocks" and moe.default_form(1, True) == "one_row"
+    for form in ("one_row", "split_k"):
+        with pytest.raises(ValueError, match="row-block form only"):
+            moe_experts_pallas(x, ids, weights, moe.to_words(w_gate_up), moe.to_words(w_down), jnp.int32(LAYER),
+                               interpret=True, form=form)
+
+
+def test_word_ptx_holds_each_words_eight_weights():
+    """The inline PTX of `word_values` itself (run in numpy; interpret mode runs the exact form) gives
+    each word's 4 bf16x2 words bit for bit: float64 e2m1 values times 2^(scale - 127) as bf16 at scales
+    1 (subnormals, which the GPU keeps), 100, 127 and 200, over words of random codes, in the layout
+    `word_weights` reorders (output j of word t is the pair 4 j + t of its group)."""
+    rng = np.random.default_rng()
+    blocks = rng.integers(0, 256, (4, 64), dtype=np.uint8)  # a row per scale, 4 groups each
+    scales = np.asarray([1, 100, 127, 200], np.uint8)
+    words = np.asarray(moe.pack_words(jnp.asarray(blocks)))  # [4, 16]
+    factors = np.broadcast_to(np.asarray(moe.pair_factors(jnp.asarray(scales))).view(np.uint32)[:, None], words.shape)
+    regs = run_ptx(moe.WORD_PTX, {**{f"${4 + j}": words.reshape(-1) for j in range(4)},
+                                  **{f"${8 + j}": factors.reshape(-1) for j in range(4)}})
+    got = np.stack([regs[f"${j}"] for j in range(4)], -1).reshape(4, 4, 4, 4)  # [row, group, t, j]
+    codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(4, 4, 4, 4, 2)  # [row, group, j, t, half]
+    power = 2.0 ** (scales.astype(np.float64) - 127)[:, None, None, None, None]
+    bits = (E2M1[codes] * power).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+    np.testing.assert_array_equal(got, np.swapaxes(bits[..., 0] | bits[..., 1] << np.uint32(16), 2, 3))
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
@@ -243,7 +310,7 @@ def test_moe_kernel_never_reads_unrouted_mxfp4_experts(T):
     routed = np.zeros((L, E, 1, 1), bool)
     routed[LAYER, np.unique(np.asarray(ids))] = True
     poison = lambda w: MXFP4(w.blocks, jnp.where(routed, w.scales, jnp.uint8(255)))
-    for implementation in IMPLEMENTATIONS[1:]:
+    for implementation in PACKED_IMPLEMENTATIONS[1:]:
         clean = run(implementation, inputs, "gpt_oss")
         poisoned = run(implementation, (x, ids, weights, poison(w_gate_up), poison(w_down), *biases), "gpt_oss")
         assert np.isfinite(poisoned).all(), f"{implementation} T={T}: read an unrouted expert or another layer"
