@@ -1,7 +1,7 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
     PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes exact,placed,paired,words]
-        [--out DIR] [--tiny]
+        [--stages 3,4] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
@@ -55,20 +55,21 @@ IMPLEMENTATIONS = {"reference": "XLA", "row_blocks": "row-block kernel", "one_ro
                    "split_k": "split-K kernel"}
 
 
-def experts(implementation: str, *args):
-    """One layer's routed experts by XLA's grouped product, or the kernel in one of its forms."""
+def experts(implementation: str, *args, stages: int = 3):
+    """One layer's routed experts by XLA's grouped product, or the kernel in one of its forms (`stages`:
+    its pipeline's)."""
     if implementation == "reference":
         return kernels.moe_experts(*args, backend="reference")
-    return moe_experts_pallas(*args, interpret=kernels.interpret_default(), form=implementation)
+    return moe_experts_pallas(*args, interpret=kernels.interpret_default(), form=implementation, num_stages=stages)
 
 
-def layer_fn(implementation: str):
+def layer_fn(implementation: str, stages: int):
     """A jitted scan of one MoE layer's experts per (layer, routing) item; returns the outputs' sum."""
     @jax.jit
     def run(x, ids, weights, w_gate_up, w_down):
         def body(total, item):
             layer, ids, weights = item
-            out = experts(implementation, x, ids, weights, w_gate_up, w_down, layer)
+            out = experts(implementation, x, ids, weights, w_gate_up, w_down, layer, stages=stages)
             return total + out.sum(), None
 
         layers = jnp.arange(ids.shape[0], dtype=jnp.int32) % LAYERS
@@ -89,7 +90,7 @@ def random_stacks(fmt: str, shape: dict):
     return stack(jax.random.key(0), D, 2 * F), stack(jax.random.key(1), F, D)
 
 
-def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float) -> dict:
+def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int) -> dict:
     """One row count's times of each implementation that reads `stacks` (words: the reference and row
     blocks), checked against the reference first."""
     words = isinstance(stacks[0], MXFP4) and stacks[0].words
@@ -107,7 +108,7 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float) -> dict:
     rule = default_form(T, isinstance(stacks[0], MXFP4), words)
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
     for implementation in implementations:
-        us = common.seconds_per_call(layer_fn(implementation), x, ids, weights, *stacks) / repeats * 1e6
+        us = common.seconds_per_call(layer_fn(implementation, stages), x, ids, weights, *stacks) / repeats * 1e6
         row |= {f"{implementation}_us": us, f"{implementation}_over_floor": us / floor_us}
     return row
 
@@ -120,6 +121,8 @@ def main():
     p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
                    help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact, paired "
                         "(moe.PAIRED_DECODE, the default) and words (moe.to_words stacks, row blocks only)")
+    p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
+                   help="the kernels' pipeline stages to time, comma-separated (num_stages)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
@@ -138,12 +141,14 @@ def main():
             moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
             jax.clear_caches()
             timed = tuple(map(moe.to_words, stacks)) if decode == "words" else stacks
-            row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"])
-            result["rows"].append({"decode": decode} | row)
-            print(result["rows"][-1], flush=True)
-            common.write_json(path, result)
+            for stages in args.stages:
+                row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages)
+                result["rows"].append({"decode": decode, "stages": stages} | row)
+                print(result["rows"][-1], flush=True)
+                common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
-        ("T", "rows", "d"), ("decode", "decode", "s"), ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
+        ("T", "rows", "d"), ("decode", "decode", "s"), ("stages", "stages", "d"),
+        ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],
         ("rule", "rule", "s"), ("max rel err", "max_rel_err", ".1e")]))
