@@ -74,9 +74,9 @@ PACKED_STEP_ELEMENTS = 128 * 64
 GATE_UP_COLUMNS = 64  # the first call's columns per program, of the gate and of the up half each
 DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
 # MXFP4 words' K step at most: a decode step's 32-column gate/up blocks at 256 spill (sm_90: 254 registers).
-# Blocks of words narrower than WGMMA_COLUMNS (a decode step's: the matrix unit's operand A is the
-# columns) take NARROW_WORD_WARPS warps: with 4, Triton's warps split the block's rows too and decode
-# each word twice (sm_90 SASS: 8.3 instructions a weight in the gate/up loop against 4.3 with 2).
+# Blocks of words narrower than WGMMA_COLUMNS (a decode step's: below a warpgroup's operand A, so
+# mma.sync) take NARROW_WORD_WARPS warps: each thread then decodes twice the weights a step against the
+# loop's fixed costs (sm_90 SASS, one row: 5.0 instructions a weight in the gate/up loop against 7.0 with 4).
 WORD_STEP = 128
 WGMMA_COLUMNS = 64
 NARROW_WORD_WARPS = 2
@@ -316,7 +316,8 @@ def paired_weights(codes, scales):
 # need 5 distinct nonzero ones (none tiles with one rotation an output). Word t of a group holds the
 # code pairs (2p, 2p + 1) with p = 4 j + t: Hopper's register operand gives lane t of a quad the pairs
 # t and t + 4 of each 16 of K, so the words' reorder into K's order (`word_weights`) is a relabelling of
-# registers once compiled (sm_90 SASS: no shuffles, no shared-memory round trip).
+# registers once compiled (sm_90 SASS of a warpgroup's product: no shuffles, no shared-memory round trip;
+# mma.sync's, below 64 columns, takes one).
 WORD_ROTATIONS = ((0, 4), (3, 3), (6, 6), (9, 5))  # (magnitude_j, sign_j): right rotations for output j
 WORD_MAGNITUDE, WORD_SIGN = 0x01C001C0, 0x80008000
 
@@ -339,58 +340,55 @@ def pack_words(blocks):
 word_values_p = Primitive("mxfp4_word_values")
 
 
-def word_values(words, factors):
-    """int32 [..., n, 4]: the 4 bf16x2 words of each MXFP4 word of `words` [..., n] (int32, `pack_words`'
-    bits), each value times its group's 2^(scale - 127), which `factors` [..., n] hold as `pair_factors`
-    does. Inside a Triton kernel by inline PTX (`WORD_PTX`: 5 rotations, 4 masks-and-ors, 8 bf16x2
-    multiplies a word), elsewhere by `e2m1`."""
-    return word_values_p.bind(words, factors)
+def word_values(words, factors, j: int):
+    """int32 [..., n]: bf16x2 word j (0..3) of each MXFP4 word of `words` [..., n] (int32, `pack_words`'
+    bits), its two values times their group's 2^(scale - 127), which `factors` [..., n] hold as
+    `pair_factors` does. Inside a Triton kernel by inline PTX (`WORD_PTX[j]`: one or two rotations, a
+    mask-and-or, two bf16x2 multiplies), elsewhere by `e2m1`."""
+    return word_values_p.bind(words, factors, j=j)
 
 
-def _word_codes(words):
-    """int32 [..., n, 4, 2]: the codes (s e1 e0 m) of each word's output j, low half first."""
+def _word_codes(words, j: int):
+    """int32 [..., n, 2]: the codes (s e1 e0 m) of each word's output j, low half first."""
     rotr = lambda x, n: lax.shift_right_logical(x, n) | (x << (32 - n)) if n else x
-    out = []
-    for magnitude, sign in WORD_ROTATIONS:
-        bits = (rotr(words, magnitude) & WORD_MAGNITUDE) | (rotr(words, sign) & jnp.int32(WORD_SIGN - (1 << 32)))
-        out.append(jnp.stack([(lax.shift_right_logical(bits, 6 + 16 * h) & 7)
-                              | (lax.shift_right_logical(bits, 12 + 16 * h) & 8) for h in range(2)], axis=-1))
-    return jnp.stack(out, axis=-2)
+    magnitude, sign = WORD_ROTATIONS[j]
+    bits = (rotr(words, magnitude) & WORD_MAGNITUDE) | (rotr(words, sign) & jnp.int32(WORD_SIGN - (1 << 32)))
+    return jnp.stack([(lax.shift_right_logical(bits, 6 + 16 * h) & 7) | (lax.shift_right_logical(bits, 12 + 16 * h) & 8)
+                      for h in range(2)], axis=-1)
 
 
-def _word_exact(words, factors):
+def _word_exact(words, factors, j: int):
     """`word_values` by `e2m1`: exact on every platform (every decoded weight is a bf16)."""
-    power = scale_power(lax.shift_right_logical(factors, 7) & 255)[..., None, None]
-    bits = lax.bitcast_convert_type((e2m1(_word_codes(words)) * power).astype(jnp.bfloat16), jnp.uint16)
+    power = scale_power(lax.shift_right_logical(factors, 7) & 255)[..., None]
+    bits = lax.bitcast_convert_type((e2m1(_word_codes(words, j)) * power).astype(jnp.bfloat16), jnp.uint16)
     bits = bits.astype(jnp.int32)
     return bits[..., 0] | (bits[..., 1] << 16)
 
 
-def _word_ptx_output(j: int) -> str:
-    """Output $j of the word $(4 + j) (the same word in all four: `pack` hands one element each)."""
-    (magnitude, sign), w = WORD_ROTATIONS[j], f"${4 + j}"
-    rotate = lambda dest, n: f"shf.r.wrap.b32 {dest}, {w}, {w}, {n};" if n else f"mov.b32 {dest}, {w};"
+def _word_ptx_text(j: int) -> str:
+    """Output j ($0) of the word $1 times the factor $2. One asm a word and output, not one with four
+    outputs: an asm must be elementwise, since Triton packs a thread's elements in its layout's order."""
+    magnitude, sign = WORD_ROTATIONS[j]
+    rotate = lambda dest, n: f"shf.r.wrap.b32 {dest}, $1, $1, {n};" if n else f"mov.b32 {dest}, $1;"
     if magnitude == sign:
         place = [rotate("a", magnitude), f"and.b32 a, a, {WORD_MAGNITUDE | WORD_SIGN:#x};"]
     else:
         place = [rotate("a", magnitude), rotate("b", sign), f"and.b32 a, a, {WORD_MAGNITUDE:#x};",
                  f"and.b32 b, b, {WORD_SIGN:#x};", "or.b32 a, a, b;"]
-    return "\n".join(place + ["mul.rn.bf16x2 a, a, two126;", f"mul.rn.bf16x2 ${j}, a, ${8 + j};"])
+    return "\n".join(["{", ".reg .b32 a, b, two126;", "mov.b32 two126, 0x7E807E80;", *place,
+                      "mul.rn.bf16x2 a, a, two126;", "mul.rn.bf16x2 $0, a, $2;", "}"])
 
 
-WORD_PTX = ("{\n.reg .b32 a, b, two126;\nmov.b32 two126, 0x7E807E80;\n"
-            + "\n".join(_word_ptx_output(j) for j in range(4)) + "\n}")
+WORD_PTX = tuple(_word_ptx_text(j) for j in range(4))
 
 
-def _word_ptx(words, factors):
-    spread = lambda a: jnp.broadcast_to(a[..., None], (*a.shape, 4))
-    [values] = plgpu.elementwise_inline_asm(WORD_PTX, args=[spread(words), spread(factors)],
-                                            constraints="=r,=r,=r,=r," + ",".join(["r"] * 8), pack=4,
-                                            result_shape_dtypes=[jax.ShapeDtypeStruct((*words.shape, 4), jnp.int32)])
+def _word_ptx(words, factors, j: int):
+    [values] = plgpu.elementwise_inline_asm(WORD_PTX[j], args=[words, factors], constraints="=r,r,r", pack=1,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
     return values
 
 
-word_values_p.def_abstract_eval(lambda words, factors: jax.core.ShapedArray((*words.shape, 4), jnp.int32))
+word_values_p.def_abstract_eval(lambda words, factors, j: jax.core.ShapedArray(words.shape, jnp.int32))
 word_values_p.def_impl(_word_exact)
 mlir.register_lowering(word_values_p, mlir.lower_fun(_word_exact, multiple_results=False))
 triton_lowering.register_lowering(word_values_p)(triton_lowering.lower_fun(_word_ptx, multiple_results=False))
@@ -401,7 +399,11 @@ def word_weights(words, scales):
     [columns, n/4] in K's order, by `word_values` (output j of a group's word t is the pair 4 j + t)."""
     columns, n = words.shape
     factors = jnp.broadcast_to(pair_factors(scales)[:, :, None], (columns, n // 4, 4)).reshape(columns, n)
-    pairs = jnp.swapaxes(word_values(words, factors).reshape(columns, n // 4, 4, 4), 2, 3).reshape(columns, 4 * n)
+    out = [word_values(words, factors, j) for j in range(4)]
+    # [columns, group, t, j_low, j_high] (j = 2 j_high + j_low; Triton stacks on the last axis only)
+    # -> [columns, group, j_high, j_low, t]
+    pairs = jnp.stack([jnp.stack(out[:2], axis=-1), jnp.stack(out[2:], axis=-1)], axis=-1)
+    pairs = jnp.transpose(pairs.reshape(columns, n // 4, 4, 2, 2), (0, 1, 4, 3, 2)).reshape(columns, 4 * n)
     half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
     return jnp.stack([half(pairs), half(lax.shift_right_logical(pairs, 16))], axis=-1).reshape(columns, 8 * n)
 
@@ -413,7 +415,8 @@ def to_words(w: MXFP4) -> MXFP4:
 
 def unpack_words(words):
     """uint8 [..., 4n]: the MXFP4 bytes of `pack_words` words [..., n] (uint32): its inverse."""
-    codes = _word_codes(lax.bitcast_convert_type(words, jnp.int32))  # [..., 4 groups, 4 (j), 2 (half)]
+    signed = lax.bitcast_convert_type(words, jnp.int32)
+    codes = jnp.stack([_word_codes(signed, j) for j in range(4)], axis=-2)  # [..., n, 4 (j), 2 (half)]
     codes = jnp.swapaxes(codes.reshape(*words.shape[:-1], words.shape[-1] // 4, 4, 4, 2), -3, -2)
     return (codes[..., 0] | (codes[..., 1] << 4)).reshape(*words.shape[:-1], 4 * words.shape[-1]).astype(jnp.uint8)
 

@@ -5,6 +5,8 @@ NaN in every other layer and in every expert no token routes to, which it must n
 mode fills unwritten kernel outputs with NaN, so a row the kernel forgot shows too. Both again with
 MXFP4 stacks (random codes and scales, F = 64: whole scale groups), against the loop over their
 dequantized weights; poisoned there by scale 255 (inf after decoding)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -199,6 +201,7 @@ def run_ptx(ptx: str, args: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     n: the low word of b:a >> (n mod 32); mul.rn.bf16x2 in float32 (the products here are of powers of
     two: exact, subnormals kept, as the GPU keeps them)."""
     regs = {k: v.astype(np.uint32) for k, v in args.items()}
+    shape = next(iter(regs.values())).shape
     value = lambda x: regs[x] if x in regs else np.uint32(int(x, 0))
     halves = lambda w: np.stack([w & 0xFFFF, w >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
@@ -212,7 +215,7 @@ def run_ptx(ptx: str, args: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                    for i in range(4))
 
     funnel = lambda a, b, n: ((a >> n) | (b << (np.uint32(32) - n))) if n else a  # shf.r.wrap: b:a >> n
-    ops = {"mov.b32": lambda a: a + np.zeros_like(regs["$4"]), "shr.u32": lambda a, n: a >> n,
+    ops = {"mov.b32": lambda a: a + np.zeros(shape, np.uint32), "shr.u32": lambda a, n: a >> n,
            "shf.r.wrap.b32": lambda a, b, n: funnel(a, b, n % 32),
            "shl.b32": lambda a, n: a << n, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
            "prmt.b32": prmt, "mul.rn.bf16x2": lambda a, b: word(halves(a) * halves(b))}
@@ -283,18 +286,21 @@ def test_words_take_the_row_block_form_only():
 
 
 def test_word_ptx_holds_each_words_eight_weights():
-    """The inline PTX of `word_values` itself (run in numpy; interpret mode runs the exact form) gives
-    each word's 4 bf16x2 words bit for bit: float64 e2m1 values times 2^(scale - 127) as bf16 at scales
-    1 (subnormals, which the GPU keeps), 100, 127 and 200, over words of random codes, in the layout
-    `word_weights` reorders (output j of word t is the pair 4 j + t of its group)."""
+    """The inline PTX of `word_values` itself (run in numpy; interpret mode runs the exact form), each of
+    the four outputs over words of random codes, gives the bf16x2 words bit for bit: float64 e2m1 values
+    times 2^(scale - 127) as bf16 at scales 1 (subnormals, which the GPU keeps), 100, 127 and 200, in the
+    layout `word_weights` reorders (output j of word t is the pair 4 j + t of its group). Each asm reads
+    one word and one factor and writes one output: elementwise, as Triton's packing requires (an asm
+    whose outputs took different words' rotations would compute garbage in a kernel)."""
     rng = np.random.default_rng()
     blocks = rng.integers(0, 256, (4, 64), dtype=np.uint8)  # a row per scale, 4 groups each
     scales = np.asarray([1, 100, 127, 200], np.uint8)
     words = np.asarray(moe.pack_words(jnp.asarray(blocks)))  # [4, 16]
     factors = np.broadcast_to(np.asarray(moe.pair_factors(jnp.asarray(scales))).view(np.uint32)[:, None], words.shape)
-    regs = run_ptx(moe.WORD_PTX, {**{f"${4 + j}": words.reshape(-1) for j in range(4)},
-                                  **{f"${8 + j}": factors.reshape(-1) for j in range(4)}})
-    got = np.stack([regs[f"${j}"] for j in range(4)], -1).reshape(4, 4, 4, 4)  # [row, group, t, j]
+    for ptx in moe.WORD_PTX:
+        assert re.findall(r"\$\d", ptx) and set(re.findall(r"\$\d", ptx)) == {"$0", "$1", "$2"}, ptx
+    got = np.stack([run_ptx(ptx, {"$1": words, "$2": factors})["$0"] for ptx in moe.WORD_PTX], -1)
+    got = got.reshape(4, 4, 4, 4)  # [row, group, t, j]
     codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(4, 4, 4, 4, 2)  # [row, group, j, t, half]
     power = 2.0 ** (scales.astype(np.float64) - 127)[:, None, None, None, None]
     bits = (E2M1[codes] * power).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
