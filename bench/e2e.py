@@ -71,10 +71,10 @@ GAMMA, RATIO = 6, 0.07
 def spec_of(method: str, shape: str, backend: str, tuning: dict | None = None, metric: str | None = None,
             ratio: float | None = None, balance: float | None = None, select_every: int | None = None,
             head=None) -> SpecConfig:
-    """'chain:G' or '<bfs|dfs>:b1,b2,...' -> the method's SpecConfig (`spec_from_settings`): the tuned
-    choice of `method` in `tuning` (its settings at the batch) sets the ratio, metric, balance and
-    select_every unless they are given, and replaces a chain's gamma (its tree is not used: the shape
-    is); plain takes none of them; eagle takes the head's config `head`."""
+    """'chain:G' or '<bfs|dfs>:TREE' (a --tree: 3,2 or 5,3+1) -> the method's SpecConfig
+    (`spec_from_settings`): the tuned choice of `method` in `tuning` (its settings at the batch) sets the
+    ratio, metric, balance and select_every unless they are given, and replaces a chain's gamma (its
+    tree is not used: the shape is); plain takes none of them; eagle takes the head's config `head`."""
     if method == "plain":
         return spec_from_settings(backend=backend)
     choice = (tuning or {}).get(method, {})

@@ -1,7 +1,8 @@
-"""Greedy tokens an iteration of any static draft tree for an EAGLE-3 head, replayed exactly (CPU, float32).
+"""Tokens an iteration of any static draft tree for an EAGLE-3 head, replayed exactly (CPU, float32).
 
     PYTHONPATH=. python3 bench/tree_replay.py [--heads checkpoints/eagle3-smollm2,DIR] [--new 256]
                                               [--shapes 3,2 3,2,1 ...] [--sizes 6,9,12,15]
+                                              [--sampling greedy|sample] [--seeds N] [--oov-ceiling]
                                               [--out bench/results/tree_replay_cpu.json]
 
 On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token. On a
@@ -39,6 +40,7 @@ from bench.head_quality import answer
 from jaxspec.corpus import REQUESTS
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.tree import TreeShape
+from jaxspec.errors import JaxspecError
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle
@@ -149,6 +151,13 @@ def main(argv=None) -> None:
                    help="node counts of the grown trees (each at depths 2, 3 and 4)")
     p.add_argument("--out", type=Path, default=common.RESULTS / "tree_replay_cpu.json")
     args = p.parse_args(argv)
+    for shape in args.shapes:
+        try:
+            tree = TreeShape.parse(shape)
+        except JaxspecError as e:
+            p.error(str(e))
+        if tree.depth > DEPTH or tree.max_branching > RANKS:  # deeper: past the ranks' columns; wider: never drafted
+            p.error(f"--shapes {shape}: the replay ranks {RANKS} drafts a node at {DEPTH} depths")
     cfg, params, tokenizer = load_model(args.model, dtype="float32")
     template = lambda prompt: tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                             add_generation_prompt=True)

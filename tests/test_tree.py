@@ -58,7 +58,9 @@ def test_each_node_its_own_children():
         tree = TreeShape.parse(text)
         assert TreeShape.parse(tree.text) == tree and tree.text == text
     assert TreeShape.parse("2,1+0,1").branching != TreeShape.parse("2,1,1").branching
-    assert TreeShape.parse("3,2+2+2").rows == TreeShape.parse("3,2").rows and TreeShape.parse("1,1+0").is_chain
+    # one tree, one name: a count for every node, all equal, is that number (one compile, one table entry)
+    assert TreeShape.parse("3,2+2+2") == TreeShape.parse("3,2") and TreeShape.parse("3,2+2+2").text == "3,2"
+    assert TreeShape.parse("1,1+0") == TreeShape.chain(2) and TreeShape((1, [1])) == TreeShape.chain(2)
 
 
 @pytest.mark.parametrize("text", ["4,0", "a,b", "8,8", "", "3,2+2+2+2", "2,0+0", "2,1+-1", "2,1+", "1000,1000,1000,1000"])

@@ -48,8 +48,8 @@ def takes_draft_model(method: str, weights: str, skip: tuple[int, ...] = ()) -> 
 class SpecConfig:
     """How to decode: the method, the draft tree and the sparse budget.
 
-    Drafts form a tree (`tree`: branching per depth, flattened in `traversal` order); without one,
-    a chain of `gamma` drafts, the tree (1, ..., 1). With a tree, gamma is its depth.
+    Drafts form a tree (`tree`: children per depth, or per node of a depth, flattened in `traversal`
+    order); without one, a chain of `gamma` drafts, the tree (1, ..., 1). With a tree, gamma is its depth.
 
     Sparse drafters select K = clamp(ceil(ratio * context), min_tokens, k_max) KV entries, never more
     than there are candidates. `k_max` is the static selection capacity (by

@@ -57,19 +57,22 @@ class TreeShape:
     order: str = "bfs"
 
     def __post_init__(self):
-        object.__setattr__(self, "branching", tuple(_depth_branching(b) for b in self.branching))
         if not self.branching:
             raise JaxspecError("a tree needs at least one depth")
         if self.order not in ORDERS:
             raise JaxspecError(f"--traversal must be bfs or dfs, got {self.order!r}")
-        nodes, rows = 1, 1  # counted before the rows are listed: a tree too large is an error, not a long loop
+        text = branching_text(self.branching)
+        branching, nodes, rows = [], 1, 1  # counted before the rows are listed: too large a tree is an error
         for b in self.branching:
+            b = _depth_branching(b, nodes)
             if isinstance(b, tuple) and len(b) > nodes:
-                raise JaxspecError(f"tree {self.text}: {len(b)} children counts for a depth of {nodes} nodes")
+                raise JaxspecError(f"tree {text}: {len(b)} children counts for a depth of {nodes} nodes")
+            branching.append(b)
             nodes = b * nodes if isinstance(b, int) else sum(b)
             rows += nodes
             if rows > MAX_TREE_ROWS:
-                raise JaxspecError(f"tree {self.text} verifies more than {MAX_TREE_ROWS} rows")
+                raise JaxspecError(f"tree {text} verifies more than {MAX_TREE_ROWS} rows")
+        object.__setattr__(self, "branching", tuple(branching))
 
     @classmethod
     def parse(cls, text: str, order: str = "bfs") -> TreeShape:
@@ -136,11 +139,13 @@ class TreeShape:
         return runs
 
     def kids(self, rows: np.ndarray) -> np.ndarray:
-        """[..., width] int32: the child rows of `rows` (all of one depth) in sibling order, where a drafter
-        scatters their tokens; `self.rows`, out of range, where a node has fewer children than the
-        depth's width (a scatter with mode="drop" leaves it out)."""
+        """[..., width] int32: the child rows of `rows` (of one width: a depth's, or a drafting segment's
+        depths of equal width) in sibling order, where a drafter scatters their tokens; `self.rows`, out
+        of range, where a node has fewer children than the width (a scatter with mode="drop" leaves it out)."""
         rows = np.asarray(rows)
-        kids = self.children[rows][..., : self.widths[int(self.node_depth[rows.flat[0]])]]
+        widths = {self.widths[int(d)] for d in np.unique(self.node_depth[rows])}
+        assert len(widths) == 1, f"kids of rows of widths {sorted(widths)}"
+        kids = self.children[rows][..., : widths.pop()]
         return np.where(kids < 0, self.rows, kids)
 
     @functools.cached_property
@@ -185,16 +190,17 @@ class TreeShape:
         return paths if self.order == "bfs" else sorted(paths)
 
 
-def _depth_branching(b) -> int | tuple[int, ...]:
-    """One depth's branching, checked: a number >= 1, or per-node counts >= 0 with one child at least
-    (trailing zeros dropped)."""
+def _depth_branching(b, nodes: int) -> int | tuple[int, ...]:
+    """One depth's branching below `nodes` nodes, checked: a number >= 1, or per-node counts >= 0 with
+    one child at least (trailing zeros dropped: nodes without children; one count for every node, all
+    equal, is that number: 3,2+2+2 is 3,2, so one tree has one name, one table entry and one compile)."""
     if isinstance(b, (list, tuple)):
         counts = tuple(int(n) for n in b)
         while counts and counts[-1] == 0:
             counts = counts[:-1]
         if not counts or min(counts) < 0:
             raise JaxspecError(f"a depth's children counts need one child at least and none below 0, got {b}")
-        return counts
+        return counts[0] if len(counts) == nodes and len(set(counts)) == 1 else counts
     if int(b) < 1:
         raise JaxspecError(f"a tree needs every branching >= 1, got {b}")
     return int(b)
@@ -226,7 +232,7 @@ def tree_accept(
     target_logits [B, rows, V]: raw target logits at every row; backend: the kernel backend of the
     target's cutoffs (the one its plain decoding uses).
     Returns (num_accepted [B] int32 in [0, D], path [B, D + 1] int32: the rows of the accepted path,
-    root first (entries past num_accepted are the root and unspecified), emitted [B, D + 1] int32: the
+    root first (entries past num_accepted unspecified), emitted [B, D + 1] int32: the
     accepted drafts then the recovered or bonus token; entries past num_accepted are unspecified).
     """
     B = tokens.shape[0]
