@@ -1,7 +1,7 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
     PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes exact,placed,paired,words]
-        [--stages 3,4] [--out DIR] [--tiny]
+        [--stages 3,4] [--word-columns 32,64] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
@@ -25,6 +25,7 @@ shapes on the CPU, the kernel in interpret mode: a smoke test of this script) an
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 import jax
@@ -123,6 +124,8 @@ def main():
                         "(moe.PAIRED_DECODE, the default) and words (moe.to_words stacks, row blocks only)")
     p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
                    help="the kernels' pipeline stages to time, comma-separated (num_stages)")
+    p.add_argument("--word-columns", default="32", type=lambda s: [int(n) for n in s.split(",")],
+                   help="words: the narrowest column blocks to time, comma-separated (moe.WORD_MIN_COLUMNS)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
@@ -141,13 +144,16 @@ def main():
             moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
             jax.clear_caches()
             timed = tuple(map(moe.to_words, stacks)) if decode == "words" else stacks
-            for stages in args.stages:
+            for columns, stages in itertools.product(args.word_columns if decode == "words" else [None], args.stages):
+                if columns:
+                    moe.WORD_MIN_COLUMNS = columns
+                    jax.clear_caches()
                 row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages)
-                result["rows"].append({"decode": decode, "stages": stages} | row)
+                result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages} | row)
                 print(result["rows"][-1], flush=True)
                 common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
-        ("T", "rows", "d"), ("decode", "decode", "s"), ("stages", "stages", "d"),
+        ("T", "rows", "d"), ("decode", "decode", "s"), ("word columns", "word_columns", "d"), ("stages", "stages", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],

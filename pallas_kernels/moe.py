@@ -80,6 +80,10 @@ DOWN_COLUMNS = 128  # the second call's columns per program (one accumulator)
 WORD_STEP = 128
 WGMMA_COLUMNS = 64
 NARROW_WORD_WARPS = 2
+# Blocks of words at least this wide: 64 keeps a decode step on the warpgroup's product (no round trip,
+# fewer instructions a weight) at half the programs (180 at gpt-oss-20b's one row, against 132 SMs);
+# 32 (the default) fills the GPU. bench/moe.py --word-columns times both.
+WORD_MIN_COLUMNS = 32
 MAX_ROWS = 64  # rows per row block: an expert's further rows take further blocks, re-reading its tile
 MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # A decode step's single row with MXFP4 stacks takes the one-row kernels: float32 multiply-and-sum in
@@ -503,12 +507,12 @@ def block_rows(assignments: int, slots: int) -> int:
     return min(max(MIN_TILE, next_pow2(2 * -(-assignments // slots))), MAX_ROWS)
 
 
-def column_block(N: int, widest: int, slots: int) -> int:
+def column_block(N: int, widest: int, slots: int, narrowest: int = MIN_TILE) -> int:
     """Columns per program: the widest divisor of N up to `widest` that still gives TARGET_PROGRAMS
-    (slot, column block) programs, else the narrowest: a decode step's few experts need narrow blocks
-    to fill the GPU."""
+    (slot, column block) programs, else the narrowest (at least `narrowest`): a decode step's few
+    experts need narrow blocks to fill the GPU."""
     block = divisor(N, widest)
-    while block > MIN_TILE and slots * (N // block) < TARGET_PROGRAMS and N % (block // 2) == 0:
+    while block > narrowest and slots * (N // block) < TARGET_PROGRAMS and N % (block // 2) == 0:
         block //= 2
     return block
 
@@ -802,7 +806,9 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         gate_up_splits = k_splits(D, S * (F // bf), gate_up_packed)
         down_splits = k_splits(F, S * (D // bd), down_packed)
     else:
-        bf, bd = column_block(F, GATE_UP_COLUMNS, S), column_block(D, DOWN_COLUMNS, S)
+        narrowest = lambda words: WORD_MIN_COLUMNS if words else MIN_TILE
+        bf = column_block(F, GATE_UP_COLUMNS, S, narrowest(gate_up_words))
+        bd = column_block(D, DOWN_COLUMNS, S, narrowest(down_words))
         gate_up_splits = down_splits = 1
     step = (lambda K, columns, packed, words: row_step(K, columns)) if one_row else step_rows
     out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(

@@ -247,13 +247,15 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (64, 32, 2880, 2880, 4, "gpt_oss", "paired", None),  # the same through paired_weights' PTX (moe.PAIRED_DECODE)
     (64, 32, 2880, 2880, 4, "gpt_oss", "words", None),  # the experts as moe.to_words words (word_weights' PTX)
     (1, 32, 2880, 2880, 4, "gpt_oss", "words", None),   # a decode step's row through them: row blocks of 16
+    (1, 32, 2880, 2880, 4, "gpt_oss", "words64", None),  # the same in 64-column blocks (moe.WORD_MIN_COLUMNS)
 ])
 def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed, form):
     monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")
     monkeypatch.setattr(moe, "PAIRED_DECODE", packed == "paired")
     monkeypatch.setattr(moe, "PLACED_DECODE", packed != "exact")
+    monkeypatch.setattr(moe, "WORD_MIN_COLUMNS", 64 if packed == "words64" else moe.WORD_MIN_COLUMNS)
     biased = activation == "gpt_oss"
-    codes = lambda K, N: (spec((2, E, N, K // 8), jnp.uint32) if packed == "words"
+    codes = lambda K, N: (spec((2, E, N, K // 8), jnp.uint32) if packed in ("words", "words64")
                           else spec((2, E, N, K // 2), jnp.uint8))
     stack = lambda K, N: (MXFP4(codes(K, N), spec((2, E, N, K // 32), jnp.uint8)) if packed
                           else spec((2, E, K, N), jnp.bfloat16))
