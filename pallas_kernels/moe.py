@@ -221,11 +221,12 @@ def mxfp4_dot(acc, x, codes, scales):
     return mxfp4_dot_p.bind(acc, x, codes, scales)
 
 
-def per_byte(groups):
-    """[columns, 16 n]: each of groups [columns, n] (an MXFP4 scale a group, or its power) for each of
-    its group's MXFP4_GROUP // 2 bytes, by a broadcast and a reshape (a kernel has no repeat)."""
+def per_byte(groups, units: int = MXFP4_GROUP // 2):
+    """[columns, units n]: each of groups [columns, n] (an MXFP4 scale a group, or its power) for each of
+    its group's `units` (its MXFP4_GROUP // 2 bytes, or 4 `pack_words` words), by a broadcast and a
+    reshape (a kernel has no repeat)."""
     columns, n = groups.shape
-    return jnp.broadcast_to(groups[:, :, None], (columns, n, MXFP4_GROUP // 2)).reshape(columns, n * MXFP4_GROUP // 2)
+    return jnp.broadcast_to(groups[:, :, None], (columns, n, units)).reshape(columns, n * units)
 
 
 def _mxfp4_dot_reference(acc, x, codes, scales):
@@ -266,12 +267,18 @@ def pair_factors(scales):
     return (s << 7) | (s << 23)
 
 
+def _exact_pair(low, high, factors):
+    """int32: e2m1 codes low and high (int32) times 2^(scale - 127) of `factors` (`pair_factors`) as one
+    bf16x2 word, low in the low half, by `e2m1`: exact on every platform (every such weight is a bf16)."""
+    power = scale_power(lax.shift_right_logical(factors, 7) & 255)
+    half = lambda code: lax.bitcast_convert_type((e2m1(code) * power).astype(jnp.bfloat16), jnp.uint16)
+    return half(low).astype(jnp.int32) | (half(high).astype(jnp.int32) << 16)
+
+
 def _paired_exact(codes, factors):
-    """`paired_values` by `e2m1`: exact on every platform (every decoded weight is a bf16)."""
-    c, power = codes.astype(jnp.int32), scale_power(lax.shift_right_logical(factors, 7) & 255)
-    bf16 = lambda nibble: (e2m1(nibble) * power).astype(jnp.bfloat16)
-    half = lambda nibble: lax.bitcast_convert_type(bf16(nibble), jnp.uint16).astype(jnp.int32)
-    return half(c & 15) | (half(c >> 4) << 16)
+    """`paired_values` by `e2m1`."""
+    c = codes.astype(jnp.int32)
+    return _exact_pair(c & 15, c >> 4, factors)
 
 
 def _pair_ptx(j: int) -> str:
@@ -302,14 +309,18 @@ mlir.register_lowering(paired_values_p, mlir.lower_fun(_paired_exact, multiple_r
 triton_lowering.register_lowering(paired_values_p)(triton_lowering.lower_fun(_paired_ptx, multiple_results=False))
 
 
+def _split_pairs(pairs):
+    """bf16 [columns, 2n]: the two halves of each bf16x2 word of pairs [columns, n] (int32), low first."""
+    half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+    low, high = half(pairs), half(lax.shift_right_logical(pairs, 16))
+    return jnp.stack([low, high], axis=-1).reshape(pairs.shape[0], 2 * pairs.shape[1])
+
 def paired_weights(codes, scales):
     """bf16 [columns, 2n]: the weights of MXFP4 bytes codes [columns, n] and their scales [columns, n/16]
     in K's order, by `paired_values` (the two halves of each word split and joined again: compiled,
     the words are the matrix unit's operand registers as they are)."""
-    pairs = paired_values(codes, per_byte(pair_factors(scales)))
-    half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
-    low, high = half(pairs), half(lax.shift_right_logical(pairs, 16))
-    return jnp.stack([low, high], axis=-1).reshape(codes.shape[0], 2 * codes.shape[1])
+    return _split_pairs(paired_values(codes, per_byte(pair_factors(scales))))
+
 
 
 # MXFP4 words (`pack_words`): each scale group's 32 codes re-packed into 4 uint32 words so that a thread
@@ -363,11 +374,9 @@ def _word_codes(words, j: int):
 
 
 def _word_exact(words, factors, j: int):
-    """`word_values` by `e2m1`: exact on every platform (every decoded weight is a bf16)."""
-    power = scale_power(lax.shift_right_logical(factors, 7) & 255)[..., None]
-    bits = lax.bitcast_convert_type((e2m1(_word_codes(words, j)) * power).astype(jnp.bfloat16), jnp.uint16)
-    bits = bits.astype(jnp.int32)
-    return bits[..., 0] | (bits[..., 1] << 16)
+    """`word_values` by `e2m1`."""
+    codes = _word_codes(words, j)
+    return _exact_pair(codes[..., 0], codes[..., 1], factors)
 
 
 def _word_ptx_text(j: int) -> str:
@@ -403,14 +412,12 @@ def word_weights(words, scales):
     """bf16 [columns, 8n]: the weights of MXFP4 words [columns, n] (int32, `pack_words`) and their scales
     [columns, n/4] in K's order, by `word_values` (output j of a group's word t is the pair 4 j + t)."""
     columns, n = words.shape
-    factors = jnp.broadcast_to(pair_factors(scales)[:, :, None], (columns, n // 4, 4)).reshape(columns, n)
+    factors = per_byte(pair_factors(scales), units=4)
     out = [word_values(words, factors, j) for j in range(4)]
     # [columns, group, t, j_low, j_high] (j = 2 j_high + j_low; Triton stacks on the last axis only)
     # -> [columns, group, j_high, j_low, t]
     pairs = jnp.stack([jnp.stack(out[:2], axis=-1), jnp.stack(out[2:], axis=-1)], axis=-1)
-    pairs = jnp.transpose(pairs.reshape(columns, n // 4, 4, 2, 2), (0, 1, 4, 3, 2)).reshape(columns, 4 * n)
-    half = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
-    return jnp.stack([half(pairs), half(lax.shift_right_logical(pairs, 16))], axis=-1).reshape(columns, 8 * n)
+    return _split_pairs(jnp.transpose(pairs.reshape(columns, n // 4, 4, 2, 2), (0, 1, 4, 3, 2)).reshape(columns, 4 * n))
 
 
 def to_words(w: MXFP4) -> MXFP4:
