@@ -17,8 +17,8 @@ against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count
 decode of the codes in the kernels (`exact`: `moe.e2m1`; `placed`: `moe.PLACED_DECODE`, the codes' bits
 placed, exact only where float32 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the
 row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in
-inline PTX; `words`: the stacks re-packed once as `moe.to_words` words, which only the row-block form
-reads, a word's 8 codes into 4 bf16x2 words), in this process, the compiled programs dropped between
+inline PTX; `words`: the stacks re-packed once as `moe.to_words` words, which the row-block and one-row
+forms read, a word's 8 codes into 4 bf16x2 words), in this process, the compiled programs dropped between
 them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json; --tiny: moe_tiny.json / moe_mxfp4_tiny.json, small
 shapes on the CPU, the kernel in interpret mode: a smoke test of this script) and prints a table last.
 """
@@ -92,10 +92,10 @@ def random_stacks(fmt: str, shape: dict):
 
 
 def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int) -> dict:
-    """One row count's times of each implementation that reads `stacks` (words: the reference and row
-    blocks), checked against the reference first."""
+    """One row count's times of each implementation that reads `stacks` (words: all but split K),
+    checked against the reference first."""
     words = isinstance(stacks[0], MXFP4) and stacks[0].words
-    implementations = ("reference", "row_blocks") if words else tuple(IMPLEMENTATIONS)
+    implementations = tuple(i for i in IMPLEMENTATIONS if not (words and i == "split_k"))
     D, E, k = shape["D"], shape["E"], shape["k"]
     x = jax.random.normal(jax.random.key(T), (T, D), jnp.bfloat16)
     ids, weights = routing(jax.random.key(1000 + T), repeats, T, E, k)
@@ -106,7 +106,7 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int)
     distinct = float(np.mean([len(np.unique(np.asarray(i))) for i in ids]))
     expert_bytes = sum(a.nbytes for a in jax.tree.leaves(stacks)) / (LAYERS * E)
     floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
-    rule = default_form(T, isinstance(stacks[0], MXFP4), words)
+    rule = default_form(T, isinstance(stacks[0], MXFP4))
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
     for implementation in implementations:
         us = common.seconds_per_call(layer_fn(implementation, stages), x, ids, weights, *stacks) / repeats * 1e6
@@ -121,7 +121,7 @@ def main():
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
                    help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact, paired "
-                        "(moe.PAIRED_DECODE, the default) and words (moe.to_words stacks, row blocks only)")
+                        "(moe.PAIRED_DECODE, the default) and words (moe.to_words stacks: no split-K form)")
     p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
                    help="the kernels' pipeline stages to time, comma-separated (num_stages)")
     p.add_argument("--word-columns", default="32", type=lambda s: [int(n) for n in s.split(",")],

@@ -33,10 +33,12 @@ byte at a time outside the pipeline (their offsets by floor division: `packed_of
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md); through the paired decode, 4.0-4.2x at 8-128
 rows. A stack may also hold its codes as words (`to_words`: each scale group re-packed so that a
 thread loads whole words and decodes 8 codes into its 4 operand registers by rotations and masks,
-`word_weights`), which the row-block form reads at every row count. A decode step's single row
-through MXFP4 bytes takes the one-row form of both calls (5.4x, the codes' bits placed: `code_values`); up to 128
-rows through bf16 stacks the split-K form, whose programs keep wide column blocks and, for a few
-rows, divide K (`default_form`). The reference decodes the layer's whole stack with the same
+`word_weights`): measured on an H100, row blocks 18-24% faster than the paired decode at 2-128 rows
+(2.3-2.5x the floor at 8-128). A decode step's single row through MXFP4 takes the one-row form of
+both calls (bytes: 3.8x on the H100, the codes' bits placed, `code_values`; words: the row's columns
+put in the words' order, `word_order`, so no decoded tile is reordered); up to 128 rows through bf16
+stacks the split-K form, whose programs keep wide column blocks and, for a few rows, divide K
+(`default_form`). The reference decodes the layer's whole stack with the same
 function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
@@ -129,8 +131,8 @@ class MXFP4:
     odd k in the high one), and scales [..., N, K/32] uint8, W[k, n] = e2m1 x 2^(scale - 127) for
     each MXFP4_GROUP values of K. Rows are output columns, as in the checkpoint: a kernel's tile of
     [columns, K step / 2] bytes is contiguous along K (the checkpoint's blocks reshaped, no re-pack).
-    Or blocks [..., N, K/8] uint32: the same codes as `pack_words` words (`to_words`), which only the
-    row-block form reads (`word_weights`)."""
+    Or blocks [..., N, K/8] uint32: the same codes as `pack_words` words (`to_words`), which the row-block
+    (`word_weights`) and one-row (`word_order`) forms read."""
 
     blocks: jax.Array
     scales: jax.Array
@@ -621,12 +623,10 @@ def _over_rows(step, K: int, bk: int, first, bm: int, columns: int, w_refs, dtyp
     return tuple(a.T for a in accs) if transposed else accs
 
 
-def default_form(rows: int, packed: bool, words: bool = False) -> str:
-    """The kernel's form (`FORMS`) for `rows` token rows: through MXFP4 stacks one row (a decode
-    step's) takes the one-row form and more rows row blocks (words: row blocks always); through
-    float stacks up to SPLIT_ROWS rows split K, more row blocks."""
-    if words:
-        return "row_blocks"
+def default_form(rows: int, packed: bool) -> str:
+    """The kernel's form (`FORMS`) for `rows` token rows: through MXFP4 stacks (bytes or words) one row
+    (a decode step's) takes the one-row form and more rows row blocks; through float stacks up to
+    SPLIT_ROWS rows split K, more row blocks."""
     if packed:
         return "one_row" if rows == 1 else "row_blocks"
     return "split_k" if rows <= SPLIT_ROWS else "row_blocks"
@@ -648,14 +648,36 @@ def row_step(K: int, columns: int) -> int:
     return min(max(MXFP4_GROUP, ROW_STEP_ELEMENTS // columns), next_pow2(K))
 
 
+def word_order(x):
+    """[rows, 4, K/4]: the columns of x [rows, K] in the order of MXFP4 words' outputs, for the one-row
+    form: output j of word t of group g multiplies columns 32 g + 8 j + 2 t and the next (the pair 4 j +
+    t), which land at [j, 8 g + 2 t] and the next, so a step reads each output's columns in one run."""
+    rows, K = x.shape
+    return jnp.transpose(x.reshape(rows, K // MXFP4_GROUP, 4, 4, 2), (0, 2, 1, 3, 4)).reshape(rows, 4, K // 4)
+
+
+def _width(ref) -> int:
+    """K of a kernel's rows: x_ref [rows, K], or a `word_order` one [rows, 4, K/4]."""
+    return ref.shape[1] if ref.ndim == 2 else 4 * ref.shape[2]
+
+
 def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
     """Inside a kernel: float32 [columns] for each of `column_blocks`: x_ref's row `row` times W[:, cols]
     of expert e at `layer`, multiplied and summed in float32 over K in steps of bk weights. An MXFP4
     tile [columns, bk/2] bytes multiplies x's even and odd columns (a step of x split in two) with its
-    low and high codes, so no decoded tile is interleaved."""
-    K = x_ref.shape[1]
+    low and high codes, so no decoded tile is interleaved; a tile of words [columns, bk/8] multiplies
+    each output's two halves with x's columns in `word_order` (x_ref [rows, 4, K/4]) into sums
+    [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends)."""
+    K = _width(x_ref)
     masked = K % bk != 0
     load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
+
+    def halves(at, start, size, length: int):
+        """float32 even and odd columns [1, size/2] of the `size` of x's row from `start` (at(slice): the
+        row's ref at a slice; `length` its columns)."""
+        pairs = load(at(pl.ds(start, size)), start + jnp.arange(size) < length).astype(jnp.float32)
+        even, odd = lax.unstack(pairs.reshape(size // 2, 2), axis=1)
+        return even[None, :], odd[None, :]
 
     def step(i, accs):
         k0 = i * bk
@@ -665,22 +687,40 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
             return tuple(acc + jnp.sum(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None])
                                        .astype(jnp.float32) * x, axis=0) for acc, cols in zip(accs, column_blocks))
         blocks_ref, scales_ref = w_refs
-        half, groups = bk // 2, bk // MXFP4_GROUP
-        byte0, group0 = packed_offset(k0, 2), packed_offset(k0, MXFP4_GROUP)
-        inside = byte0 + jnp.arange(half) < K // 2
+        groups, group0 = bk // MXFP4_GROUP, packed_offset(k0, MXFP4_GROUP)
         whole = group0 + jnp.arange(groups) < K // MXFP4_GROUP
-        pairs = load(x_ref.at[row, pl.ds(k0, bk)], k0 + jnp.arange(bk) < K).astype(jnp.float32).reshape(half, 2)
-        even, odd = (column[None, :] for column in lax.unstack(pairs, axis=1))
+        scales = lambda cols: load(scales_ref.at[layer, e, cols, pl.ds(group0, groups)], whole[None, :])
+        if blocks_ref.dtype == jnp.uint32:
+            n, word0 = bk // 8, packed_offset(k0, 8)
+            inside = word0 + jnp.arange(n) < K // 8
+            xs = [halves(lambda at, j=j: x_ref.at[row, jnp.int32(j), at], 2 * word0, 2 * n, K // 4) for j in range(4)]
+
+            out = []
+            for acc, cols in zip(accs, column_blocks):
+                words = lax.bitcast_convert_type(load(blocks_ref.at[layer, e, cols, pl.ds(word0, n)], inside[None, :]),
+                                                 jnp.int32)
+                factors = per_byte(pair_factors(scales(cols)), units=4)
+                for j, (even, odd) in enumerate(xs):  # a multiply-add a weight into [columns, n] sums
+                    pairs = word_values(words, factors, j)
+                    acc = acc + lax.bitcast_convert_type(pairs << 16, jnp.float32) * even
+                    acc = acc + lax.bitcast_convert_type(pairs & jnp.int32(-65536), jnp.float32) * odd
+                out.append(acc)
+            return tuple(out)
+        half, byte0 = bk // 2, packed_offset(k0, 2)
+        inside = byte0 + jnp.arange(half) < K // 2
+        even, odd = halves(lambda at: x_ref.at[row, at], k0, bk, K)
         out = []
         for acc, cols in zip(accs, column_blocks):
             codes = load(blocks_ref.at[layer, e, cols, pl.ds(byte0, half)], inside[None, :]).astype(jnp.int32)
-            power = per_byte(scale_power(load(scales_ref.at[layer, e, cols, pl.ds(group0, groups)], whole[None, :])))
+            power = per_byte(scale_power(scales(cols)))
             low, high = code_values(codes, high=False), code_values(codes, high=True)
             out.append(acc + jnp.sum((low * even + high * odd) * power, axis=1))
         return tuple(out)
 
-    zeros = tuple(jnp.zeros((cols.size,), jnp.float32) for cols in column_blocks)
-    return lax.fori_loop(0, -(-K // bk), step, zeros)
+    words = len(w_refs) == 2 and w_refs[0].dtype == jnp.uint32  # sums kept a word apart, added up once at the end
+    zeros = tuple(jnp.zeros((cols.size, bk // 8) if words else (cols.size,), jnp.float32) for cols in column_blocks)
+    sums = lax.fori_loop(0, -(-K // bk), step, zeros)
+    return tuple(s.sum(axis=1) for s in sums) if words else sums
 
 
 def _split_chunk(K: int, splits: int):
@@ -699,7 +739,7 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
     F = a_ref.shape[-1] // 2 if splits > 1 else a_ref.shape[-1]
     gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)
-    split, first, K = _split_chunk(x_ref.shape[1], splits)
+    split, first, K = _split_chunk(_width(x_ref), splits)
     bias = lambda cols: b_ref[0][layer, e, cols].astype(jnp.float32)
 
     def row(r, _):
@@ -737,7 +777,7 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
     cols = pl.ds(pl.program_id(1) * bd, bd)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
     bias = lambda: b_ref[0][layer, e, cols].astype(jnp.float32)
-    split, first, K = _split_chunk(a_ref.shape[1], splits)
+    split, first, K = _split_chunk(_width(a_ref), splits)
 
     def row(r, _):
         (y,) = _row_products(a_ref, r, w_refs, layer, e, (cols,), bk)
@@ -797,24 +837,27 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     gate_up_packed, down_packed = isinstance(w_gate_up, MXFP4), isinstance(w_down, MXFP4)
     gate_up_words, down_words = (isinstance(w, MXFP4) and w.words for w in (w_gate_up, w_down))
     words = gate_up_words or down_words
-    form = default_form(T, gate_up_packed and down_packed, words) if form is None else form
+    form = default_form(T, gate_up_packed and down_packed) if form is None else form
     if form not in FORMS:
         raise ValueError(f"unknown MoE kernel form {form!r}: expected one of {FORMS}")
-    if words and form != "row_blocks":
-        raise ValueError(f"MXFP4 words are read by the row-block form only, not {form!r}")
+    if words and form == "split_k":
+        raise ValueError("MXFP4 words are read by the row-block and one-row forms, not 'split_k'")
     one_row = form == "one_row"
+    rows_of = lambda v, words: word_order(v) if one_row and words else v  # the one-row form's x through words
     bm = 1 if one_row else block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     call = functools.partial(_slot_call, interpret=interpret)
+    word_blocks = lambda words: words and not one_row  # row blocks of words: their own column and warp rules
     params = lambda columns, words: plgpu.CompilerParams(
-        num_warps=NARROW_WORD_WARPS if words and columns < WGMMA_COLUMNS else num_warps, num_stages=num_stages)
+        num_warps=NARROW_WORD_WARPS if word_blocks(words) and columns < WGMMA_COLUMNS else num_warps,
+        num_stages=num_stages)
     if form == "split_k":
         bf, bd = divisor(F, SPLIT_GATE_UP_COLUMNS), divisor(D, SPLIT_DOWN_COLUMNS)
         gate_up_splits = k_splits(D, S * (F // bf), gate_up_packed)
         down_splits = k_splits(F, S * (D // bd), down_packed)
     else:
-        narrowest = lambda words: WORD_MIN_COLUMNS if words else MIN_TILE
+        narrowest = lambda words: WORD_MIN_COLUMNS if word_blocks(words) else MIN_TILE
         bf = column_block(F, GATE_UP_COLUMNS, S, narrowest(gate_up_words))
         bd = column_block(D, DOWN_COLUMNS, S, narrowest(down_words))
         gate_up_splits = down_splits = 1
@@ -835,14 +878,15 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
                                splits=gate_up_splits),
              "moe_gate_up", (S, F // bf, gate_up_splits),
              out_shape(gate_up_splits, 2 * F if gate_up_splits > 1 else F, x.dtype),
-             [layer, slots, tokens, x], w_gate_up, gate_up_bias, params=params(bf, gate_up_words))
+             [layer, slots, tokens, rows_of(x, gate_up_words)], w_gate_up, gate_up_bias,
+             params=params(bf, gate_up_words))
     if gate_up_splits > 1:
         h = chunk_sums(a, b_gate_up)
         a = jnp.pad(activate(h[:, :F], h[:, F:], activation).astype(x.dtype), ((0, bm), (0, 0)))
     y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed, down_words), bd=bd,
                                packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits),
              "moe_down", (S, D // bd, down_splits), out_shape(down_splits, D, jnp.float32),
-             [layer, slots, a], w_down, down_bias, params=params(bd, down_words))
+             [layer, slots, rows_of(a, down_words)], w_down, down_bias, params=params(bd, down_words))
     if down_splits > 1:
         y = chunk_sums(y, b_down)
     return _combine(y, position, expert_ids, expert_weights)

@@ -246,8 +246,9 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", None),  # the same through Triton's scaled dot (moe.SCALED_DOT)
     (64, 32, 2880, 2880, 4, "gpt_oss", "paired", None),  # the same through paired_weights' PTX (moe.PAIRED_DECODE)
     (64, 32, 2880, 2880, 4, "gpt_oss", "words", None),  # the experts as moe.to_words words (word_weights' PTX)
-    (1, 32, 2880, 2880, 4, "gpt_oss", "words", None),   # a decode step's row through them: row blocks of 16
-    (1, 32, 2880, 2880, 4, "gpt_oss", "words64", None),  # the same in 64-column blocks (moe.WORD_MIN_COLUMNS)
+    (1, 32, 2880, 2880, 4, "gpt_oss", "words", None),   # a decode step's row through them: the one-row form
+    (1, 32, 2880, 2880, 4, "gpt_oss", "words", "row_blocks"),    # the same row as row blocks of 16
+    (1, 32, 2880, 2880, 4, "gpt_oss", "words64", "row_blocks"),  # in 64-column blocks (moe.WORD_MIN_COLUMNS)
 ])
 def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed, form):
     monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")

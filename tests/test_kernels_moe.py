@@ -63,14 +63,15 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 # The reference, the kernel's three forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
 # paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
-# as words (moe.to_words: row blocks through word_weights, its exact form here).
+# as words (moe.to_words: row blocks through word_weights, its exact form here, and the one-row form
+# through moe.word_order's columns).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
-PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "word decode")
+PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "word decode", "word one row")
 
 
 def run(implementation: str, inputs, activation: str):
     x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
-    if implementation == "word decode":
+    if implementation in ("word decode", "word one row"):
         w_gate_up, w_down = moe.to_words(w_gate_up), moe.to_words(w_down)
     args = (x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER))
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
@@ -79,7 +80,8 @@ def run(implementation: str, inputs, activation: str):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "SCALED_DOT", implementation == "scaled dot")
         patch.setattr(moe, "PAIRED_DECODE", implementation == "paired decode")
-        form = "row_blocks" if implementation in ("scaled dot", "paired decode", "word decode") else implementation
+        form = ("row_blocks" if implementation in ("scaled dot", "paired decode", "word decode")
+                else "one_row" if implementation == "word one row" else implementation)
         return np.asarray(moe_experts_pallas(*args, **options, interpret=True, form=form))
 
 
@@ -275,14 +277,20 @@ def test_word_weights_equal_decode():
         assert sorted(bits) == [0, 0, 0, 4], (k, bits)
 
 
-def test_words_take_the_row_block_form_only():
-    """A stack of words goes to row blocks at every row count; another form asked for is an error."""
+def test_words_take_row_blocks_and_the_one_row_form():
+    """A stack of words goes where bytes go (one row: the one-row form; more: row blocks); the split-K
+    form is an error. The one-row form's rows in `word_order`: output j of word t of group g multiplies
+    columns 32 g + 8 j + 2 t and the next (the pair 4 j + t), at [j, 8 g + 2 t] and the next."""
     x, ids, weights, w_gate_up, w_down, *_ = packed_inputs(5, 1, jnp.bfloat16, False)
-    assert moe.default_form(1, True, words=True) == "row_blocks" and moe.default_form(1, True) == "one_row"
-    for form in ("one_row", "split_k"):
-        with pytest.raises(ValueError, match="row-block form only"):
-            moe_experts_pallas(x, ids, weights, moe.to_words(w_gate_up), moe.to_words(w_down), jnp.int32(LAYER),
-                               interpret=True, form=form)
+    assert moe.default_form(1, True) == "one_row" and moe.default_form(2, True) == "row_blocks"
+    with pytest.raises(ValueError, match="row-block and one-row forms, not 'split_k'"):
+        moe_experts_pallas(x, ids, weights, moe.to_words(w_gate_up), moe.to_words(w_down), jnp.int32(LAYER),
+                           interpret=True, form="split_k")
+    K = 96
+    ordered = np.asarray(moe.word_order(jnp.arange(2 * K).reshape(2, K)))
+    g, j, t, half = np.meshgrid(*map(np.arange, (K // 32, 4, 4, 2)), indexing="ij")
+    for row in range(2):
+        np.testing.assert_array_equal(ordered[row, j, 8 * g + 2 * t + half], row * K + 32 * g + 8 * j + 2 * t + half)
 
 
 def test_word_ptx_holds_each_words_eight_weights():
