@@ -31,12 +31,13 @@ PTX: `paired_weights`), float32 rows decoded in registers (`decode`), so the byt
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md); through the paired decode, 4.0-4.2x at 8-128
-rows. A stack may also hold its codes as words (`to_words`: each scale group re-packed so that a
+rows. A stack may also hold its codes as words (`to_words`, as `jaxspec.loaders.load_model` leaves
+gpt-oss's experts: each scale group re-packed so that a
 thread loads whole words and decodes 8 codes into its 4 operand registers by rotations and masks,
-`word_weights`): measured on an H100, row blocks 18-24% faster than the paired decode at 2-128 rows
+`word_weights`): measured on an H100, row blocks 19-25% faster than the paired decode at 2-128 rows
 (2.3-2.5x the floor at 8-128). A decode step's single row through MXFP4 takes the one-row form of
 both calls (bytes: 3.8x on the H100, the codes' bits placed, `code_values`; words: the row's columns
-put in the words' order, `word_order`, so no decoded tile is reordered); up to 128 rows through bf16
+put in the words' order, `word_order`, so no decoded tile is reordered: 3.0x); up to 128 rows through bf16
 stacks the split-K form, whose programs keep wide column blocks and, for a few rows, divide K
 (`default_form`). The reference decodes the layer's whole stack with the same
 function and runs the float path.
@@ -422,9 +423,20 @@ def word_weights(words, scales):
     return _split_pairs(jnp.transpose(pairs.reshape(columns, n // 4, 4, 2, 2), (0, 1, 4, 3, 2)).reshape(columns, 4 * n))
 
 
+def _by_matrix(f, blocks):
+    """f over a stack's blocks one matrix of its leading axis at a time (lax.map): pack_words' temporaries
+    take 8 bytes a code byte."""
+    return lax.map(f, blocks) if blocks.ndim > 2 else f(blocks)
+
+
 def to_words(w: MXFP4) -> MXFP4:
     """The stack with its bytes re-packed as `pack_words` words (the same codes and scales)."""
-    return w if w.words else MXFP4(pack_words(w.blocks), w.scales)
+    return w if w.words else MXFP4(_by_matrix(pack_words, w.blocks), w.scales)
+
+
+def to_bytes(w: MXFP4) -> MXFP4:
+    """The stack with its words unpacked into the released bytes (`to_words`' inverse)."""
+    return MXFP4(_by_matrix(unpack_words, w.blocks), w.scales) if w.words else w
 
 
 def unpack_words(words):

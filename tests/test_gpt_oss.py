@@ -76,7 +76,8 @@ def test_mxfp4_experts_load_packed_as_their_dequantized_weights(hf_checkpoints, 
     """The released form: each expert matrix as NAME_blocks + NAME_scales. Our dequantization equals
     transformers' on random codes and exponents; a checkpoint in that form loads packed (MXFP4 stacks,
     the non-expert params in float32), to the weights and the logits of the same checkpoint written
-    unquantized; converted to a jaxspec checkpoint (bf16) it loads packed again, the bytes unchanged."""
+    unquantized, its codes re-packed as words (the kernels' form); converted to a jaxspec checkpoint (bf16,
+    which stores the released bytes: orbax restores them as such) it loads packed again, unchanged."""
     import torch
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -102,13 +103,13 @@ def test_mxfp4_experts_load_packed_as_their_dequantized_weights(hf_checkpoints, 
         save_file({k: v for k, v in tensors.items() if keep(k)}, str(out / "model.safetensors"))
     (_, a, _), (_, b, _) = load_model(str(plain), "float32"), load_model(str(packed), "float32")
     for name in ("moe_gate_up", "moe_down"):
-        assert isinstance(b["layers"][name], MXFP4) and b["layers"][name].blocks.dtype == jnp.uint8
+        assert isinstance(b["layers"][name], MXFP4) and b["layers"][name].words
         np.testing.assert_array_equal(np.asarray(a["layers"][name]), np.asarray(dequantize(b["layers"][name])))
     assert b["layers"]["wqkv"].dtype == jnp.float32
     tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 20)))
     want, got = (np.asarray(score(params, cfg, tokens)) for params in (a, b))
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
-    convert(str(packed), tmp_path / "ckpt", "bfloat16")  # a jaxspec checkpoint keeps them packed, bytes unchanged
+    convert(str(packed), tmp_path / "ckpt", "bfloat16")  # a jaxspec checkpoint keeps them packed, unchanged
     _, c, _ = load_model(str(tmp_path / "ckpt"), "float32")
     for name in ("moe_gate_up", "moe_down"):
         assert isinstance(c["layers"][name], MXFP4)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import corpus, generate as generate_cli
+from jaxspec import corpus, generate as generate_cli, loaders
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.errors import JaxspecError
@@ -29,7 +29,7 @@ from jaxspec.runner import Batch, encode_prompts, run_generation
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
 from test_gpt_oss import CFG as GPT_OSS_CFG
-from pallas_kernels.moe import MXFP4
+from pallas_kernels.moe import MXFP4, dequantize
 from test_moe_model import CFG as QWEN3_MOE_CFG
 
 QWEN3 = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,
@@ -385,6 +385,11 @@ def test_mxfp4_device_holds_only_its_shard(gpt_oss_mxfp4):
         for s, block in enumerate(parts):
             want = np.concatenate([whole[:, :, s * f:(s + 1) * f], whole[:, :, F + s * f:F + (s + 1) * f]], axis=2)
             np.testing.assert_array_equal(np.asarray(block.data), want)
+    for name in ("moe_gate_up", "moe_down"):  # re-packed as words on load, each device its own share
+        words, shapes = loaders._as_words(params["layers"][name]), shard(params["layers"][name])
+        assert words.words and shard(words) == MXFP4((*shapes.blocks[:-1], shapes.blocks[-1] // 4), shapes.scales)
+        assert words.blocks.sharding == params["layers"][name].blocks.sharding
+        np.testing.assert_array_equal(np.asarray(dequantize(words)), np.asarray(dequantize(params["layers"][name])))
     with pytest.raises(JaxspecError, match="--tp 4: MXFP4 experts split by 32-value scale groups, and 64 expert columns give 16"):
         sharding.shard_params(gpt_oss_mxfp4.params, cfg, sharding.make_mesh(4))
 

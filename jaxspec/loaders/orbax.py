@@ -27,7 +27,7 @@ from jaxspec.models.config import ModelConfig, MoEConfig, NSAConfig, RopeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.decoder import Params, param_shapes
 from jaxspec.tokenizer import Tokenizer
-from pallas_kernels.moe import MXFP4, MXFP4_GROUP
+from pallas_kernels.moe import MXFP4, MXFP4_GROUP, to_bytes
 
 CONFIG_FILE = "jaxspec_config.json"
 PARAMS_DIR = "params"
@@ -52,7 +52,10 @@ def config_from_json(text: str) -> ModelConfig:
 
 
 def save(path: Path, cfg: ModelConfig, params: Params, tokenizer: Tokenizer) -> None:
-    """Writes a checkpoint into the existing, empty directory `path`."""
+    """Writes a checkpoint into the existing, empty directory `path` (MXFP4 stacks as the released bytes,
+    whichever form they are in)."""
+    params = jax.tree.map(lambda x: to_bytes(x) if isinstance(x, MXFP4) else x, params,
+                          is_leaf=lambda x: isinstance(x, MXFP4))
     with _interrupts_deferred(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path.absolute() / PARAMS_DIR, params)
         checkpointer.wait_until_finished()
