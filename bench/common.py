@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
 import json
 import math
 import statistics
@@ -277,8 +278,9 @@ def real_text_batch(cfg, params, tokenizer, batch_size: int, prompt_tokens: int,
 
 
 def run_measures(run) -> tuple[dict, list[list[int]]]:
-    """Decode tokens/s, tokens per iteration, iterations (the slowest row's and the mean), degeneration
-    and decode time of one `run_generation`, and its generated tokens per row."""
+    """Decode tokens/s, tokens per iteration, iterations (the slowest row's and the mean), degeneration,
+    decode time and a digest of the text of one `run_generation` (runs that should emit the same tokens,
+    greedy ones on two machines say, show whether they did), and its generated tokens per row."""
     out = jax.device_get(run.output)
     generated = out.length - out.prompt_len
     iterations = max(int(out.stats.iterations.sum()), 1)
@@ -294,6 +296,7 @@ def run_measures(run) -> tuple[dict, list[list[int]]]:
         "steps": int(generated.max()) - 1,
         "decode_s": run.decode_s,
         "degeneration": repeated_4gram_share(rows),
+        "text_digest": hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:12],
     }, rows
 
 

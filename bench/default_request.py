@@ -12,8 +12,9 @@ head; its shape column is the planned strategy, its runs record where each ended
 config) runs with seeds `--first-seed`.. (median and spread of decode tokens/s; a sampled run's text
 and acceptance are its seed's, so runs with the same seeds are one sample of texts); a row gives its
 speed over plain's, tokens an iteration and acceptance at depths 1-3, so the default-run target (>= 1.5x
-plain on this request) reads off the table. Writes DIR/default_request_<device><tag>.json after every
-row; prints the table last.
+plain on this request) reads off the table; each run records a digest of its text (a greedy text that
+changes between machines shows there). Writes DIR/default_request_<device><tag>.json after every row;
+prints the table last.
 """
 
 from __future__ import annotations
