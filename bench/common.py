@@ -172,14 +172,14 @@ def with_mxfp4_experts(params, words: bool = False) -> dict:
 
 def random_mxfp4(key, shape, words: bool = False) -> MXFP4:
     """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
-    2^-7..2^-1; `words`: the codes as `moe.pack_words` words."""
+    2^-7..2^-1; `words`: the codes as `moe.pack_words` words (scales at most 128: `MXFP4.small_scales`)."""
     *lead, K, N = shape
     # One matrix at a time: a whole stack's bits in one draw take 4 bytes a code (25 GB for gpt-oss-20b's).
     pack = pack_words if words else lambda blocks: blocks
     draw = lambda key: (pack(jax.random.bits(key, (N, K // 2), jnp.uint8)),
                         jax.random.randint(key, (N, K // 32), 120, 127).astype(jnp.uint8))
     blocks, scales = jax.jit(lambda keys: jax.lax.map(draw, keys))(jax.random.split(key, math.prod(lead)))
-    return MXFP4(blocks.reshape(*lead, *blocks.shape[-2:]), scales.reshape(*lead, N, K // 32))
+    return MXFP4(blocks.reshape(*lead, *blocks.shape[-2:]), scales.reshape(*lead, N, K // 32), small_scales=words)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -133,10 +133,13 @@ class MXFP4:
     each MXFP4_GROUP values of K. Rows are output columns, as in the checkpoint: a kernel's tile of
     [columns, K step / 2] bytes is contiguous along K (the checkpoint's blocks reshaped, no re-pack).
     Or blocks [..., N, K/8] uint32: the same codes as `pack_words` words (`to_words`), which the row-block
-    (`word_weights`) and one-row (`word_order`) forms read."""
+    (`word_weights`) and one-row (`word_order`) forms read. `small_scales` (static): every scale is
+    between 1 and 128, as whoever packed the words found (`to_words`); their outputs then take one
+    multiply instead of two (`word_factors`)."""
 
     blocks: jax.Array
     scales: jax.Array
+    small_scales: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -266,14 +269,14 @@ def paired_values(codes, factors):
 def pair_factors(scales):
     """int32 [..., n]: `paired_values`' factors of uint8 MXFP4 scales, 2^(scale - 127) as bf16 bits in
     both halves (scale 0 decodes as 0 and 255 as inf, as `scale_power`)."""
-    s = scales.astype(jnp.int32)
-    return (s << 7) | (s << 23)
+    return scales.astype(jnp.int32) * 0x00800080  # s << 7 | s << 23 (no carries): one multiply-add with word_factors
 
 
-def _exact_pair(low, high, factors):
-    """int32: e2m1 codes low and high (int32) times 2^(scale - 127) of `factors` (`pair_factors`) as one
-    bf16x2 word, low in the low half, by `e2m1`: exact on every platform (every such weight is a bf16)."""
-    power = scale_power(lax.shift_right_logical(factors, 7) & 255)
+def _exact_pair(low, high, factors, small: bool = False):
+    """int32: e2m1 codes low and high (int32) times 2^(scale - 127) of `factors` (`pair_factors`, or with
+    `small` `word_factors`' 2^(scale - 1)) as one bf16x2 word, low in the low half, by `e2m1`: exact on
+    every platform (every such weight is a bf16)."""
+    power = scale_power(lax.shift_right_logical(factors, 7) & 255) * (2.0 ** -126 if small else 1.0)
     half = lambda code: lax.bitcast_convert_type((e2m1(code) * power).astype(jnp.bfloat16), jnp.uint16)
     return half(low).astype(jnp.int32) | (half(high).astype(jnp.int32) << 16)
 
@@ -359,12 +362,19 @@ def pack_words(blocks):
 word_values_p = Primitive("mxfp4_word_values")
 
 
-def word_values(words, factors, j: int):
+def word_values(words, factors, j: int, small: bool = False):
     """int32 [..., n]: bf16x2 word j (0..3) of each MXFP4 word of `words` [..., n] (int32, `pack_words`'
-    bits), its two values times their group's 2^(scale - 127), which `factors` [..., n] hold as
-    `pair_factors` does. Inside a Triton kernel by inline PTX (`WORD_PTX[j]`: one or two rotations, a
-    mask-and-or, two bf16x2 multiplies), elsewhere by `e2m1`."""
-    return word_values_p.bind(words, factors, j=j)
+    bits), its two values times their group's 2^(scale - 127), from `factors` [..., n] (`word_factors`).
+    Inside a Triton kernel by inline PTX (`WORD_PTX[small][j]`: one or two rotations, a mask-and-or,
+    two bf16x2 multiplies, or one with `small`), elsewhere by `e2m1`."""
+    return word_values_p.bind(words, factors, j=j, small=small)
+
+
+def word_factors(scales, small: bool = False):
+    """int32 [..., n]: `word_values`' factors of uint8 MXFP4 scales as bf16 bits in both halves:
+    `pair_factors`' 2^(scale - 127), or with `small` (every scale between 1 and 128) 2^(scale - 1),
+    which also takes the placed codes' 2^126: each half's exponent field 126 more."""
+    return pair_factors(scales) + (0x3F003F00 if small else 0)
 
 
 def _word_codes(words, j: int):
@@ -376,15 +386,16 @@ def _word_codes(words, j: int):
                       for h in range(2)], axis=-1)
 
 
-def _word_exact(words, factors, j: int):
+def _word_exact(words, factors, j: int, small: bool):
     """`word_values` by `e2m1`."""
     codes = _word_codes(words, j)
-    return _exact_pair(codes[..., 0], codes[..., 1], factors)
+    return _exact_pair(codes[..., 0], codes[..., 1], factors, small)
 
 
-def _word_ptx_text(j: int) -> str:
-    """Output j ($0) of the word $1 times the factor $2. One asm a word and output, not one with four
-    outputs: an asm must be elementwise, since Triton packs a thread's elements in its layout's order."""
+def _word_ptx_text(j: int, small: bool) -> str:
+    """Output j ($0) of the word $1 times the factor $2 (with `small`, one multiply: the factor holds
+    2^126 too). One asm a word and output, not one with four outputs: an asm must be elementwise, since
+    Triton packs a thread's elements in its layout's order."""
     magnitude, sign = WORD_ROTATIONS[j]
     rotate = lambda dest, n: f"shf.r.wrap.b32 {dest}, $1, $1, {n};" if n else f"mov.b32 {dest}, $1;"
     if magnitude == sign:
@@ -392,31 +403,33 @@ def _word_ptx_text(j: int) -> str:
     else:
         place = [rotate("a", magnitude), rotate("b", sign), f"and.b32 a, a, {WORD_MAGNITUDE:#x};",
                  f"and.b32 b, b, {WORD_SIGN:#x};", "or.b32 a, a, b;"]
-    return "\n".join(["{", ".reg .b32 a, b, two126;", "mov.b32 two126, 0x7E807E80;", *place,
-                      "mul.rn.bf16x2 a, a, two126;", "mul.rn.bf16x2 $0, a, $2;", "}"])
+    registers, normalize = ((".reg .b32 a, b;", []) if small else
+                            (".reg .b32 a, b, two126;", ["mov.b32 two126, 0x7E807E80;", "mul.rn.bf16x2 a, a, two126;"]))
+    return "\n".join(["{", registers, *place, *normalize, "mul.rn.bf16x2 $0, a, $2;", "}"])
 
 
-WORD_PTX = tuple(_word_ptx_text(j) for j in range(4))
+WORD_PTX = tuple(tuple(_word_ptx_text(j, small) for j in range(4)) for small in (False, True))
 
 
-def _word_ptx(words, factors, j: int):
-    [values] = plgpu.elementwise_inline_asm(WORD_PTX[j], args=[words, factors], constraints="=r,r,r", pack=1,
+def _word_ptx(words, factors, j: int, small: bool):
+    [values] = plgpu.elementwise_inline_asm(WORD_PTX[small][j], args=[words, factors], constraints="=r,r,r", pack=1,
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
     return values
 
 
-word_values_p.def_abstract_eval(lambda words, factors, j: jax.core.ShapedArray(words.shape, jnp.int32))
+word_values_p.def_abstract_eval(lambda words, factors, j, small: jax.core.ShapedArray(words.shape, jnp.int32))
 word_values_p.def_impl(_word_exact)
 mlir.register_lowering(word_values_p, mlir.lower_fun(_word_exact, multiple_results=False))
 triton_lowering.register_lowering(word_values_p)(triton_lowering.lower_fun(_word_ptx, multiple_results=False))
 
 
-def word_weights(words, scales):
+def word_weights(words, scales, small: bool = False):
     """bf16 [columns, 8n]: the weights of MXFP4 words [columns, n] (int32, `pack_words`) and their scales
-    [columns, n/4] in K's order, by `word_values` (output j of a group's word t is the pair 4 j + t)."""
+    [columns, n/4] (`small`: all between 1 and 128) in K's order, by `word_values` (output j of a group's
+    word t is the pair 4 j + t)."""
     columns, n = words.shape
-    factors = per_byte(pair_factors(scales), units=4)
-    out = [word_values(words, factors, j) for j in range(4)]
+    factors = per_byte(word_factors(scales, small), units=4)
+    out = [word_values(words, factors, j, small) for j in range(4)]
     # [columns, group, t, j_low, j_high] (j = 2 j_high + j_low; Triton stacks on the last axis only)
     # -> [columns, group, j_high, j_low, t]
     pairs = jnp.stack([jnp.stack(out[:2], axis=-1), jnp.stack(out[2:], axis=-1)], axis=-1)
@@ -429,9 +442,10 @@ def _by_matrix(f, blocks):
     return lax.map(f, blocks) if blocks.ndim > 2 else f(blocks)
 
 
-def to_words(w: MXFP4) -> MXFP4:
-    """The stack with its bytes re-packed as `pack_words` words (the same codes and scales)."""
-    return w if w.words else MXFP4(_by_matrix(pack_words, w.blocks), w.scales)
+def to_words(w: MXFP4, small_scales: bool = False) -> MXFP4:
+    """The stack with its bytes re-packed as `pack_words` words (the same codes and scales);
+    `small_scales`: the caller found every scale between 1 and 128 (`MXFP4.small_scales`)."""
+    return w if w.words else MXFP4(_by_matrix(pack_words, w.blocks), w.scales, small_scales)
 
 
 def to_bytes(w: MXFP4) -> MXFP4:
@@ -595,12 +609,13 @@ def packed_offset(k0, per: int):
     return lax.div(k0, per)
 
 
-def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
+def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols, small: bool = False):
     """Inside a kernel: float32 acc [rows, columns] + x's columns [k0, k0 + bk) (load_x(slice), in x's
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
     MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
     registers (a transposed product), or with SCALED_DOT and bf16 rows, by `mxfp4_dot`; with
-    `_transposed` stacks acc is [columns, rows] (W^T x^T, by `paired_weights` or `word_weights`)."""
+    `_transposed` stacks acc is [columns, rows] (W^T x^T, by `paired_weights` or `word_weights`; `small`:
+    words of scales at most 128, `MXFP4.small_scales`)."""
     x = load_x(pl.ds(k0, bk))
     if len(w_refs) == 1:
         w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
@@ -611,7 +626,7 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols):
                                                  preferred_element_type=jnp.float32)
     if blocks_ref.dtype == jnp.uint32:
         words = lax.bitcast_convert_type(blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 8), bk // 8)], jnp.int32)
-        return transposed(word_weights(words, scales))
+        return transposed(word_weights(words, scales, small))
     codes = blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 2), bk // 2)]
     if _transposed(w_refs, x.dtype):
         return transposed(paired_weights(codes, scales))
@@ -673,13 +688,14 @@ def _width(ref) -> int:
     return ref.shape[1] if ref.ndim == 2 else 4 * ref.shape[2]
 
 
-def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
+def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: bool = False):
     """Inside a kernel: float32 [columns] for each of `column_blocks`: x_ref's row `row` times W[:, cols]
     of expert e at `layer`, multiplied and summed in float32 over K in steps of bk weights. An MXFP4
     tile [columns, bk/2] bytes multiplies x's even and odd columns (a step of x split in two) with its
     low and high codes, so no decoded tile is interleaved; a tile of words [columns, bk/8] multiplies
     each output's two halves with x's columns in `word_order` (x_ref [rows, 4, K/4]) into sums
-    [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends)."""
+    [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends; `small`:
+    as `_product`'s)."""
     K = _width(x_ref)
     masked = K % bk != 0
     load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
@@ -711,9 +727,9 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int):
             for acc, cols in zip(accs, column_blocks):
                 words = lax.bitcast_convert_type(load(blocks_ref.at[layer, e, cols, pl.ds(word0, n)], inside[None, :]),
                                                  jnp.int32)
-                factors = per_byte(pair_factors(scales(cols)), units=4)
+                factors = per_byte(word_factors(scales(cols), small), units=4)
                 for j, (even, odd) in enumerate(xs):  # a multiply-add a weight into [columns, n] sums
-                    pairs = word_values(words, factors, j)
+                    pairs = word_values(words, factors, j, small)
                     acc = acc + lax.bitcast_convert_type(pairs << 16, jnp.float32) * even
                     acc = acc + lax.bitcast_convert_type(pairs & jnp.int32(-65536), jnp.float32) * odd
                 out.append(acc)
@@ -743,9 +759,10 @@ def _split_chunk(K: int, splits: int):
 
 
 def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk: int, bf: int, activation: str,
-                    packed: bool, biased: bool, one_row: bool, splits: int):
+                    packed: bool, biased: bool, one_row: bool, splits: int, small: bool):
     """a_ref [rows, F]: the activations; with splits > 1 instead float32 partial gate/up columns
-    [splits, rows, 2F], neither biased nor activated (`moe_experts_pallas` adds them up)."""
+    [splits, rows, 2F], neither biased nor activated (`moe_experts_pallas` adds them up). `small`:
+    words of scales at most 128."""
     w_refs, (*b_ref, a_ref) = refs[:1 + packed], refs[1 + packed:]
     j = pl.program_id(1)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
@@ -755,7 +772,7 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
     bias = lambda cols: b_ref[0][layer, e, cols].astype(jnp.float32)
 
     def row(r, _):
-        g, u = _row_products(x_ref, tokens_ref[r], w_refs, layer, e, (gate, up), bk)
+        g, u = _row_products(x_ref, tokens_ref[r], w_refs, layer, e, (gate, up), bk, small)
         if biased:
             g, u = g + bias(gate), u + bias(up)
         a_ref[r, pl.ds(j * bf, bf)] = activate(g, u, activation).astype(a_ref.dtype)
@@ -765,8 +782,8 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
         load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
 
         def step(acc, k0, size):
-            return (_product(acc[0], load_x, w_refs, layer, e, k0, size, gate),
-                    _product(acc[1], load_x, w_refs, layer, e, k0, size, up))
+            return (_product(acc[0], load_x, w_refs, layer, e, k0, size, gate, small),
+                    _product(acc[1], load_x, w_refs, layer, e, k0, size, up, small))
 
         g, u = _over_rows(step, K, bk, first, bm, bf, w_refs, x_ref.dtype, 2)
         if splits > 1:
@@ -782,9 +799,9 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
 
 
 def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool,
-                 one_row: bool, splits: int):
+                 one_row: bool, splits: int, small: bool):
     """y_ref [rows, D] float32: the experts' outputs; with splits > 1 partial sums [splits, rows, D],
-    not biased."""
+    not biased. `small`: words of scales at most 128."""
     w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
@@ -792,12 +809,12 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
     split, first, K = _split_chunk(_width(a_ref), splits)
 
     def row(r, _):
-        (y,) = _row_products(a_ref, r, w_refs, layer, e, (cols,), bk)
+        (y,) = _row_products(a_ref, r, w_refs, layer, e, (cols,), bk, small)
         y_ref[r, cols] = y + bias() if biased else y
 
     def rows(start, real):
         load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
-        step = lambda acc, k0, size: (_product(acc[0], load_a, w_refs, layer, e, k0, size, cols),)
+        step = lambda acc, k0, size: (_product(acc[0], load_a, w_refs, layer, e, k0, size, cols, small),)
         (y,) = _over_rows(step, K, bk, first, bm, bd, w_refs, a_ref.dtype, 1)
         if splits > 1:
             plgpu.store(y_ref.at[split, pl.ds(start, bm), cols], y, mask=real[:, None])
@@ -848,6 +865,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         slots = _slots(sizes, S)
     gate_up_packed, down_packed = isinstance(w_gate_up, MXFP4), isinstance(w_down, MXFP4)
     gate_up_words, down_words = (isinstance(w, MXFP4) and w.words for w in (w_gate_up, w_down))
+    small = lambda w: isinstance(w, MXFP4) and w.words and w.small_scales  # one multiply an output
     words = gate_up_words or down_words
     form = default_form(T, gate_up_packed and down_packed) if form is None else form
     if form not in FORMS:
@@ -887,7 +905,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     gate_up_step = step(D // gate_up_splits, bf, gate_up_packed, gate_up_words)
     a = call(functools.partial(_gate_up_kernel, bm=bm, bk=gate_up_step, bf=bf, activation=activation,
                                packed=gate_up_packed, biased=gate_up_bias is not None, one_row=one_row,
-                               splits=gate_up_splits),
+                               splits=gate_up_splits, small=small(w_gate_up)),
              "moe_gate_up", (S, F // bf, gate_up_splits),
              out_shape(gate_up_splits, 2 * F if gate_up_splits > 1 else F, x.dtype),
              [layer, slots, tokens, rows_of(x, gate_up_words)], w_gate_up, gate_up_bias,
@@ -896,7 +914,8 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         h = chunk_sums(a, b_gate_up)
         a = jnp.pad(activate(h[:, :F], h[:, F:], activation).astype(x.dtype), ((0, bm), (0, 0)))
     y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed, down_words), bd=bd,
-                               packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits),
+                               packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits,
+                               small=small(w_down)),
              "moe_down", (S, D // bd, down_splits), out_shape(down_splits, D, jnp.float32),
              [layer, slots, rows_of(a, down_words)], w_down, down_bias, params=params(bd, down_words))
     if down_splits > 1:

@@ -64,15 +64,17 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
 # paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
 # as words (moe.to_words: row blocks through word_weights, its exact form here, and the one-row form
-# through moe.word_order's columns).
+# through moe.word_order's columns), and as words of small scales (MXFP4.small_scales: one multiply).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
-PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "word decode", "word one row")
+WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row")
+PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, *WORD_IMPLEMENTATIONS)
 
 
 def run(implementation: str, inputs, activation: str):
     x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
-    if implementation in ("word decode", "word one row"):
-        w_gate_up, w_down = moe.to_words(w_gate_up), moe.to_words(w_down)
+    if implementation in WORD_IMPLEMENTATIONS:
+        small = implementation.startswith("small")
+        w_gate_up, w_down = moe.to_words(w_gate_up, small), moe.to_words(w_down, small)
     args = (x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER))
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
     if implementation == "reference":
@@ -80,8 +82,8 @@ def run(implementation: str, inputs, activation: str):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moe, "SCALED_DOT", implementation == "scaled dot")
         patch.setattr(moe, "PAIRED_DECODE", implementation == "paired decode")
-        form = ("row_blocks" if implementation in ("scaled dot", "paired decode", "word decode")
-                else "one_row" if implementation == "word one row" else implementation)
+        form = ("one_row" if implementation.endswith("one row") else "row_blocks" if implementation in
+                ("scaled dot", "paired decode", "word decode", "small word decode") else implementation)
         return np.asarray(moe_experts_pallas(*args, **options, interpret=True, form=form))
 
 
@@ -297,22 +299,25 @@ def test_word_ptx_holds_each_words_eight_weights():
     """The inline PTX of `word_values` itself (run in numpy; interpret mode runs the exact form), each of
     the four outputs over words of random codes, gives the bf16x2 words bit for bit: float64 e2m1 values
     times 2^(scale - 127) as bf16 at scales 1 (subnormals, which the GPU keeps), 100, 127 and 200, in the
-    layout `word_weights` reorders (output j of word t is the pair 4 j + t of its group). Each asm reads
+    layout `word_weights` reorders (output j of word t is the pair 4 j + t of its group); and with one
+    multiply (`small`) at scales 1, 100, 127 and 128 (factors 2^(scale - 1): 1 and 128 the bounds). Each asm reads
     one word and one factor and writes one output: elementwise, as Triton's packing requires (an asm
     whose outputs took different words' rotations would compute garbage in a kernel)."""
     rng = np.random.default_rng()
     blocks = rng.integers(0, 256, (4, 64), dtype=np.uint8)  # a row per scale, 4 groups each
-    scales = np.asarray([1, 100, 127, 200], np.uint8)
     words = np.asarray(moe.pack_words(jnp.asarray(blocks)))  # [4, 16]
-    factors = np.broadcast_to(np.asarray(moe.pair_factors(jnp.asarray(scales))).view(np.uint32)[:, None], words.shape)
-    for ptx in moe.WORD_PTX:
-        assert re.findall(r"\$\d", ptx) and set(re.findall(r"\$\d", ptx)) == {"$0", "$1", "$2"}, ptx
-    got = np.stack([run_ptx(ptx, {"$1": words, "$2": factors})["$0"] for ptx in moe.WORD_PTX], -1)
-    got = got.reshape(4, 4, 4, 4)  # [row, group, t, j]
     codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(4, 4, 4, 4, 2)  # [row, group, j, t, half]
-    power = 2.0 ** (scales.astype(np.float64) - 127)[:, None, None, None, None]
-    bits = (E2M1[codes] * power).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
-    np.testing.assert_array_equal(got, np.swapaxes(bits[..., 0] | bits[..., 1] << np.uint32(16), 2, 3))
+    for small, scales in ((False, [1, 100, 127, 200]), (True, [1, 100, 127, 128])):
+        scales = np.asarray(scales, np.uint8)
+        factors = np.asarray(moe.word_factors(jnp.asarray(scales), small)).view(np.uint32)[:, None]
+        for ptx in moe.WORD_PTX[small]:
+            assert re.findall(r"\$\d", ptx) and set(re.findall(r"\$\d", ptx)) == {"$0", "$1", "$2"}, ptx
+        got = np.stack([run_ptx(ptx, {"$1": words, "$2": np.broadcast_to(factors, words.shape)})["$0"]
+                        for ptx in moe.WORD_PTX[small]], -1).reshape(4, 4, 4, 4)  # [row, group, t, j]
+        power = 2.0 ** (scales.astype(np.float64) - 127)[:, None, None, None, None]
+        bits = (E2M1[codes] * power).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+        np.testing.assert_array_equal(got, np.swapaxes(bits[..., 0] | bits[..., 1] << np.uint32(16), 2, 3),
+                                      err_msg=f"small={small}")
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])

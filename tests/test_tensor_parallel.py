@@ -385,9 +385,10 @@ def test_mxfp4_device_holds_only_its_shard(gpt_oss_mxfp4):
         for s, block in enumerate(parts):
             want = np.concatenate([whole[:, :, s * f:(s + 1) * f], whole[:, :, F + s * f:F + (s + 1) * f]], axis=2)
             np.testing.assert_array_equal(np.asarray(block.data), want)
-    for name in ("moe_gate_up", "moe_down"):  # re-packed as words on load, each device its own share
+    for name in ("moe_gate_up", "moe_down"):  # re-packed as words on load, each device its own share (scales 118-121)
         words, shapes = loaders._as_words(params["layers"][name]), shard(params["layers"][name])
-        assert words.words and shard(words) == MXFP4((*shapes.blocks[:-1], shapes.blocks[-1] // 4), shapes.scales)
+        assert words.words and words.small_scales
+        assert shard(words) == MXFP4((*shapes.blocks[:-1], shapes.blocks[-1] // 4), shapes.scales, small_scales=True)
         assert words.blocks.sharding == params["layers"][name].blocks.sharding
         np.testing.assert_array_equal(np.asarray(dequantize(words)), np.asarray(dequantize(params["layers"][name])))
     with pytest.raises(JaxspecError, match="--tp 4: MXFP4 experts split by 32-value scale groups, and 64 expert columns give 16"):

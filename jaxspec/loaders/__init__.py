@@ -10,10 +10,12 @@ Weights go onto the default device, or with a `mesh` straight into their tensor-
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxspec.models import sharding
@@ -77,11 +79,13 @@ def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> 
 
 def _as_words(x):
     """An MXFP4 stack (loaded as the released bytes) re-packed as words, the form the experts kernel reads
-    fastest at every row count (pallas_kernels.moe.to_words), placed as its bytes were; other leaves
-    as they are."""
+    fastest at every row count (pallas_kernels.moe.to_words), placed as its bytes were, with whether its
+    scales are all between 1 and 128 (`MXFP4.small_scales`); other leaves as they are."""
     if not isinstance(x, MXFP4):
         return x
-    return jax.jit(to_words, out_shardings=MXFP4(x.blocks.sharding, x.scales.sharding))(x)
+    small = bool((jnp.min(x.scales) >= 1) & (jnp.max(x.scales) <= 128))
+    return jax.jit(functools.partial(to_words, small_scales=small),
+                   out_shardings=MXFP4(x.blocks.sharding, x.scales.sharding, small))(x)
 
 
 def smollm2_path() -> Path:

@@ -166,7 +166,8 @@ def param_specs(params: dict, experts: bool = False) -> dict:
             return P()
         from_end = 1 if name in COLUMNS else 2
         if isinstance(x, MXFP4):
-            return MXFP4(_split(x.blocks.ndim, 3 - from_end), _split(x.scales.ndim, 3 - from_end))
+            return dataclasses.replace(x, blocks=_split(x.blocks.ndim, 3 - from_end),
+                                       scales=_split(x.scales.ndim, 3 - from_end))
         if not isinstance(x, Quantized):
             return _split(x.ndim, from_end)
         scale_split = from_end == 1 or x.bits == 4
