@@ -722,7 +722,6 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
             n, word0 = bk // 8, packed_offset(k0, 8)
             inside = word0 + jnp.arange(n) < K // 8
             xs = [halves(lambda at, j=j: x_ref.at[row, jnp.int32(j), at], 2 * word0, 2 * n, K // 4) for j in range(4)]
-
             out = []
             for acc, cols in zip(accs, column_blocks):
                 words = lax.bitcast_convert_type(load(blocks_ref.at[layer, e, cols, pl.ds(word0, n)], inside[None, :]),
