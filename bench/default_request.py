@@ -13,8 +13,8 @@ config) runs with seeds `--first-seed`.. (median and spread of decode tokens/s; 
 and acceptance are its seed's, so runs with the same seeds are one sample of texts); a row gives its
 speed over plain's, tokens an iteration and acceptance at depths 1-3, so the default-run target (>= 1.5x
 plain on this request) reads off the table; each run records a digest of its text (a greedy text that
-changes between machines shows there). Writes DIR/default_request_<device><tag>.json after every row;
-prints the table last.
+changes between machines shows there), and a greedy row the share of its runs whose text is plain's.
+Writes DIR/default_request_<device><tag>.json after every row; prints the table last.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
     path = args.out / f"default_request_{device}{args.tag}.json"
     result = common.run_info() | {"prompt_tokens": int(batch.lengths[0]), "new": args.new, "rows": []}
     for sampling_name in args.samplings.split(","):
-        sampling, plain = common.SAMPLINGS[sampling_name], None
+        sampling, plain, plain_texts = common.SAMPLINGS[sampling_name], None, None
         # what the default run does: generate's plan, with the first head
         plan, auto_spec = plan_with_head(cfg, common.tree_bytes(params), plain_spec, loaded[0][0], heads[0], batch=1,
                                          prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling)
@@ -98,6 +98,9 @@ def main() -> None:
                    **common.median_of_runs(runs)}
             plain = plain or row["decode_tokens_per_s"]
             row["x_plain"] = row["decode_tokens_per_s"] / plain
+            plain_texts = plain_texts or [r["text_digest"] for r in runs]
+            if sampling_name == "greedy":  # lossless greedy emits plain's text, up to bf16's near-ties
+                row["same_text_as_plain"] = statistics.mean(r["text_digest"] == t for r, t in zip(runs, plain_texts))
             depths = range(min(3, *(len(r["acceptance_rate_by_depth"]) for r in runs)))
             row["acceptance_1_3"] = " ".join(
                 f"{statistics.median(r['acceptance_rate_by_depth'][d] for r in runs):.2f}" for d in depths)
@@ -110,7 +113,7 @@ def main() -> None:
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("x plain", "x_plain", ".2f"), ("tokens / iteration", "tokens_per_iteration", ".2f"),
         ("acceptance d1-3 (median)", "acceptance_1_3", "s"), ("iteration ms", "iteration_ms", ".2f"),
-        ("degeneration", "degeneration", ".2f")]))
+        ("degeneration", "degeneration", ".2f"), ("greedy text = plain's", "same_text_as_plain", ".2f")]))
 
 
 if __name__ == "__main__":
