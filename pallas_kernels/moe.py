@@ -321,12 +321,12 @@ def _split_pairs(pairs):
     low, high = half(pairs), half(lax.shift_right_logical(pairs, 16))
     return jnp.stack([low, high], axis=-1).reshape(pairs.shape[0], 2 * pairs.shape[1])
 
+
 def paired_weights(codes, scales):
     """bf16 [columns, 2n]: the weights of MXFP4 bytes codes [columns, n] and their scales [columns, n/16]
     in K's order, by `paired_values` (the two halves of each word split and joined again: compiled,
     the words are the matrix unit's operand registers as they are)."""
     return _split_pairs(paired_values(codes, per_byte(pair_factors(scales))))
-
 
 
 # MXFP4 words (`pack_words`): each scale group's 32 codes re-packed into 4 uint32 words so that a thread
@@ -615,7 +615,7 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols, small: bool = Fal
     MXFP4 stack's [columns, bk/2] bytes and [columns, bk/32] scales decoded to [columns, bk] in
     registers (a transposed product), or with SCALED_DOT and bf16 rows, by `mxfp4_dot`; with
     `_transposed` stacks acc is [columns, rows] (W^T x^T, by `paired_weights` or `word_weights`; `small`:
-    words of scales at most 128, `MXFP4.small_scales`)."""
+    words of scales between 1 and 128, `MXFP4.small_scales`)."""
     x = load_x(pl.ds(k0, bk))
     if len(w_refs) == 1:
         w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
@@ -624,7 +624,7 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols, small: bool = Fal
     scales = scales_ref[layer, e, cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
     transposed = lambda w: acc + lax.dot_general(w.astype(x.dtype), x, (((1,), (1,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
-    if blocks_ref.dtype == jnp.uint32:
+    if _reads_words(w_refs):
         words = lax.bitcast_convert_type(blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 8), bk // 8)], jnp.int32)
         return transposed(word_weights(words, scales, small))
     codes = blocks_ref[layer, e, cols, pl.ds(packed_offset(k0, 2), bk // 2)]
@@ -635,10 +635,15 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols, small: bool = Fal
     return _mxfp4_dot_reference(acc, x, codes, scales)
 
 
+def _reads_words(w_refs) -> bool:
+    """Whether a kernel's weight refs are an MXFP4 stack of words (`MXFP4.words`, for refs)."""
+    return len(w_refs) == 2 and w_refs[0].dtype == jnp.uint32
+
+
 def _transposed(w_refs, dtype) -> bool:
     """Whether `_product` takes MXFP4 weights as W^T x^T: words (`word_weights`), or bytes through
     `paired_weights` (PAIRED_DECODE, bf16 rows)."""
-    return len(w_refs) == 2 and (w_refs[0].dtype == jnp.uint32 or PAIRED_DECODE and dtype == jnp.bfloat16)
+    return _reads_words(w_refs) or len(w_refs) == 2 and PAIRED_DECODE and dtype == jnp.bfloat16
 
 
 def _over_rows(step, K: int, bk: int, first, bm: int, columns: int, w_refs, dtype, products: int):
@@ -696,7 +701,7 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
     each output's two halves with x's columns in `word_order` (x_ref [rows, 4, K/4]) into sums
     [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends; `small`:
     as `_product`'s)."""
-    K = _width(x_ref)
+    K, of_words = _width(x_ref), _reads_words(w_refs)
     masked = K % bk != 0
     load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
 
@@ -718,7 +723,7 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
         groups, group0 = bk // MXFP4_GROUP, packed_offset(k0, MXFP4_GROUP)
         whole = group0 + jnp.arange(groups) < K // MXFP4_GROUP
         scales = lambda cols: load(scales_ref.at[layer, e, cols, pl.ds(group0, groups)], whole[None, :])
-        if blocks_ref.dtype == jnp.uint32:
+        if of_words:
             n, word0 = bk // 8, packed_offset(k0, 8)
             inside = word0 + jnp.arange(n) < K // 8
             xs = [halves(lambda at, j=j: x_ref.at[row, jnp.int32(j), at], 2 * word0, 2 * n, K // 4) for j in range(4)]
@@ -744,10 +749,10 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
             out.append(acc + jnp.sum((low * even + high * odd) * power, axis=1))
         return tuple(out)
 
-    words = len(w_refs) == 2 and w_refs[0].dtype == jnp.uint32  # sums kept a word apart, added up once at the end
-    zeros = tuple(jnp.zeros((cols.size, bk // 8) if words else (cols.size,), jnp.float32) for cols in column_blocks)
+    # words: sums kept a word apart, added up once at the end
+    zeros = tuple(jnp.zeros((cols.size, bk // 8) if of_words else (cols.size,), jnp.float32) for cols in column_blocks)
     sums = lax.fori_loop(0, -(-K // bk), step, zeros)
-    return tuple(s.sum(axis=1) for s in sums) if words else sums
+    return tuple(s.sum(axis=1) for s in sums) if of_words else sums
 
 
 def _split_chunk(K: int, splits: int):
@@ -761,7 +766,7 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
                     packed: bool, biased: bool, one_row: bool, splits: int, small: bool):
     """a_ref [rows, F]: the activations; with splits > 1 instead float32 partial gate/up columns
     [splits, rows, 2F], neither biased nor activated (`moe_experts_pallas` adds them up). `small`:
-    words of scales at most 128."""
+    words of scales between 1 and 128."""
     w_refs, (*b_ref, a_ref) = refs[:1 + packed], refs[1 + packed:]
     j = pl.program_id(1)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
@@ -800,7 +805,7 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
 def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool,
                  one_row: bool, splits: int, small: bool):
     """y_ref [rows, D] float32: the experts' outputs; with splits > 1 partial sums [splits, rows, D],
-    not biased. `small`: words of scales at most 128."""
+    not biased. `small`: words of scales between 1 and 128."""
     w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
