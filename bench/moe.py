@@ -1,7 +1,7 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
-    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128] [--decodes paired,words,words-two]
-        [--stages 3,4] [--word-columns 32,64] [--out DIR] [--tiny]
+    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128]
+        [--decodes paired,words,words-two,words-byte-scales] [--stages 3,4] [--word-columns 32,64] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
@@ -19,7 +19,8 @@ placed, exact only where float32 subnormals are kept: `max_rel_err` tells; `pair
 row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in
 inline PTX; `words`: the stacks re-packed once as `moe.to_words` words, which the row-block and one-row
 forms read, a word's 8 codes into 4 bf16x2 words, one multiply each (the random scales are at most 128:
-`MXFP4.small_scales`); `words-two`: the same with two multiplies, as scales above 128 take), in this
+`MXFP4.small_scales`; their scales four to a word, `moe.pack_scales`); `words-two`: the same with two
+multiplies, as scales above 128 take; `words-byte-scales`: `words` with the scales as bytes), in this
 process, the compiled programs dropped between them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json;
 --tiny: moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a
 smoke test of this script) and prints a table last.
@@ -116,6 +117,9 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int)
     return row
 
 
+DECODES = ("exact", "placed", "paired", "words", "words-two", "words-byte-scales")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=tuple(SHAPES), default="bf16",
@@ -123,8 +127,8 @@ def main():
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
                    help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact, paired "
-                        "(moe.PAIRED_DECODE, the default), words and words-two (moe.to_words stacks: no split-K "
-                        "form; one multiply an output, or two)")
+                        "(moe.PAIRED_DECODE, the default), words, words-two and words-byte-scales (moe.to_words "
+                        "stacks: no split-K form; one multiply an output, or two; scales as bytes)")
     p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
                    help="the kernels' pipeline stages to time, comma-separated (num_stages)")
     p.add_argument("--word-columns", default="32", type=lambda s: [int(n) for n in s.split(",")],
@@ -132,8 +136,8 @@ def main():
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
-    if unknown := set(args.decodes) - {"exact", "placed", "paired", "words", "words-two"}:
-        p.error(f"unknown decodes {sorted(unknown)}: exact, placed, paired, words, words-two")
+    if unknown := set(args.decodes) - set(DECODES):
+        p.error(f"unknown decodes {sorted(unknown)}: {', '.join(DECODES)}")
     shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
     result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
@@ -147,7 +151,8 @@ def main():
             moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
             jax.clear_caches()
             words = decode.startswith("words")
-            timed = tuple(moe.to_words(w, small_scales=decode == "words") for w in stacks) if words else stacks
+            timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode != "words-byte-scales")
+                          for w in stacks) if words else stacks
             for columns, stages in itertools.product(args.word_columns if words else [None], args.stages):
                 if columns:
                     moe.WORD_MIN_COLUMNS = columns

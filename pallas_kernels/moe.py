@@ -135,7 +135,9 @@ class MXFP4:
     Or blocks [..., N, K/8] uint32: the same codes as `pack_words` words (`to_words`), which the row-block
     (`word_weights`) and one-row (`word_order`) forms read. `small_scales` (static): every scale is
     between 1 and 128, as whoever packed the words found (`to_words`); their outputs then take one
-    multiply instead of two (`word_factors`)."""
+    multiply instead of two (`word_factors`). A stack of words may hold its scales four to a uint32 word
+    (`pack_scales`: [..., N, ceil(K/128)]), as `to_words` packs them where each device holds whole rows
+    of K."""
 
     blocks: jax.Array
     scales: jax.Array
@@ -151,6 +153,12 @@ class MXFP4:
     def words(self) -> bool:
         """Whether blocks holds `pack_words` words (uint32) rather than the checkpoint's bytes."""
         return self.blocks.dtype == jnp.uint32
+
+    def byte_scales(self):
+        """The scales as the checkpoint's bytes [..., N, K/32] (`pack_scales` undone)."""
+        if self.scales.dtype == jnp.uint8:
+            return self.scales
+        return unpack_scales(self.scales, self.shape[-2] // MXFP4_GROUP)
 
 
 def has_packed(tree) -> bool:
@@ -359,6 +367,23 @@ def pack_words(blocks):
     return words.reshape(*blocks.shape[:-1], blocks.shape[-1] // 4).astype(jnp.uint32)
 
 
+def pack_scales(scales):
+    """uint32 [..., ceil(G/4)]: MXFP4 scales [..., G] (uint8) four to a word, group 4w + b in byte b (a
+    last word's missing groups 0). A row block's 128 weights of K a step then take one 4-byte scale
+    word a column, which Triton copies asynchronously ahead of the step like the codes; as bytes, the
+    step's [64 columns, 4] scales are 2 bytes a thread, too few for an async copy, so each step waited
+    on a plain load: a third of the row blocks' stall samples on an H100 (ncu; bench/NOTES.md)."""
+    bytes_ = jnp.pad(scales, [(0, 0)] * (scales.ndim - 1) + [(0, -scales.shape[-1] % 4)]).astype(jnp.uint32)
+    b = bytes_.reshape(*scales.shape[:-1], -1, 4)
+    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+
+
+def unpack_scales(words, groups: int):
+    """uint8 [..., groups]: the scales of `pack_scales` words: its inverse."""
+    b = jnp.stack([lax.shift_right_logical(words, jnp.uint32(8 * i)) & 255 for i in range(4)], axis=-1)
+    return b.reshape(*words.shape[:-1], -1)[..., :groups].astype(jnp.uint8)
+
+
 word_values_p = Primitive("mxfp4_word_values")
 
 
@@ -442,15 +467,19 @@ def _by_matrix(f, blocks):
     return lax.map(f, blocks) if blocks.ndim > 2 else f(blocks)
 
 
-def to_words(w: MXFP4, small_scales: bool = False) -> MXFP4:
+def to_words(w: MXFP4, small_scales: bool = False, scale_words: bool = True) -> MXFP4:
     """The stack with its bytes re-packed as `pack_words` words (the same codes and scales);
-    `small_scales`: the caller found every scale between 1 and 128 (`MXFP4.small_scales`)."""
-    return w if w.words else MXFP4(_by_matrix(pack_words, w.blocks), w.scales, small_scales)
+    `small_scales`: the caller found every scale between 1 and 128 (`MXFP4.small_scales`); `scale_words`:
+    the scales four to a word too (`pack_scales`; not where a device holds part of a row of K, whose
+    words could straddle two devices)."""
+    if w.words:
+        return w
+    return MXFP4(_by_matrix(pack_words, w.blocks), pack_scales(w.scales) if scale_words else w.scales, small_scales)
 
 
 def to_bytes(w: MXFP4) -> MXFP4:
     """The stack with its words unpacked into the released bytes (`to_words`' inverse)."""
-    return MXFP4(_by_matrix(unpack_words, w.blocks), w.scales) if w.words else w
+    return MXFP4(_by_matrix(unpack_words, w.blocks), w.byte_scales()) if w.words else w
 
 
 def unpack_words(words):
@@ -464,7 +493,7 @@ def unpack_words(words):
 def dequantize(w: MXFP4):
     """float32 [..., K, N]: the matrices of an MXFP4 stack."""
     blocks = unpack_words(w.blocks) if w.words else w.blocks
-    return jnp.swapaxes(decode(blocks, scale_power(jnp.repeat(w.scales, MXFP4_GROUP // 2, axis=-1))), -1, -2)
+    return jnp.swapaxes(decode(blocks, scale_power(jnp.repeat(w.byte_scales(), MXFP4_GROUP // 2, axis=-1))), -1, -2)
 
 
 def activate(gate, up, activation: str):
@@ -609,6 +638,31 @@ def packed_offset(k0, per: int):
     return lax.div(k0, per)
 
 
+def step_scales(scales_ref, layer, e, cols, k0, bk: int, K: int | None = None, stacked: bool = False):
+    """Inside a kernel: the scales [columns, bk/32] of K's [k0, k0 + bk) at `cols` of expert e at `layer`:
+    a byte ref's (uint8), or int32 from scale words (`pack_scales`): bk/128 words from k0 a multiple of
+    128, or the bk/32 groups of one word. With K (a step that may run past it), groups past K read 0.
+    A word's bytes are taken apart by shifts of its broadcast copies, or with `stacked` (bk a multiple
+    of 128) stacked one by one: the row blocks' loop then keeps 151 registers a thread, not 162, and the
+    one-row form's 95, not 125 (sm_90, gpt-oss-20b's gate/up)."""
+    groups = bk // MXFP4_GROUP
+
+    def load(start, size: int, end: int):
+        ref = scales_ref.at[layer, e, cols, pl.ds(start, size)]
+        return ref[...] if K is None else plgpu.load(ref, mask=(start + jnp.arange(size) < end)[None, :], other=0)
+
+    if scales_ref.dtype == jnp.uint8:
+        return load(packed_offset(k0, MXFP4_GROUP), groups, (K or 0) // MXFP4_GROUP)
+    words = load(packed_offset(k0, 4 * MXFP4_GROUP), max(1, groups // 4), scales_ref.shape[-1]).astype(jnp.int32)
+    if stacked:  # [columns, n, 4] by two-way stacks (Triton's only): bytes (0, 2) and (1, 3) interleaved
+        byte = lambda b: lax.shift_right_logical(words, 8 * b) & 255
+        pairs = jnp.stack([jnp.stack([byte(0), byte(2)], axis=-1), jnp.stack([byte(1), byte(3)], axis=-1)], axis=-1)
+        return pairs.reshape(words.shape[0], groups)
+    first = 0 if groups >= 4 else lax.rem(packed_offset(k0, MXFP4_GROUP), 4)  # the step's first byte of its word
+    shifts = 8 * ((first + jnp.arange(groups)) % 4)
+    return lax.shift_right_logical(per_byte(words, units=min(4, groups)), shifts[None, :]) & 255
+
+
 def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols, small: bool = False):
     """Inside a kernel: float32 acc [rows, columns] + x's columns [k0, k0 + bk) (load_x(slice), in x's
     dtype) times W's rows [k0, k0 + bk) at `cols`: a float stack's tile converted to x's dtype, or an
@@ -621,7 +675,8 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols, small: bool = Fal
         w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
     blocks_ref, scales_ref = w_refs
-    scales = scales_ref[layer, e, cols, pl.ds(packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP)]
+    stacked = bk % (4 * MXFP4_GROUP) == 0 and cols.size >= WGMMA_COLUMNS  # fewer registers there (`step_scales`)
+    scales = step_scales(scales_ref, layer, e, cols, k0, bk, stacked=stacked)
     transposed = lambda w: acc + lax.dot_general(w.astype(x.dtype), x, (((1,), (1,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
     if _reads_words(w_refs):
@@ -720,9 +775,7 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
             return tuple(acc + jnp.sum(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None])
                                        .astype(jnp.float32) * x, axis=0) for acc, cols in zip(accs, column_blocks))
         blocks_ref, scales_ref = w_refs
-        groups, group0 = bk // MXFP4_GROUP, packed_offset(k0, MXFP4_GROUP)
-        whole = group0 + jnp.arange(groups) < K // MXFP4_GROUP
-        scales = lambda cols: load(scales_ref.at[layer, e, cols, pl.ds(group0, groups)], whole[None, :])
+        scales = lambda cols: step_scales(scales_ref, layer, e, cols, k0, bk, K if masked else None)
         if of_words:
             n, word0 = bk // 8, packed_offset(k0, 8)
             inside = word0 + jnp.arange(n) < K // 8

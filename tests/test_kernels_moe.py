@@ -64,17 +64,19 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
 # paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
 # as words (moe.to_words: row blocks through word_weights, its exact form here, and the one-row form
-# through moe.word_order's columns), and as words of small scales (MXFP4.small_scales: one multiply).
+# through moe.word_order's columns), and as words of small scales (MXFP4.small_scales: one multiply); their
+# scales four to a word (moe.pack_scales), or as bytes (a device's share of a down matrix split by rows).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
-WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row")
+WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row",
+                        "byte-scale word decode", "byte-scale word one row")
 PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, *WORD_IMPLEMENTATIONS)
 
 
 def run(implementation: str, inputs, activation: str):
     x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
     if implementation in WORD_IMPLEMENTATIONS:
-        small = implementation.startswith("small")
-        w_gate_up, w_down = moe.to_words(w_gate_up, small), moe.to_words(w_down, small)
+        small, scale_words = implementation.startswith("small"), not implementation.startswith("byte-scale")
+        w_gate_up, w_down = (moe.to_words(w, small, scale_words) for w in (w_gate_up, w_down))
     args = (x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER))
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
     if implementation == "reference":
@@ -83,7 +85,7 @@ def run(implementation: str, inputs, activation: str):
         patch.setattr(moe, "SCALED_DOT", implementation == "scaled dot")
         patch.setattr(moe, "PAIRED_DECODE", implementation == "paired decode")
         form = ("one_row" if implementation.endswith("one row") else "row_blocks" if implementation in
-                ("scaled dot", "paired decode", "word decode", "small word decode") else implementation)
+                ("scaled dot", "paired decode") or implementation.endswith("word decode") else implementation)
         return np.asarray(moe_experts_pallas(*args, **options, interpret=True, form=form))
 
 
@@ -268,8 +270,11 @@ def test_word_weights_equal_decode():
     assert np.isnan(want).sum() == 0 and np.isnan(got).sum() == 0  # the random tile
     np.testing.assert_array_equal(np.asarray(moe.unpack_words(moe.pack_words(jnp.asarray(blocks)))), blocks)
     stack = MXFP4(jnp.asarray(blocks[None]), jnp.asarray(scales[None]))
-    assert moe.to_words(stack).shape == stack.shape == (1, 128, 16) and moe.to_words(stack).words
-    np.testing.assert_array_equal(np.asarray(dequantize(moe.to_words(stack))), np.asarray(dequantize(stack)))
+    words = moe.to_words(stack)
+    assert words.shape == stack.shape == (1, 128, 16) and words.words and words.scales.shape == (1, 16, 1)
+    np.testing.assert_array_equal(np.asarray(dequantize(words)), np.asarray(dequantize(stack)))
+    for leaf in ("blocks", "scales"):
+        np.testing.assert_array_equal(np.asarray(getattr(moe.to_bytes(words), leaf)), np.asarray(getattr(stack, leaf)))
     ones = np.asarray(moe.pack_words(jnp.full((1, 16), 255, jnp.uint8)))
     assert (ones == 0xFFFFFFFF).all()
     for k in range(32):  # code k alone set to 15: 4 bits in its word, none in the others
@@ -293,6 +298,36 @@ def test_words_take_row_blocks_and_the_one_row_form():
     g, j, t, half = np.meshgrid(*map(np.arange, (K // 32, 4, 4, 2)), indexing="ij")
     for row in range(2):
         np.testing.assert_array_equal(ordered[row, j, 8 * g + 2 * t + half], row * K + 32 * g + 8 * j + 2 * t + half)
+
+
+def test_scale_words_hold_four_groups_and_feed_every_step():
+    """`pack_scales`: group 4w + b in byte b of word w (a last word's missing groups 0), `unpack_scales`
+    its inverse. At K = 288 (row blocks: two 128-weight steps, whose scales are whole words, and a
+    32-weight tail, a word's first byte; one row: a masked 512-weight step) and 160 (a 128 step and a
+    tail), the kernels through scale words equal the loop in float64 and the same words with byte scales."""
+    rng = np.random.default_rng(11)
+    scales = rng.integers(0, 256, (3, 9), dtype=np.uint8)
+    words = np.asarray(moe.pack_scales(jnp.asarray(scales)))
+    assert words.shape == (3, 3) and words.dtype == np.uint32
+    for g in range(9):
+        np.testing.assert_array_equal(words[:, g // 4] >> np.uint32(8 * (g % 4)) & 255, scales[:, g])
+    assert (words[:, 2] >> 8 == 0).all()
+    np.testing.assert_array_equal(np.asarray(moe.unpack_scales(jnp.asarray(words), 9)), scales)
+    Dw, Fw, T = 288, 160, 64
+    keys = jax.random.split(jax.random.key(12), 3)
+    stack = lambda K, N, lo: MXFP4(jnp.asarray(rng.integers(0, 256, (L, E, N, K // 2), dtype=np.uint8)),
+                                   jnp.asarray(rng.integers(lo, lo + 6, (L, E, N, K // 32), dtype=np.uint8)))
+    w_gate_up, w_down = stack(Dw, 2 * Fw, 120), stack(Fw, Dw, 121)
+    for rows in (1, T):
+        x = jax.random.normal(keys[0], (rows, Dw), jnp.float32)
+        ids = jnp.argsort(jax.random.uniform(keys[1], (rows, E)), axis=1)[:, :K].astype(jnp.int32)
+        weights = jax.nn.softmax(jax.random.normal(keys[2], (rows, K)), axis=1)
+        want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), None, None, "gpt_oss")
+        got = {scale_words: np.asarray(moe_experts_pallas(
+            x, ids, weights, *(moe.to_words(w, True, scale_words) for w in (w_gate_up, w_down)), jnp.int32(LAYER),
+            activation="gpt_oss", interpret=True)) for scale_words in (True, False)}
+        assert np.abs(got[True] - want).max() / np.abs(want).max() < 1e-5, rows
+        np.testing.assert_array_equal(got[True], got[False], err_msg=f"{rows} rows")
 
 
 def test_word_ptx_holds_each_words_eight_weights():
