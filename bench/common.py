@@ -36,7 +36,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
 from pallas_kernels import paging
-from pallas_kernels.moe import MXFP4, pack_scales, pack_words
+from pallas_kernels.moe import MXFP4, pack_words
 
 # Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
 # set here before any of them computes anything.
@@ -172,16 +172,14 @@ def with_mxfp4_experts(params, words: bool = False) -> dict:
 
 def random_mxfp4(key, shape, words: bool = False) -> MXFP4:
     """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
-    2^-7..2^-1; `words`: as `moe.to_words` packs them for one device (the codes as `moe.pack_words` words,
-    the scales as `moe.pack_scales` words; scales at most 128: `MXFP4.small_scales`)."""
+    2^-7..2^-1; `words`: the codes as `moe.pack_words` words (scales at most 128: `MXFP4.small_scales`)."""
     *lead, K, N = shape
     # One matrix at a time: a whole stack's bits in one draw take 4 bytes a code (25 GB for gpt-oss-20b's).
-    pack, pack_s = (pack_words, pack_scales) if words else (lambda blocks: blocks, lambda scales: scales)
+    pack = pack_words if words else lambda blocks: blocks
     draw = lambda key: (pack(jax.random.bits(key, (N, K // 2), jnp.uint8)),
-                        pack_s(jax.random.randint(key, (N, K // 32), 120, 127).astype(jnp.uint8)))
+                        jax.random.randint(key, (N, K // 32), 120, 127).astype(jnp.uint8))
     blocks, scales = jax.jit(lambda keys: jax.lax.map(draw, keys))(jax.random.split(key, math.prod(lead)))
-    return MXFP4(blocks.reshape(*lead, *blocks.shape[-2:]), scales.reshape(*lead, *scales.shape[-2:]),
-                 small_scales=words)
+    return MXFP4(blocks.reshape(*lead, *blocks.shape[-2:]), scales.reshape(*lead, N, K // 32), small_scales=words)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -1,7 +1,8 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
     PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128]
-        [--decodes paired,words,words-two,words-byte-scales] [--stages 3,4] [--word-columns 32,64] [--out DIR] [--tiny]
+        [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--word-columns 32,64]
+        [--one-row-programs 256,512] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
@@ -19,8 +20,8 @@ placed, exact only where float32 subnormals are kept: `max_rel_err` tells; `pair
 row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in
 inline PTX; `words`: the stacks re-packed once as `moe.to_words` words, which the row-block and one-row
 forms read, a word's 8 codes into 4 bf16x2 words, one multiply each (the random scales are at most 128:
-`MXFP4.small_scales`; their scales four to a word, `moe.pack_scales`); `words-two`: the same with two
-multiplies, as scales above 128 take; `words-byte-scales`: `words` with the scales as bytes), in this
+`MXFP4.small_scales`); `words-two`: the same with two multiplies, as scales above 128 take;
+`scale-words`: `words` with the scales four to a word, `moe.pack_scales`), in this
 process, the compiled programs dropped between them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json;
 --tiny: moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a
 smoke test of this script) and prints a table last.
@@ -117,7 +118,7 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int)
     return row
 
 
-DECODES = ("exact", "placed", "paired", "words", "words-two", "words-byte-scales")
+DECODES = ("exact", "placed", "paired", "words", "words-two", "scale-words")
 
 
 def main():
@@ -127,12 +128,14 @@ def main():
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
                    help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact, paired "
-                        "(moe.PAIRED_DECODE, the default), words, words-two and words-byte-scales (moe.to_words "
-                        "stacks: no split-K form; one multiply an output, or two; scales as bytes)")
+                        "(moe.PAIRED_DECODE, the default), words, words-two and scale-words (moe.to_words "
+                        "stacks: no split-K form; one multiply an output, or two; scales four to a word)")
     p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
                    help="the kernels' pipeline stages to time, comma-separated (num_stages)")
     p.add_argument("--word-columns", default="32", type=lambda s: [int(n) for n in s.split(",")],
                    help="words: the narrowest column blocks to time, comma-separated (moe.WORD_MIN_COLUMNS)")
+    p.add_argument("--one-row-programs", default="256", type=lambda s: [int(n) for n in s.split(",")],
+                   help="the one-row form's programs at least, comma-separated (moe.ONE_ROW_PROGRAMS)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
@@ -150,19 +153,23 @@ def main():
         for decode in decodes:
             moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
             jax.clear_caches()
-            words = decode.startswith("words")
-            timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode != "words-byte-scales")
+            words = decode in ("words", "words-two", "scale-words")
+            timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks
-            for columns, stages in itertools.product(args.word_columns if words else [None], args.stages):
+            for columns, stages, programs in itertools.product(args.word_columns if words else [None], args.stages,
+                                                               args.one_row_programs):
+                moe.ONE_ROW_PROGRAMS = programs
                 if columns:
                     moe.WORD_MIN_COLUMNS = columns
-                    jax.clear_caches()
+                jax.clear_caches()
                 row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages)
-                result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages} | row)
+                result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages,
+                                       "one_row_programs": programs} | row)
                 print(result["rows"][-1], flush=True)
                 common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
         ("T", "rows", "d"), ("decode", "decode", "s"), ("word columns", "word_columns", "d"), ("stages", "stages", "d"),
+        ("one-row programs", "one_row_programs", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],

@@ -98,6 +98,10 @@ MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # "the floor-division fix"). ROW_STEP_ELEMENTS: the weights of a column block a loop step reads
 # (4K-16K tried: equal).
 ROW_STEP_ELEMENTS = 8192
+# The one-row form's programs at least (`column_block`'s target). TARGET_PROGRAMS gives gpt-oss-20b's
+# decode step 360 gate/up programs, 0.55 of an H100's waves (ncu), yet 512 (16-column blocks) measured
+# slower there: 63.6 against 52.0 us (bench/moe.py --one-row-programs; bench/NOTES.md).
+ONE_ROW_PROGRAMS = TARGET_PROGRAMS
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `decode`
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
@@ -136,8 +140,7 @@ class MXFP4:
     (`word_weights`) and one-row (`word_order`) forms read. `small_scales` (static): every scale is
     between 1 and 128, as whoever packed the words found (`to_words`); their outputs then take one
     multiply instead of two (`word_factors`). A stack of words may hold its scales four to a uint32 word
-    (`pack_scales`: [..., N, ceil(K/128)]), as `to_words` packs them where each device holds whole rows
-    of K."""
+    (`pack_scales`: [..., N, ceil(K/128)]), as `to_words` packs them on request."""
 
     blocks: jax.Array
     scales: jax.Array
@@ -467,11 +470,12 @@ def _by_matrix(f, blocks):
     return lax.map(f, blocks) if blocks.ndim > 2 else f(blocks)
 
 
-def to_words(w: MXFP4, small_scales: bool = False, scale_words: bool = True) -> MXFP4:
+def to_words(w: MXFP4, small_scales: bool = False, scale_words: bool = False) -> MXFP4:
     """The stack with its bytes re-packed as `pack_words` words (the same codes and scales);
     `small_scales`: the caller found every scale between 1 and 128 (`MXFP4.small_scales`); `scale_words`:
-    the scales four to a word too (`pack_scales`; not where a device holds part of a row of K, whose
-    words could straddle two devices)."""
+    the scales four to a word too (`pack_scales`: row blocks 10% faster, the one-row form 30% slower on
+    an H100, so not `load_model`'s; not where a device holds part of a row of K, whose words could
+    straddle two devices)."""
     if w.words:
         return w
     return MXFP4(_by_matrix(pack_words, w.blocks), pack_scales(w.scales) if scale_words else w.scales, small_scales)
@@ -572,12 +576,13 @@ def block_rows(assignments: int, slots: int) -> int:
     return min(max(MIN_TILE, next_pow2(2 * -(-assignments // slots))), MAX_ROWS)
 
 
-def column_block(N: int, widest: int, slots: int, narrowest: int = MIN_TILE) -> int:
-    """Columns per program: the widest divisor of N up to `widest` that still gives TARGET_PROGRAMS
-    (slot, column block) programs, else the narrowest (at least `narrowest`): a decode step's few
-    experts need narrow blocks to fill the GPU."""
+def column_block(N: int, widest: int, slots: int, narrowest: int = MIN_TILE,
+                 target: int = TARGET_PROGRAMS) -> int:
+    """Columns per program: the widest divisor of N up to `widest` that still gives `target` (slot, column
+    block) programs, else the narrowest (at least `narrowest`): a decode step's few experts need narrow
+    blocks to fill the GPU."""
     block = divisor(N, widest)
-    while block > narrowest and slots * (N // block) < TARGET_PROGRAMS and N % (block // 2) == 0:
+    while block > narrowest and slots * (N // block) < target and N % (block // 2) == 0:
         block //= 2
     return block
 
@@ -643,8 +648,8 @@ def step_scales(scales_ref, layer, e, cols, k0, bk: int, K: int | None = None, s
     a byte ref's (uint8), or int32 from scale words (`pack_scales`): bk/128 words from k0 a multiple of
     128, or the bk/32 groups of one word. With K (a step that may run past it), groups past K read 0.
     A word's bytes are taken apart by shifts of its broadcast copies, or with `stacked` (bk a multiple
-    of 128) stacked one by one: the row blocks' loop then keeps 151 registers a thread, not 162, and the
-    one-row form's 95, not 125 (sm_90, gpt-oss-20b's gate/up)."""
+    of 128) stacked one by one: the row blocks' gate/up call then takes 155 registers a thread, not 162,
+    and the one-row form's 95, not 125 (sm_90 with the CPU's Triton, gpt-oss-20b's shapes)."""
     groups = bk // MXFP4_GROUP
 
     def load(start, size: int, end: int):
@@ -945,8 +950,9 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         down_splits = k_splits(F, S * (D // bd), down_packed)
     else:
         narrowest = lambda words: WORD_MIN_COLUMNS if word_blocks(words) else MIN_TILE
-        bf = column_block(F, GATE_UP_COLUMNS, S, narrowest(gate_up_words))
-        bd = column_block(D, DOWN_COLUMNS, S, narrowest(down_words))
+        target = ONE_ROW_PROGRAMS if one_row else TARGET_PROGRAMS
+        bf = column_block(F, GATE_UP_COLUMNS, S, narrowest(gate_up_words), target)
+        bd = column_block(D, DOWN_COLUMNS, S, narrowest(down_words), target)
         gate_up_splits = down_splits = 1
     step = (lambda K, columns, packed, words: row_step(K, columns)) if one_row else step_rows
     out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(

@@ -246,7 +246,9 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", None),  # the same through Triton's scaled dot (moe.SCALED_DOT)
     (64, 32, 2880, 2880, 4, "gpt_oss", "paired", None),  # the same through paired_weights' PTX (moe.PAIRED_DECODE)
     (64, 32, 2880, 2880, 4, "gpt_oss", "words", None),  # the experts as moe.to_words words (word_weights' PTX)
-    (64, 32, 2880, 2880, 4, "gpt_oss", "words2", None),  # the same with scales above 128 (two multiplies), as bytes
+    (64, 32, 2880, 2880, 4, "gpt_oss", "words2", None),  # the same with scales above 128 (two multiplies)
+    (64, 32, 2880, 2880, 4, "gpt_oss", "scale_words", None),  # words with their scales four to a word (pack_scales)
+    (1, 32, 2880, 2880, 4, "gpt_oss", "scale_words", None),
     (1, 32, 2880, 2880, 4, "gpt_oss", "words", None),   # a decode step's row through them: the one-row form
     (1, 32, 2880, 2880, 4, "gpt_oss", "words", "row_blocks"),    # the same row as row blocks of 16
     (1, 32, 2880, 2880, 4, "gpt_oss", "words64", "row_blocks"),  # in 64-column blocks (moe.WORD_MIN_COLUMNS)
@@ -257,10 +259,11 @@ def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, 
     monkeypatch.setattr(moe, "PLACED_DECODE", packed != "exact")
     monkeypatch.setattr(moe, "WORD_MIN_COLUMNS", 64 if packed == "words64" else moe.WORD_MIN_COLUMNS)
     biased = activation == "gpt_oss"
-    words = packed in ("words", "words2", "words64")
+    words = packed in ("words", "words2", "words64", "scale_words")
     codes = lambda K, N: spec((2, E, N, K // 8), jnp.uint32) if words else spec((2, E, N, K // 2), jnp.uint8)
     small = words and packed != "words2"
-    scales = lambda K, N: spec((2, E, N, -(-K // 128)), jnp.uint32) if small else spec((2, E, N, K // 32), jnp.uint8)
+    scales = lambda K, N: (spec((2, E, N, -(-K // 128)), jnp.uint32) if packed == "scale_words"
+                           else spec((2, E, N, K // 32), jnp.uint8))
     stack = lambda K, N: (MXFP4(codes(K, N), scales(K, N), small_scales=small) if packed
                           else spec((2, E, K, N), jnp.bfloat16))
     check_cuda(lambda x, ids, w, w_gate_up, w_down, layer, b_gate_up, b_down: moe_experts_pallas(

@@ -64,18 +64,18 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
 # paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
 # as words (moe.to_words: row blocks through word_weights, its exact form here, and the one-row form
-# through moe.word_order's columns), and as words of small scales (MXFP4.small_scales: one multiply); their
-# scales four to a word (moe.pack_scales), or as bytes (a device's share of a down matrix split by rows).
+# through moe.word_order's columns), and as words of small scales (MXFP4.small_scales: one multiply), and
+# with their scales four to a word (moe.pack_scales).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
 WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row",
-                        "byte-scale word decode", "byte-scale word one row")
+                        "scale-word decode", "scale-word one row")
 PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, *WORD_IMPLEMENTATIONS)
 
 
 def run(implementation: str, inputs, activation: str):
     x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
     if implementation in WORD_IMPLEMENTATIONS:
-        small, scale_words = implementation.startswith("small"), not implementation.startswith("byte-scale")
+        small, scale_words = implementation.startswith("small"), implementation.startswith("scale-word")
         w_gate_up, w_down = (moe.to_words(w, small, scale_words) for w in (w_gate_up, w_down))
     args = (x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER))
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
@@ -270,7 +270,7 @@ def test_word_weights_equal_decode():
     assert np.isnan(want).sum() == 0 and np.isnan(got).sum() == 0  # the random tile
     np.testing.assert_array_equal(np.asarray(moe.unpack_words(moe.pack_words(jnp.asarray(blocks)))), blocks)
     stack = MXFP4(jnp.asarray(blocks[None]), jnp.asarray(scales[None]))
-    words = moe.to_words(stack)
+    words = moe.to_words(stack, scale_words=True)
     assert words.shape == stack.shape == (1, 128, 16) and words.words and words.scales.shape == (1, 16, 1)
     np.testing.assert_array_equal(np.asarray(dequantize(words)), np.asarray(dequantize(stack)))
     for leaf in ("blocks", "scales"):
