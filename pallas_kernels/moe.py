@@ -643,22 +643,23 @@ def packed_offset(k0, per: int):
     return lax.div(k0, per)
 
 
-def step_scales(scales_ref, layer, e, cols, k0, bk: int, K: int | None = None, stacked: bool = False):
+def step_scales(scales_ref, layer, e, cols, k0, bk: int, masked: bool = False, stacked: bool = False):
     """Inside a kernel: the scales [columns, bk/32] of K's [k0, k0 + bk) at `cols` of expert e at `layer`:
     a byte ref's (uint8), or int32 from scale words (`pack_scales`): bk/128 words from k0 a multiple of
-    128, or the bk/32 groups of one word. With K (a step that may run past it), groups past K read 0.
+    128, or the bk/32 groups of one word. `masked` (a step that may run past K): what lies past the
+    stack's scales reads 0.
     A word's bytes are taken apart by shifts of its broadcast copies, or with `stacked` (bk a multiple
     of 128) stacked one by one: the row blocks' gate/up call then takes 155 registers a thread, not 162,
     and the one-row form's 95, not 125 (sm_90 with the CPU's Triton, gpt-oss-20b's shapes)."""
     groups = bk // MXFP4_GROUP
 
-    def load(start, size: int, end: int):
-        ref = scales_ref.at[layer, e, cols, pl.ds(start, size)]
-        return ref[...] if K is None else plgpu.load(ref, mask=(start + jnp.arange(size) < end)[None, :], other=0)
+    def load(start, size: int):
+        ref, inside = scales_ref.at[layer, e, cols, pl.ds(start, size)], start + jnp.arange(size) < scales_ref.shape[-1]
+        return plgpu.load(ref, mask=inside[None, :], other=0) if masked else ref[...]
 
     if scales_ref.dtype == jnp.uint8:
-        return load(packed_offset(k0, MXFP4_GROUP), groups, (K or 0) // MXFP4_GROUP)
-    words = load(packed_offset(k0, 4 * MXFP4_GROUP), max(1, groups // 4), scales_ref.shape[-1]).astype(jnp.int32)
+        return load(packed_offset(k0, MXFP4_GROUP), groups)
+    words = load(packed_offset(k0, 4 * MXFP4_GROUP), max(1, groups // 4)).astype(jnp.int32)
     if stacked:  # [columns, n, 4] by two-way stacks (Triton's only): bytes (0, 2) and (1, 3) interleaved
         byte = lambda b: lax.shift_right_logical(words, 8 * b) & 255
         pairs = jnp.stack([jnp.stack([byte(0), byte(2)], axis=-1), jnp.stack([byte(1), byte(3)], axis=-1)], axis=-1)
@@ -780,7 +781,7 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
             return tuple(acc + jnp.sum(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None])
                                        .astype(jnp.float32) * x, axis=0) for acc, cols in zip(accs, column_blocks))
         blocks_ref, scales_ref = w_refs
-        scales = lambda cols: step_scales(scales_ref, layer, e, cols, k0, bk, K if masked else None)
+        scales = lambda cols: step_scales(scales_ref, layer, e, cols, k0, bk, masked)
         if of_words:
             n, word0 = bk // 8, packed_offset(k0, 8)
             inside = word0 + jnp.arange(n) < K // 8
