@@ -152,7 +152,6 @@ def main():
     for T in rows:
         for decode in decodes:
             moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
-            jax.clear_caches()
             words = decode in ("words", "words-two", "scale-words")
             timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks

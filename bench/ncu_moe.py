@@ -71,9 +71,10 @@ def profile(rows: int, scale_words: bool, folder: Path) -> tuple[Path, Path]:
 def summarize(details: Path, source: Path) -> str:
     """The metrics of each kernel in `details` and the stall samples of each in `source` (ncu's CSV pages)."""
     kernels = collections.OrderedDict()
-    for row in csv.DictReader(open(details)):
-        kernels.setdefault((row["ID"], row["Kernel Name"]), {})[row["Metric Name"]] = \
-            f'{row["Metric Value"]} {row["Metric Unit"]}'.strip()
+    with open(details) as rows:
+        for row in csv.DictReader(rows):
+            kernels.setdefault((row["ID"], row["Kernel Name"]), {})[row["Metric Name"]] = \
+                f'{row["Metric Value"]} {row["Metric Unit"]}'.strip()
     lines = []
     for (_, name), metrics in kernels.items():
         lines.append(f"{name}: " + "; ".join(f"{m} {metrics[m]}" for m in METRICS if m in metrics))
