@@ -36,7 +36,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
 from pallas_kernels import paging
-from pallas_kernels.moe import MXFP4, pack_words
+from pallas_kernels.moe import MXFP4, pack_scales, pack_words
 
 # Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
 # set here before any of them computes anything.
@@ -158,15 +158,21 @@ def page_table(batch: int, num_slots: int, page_size: int = paging.DEFAULT_PAGE_
     return jnp.asarray(order.reshape(batch, R), jnp.int32)
 
 
-def with_mxfp4_experts(params, words: bool = False) -> dict:
-    """params with an MoE model's expert stacks replaced by random MXFP4 ones (gpt-oss's released form,
-    decoded in the experts kernel; `words`: as `moe.to_words` words), each bf16 stack freed before its
-    packed one is drawn."""
+EXPERT_FORMS = ("bf16", "mxfp4", "mxfp4-words", "mxfp4-scale-words")
+EXPERT_FORMS_HELP = ("an MoE model's expert stacks: the config's dtype, or packed MXFP4 of random codes (gpt-oss's "
+                     "released form; mxfp4-words: as moe.to_words words; mxfp4-scale-words: words with their "
+                     "scales four to a word, moe.pack_scales)")
+
+
+def with_mxfp4_experts(params, form: str) -> dict:
+    """params with an MoE model's expert stacks replaced by random MXFP4 ones in `form` (of EXPERT_FORMS,
+    decoded in the experts kernel), each bf16 stack freed before its packed one is drawn."""
     layers = params["layers"]
     for i, name in enumerate(("moe_gate_up", "moe_down")):
         shape = layers[name].shape
         layers[name].delete()
-        layers[name] = random_mxfp4(jax.random.key(10 + i), shape, words)
+        w = random_mxfp4(jax.random.key(10 + i), shape, words=form != "mxfp4")
+        layers[name] = dataclasses.replace(w, scales=pack_scales(w.scales)) if form == "mxfp4-scale-words" else w
     return params
 
 

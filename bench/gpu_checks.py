@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/gpu_checks.py [--model qwen3-8b|nsa-1b|qwen3-30b-a3b|gpt-oss-20b|smollm2|PATH] [--context N] [--new N]
         [--tree 3,2,1 [--traversal dfs]] [--draft-model DIR] [--dtype float32] [--route-all] [--layers N]
-        [--backend reference] [--experts mxfp4|mxfp4-words [--exact-decode]] [--tiny] [--out DIR]
+        [--backend reference] [--experts mxfp4|mxfp4-words|mxfp4-scale-words [--exact-decode]] [--tiny] [--out DIR]
 
 For each method, generate greedily with the pallas backend, then run one full forward (reference
 attention) over prompt + output: every emitted token must be the argmax of its prefix's logits, up
@@ -22,7 +22,7 @@ or not (bench/NOTES.md): there the check to read is every method emitting plain'
 default, each other row records `equals_plain`; every row records its emitted tokens, and whether the
 full forward's logits were finite). `--exact-decode`: the MXFP4 kernels decode the codes by
 `moe.exact_values`, not by placing their bits (`moe.PLACED_DECODE`, the default). Writes
-DIR/gpu_checks_<model>[_tree][_float32][_route_all][_mxfp4|_mxfp4-words][_exact][_reference].json.
+DIR/gpu_checks_<model>[_tree][_float32][_route_all][_mxfp4|_mxfp4-words|_mxfp4-scale-words][_exact][_reference].json.
 """
 
 from __future__ import annotations
@@ -117,9 +117,7 @@ def main():
     p.add_argument("--route-all", action="store_true",
                    help="random-weight MoE models: route every token to every expert (no router near-ties to flip)")
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--experts", choices=("bf16", "mxfp4", "mxfp4-words"), default="bf16",
-                   help="random-weight MoE models: the expert stacks in the weights' dtype, or packed MXFP4 "
-                        "(mxfp4-words: as moe.to_words words)")
+    p.add_argument("--experts", choices=common.EXPERT_FORMS, default="bf16", help=common.EXPERT_FORMS_HELP)
     p.add_argument("--exact-decode", action="store_true",
                    help="MXFP4 experts: decode their codes in the kernels by moe.exact_values (not moe.PLACED_DECODE)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
@@ -137,7 +135,7 @@ def main():
             cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, top_k=cfg.moe.num_experts))
         params = decoder.init_params(cfg, jax.random.key(0), scale=0.05)
         if args.experts != "bf16":
-            params = common.with_mxfp4_experts(params, words=args.experts == "mxfp4-words")
+            params = common.with_mxfp4_experts(params, args.experts)
         ids, lengths = common.random_prompts(cfg, 2, args.context)
         lengths[1] = args.context - 1000 if args.context > 2000 else args.context // 2
         batch = Batch(ids, lengths)

@@ -6,7 +6,7 @@ SmolLM2 (dense, or converted to NSA as `jaxspec.convert --to-nsa` does) or 1.2B 
         [--draft-weights exact,int8,int4] [--batch 1] [--context 4096] [--sampling greedy|sample] [--tiny]
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
-        [--head-contexts full,selected] [--experts bf16|mxfp4|mxfp4-words] [--groups 0,8,1] [--tree bfs:3,2]
+        [--head-contexts full,selected] [--experts bf16|mxfp4|mxfp4-words|mxfp4-scale-words] [--groups 0,8,1] [--tree bfs:3,2]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -152,9 +152,7 @@ def main():
     p.add_argument("--model", default="qwen3-8b",
                    choices=("qwen3-8b", "qwen3-30b-a3b", "gpt-oss-20b", "smollm2", "nsa-smollm2", "llama-1b"))
     p.add_argument("--sampling", choices=tuple(common.SAMPLINGS), default="greedy")
-    p.add_argument("--experts", choices=("bf16", "mxfp4", "mxfp4-words"), default="bf16",
-                   help="an MoE model's expert stacks: the config's dtype, or packed MXFP4 (random codes; "
-                        "mxfp4-words: as moe.to_words words)")
+    p.add_argument("--experts", choices=common.EXPERT_FORMS, default="bf16", help=common.EXPERT_FORMS_HELP)
     p.add_argument("--methods", default="plain,vegas", type=lambda s: s.split(","))
     p.add_argument("--draft-weights", default="exact", type=lambda s: s.split(","),
                    help="the draft weights of each model drafter: exact,int8,int4")
@@ -201,7 +199,7 @@ def main():
         p.error(f"--experts {args.experts} needs an MoE model, not {args.model}")
     params = decoder.init_params(cfg, jax.random.key(0))
     if args.experts != "bf16":
-        params = common.with_mxfp4_experts(params, words=args.experts == "mxfp4-words")
+        params = common.with_mxfp4_experts(params, args.experts)
     max_len, slots, k_max = common.random_lengths(context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
