@@ -1,7 +1,7 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
     PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128]
-        [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--word-columns 32,64]
+        [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--warps 4,8] [--word-columns 32,64]
         [--one-row-programs 256,512] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
@@ -60,21 +60,22 @@ IMPLEMENTATIONS = {"reference": "XLA", "row_blocks": "row-block kernel", "one_ro
                    "split_k": "split-K kernel"}
 
 
-def experts(implementation: str, *args, stages: int = 3):
+def experts(implementation: str, *args, stages: int = 3, warps: int = 4):
     """One layer's routed experts by XLA's grouped product, or the kernel in one of its forms (`stages`:
-    its pipeline's)."""
+    its pipeline's; `warps`: num_warps, which narrow row blocks of words leave at NARROW_WORD_WARPS)."""
     if implementation == "reference":
         return kernels.moe_experts(*args, backend="reference")
-    return moe_experts_pallas(*args, interpret=kernels.interpret_default(), form=implementation, num_stages=stages)
+    return moe_experts_pallas(*args, interpret=kernels.interpret_default(), form=implementation, num_stages=stages,
+                              num_warps=warps)
 
 
-def layer_fn(implementation: str, stages: int):
+def layer_fn(implementation: str, stages: int, warps: int):
     """A jitted scan of one MoE layer's experts per (layer, routing) item; returns the outputs' sum."""
     @jax.jit
     def run(x, ids, weights, w_gate_up, w_down):
         def body(total, item):
             layer, ids, weights = item
-            out = experts(implementation, x, ids, weights, w_gate_up, w_down, layer, stages=stages)
+            out = experts(implementation, x, ids, weights, w_gate_up, w_down, layer, stages=stages, warps=warps)
             return total + out.sum(), None
 
         layers = jnp.arange(ids.shape[0], dtype=jnp.int32) % LAYERS
@@ -95,7 +96,7 @@ def random_stacks(fmt: str, shape: dict):
     return stack(jax.random.key(0), D, 2 * F), stack(jax.random.key(1), F, D)
 
 
-def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int) -> dict:
+def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int, warps: int) -> dict:
     """One row count's times of each implementation that reads `stacks` (words: all but split K),
     checked against the reference first."""
     words = isinstance(stacks[0], MXFP4) and stacks[0].words
@@ -113,7 +114,7 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int)
     rule = default_form(T, isinstance(stacks[0], MXFP4))
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
     for implementation in implementations:
-        us = common.seconds_per_call(layer_fn(implementation, stages), x, ids, weights, *stacks) / repeats * 1e6
+        us = common.seconds_per_call(layer_fn(implementation, stages, warps), x, ids, weights, *stacks) / repeats * 1e6
         row |= {f"{implementation}_us": us, f"{implementation}_over_floor": us / floor_us}
     return row
 
@@ -132,6 +133,8 @@ def main():
                         "stacks: no split-K form; one multiply an output, or two; scales four to a word)")
     p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
                    help="the kernels' pipeline stages to time, comma-separated (num_stages)")
+    p.add_argument("--warps", default="4", type=lambda s: [int(n) for n in s.split(",")],
+                   help="the kernels' warps a program to time, comma-separated (num_warps)")
     p.add_argument("--word-columns", default="32", type=lambda s: [int(n) for n in s.split(",")],
                    help="words: the narrowest column blocks to time, comma-separated (moe.WORD_MIN_COLUMNS)")
     p.add_argument("--one-row-programs", default="256", type=lambda s: [int(n) for n in s.split(",")],
@@ -155,20 +158,20 @@ def main():
             words = decode in ("words", "words-two", "scale-words")
             timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks
-            for columns, stages, programs in itertools.product(args.word_columns if words else [None], args.stages,
-                                                               args.one_row_programs):
+            for columns, stages, warps, programs in itertools.product(args.word_columns if words else [None],
+                                                                      args.stages, args.warps, args.one_row_programs):
                 moe.ONE_ROW_PROGRAMS = programs
                 if columns:
                     moe.WORD_MIN_COLUMNS = columns
                 jax.clear_caches()
-                row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages)
-                result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages,
+                row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages, warps)
+                result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages, "warps": warps,
                                        "one_row_programs": programs} | row)
                 print(result["rows"][-1], flush=True)
                 common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
         ("T", "rows", "d"), ("decode", "decode", "s"), ("word columns", "word_columns", "d"), ("stages", "stages", "d"),
-        ("one-row programs", "one_row_programs", "d"),
+        ("warps", "warps", "d"), ("one-row programs", "one_row_programs", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],
