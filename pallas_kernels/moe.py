@@ -140,7 +140,8 @@ class MXFP4:
     (`word_weights`) and one-row (`word_order`) forms read. `small_scales` (static): every scale is
     between 1 and 128, as whoever packed the words found (`to_words`); their outputs then take one
     multiply instead of two (`word_factors`). A stack of words may hold its scales four to a uint32 word
-    (`pack_scales`: [..., N, ceil(K/128)]), as `to_words` packs them on request."""
+    (`pack_scales`: [..., N, ceil(K/128)]), as `load_model` has `to_words` pack them where each device
+    holds whole rows of K."""
 
     blocks: jax.Array
     scales: jax.Array
@@ -473,9 +474,8 @@ def _by_matrix(f, blocks):
 def to_words(w: MXFP4, small_scales: bool = False, scale_words: bool = False) -> MXFP4:
     """The stack with its bytes re-packed as `pack_words` words (the same codes and scales);
     `small_scales`: the caller found every scale between 1 and 128 (`MXFP4.small_scales`); `scale_words`:
-    the scales four to a word too (`pack_scales`: row blocks 10% faster, the one-row form 30% slower on
-    an H100, so not `load_model`'s; not where a device holds part of a row of K, whose words could
-    straddle two devices)."""
+    the scales four to a word too (`pack_scales`: on an H100 row blocks 12% faster, the one-row form 9%
+    slower; not where a device holds part of a row of K, whose words could straddle two devices)."""
     if w.words:
         return w
     return MXFP4(_by_matrix(pack_words, w.blocks), pack_scales(w.scales) if scale_words else w.scales, small_scales)
@@ -643,23 +643,26 @@ def packed_offset(k0, per: int):
     return lax.div(k0, per)
 
 
-def step_scales(scales_ref, layer, e, cols, k0, bk: int, masked: bool = False, stacked: bool = False):
-    """Inside a kernel: the scales [columns, bk/32] of K's [k0, k0 + bk) at `cols` of expert e at `layer`:
-    a byte ref's (uint8), or int32 from scale words (`pack_scales`): bk/128 words from k0 a multiple of
-    128, or the bk/32 groups of one word. `masked` (a step that may run past K): what lies past the
-    stack's scales reads 0.
-    A word's bytes are taken apart by shifts of its broadcast copies, or with `stacked` (bk a multiple
-    of 128) stacked one by one: the row blocks' gate/up call then takes 155 registers a thread, not 162,
-    and the one-row form's 95, not 125 (sm_90 with the CPU's Triton, gpt-oss-20b's shapes)."""
+def step_scales(scales_ref, layer, e, cols, k0, bk: int, masked: bool = False):
+    """Inside a kernel: the scales of K's [k0, k0 + bk) at `cols` of expert e at `layer`, as loaded: a
+    byte ref's [columns, bk/32] (uint8), or from scale words (`pack_scales`) bk/128 words from k0 a
+    multiple of 128, or the one word that holds the step's bk/32 groups (`scale_bytes` takes them
+    apart). `masked` (a step that may run past K): what lies past the stack's scales reads 0."""
     groups = bk // MXFP4_GROUP
+    start, size = ((packed_offset(k0, MXFP4_GROUP), groups) if scales_ref.dtype == jnp.uint8
+                   else (packed_offset(k0, 4 * MXFP4_GROUP), max(1, groups // 4)))
+    ref, inside = scales_ref.at[layer, e, cols, pl.ds(start, size)], start + jnp.arange(size) < scales_ref.shape[-1]
+    return plgpu.load(ref, mask=inside[None, :], other=0) if masked else ref[...]
 
-    def load(start, size: int):
-        ref, inside = scales_ref.at[layer, e, cols, pl.ds(start, size)], start + jnp.arange(size) < scales_ref.shape[-1]
-        return plgpu.load(ref, mask=inside[None, :], other=0) if masked else ref[...]
 
-    if scales_ref.dtype == jnp.uint8:
-        return load(packed_offset(k0, MXFP4_GROUP), groups)
-    words = load(packed_offset(k0, 4 * MXFP4_GROUP), max(1, groups // 4)).astype(jnp.int32)
+def scale_bytes(scales, k0, bk: int, stacked: bool = False):
+    """[columns, bk/32] scales of `step_scales`' tile: bytes as they are, words taken apart (int32) by
+    shifts of their broadcast copies, or with `stacked` (bk a multiple of 128) stacked one by one: the
+    row blocks' gate/up call then takes 155 registers a thread, not 162, and the one-row form's 95, not
+    125 (sm_90 with the CPU's Triton, gpt-oss-20b's shapes)."""
+    if scales.dtype == jnp.uint8:
+        return scales
+    groups, words = bk // MXFP4_GROUP, scales.astype(jnp.int32)
     if stacked:  # [columns, n, 4] by two-way stacks (Triton's only): bytes (0, 2) and (1, 3) interleaved
         byte = lambda b: lax.shift_right_logical(words, 8 * b) & 255
         pairs = jnp.stack([jnp.stack([byte(0), byte(2)], axis=-1), jnp.stack([byte(1), byte(3)], axis=-1)], axis=-1)
@@ -681,8 +684,8 @@ def _product(acc, load_x, w_refs, layer, e, k0, bk: int, cols, small: bool = Fal
         w = w_refs[0][layer, e, pl.ds(k0, bk), cols].astype(x.dtype)
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
     blocks_ref, scales_ref = w_refs
-    stacked = bk % (4 * MXFP4_GROUP) == 0 and cols.size >= WGMMA_COLUMNS  # fewer registers there (`step_scales`)
-    scales = step_scales(scales_ref, layer, e, cols, k0, bk, stacked=stacked)
+    stacked = bk % (4 * MXFP4_GROUP) == 0 and cols.size >= WGMMA_COLUMNS  # fewer registers there (`scale_bytes`)
+    scales = scale_bytes(step_scales(scales_ref, layer, e, cols, k0, bk), k0, bk, stacked)
     transposed = lambda w: acc + lax.dot_general(w.astype(x.dtype), x, (((1,), (1,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
     if _reads_words(w_refs):
@@ -761,9 +764,12 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
     low and high codes, so no decoded tile is interleaved; a tile of words [columns, bk/8] multiplies
     each output's two halves with x's columns in `word_order` (x_ref [rows, 4, K/4]) into sums
     [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends; `small`:
-    as `_product`'s)."""
+    as `_product`'s).
+    Each step's weight tiles are loaded a step ahead, in the loop's carry: Triton does not pipeline
+    this loop, and its warps waited on the loads of the step they were in (ncu; bench/NOTES.md)."""
     K, of_words = _width(x_ref), _reads_words(w_refs)
     masked = K % bk != 0
+    steps = -(-K // bk)
     load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
 
     def halves(at, start, size, length: int):
@@ -773,44 +779,50 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
         even, odd = lax.unstack(pairs.reshape(size // 2, 2), axis=1)
         return even[None, :], odd[None, :]
 
-    def step(i, accs):
-        k0 = i * bk
+    def fetch(i):
+        """Step i's tiles, as loaded, for each column block (the last step's again past it: unused)."""
+        k0 = jnp.minimum(i, steps - 1) * bk
+        if len(w_refs) == 1:
+            inside = k0 + jnp.arange(bk) < K
+            return tuple(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None]) for cols in column_blocks)
+        blocks_ref, scales_ref = w_refs
+        per, units = (8, bk // 8) if of_words else (2, bk // 2)
+        unit0 = packed_offset(k0, per)
+        inside = unit0 + jnp.arange(units) < K // per
+        return tuple((load(blocks_ref.at[layer, e, cols, pl.ds(unit0, units)], inside[None, :]),
+                      step_scales(scales_ref, layer, e, cols, k0, bk, masked)) for cols in column_blocks)
+
+    def step(i, carry):
+        accs, tiles = carry
+        k0, ahead = i * bk, fetch(i + 1)
         if len(w_refs) == 1:
             inside = k0 + jnp.arange(bk) < K
             x = load(x_ref.at[row, pl.ds(k0, bk)], inside).astype(jnp.float32)[:, None]
-            return tuple(acc + jnp.sum(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None])
-                                       .astype(jnp.float32) * x, axis=0) for acc, cols in zip(accs, column_blocks))
-        blocks_ref, scales_ref = w_refs
-        scales = lambda cols: step_scales(scales_ref, layer, e, cols, k0, bk, masked)
+            return tuple(acc + jnp.sum(w.astype(jnp.float32) * x, axis=0) for acc, w in zip(accs, tiles)), ahead
         if of_words:
-            n, word0 = bk // 8, packed_offset(k0, 8)
-            inside = word0 + jnp.arange(n) < K // 8
-            xs = [halves(lambda at, j=j: x_ref.at[row, jnp.int32(j), at], 2 * word0, 2 * n, K // 4) for j in range(4)]
+            word0 = packed_offset(k0, 8)
+            xs = [halves(lambda at, j=j: x_ref.at[row, jnp.int32(j), at], 2 * word0, bk // 4, K // 4) for j in range(4)]
             out = []
-            for acc, cols in zip(accs, column_blocks):
-                words = lax.bitcast_convert_type(load(blocks_ref.at[layer, e, cols, pl.ds(word0, n)], inside[None, :]),
-                                                 jnp.int32)
-                factors = per_byte(word_factors(scales(cols), small), units=4)
+            for acc, (words, scales) in zip(accs, tiles):
+                factors = per_byte(word_factors(scale_bytes(scales, k0, bk), small), units=4)
+                words = lax.bitcast_convert_type(words, jnp.int32)
                 for j, (even, odd) in enumerate(xs):  # a multiply-add a weight into [columns, n] sums
                     pairs = word_values(words, factors, j, small)
                     acc = acc + lax.bitcast_convert_type(pairs << 16, jnp.float32) * even
                     acc = acc + lax.bitcast_convert_type(pairs & jnp.int32(-65536), jnp.float32) * odd
                 out.append(acc)
-            return tuple(out)
-        half, byte0 = bk // 2, packed_offset(k0, 2)
-        inside = byte0 + jnp.arange(half) < K // 2
+            return tuple(out), ahead
         even, odd = halves(lambda at: x_ref.at[row, at], k0, bk, K)
         out = []
-        for acc, cols in zip(accs, column_blocks):
-            codes = load(blocks_ref.at[layer, e, cols, pl.ds(byte0, half)], inside[None, :]).astype(jnp.int32)
-            power = per_byte(scale_power(scales(cols)))
+        for acc, (codes, scales) in zip(accs, tiles):
+            codes, power = codes.astype(jnp.int32), per_byte(scale_power(scale_bytes(scales, k0, bk)))
             low, high = code_values(codes, high=False), code_values(codes, high=True)
             out.append(acc + jnp.sum((low * even + high * odd) * power, axis=1))
-        return tuple(out)
+        return tuple(out), ahead
 
     # words: sums kept a word apart, added up once at the end
     zeros = tuple(jnp.zeros((cols.size, bk // 8) if of_words else (cols.size,), jnp.float32) for cols in column_blocks)
-    sums = lax.fori_loop(0, -(-K // bk), step, zeros)
+    sums, _ = lax.fori_loop(0, steps, step, (zeros, fetch(0)))
     return tuple(s.sum(axis=1) for s in sums) if of_words else sums
 
 

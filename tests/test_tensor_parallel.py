@@ -388,7 +388,9 @@ def test_mxfp4_device_holds_only_its_shard(gpt_oss_mxfp4):
     for name in ("moe_gate_up", "moe_down"):  # re-packed as words on load, each device its own share (scales 118-121)
         words, shapes = loaders._as_words(params["layers"][name]), shard(params["layers"][name])
         assert words.words and words.small_scales
-        assert shard(words) == MXFP4((*shapes.blocks[:-1], shapes.blocks[-1] // 4), shapes.scales, small_scales=True)
+        scales = shapes.scales if name == "moe_down" else (*shapes.scales[:-1], -(-shapes.scales[-1] // 4))
+        assert shard(words) == MXFP4((*shapes.blocks[:-1], shapes.blocks[-1] // 4), scales, small_scales=True)
+        assert words.scales.dtype == (jnp.uint8 if name == "moe_down" else jnp.uint32)  # whole rows: scale words
         assert words.blocks.sharding == params["layers"][name].blocks.sharding
         np.testing.assert_array_equal(np.asarray(dequantize(words)), np.asarray(dequantize(params["layers"][name])))
     with pytest.raises(JaxspecError, match="--tp 4: MXFP4 experts split by 32-value scale groups, and 64 expert columns give 16"):

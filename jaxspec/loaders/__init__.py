@@ -80,11 +80,13 @@ def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> 
 def _as_words(x):
     """An MXFP4 stack (loaded as the released bytes) re-packed as words, the form the experts kernel reads
     fastest at every row count (pallas_kernels.moe.to_words), placed as its bytes were, with whether its
-    scales are all between 1 and 128 (`MXFP4.small_scales`); other leaves as they are."""
+    scales are all between 1 and 128 (`MXFP4.small_scales`), and its scales four to a word where each
+    device holds whole rows of K (not a down matrix split by rows); other leaves as they are."""
     if not isinstance(x, MXFP4):
         return x
     small = bool((jnp.min(x.scales) >= 1) & (jnp.max(x.scales) <= 128))
-    return jax.jit(functools.partial(to_words, small_scales=small),
+    whole_rows = x.scales.sharding.shard_shape(x.scales.shape)[-1] == x.scales.shape[-1]
+    return jax.jit(functools.partial(to_words, small_scales=small, scale_words=whole_rows),
                    out_shardings=MXFP4(x.blocks.sharding, x.scales.sharding, small))(x)
 
 
