@@ -546,7 +546,7 @@ def peer_lai(bench: Bench, st, cfg: ModelConfig, batch: int, context: int, row: 
             us = torch_seconds(lambda i: lai_layer(ops, caches[i % LAYERS], qs[i % LAYERS], g, **readme), sync) * 1e6
             row["lai_readme_us"] = us
             print(f"[{bench.elapsed():6.1f}s] lai README config B={batch} C={context}: {us:9.1f} us/layer", flush=True)
-    del caches, qs, g
+    caches = qs = g = None  # freed before the next bench (rebound, not deleted: the lambdas above read them)
     if cuda:
         torch.cuda.empty_cache()
 
@@ -590,7 +590,7 @@ def peer_fla(bench: Bench, st, cfg: ModelConfig, batch: int, context: int, T: in
         bench.note(f"fla at block {cfg.nsa.block_size}, {cfg.nsa.block_counts} blocks: {row['fla_note']}")
         us = None
     finally:
-        del views, ks, vs, qs, g, g_cmp, g_slc, g_swa
+        views = ks = vs = qs = g = g_cmp = g_slc = g_swa = None  # freed (rebound: `call` reads them)
         torch.cuda.empty_cache()
     if us is not None:
         row["fla_us"] = us
