@@ -21,8 +21,8 @@ tail: finished rows stay in the batch until its last row is done). `--balance B`
 drafters with a shared budget over rows that drafted unevenly well (`skewed`). Random bf16 weights
 (timing only; the largest shapes, e.g. Qwen3-30B-A3B at 4 x 128K, need
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97: JAX takes 75% of the GPU by default). `--sampling sample`
-runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes DIR/NAME.json;
-prints a summary table last.
+runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes DIR/NAME.json
+(`--name`); prints a summary table last.
 """
 
 from __future__ import annotations
@@ -147,6 +147,13 @@ def skewed(state, balance: float, iterations: int = 10_000):
     return dataclasses.replace(state, stats=stats)
 
 
+def default_name(args, context: int) -> str:
+    """The JSON's name from the settings that change what is timed."""
+    experts = "" if args.experts == "bf16" else f"_{args.experts}"
+    sampling = "" if args.sampling == "greedy" else f"_{args.sampling}"
+    return f"profile_{args.model}{experts}_b{args.batch}_{context}{sampling}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-8b",
@@ -165,7 +172,8 @@ def main():
     p.add_argument("--backend", default="pallas" if jax.default_backend() == "gpu" else "reference")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a CPU smoke test of this script")
     p.add_argument("--out", type=Path, default=common.RESULTS)
-    p.add_argument("--name", default="profile", help="the JSON is DIR/NAME.json")
+    p.add_argument("--name", default=None, help="the JSON is DIR/NAME.json (default: profile_MODEL[_EXPERTS]"
+                                                "_bBATCH_CONTEXT[_SAMPLING], so runs of other settings keep theirs)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per stage, most time first")
     p.add_argument("--sequence", type=int, default=0, help="kernels kept in launch order per stage")
     p.add_argument("--no-trace", action="store_true", help="wall times only, without the profiler")
@@ -249,7 +257,7 @@ def main():
                   f"GPU busy {summary['busy_ms']:.2f} ms, {summary['kernels_per_call']} kernels/call; lines {summary['lines']}")
             for n, us, count in summary["top_kernels"]:
                 print(f"  {us:9.1f} us  x{count:<5d} {n[:110]}")
-        common.write_json(args.out / f"{args.name}.json", result)
+        common.write_json(args.out / f"{args.name or default_name(args, context)}.json", result)
         del state, copies
     print(f"\nXLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
     print("| method | draft weights | stage | iterations/call | wall ms/call | profiled ms/call | GPU busy ms/call | kernels/call | first call s |")
