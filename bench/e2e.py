@@ -11,10 +11,11 @@ process on the same long real-text prompts, with the ideal speed-up beside each 
 
 Per batch: one prefill of real-text prompts (a different local document per row, a continuation
 request, chat template), then every (method, shape) through `run_generation` (the generate path),
-each repeated with seeds 0.. (median and spread of decode tokens/s). Sampling (T 0.7, top-p 0.95) is
-the headline; greedy runs beside it for --greedy-methods (greedy SmolLM2 loops at long context,
-which inflates acceptance: degeneration, the share of repeated 4-grams in the outputs, says how
-much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's choice) unless --tuned names a
+each repeated with seeds 0.. after a discarded run (`runner.timed_runs`; median and spread of decode
+tokens/s). Sampling (T 0.7, top-p 0.95) is the headline; greedy runs beside it for --greedy-methods
+(greedy SmolLM2 loops at long context, which inflates acceptance: degeneration, the share of repeated
+4-grams in the outputs, says how much). Every method at gamma 6, ratio 0.07 (bench/kv_bound.json's
+choice) unless --tuned names a
 `python -m jaxspec.tune` file (or bench/kv_bound.json), whose per-method (gamma, ratio, metric, and the
 settings of its `batches` for each batch: `jaxspec.decoding.spec.at_batch`) then apply to chains;
 --metrics runs the score methods with each named metric, --ratios the sparse drafters with each budget
@@ -61,7 +62,7 @@ from jaxspec.generate import plan_with_head
 from jaxspec.loaders import load_model
 from jaxspec.models import draft_weights
 from jaxspec.loaders.eagle import load_eagle, shipped_head
-from jaxspec.runner import run_generation
+from jaxspec.runner import run_generation, timed_runs
 from pallas_kernels.verify_attention import METRICS
 
 METHODS = ("plain", "vegas", "stream", "quest", "ngram", "auto")
@@ -136,10 +137,11 @@ def run_rows(args, cfg, params, tokenizer, rates, rows_out, save, tuning=None, h
                 runs, first_rows = [], None
                 weights = with_head if k else with_copies.get(
                     (plan.draft_weights, ()) if plan else (spec.draft_weights, spec.draft_skip), params)
-                for repeat in range(args.repeats):
-                    run = run_generation(weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len,
-                                         max_new_tokens=args.new, stop_ids=(), seed=repeat, cache=jax.tree.map(jnp.copy, common.cache_for(spec, cache)),
-                                         plan=plan, shrink=shrink)
+                _, timed = timed_runs(lambda seed: run_generation(
+                    weights, cfg, batch, spec=spec, sampling=sampling, max_len=max_len, max_new_tokens=args.new,
+                    stop_ids=(), seed=seed, cache=jax.tree.map(jnp.copy, common.cache_for(spec, cache)), plan=plan,
+                    shrink=shrink), range(args.repeats))
+                for repeat, run in enumerate(timed):
                     measures, outputs = common.run_measures(run)
                     runs.append(measures | {"compile_s": run.compile_s} | (auto_choices(run) if plan else {}))
                     first_rows = first_rows or outputs

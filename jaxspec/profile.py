@@ -20,9 +20,9 @@ inside the bucket (`--prompts requests`: `corpus.REQUESTS`, short chat requests 
 whose cells are their own: a run takes the cells whose prompts are nearest its own prompt's length,
 so a chat request is not planned from document rates, nor a document from chat ones), prefilled
 once; then plain and every strategy of the space decode `--new` tokens from a copy of its cache
-(seed = repeat), and the entry is the median decode tokens/s over the batches
-with its spread. One batch's cache is held at a time, with a copy per run (large batches at long
-contexts may need XLA_PYTHON_CLIENT_MEM_FRACTION=0.95: docs/development.md).
+(seed = repeat; each strategy's first run untimed, `runner.timed_runs`), and the entry is the median
+decode tokens/s over the batches with its spread. One batch's cache is held at a time, with a copy per
+run (large batches at long contexts may need XLA_PYTHON_CLIENT_MEM_FRACTION=0.95: docs/development.md).
 Dense models: plain and each method x (chain of each gamma, each tree) x ratio (sparse methods) x
 draft weights (model drafters; `full` only with quantized ones) x `--select-every` (score methods) x
 `--balances` (sparse methods: the rows share the budget, `SpecConfig.balance`).
@@ -62,7 +62,7 @@ from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import draft_weights
 from jaxspec.planner import tables
 from jaxspec.planner.strategy import Strategy
-from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize
+from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation, summarize, timed_runs
 from jaxspec.tune import parse_tree
 from jaxspec.xla_flags import set_gpu_flags
 
@@ -300,8 +300,14 @@ def main(argv=None):
                         if seed == 0 and out_of_time() and not strategy.plain:  # a started bucket gets plain
                             break
                         spec = strategy.spec(bases.get(strategy.balance or 1.0, base))
-                        runs.setdefault(strategy, []).append(run_once(params, cfg, x, cache, spec, samplings[mode],
-                                                                      max_len, args.new, seed))
+                        measure = lambda s, c=cache, spec=spec: run_once(
+                            params, cfg, x, c, spec, samplings[mode], max_len, args.new, s)
+                        if seed == 0:  # the strategy's first run is untimed (`runner.timed_runs`); its compile counts
+                            first, (timed,) = timed_runs(measure, [seed])
+                            timed = (*timed[:3], first[3])
+                        else:
+                            timed = measure(seed)
+                        runs.setdefault(strategy, []).append(timed)
                     del cache
                 entries = {p: [] for p in precisions}
                 for strategy, rows in runs.items():

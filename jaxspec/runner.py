@@ -19,6 +19,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -172,6 +173,17 @@ def run_generation(
         lambda: _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh,
                      shrink),
     )
+
+
+def timed_runs(run: Callable[[int], Run], seeds: Sequence[int]) -> tuple[Run, list[Run]]:
+    """(first, timed): run(seeds[0]) once untimed, then run(seed) for each seed. A program's first
+    execution costs more once (XLA loads its kernels and builds its command buffers: on an H100 ~6 ms
+    for a plain 256-token SmolLM2 run, 13-18 ms for an eagle tree's, 4-25% of such a run; bench/NOTES.md,
+    "a program's first executions"). Timed, that cost fell on the first seed alone, and with it on that
+    seed's text, whose acceptance a sampled comparison samples. A fresh `generate` pays it once: the
+    first run tells what that sees."""
+    first = run(seeds[0])
+    return first, [run(seed) for seed in seeds]
 
 
 def _memory_checked(cfg, batch: Batch, max_len: int, run):

@@ -1225,6 +1225,29 @@ def test_profile_runs_each_calibration_batch_in_turn(hf_checkpoints, tmp_path, m
         assert [e["runs"] for e in ranked] == [runs, runs] and len(prefills) == runs
 
 
+def test_profile_leaves_each_strategys_first_run_untimed(hf_checkpoints, tmp_path, monkeypatch):
+    """A strategy's first run pays its program's first execution once (`runner.timed_runs`): it is
+    run untimed, so an entry holds the timed runs alone (here a fake first run 10x slower than the
+    others, and the one that compiles: its compile time is the entry's)."""
+    calls = []
+
+    def fake(params, cfg, batch, cache, spec, *rest):
+        calls.append(spec.method)
+        first = calls.count(spec.method) == 1
+        return (10.0 if first else 100.0 + len(calls), 1.0, 0.001, 7.0 if first else 0.0)
+
+    monkeypatch.setattr(profile, "run_once", fake)
+    out = tmp_path / "table.json"
+    profile.main(["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "4", "--repeats", "2",
+                  "--samplings", "greedy", "--methods", "plain,vegas", "--gammas", "2", "--trees", "--ratios", "0.5",
+                  "--out", str(out)])
+    assert calls == ["plain", "plain", "vegas", "vegas", "plain", "vegas"]
+    ranked = {e["name"]: e for e in tables.load_table(out)["cells"][0]["ranked"]}
+    measured = {n: (e["runs"], e["tokens_per_s"]) for n, e in ranked.items()}
+    assert measured == {"plain": (2, 103.5), "vegas g2 r0.5": (2, 105.0)}
+    assert [e["compile_s"] for e in ranked.values()] == [7.0, 7.0]
+
+
 def test_profile_of_requests_keeps_the_document_cells(hf_checkpoints, tmp_path, capsys):
     """`--prompts requests`: the calibration prompts are corpus.REQUESTS in turn (short, whatever the
     bucket), recorded as a cell of their own beside the same bucket's document cell; a bucket that
