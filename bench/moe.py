@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128]
         [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--warps 4,8] [--word-columns 32,64]
-        [--one-row-programs 256,512] [--out DIR] [--tiny]
+        [--one-row-programs 256,512] [--tiles-in-flight 1,2] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
@@ -139,6 +139,10 @@ def main():
                    help="words: the narrowest column blocks to time, comma-separated (moe.WORD_MIN_COLUMNS)")
     p.add_argument("--one-row-programs", default="256", type=lambda s: [int(n) for n in s.split(",")],
                    help="the one-row form's programs at least, comma-separated (moe.ONE_ROW_PROGRAMS)")
+    p.add_argument("--tiles-in-flight", default=str(moe.ROW_TILES_IN_FLIGHT),
+                   type=lambda s: [int(n) for n in s.split(",")],
+                   help="the one-row form's column blocks' tiles loading ahead, comma-separated "
+                        "(moe.ROW_TILES_IN_FLIGHT)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
@@ -158,20 +162,22 @@ def main():
             words = decode in ("words", "words-two", "scale-words")
             timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks
-            for columns, stages, warps, programs in itertools.product(args.word_columns if words else [None],
-                                                                      args.stages, args.warps, args.one_row_programs):
-                moe.ONE_ROW_PROGRAMS = programs
+            for columns, stages, warps, programs, in_flight in itertools.product(
+                    args.word_columns if words else [None], args.stages, args.warps, args.one_row_programs,
+                    args.tiles_in_flight):
+                moe.ONE_ROW_PROGRAMS, moe.ROW_TILES_IN_FLIGHT = programs, in_flight
                 if columns:
                     moe.WORD_MIN_COLUMNS = columns
                 jax.clear_caches()
                 row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages, warps)
                 result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages, "warps": warps,
-                                       "one_row_programs": programs} | row)
+                                       "one_row_programs": programs, "tiles_in_flight": in_flight} | row)
                 print(result["rows"][-1], flush=True)
                 common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
         ("T", "rows", "d"), ("decode", "decode", "s"), ("word columns", "word_columns", "d"), ("stages", "stages", "d"),
         ("warps", "warps", "d"), ("one-row programs", "one_row_programs", "d"),
+        ("tiles in flight", "tiles_in_flight", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],

@@ -98,6 +98,10 @@ MXFP4_GROUP = 32  # MXFP4: values of K per scale
 # "the floor-division fix"). ROW_STEP_ELEMENTS: the weights of a column block a loop step reads
 # (4K-16K tried: equal).
 ROW_STEP_ELEMENTS = 8192
+# Column blocks' tiles a one-row loop keeps loading while it multiplies a step (`_row_products`): gate/up
+# multiplies two blocks a step, so it loads one step ahead, down one block, so two steps ahead. One step
+# ahead left down's warps waiting on its loads (ncu: 69% long-scoreboard stalls against gate/up's 37%).
+ROW_TILES_IN_FLIGHT = 2
 # The one-row form's programs at least (`column_block`'s target). TARGET_PROGRAMS gives gpt-oss-20b's
 # decode step 360 gate/up programs, 0.55 of an H100's waves (ncu), yet 512 (16-column blocks) measured
 # slower there: 63.6 against 52.0 us (bench/moe.py --one-row-programs; bench/NOTES.md).
@@ -766,9 +770,11 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
     each output's two halves with x's columns in `word_order` (x_ref [rows, 4, K/4]) into sums
     [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends; `small`:
     as `_product`'s).
-    Each step's weight tiles are loaded a step ahead, in the loop's carry: Triton does not pipeline
-    this loop, and its warps waited on the loads of the step they were in (ncu; bench/NOTES.md)."""
+    Each step's weight tiles are loaded steps ahead, in the loop's carry (ROW_TILES_IN_FLIGHT): Triton
+    does not pipeline this loop, and its warps waited on the loads of the step they were in (ncu;
+    bench/NOTES.md)."""
     K, of_words = _width(x_ref), _reads_words(w_refs)
+    ahead = max(1, ROW_TILES_IN_FLIGHT // len(column_blocks))
     masked = K % bk != 0
     steps = -(-K // bk)
     load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
@@ -794,12 +800,12 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
                       step_scales(scales_ref, layer, e, cols, k0, bk, masked)) for cols in column_blocks)
 
     def step(i, carry):
-        accs, tiles = carry
-        k0, ahead = i * bk, fetch(i + 1)
+        accs, (tiles, *later) = carry
+        k0, loading = i * bk, (*later, fetch(i + ahead))
         if len(w_refs) == 1:
             inside = k0 + jnp.arange(bk) < K
             x = load(x_ref.at[row, pl.ds(k0, bk)], inside).astype(jnp.float32)[:, None]
-            return tuple(acc + jnp.sum(w.astype(jnp.float32) * x, axis=0) for acc, w in zip(accs, tiles)), ahead
+            return tuple(acc + jnp.sum(w.astype(jnp.float32) * x, axis=0) for acc, w in zip(accs, tiles)), loading
         if of_words:
             word0 = packed_offset(k0, 8)
             xs = [halves(lambda at, j=j: x_ref.at[row, jnp.int32(j), at], 2 * word0, bk // 4, K // 4) for j in range(4)]
@@ -812,18 +818,18 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
                     acc = acc + lax.bitcast_convert_type(pairs << 16, jnp.float32) * even
                     acc = acc + lax.bitcast_convert_type(pairs & jnp.int32(-65536), jnp.float32) * odd
                 out.append(acc)
-            return tuple(out), ahead
+            return tuple(out), loading
         even, odd = halves(lambda at: x_ref.at[row, at], k0, bk, K)
         out = []
         for acc, (codes, scales) in zip(accs, tiles):
             codes, power = codes.astype(jnp.int32), per_byte(scale_power(scale_bytes(scales, k0, bk)))
             low, high = code_values(codes, high=False), code_values(codes, high=True)
             out.append(acc + jnp.sum((low * even + high * odd) * power, axis=1))
-        return tuple(out), ahead
+        return tuple(out), loading
 
     # words: sums kept a word apart, added up once at the end
     zeros = tuple(jnp.zeros((cols.size, bk // 8) if of_words else (cols.size,), jnp.float32) for cols in column_blocks)
-    sums, _ = lax.fori_loop(0, steps, step, (zeros, fetch(0)))
+    sums, _ = lax.fori_loop(0, steps, step, (zeros, tuple(fetch(i) for i in range(ahead))))
     return tuple(s.sum(axis=1) for s in sums) if of_words else sums
 
 
