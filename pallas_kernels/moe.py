@@ -100,7 +100,8 @@ MXFP4_GROUP = 32  # MXFP4: values of K per scale
 ROW_STEP_ELEMENTS = 8192
 # Column blocks' tiles a one-row loop keeps loading while it multiplies a step (`_row_products`): gate/up
 # multiplies two blocks a step, so it loads one step ahead, down one block, so two steps ahead. One step
-# ahead left down's warps waiting on its loads (ncu: 69% long-scoreboard stalls against gate/up's 37%).
+# ahead left down's warps waiting on its loads (ncu: 69% long-scoreboard stalls against gate/up's 37%);
+# two measured 54.3 against 56.3 us a one-row call on an H100 (bench/moe.py --tiles-in-flight).
 ROW_TILES_IN_FLIGHT = 2
 # The one-row form's programs at least (`column_block`'s target). TARGET_PROGRAMS gives gpt-oss-20b's
 # decode step 360 gate/up programs, 0.55 of an H100's waves (ncu), yet 512 (16-column blocks) measured
