@@ -228,7 +228,8 @@ def textbook_accept(key, tree, tokens, draft_probs, target_logits, cfg):
     from r (or the leaf's p). Same key use as tree_accept, so the two agree token for token."""
     B, V = tokens.shape[0], target_logits.shape[-1]
     rows = jnp.arange(B)
-    keys = split_rows(row_keys(key, B), tree.depth * tree.max_branching + 1)
+    draw_key, uniform_key = split_rows(row_keys(key, B), 2)
+    u = uniform_rows(uniform_key, (tree.depth, tree.max_branching))
     greedy = jnp.broadcast_to(greedy_rows(cfg, 2), (B, 1))
     cur, alive = jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool)
     num, emitted, final = jnp.zeros((B,), jnp.int32), jnp.zeros((B, tree.depth + 1), jnp.int32), None
@@ -242,7 +243,7 @@ def textbook_accept(key, tree, tokens, draft_probs, target_logits, cfg):
             if q is not None:
                 mass = q.sum(-1, keepdims=True)
                 q_i, trying = jnp.where(greedy, q_i, q / jnp.maximum(mass, 1e-30)), trying & ((mass[:, 0] > 0) | greedy[:, 0])
-            accept = trying & (uniform_rows(keys[d * tree.max_branching + i]) * q_i[rows, x] < r[rows, x])
+            accept = trying & (u[:, d, i] * q_i[rows, x] < r[rows, x])
             chosen, rejected = jnp.where(accept, kids[:, i], chosen), trying & ~accept
             new = jnp.maximum(r - q_i, 0.0)
             mass = new.sum(-1, keepdims=True)
@@ -254,7 +255,7 @@ def textbook_accept(key, tree, tokens, draft_probs, target_logits, cfg):
         emitted = emitted.at[:, d].set(tokens[rows, jnp.maximum(chosen, 0)])
         cur, num, alive = jnp.where(step, chosen, cur), num + step, step
     final = jnp.where(alive[:, None], process_logits(target_logits[rows, cur], cfg), final)
-    return num, jnp.where(jnp.arange(tree.depth + 1) == num[:, None], draw(keys[-1], final)[:, None], emitted)
+    return num, jnp.where(jnp.arange(tree.depth + 1) == num[:, None], draw(draw_key, final)[:, None], emitted)
 
 
 @pytest.mark.parametrize("shape, one_hot, rules", [  # (3, 1, 2, 1): slow, (1, 2, 1) branches (20 minutes)

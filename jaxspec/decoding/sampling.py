@@ -214,9 +214,9 @@ def split_rows(keys: jax.Array, n: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(keys)
 
 
-def uniform_rows(keys: jax.Array) -> jax.Array:
-    """[B] float32 uniforms in [0, 1), one from each row's key."""
-    return jax.vmap(lambda k: jax.random.uniform(k))(keys)
+def uniform_rows(keys: jax.Array, shape: tuple[int, ...] = ()) -> jax.Array:
+    """[B, *shape] float32 uniforms in [0, 1), row b's from keys[b]."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape))(keys)
 
 
 def gumbel_rows(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:

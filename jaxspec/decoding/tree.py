@@ -22,9 +22,11 @@ The target's cutoffs (top-p thresholds and normalisers) are found for every veri
 call. A level whose nodes have one drafted child reads p and q at that child's token only; so does a
 level of one-hot candidates (top-b children, ngram's), whatever their number: after rejecting
 candidates x_1..x_i the residual is p without them over 1 - their p, so child i + 1 is accepted with
-probability p(x) / (1 - p(x_1) - ... - p(x_i)) (0 for a token already rejected). The residual of the
-level where a row stopped is formed once, after the walk: such trees touch whole vocabulary rows
-twice (the cutoff, the final draw) instead of several times at every depth.
+probability p(x) / (1 - p(x_1) - ... - p(x_i)) (0 for a token already rejected), and a level's
+candidates are tested at once: child i passes iff u_i (1 - p(x_1) - ... - p(x_{i-1})) < p(x_i), and the
+first that passes is taken, as trying them in order takes it. The residual of the level where a row
+stopped is formed once, after the walk: such trees touch whole vocabulary rows twice (the cutoff, the
+final draw) instead of several times at every depth. Every test's uniform u is drawn in one call.
 """
 
 from __future__ import annotations
@@ -260,7 +262,8 @@ def tree_accept(
         emitted = emitted.at[:, D].set(jnp.where(alive, bonus, emitted[:, D]))
         return num_accepted, path, emitted
 
-    keys = split_rows(row_keys(key, B), D * K + 1)
+    draw_key, uniform_key = split_rows(row_keys(key, B), 2)
+    u = uniform_rows(uniform_key, (D, K))  # [B, D, K]: the test of child i at depth d, every one drawn at once
     V = target_logits.shape[-1]
     greedy = jnp.broadcast_to(greedy_rows(cfg, 2), (B, 1))  # row rules' greedy rows: every child a one-hot candidate
     threshold, log_norm = cutoff(target_logits, cfg, backend)  # every row's target cutoff in one call
@@ -304,15 +307,12 @@ def tree_accept(
         chosen = jnp.full((B,), -1, jnp.int32)
         if one_hot:  # one-hot siblings: r after rejecting x_1..x_i is p without them, over 1 - their p
             x = tokens[rows[:, None], jnp.maximum(kids, 0)]
-            p_x = target_at(cur, x)
-            kept = jnp.ones((B,), jnp.float32)  # 1 - the p of the siblings rejected so far: r's normaliser
-            for i in range(kids.shape[1]):
-                again = functools.reduce(jnp.logical_or, [x[:, j] == x[:, i] for j in range(i)], jnp.zeros((B,), bool))
-                p_i = jnp.where(again, 0.0, p_x[:, i])  # a token already rejected has r = 0
-                trying = alive & (chosen < 0) & (kids[:, i] >= 0)
-                accept = trying & (uniform_rows(keys[d * K + i]) * kept < p_i)  # u < r(x) = p(x) / kept
-                chosen = jnp.where(accept, kids[:, i], chosen)
-                kept = kept - jnp.where(trying & ~accept, p_i, 0.0)
+            n = kids.shape[1]
+            again = jnp.any((x[:, :, None] == x[:, None, :]) & np.tri(n, n, -1, bool), axis=2)  # tried before
+            p_i = jnp.where(again | (kids < 0), 0.0, target_at(cur, x))  # a token already rejected has r = 0
+            kept = 1.0 - (jnp.cumsum(p_i, axis=1) - p_i)  # r's normaliser at child i: 1 - the p rejected before it
+            accept = (kids >= 0) & (u[:, d, :n] * kept < p_i)  # u < r(x) = p(x) / kept; the first such child
+            chosen = jnp.where(alive & accept.any(axis=1), kids[rows, jnp.argmax(accept, axis=1)], chosen)
             token_stop |= alive & (chosen < 0)
         elif widths[d] == 1:  # one drafted child: the test needs p and q at its token only
             x = at(tokens, jnp.maximum(kids[:, 0], 0))
@@ -320,7 +320,7 @@ def tree_accept(
             mass = at(q_mass, cur)
             q_x = jnp.where(greedy[:, 0], 1.0, draft_probs[rows, cur, x] / jnp.maximum(mass, 1e-30))
             trying = alive & (kids[:, 0] >= 0) & ((mass > 0) | greedy[:, 0])
-            accept = trying & (uniform_rows(keys[d * K]) * q_x < p_x)  # u < p/q: q(x) = 0 accepts iff p(x) > 0
+            accept = trying & (u[:, d, 0] * q_x < p_x)  # u < p/q: q(x) = 0 accepts iff p(x) > 0
             chosen = jnp.where(accept, kids[:, 0], chosen)
             token_stop |= trying & ~accept
         else:  # drafted siblings: each later one is tested against the residual the earlier rejections left
@@ -332,7 +332,7 @@ def tree_accept(
                 q_i, usable = sibling(q, x)
                 trying = alive & (chosen < 0) & (kid >= 0) & usable
                 p_x, q_x = resid[rows, x], q_i[rows, x]
-                accept = trying & (uniform_rows(keys[d * K + i]) * q_x < p_x)
+                accept = trying & (u[:, d, i] * q_x < p_x)
                 chosen = jnp.where(accept, kid, chosen)
                 rejected = trying & ~accept
                 resid = jnp.where(rejected[:, None], rejected_residual(resid, q_i), resid)
@@ -358,6 +358,6 @@ def tree_accept(
         q_i, _ = sibling(at(draft_probs, cur), at(tokens, jnp.maximum(kids[:, 0], 0)), at(q_mass, cur))
         final = jnp.where(token_stop[:, None], rejected_residual(p, q_i), final)
     final = jnp.where((alive | leaf)[:, None], p, final)
-    last = draw(keys[-1], final)
+    last = draw(draw_key, final)
     emitted = jnp.where(jnp.arange(D + 1) == num_accepted[:, None], last[:, None], emitted)
     return num_accepted, path, emitted
