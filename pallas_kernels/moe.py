@@ -771,45 +771,51 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
     each output's two halves with x's columns in `word_order` (x_ref [rows, 4, K/4]) into sums
     [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends; `small`:
     as `_product`'s).
-    Each step's weight tiles are loaded steps ahead, in the loop's carry (ROW_TILES_IN_FLIGHT): Triton
-    does not pipeline this loop, and its warps waited on the loads of the step they were in (ncu;
-    bench/NOTES.md)."""
+    Each step's weight tiles and its run of x are loaded steps ahead, in the loop's carry
+    (ROW_TILES_IN_FLIGHT): Triton does not pipeline this loop, and its warps waited on the loads of the
+    step they were in, the weights' and then x's (ncu; bench/NOTES.md)."""
     K, of_words = _width(x_ref), _reads_words(w_refs)
     ahead = max(1, ROW_TILES_IN_FLIGHT // len(column_blocks))
     masked = K % bk != 0
     steps = -(-K // bk)
     load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
 
-    def halves(at, start, size, length: int):
-        """float32 even and odd columns [1, size/2] of the `size` of x's row from `start` (at(slice): the
-        row's ref at a slice; `length` its columns)."""
-        pairs = load(at(pl.ds(start, size)), start + jnp.arange(size) < length).astype(jnp.float32)
-        even, odd = lax.unstack(pairs.reshape(size // 2, 2), axis=1)
+    def row_at(k0):
+        """x's row for the step at k0, as loaded: [bk], or (words) its four `word_order` runs [bk/4]."""
+        if of_words:
+            start, size = 2 * packed_offset(k0, 8), bk // 4
+            inside = start + jnp.arange(size) < K // 4
+            return tuple(load(x_ref.at[row, jnp.int32(j), pl.ds(start, size)], inside) for j in range(4))
+        return load(x_ref.at[row, pl.ds(k0, bk)], k0 + jnp.arange(bk) < K)
+
+    def halves(pairs):
+        """float32 even and odd columns [1, n/2] of a run of x [n]."""
+        even, odd = lax.unstack(pairs.astype(jnp.float32).reshape(-1, 2), axis=1)
         return even[None, :], odd[None, :]
 
     def fetch(i):
-        """Step i's tiles, as loaded, for each column block (the last step's again past it: unused)."""
+        """Step i's row of x and tiles (for each column block), as loaded (the last step's again past it:
+        unused)."""
         k0 = jnp.minimum(i, steps - 1) * bk
         if len(w_refs) == 1:
             inside = k0 + jnp.arange(bk) < K
-            return tuple(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None]) for cols in column_blocks)
+            return row_at(k0), tuple(load(w_refs[0].at[layer, e, pl.ds(k0, bk), cols], inside[:, None])
+                                     for cols in column_blocks)
         blocks_ref, scales_ref = w_refs
         per, units = (8, bk // 8) if of_words else (2, bk // 2)
         unit0 = packed_offset(k0, per)
         inside = unit0 + jnp.arange(units) < K // per
-        return tuple((load(blocks_ref.at[layer, e, cols, pl.ds(unit0, units)], inside[None, :]),
-                      step_scales(scales_ref, layer, e, cols, k0, bk, masked)) for cols in column_blocks)
+        return row_at(k0), tuple((load(blocks_ref.at[layer, e, cols, pl.ds(unit0, units)], inside[None, :]),
+                                  step_scales(scales_ref, layer, e, cols, k0, bk, masked)) for cols in column_blocks)
 
     def step(i, carry):
-        accs, (tiles, *later) = carry
+        accs, ((x, tiles), *later) = carry
         k0, loading = i * bk, (*later, fetch(i + ahead))
         if len(w_refs) == 1:
-            inside = k0 + jnp.arange(bk) < K
-            x = load(x_ref.at[row, pl.ds(k0, bk)], inside).astype(jnp.float32)[:, None]
+            x = x.astype(jnp.float32)[:, None]
             return tuple(acc + jnp.sum(w.astype(jnp.float32) * x, axis=0) for acc, w in zip(accs, tiles)), loading
         if of_words:
-            word0 = packed_offset(k0, 8)
-            xs = [halves(lambda at, j=j: x_ref.at[row, jnp.int32(j), at], 2 * word0, bk // 4, K // 4) for j in range(4)]
+            xs = [halves(run) for run in x]
             out = []
             for acc, (words, scales) in zip(accs, tiles):
                 factors = per_byte(word_factors(scale_bytes(scales, k0, bk), small), units=4)
@@ -820,7 +826,7 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
                     acc = acc + lax.bitcast_convert_type(pairs & jnp.int32(-65536), jnp.float32) * odd
                 out.append(acc)
             return tuple(out), loading
-        even, odd = halves(lambda at: x_ref.at[row, at], k0, bk, K)
+        even, odd = halves(x)
         out = []
         for acc, (codes, scales) in zip(accs, tiles):
             codes, power = codes.astype(jnp.int32), per_byte(scale_power(scale_bytes(scales, k0, bk)))
