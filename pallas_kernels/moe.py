@@ -37,7 +37,7 @@ thread loads whole words and decodes 8 codes into its 4 operand registers by rot
 `word_weights`): measured on an H100, row blocks 19-25% faster than the paired decode at 2-128 rows
 (2.3-2.5x the floor at 8-128). A decode step's single row through MXFP4 takes the one-row form of
 both calls (bytes: 3.8x on the H100, the codes' bits placed, `code_values`; words: the row's columns
-put in the words' order, `word_order`, so no decoded tile is reordered: 3.0x); up to 128 rows through bf16
+read a scale group at a time, `group_view`, so no decoded tile is reordered: 3.0x); up to 128 rows through bf16
 stacks the split-K form, whose programs keep wide column blocks and, for a few rows, divide K
 (`default_form`). The reference decodes the layer's whole stack with the same
 function and runs the float path.
@@ -142,7 +142,7 @@ class MXFP4:
     each MXFP4_GROUP values of K. Rows are output columns, as in the checkpoint: a kernel's tile of
     [columns, K step / 2] bytes is contiguous along K (the checkpoint's blocks reshaped, no re-pack).
     Or blocks [..., N, K/8] uint32: the same codes as `pack_words` words (`to_words`), which the row-block
-    (`word_weights`) and one-row (`word_order`) forms read. `small_scales` (static): every scale is
+    (`word_weights`) and one-row (`group_view`) forms read. `small_scales` (static): every scale is
     between 1 and 128, as whoever packed the words found (`to_words`); their outputs then take one
     multiply instead of two (`word_factors`). A stack of words may hold its scales four to a uint32 word
     (`pack_scales`: [..., N, ceil(K/128)]), as `load_model` has `to_words` pack them where each device
@@ -750,17 +750,17 @@ def row_step(K: int, columns: int) -> int:
     return min(max(MXFP4_GROUP, ROW_STEP_ELEMENTS // columns), next_pow2(K))
 
 
-def word_order(x):
-    """[rows, 4, K/4]: the columns of x [rows, K] in the order of MXFP4 words' outputs, for the one-row
-    form: output j of word t of group g multiplies columns 32 g + 8 j + 2 t and the next (the pair 4 j +
-    t), which land at [j, 8 g + 2 t] and the next, so a step reads each output's columns in one run."""
+def group_view(x):
+    """x [rows, K] as [rows, K/32, 32], one scale group a row (a view: no kernel), for the one-row form
+    through words: output j of word t of group g multiplies columns 32 g + 8 j + 2 t and the next (the
+    pair 4 j + t), so a step reads output j's columns as the [groups, 8] block at column 8 j."""
     rows, K = x.shape
-    return jnp.transpose(x.reshape(rows, K // MXFP4_GROUP, 4, 4, 2), (0, 2, 1, 3, 4)).reshape(rows, 4, K // 4)
+    return x.reshape(rows, K // MXFP4_GROUP, MXFP4_GROUP)
 
 
 def _width(ref) -> int:
-    """K of a kernel's rows: x_ref [rows, K], or a `word_order` one [rows, 4, K/4]."""
-    return ref.shape[1] if ref.ndim == 2 else 4 * ref.shape[2]
+    """K of a kernel's rows: x_ref [rows, K], or a `group_view` one [rows, K/32, 32]."""
+    return ref.shape[1] if ref.ndim == 2 else ref.shape[1] * ref.shape[2]
 
 
 def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: bool = False):
@@ -768,7 +768,7 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
     of expert e at `layer`, multiplied and summed in float32 over K in steps of bk weights. An MXFP4
     tile [columns, bk/2] bytes multiplies x's even and odd columns (a step of x split in two) with its
     low and high codes, so no decoded tile is interleaved; a tile of words [columns, bk/8] multiplies
-    each output's two halves with x's columns in `word_order` (x_ref [rows, 4, K/4]) into sums
+    each output's two halves with x's columns by `group_view` (x_ref [rows, K/32, 32]) into sums
     [columns, bk/8] (a multiply-add a weight: no sum across a step's words until the loop ends; `small`:
     as `_product`'s).
     Each step's weight tiles and its run of x are loaded steps ahead, in the loop's carry
@@ -781,11 +781,13 @@ def _row_products(x_ref, row, w_refs, layer, e, column_blocks, bk: int, small: b
     load = lambda ref, inside: plgpu.load(ref, mask=inside, other=0) if masked else ref[...]
 
     def row_at(k0):
-        """x's row for the step at k0, as loaded: [bk], or (words) its four `word_order` runs [bk/4]."""
+        """x's row for the step at k0, as loaded: [bk], or (words) the columns of each word output j,
+        [bk/4] from its step's groups' [groups, 8] block at column 8 j (`group_view`)."""
         if of_words:
-            start, size = 2 * packed_offset(k0, 8), bk // 4
-            inside = start + jnp.arange(size) < K // 4
-            return tuple(load(x_ref.at[row, jnp.int32(j), pl.ds(start, size)], inside) for j in range(4))
+            first, groups = packed_offset(k0, MXFP4_GROUP), bk // MXFP4_GROUP
+            inside = (first + jnp.arange(groups) < K // MXFP4_GROUP)[:, None]
+            return tuple(load(x_ref.at[row, pl.ds(first, groups), pl.ds(8 * j, 8)], inside).reshape(groups * 8)
+                         for j in range(4))
         return load(x_ref.at[row, pl.ds(k0, bk)], k0 + jnp.arange(bk) < K)
 
     def halves(pairs):
@@ -979,7 +981,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     if words and form == "split_k":
         raise ValueError("MXFP4 words are read by the row-block and one-row forms, not 'split_k'")
     one_row = form == "one_row"
-    rows_of = lambda v, words: word_order(v) if one_row and words else v  # the one-row form's x through words
+    rows_of = lambda v, words: group_view(v) if one_row and words else v  # the one-row form's x through words
     bm = 1 if one_row else block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))

@@ -64,7 +64,7 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
 # paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
 # as words (moe.to_words: row blocks through word_weights, its exact form here, and the one-row form
-# through moe.word_order's columns), and as words of small scales (MXFP4.small_scales: one multiply), and
+# through moe.group_view's columns), and as words of small scales (MXFP4.small_scales: one multiply), and
 # with their scales four to a word (moe.pack_scales).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
 WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row",
@@ -286,18 +286,19 @@ def test_word_weights_equal_decode():
 
 def test_words_take_row_blocks_and_the_one_row_form():
     """A stack of words goes where bytes go (one row: the one-row form; more: row blocks); the split-K
-    form is an error. The one-row form's rows in `word_order`: output j of word t of group g multiplies
-    columns 32 g + 8 j + 2 t and the next (the pair 4 j + t), at [j, 8 g + 2 t] and the next."""
+    form is an error. The one-row form's rows by `group_view` (a view, no copy): output j of word t of
+    group g multiplies columns 32 g + 8 j + 2 t and the next (the pair 4 j + t), at [g, 8 j + 2 t] and
+    the next."""
     x, ids, weights, w_gate_up, w_down, *_ = packed_inputs(5, 1, jnp.bfloat16, False)
     assert moe.default_form(1, True) == "one_row" and moe.default_form(2, True) == "row_blocks"
     with pytest.raises(ValueError, match="row-block and one-row forms, not 'split_k'"):
         moe_experts_pallas(x, ids, weights, moe.to_words(w_gate_up), moe.to_words(w_down), jnp.int32(LAYER),
                            interpret=True, form="split_k")
     K = 96
-    ordered = np.asarray(moe.word_order(jnp.arange(2 * K).reshape(2, K)))
+    grouped = np.asarray(moe.group_view(jnp.arange(2 * K).reshape(2, K)))
     g, j, t, half = np.meshgrid(*map(np.arange, (K // 32, 4, 4, 2)), indexing="ij")
     for row in range(2):
-        np.testing.assert_array_equal(ordered[row, j, 8 * g + 2 * t + half], row * K + 32 * g + 8 * j + 2 * t + half)
+        np.testing.assert_array_equal(grouped[row, g, 8 * j + 2 * t + half], row * K + 32 * g + 8 * j + 2 * t + half)
 
 
 def test_scale_words_hold_four_groups_and_feed_every_step():
