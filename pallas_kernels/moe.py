@@ -890,13 +890,13 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
 
 
 def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool,
-                 one_row: bool, splits: int, small: bool, activation: str | None = None, gate_up_biased: bool = False,
-                 dtype=None):
+                 one_row: bool, splits: int, small: bool, dtype, activation: str | None = None,
+                 gate_up_biased: bool = False):
     """y_ref [rows, D] float32: the experts' outputs; with splits > 1 partial sums [splits, rows, D],
-    not biased. `small`: words of scales between 1 and 128. With `activation`, a_ref holds gate/up's
-    split-K partial sums [G, rows, 2F] (float32), which each step sums, biases (`gate_up_biased`: the
-    next ref is gate/up's bias [L, E, 2F]), activates and casts to `dtype` as it loads them: no kernel
-    runs between the two calls."""
+    not biased. `small`: words of scales between 1 and 128; `dtype`: the activations'. With `activation`,
+    a_ref holds gate/up's split-K partial sums [G, rows, 2F] (float32), which each step sums, biases
+    (`gate_up_biased`: the next ref is gate/up's bias [L, E, 2F]), activates and casts to `dtype` as it
+    loads them: no kernel runs between the two calls."""
     gate_up_bias, refs = (refs[0], refs[1:]) if gate_up_biased else (None, refs)
     w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
@@ -923,7 +923,7 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
             return activate(summed(k), summed(pl.ds(F + k.start, k.size)), activation).astype(dtype)
 
         step = lambda acc, k0, size: (_product(acc[0], load_a, w_refs, layer, e, k0, size, cols, small),)
-        (y,) = _over_rows(step, K, bk, first, bm, bd, w_refs, dtype or a_ref.dtype, 1)
+        (y,) = _over_rows(step, K, bk, first, bm, bd, w_refs, dtype, 1)
         if splits > 1:
             plgpu.store(y_ref.at[split, pl.ds(start, bm), cols], y, mask=real[:, None])
             return
@@ -1021,7 +1021,10 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
              params=params(bf, gate_up_words))
     # split K: down sums gate/up's partials, biases and activates them as it loads them
     fused = gate_up_splits > 1
-    down_in = [a] + ([b_gate_up] if b_gate_up is not None else []) if fused else [rows_of(a, down_words)]
+    if fused:
+        down_in = [a] if b_gate_up is None else [a, b_gate_up]
+    else:
+        down_in = [rows_of(a, down_words)]
     y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed, down_words), bd=bd,
                                packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits,
                                small=small(w_down), activation=activation if fused else None,
