@@ -20,8 +20,6 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
-from pallas_kernels.lm_head_top import lm_head_top_pallas, lm_head_top_reference
-from pallas_kernels.lm_head_top import supported as lm_head_top_supported
 from pallas_kernels.moe import moe_experts_pallas, moe_experts_reference
 from pallas_kernels.moe import supported as moe_supported
 from pallas_kernels.quest_pages import QUEST_PAGE, quest_pages_pallas, quest_pages_reference
@@ -57,10 +55,9 @@ QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kerne
 # (bench/NOTES.md, "small exact matrices through the row kernel", "the split merge in one kernel").
 ROW_MATMUL_EXACT_ELEMENTS = 1 << 23
 
-__all__ = ["BACKENDS", "Collect", "TreeMask", "lm_head_top", "moe_experts", "nsa_compressed_attention",
-           "nsa_selected_attention", "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write",
-           "row_matmul", "row_matmul_partials", "row_matmul_reads_exact", "select_topk", "sparse_attention",
-           "top_p_threshold", "verify_attention"]
+__all__ = ["BACKENDS", "Collect", "TreeMask", "moe_experts", "nsa_compressed_attention", "nsa_selected_attention",
+           "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write", "row_matmul", "row_matmul_partials",
+           "row_matmul_reads_exact", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -218,14 +215,6 @@ def top_p_threshold(logits, inv_temperature, top_p, *, backend: str = "reference
     if _is_pallas(backend):
         return top_p_threshold_pallas(logits, inv_temperature, top_p, interpret=interpret_default())
     return top_p_threshold_reference(logits, inv_temperature, top_p)
-
-
-def lm_head_top(x, norm, w, b: int, *, eps: float, backend: str = "reference"):
-    """int32 [M, b]: the b largest columns of rms_norm(x [M, K], norm) @ w [K, V], largest first, ties
-    to the lower column: a draft head's greedy picks (pallas_kernels/lm_head_top.py)."""
-    if _is_pallas(backend) and lm_head_top_supported(x, w, b):
-        return lm_head_top_pallas(x, norm, w, b, eps=eps, interpret=interpret_default())
-    return lm_head_top_reference(x, norm, w, b, eps=eps)
 
 
 def _nsa_pallas(backend: str, head_dim: int, block_size: int) -> bool:

@@ -890,40 +890,23 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
 
 
 def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, packed: bool, biased: bool,
-                 one_row: bool, splits: int, small: bool, dtype, activation: str | None = None,
-                 gate_up_biased: bool = False):
+                 one_row: bool, splits: int, small: bool):
     """y_ref [rows, D] float32: the experts' outputs; with splits > 1 partial sums [splits, rows, D],
-    not biased. `small`: words of scales between 1 and 128; `dtype`: the activations'. With `activation`,
-    a_ref holds gate/up's split-K partial sums [G, rows, 2F] (float32), which each step sums, biases
-    (`gate_up_biased`: the next ref is gate/up's bias [L, E, 2F]), activates and casts to `dtype` as it
-    loads them: no kernel runs between the two calls."""
-    gate_up_bias, refs = (refs[0], refs[1:]) if gate_up_biased else (None, refs)
+    not biased. `small`: words of scales between 1 and 128."""
     w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
     e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
     bias = lambda: b_ref[0][layer, e, cols].astype(jnp.float32)
-    F = a_ref.shape[-1] // 2 if activation else _width(a_ref)
-    split, first, K = _split_chunk(F, splits)
+    split, first, K = _split_chunk(_width(a_ref), splits)
 
     def row(r, _):
         (y,) = _row_products(a_ref, r, w_refs, layer, e, (cols,), bk, small)
         y_ref[r, cols] = y + bias() if biased else y
 
     def rows(start, real):
-        def summed(at):
-            """gate/up's partial sums at columns `at` of this block's rows, added up (and biased)."""
-            parts = [plgpu.load(a_ref.at[jnp.int32(g), pl.ds(start, bm), at], mask=real[:, None], other=0.0)
-                     for g in range(a_ref.shape[0])]
-            total = functools.reduce(jnp.add, parts)
-            return total + gate_up_bias[layer, e, at].astype(jnp.float32)[None, :] if gate_up_biased else total
-
-        def load_a(k):
-            if not activation:
-                return plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
-            return activate(summed(k), summed(pl.ds(F + k.start, k.size)), activation).astype(dtype)
-
+        load_a = lambda k: plgpu.load(a_ref.at[pl.ds(start, bm), k], mask=real[:, None], other=0.0)
         step = lambda acc, k0, size: (_product(acc[0], load_a, w_refs, layer, e, k0, size, cols, small),)
-        (y,) = _over_rows(step, K, bk, first, bm, bd, w_refs, dtype, 1)
+        (y,) = _over_rows(step, K, bk, first, bm, bd, w_refs, a_ref.dtype, 1)
         if splits > 1:
             plgpu.store(y_ref.at[split, pl.ds(start, bm), cols], y, mask=real[:, None])
             return
@@ -1019,18 +1002,14 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
              out_shape(gate_up_splits, 2 * F if gate_up_splits > 1 else F, x.dtype),
              [layer, slots, tokens, rows_of(x, gate_up_words)], w_gate_up, gate_up_bias,
              params=params(bf, gate_up_words))
-    # split K: down sums gate/up's partials, biases and activates them as it loads them
-    fused = gate_up_splits > 1
-    if fused:
-        down_in = [a] if b_gate_up is None else [a, b_gate_up]
-    else:
-        down_in = [rows_of(a, down_words)]
+    if gate_up_splits > 1:
+        h = chunk_sums(a, b_gate_up)
+        a = jnp.pad(activate(h[:, :F], h[:, F:], activation).astype(x.dtype), ((0, bm), (0, 0)))
     y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed, down_words), bd=bd,
                                packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits,
-                               small=small(w_down), activation=activation if fused else None,
-                               gate_up_biased=fused and b_gate_up is not None, dtype=x.dtype),
+                               small=small(w_down)),
              "moe_down", (S, D // bd, down_splits), out_shape(down_splits, D, jnp.float32),
-             [layer, slots, *down_in], w_down, down_bias, params=params(bd, down_words))
+             [layer, slots, rows_of(a, down_words)], w_down, down_bias, params=params(bd, down_words))
     if down_splits > 1:
         y = chunk_sums(y, b_down)
     return _combine(y, position, expert_ids, expert_weights)

@@ -269,7 +269,7 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, pages_ref, *refs,
     else:
         lo, hi = split_range(split, n_splits, n_blocks)
 
-    def body(i, carry, in_tree: bool):
+    def body(i, carry):
         start = pl.multiple_of(i * block_k, block_k)
         slot = pl.multiple_of(paging.pool_slot(pages_ref, b, start, page_size), block_k)
         k = k_ref[layer, h, pl.ds(slot, block_k), :]
@@ -283,18 +283,12 @@ def _verify_kernel(layer_ref, q_pos_ref, q_ref, k_ref, v_ref, pages_ref, *refs,
         visible = slots <= pos[:, None]
         if window:
             visible = visible & (slots >= row_lo[:, None])
-        if in_tree:
+        if tree:
             visible = visible & ancestor_visible(slots - first, lo_word, hi_word)
         return softmax_step(carry, logits, visible, v)
 
     sink = tile_sinks(sinks_ref, layer, h, G, tile, split) if sinks else None
-    carry = init_carry(q.shape[0], q.shape[1], sink)
-    if tree:  # the ancestor test only where the tree's slots are: the committed cache's blocks skip it
-        tree_from = jnp.clip(first // block_k, lo, hi)
-        carry = lax.fori_loop(lo, tree_from, functools.partial(body, in_tree=False), carry)
-        carry = lax.fori_loop(tree_from, hi, functools.partial(body, in_tree=True), carry)
-    else:
-        carry = lax.fori_loop(lo, hi, functools.partial(body, in_tree=False), carry)
+    carry = lax.fori_loop(lo, hi, body, init_carry(q.shape[0], q.shape[1], sink))
     store_split(o_ref, lse_ref, carry, rows * G)
 
 

@@ -95,20 +95,6 @@ def test_greedy_equals_plain(dense, tree, order):
     assert st.drafted.sum() == (spec.validate().shape.rows - 1) * st.iterations.sum() > 0
 
 
-def test_greedy_equals_plain_on_the_pallas_kernels(dense, monkeypatch):
-    """The engine on the Pallas kernels (interpret mode), the head's picks through its LM-head kernel
-    (`kernels.lm_head_top`, one call a depth): greedy output equals plain."""
-    import pallas_kernels
-
-    params, ecfg, ids, lengths, plain = dense
-    calls, kernel = [], pallas_kernels.lm_head_top_pallas
-    monkeypatch.setattr(pallas_kernels, "lm_head_top_pallas", lambda *a, **k: calls.append(a[3]) or kernel(*a, **k))
-    spec = SpecConfig(method="eagle", tree=(5, (3, 1)), eagle=ecfg, backend="pallas")
-    out, st = run(params, CFG, spec, ids, lengths, 32)
-    assert out == plain and st.iterations.sum() > 0
-    assert calls == [5, 3]  # the root's five children, then the first two nodes' three and one
-
-
 def test_a_head_sharing_the_targets_lm_head_is_lossless_and_drafts_through_it(dense):
     """A head without an LM head of its own (the dense head's layer, the whole vocabulary through the
     target's LM head): greedy output equals plain on a tree, and each depth-1 draft is the argmax of

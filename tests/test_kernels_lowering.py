@@ -27,7 +27,6 @@ from pallas_kernels import moe
 from pallas_kernels.moe import MXFP4, moe_experts_pallas
 from pallas_kernels.quest_pages import quest_pages_pallas
 from pallas_kernels._common import merge_splits_pallas
-from pallas_kernels.lm_head_top import lm_head_top_pallas
 from pallas_kernels.residual_norm import residual_norm_pallas
 from pallas_kernels.rope_write import rope_write_pallas
 from pallas_kernels.row_matmul import row_matmul_pallas
@@ -307,13 +306,6 @@ def test_top_p_threshold_lowers(check_cuda, rows, V, dtype):
     """SmolLM2's vocabulary at a batch-128 chain's verification rows, Qwen3's at a draft step (one
     program per row), and the split path (<= 48 rows): SmolLM2 at batch 32, Qwen3 at batch 1."""
     check_cuda(lambda x: top_p_threshold_pallas(x, 1 / 0.7, 0.95), spec((rows, V), dtype))
-
-
-@pytest.mark.parametrize("M, K, V, b", [(1, 576, 12288, 5), (40, 4096, 32768, 3)])
-def test_lm_head_top_lowers(check_cuda, M, K, V, b):
-    """SmolLM2's head at a 5,3+1 root, and a Qwen3-8B head's 32K draft vocabulary over 40 rows."""
-    check_cuda(lambda x, n, w: lm_head_top_pallas(x, n, w, b, eps=1e-6),
-               spec((M, K), jnp.bfloat16), spec((K,), jnp.bfloat16), spec((K, V), jnp.bfloat16))
 
 
 def test_backend_switch():

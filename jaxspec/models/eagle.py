@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as kernels
 from jaxspec.models import decoder, kvcache
 from jaxspec.models.config import ModelConfig, RopeConfig
 from jaxspec.models.decoder import AttendFn, Params, matmul
@@ -277,17 +276,6 @@ def draft_logits(params: Params, ecfg: EagleConfig, target_params: Params, targe
     if ecfg.shared_lm_head:
         return decoder.output_logits(target_params, target_cfg, h)
     return matmul(h, decoder.row_kernel_matrix(params["lm_head"], h, backend), jnp.float32)
-
-
-def draft_top(params: Params, ecfg: EagleConfig, prenorm_out: jax.Array, b: int,
-              backend: str = "reference") -> jax.Array:
-    """The head's b most likely draft ids [..., b] at `prenorm_out` [..., H], largest logit first, ties
-    to the lower id: `draft_logits`' norm and LM head with the picks in one kernel (kernels.lm_head_top),
-    where XLA ran the norm, the product, the sum of its splits and a reduction a pick. Not for a head
-    that shares the target's LM head (its logits are the target's: `draft_logits`)."""
-    rows = prenorm_out.reshape(-1, prenorm_out.shape[-1])
-    top = kernels.lm_head_top(rows, params["final_norm"], params["lm_head"], b, eps=ecfg.rms_norm_eps, backend=backend)
-    return top.reshape(*prenorm_out.shape[:-1], b)
 
 
 def to_target_ids(d2t: jax.Array, draft_ids: jax.Array) -> jax.Array:

@@ -129,12 +129,9 @@ class Eagle(Drafter):
                     head, ecfg, embeds, states[:, tree.parent[rows]], at, jnp.broadcast_to(live[:, None], at.shape),
                     head_cache, self.context(state.selection, nodes, at), slots=nodes.slots, backend=backend)
                 states = states.at[:, rows].set(out)
+            logits = eagle.draft_logits(head, ecfg, params, self.cfg, states[:, rows], backend)
             kids = tree.kids(rows)  # a node's missing children: dropped
-            if rules.greedy and not ecfg.shared_lm_head:  # the head's top tokens, its LM head and picks in one
-                children, q = eagle.draft_top(head, ecfg, states[:, rows], kids.shape[1], backend), None
-            else:
-                logits = eagle.draft_logits(head, ecfg, params, self.cfg, states[:, rows], backend)
-                children, q = expand(keys[depth], logits, kids.shape[1], rules, backend)
+            children, q = expand(keys[depth], logits, kids.shape[1], rules, backend)
             draft_tokens = draft_tokens.at[:, kids].set(eagle.to_target_ids(head["d2t"], children), mode="drop")
             if q is not None:
                 draft_probs = draft_probs.at[:, rows].set(q)
