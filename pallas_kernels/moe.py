@@ -103,10 +103,11 @@ ROW_STEP_ELEMENTS = 8192
 # ahead left down's warps waiting on its loads (ncu: 69% long-scoreboard stalls against gate/up's 37%);
 # two measured 54.3 against 56.3 us a one-row call on an H100 (bench/moe.py --tiles-in-flight).
 ROW_TILES_IN_FLIGHT = 2
-# The one-row form's programs at least (`column_block`'s target). TARGET_PROGRAMS gives gpt-oss-20b's
-# decode step 360 gate/up programs, 0.55 of an H100's waves (ncu), yet 512 (16-column blocks) measured
-# slower there: 63.6 against 52.0 us (bench/moe.py --one-row-programs; bench/NOTES.md).
-ONE_ROW_PROGRAMS = TARGET_PROGRAMS
+# The one-row form's programs at least (`column_block`'s target): 512 gives gpt-oss-20b's decode step
+# 16-column blocks, 720 programs a call. With x fetched ahead with the tiles that measured 48.8 against
+# 52.1 us for 256 (32-column blocks, 360 programs; before that fetch 512 lost, 63.6 against 52.0) on an
+# H100 (bench/moe.py --one-row-programs; bench/NOTES.md).
+ONE_ROW_PROGRAMS = 512
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `decode`
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
