@@ -137,8 +137,13 @@ def main():
                    help="the kernels' warps a program to time, comma-separated (num_warps)")
     p.add_argument("--word-columns", default="32", type=lambda s: [int(n) for n in s.split(",")],
                    help="words: the narrowest column blocks to time, comma-separated (moe.WORD_MIN_COLUMNS)")
-    p.add_argument("--one-row-programs", default="256", type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--one-row-programs", default=str(moe.ONE_ROW_PROGRAMS),
+                   type=lambda s: [int(n) for n in s.split(",")],
                    help="the one-row form's programs at least, comma-separated (moe.ONE_ROW_PROGRAMS)")
+    p.add_argument("--row-step-elements", default=str(moe.ROW_STEP_ELEMENTS),
+                   type=lambda s: [int(n) for n in s.split(",")],
+                   help="the one-row form's weights of a column block a loop step, comma-separated "
+                        "(moe.ROW_STEP_ELEMENTS)")
     p.add_argument("--tiles-in-flight", default=str(moe.ROW_TILES_IN_FLIGHT),
                    type=lambda s: [int(n) for n in s.split(",")],
                    help="the one-row form's column blocks' tiles loading ahead, comma-separated "
@@ -162,22 +167,23 @@ def main():
             words = decode in ("words", "words-two", "scale-words")
             timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks
-            for columns, stages, warps, programs, in_flight in itertools.product(
+            for columns, stages, warps, programs, in_flight, row_step in itertools.product(
                     args.word_columns if words else [None], args.stages, args.warps, args.one_row_programs,
-                    args.tiles_in_flight):
-                moe.ONE_ROW_PROGRAMS, moe.ROW_TILES_IN_FLIGHT = programs, in_flight
+                    args.tiles_in_flight, args.row_step_elements):
+                moe.ONE_ROW_PROGRAMS, moe.ROW_TILES_IN_FLIGHT, moe.ROW_STEP_ELEMENTS = programs, in_flight, row_step
                 if columns:
                     moe.WORD_MIN_COLUMNS = columns
                 jax.clear_caches()
                 row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages, warps)
                 result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages, "warps": warps,
-                                       "one_row_programs": programs, "tiles_in_flight": in_flight} | row)
+                                       "one_row_programs": programs, "tiles_in_flight": in_flight,
+                                       "row_step_elements": row_step} | row)
                 print(result["rows"][-1], flush=True)
                 common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
         ("T", "rows", "d"), ("decode", "decode", "s"), ("word columns", "word_columns", "d"), ("stages", "stages", "d"),
         ("warps", "warps", "d"), ("one-row programs", "one_row_programs", "d"),
-        ("tiles in flight", "tiles_in_flight", "d"),
+        ("tiles in flight", "tiles_in_flight", "d"), ("row step", "row_step_elements", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],
