@@ -36,7 +36,7 @@ from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
 from jaxspec.xla_flags import set_gpu_flags
 from pallas_kernels import paging
-from pallas_kernels.moe import MXFP4, pack_scales, pack_words
+from pallas_kernels.mxfp4 import MXFP4, pack_scales, pack_words
 
 # Benchmarks are entry points: they run with the XLA GPU flags that `python -m jaxspec.generate` sets,
 # set here before any of them computes anything.
@@ -160,8 +160,8 @@ def page_table(batch: int, num_slots: int, page_size: int = paging.DEFAULT_PAGE_
 
 EXPERT_FORMS = ("bf16", "mxfp4", "mxfp4-words", "mxfp4-scale-words")
 EXPERT_FORMS_HELP = ("an MoE model's expert stacks: the config's dtype, or packed MXFP4 of random codes (gpt-oss's "
-                     "released form; mxfp4-words: as moe.to_words words; mxfp4-scale-words: words with their "
-                     "scales four to a word, moe.pack_scales)")
+                     "released form; mxfp4-words: as mxfp4.to_words words; mxfp4-scale-words: words with their "
+                     "scales four to a word, mxfp4.pack_scales)")
 
 
 def with_mxfp4_experts(params, form: str) -> dict:
@@ -178,7 +178,7 @@ def with_mxfp4_experts(params, form: str) -> dict:
 
 def random_mxfp4(key, shape, words: bool = False) -> MXFP4:
     """An MXFP4 stack of matrices [..., K, N] (gpt-oss's packed experts): random codes, scales
-    2^-7..2^-1; `words`: the codes as `moe.pack_words` words (scales at most 128: `MXFP4.small_scales`)."""
+    2^-7..2^-1; `words`: the codes as `mxfp4.pack_words` words (scales at most 128: `MXFP4.small_scales`)."""
     *lead, K, N = shape
     # One matrix at a time: a whole stack's bits in one draw take 4 bytes a code (25 GB for gpt-oss-20b's).
     pack = pack_words if words else lambda blocks: blocks

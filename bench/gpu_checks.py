@@ -21,7 +21,7 @@ expert. At 24 layers random gpt-oss weights amplify even float32 rounding past t
 or not (bench/NOTES.md): there the check to read is every method emitting plain's tokens (when plain runs first, as by
 default, each other row records `equals_plain`; every row records its emitted tokens, and whether the
 full forward's logits were finite). `--exact-decode`: the MXFP4 kernels decode the codes by
-`moe.exact_values`, not by placing their bits (`moe.PLACED_DECODE`, the default). Writes
+`mxfp4.exact_values`, not by placing their bits (`mxfp4.PLACED_DECODE`, the default). Writes
 DIR/gpu_checks_<model>[_tree][_float32][_route_all][_mxfp4|_mxfp4-words|_mxfp4-scale-words][_exact][_reference].json.
 """
 
@@ -44,7 +44,7 @@ from jaxspec.runner import Batch, encode_prompts, prefill_fn, run_generation
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import METHODS, spec_from_settings
 from jaxspec.decoding.tree import TreeShape
-from pallas_kernels import moe
+from pallas_kernels import mxfp4
 
 NEAR_TIE = 0.05  # bf16 logits: the emitted token may trail the argmax by this much (relative)
 
@@ -119,10 +119,11 @@ def main():
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--experts", choices=common.EXPERT_FORMS, default="bf16", help=common.EXPERT_FORMS_HELP)
     p.add_argument("--exact-decode", action="store_true",
-                   help="MXFP4 experts: decode their codes in the kernels by moe.exact_values (not moe.PLACED_DECODE)")
+                   help="MXFP4 experts: decode their codes in the kernels by mxfp4.exact_values "
+                        "(not mxfp4.PLACED_DECODE)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
-    moe.PLACED_DECODE = not args.exact_decode
+    mxfp4.PLACED_DECODE = not args.exact_decode
     if args.dtype == "float32":  # XLA and Triton multiply float32 in TF32 by default on the GPU
         jax.config.update("jax_default_matmul_precision", "highest")
     backend = args.backend

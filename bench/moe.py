@@ -5,7 +5,7 @@
         [--one-row-programs 256,512] [--tiles-in-flight 1,2] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
-experts (random codes and scales, pallas_kernels.moe.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
+experts (random codes and scales, pallas_kernels.mxfp4.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
 experts, 4 routed a row), and T rows with random routing, it times four implementations as the
 decoder's layer scan would call them, at a traced layer of the stacks: the kernel's three forms (row
 blocks through the matrix unit; one row at a time in registers; row blocks of wide column blocks with K
@@ -15,13 +15,13 @@ the distinct experts hit times one expert's bytes, over the copy bandwidth measu
 Each timed call is one of REPEATS in a scan, each with its own routing and alternating between the two
 layers of the stacks, so no call finds its experts in L2. Every kernel form's outputs are checked
 against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each
-decode of the codes in the kernels (`exact`: `moe.e2m1`; `placed`: `moe.PLACED_DECODE`, the codes' bits
+decode of the codes in the kernels (`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits
 placed, exact only where float32 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the
 row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in
-inline PTX; `words`: the stacks re-packed once as `moe.to_words` words, which the row-block and one-row
+inline PTX; `words`: the stacks re-packed once as `mxfp4.to_words` words, which the row-block and one-row
 forms read, a word's 8 codes into 4 bf16x2 words, one multiply each (the random scales are at most 128:
 `MXFP4.small_scales`); `words-two`: the same with two multiplies, as scales above 128 take;
-`scale-words`: `words` with the scales four to a word, `moe.pack_scales`), in this
+`scale-words`: `words` with the scales four to a word, `mxfp4.pack_scales`), in this
 process, the compiled programs dropped between them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json;
 --tiny: moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a
 smoke test of this script) and prints a table last.
@@ -39,8 +39,9 @@ from jax import lax
 
 from bench import common
 import pallas_kernels as kernels
-from pallas_kernels import moe
-from pallas_kernels.moe import MXFP4, default_form, moe_experts_pallas
+from pallas_kernels import moe, mxfp4
+from pallas_kernels.moe import default_form, moe_experts_pallas
+from pallas_kernels.mxfp4 import MXFP4
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
 SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}
@@ -128,8 +129,8 @@ def main():
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
-                   help="MXFP4: the kernels' decodes to time, of placed (moe.PLACED_DECODE), exact, paired "
-                        "(moe.PAIRED_DECODE, the default), words, words-two and scale-words (moe.to_words "
+                   help="MXFP4: the kernels' decodes to time, of placed (mxfp4.PLACED_DECODE), exact, paired "
+                        "(moe.PAIRED_DECODE, the default), words, words-two and scale-words (mxfp4.to_words "
                         "stacks: no split-K form; one multiply an output, or two; scales four to a word)")
     p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
                    help="the kernels' pipeline stages to time, comma-separated (num_stages)")
@@ -163,9 +164,9 @@ def main():
     decodes = args.decodes if args.format == "mxfp4" else ["exact"]
     for T in rows:
         for decode in decodes:
-            moe.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
+            mxfp4.PLACED_DECODE, moe.PAIRED_DECODE = decode in ("placed", "paired"), decode == "paired"
             words = decode in ("words", "words-two", "scale-words")
-            timed = tuple(moe.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
+            timed = tuple(mxfp4.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks
             for columns, stages, warps, programs, in_flight, row_step in itertools.product(
                     args.word_columns if words else [None], args.stages, args.warps, args.one_row_programs,

@@ -6,10 +6,10 @@ One Pallas-Triton product x [M, K] @ W^T over an MXFP4 matrix W [N, K] (bytes [N
 [N, K/32]; N = 32 x 5,760 columns, K = 3,072: gpt-oss-20b's 32 experts' gate/up columns), a grid of
 column blocks, a loop over K, as pallas_kernels/moe.py's row blocks stream an expert. Variants read the
 same bytes and decode less, to tell the decode's arithmetic from the loads:
-- `bytes`: the kernel's own decode (`moe.decode`: both nibbles, the scale, interleaved; with
-  `moe.PLACED_DECODE` each code decoded in a Triton kernel by placing its bits, `moe.code_values`:
+- `bytes`: the kernel's own decode (`mxfp4.decode`: both nibbles, the scale, interleaved; with
+  `mxfp4.PLACED_DECODE` each code decoded in a Triton kernel by placing its bits, `mxfp4.code_values`:
   exact only where float32 subnormals are kept, which `max_rel_err` tells);
-- `exact`: `bytes` with `moe.exact_values` whatever the flag (`moe.e2m1`'s arithmetic, no subnormals:
+- `exact`: `bytes` with `mxfp4.exact_values` whatever the flag (`mxfp4.e2m1`'s arithmetic, no subnormals:
   the decode before 2026-12-03 midday);
 - `low`: the low nibble of each byte decoded and scaled (half the arithmetic; x's first K/2 columns);
 - `raw`: each byte converted to bf16 as it is (no decoding);
@@ -17,11 +17,11 @@ same bytes and decode less, to tell the decode's arithmetic from the loads:
   codes times its odd ones (x's tile split by a reshape), two products;
 - `asm`: the decode in inline PTX (`DECODE_PTX`), packed bf16 integer tricks a byte pair at a time, the
   low and high codes multiplied with x's even and odd columns (two products, nothing interleaved).
-- `paired`: the kernel's decode with `moe.PAIRED_DECODE` (`moe.paired_weights`: a byte's two codes into
+- `paired`: the kernel's decode with `moe.PAIRED_DECODE` (`mxfp4.paired_weights`: a byte's two codes into
   one bf16x2 word in inline PTX, the product taken as W^T x^T, the weights the matrix unit's register
   operand);
-- `words`: the same product from the bytes re-packed as `moe.pack_words` words (done once, outside the
-  timing), a word's 8 codes decoded into 4 bf16x2 words by rotations and masks (`moe.word_weights`).
+- `words`: the same product from the bytes re-packed as `mxfp4.pack_words` words (done once, outside the
+  timing), a word's 8 codes decoded into 4 bf16x2 words by rotations and masks (`mxfp4.word_weights`).
 The floor is W's bytes over the copy bandwidth measured in the same run. Writes DIR/mxfp4_probe.json
 and prints a table last (--tiny: a CPU smoke test of this script, small shapes in interpret mode,
 which runs no PTX: `asm` left out). Tile offsets along K in packed units come from `moe.packed_offset`,
@@ -39,8 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bench import common
-from pallas_kernels.moe import (MXFP4_GROUP, code_values, decode, exact_values, pack_words, packed_offset,
-                                paired_weights, per_byte, scale_power, word_weights)
+from pallas_kernels.moe import packed_offset
+from pallas_kernels.mxfp4 import (MXFP4_GROUP, code_values, decode, exact_values, pack_words, paired_weights,
+                                  per_byte, scale_power, word_weights)
 
 COLUMNS, DEPTH = 32 * 5760, 3072  # N, K
 VARIANTS = ("bytes", "exact", "low", "raw", "split", "paired", "words", "asm")

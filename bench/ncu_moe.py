@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 bench/ncu_moe.py --summarize DETAILS.csv SOURCE.csv.gz   (an export's summary; no GPU)
 
 At gpt-oss-20b's shapes with bench/moe.py's random MXFP4 stacks as words (small scales; `--scale-words`:
-their scales four to a word, `moe.pack_scales`), it runs itself under `ncu --set full` (clocks as they
+their scales four to a word, `mxfp4.pack_scales`), it runs itself under `ncu --set full` (clocks as they
 are, XLA's command buffers off so that ncu sees each kernel) calling the experts kernel twice in its
 default form for --rows (one row: the one-row form; more: row blocks), profiles the second call's two
 kernels, exports ncu's details page and source page (stall samples per SASS instruction), and writes
@@ -39,10 +39,10 @@ def launch(rows: int, scale_words: bool) -> None:
 
     import pallas_kernels
     from bench import moe as bench_moe
-    from pallas_kernels import moe
+    from pallas_kernels import moe, mxfp4
 
     shape = bench_moe.SHAPES["mxfp4"]
-    stacks = [moe.to_words(w, small_scales=True, scale_words=scale_words)
+    stacks = [mxfp4.to_words(w, small_scales=True, scale_words=scale_words)
               for w in bench_moe.random_stacks("mxfp4", shape)]
     x = jax.random.normal(jax.random.key(rows), (rows, shape["D"]), jnp.bfloat16)
     ids, weights = bench_moe.routing(jax.random.key(1000 + rows), 2, rows, shape["E"], shape["k"])
@@ -101,7 +101,7 @@ def summarize(details: Path, source: Path) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=64, help="token rows (one: the one-row form; more: row blocks)")
-    p.add_argument("--scale-words", action="store_true", help="the scales four to a word (moe.pack_scales)")
+    p.add_argument("--scale-words", action="store_true", help="the scales four to a word (mxfp4.pack_scales)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--summarize", nargs=2, type=Path, metavar=("DETAILS", "SOURCE"),
                    help="summarize ncu's exported details CSV and gzipped source CSV instead of profiling")

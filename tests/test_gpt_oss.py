@@ -27,7 +27,7 @@ from jaxspec.models.decoder import score
 from jaxspec.models.draft_weights import with_draft_weights
 from jaxspec.models.kvcache import KVCache
 import pallas_kernels as kernels
-from pallas_kernels.moe import MXFP4, dequantize
+from pallas_kernels.mxfp4 import MXFP4, dequantize
 from paged_pools import scatter
 from test_moe_model import greedy, random_model
 

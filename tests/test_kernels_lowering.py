@@ -23,8 +23,9 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import pallas_kernels
 from jaxspec.decoding.tree import TreeShape
 from pallas_kernels import Collect, TreeMask
-from pallas_kernels import moe
-from pallas_kernels.moe import MXFP4, moe_experts_pallas
+from pallas_kernels import moe, mxfp4
+from pallas_kernels.moe import moe_experts_pallas
+from pallas_kernels.mxfp4 import MXFP4
 from pallas_kernels.quest_pages import quest_pages_pallas
 from pallas_kernels._common import merge_splits_pallas
 from pallas_kernels.residual_norm import residual_norm_pallas
@@ -240,12 +241,12 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (512, 128, 2048, 768, 8, "silu", False, None),     # a prefill chunk: 64-row blocks
     (64, 32, 2880, 2880, 4, "gpt_oss", False, None),   # gpt-oss-20b (biases), D = F = 45 x 64
     (1, 32, 2880, 2880, 4, "gpt_oss", "placed", None),  # gpt-oss-20b's released MXFP4 experts, the codes' bits placed
-    (1, 32, 2880, 2880, 4, "gpt_oss", "exact", None),   # the same decoded by moe.exact_values (PLACED_DECODE off)
+    (1, 32, 2880, 2880, 4, "gpt_oss", "exact", None),   # the same decoded by mxfp4.exact_values (PLACED_DECODE off)
     (1, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", "split_k"),
     (64, 32, 2880, 2880, 4, "gpt_oss", "placed", None),
     (64, 32, 2880, 2880, 4, "gpt_oss", "scaled_dot", None),  # the same through Triton's scaled dot (moe.SCALED_DOT)
     (64, 32, 2880, 2880, 4, "gpt_oss", "paired", None),  # the same through paired_weights' PTX (moe.PAIRED_DECODE)
-    (64, 32, 2880, 2880, 4, "gpt_oss", "words", None),  # the experts as moe.to_words words (word_weights' PTX)
+    (64, 32, 2880, 2880, 4, "gpt_oss", "words", None),  # the experts as mxfp4.to_words words (word_weights' PTX)
     (64, 32, 2880, 2880, 4, "gpt_oss", "words2", None),  # the same with scales above 128 (two multiplies)
     (64, 32, 2880, 2880, 4, "gpt_oss", "scale_words", None),  # words with their scales four to a word (pack_scales)
     (1, 32, 2880, 2880, 4, "gpt_oss", "scale_words", None),
@@ -256,7 +257,7 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
 def test_moe_experts_lowers(check_cuda, monkeypatch, T, E, D, F, k, activation, packed, form):
     monkeypatch.setattr(moe, "SCALED_DOT", packed == "scaled_dot")
     monkeypatch.setattr(moe, "PAIRED_DECODE", packed == "paired")
-    monkeypatch.setattr(moe, "PLACED_DECODE", packed != "exact")
+    monkeypatch.setattr(mxfp4, "PLACED_DECODE", packed != "exact")
     monkeypatch.setattr(moe, "WORD_MIN_COLUMNS", 64 if packed == "words64" else moe.WORD_MIN_COLUMNS)
     biased = activation == "gpt_oss"
     words = packed in ("words", "words2", "words64", "scale_words")

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import moe
-from pallas_kernels.moe import MXFP4, dequantize, moe_experts_pallas
+from pallas_kernels import moe, mxfp4
+from pallas_kernels.moe import moe_experts_pallas
+from pallas_kernels.mxfp4 import MXFP4, dequantize
 
 L, LAYER, E, K, D, F = 3, 1, 8, 2, 96, 48  # D: a 64-row loop step and a 32-row tail step; F: three 16-column blocks
 
@@ -63,9 +64,9 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
 # The reference, the kernel's three forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
 # paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
-# as words (moe.to_words: row blocks through word_weights, its exact form here, and the one-row form
+# as words (mxfp4.to_words: row blocks through word_weights, its exact form here, and the one-row form
 # through moe.group_view's columns), and as words of small scales (MXFP4.small_scales: one multiply), and
-# with their scales four to a word (moe.pack_scales).
+# with their scales four to a word (mxfp4.pack_scales).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
 WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row",
                         "scale-word decode", "scale-word one row")
@@ -76,7 +77,7 @@ def run(implementation: str, inputs, activation: str):
     x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
     if implementation in WORD_IMPLEMENTATIONS:
         small, scale_words = implementation.startswith("small"), implementation.startswith("scale-word")
-        w_gate_up, w_down = (moe.to_words(w, small, scale_words) for w in (w_gate_up, w_down))
+        w_gate_up, w_down = (mxfp4.to_words(w, small, scale_words) for w in (w_gate_up, w_down))
     args = (x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER))
     options = dict(b_gate_up=b_gate_up, b_down=b_down, activation=activation)
     if implementation == "reference":
@@ -157,19 +158,19 @@ def test_moe_experts_mxfp4_equal_float64_loop(T, activation, dtype):
 
 
 def test_placed_code_values_equal_e2m1_where_subnormals_do_not_matter(monkeypatch):
-    """The placed decode (`moe.PLACED_DECODE`, inside Triton kernels) of every byte's low and high
+    """The placed decode (`mxfp4.PLACED_DECODE`, inside Triton kernels) of every byte's low and high
     code equals `e2m1` of that code: exactly for every code but +-0.5, and for those (placed as
     2^-127) either exactly or as the CPU's flushed 0. With the flag on, the kernel in
     interpret mode runs the exact decode (the primitive's own lowering) and still equals the loop."""
     codes = jnp.arange(256, dtype=jnp.int32)
     for high in (False, True):
         nibbles = np.asarray(codes >> 4 if high else codes & 15)
-        exact = np.asarray(moe.e2m1(jnp.asarray(nibbles)))
-        placed = np.asarray(jax.jit(moe._placed_values, static_argnums=1)(codes, high))
+        exact = np.asarray(mxfp4.e2m1(jnp.asarray(nibbles)))
+        placed = np.asarray(jax.jit(mxfp4._placed_values, static_argnums=1)(codes, high))
         half = (nibbles & 7) == 1
         np.testing.assert_array_equal(placed[~half], exact[~half])
         assert ((placed[half] == exact[half]) | (placed[half] == 0)).all()
-    monkeypatch.setattr(moe, "PLACED_DECODE", True)
+    monkeypatch.setattr(mxfp4, "PLACED_DECODE", True)
     inputs = packed_inputs(7, 1, jnp.float32, True)
     x, ids, weights, w_gate_up, w_down, *biases = inputs
     want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), *biases, "gpt_oss")
@@ -184,8 +185,8 @@ def test_paired_values_hold_each_bytes_two_weights():
     codes +-0; and the words split into K's order (`paired_weights`) equal `decode` of the tile."""
     codes = jnp.tile(jnp.arange(256, dtype=jnp.int32), 6).astype(jnp.uint8)
     scales = jnp.repeat(jnp.asarray([0, 1, 100, 127, 200, 255], jnp.int32), 256).astype(jnp.uint8)
-    pairs = np.asarray(moe.paired_values(codes, moe.pair_factors(scales))).view(np.uint32)
-    want = np.asarray(moe.decode(codes, moe.scale_power(scales))).reshape(-1, 2)
+    pairs = np.asarray(mxfp4.paired_values(codes, mxfp4.pair_factors(scales))).view(np.uint32)
+    want = np.asarray(mxfp4.decode(codes, mxfp4.scale_power(scales))).reshape(-1, 2)
     for half, shift in ((0, 0), (1, 16)):
         got = ((pairs >> shift) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(got, want[:, half])
@@ -193,15 +194,15 @@ def test_paired_values_hold_each_bytes_two_weights():
     rng = np.random.default_rng(3)
     tile = jnp.asarray(rng.integers(0, 256, (16, 64), dtype=np.uint8))
     tile_scales = jnp.asarray(rng.integers(110, 130, (16, 4), dtype=np.uint8))
-    got = np.asarray(moe.paired_weights(tile, tile_scales)).astype(np.float32)
-    np.testing.assert_array_equal(got, np.asarray(moe.decode(tile, moe.per_byte(moe.scale_power(tile_scales)))))
+    got = np.asarray(mxfp4.paired_weights(tile, tile_scales)).astype(np.float32)
+    np.testing.assert_array_equal(got, np.asarray(mxfp4.decode(tile, mxfp4.per_byte(mxfp4.scale_power(tile_scales)))))
 
 
 E2M1 = np.asarray([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
 def run_ptx(ptx: str, args: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The few PTX instructions `moe.PAIRED_PTX` and `moe.WORD_PTX` use, run in numpy over uint32
+    """The few PTX instructions `mxfp4.PAIRED_PTX` and `mxfp4.WORD_PTX` use, run in numpy over uint32
     registers: `args` the operands' registers ("$4": ...), returns every register after the last
     instruction. prmt.b32 d, a, b, s: byte i of d is byte (s >> 4i) & 7 of b:a; shf.r.wrap.b32 d, a, b,
     n: the low word of b:a >> (n mod 32); mul.rn.bf16x2 in float32 (the products here are of powers of
@@ -242,13 +243,13 @@ def test_paired_ptx_holds_each_bytes_two_weights():
     and the CPU's exact form flushes), and the exact form's words wherever no subnormal arises."""
     codes = np.tile(np.arange(256, dtype=np.uint8), 4)
     scales = np.repeat(np.asarray([1, 100, 127, 200], np.uint8), 256)
-    factors = np.asarray(moe.pair_factors(jnp.asarray(scales))).view(np.uint32).reshape(-1, 4)
-    regs = run_ptx(moe.PAIRED_PTX, {"$4": codes.view(np.uint32), **{f"${5 + j}": factors[:, j] for j in range(4)}})
+    factors = np.asarray(mxfp4.pair_factors(jnp.asarray(scales))).view(np.uint32).reshape(-1, 4)
+    regs = run_ptx(mxfp4.PAIRED_PTX, {"$4": codes.view(np.uint32), **{f"${5 + j}": factors[:, j] for j in range(4)}})
     got = np.stack([regs[f"${j}"] for j in range(4)], -1).reshape(-1)
     bits = lambda nibbles: (E2M1[nibbles] * 2.0 ** (scales.astype(np.float64) - 127)).astype(ml_dtypes.bfloat16).view(
         np.uint16).astype(np.uint32)
     np.testing.assert_array_equal(got, bits(codes & 15) | bits(codes >> 4) << np.uint32(16))
-    exact = np.asarray(moe.paired_values(jnp.asarray(codes), moe.pair_factors(jnp.asarray(scales)))).view(np.uint32)
+    exact = np.asarray(mxfp4.paired_values(jnp.asarray(codes), mxfp4.pair_factors(jnp.asarray(scales)))).view(np.uint32)
     np.testing.assert_array_equal(got[scales > 1], exact[scales > 1])
 
 
@@ -263,24 +264,25 @@ def test_word_weights_equal_decode():
     tiles = [(np.tile(np.arange(256, dtype=np.uint8), (6, 1)), np.repeat(scale_set[:, None], 16, axis=1)),
              (rng.integers(0, 256, (16, 64), dtype=np.uint8), rng.integers(100, 140, (16, 4), dtype=np.uint8))]
     for blocks, scales in tiles:
-        words = jax.lax.bitcast_convert_type(moe.pack_words(jnp.asarray(blocks)), jnp.int32)
-        got = np.asarray(moe.word_weights(words, jnp.asarray(scales))).astype(np.float32)
-        want = np.asarray(moe.decode(jnp.asarray(blocks), moe.per_byte(moe.scale_power(jnp.asarray(scales)))))
+        words = jax.lax.bitcast_convert_type(mxfp4.pack_words(jnp.asarray(blocks)), jnp.int32)
+        got = np.asarray(mxfp4.word_weights(words, jnp.asarray(scales))).astype(np.float32)
+        want = np.asarray(mxfp4.decode(jnp.asarray(blocks), mxfp4.per_byte(mxfp4.scale_power(jnp.asarray(scales)))))
         np.testing.assert_array_equal(got, want)
     assert np.isnan(want).sum() == 0 and np.isnan(got).sum() == 0  # the random tile
-    np.testing.assert_array_equal(np.asarray(moe.unpack_words(moe.pack_words(jnp.asarray(blocks)))), blocks)
+    np.testing.assert_array_equal(np.asarray(mxfp4.unpack_words(mxfp4.pack_words(jnp.asarray(blocks)))), blocks)
     stack = MXFP4(jnp.asarray(blocks[None]), jnp.asarray(scales[None]))
-    words = moe.to_words(stack, scale_words=True)
+    words = mxfp4.to_words(stack, scale_words=True)
     assert words.shape == stack.shape == (1, 128, 16) and words.words and words.scales.shape == (1, 16, 1)
     np.testing.assert_array_equal(np.asarray(dequantize(words)), np.asarray(dequantize(stack)))
     for leaf in ("blocks", "scales"):
-        np.testing.assert_array_equal(np.asarray(getattr(moe.to_bytes(words), leaf)), np.asarray(getattr(stack, leaf)))
-    ones = np.asarray(moe.pack_words(jnp.full((1, 16), 255, jnp.uint8)))
+        np.testing.assert_array_equal(np.asarray(getattr(mxfp4.to_bytes(words), leaf)),
+                                      np.asarray(getattr(stack, leaf)))
+    ones = np.asarray(mxfp4.pack_words(jnp.full((1, 16), 255, jnp.uint8)))
     assert (ones == 0xFFFFFFFF).all()
     for k in range(32):  # code k alone set to 15: 4 bits in its word, none in the others
         single = np.zeros(16, np.uint8)
         single[k // 2] = 15 << 4 * (k % 2)
-        bits = [bin(int(w)).count("1") for w in np.asarray(moe.pack_words(jnp.asarray(single[None])))[0]]
+        bits = [bin(int(w)).count("1") for w in np.asarray(mxfp4.pack_words(jnp.asarray(single[None])))[0]]
         assert sorted(bits) == [0, 0, 0, 4], (k, bits)
 
 
@@ -292,7 +294,7 @@ def test_words_take_row_blocks_and_the_one_row_form():
     x, ids, weights, w_gate_up, w_down, *_ = packed_inputs(5, 1, jnp.bfloat16, False)
     assert moe.default_form(1, True) == "one_row" and moe.default_form(2, True) == "row_blocks"
     with pytest.raises(ValueError, match="row-block and one-row forms, not 'split_k'"):
-        moe_experts_pallas(x, ids, weights, moe.to_words(w_gate_up), moe.to_words(w_down), jnp.int32(LAYER),
+        moe_experts_pallas(x, ids, weights, mxfp4.to_words(w_gate_up), mxfp4.to_words(w_down), jnp.int32(LAYER),
                            interpret=True, form="split_k")
     K = 96
     grouped = np.asarray(moe.group_view(jnp.arange(2 * K).reshape(2, K)))
@@ -308,12 +310,12 @@ def test_scale_words_hold_four_groups_and_feed_every_step():
     tail), the kernels through scale words equal the loop in float64 and the same words with byte scales."""
     rng = np.random.default_rng(11)
     scales = rng.integers(0, 256, (3, 9), dtype=np.uint8)
-    words = np.asarray(moe.pack_scales(jnp.asarray(scales)))
+    words = np.asarray(mxfp4.pack_scales(jnp.asarray(scales)))
     assert words.shape == (3, 3) and words.dtype == np.uint32
     for g in range(9):
         np.testing.assert_array_equal(words[:, g // 4] >> np.uint32(8 * (g % 4)) & 255, scales[:, g])
     assert (words[:, 2] >> 8 == 0).all()
-    np.testing.assert_array_equal(np.asarray(moe.unpack_scales(jnp.asarray(words), 9)), scales)
+    np.testing.assert_array_equal(np.asarray(mxfp4.unpack_scales(jnp.asarray(words), 9)), scales)
     Dw, Fw, T = 288, 160, 64
     keys = jax.random.split(jax.random.key(12), 3)
     stack = lambda K, N, lo: MXFP4(jnp.asarray(rng.integers(0, 256, (L, E, N, K // 2), dtype=np.uint8)),
@@ -325,7 +327,7 @@ def test_scale_words_hold_four_groups_and_feed_every_step():
         weights = jax.nn.softmax(jax.random.normal(keys[2], (rows, K)), axis=1)
         want = loop_float64(x, ids, weights, dequantize(w_gate_up), dequantize(w_down), None, None, "gpt_oss")
         got = {scale_words: np.asarray(moe_experts_pallas(
-            x, ids, weights, *(moe.to_words(w, True, scale_words) for w in (w_gate_up, w_down)), jnp.int32(LAYER),
+            x, ids, weights, *(mxfp4.to_words(w, True, scale_words) for w in (w_gate_up, w_down)), jnp.int32(LAYER),
             activation="gpt_oss", interpret=True)) for scale_words in (True, False)}
         assert np.abs(got[True] - want).max() / np.abs(want).max() < 1e-5, rows
         np.testing.assert_array_equal(got[True], got[False], err_msg=f"{rows} rows")
@@ -341,15 +343,15 @@ def test_word_ptx_holds_each_words_eight_weights():
     whose outputs took different words' rotations would compute garbage in a kernel)."""
     rng = np.random.default_rng()
     blocks = rng.integers(0, 256, (4, 64), dtype=np.uint8)  # a row per scale, 4 groups each
-    words = np.asarray(moe.pack_words(jnp.asarray(blocks)))  # [4, 16]
+    words = np.asarray(mxfp4.pack_words(jnp.asarray(blocks)))  # [4, 16]
     codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(4, 4, 4, 4, 2)  # [row, group, j, t, half]
     for small, scales in ((False, [1, 100, 127, 200]), (True, [1, 100, 127, 128])):
         scales = np.asarray(scales, np.uint8)
-        factors = np.asarray(moe.word_factors(jnp.asarray(scales), small)).view(np.uint32)[:, None]
-        for ptx in moe.WORD_PTX[small]:
+        factors = np.asarray(mxfp4.word_factors(jnp.asarray(scales), small)).view(np.uint32)[:, None]
+        for ptx in mxfp4.WORD_PTX[small]:
             assert re.findall(r"\$\d", ptx) and set(re.findall(r"\$\d", ptx)) == {"$0", "$1", "$2"}, ptx
         got = np.stack([run_ptx(ptx, {"$1": words, "$2": np.broadcast_to(factors, words.shape)})["$0"]
-                        for ptx in moe.WORD_PTX[small]], -1).reshape(4, 4, 4, 4)  # [row, group, t, j]
+                        for ptx in mxfp4.WORD_PTX[small]], -1).reshape(4, 4, 4, 4)  # [row, group, t, j]
         power = 2.0 ** (scales.astype(np.float64) - 127)[:, None, None, None, None]
         bits = (E2M1[codes] * power).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
         np.testing.assert_array_equal(got, np.swapaxes(bits[..., 0] | bits[..., 1] << np.uint32(16), 2, 3),

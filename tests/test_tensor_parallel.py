@@ -29,7 +29,7 @@ from jaxspec.runner import Batch, encode_prompts, run_generation
 from jaxspec.serving.requests import Request
 from jaxspec.serving.scheduler import Scheduler
 from test_gpt_oss import CFG as GPT_OSS_CFG
-from pallas_kernels.moe import MXFP4, dequantize
+from pallas_kernels.mxfp4 import MXFP4, dequantize
 from test_moe_model import CFG as QWEN3_MOE_CFG
 
 QWEN3 = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,

@@ -23,7 +23,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.loaders import gguf, hf, orbax
 from jaxspec.models.decoder import Params
-from pallas_kernels.moe import MXFP4, has_packed, to_words
+from pallas_kernels.mxfp4 import MXFP4, has_packed, to_words
 from jaxspec.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +79,7 @@ def load_model(spec: str, dtype: str = "bfloat16", mesh: Mesh | None = None) -> 
 
 def _as_words(x):
     """An MXFP4 stack (loaded as the released bytes) re-packed as words, the form the experts kernel reads
-    fastest at every row count (pallas_kernels.moe.to_words), placed as its bytes were, with whether its
+    fastest at every row count (pallas_kernels.mxfp4.to_words), placed as its bytes were, with whether its
     scales are all between 1 and 128 (`MXFP4.small_scales`), and its scales four to a word where each
     device holds whole rows of K (not a down matrix split by rows); other leaves as they are."""
     if not isinstance(x, MXFP4):

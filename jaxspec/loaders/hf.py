@@ -20,7 +20,7 @@ from jaxspec import files
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig, nsa_hf_keys
 from jaxspec.models.decoder import Params, gate_dim, param_shapes
-from pallas_kernels.moe import MXFP4
+from pallas_kernels.mxfp4 import MXFP4
 
 # jaxspec layer key -> (HF names inside model.layers.{i}., concatenated along the last axis; transpose)
 LAYER_TENSORS = {
@@ -48,7 +48,7 @@ EXPERT_TENSORS = {
 # gpt-oss: each layer's experts in one tensor inside model.layers.{i}.mlp.experts. (x @ W layout), the
 # gate and up columns interleaved (gate even, up odd), or the released MXFP4 form of the matrices
 # (NAME_blocks [E, out, in / 32, 16] of packed 4-bit values, NAME_scales [E, out, in / 32] exponents),
-# kept packed: the MoE kernel decodes it in registers (pallas_kernels.moe.MXFP4)
+# kept packed: the MoE kernel decodes it in registers (pallas_kernels.mxfp4.MXFP4)
 GPT_OSS_EXPERTS = {"moe_gate_up": "gate_up_proj", "moe_down": "down_proj", "moe_gate_up_bias": "gate_up_proj_bias",
                    "moe_down_bias": "down_proj_bias"}
 

@@ -27,7 +27,7 @@ from jaxspec.models.config import ModelConfig, MoEConfig, NSAConfig, RopeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.decoder import Params, param_shapes
 from jaxspec.tokenizer import Tokenizer
-from pallas_kernels.moe import MXFP4, MXFP4_GROUP, to_bytes
+from pallas_kernels.mxfp4 import MXFP4, MXFP4_GROUP, to_bytes
 
 CONFIG_FILE = "jaxspec_config.json"
 PARAMS_DIR = "params"
@@ -109,7 +109,7 @@ def read_saved_config(path: Path) -> ModelConfig:
 
 def packed_stacks(path: Path) -> tuple[str, ...]:
     """The layer stacks the checkpoint holds in MXFP4 (gpt-oss's released experts: saved as their
-    bytes and scales, `pallas_kernels.moe.MXFP4`), from orbax's metadata of the saved tree."""
+    bytes and scales, `pallas_kernels.mxfp4.MXFP4`), from orbax's metadata of the saved tree."""
     with _restoring(path):
         with ocp.StandardCheckpointer() as checkpointer:
             metadata = checkpointer.metadata(path.absolute() / PARAMS_DIR).item_metadata

@@ -9,7 +9,7 @@ Params layout (x @ W convention; L = num_layers, D = hidden, F = intermediate, D
             mlp_norm [L, D], w_gate_up [L, D, 2F] (gate then up), w_down [L, F, D];
             mixture-of-experts models (cfg.moe) have instead router [L, D, E] (router_bias [L, E]) and
             the experts' moe_gate_up [L, E, D, 2Fe], moe_down [L, E, Fe, D] (either an MXFP4 stack in
-            gpt-oss's released form, pallas_kernels.moe.MXFP4; with biases moe_gate_up_bias
+            gpt-oss's released form, pallas_kernels.mxfp4.MXFP4; with biases moe_gate_up_bias
             [L, E, 2Fe], moe_down_bias [L, E, D]): `jaxspec.models.moe`.
 The q/k/v and gate/up projections are fused because a decode step multiplies one or a few rows by
 each matrix: one product per layer reads the weights at about twice the bandwidth of three small

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxspec.errors import JaxspecError
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.quantize import Quantized
-from pallas_kernels.moe import MXFP4, MXFP4_GROUP, has_packed
+from pallas_kernels.mxfp4 import MXFP4, MXFP4_GROUP, has_packed
 
 AXIS = "tp"
 # split along the last axis (sinks [L, Hq]: by query head, each shard's heads in order)
