@@ -149,6 +149,12 @@ def main():
                    type=lambda s: [int(n) for n in s.split(",")],
                    help="the one-row form's column blocks' tiles loading ahead, comma-separated "
                         "(moe.ROW_TILES_IN_FLIGHT)")
+    p.add_argument("--split-columns", default=f"{moe.SPLIT_GATE_UP_COLUMNS}:{moe.SPLIT_DOWN_COLUMNS}",
+                   type=lambda s: [tuple(int(n) for n in pair.split(":")) for pair in s.split(",")],
+                   help="the split-K form's column blocks, gate/up:down pairs, comma-separated "
+                        "(moe.SPLIT_GATE_UP_COLUMNS, moe.SPLIT_DOWN_COLUMNS)")
+    p.add_argument("--split-programs", default=str(moe.SPLIT_PROGRAMS), type=lambda s: [int(n) for n in s.split(",")],
+                   help="the split-K form's programs about, comma-separated (moe.SPLIT_PROGRAMS)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
@@ -168,23 +174,26 @@ def main():
             words = decode in ("words", "words-two", "scale-words")
             timed = tuple(mxfp4.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks
-            for columns, stages, warps, programs, in_flight, row_step in itertools.product(
+            for columns, stages, warps, programs, in_flight, row_step, split, split_programs in itertools.product(
                     args.word_columns if words else [None], args.stages, args.warps, args.one_row_programs,
-                    args.tiles_in_flight, args.row_step_elements):
+                    args.tiles_in_flight, args.row_step_elements, args.split_columns, args.split_programs):
                 moe.ONE_ROW_PROGRAMS, moe.ROW_TILES_IN_FLIGHT, moe.ROW_STEP_ELEMENTS = programs, in_flight, row_step
+                (moe.SPLIT_GATE_UP_COLUMNS, moe.SPLIT_DOWN_COLUMNS), moe.SPLIT_PROGRAMS = split, split_programs
                 if columns:
                     moe.WORD_MIN_COLUMNS = columns
                 jax.clear_caches()
                 row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages, warps)
                 result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages, "warps": warps,
                                        "one_row_programs": programs, "tiles_in_flight": in_flight,
-                                       "row_step_elements": row_step} | row)
+                                       "row_step_elements": row_step, "split_columns": f"{split[0]}:{split[1]}",
+                                       "split_programs": split_programs} | row)
                 print(result["rows"][-1], flush=True)
                 common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
         ("T", "rows", "d"), ("decode", "decode", "s"), ("word columns", "word_columns", "d"), ("stages", "stages", "d"),
         ("warps", "warps", "d"), ("one-row programs", "one_row_programs", "d"),
         ("tiles in flight", "tiles_in_flight", "d"), ("row step", "row_step_elements", "d"),
+        ("split columns", "split_columns", "s"), ("split programs", "split_programs", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],

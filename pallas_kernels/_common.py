@@ -55,13 +55,13 @@ def divisor(n: int, block: int) -> int | None:
     return block if block >= MIN_TILE else None
 
 
-def num_splits(programs: int, max_blocks: int, skew: float = 1.0) -> int:
-    """Split-K factor: `programs * splits` about TARGET_PROGRAMS (half that for fewer than
-    FEW_PROGRAMS programs), one block per split at least. When the programs' work may differ up to
+def num_splits(programs: int, max_blocks: int, skew: float = 1.0, target: int = TARGET_PROGRAMS) -> int:
+    """Split-K factor: `programs * splits` about `target` (half that for fewer than FEW_PROGRAMS
+    programs), one block per split at least. When the programs' work may differ up to
     `skew` times its mean (rows with budgets of their own), `skew` times as many: a kernel lasts as
     long as its longest program, and a split shortens every row's programs alike (bench/NOTES.md,
     "the sparse kernel's splits under a shared budget")."""
-    target = TARGET_PROGRAMS if programs >= FEW_PROGRAMS else TARGET_PROGRAMS // 2
+    target = target if programs >= FEW_PROGRAMS else target // 2
     return max(1, min(math.ceil(target * skew / programs), MAX_SPLITS, max_blocks))
 
 

@@ -124,6 +124,9 @@ PAIRED_DECODE = True
 # (one row: 97 against the one-row form's 67 us, H200, the placed decode).
 SPLIT_GATE_UP_COLUMNS = 128
 SPLIT_DOWN_COLUMNS = 256
+# The split-K form's programs about (`k_splits`, rounded down to a split count that divides K's tiles):
+# Qwen3-30B-A3B's decode step gets 192 gate/up and 256 down programs (bench/moe.py --split-programs).
+SPLIT_PROGRAMS = TARGET_PROGRAMS
 SPLIT_ROWS = 128
 FORMS = ("row_blocks", "one_row", "split_k")
 
@@ -363,7 +366,7 @@ def k_splits(K: int, programs: int, packed: bool) -> int:
     """The split-K form's chunks of K for `programs` (slot, column block) programs: `num_splits`'
     count, lowered until whole scale groups (MXFP4) or MIN_TILE rows divide evenly among them."""
     units = K // (MXFP4_GROUP if packed else MIN_TILE)
-    splits = num_splits(programs, units)
+    splits = num_splits(programs, units, target=SPLIT_PROGRAMS)
     while units % splits:
         splits -= 1
     return splits
