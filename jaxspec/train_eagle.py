@@ -51,7 +51,9 @@ def parse(argv) -> tuple:
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per training sequence (and longest generation)")
     p.add_argument("--ttt", type=int, default=d.ttt, help="unrolled draft steps of the training-time test")
-    p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default min(32768, V / 4))")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft vocabulary (default min(32768, V / 4)); with --init, the head's grown to this many "
+                        "tokens (the data's most frequent outside it added)")
     p.add_argument("--shared-lm-head", action="store_true",
                    help="draft through the model's own LM head, over its whole vocabulary (no LM head of the head's)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warmup, then cosine decay)")
@@ -87,8 +89,6 @@ def parse(argv) -> tuple:
         raise JaxspecError(f"--init {args.init} is not an EAGLE-3 head (no config.json)")
     if args.shared_lm_head and args.draft_vocab is not None:
         raise JaxspecError("--draft-vocab with --shared-lm-head: the head drafts over the model's whole vocabulary")
-    if args.init is not None and args.draft_vocab is not None:
-        raise JaxspecError("--draft-vocab with --init: the head keeps --init's draft vocabulary")
     out = args.out
     if out.exists() and not out.is_dir():
         raise JaxspecError(f"--out {out} is a file")
@@ -124,7 +124,14 @@ def main(argv=None) -> None:
             raise JaxspecError(f"--init {args.init} has its own embedding, which train_eagle does not train")
         if settings.shared_lm_head and not ecfg.shared_lm_head:  # its layer, through the model's LM head
             ecfg, start = training.share_lm_head(ecfg, start)
-        settings = dataclasses.replace(settings, draft_vocab=ecfg.draft_vocab_size, shared_lm_head=ecfg.shared_lm_head)
+        if ecfg.shared_lm_head and settings.draft_vocab is not None:
+            raise JaxspecError(f"--draft-vocab with --init {args.init}: it drafts over the model's whole vocabulary")
+        if not ecfg.draft_vocab_size <= (settings.draft_vocab or ecfg.draft_vocab_size) <= cfg.vocab_size:
+            raise JaxspecError(f"--draft-vocab {settings.draft_vocab} with --init {args.init}: a head's draft "
+                               f"vocabulary only grows, from its {ecfg.draft_vocab_size} tokens up to the model's "
+                               f"{cfg.vocab_size}")
+        settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab or ecfg.draft_vocab_size,
+                                       shared_lm_head=ecfg.shared_lm_head)
     else:
         whole = cfg.vocab_size if settings.shared_lm_head else None
         settings = dataclasses.replace(settings, draft_vocab=settings.draft_vocab or whole
@@ -151,7 +158,9 @@ def main(argv=None) -> None:
         head = training.init_head(jax.random.key(settings.seed), ecfg, ids)
     else:
         head = jax.tree.map(jax.numpy.asarray, start)
-        ids = to_target_ids(np.asarray(start["d2t"]), np.arange(ecfg.draft_vocab_size))
+        if settings.draft_vocab > ecfg.draft_vocab_size:
+            ecfg, head = training.extend_vocabulary(ecfg, head, target, stream, settings.draft_vocab)
+        ids = to_target_ids(np.asarray(head["d2t"]), np.arange(ecfg.draft_vocab_size))
     log(f"draft vocabulary: {len(ids)} of {cfg.vocab_size} tokens, {np.isin(stream, ids).mean():.1%} of the data")
     trainable, d2t = training.trainable_part(head), head["d2t"]
     opt, _ = training.make_step(cfg, ecfg, settings.ttt, settings.lr, settings.steps, settings.warmup)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxspec import train_eagle
-from jaxspec.loaders import hf
+from jaxspec.loaders import hf, load_model
 from jaxspec.loaders.eagle import head_fingerprint, load_eagle, save_eagle
 from jaxspec.models import decoder, eagle
 from jaxspec.models.config import ModelConfig, NSAConfig
@@ -180,8 +180,8 @@ def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model
 
 def test_init_trains_on_from_a_head(capsys, tiny_model, tmp_path):
     """--init starts from a head (its weights, draft vocabulary and config) and records which: with a
-    learning rate too small to move anything, the head it writes is the head it started from; it
-    keeps the head's draft vocabulary, so --draft-vocab with it is a one-line error."""
+    learning rate too small to move anything, the head it writes is the head it started from. Its draft
+    vocabulary only grows: a smaller --draft-vocab is a one-line error."""
     first, more = tmp_path / "first", tmp_path / "more"
     assert cli(capsys, "--model", tiny_model, "--out", first, *SMALL)[0] == 0
     unsized = [x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v)]
@@ -193,8 +193,42 @@ def test_init_trains_on_from_a_head(capsys, tiny_model, tmp_path):
     assert ca == cb
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
-    code, err = cli(capsys, "--model", tiny_model, "--out", tmp_path / "sized", *SMALL, "--init", first)
-    assert code == 2 and "keeps --init's draft vocabulary" in err and len(err.strip().splitlines()) == 1
+    code, err = cli(capsys, "--model", tiny_model, "--out", tmp_path / "sized", *unsized, "--draft-vocab", 32,
+                    "--init", first)
+    assert code == 2 and "only grows, from its 64 tokens" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "sized").exists()
+
+
+def test_init_grows_a_heads_draft_vocabulary(capsys, tiny_model, tmp_path):
+    """--init with a larger --draft-vocab: the head keeps its tokens and their columns and takes the
+    data's most frequent tokens outside them, each column the least-squares map of the target's
+    embedding rows that takes the kept tokens' rows nearest to their columns (a learning rate too small
+    to move anything shows the starting head); d2t stays sorted."""
+    first, grown = tmp_path / "first", tmp_path / "grown"
+    assert cli(capsys, "--model", tiny_model, "--out", first, *SMALL)[0] == 0
+    unsized = [x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v)]
+    code, err = cli(capsys, "--model", tiny_model, "--out", grown, *unsized, "--draft-vocab", 96, "--lr", 1e-12,
+                    "--seed", 1, "--init", first)
+    assert code == 0, err
+    target_cfg = hf.read_config(tiny_model, "float32")
+    (ca, a), (cb, b) = load_eagle(first, target_cfg, "float32"), load_eagle(grown, target_cfg, "float32")
+    assert cb == dataclasses.replace(ca, draft_vocab_size=96)
+    old_ids, new_ids = (np.asarray(h["d2t"]) + np.arange(len(h["d2t"])) for h in (a, b))
+    assert np.all(np.diff(new_ids) > 0) and set(old_ids) <= set(new_ids)
+    counts = np.bincount(training.load_data(grown), minlength=target_cfg.vocab_size)
+    added = np.setdiff1d(new_ids, old_ids)
+    outside = np.setdiff1d(np.arange(target_cfg.vocab_size), old_ids)
+    assert counts[added].min() >= counts[np.setdiff1d(outside, added)].max()  # the most frequent outside
+    kept = np.searchsorted(new_ids, old_ids)
+    np.testing.assert_allclose(b["lm_head"][:, kept], a["lm_head"], rtol=1e-6, atol=1e-7)
+    for name in a.keys() - {"lm_head", "d2t"}:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    _, target, _ = load_model(str(tiny_model), dtype="float32")
+    rows = np.asarray(target["lm_head"]).T if "lm_head" in target else np.asarray(target["embed"])
+    to_column, *_ = np.linalg.lstsq(rows[old_ids].astype(np.float64), np.asarray(a["lm_head"], np.float64).T,
+                                    rcond=None)
+    np.testing.assert_allclose(b["lm_head"][:, np.searchsorted(new_ids, added)], (rows[added] @ to_column).T,
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_shared_lm_head_trains_a_head_without_one_and_goes_on_from_a_heads_layer(capsys, tiny_model, tmp_path):

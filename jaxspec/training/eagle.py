@@ -249,6 +249,28 @@ def init_head(key: jax.Array, ecfg: EagleConfig, draft_ids: np.ndarray) -> Param
     return params
 
 
+def extend_vocabulary(ecfg: EagleConfig, head: Params, target_params: Params, stream: np.ndarray,
+                      size: int) -> tuple[EagleConfig, Params]:
+    """A head's draft vocabulary grown to `size` tokens: its own and the stream's most frequent tokens
+    outside them (unseen ones by id), sorted. A new token's LM-head column starts as the least-squares
+    map from the target's output rows (its LM head's, or the tied embedding's) that takes the head's own
+    tokens' rows nearest to their columns: training goes on from there, and the tokens the head had
+    keep their columns."""
+    V = ecfg.vocab_size
+    ids = np.asarray(eagle.to_target_ids(head["d2t"], jnp.arange(ecfg.draft_vocab_size)))
+    counts = np.bincount(stream, minlength=V)[:V].astype(np.int64)
+    counts[ids] = -1
+    extra = np.argsort(-counts, kind="stable")[:size - len(ids)]
+    rows = np.asarray(target_params["lm_head"]).T if "lm_head" in target_params else np.asarray(target_params["embed"])
+    lm_head = np.asarray(head["lm_head"], np.float32)
+    to_column, *_ = np.linalg.lstsq(rows[ids].astype(np.float64), lm_head.T.astype(np.float64), rcond=None)
+    tokens = np.concatenate([ids, extra])
+    order = np.argsort(tokens)
+    columns = np.concatenate([lm_head, (rows[extra] @ to_column).T.astype(np.float32)], axis=1)[:, order]
+    grown = {**head, "lm_head": jnp.asarray(columns), "d2t": jnp.asarray(tokens[order] - np.arange(size), jnp.int32)}
+    return dataclasses.replace(ecfg, draft_vocab_size=size), grown
+
+
 def share_lm_head(ecfg: EagleConfig, head: Params) -> tuple[EagleConfig, Params]:
     """A head's layer weights drafting through the target's LM head instead of its own: its LM head
     dropped, the draft vocabulary the whole vocabulary (d2t zeros). Training goes on from the layer."""
