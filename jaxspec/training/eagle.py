@@ -261,9 +261,10 @@ def extend_vocabulary(ecfg: EagleConfig, head: Params, target_params: Params, st
     counts = np.bincount(stream, minlength=V)[:V].astype(np.int64)
     counts[ids] = -1
     extra = np.argsort(-counts, kind="stable")[:size - len(ids)]
-    rows = np.asarray(target_params["lm_head"]).T if "lm_head" in target_params else np.asarray(target_params["embed"])
+    rows = np.asarray(target_params["lm_head"] if "lm_head" in target_params else target_params["embed"].T,
+                      np.float64).T  # [V, Ht], a bfloat16 target's too
     lm_head = np.asarray(head["lm_head"], np.float32)
-    to_column, *_ = np.linalg.lstsq(rows[ids].astype(np.float64), lm_head.T.astype(np.float64), rcond=None)
+    to_column, *_ = np.linalg.lstsq(rows[ids], lm_head.T.astype(np.float64), rcond=None)
     tokens = np.concatenate([ids, extra])
     order = np.argsort(tokens)
     columns = np.concatenate([lm_head, (rows[extra] @ to_column).T.astype(np.float32)], axis=1)[:, order]
