@@ -28,11 +28,11 @@ Either stack may be `MXFP4` (gpt-oss's released expert form, 4.25 bits a weight 
 format and its decodes: `pallas_kernels.mxfp4`): the
 kernel then reads each routed expert's packed bytes and scales once, bf16 rows through Triton's
 scaled dot (`mxfp4_dot`; with PAIRED_DECODE, a byte's two codes into one bf16x2 register in inline
-PTX: `paired_weights`), float32 rows decoded in registers (`decode`), so the bytes floor is a
+PTX: `paired_weights`), float32 rows decoded in registers (`mxfp4.decode`), so the bytes floor is a
 quarter of bf16's. Measured at 5.3-5.8x that floor at 7-128 rows while the code tiles were loaded a
 byte at a time outside the pipeline (their offsets by floor division: `packed_offset`), and at
 4.9-5.6x since (the decode's arithmetic, bench/NOTES.md); through the paired decode, 4.0-4.2x at 8-128
-rows. A stack may also hold its codes as words (`to_words`, as `jaxspec.loaders.load_model` leaves
+rows. A stack may also hold its codes as words (`mxfp4.to_words`, as `jaxspec.loaders.load_model` leaves
 gpt-oss's experts: each scale group re-packed so that a
 thread loads whole words and decodes 8 codes into its 4 operand registers by rotations and masks,
 `word_weights`): measured on an H100, row blocks 19-25% faster than the paired decode at 2-128 rows
@@ -102,12 +102,12 @@ ROW_TILES_IN_FLIGHT = 2
 # 52.1 us for 256 (32-column blocks, 360 programs; before that fetch 512 lost, 63.6 against 52.0) on an
 # H100 (bench/moe.py --one-row-programs; bench/NOTES.md).
 ONE_ROW_PROGRAMS = 512
-# Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `decode`
+# Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `mxfp4.decode`
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
 SCALED_DOT = True
 # Row blocks of bf16 rows through MXFP4 stacks: each byte's two codes decoded into one bf16x2 register in
-# inline PTX (`paired_values`: a byte permute, two shifts, two masks and two multiplies) and the product
+# inline PTX (`mxfp4.paired_values`: a byte permute, two shifts, two masks and two multiplies) and the product
 # taken as W^T x^T, the decoded weights the matrix unit's A operand from registers, in place of the scaled
 # dot's table lookups (compiled for sm_90: 9.4 -> 6.6 instructions a weight in the product's loop;
 # measured on the H200 at gpt-oss-20b's shapes, 8-128 rows: row blocks 21-26% faster, 5.0-5.6x -> 4.0-4.2x
@@ -278,7 +278,7 @@ def packed_offset(k0, per: int):
 
 def step_scales(scales_ref, layer, e, cols, k0, bk: int, masked: bool = False):
     """Inside a kernel: the scales of K's [k0, k0 + bk) at `cols` of expert e at `layer`, as loaded: a
-    byte ref's [columns, bk/32] (uint8), or from scale words (`pack_scales`) bk/128 words from k0 a
+    byte ref's [columns, bk/32] (uint8), or from scale words (`mxfp4.pack_scales`) bk/128 words from k0 a
     multiple of 128, or the one word that holds the step's bk/32 groups (`scale_bytes` takes them
     apart). `masked` (a step that may run past K): what lies past the stack's scales reads 0."""
     groups = bk // MXFP4_GROUP
