@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/tree_replay.py [--heads checkpoints/eagle3-smollm2,DIR] [--new 256]
                                               [--shapes 3,2 3,2,1 ...] [--sizes 6,9,12,15]
                                               [--sampling greedy|sample] [--seeds N] [--oov-ceiling]
-                                              [--out bench/results/tree_replay_cpu.json]
+                                              [--answers FILE.npz] [--out bench/results/tree_replay_cpu.json]
 
 On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token. On a
 text the target sampled, a node whose children are the head's top tokens (eagle's top draws) accepts
@@ -37,6 +37,7 @@ import numpy as np
 
 from bench import common
 from bench.head_quality import answer
+from jaxspec import files
 from jaxspec.corpus import REQUESTS
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.tree import TreeShape
@@ -98,6 +99,30 @@ def replay(texts: dict, tree: set, names: list[str]) -> tuple[float, float]:
     return tokens / iterations, out / iterations
 
 
+def kept_answers(path: Path | None, run: list) -> dict | None:
+    """The answers `keep_answers` wrote at `path` for the same run (model, sampling, seeds, new), or None."""
+    if path is None or not path.is_file():
+        return None
+    with np.load(path) as z:
+        if z["run"].tolist() != [str(x) for x in run]:
+            return None
+        return {(str(name), int(seed)): (z[f"ids {i}"], int(first))
+                for i, (name, seed, first) in enumerate(zip(z["names"], z["seeds"], z["firsts"]))}
+
+
+def keep_answers(path: Path, run: list, answers: dict) -> None:
+    """Writes the answers {(name, seed): (ids, first)} and their run to `path` (an .npz, replaced whole)."""
+    items = list(answers.items())
+    arrays = {f"ids {i}": ids for i, (_, (ids, _)) in enumerate(items)}
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.savez would add .npz to a name
+            np.savez(f, run=np.array([str(x) for x in run]), names=np.array([k[0] for k, _ in items]),
+                     seeds=np.array([k[1] for k, _ in items]), firsts=np.array([v[1] for _, v in items]), **arrays)
+
+    files.write_file(path, write)
+
+
 def nodes(text: str) -> set:
     """The rank paths of a --tree shape's nodes ('3,2', '5,3+1')."""
     return set(TreeShape.parse(text).rank_paths[1:])
@@ -149,6 +174,9 @@ def main(argv=None) -> None:
                         "first: what a whole-vocabulary head of this head's quality could reach at most")
     p.add_argument("--sizes", default="6,9,12,15", type=lambda s: [int(n) for n in s.split(",")],
                    help="node counts of the grown trees (each at depths 2, 3 and 4)")
+    p.add_argument("--answers", type=Path, default=None,
+                   help="the target's answers kept in this .npz: read if it holds this run's (model, sampling, "
+                        "seeds, --new), else generated and written (most of a run's time is generating them)")
     p.add_argument("--out", type=Path, default=common.RESULTS / "tree_replay_cpu.json")
     args = p.parse_args(argv)
     for shape in args.shapes:
@@ -164,8 +192,12 @@ def main(argv=None) -> None:
     prompts = {"default": DEFAULT_PROMPT, **{f"request {i}": r for i, r in enumerate(REQUESTS)}}
     sampling = SamplingConfig() if args.sampling == "greedy" else SamplingConfig(temperature=0.7, top_p=0.95)
     seeds = range(args.seeds if args.sampling == "sample" else 1)
-    answers = {(name, seed): answer(params, cfg, tokenizer, template(prompt), args.new, sampling, seed=seed)
-               for name, prompt in prompts.items() for seed in seeds}
+    answers = kept_answers(args.answers, [args.model, args.sampling, len(seeds), args.new])
+    if answers is None:
+        answers = {(name, seed): answer(params, cfg, tokenizer, template(prompt), args.new, sampling, seed=seed)
+                   for name, prompt in prompts.items() for seed in seeds}
+        if args.answers is not None:
+            keep_answers(args.answers, [args.model, args.sampling, len(seeds), args.new], answers)
     half = len(REQUESTS) // 2
     of = lambda names: [(name, seed) for name in names for seed in seeds]
     groups = {"calibration": of(f"request {i}" for i in range(half)),
