@@ -124,6 +124,7 @@ DECODES = ("exact", "placed", "paired", "words", "words-two", "scale-words")
 
 
 def main():
+    ints = lambda text: [int(n) for n in text.split(",")]  # a comma-separated sweep
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=tuple(SHAPES), default="bf16",
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
@@ -132,28 +133,25 @@ def main():
                    help="MXFP4: the kernels' decodes to time, of placed (mxfp4.PLACED_DECODE), exact, paired "
                         "(moe.PAIRED_DECODE, the default), words, words-two and scale-words (mxfp4.to_words "
                         "stacks: no split-K form; one multiply an output, or two; scales four to a word)")
-    p.add_argument("--stages", default="3", type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--stages", default="3", type=ints,
                    help="the kernels' pipeline stages to time, comma-separated (num_stages)")
-    p.add_argument("--warps", default="4", type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--warps", default="4", type=ints,
                    help="the kernels' warps a program to time, comma-separated (num_warps)")
-    p.add_argument("--word-columns", default="32", type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--word-columns", default="32", type=ints,
                    help="words: the narrowest column blocks to time, comma-separated (moe.WORD_MIN_COLUMNS)")
-    p.add_argument("--one-row-programs", default=str(moe.ONE_ROW_PROGRAMS),
-                   type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--one-row-programs", default=str(moe.ONE_ROW_PROGRAMS), type=ints,
                    help="the one-row form's programs at least, comma-separated (moe.ONE_ROW_PROGRAMS)")
-    p.add_argument("--row-step-elements", default=str(moe.ROW_STEP_ELEMENTS),
-                   type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--row-step-elements", default=str(moe.ROW_STEP_ELEMENTS), type=ints,
                    help="the one-row form's weights of a column block a loop step, comma-separated "
                         "(moe.ROW_STEP_ELEMENTS)")
-    p.add_argument("--tiles-in-flight", default=str(moe.ROW_TILES_IN_FLIGHT),
-                   type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--tiles-in-flight", default=str(moe.ROW_TILES_IN_FLIGHT), type=ints,
                    help="the one-row form's column blocks' tiles loading ahead, comma-separated "
                         "(moe.ROW_TILES_IN_FLIGHT)")
     p.add_argument("--split-columns", default=f"{moe.SPLIT_GATE_UP_COLUMNS}:{moe.SPLIT_DOWN_COLUMNS}",
                    type=lambda s: [tuple(int(n) for n in pair.split(":")) for pair in s.split(",")],
                    help="the split-K form's column blocks, gate/up:down pairs, comma-separated "
                         "(moe.SPLIT_GATE_UP_COLUMNS, moe.SPLIT_DOWN_COLUMNS)")
-    p.add_argument("--split-programs", default=str(moe.SPLIT_PROGRAMS), type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--split-programs", default=str(moe.SPLIT_PROGRAMS), type=ints,
                    help="the split-K form's programs about, comma-separated (moe.SPLIT_PROGRAMS)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")

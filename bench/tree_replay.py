@@ -192,12 +192,13 @@ def main(argv=None) -> None:
     prompts = {"default": DEFAULT_PROMPT, **{f"request {i}": r for i, r in enumerate(REQUESTS)}}
     sampling = SamplingConfig() if args.sampling == "greedy" else SamplingConfig(temperature=0.7, top_p=0.95)
     seeds = range(args.seeds if args.sampling == "sample" else 1)
-    answers = kept_answers(args.answers, [args.model, args.sampling, len(seeds), args.new])
+    run = [args.model, args.sampling, len(seeds), args.new]  # what the answers depend on
+    answers = kept_answers(args.answers, run)
     if answers is None:
         answers = {(name, seed): answer(params, cfg, tokenizer, template(prompt), args.new, sampling, seed=seed)
                    for name, prompt in prompts.items() for seed in seeds}
         if args.answers is not None:
-            keep_answers(args.answers, [args.model, args.sampling, len(seeds), args.new], answers)
+            keep_answers(args.answers, run, answers)
     half = len(REQUESTS) // 2
     of = lambda names: [(name, seed) for name in names for seed in seeds]
     groups = {"calibration": of(f"request {i}" for i in range(half)),
