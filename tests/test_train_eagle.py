@@ -137,6 +137,7 @@ def cli(capsys, *args) -> tuple[int, str]:
 
 
 SMALL = ("--tokens", 200, "--seq", 32, "--steps", 4, "--batch", 2, "--ttt", 2, "--draft-vocab", 64, "--dtype", "float32")
+UNSIZED = tuple(x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v))
 
 
 def test_cli_trains_and_resumes_to_the_same_head(capsys, monkeypatch, tiny_model, tmp_path):
@@ -184,8 +185,7 @@ def test_init_trains_on_from_a_head(capsys, tiny_model, tmp_path):
     vocabulary only grows: a smaller --draft-vocab is a one-line error."""
     first, more = tmp_path / "first", tmp_path / "more"
     assert cli(capsys, "--model", tiny_model, "--out", first, *SMALL)[0] == 0
-    unsized = [x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v)]
-    code, err = cli(capsys, "--model", tiny_model, "--out", more, *unsized, "--seed", 1, "--lr", 1e-12, "--init", first)
+    code, err = cli(capsys, "--model", tiny_model, "--out", more, *UNSIZED, "--seed", 1, "--lr", 1e-12, "--init", first)
     assert code == 0, err
     assert json.loads((more / "train_log.json").read_text())["init"] == head_fingerprint(first)
     target_cfg = hf.read_config(tiny_model, "float32")
@@ -193,7 +193,7 @@ def test_init_trains_on_from_a_head(capsys, tiny_model, tmp_path):
     assert ca == cb
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
-    code, err = cli(capsys, "--model", tiny_model, "--out", tmp_path / "sized", *unsized, "--draft-vocab", 32,
+    code, err = cli(capsys, "--model", tiny_model, "--out", tmp_path / "sized", *UNSIZED, "--draft-vocab", 32,
                     "--init", first)
     assert code == 2 and "only grows, from its 64 tokens" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "sized").exists()
@@ -206,8 +206,7 @@ def test_init_grows_a_heads_draft_vocabulary(capsys, tiny_model, tmp_path):
     to move anything shows the starting head); d2t stays sorted."""
     first, grown = tmp_path / "first", tmp_path / "grown"
     assert cli(capsys, "--model", tiny_model, "--out", first, *SMALL)[0] == 0
-    unsized = [x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v)]
-    code, err = cli(capsys, "--model", tiny_model, "--out", grown, *unsized, "--draft-vocab", 96, "--lr", 1e-12,
+    code, err = cli(capsys, "--model", tiny_model, "--out", grown, *UNSIZED, "--draft-vocab", 96, "--lr", 1e-12,
                     "--seed", 1, "--init", first)
     assert code == 0, err
     target_cfg = hf.read_config(tiny_model, "float32")
@@ -236,16 +235,18 @@ def test_shared_lm_head_trains_a_head_without_one_and_goes_on_from_a_heads_layer
     written without one; with --init of a head with its own LM head, the layer goes on (a learning
     rate too small to move anything keeps it exactly) and the LM head is dropped."""
     first, shared, more = tmp_path / "first", tmp_path / "shared", tmp_path / "more"
-    unsized = [x for k, v in zip(SMALL[::2], SMALL[1::2]) if k != "--draft-vocab" for x in (k, v)]
     target_cfg = hf.read_config(tiny_model, "float32")
-    code, err = cli(capsys, "--model", tiny_model, "--out", shared, *unsized, "--shared-lm-head")
+    code, err = cli(capsys, "--model", tiny_model, "--out", shared, *UNSIZED, "--shared-lm-head")
     assert code == 0, err
     ecfg, head = load_eagle(shared, target_cfg, "float32")
     assert ecfg.shared_lm_head and ecfg.draft_vocab_size == 400 and "lm_head" not in head and not head["d2t"].any()
     assert json.loads((shared / "train_log.json").read_text())["settings"]["shared_lm_head"] is True
+    code, err = cli(capsys, "--model", tiny_model, "--out", tmp_path / "sized", *UNSIZED, "--draft-vocab", 800,
+                    "--init", shared)
+    assert code == 2 and "drafts over the model's whole vocabulary" in err and len(err.strip().splitlines()) == 1
 
     assert cli(capsys, "--model", tiny_model, "--out", first, *SMALL)[0] == 0
-    code, err = cli(capsys, "--model", tiny_model, "--out", more, *unsized, "--lr", 1e-12, "--init", first,
+    code, err = cli(capsys, "--model", tiny_model, "--out", more, *UNSIZED, "--lr", 1e-12, "--init", first,
                     "--shared-lm-head")
     assert code == 0, err
     (ca, a), (cb, b) = load_eagle(first, target_cfg, "float32"), load_eagle(more, target_cfg, "float32")
