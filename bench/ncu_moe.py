@@ -1,14 +1,15 @@
 """The MoE experts kernel under Nsight Compute: where its warps wait.
 
-    PYTHONPATH=. python3 bench/ncu_moe.py [--rows 64] [--scale-words] [--out DIR]
+    PYTHONPATH=. python3 bench/ncu_moe.py [--rows 64] [--format mxfp4|bf16] [--scale-words] [--out DIR]
     PYTHONPATH=. python3 bench/ncu_moe.py --summarize DETAILS.csv SOURCE.csv.gz   (an export's summary; no GPU)
 
 At gpt-oss-20b's shapes with bench/moe.py's random MXFP4 stacks as words (small scales; `--scale-words`:
-their scales four to a word, `mxfp4.pack_scales`), it runs itself under `ncu --set full` (clocks as they
+their scales four to a word, `mxfp4.pack_scales`), or at Qwen3-30B-A3B's with bf16 stacks (`--format
+bf16`: at few rows, split K, whose partial sums XLA adds between the two kernels), it runs itself under `ncu --set full` (clocks as they
 are, XLA's command buffers off so that ncu sees each kernel) calling the experts kernel twice in its
 default form for --rows (one row: the one-row form; more: row blocks), profiles the second call's two
 kernels, exports ncu's details page and source page (stall samples per SASS instruction), and writes
-DIR/ncu_moe_<rows>_rows_<layout>.txt: each kernel's duration under the profiler, DRAM throughput,
+DIR/ncu_moe_<rows>_rows_<layout>.txt (layout: byte_scales, scale_words or bf16): each kernel's duration under the profiler, DRAM throughput,
 registers, occupancy, issue and eligible warps, its stall reasons, and its most sampled instructions
 with their main reason and excessive L2 sectors.
 """
@@ -32,7 +33,7 @@ METRICS = ("Duration", "DRAM Throughput", "Registers Per Thread", "Achieved Occu
 TOP = 8  # instructions listed a kernel
 
 
-def launch(rows: int, scale_words: bool) -> None:
+def launch(rows: int, fmt: str, scale_words: bool) -> None:
     """The profiled process: the experts kernel at `rows` rows, jitted, called twice."""
     import jax
     import jax.numpy as jnp
@@ -41,9 +42,10 @@ def launch(rows: int, scale_words: bool) -> None:
     from bench import moe as bench_moe
     from pallas_kernels import moe, mxfp4
 
-    shape = bench_moe.SHAPES["mxfp4"]
-    stacks = [mxfp4.to_words(w, small_scales=True, scale_words=scale_words)
-              for w in bench_moe.random_stacks("mxfp4", shape)]
+    shape = bench_moe.SHAPES[fmt]
+    stacks = bench_moe.random_stacks(fmt, shape)
+    if fmt == "mxfp4":
+        stacks = [mxfp4.to_words(w, small_scales=True, scale_words=scale_words) for w in stacks]
     x = jax.random.normal(jax.random.key(rows), (rows, shape["D"]), jnp.bfloat16)
     ids, weights = bench_moe.routing(jax.random.key(1000 + rows), 2, rows, shape["E"], shape["k"])
     call = jax.jit(lambda x, ids, weights, a, b: moe.moe_experts_pallas(
@@ -52,10 +54,11 @@ def launch(rows: int, scale_words: bool) -> None:
         call(x, ids[r], weights[r], *stacks).block_until_ready()
 
 
-def profile(rows: int, scale_words: bool, folder: Path) -> tuple[Path, Path]:
+def profile(rows: int, fmt: str, scale_words: bool, folder: Path) -> tuple[Path, Path]:
     """ncu over `launch`, profiling the second call's two kernels: its details and source exports."""
     report = folder / "report"
-    argv = [sys.executable, __file__, "--launch", "--rows", str(rows)] + (["--scale-words"] if scale_words else [])
+    argv = [sys.executable, __file__, "--launch", "--rows", str(rows), "--format", fmt] + (
+        ["--scale-words"] if scale_words else [])
     env = os.environ | {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
     subprocess.run(["ncu", "--clock-control", "none", "-k", "regex:moe_", "--launch-skip", "2", "--launch-count", "2",
                     "--set", "full", "-f", "-o", str(report), *argv], env=env, check=True, stdout=subprocess.DEVNULL)
@@ -101,14 +104,18 @@ def summarize(details: Path, source: Path) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=64, help="token rows (one: the one-row form; more: row blocks)")
+    p.add_argument("--format", choices=("mxfp4", "bf16"), default="mxfp4",
+                   help="gpt-oss-20b's MXFP4 experts as words, or Qwen3-30B-A3B's bf16 experts")
     p.add_argument("--scale-words", action="store_true", help="the scales four to a word (mxfp4.pack_scales)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--summarize", nargs=2, type=Path, metavar=("DETAILS", "SOURCE"),
                    help="summarize ncu's exported details CSV and gzipped source CSV instead of profiling")
     p.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     args = p.parse_args()
+    if args.format == "bf16" and args.scale_words:
+        p.error("--scale-words is a layout of MXFP4 scales, not of --format bf16")
     if args.launch:
-        launch(args.rows, args.scale_words)
+        launch(args.rows, args.format, args.scale_words)
     elif args.summarize:
         if missing := [str(path) for path in args.summarize if not path.is_file()]:
             p.error(f"no such file: {', '.join(missing)}")
@@ -119,8 +126,8 @@ def main():
         from bench import common
         info = common.run_info()
         with tempfile.TemporaryDirectory() as folder:
-            summary = summarize(*profile(args.rows, args.scale_words, Path(folder)))
-        layout = "scale_words" if args.scale_words else "byte_scales"
+            summary = summarize(*profile(args.rows, args.format, args.scale_words, Path(folder)))
+        layout = "bf16" if args.format == "bf16" else "scale_words" if args.scale_words else "byte_scales"
         path = args.out / f"ncu_moe_{args.rows}_rows_{layout}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.with_suffix(".tmp").write_text(f"{info['device']}, {info['date']}: {info['command']}\n\n{summary}")

@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/tree_replay.py [--heads checkpoints/eagle3-smollm2,DIR] [--new 256]
                                               [--shapes 3,2 3,2,1 ...] [--sizes 6,9,12,15]
                                               [--sampling greedy|sample] [--seeds N] [--oov-ceiling]
+                                              [--adaptive 0.5 0.3,0.7 ...]
                                               [--answers FILE.npz] [--out bench/results/tree_replay_cpu.json]
 
 On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token. On a
@@ -20,7 +21,10 @@ does not run: the best tree of n nodes is grown from the calibration answers (a 
 added in order of how often the text follows it; each node's count bounds its children's, so this is
 the most often accepted set of n nodes; `--tree` takes it as per-node counts) and scored on held-out
 answers and on generate's default request, with the share of its iterations that stop at a token
-outside the head's draft vocabulary (which no tree can draft). Texts: the target's answers (`--new`
+outside the head's draft vocabulary (which no tree can draft). `--adaptive` scores trees chosen each
+iteration by the head's confidence (its first depth's top probability, known before depth 2 is
+drafted): one grown tree per span of confidence, each from the calibration rows in its span, and the
+best of them per iteration as a ceiling. Texts: the target's answers (`--new`
 tokens; greedy, or `--seeds` answers each sampled at T 0.7, top-p 0.95) to generate's default prompt
 and to the planner's calibration requests (`corpus.REQUESTS`: the first half grows the trees, the
 second half and the default request score them). Writes the JSON and prints a table last.
@@ -51,27 +55,35 @@ from jaxspec.training.eagle import teacher
 DEPTH = 4  # draft depths replayed
 RANKS = 16  # ranks looked at per depth (a text token ranked lower is never drafted)
 OUT = RANKS + 1  # the rank of a text token outside the head's draft vocabulary
+PAD = 256  # texts are replayed in lengths of multiples of this
 
 
-def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> np.ndarray:
-    """[T, DEPTH]: at row t, the rank among the head's (`load_eagle`'s config and weights) depth-j
+def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([T, DEPTH], [T]): at row t, the rank among the head's (`load_eagle`'s config and weights) depth-j
     drafts of the text's token x_{t+j+2} (RANKS where it is not among the first RANKS or past the
-    text, OUT where it is outside the draft vocabulary)."""
-    tokens = jnp.asarray(ids)[None]
+    text, OUT where it is outside the draft vocabulary); and the head's confidence at row t, the
+    probability (softmax of its logits) of its first depth's top draft, known before depth 2 is drafted."""
+    T = len(ids)
+    # padded with its last token to a multiple of PAD: few shapes to compile (each compile holds memory), and
+    # a row reads only tokens up to its own drafts' (past the text: the last token, as ttt_forward reads)
+    tokens = jnp.asarray(np.concatenate([ids, np.full(-T % PAD, ids[-1], ids.dtype)]))[None]
     target = teacher(params, cfg, ecfg, head["d2t"], tokens)
     outs = eagle.ttt_forward(head, ecfg, params, cfg, tokens, target.features, DEPTH)
     drafts = np.zeros(cfg.vocab_size, bool)
     drafts[np.asarray(eagle.to_target_ids(head["d2t"], jnp.arange(ecfg.draft_vocab_size)))] = True
-    T = len(ids)
     result = np.full((T, DEPTH), RANKS, np.int32)
+    confidence = np.zeros(T, np.float32)
     for j in range(DEPTH):
-        order = np.argsort(-np.asarray(eagle.draft_logits(head, ecfg, params, cfg, outs[j]))[0], axis=-1)[:, :RANKS]
+        logits = np.asarray(eagle.draft_logits(head, ecfg, params, cfg, outs[j]))[0, : T - 1]
+        if j == 0:
+            confidence[: T - 1] = 1 / np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)
+        order = np.argsort(-logits, axis=-1)[:, :RANKS]
         drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(order)))  # [T - 1, RANKS]
         rows = np.arange(T - 2 - j)
         hit = drafted[rows] == ids[rows + j + 2, None]
         out = ~drafts[ids[rows + j + 2]]
         result[rows, j] = np.where(hit.any(axis=1), hit.argmax(axis=1), np.where(out, OUT, RANKS))
-    return result
+    return result, confidence
 
 
 def accepted(row_ranks: np.ndarray, tree: set) -> int:
@@ -82,19 +94,26 @@ def accepted(row_ranks: np.ndarray, tree: set) -> int:
     return k
 
 
-def replay(texts: dict, tree: set, names: list[str]) -> tuple[float, float]:
+def replay(texts: dict, trees: list[set], names: list[str], bounds: tuple = (), oracle: bool = False
+           ) -> tuple[float, float]:
     """(tokens an iteration, the share of iterations stopped by a token outside the draft vocabulary)
-    over the answers of `names` (text -> (ranks, the answer's first position, T)), iterations from the
-    answer's first token on, as generate runs them (the last ones cut at the text's end)."""
+    over the answers of `names` (text -> (ranks, confidence, the answer's first position, T)),
+    iterations from the answer's first token on, as generate runs them (the last ones cut at the
+    text's end). Each iteration drafts trees[i], i the number of `bounds` at or below the head's
+    confidence there (one tree: a static tree); with `oracle`, the best of `trees` (a ceiling)."""
     tokens = iterations = out = 0
-    depth = max(len(path) for path in tree)
     for name in names:
-        rk, first, T = texts[name]
+        rk, confidence, first, T = texts[name]
         pending = first
         while pending < T - 1:
-            whole = accepted(rk[pending - 1], tree)
+            row = pending - 1
+            if oracle:
+                tree = max(trees, key=lambda tree: accepted(rk[row], tree))
+            else:
+                tree = trees[int(np.searchsorted(bounds, confidence[row], side="right"))]
+            whole = accepted(rk[row], tree)
             k = min(whole, T - 2 - pending)
-            out += k == whole < depth and rk[pending - 1, whole] == OUT
+            out += k == whole < max(len(path) for path in tree) and rk[row, whole] == OUT
             tokens, iterations, pending = tokens + k + 1, iterations + 1, pending + k + 1
     return tokens / iterations, out / iterations
 
@@ -140,12 +159,15 @@ def shape_text(tree: set) -> str | None:
     return shape.text if set(shape.rank_paths[1:]) == tree else None
 
 
-def grown(texts: dict, names: list[str], size: int, depth: int) -> set:
-    """The `size` nodes of depth <= `depth` the answers of `names` follow most often (prefix-closed)."""
+def grown(texts: dict, names: list[str], size: int, depth: int, span: tuple = (0.0, 2.0)) -> set:
+    """The `size` nodes of depth <= `depth` the answers of `names` follow most often (prefix-closed),
+    counted at the rows whose head confidence lies in [span[0], span[1])."""
     count = collections.Counter()
     for name in names:
-        rk, first, T = texts[name]
+        rk, confidence, first, T = texts[name]
         for t in range(first - 1, T - 1):
+            if not span[0] <= confidence[t] < span[1]:
+                continue
             for d in range(1, depth + 1):
                 if rk[t, d - 1] >= RANKS:
                     break
@@ -174,6 +196,9 @@ def main(argv=None) -> None:
                         "first: what a whole-vocabulary head of this head's quality could reach at most")
     p.add_argument("--sizes", default="6,9,12,15", type=lambda s: [int(n) for n in s.split(",")],
                    help="node counts of the grown trees (each at depths 2, 3 and 4)")
+    p.add_argument("--adaptive", nargs="*", default=[], type=lambda s: tuple(float(b) for b in s.split(",")),
+                   help="confidence bounds (comma-separated, rising): per --sizes, one grown tree for each span of the "
+                        "head's first-depth top probability, each iteration drafting its span's tree")
     p.add_argument("--answers", type=Path, default=None,
                    help="the target's answers kept in this .npz: read if it holds this run's (model, sampling, "
                         "seeds, --new), else generated and written (most of a run's time is generating them)")
@@ -206,26 +231,39 @@ def main(argv=None) -> None:
     rows, record = [], {}
     for head in args.heads.split(","):
         ecfg, weights = load_eagle(Path(head), cfg, dtype="float32")
-        texts = {name: (ranks(ecfg, weights, params, cfg, ids), first, len(ids))
+        texts = {name: (*ranks(ecfg, weights, params, cfg, ids), first, len(ids))
                  for name, (ids, first) in answers.items()}
         trees = {s: nodes(s) for s in args.shapes}
         if args.oov_ceiling:
-            ceiling = {name: (np.where(rk == OUT, 0, rk), first, T) for name, (rk, first, T) in texts.items()}
+            ceiling = {name: (np.where(rk == OUT, 0, rk), *rest) for name, (rk, *rest) in texts.items()}
             for shape, tree in trees.items():
-                scores = {g: replay(ceiling, tree, names) for g, names in groups.items()}
+                scores = {g: replay(ceiling, [tree], names) for g, names in groups.items()}
                 rows.append({"head": Path(head).name, "tree": f"{shape}, out-of-vocabulary tokens ranked first",
                              "shape": shape, **{g: round(tpi, 3) for g, (tpi, _) in scores.items()}})
                 record[f"{head} | {rows[-1]['tree']}"] = rows[-1]
         trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
                   for n in args.sizes for d in (2, 3, 4)}
         for name, tree in trees.items():
-            scores = {g: replay(texts, tree, names) for g, names in groups.items()}
+            scores = {g: replay(texts, [tree], names) for g, names in groups.items()}
             depth = max(len(path) for path in tree)
             rows.append({"head": Path(head).name, "tree": name, "shape": shape_text(tree), "nodes": len(tree),
                          "depth": depth,
                          **{g: round(tpi, 3) for g, (tpi, _) in scores.items()},
                          "default out of vocabulary": round(scores["default"][1], 3)})
             record[f"{head} | {name}"] = {**rows[-1], "paths": sorted(sorted(tree), key=len)}
+        for n in args.sizes:
+            for bounds in args.adaptive:
+                spans = list(zip((0.0, *bounds), (*bounds, 2.0)))
+                chosen = [grown(texts, groups["calibration"], n, DEPTH, span) for span in spans]
+                for oracle in (False, True):
+                    scores = {g: replay(texts, chosen, names, bounds, oracle) for g, names in groups.items()}
+                    name = f"{n} nodes by confidence {','.join(map(str, bounds))}" + (", best (ceiling)" if oracle else "")
+                    rows.append({"head": Path(head).name, "tree": name,
+                                 "shape": " | ".join(str(shape_text(tree)) for tree in chosen), "nodes": n,
+                                 "depth": max(len(path) for tree in chosen for path in tree),
+                                 **{g: round(tpi, 3) for g, (tpi, _) in scores.items()},
+                                 "default out of vocabulary": round(scores["default"][1], 3)})
+                    record[f"{head} | {name}"] = {**rows[-1], "paths": [sorted(sorted(t), key=len) for t in chosen]}
     lengths = {f"{name} seed {seed}": int(len(ids) - first) for (name, seed), (ids, first) in answers.items()}
     common.write_json(args.out, {**common.run_info(), "sampling": args.sampling, "answers": lengths, "trees": record})
     print(common.markdown_table(rows, [("head", "head", "s"), ("tree", "tree", "s"), ("shape", "shape", "s"),
