@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/tree_replay.py [--heads checkpoints/eagle3-smollm2,DIR] [--new 256]
                                               [--shapes 3,2 3,2,1 ...] [--sizes 6,9,12,15]
                                               [--sampling greedy|sample] [--seeds N] [--oov-ceiling]
-                                              [--adaptive 0.5 0.3,0.7 ...]
+                                              [--target-ceiling] [--adaptive 0.5 0.3,0.7 ...]
                                               [--answers FILE.npz] [--out bench/results/tree_replay_cpu.json]
 
 On a greedy text a draft is accepted iff it is the target's argmax, which is the text's next token. On a
@@ -24,10 +24,12 @@ answers and on generate's default request, with the share of its iterations that
 outside the head's draft vocabulary (which no tree can draft). `--adaptive` scores trees chosen each
 iteration by the head's confidence (its first depth's top probability, known before depth 2 is
 drafted): one grown tree per span of confidence, each from the calibration rows in its span, and the
-best of them per iteration as a ceiling. Texts: the target's answers (`--new`
-tokens; greedy, or `--seeds` answers each sampled at T 0.7, top-p 0.95) to generate's default prompt
-and to the planner's calibration requests (`corpus.REQUESTS`: the first half grows the trees, the
-second half and the default request score them). Writes the JSON and prints a table last.
+best of them per iteration as a ceiling. `--target-ceiling` scores the trees with the target's own
+ranks along the text (the target as its own drafter: what no head drafting its top tokens can pass).
+Texts: the target's answers (`--new` tokens; greedy, or `--seeds` answers each sampled at T 0.7, top-p
+0.95) to generate's default prompt and to the planner's calibration requests (`corpus.REQUESTS`: the
+first half grows the trees, the second half and the default request score them). Writes the JSON and
+prints a table last.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generate import DEFAULT_PROMPT
 from jaxspec.loaders import load_model
 from jaxspec.loaders.eagle import load_eagle
-from jaxspec.models import eagle
+from jaxspec.models import decoder, eagle
 from jaxspec.training.eagle import teacher
 
 DEPTH = 4  # draft depths replayed
@@ -58,15 +60,20 @@ OUT = RANKS + 1  # the rank of a text token outside the head's draft vocabulary
 PAD = 256  # texts are replayed in lengths of multiples of this
 
 
+def padded(ids: np.ndarray) -> jnp.ndarray:
+    """[1, T'] the text padded with its last token to a multiple of PAD: few shapes to compile (each
+    compile holds memory); a row reads only tokens up to its own drafts' (past the text: the last
+    token, as ttt_forward reads)."""
+    return jnp.asarray(np.concatenate([ids, np.full(-len(ids) % PAD, ids[-1], ids.dtype)]))[None]
+
+
 def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([T, DEPTH], [T]): at row t, the rank among the head's (`load_eagle`'s config and weights) depth-j
     drafts of the text's token x_{t+j+2} (RANKS where it is not among the first RANKS or past the
     text, OUT where it is outside the draft vocabulary); and the head's confidence at row t, the
     probability (softmax of its logits) of its first depth's top draft, known before depth 2 is drafted."""
     T = len(ids)
-    # padded with its last token to a multiple of PAD: few shapes to compile (each compile holds memory), and
-    # a row reads only tokens up to its own drafts' (past the text: the last token, as ttt_forward reads)
-    tokens = jnp.asarray(np.concatenate([ids, np.full(-T % PAD, ids[-1], ids.dtype)]))[None]
+    tokens = padded(ids)
     target = teacher(params, cfg, ecfg, head["d2t"], tokens)
     outs = eagle.ttt_forward(head, ecfg, params, cfg, tokens, target.features, DEPTH)
     drafts = np.zeros(cfg.vocab_size, bool)
@@ -84,6 +91,20 @@ def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
         out = ~drafts[ids[rows + j + 2]]
         result[rows, j] = np.where(hit.any(axis=1), hit.argmax(axis=1), np.where(out, OUT, RANKS))
     return result, confidence
+
+
+def target_ranks(params, cfg, ids: np.ndarray) -> np.ndarray:
+    """[T, DEPTH]: at row t, the rank of the text's token x_{t+j+2} in the target's own logits at
+    position t+j+1 (RANKS where lower or past the text): what a drafter that is the target itself
+    ranks along the text, so a tree's tokens an iteration with these ranks bound any head's."""
+    T = len(ids)
+    logits = np.asarray(decoder.score(params, cfg, padded(ids)))[0, : T - 1]
+    higher = (logits > logits[np.arange(T - 1), ids[1:]][:, None]).sum(axis=1)  # x_{s+1}'s rank at position s
+    result = np.full((T, DEPTH), RANKS, np.int32)
+    for j in range(DEPTH):
+        rows = np.arange(T - 2 - j)
+        result[rows, j] = np.minimum(higher[rows + j + 1], RANKS)
+    return result
 
 
 def accepted(row_ranks: np.ndarray, tree: set) -> int:
@@ -194,6 +215,9 @@ def main(argv=None) -> None:
     p.add_argument("--oov-ceiling", action="store_true",
                    help="also score each --shapes tree with every text token outside the draft vocabulary ranked "
                         "first: what a whole-vocabulary head of this head's quality could reach at most")
+    p.add_argument("--target-ceiling", action="store_true",
+                   help="also score each --shapes tree with the target's own ranks: the tokens an iteration that no "
+                        "head can pass with top drafts")
     p.add_argument("--sizes", default="6,9,12,15", type=lambda s: [int(n) for n in s.split(",")],
                    help="node counts of the grown trees (each at depths 2, 3 and 4)")
     p.add_argument("--adaptive", nargs="*", default=[], type=lambda s: tuple(float(b) for b in s.split(",")),
@@ -241,6 +265,14 @@ def main(argv=None) -> None:
                 rows.append({"head": Path(head).name, "tree": f"{shape}, out-of-vocabulary tokens ranked first",
                              "shape": shape, **{g: round(tpi, 3) for g, (tpi, _) in scores.items()}})
                 record[f"{head} | {rows[-1]['tree']}"] = rows[-1]
+        if args.target_ceiling and head == args.heads.split(",")[0]:  # the same for every head
+            own = {name: (target_ranks(params, cfg, ids), texts[name][1], first, len(ids))
+                   for name, (ids, first) in answers.items()}
+            for shape, tree in trees.items():
+                scores = {g: replay(own, [tree], names) for g, names in groups.items()}
+                rows.append({"head": "the target itself", "tree": f"{shape}, the target's own top drafts (ceiling)",
+                             "shape": shape, **{g: round(tpi, 3) for g, (tpi, _) in scores.items()}})
+                record[rows[-1]["tree"]] = rows[-1]
         trees |= {f"grown {n} nodes, depth <= {d}": grown(texts, groups["calibration"], n, d)
                   for n in args.sizes for d in (2, 3, 4)}
         for name, tree in trees.items():
