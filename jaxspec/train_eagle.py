@@ -2,7 +2,7 @@
 
     python -m jaxspec.train_eagle --model M --out DIR [--tokens N] [--steps S] [--batch B] [--seq T]
         [--ttt K] [--draft-vocab V | --shared-lm-head] [--lr X] [--dtype bfloat16|float32] [--seed N]
-        [--chat-share X] [--cut-loops] [--init HEAD] [--resume]
+        [--chat-share X] [--cut-loops] [--request-openers] [--init HEAD] [--resume]
 
 Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the training documents,
 then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
@@ -67,6 +67,9 @@ def parse(argv) -> tuple:
     p.add_argument("--cut-loops", action="store_true",
                    help="keep each continuation only up to where it starts to repeat itself (more distinct text "
                         "for the same --tokens; the generation takes longer)")
+    p.add_argument("--request-openers", action="store_true",
+                   help="begin the model's own requests with question and task openers (why, how does, explain, "
+                        "write a, ...): closer to what people ask than its unprompted requests")
     p.add_argument("--init", type=Path, default=None,
                    help="start from this head (weights, draft vocabulary, config) instead of random weights")
     p.add_argument("--resume", action="store_true", help="continue DIR's saved run")
@@ -74,6 +77,7 @@ def parse(argv) -> tuple:
     settings = Settings(tokens=args.tokens, steps=args.steps, batch=args.batch, seq=args.seq, ttt=args.ttt,
                         draft_vocab=args.draft_vocab, lr=args.lr, warmup=min(d.warmup, args.steps // 10),
                         seed=args.seed, chat_share=args.chat_share, cut_loops=args.cut_loops,
+                        openers=args.request_openers,
                         shared_lm_head=args.shared_lm_head)
     if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not 0 < args.lr < math.inf:
         raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and a finite --lr > 0")
@@ -151,7 +155,7 @@ def main(argv=None) -> None:
         rows = min(GENERATION_BATCH, -(-settings.tokens // settings.seq))
         backend = "pallas" if jax.default_backend() == "gpu" else "reference"  # generate's default
         stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
-                                       backend, log, settings.chat_share, settings.cut_loops)
+                                       backend, log, settings.chat_share, settings.cut_loops, settings.openers)
         files.write_file(out / training.DATA_FILE, lambda tmp: training.write_data(tmp, stream))
     if start is None:
         ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)

@@ -279,6 +279,19 @@ def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeyp
     assert len(asked) >= 1
 
 
+def test_requests_begin_with_the_openers(tiny_model):
+    """With openers, row i's request starts with OPENERS[i % len(OPENERS)]: where every token ends a
+    message, each request is its opener alone (the "" rows, empty, left out), in row order."""
+    from jaxspec.loaders import load_model
+
+    cfg, params, tokenizer = load_model(str(tiny_model), "float32")
+    cfg = dataclasses.replace(cfg, eos_token_ids=tuple(range(cfg.vocab_size)))
+    rows = len(training.OPENERS) + 3
+    requests = training.asker(cfg, tokenizer, rows, "reference", openers=True)(params, jax.random.key(1))
+    assert requests == [o for o in (training.OPENERS * 2)[:rows] if o]
+    assert training.asker(cfg, tokenizer, rows, "reference")(params, jax.random.key(1)) == []  # Magpie's rows
+
+
 def loop_cut_by_hand(sequence, prompt_len):
     """training.loop_cut written out: n-grams as tuples in a set, the window counted token by token."""
     n, seen, repeats = training.LOOP_GRAM, set(), []

@@ -11,8 +11,9 @@
 Data: prompts are windows of `training.data`'s training documents (the held-out ones are never
 used), with one of `corpus.TASKS` through the chat template when the model has one; with a chat
 template, a share of the prompts (`chat_share`) are instead short requests the target wrote itself
-(`asker`: it continues its template up to where a user's message starts, as Magpie does), so the
-head also sees the target answering ordinary chat. The target continues the prompts with jaxspec's
+(`asker`: it continues its template up to where a user's message starts, as Magpie does; with
+`openers`, the message begun with a question or task opener), so the head also sees the target
+answering ordinary chat. The target continues the prompts with jaxspec's
 batched decoding (temperature 0.7, top-p 0.95) until it stops or the sequence reaches `seq` tokens.
 Prompt and continuation, concatenated sequence after sequence, are the token stream; training
 windows are random [B, seq] cuts of it. A window may span two sequences: the labels are the target's
@@ -62,6 +63,12 @@ TTT_DECAY = 0.8  # step k's loss weight is TTT_DECAY ** k (EAGLE-3, SpecForge)
 SAMPLING = SamplingConfig(temperature=0.7, top_p=0.95)
 QUERY_TOKENS = 96  # the longest such request
 QUERY_SAMPLING = SamplingConfig(temperature=1.0)  # Magpie's: the target's own spread of requests
+# Openers of the requests with `openers`: SmolLM2's own requests are mostly "Can you provide ..." and "I'm
+# looking for ..." about work and shopping, while people ask it why and how things are, and for stories
+# and lists; a request the target begins with one of these, then writes itself, covers those forms
+# (bench/NOTES.md, "where the head's agreement is lost"). "" keeps one row in each cycle Magpie's own.
+OPENERS = ("", "Why", "How does", "What is", "What are", "Explain", "Describe", "Write a", "Give me",
+           "How can I", "What happens", "Tell me about")
 INIT_SCALE = 0.02  # std of the random weights (HF Llama's initializer_range)
 
 
@@ -88,15 +95,21 @@ def query_prefix(tokenizer) -> list[int]:
     return tokenizer.encode(text[:text.index(marker)])
 
 
-def asker(cfg: ModelConfig, tokenizer, rows: int, backend: str) -> Callable[[Params, jax.Array], list[str]]:
+def asker(cfg: ModelConfig, tokenizer, rows: int, backend: str, openers: bool = False
+          ) -> Callable[[Params, jax.Array], list[str]]:
     """ask(params, key) -> requests: `rows` user messages the target writes itself, continuing
-    `query_prefix` at temperature 1 (one `Engine.generate` program); a message that does not end
-    within QUERY_TOKENS, or is empty, is left out."""
+    `query_prefix` (with `openers`, row i's message begun with OPENERS[i % len(OPENERS)]) at temperature
+    1 (one `Engine.generate` program); a message that does not end within QUERY_TOKENS, or is empty, is
+    left out."""
     prefix = query_prefix(tokenizer)
-    generate = jax.jit(Engine(cfg, SpecConfig(backend=backend).validate(), QUERY_SAMPLING, len(prefix) + QUERY_TOKENS).generate)
+    starts = [tokenizer.encode(OPENERS[i % len(OPENERS)]) if openers and OPENERS[i % len(OPENERS)] else []
+              for i in range(rows)]
+    width = len(prefix) + max(map(len, starts))
+    engine = Engine(cfg, SpecConfig(backend=backend).validate(), QUERY_SAMPLING, width + QUERY_TOKENS)
+    generate = jax.jit(engine.generate)
     stop_ids = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
-    ids = jnp.asarray(np.tile(np.asarray(prefix, np.int32), (rows, 1)))
-    lengths = jnp.full((rows,), len(prefix), jnp.int32)
+    ids = jnp.asarray([prefix + start + [0] * (width - len(prefix) - len(start)) for start in starts], jnp.int32)
+    lengths = jnp.asarray([len(prefix) + len(start) for start in starts], jnp.int32)
 
     def ask(params: Params, key: jax.Array) -> list[str]:
         out = generate(params, ids, lengths, key, max_new_tokens=QUERY_TOKENS, stop_ids=stop_ids)
@@ -113,21 +126,21 @@ def asker(cfg: ModelConfig, tokenizer, rows: int, backend: str) -> Callable[[Par
 
 def self_distill(cfg: ModelConfig, params: Params, tokenizer, tokens: int, seq: int, batch: int = 256,
                  seed: int = 0, backend: str = "reference", log: Callable[[str], None] | None = None,
-                 chat_share: float = 0.5, cut_loops: bool = False) -> np.ndarray:
+                 chat_share: float = 0.5, cut_loops: bool = False, openers: bool = False) -> np.ndarray:
     """At least `tokens` tokens [N] int32 of (prompt + the target's continuation) sequences of at most
     `seq` tokens each. A round prompts `batch` rows with windows of seq / 8 .. seq / 2 tokens of the
     training documents at random offsets (one of `corpus.TASKS` each), `chat_share` of them instead
-    with a request the target wrote itself (`asker`) when it has a chat template, and decodes them in
-    one `Engine.generate` (one program: prompts padded to seq - 1; plain decoding on `backend`'s
-    kernels) until each row emits a stop token or fills `seq`; with `cut_loops` each sequence is kept up
-    to its `loop_cut`."""
+    with a request the target wrote itself (`asker`, begun with OPENERS with `openers`) when it has a
+    chat template, and decodes them in one `Engine.generate` (one program: prompts padded to seq - 1;
+    plain decoding on `backend`'s kernels) until each row emits a stop token or fills `seq`; with
+    `cut_loops` each sequence is kept up to its `loop_cut`."""
     stream = token_stream(tokenizer, split_documents()[0])
     low, high = max(seq // 8, 1), max(seq // 2, 2)
     if len(stream) < high:
         raise JaxspecError(f"the training text has {len(stream)} tokens, fewer than a prompt window of {high}")
     generate = jax.jit(Engine(cfg, SpecConfig(backend=backend).validate(), SAMPLING, seq).generate)
     asked = int(batch * chat_share) if tokenizer.has_chat_template else 0
-    ask = asker(cfg, tokenizer, asked, backend) if asked else None
+    ask = asker(cfg, tokenizer, asked, backend, openers) if asked else None
     stop_ids = jnp.asarray(cfg.eos_token_ids or (-1,), jnp.int32)
     rng = np.random.default_rng(seed)
     tasks = list(corpus.TASKS)
@@ -392,6 +405,7 @@ class Settings:
     seed: int = 0
     chat_share: float = 0.5  # of the prompts, with a chat template: requests the target wrote itself
     cut_loops: bool = False  # keep each continuation up to where it starts to repeat itself (`loop_cut`)
+    openers: bool = False  # the target's requests begun with OPENERS (`asker`)
 
 
 LOG_SECONDS = 5.0  # a progress line at most this often (and at the first and last step)
