@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/head_quality.py --heads checkpoints/eagle3-smollm2,DIR [--new 200]
                                                [--window 512] [--texts NAME,...] [--vocab-sizes N,...]
+                                               [--request-openers]
                                                [--out bench/results/head_quality_cpu.json]
 
 For each text, the target scores it from position 0 and each head runs EAGLE-3's training-time test
@@ -18,7 +19,11 @@ anything, so heads trained elsewhere compare on one machine. The texts:
   (`training.data`); a long window scores a head where the target's context is long;
 - `document continuation`: `bench/e2e.py --heldout`'s kind of prompt (held-out documents, `--window`
   tokens, a continuation request, chat template) and the target's greedy continuation, `--new` tokens
-  without stopping: the text an end-to-end run drafts, which loops where the written documents do not.
+  without stopping: the text an end-to-end run drafts, which loops where the written documents do not;
+- `fresh data`: data of the shipped head's recipe that no head has seen (`training.eagle.self_distill`,
+  seed 99, chat share 0.8, cut loops, FRESH_TOKENS in windows of `--window`; `--request-openers`: its
+  requests begun with `training.eagle.OPENERS`), so a head's figure here against its training log's
+  is what it memorised.
 It also prints, per text, what a perfect head could reach there with top draws when the target samples
 (`target_bound`): the target's own top-1 probability bounds it, whatever head drafts; and with
 `--vocab-sizes`, how much of the target's argmax draft vocabularies of those sizes would hold
@@ -43,12 +48,14 @@ from jaxspec.loaders.eagle import load_eagle
 from jaxspec.models import decoder, eagle
 from jaxspec.runner import Batch, run_generation
 from jaxspec.training import data
-from jaxspec.training.eagle import draft_vocabulary, teacher
+from jaxspec.training.eagle import draft_vocabulary, self_distill, teacher
 
 DEPTHS = 3
 TOP_K = 4
 CHAT_TURN = ("What is the capital of France?", "The capital of France is Paris.")
-TEXTS = ("default greedy", "default sampled", "chat turns", "held-out documents", "document continuation")
+TEXTS = ("default greedy", "default sampled", "chat turns", "held-out documents", "document continuation",
+         "fresh data")
+FRESH_TOKENS = 12000
 
 
 def answer(params, cfg, tokenizer, prompt: str, new: int, sampling: SamplingConfig,
@@ -63,7 +70,8 @@ def answer(params, cfg, tokenizer, prompt: str, new: int, sampling: SamplingConf
     return np.asarray(ids + [int(t) for t in run.generated()[0]], np.int32), len(ids)
 
 
-def texts(params, cfg, tokenizer, new: int, window: int, names: list[str]) -> dict[str, tuple[np.ndarray, int]]:
+def texts(params, cfg, tokenizer, new: int, window: int, names: list[str], openers: bool = False
+          ) -> dict[str, tuple[np.ndarray, int]]:
     """name -> ([N, T] token rows, the first target position scored: the prompt's last, whose
     prediction is the answer's first token), as the module docstring lists, for `names` of TEXTS."""
     template = lambda turns: tokenizer.apply_chat_template(turns, add_generation_prompt=True)
@@ -82,6 +90,10 @@ def texts(params, cfg, tokenizer, new: int, window: int, names: list[str]) -> di
             rows[name] = (ids[None], first - 1)
     if "held-out documents" in names:
         rows["held-out documents"] = (data.heldout_windows(tokenizer, window, count=2), 0)
+    if "fresh data" in names:
+        stream = self_distill(cfg, params, tokenizer, FRESH_TOKENS, window, batch=32, seed=99, chat_share=0.8,
+                              cut_loops=True, openers=openers)
+        rows["fresh data"] = (stream[: len(stream) // window * window].reshape(-1, window), 0)
     return rows
 
 
@@ -142,13 +154,15 @@ def main(argv=None) -> None:
     p.add_argument("--texts", default=",".join(TEXTS), help="which texts, comma-separated")
     p.add_argument("--vocab-sizes", default="", type=lambda s: [int(n) for n in s.split(",") if n],
                    help="also each text's coverage by draft vocabularies of these sizes (vocabulary_coverage)")
+    p.add_argument("--request-openers", action="store_true",
+                   help="`fresh data` with its requests begun with openers (train_eagle --request-openers)")
     p.add_argument("--out", type=Path, default=common.RESULTS / "head_quality_cpu.json")
     args = p.parse_args(argv)
     names = args.texts.split(",")
     if not set(names) <= set(TEXTS):
         p.error(f"--texts: expected names of {TEXTS}, got {args.texts!r}")
     cfg, params, tokenizer = load_model(args.model, dtype="float32")
-    rows = texts(params, cfg, tokenizer, args.new, args.window, names)
+    rows = texts(params, cfg, tokenizer, args.new, args.window, names, args.request_openers)
     heads = [Path(h) for h in args.heads.split(",")]
     results = {str(h): {name: accuracy(h, params, cfg, t, start) for name, (t, start) in rows.items()} for h in heads}
     keys = [k for k in results[str(heads[0])][next(iter(rows))] if k != "positions"]
@@ -161,15 +175,22 @@ def main(argv=None) -> None:
     # The draft vocabularies a head trained on the documents alone would get (training.eagle.draft_vocabulary)
     stream = data.token_stream(tokenizer, data.split_documents()[0]) if args.vocab_sizes else None
     vocabularies = {n: draft_vocabulary(stream, cfg.vocab_size, n) for n in args.vocab_sizes}
-    logits = {name: decoder.score(params, cfg, jnp.asarray(t)) for name, (t, _) in rows.items()}  # one forward a text
-    coverage = {name: vocabulary_coverage(logits[name], start, vocabularies)
-                for name, (_, start) in rows.items()} if vocabularies else {}
+
+    def row_mean(measure, name):
+        """`measure(logits [1, T, V], start)` of each row of a text (one forward a row: a text of many
+        windows would hold all their logits at once), averaged over its rows of equal length."""
+        tokens, start = rows[name]
+        each = [measure(decoder.score(params, cfg, jnp.asarray(row[None])), start) for row in tokens]
+        return {k: round(float(np.mean([e[k] for e in each])), 4) for k in each[0]}
+
+    coverage = {name: row_mean(lambda x, start: vocabulary_coverage(x, start, vocabularies), name)
+                for name in rows} if vocabularies else {}
     if vocabularies:
         print("\nThe target's argmax in the training documents' n most frequent tokens, n = " +
               ", ".join(map(str, vocabularies)) + ":")
         for name, shares in coverage.items():
             print(f"- {name}: " + ", ".join(f"{v:.3f}" for v in shares.values()))
-    bounds = {name: target_bound(logits[name], start) for name, (_, start) in rows.items()}
+    bounds = {name: row_mean(target_bound, name) for name in rows}
     print("\nA perfect head with top draws, the target sampling at T 0.7, top-p 0.95:")
     for name, bound in bounds.items():
         print(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in bound.items()))

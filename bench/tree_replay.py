@@ -67,11 +67,12 @@ def padded(ids: np.ndarray) -> jnp.ndarray:
     return jnp.asarray(np.concatenate([ids, np.full(-len(ids) % PAD, ids[-1], ids.dtype)]))[None]
 
 
-def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([T, DEPTH], [T]): at row t, the rank among the head's (`load_eagle`'s config and weights) depth-j
-    drafts of the text's token x_{t+j+2} (RANKS where it is not among the first RANKS or past the
-    text, OUT where it is outside the draft vocabulary); and the head's confidence at row t, the
-    probability (softmax of its logits) of its first depth's top draft, known before depth 2 is drafted."""
+def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """([T, DEPTH], [T], [T]): at row t, the rank among the head's (`load_eagle`'s config and weights)
+    depth-j drafts of the text's token x_{t+j+2} (RANKS where it is not among the first RANKS or past
+    the text, OUT where it is outside the draft vocabulary); the head's confidence at row t, the
+    probability (softmax of its logits) of its first depth's top draft, known before depth 2 is drafted;
+    and whether that top draft is the target's own top token there (its agreement, as training counts it)."""
     T = len(ids)
     tokens = padded(ids)
     target = teacher(params, cfg, ecfg, head["d2t"], tokens)
@@ -79,18 +80,20 @@ def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
     drafts = np.zeros(cfg.vocab_size, bool)
     drafts[np.asarray(eagle.to_target_ids(head["d2t"], jnp.arange(ecfg.draft_vocab_size)))] = True
     result = np.full((T, DEPTH), RANKS, np.int32)
-    confidence = np.zeros(T, np.float32)
+    confidence, agrees = np.zeros(T, np.float32), np.zeros(T, bool)
     for j in range(DEPTH):
         logits = np.asarray(eagle.draft_logits(head, ecfg, params, cfg, outs[j]))[0, : T - 1]
         if j == 0:
             confidence[: T - 1] = 1 / np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)
         order = np.argsort(-logits, axis=-1)[:, :RANKS]
         drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(order)))  # [T - 1, RANKS]
+        if j == 0:
+            agrees[: T - 2] = drafted[: T - 2, 0] == np.asarray(target.argmax)[0, 1 : T - 1]
         rows = np.arange(T - 2 - j)
         hit = drafted[rows] == ids[rows + j + 2, None]
         out = ~drafts[ids[rows + j + 2]]
         result[rows, j] = np.where(hit.any(axis=1), hit.argmax(axis=1), np.where(out, OUT, RANKS))
-    return result, confidence
+    return result, confidence, agrees
 
 
 def target_ranks(params, cfg, ids: np.ndarray) -> np.ndarray:
@@ -255,8 +258,19 @@ def main(argv=None) -> None:
     rows, record = [], {}
     for head in args.heads.split(","):
         ecfg, weights = load_eagle(Path(head), cfg, dtype="float32")
-        texts = {name: (*ranks(ecfg, weights, params, cfg, ids), first, len(ids))
-                 for name, (ids, first) in answers.items()}
+        scored = {name: ranks(ecfg, weights, params, cfg, ids) for name, (ids, _) in answers.items()}
+        texts = {name: (rk, confidence, answers[name][1], len(answers[name][0]))
+                 for name, (rk, confidence, _) in scored.items()}
+        for group, names in groups.items():  # the first depth over the answers' tokens after their first
+            at = lambda name: slice(answers[name][1] - 1, len(answers[name][0]) - 2)
+            agree = np.concatenate([scored[name][2][at(name)] for name in names])
+            depth1 = np.concatenate([scored[name][0][at(name), 0] for name in names])
+            record[f"{head} | first depth, {group}"] = {
+                "positions": len(agree), "agreement": round(float(agree.mean()), 3),
+                **{f"text token in the top {b}": round(float(np.mean(depth1 < b)), 3) for b in (1, 2, 3, 5, 8)}}
+            print(f"{Path(head).name}, {group}: {len(agree)} positions, the head's top draft is the target's top "
+                  f"token at {agree.mean():.3f}, the text's token in its top 1 / 2 / 3 / 5 / 8 at " +
+                  " / ".join(f"{np.mean(depth1 < b):.3f}" for b in (1, 2, 3, 5, 8)))
         trees = {s: nodes(s) for s in args.shapes}
         if args.oov_ceiling:
             ceiling = {name: (np.where(rk == OUT, 0, rk), *rest) for name, (rk, *rest) in texts.items()}
@@ -268,6 +282,12 @@ def main(argv=None) -> None:
         if args.target_ceiling and head == args.heads.split(",")[0]:  # the same for every head
             own = {name: (target_ranks(params, cfg, ids), texts[name][1], first, len(ids))
                    for name, (ids, first) in answers.items()}
+            for group, names in groups.items():  # the first depth, as for the head above
+                depth1 = np.concatenate([own[name][0][own[name][2] - 1: own[name][3] - 2, 0] for name in names])
+                record[f"the target itself | first depth, {group}"] = {
+                    f"text token in the top {b}": round(float(np.mean(depth1 < b)), 3) for b in (1, 2, 3, 5, 8)}
+                print(f"the target itself, {group}: the text's token in its top 1 / 2 / 3 / 5 / 8 at " +
+                      " / ".join(f"{np.mean(depth1 < b):.3f}" for b in (1, 2, 3, 5, 8)))
             for shape, tree in trees.items():
                 scores = {g: replay(own, [tree], names) for g, names in groups.items()}
                 rows.append({"head": "the target itself", "tree": f"{shape}, the target's own top drafts (ceiling)",
@@ -289,7 +309,8 @@ def main(argv=None) -> None:
                 chosen = [grown(texts, groups["calibration"], n, DEPTH, span) for span in spans]
                 for oracle in (False, True):
                     scores = {g: replay(texts, chosen, names, bounds, oracle) for g, names in groups.items()}
-                    name = f"{n} nodes by confidence {','.join(map(str, bounds))}" + (", best (ceiling)" if oracle else "")
+                    name = f"{n} nodes by confidence {','.join(map(str, bounds))}"
+                    name += ", best (ceiling)" if oracle else ""
                     rows.append({"head": Path(head).name, "tree": name,
                                  "shape": " | ".join(str(shape_text(tree)) for tree in chosen), "nodes": n,
                                  "depth": max(len(path) for tree in chosen for path in tree),
