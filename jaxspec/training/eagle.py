@@ -102,8 +102,8 @@ def asker(cfg: ModelConfig, tokenizer, rows: int, backend: str, openers: bool = 
     1 (one `Engine.generate` program); a message that does not end within QUERY_TOKENS, or is empty, is
     left out."""
     prefix = query_prefix(tokenizer)
-    starts = [tokenizer.encode(OPENERS[i % len(OPENERS)]) if openers and OPENERS[i % len(OPENERS)] else []
-              for i in range(rows)]
+    begun = [OPENERS[i % len(OPENERS)] if openers else "" for i in range(rows)]
+    starts = [tokenizer.encode(opener) if opener else [] for opener in begun]
     width = len(prefix) + max(map(len, starts))
     engine = Engine(cfg, SpecConfig(backend=backend).validate(), QUERY_SAMPLING, width + QUERY_TOKENS)
     generate = jax.jit(engine.generate)
