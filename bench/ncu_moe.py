@@ -5,13 +5,14 @@
 
 At gpt-oss-20b's shapes with bench/moe.py's random MXFP4 stacks as words (small scales; `--scale-words`:
 their scales four to a word, `mxfp4.pack_scales`), or at Qwen3-30B-A3B's with bf16 stacks (`--format
-bf16`: at few rows, split K, whose partial sums XLA adds between the two kernels), it runs itself under `ncu --set full` (clocks as they
-are, XLA's command buffers off so that ncu sees each kernel) calling the experts kernel twice in its
-default form for --rows (one row: the one-row form; more: row blocks), profiles the second call's two
-kernels, exports ncu's details page and source page (stall samples per SASS instruction), and writes
-DIR/ncu_moe_<rows>_rows_<layout>.txt (layout: byte_scales, scale_words or bf16): each kernel's duration under the profiler, DRAM throughput,
-registers, occupancy, issue and eligible warps, its stall reasons, and its most sampled instructions
-with their main reason and excessive L2 sectors.
+bf16`: at few rows, split K, whose partial sums XLA adds between the two kernels), it runs itself
+under `ncu --set full` (clocks as they are, XLA's command buffers off so that ncu sees each kernel)
+calling the experts kernel twice in its default form for --rows (one row: the one-row form; more: row
+blocks), profiles the second call's two kernels, exports ncu's details page and source page (stall
+samples per SASS instruction), and writes DIR/ncu_moe_<rows>_rows_<layout>.txt (layout: byte_scales,
+scale_words or bf16): each kernel's duration under the profiler, DRAM throughput, registers,
+occupancy, issue and eligible warps, its stall reasons, and its most sampled instructions with their
+main reason and excessive L2 sectors.
 """
 from __future__ import annotations
 

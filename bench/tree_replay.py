@@ -58,6 +58,7 @@ DEPTH = 4  # draft depths replayed
 RANKS = 16  # ranks looked at per depth (a text token ranked lower is never drafted)
 OUT = RANKS + 1  # the rank of a text token outside the head's draft vocabulary
 PAD = 256  # texts are replayed in lengths of multiples of this
+TOPS = (1, 2, 3, 5, 8)  # the first depth's top b reported
 
 
 def padded(ids: np.ndarray) -> jnp.ndarray:
@@ -83,11 +84,10 @@ def ranks(ecfg, head, params, cfg, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
     confidence, agrees = np.zeros(T, np.float32), np.zeros(T, bool)
     for j in range(DEPTH):
         logits = np.asarray(eagle.draft_logits(head, ecfg, params, cfg, outs[j]))[0, : T - 1]
-        if j == 0:
-            confidence[: T - 1] = 1 / np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)
         order = np.argsort(-logits, axis=-1)[:, :RANKS]
         drafted = np.asarray(eagle.to_target_ids(head["d2t"], jnp.asarray(order)))  # [T - 1, RANKS]
         if j == 0:
+            confidence[: T - 1] = 1 / np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)
             agrees[: T - 2] = drafted[: T - 2, 0] == np.asarray(target.argmax)[0, 1 : T - 1]
         rows = np.arange(T - 2 - j)
         hit = drafted[rows] == ids[rows + j + 2, None]
@@ -108,6 +108,11 @@ def target_ranks(params, cfg, ids: np.ndarray) -> np.ndarray:
         rows = np.arange(T - 2 - j)
         result[rows, j] = np.minimum(higher[rows + j + 1], RANKS)
     return result
+
+
+def top_shares(first_ranks: np.ndarray) -> dict:
+    """The share of first-depth ranks [n] below b, for each b of TOPS (the text's token in the top b)."""
+    return {f"text token in the top {b}": round(float(np.mean(first_ranks < b)), 3) for b in TOPS}
 
 
 def accepted(row_ranks: np.ndarray, tree: set) -> int:
@@ -256,21 +261,19 @@ def main(argv=None) -> None:
     groups = {"calibration": of(f"request {i}" for i in range(half)),
               "held-out": of(f"request {i}" for i in range(half, len(REQUESTS))), "default": of(["default"])}
     rows, record = [], {}
+    at = lambda name: slice(answers[name][1] - 1, len(answers[name][0]) - 2)  # rows predicting answer tokens
     for head in args.heads.split(","):
         ecfg, weights = load_eagle(Path(head), cfg, dtype="float32")
         scored = {name: ranks(ecfg, weights, params, cfg, ids) for name, (ids, _) in answers.items()}
         texts = {name: (rk, confidence, answers[name][1], len(answers[name][0]))
                  for name, (rk, confidence, _) in scored.items()}
         for group, names in groups.items():  # the first depth over the answers' tokens after their first
-            at = lambda name: slice(answers[name][1] - 1, len(answers[name][0]) - 2)
             agree = np.concatenate([scored[name][2][at(name)] for name in names])
-            depth1 = np.concatenate([scored[name][0][at(name), 0] for name in names])
-            record[f"{head} | first depth, {group}"] = {
-                "positions": len(agree), "agreement": round(float(agree.mean()), 3),
-                **{f"text token in the top {b}": round(float(np.mean(depth1 < b)), 3) for b in (1, 2, 3, 5, 8)}}
+            shares = top_shares(np.concatenate([scored[name][0][at(name), 0] for name in names]))
+            record[f"{head} | first depth, {group}"] = {"positions": len(agree),
+                                                       "agreement": round(float(agree.mean()), 3), **shares}
             print(f"{Path(head).name}, {group}: {len(agree)} positions, the head's top draft is the target's top "
-                  f"token at {agree.mean():.3f}, the text's token in its top 1 / 2 / 3 / 5 / 8 at " +
-                  " / ".join(f"{np.mean(depth1 < b):.3f}" for b in (1, 2, 3, 5, 8)))
+                  f"token at {agree.mean():.3f}; {shares}")
         trees = {s: nodes(s) for s in args.shapes}
         if args.oov_ceiling:
             ceiling = {name: (np.where(rk == OUT, 0, rk), *rest) for name, (rk, *rest) in texts.items()}
@@ -283,11 +286,9 @@ def main(argv=None) -> None:
             own = {name: (target_ranks(params, cfg, ids), texts[name][1], first, len(ids))
                    for name, (ids, first) in answers.items()}
             for group, names in groups.items():  # the first depth, as for the head above
-                depth1 = np.concatenate([own[name][0][own[name][2] - 1: own[name][3] - 2, 0] for name in names])
-                record[f"the target itself | first depth, {group}"] = {
-                    f"text token in the top {b}": round(float(np.mean(depth1 < b)), 3) for b in (1, 2, 3, 5, 8)}
-                print(f"the target itself, {group}: the text's token in its top 1 / 2 / 3 / 5 / 8 at " +
-                      " / ".join(f"{np.mean(depth1 < b):.3f}" for b in (1, 2, 3, 5, 8)))
+                shares = top_shares(np.concatenate([own[name][0][at(name), 0] for name in names]))
+                record[f"the target itself | first depth, {group}"] = shares
+                print(f"the target itself, {group}: {shares}")
             for shape, tree in trees.items():
                 scores = {g: replay(own, [tree], names) for g, names in groups.items()}
                 rows.append({"head": "the target itself", "tree": f"{shape}, the target's own top drafts (ceiling)",

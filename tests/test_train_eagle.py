@@ -282,8 +282,6 @@ def test_self_distill_prompts_with_requests_the_target_wrote(tiny_model, monkeyp
 def test_requests_begin_with_the_openers(tiny_model):
     """With openers, row i's request starts with OPENERS[i % len(OPENERS)]: where every token ends a
     message, each request is its opener alone (the "" rows, empty, left out), in row order."""
-    from jaxspec.loaders import load_model
-
     cfg, params, tokenizer = load_model(str(tiny_model), "float32")
     cfg = dataclasses.replace(cfg, eos_token_ids=tuple(range(cfg.vocab_size)))
     rows = len(training.OPENERS) + 3
