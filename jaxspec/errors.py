@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
+
+import jax
 
 
 class JaxspecError(Exception):
@@ -16,6 +19,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise JaxspecError(message)
+
+
+@contextlib.contextmanager
+def out_of_memory_as(message):
+    """Turns XLA's RESOURCE_EXHAUSTED inside the block into JaxspecError(message()): a device that runs out of
+    memory is sized input (a batch, a length) that this machine cannot hold, told in one line."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise JaxspecError(f"out of device memory: {message()}") from None
 
 
 def cli_main(main):

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxspec import planner
 from jaxspec.decoding import engine
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, out_of_memory_as
 from jaxspec.models.kvcache import cache_bytes
 from jaxspec.decoding.sampling import SamplingConfig
 from jaxspec.decoding.spec import SpecConfig
@@ -187,17 +187,12 @@ def timed_runs(run: Callable[[int], Run], seeds: Sequence[int]) -> tuple[Run, li
 
 
 def _memory_checked(cfg, batch: Batch, max_len: int, run):
-    """run(), with XLA's RESOURCE_EXHAUSTED turned into a JaxspecError naming the KV cache size."""
-    try:
+    """run(), with the device running out of memory told as one line naming the KV cache size."""
+    B = len(batch.lengths)
+    with out_of_memory_as(lambda: f"batch {B} x {max_len} tokens needs "
+                          f"{cache_bytes(cfg, B, max_len + MAX_TREE_ROWS) / 2**30:.1f} GiB of KV cache on top of the "
+                          "weights; lower --max-len or the batch"):
         return run()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        kv = cache_bytes(cfg, len(batch.lengths), max_len + MAX_TREE_ROWS)
-        raise JaxspecError(
-            f"out of device memory: batch {len(batch.lengths)} x {max_len} tokens needs {kv / 2**30:.1f} GiB of KV cache "
-            "on top of the weights; lower --max-len or the batch"
-        ) from None
 
 
 def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, seed, progress, cache, plan, mesh,

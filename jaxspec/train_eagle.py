@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
+from jaxspec.errors import ArgumentParser, JaxspecError, cli_main, out_of_memory_as
 from jaxspec.xla_flags import set_gpu_flags
 
 CHECKPOINT_EVERY = 100  # steps between saved train states
@@ -185,8 +185,10 @@ def main(argv=None) -> None:
 
     if not args.resume:  # the data are the slow part: a run stopped at any step resumes without them
         checkpoint(0, trainable, opt_state)
-    trainable, opt_state = training.train(cfg, target, ecfg, stream, trainable, opt_state, d2t, settings, first, history,
-                                          checkpoint, CHECKPOINT_EVERY, log)
+    with out_of_memory_as(lambda: f"a training step of --batch {settings.batch} x --seq {settings.seq} tokens "
+                          "does not fit this device; lower --batch or --seq"):
+        trainable, opt_state = training.train(cfg, target, ecfg, stream, trainable, opt_state, d2t, settings, first,
+                                              history, checkpoint, CHECKPOINT_EVERY, log)
     head = {**jax.tree.map(lambda w: np.asarray(w.astype(args.dtype)), trainable), "d2t": np.asarray(d2t)}
     final = full_record(settings.steps)
 

@@ -5,7 +5,8 @@ same rows, and step k's row t is the state the engine's drafter reaches at draft
 position t along the true tokens (`eagle.head_forward` one row at a time on a cache holding rows
 0..t only, positions as `decoding.drafters.eagle` places them). A few steps reduce the loss; the
 saved head reloads to the same outputs; the CLI self-distils, trains, resumes an interrupted run to
-the same head, and turns bad inputs into one line and exit code 2 with nothing written.
+the same head, and turns bad inputs (and a step the device cannot hold) into one line and exit code 2
+with nothing half-written.
 """
 
 from __future__ import annotations
@@ -367,6 +368,25 @@ def test_bad_inputs_are_one_line_and_write_nothing(capsys, tiny_model, tmp_path,
     code, err = cli(capsys, *argv)
     assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
     assert not (tmp_path / "head").exists()
+
+
+def test_out_of_device_memory_is_one_line_and_the_run_resumes(capsys, monkeypatch, tiny_model, tmp_path):
+    """A training step that does not fit the device is one line naming --batch and --seq; the data and step 0
+    are saved as for an interrupted run, so the same command with --resume goes on from them."""
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 45391589792 bytes.")
+
+    out = tmp_path / "head"
+    with monkeypatch.context() as m:
+        m.setattr(training, "train", out_of_memory)
+        code, err = cli(capsys, "--model", tiny_model, "--out", out, *SMALL)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: out of device memory") and "--batch 2 x --seq 32" in last, err
+    assert "Traceback" not in err and "RESOURCE_EXHAUSTED" not in err
+    assert training.read_record(out)["step"] == 0 and not (out / "config.json").exists()
+    code, err = cli(capsys, "--model", tiny_model, "--out", out, *SMALL, "--resume")
+    assert code == 0 and "data:" not in err and (out / "config.json").exists(), err
 
 
 def test_out_that_is_a_file_or_not_empty(capsys, tiny_model, tmp_path):
