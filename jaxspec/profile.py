@@ -10,7 +10,7 @@ the real decode loop over the strategy space and writes the ranked table that `-
         [--samplings greedy,sample] [--methods plain,vegas,stream,ngram] [--gammas 2,4,6]
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
         [--draft-weights exact,int8] [--select-every 1,2] [--balances 1,2] [--draft-model DIR] [--new 256] [--repeats 3]
-        [--prompts documents|requests] [--budget SECONDS] [--out FILE]
+        [--prompts documents|requests] [--budget SECONDS] [--add] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
 setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
@@ -39,7 +39,11 @@ bucket still measures plain; a later batch runs every strategy the first ran, so
 batches); the table is rewritten (atomically) after every cell, so a cut-off run keeps what it
 measured, and cells already in `--out` for other (batch, sampling, bucket, precision) are kept; each
 cell records how it was measured (new tokens, repeats, date, command), since the header describes
-the latest run only. The default file is the shipped table of this model and device kind
+the latest run only. A cell measured again is replaced whole, unless `--add`: then it keeps its entries
+for what this run does not measure, each stamped with its own run's record (`measured`), as when a new
+draft head is profiled with `--methods plain,eagle` (plain is measured again with the head; a kept
+entry is from another process, which on one device kind agrees within a few percent, under the
+planner's 10% margin). The default file is the shipped table of this model and device kind
 (`jaxspec/planner/tables/`), which auto finds. A markdown summary is printed last.
 """
 
@@ -68,7 +72,6 @@ from jaxspec.xla_flags import set_gpu_flags
 
 CALIBRATION_OFFSET = 40  # first jaxspec.corpus document of the calibration prompts
 TASKS = ("continue", "question", "summary")  # row r of a calibration batch asks TASKS[r % 3]
-PROVENANCE = ("new_tokens", "repeats", "date", "command")  # how a cell was measured, kept in the cell
 
 
 def strategy_space(cfg, methods, gammas, trees, ratios, groups, precisions, weights=("exact",),
@@ -179,6 +182,9 @@ def parse_args(argv):
     p.add_argument("--budget", type=float, default=None, help="seconds of measuring; no measurement starts after them")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16" if gpu else "float32")
     p.add_argument("--backend", choices=("reference", "pallas"), default="pallas" if gpu else "reference")
+    p.add_argument("--add", action="store_true",
+                   help="a cell measured again keeps its entries for the strategies (and eagle heads) this run does "
+                        "not measure, each recording its own run: profile a new draft head with --methods plain,eagle")
     p.add_argument("--out", type=Path, default=None, help="default: the shipped table of this model and device")
     return p.parse_args(argv)
 
@@ -278,7 +284,8 @@ def main(argv=None):
         if old["model"]["fingerprint"] == table["model"]["fingerprint"] and old["device"] == device:
             # the header describes this run alone: a kept cell keeps how it was measured (older tables
             # held that in their header only)
-            table["cells"] = [{**{k: old["profile"].get(k) for k in PROVENANCE}, **cell} for cell in old["cells"]]
+            header = {k: old["profile"].get(k) for k in tables.PROVENANCE}
+            table["cells"] = [{**header, **cell} for cell in old["cells"]]
     print(f"{len(space)} strategies x {len(args.buckets)} buckets x {len(args.batch)} batch sizes x "
           f"{len(args.samplings)} sampling modes, {args.repeats} calibration batches each; max_len {max_len}", flush=True)
 
@@ -322,8 +329,9 @@ def main(argv=None):
                 prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
                 for precision, rows in entries.items():
                     if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
-                        tables.set_cell(table, b, mode, bucket, precision, rows, prompt_tokens=prompt_tokens,
-                                        prompts=args.prompts, **{k: profile[k] for k in PROVENANCE})
+                        tables.set_cell(table, b, mode, bucket, precision, rows, keep=args.add,
+                                        prompt_tokens=prompt_tokens, prompts=args.prompts,
+                                        **{k: profile[k] for k in tables.PROVENANCE})
                         measured.append(table["cells"][-1])
                 if measured:
                     tables.save_table(out, table)

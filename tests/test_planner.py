@@ -1178,7 +1178,7 @@ def test_profile_writes_a_valid_table(hf_checkpoints, llama_deep_head, tmp_path,
     methods = lambda head: {p.strategy.method for p in tables.lookup(t, 1, "greedy", 96, head=head)[1]}
     assert methods(heads["eagle g2"]) == {"plain", "vegas", "eagle"} and methods(None) == {"plain", "vegas"}
     assert "| sampling | batch | bucket |" in capsys.readouterr().out
-    first = {k: t["cells"][0][k] for k in profile.PROVENANCE}
+    first = {k: t["cells"][0][k] for k in tables.PROVENANCE}
     assert first["new_tokens"] == 6 and first["repeats"] == 2 and "--buckets 96" in first["command"]
     # a budget spent at once keeps the cells already there and adds plain alone for a new bucket; the
     # kept cell keeps how it was measured, and a cell of a table written before cells recorded it gets
@@ -1192,7 +1192,7 @@ def test_profile_writes_a_valid_table(hf_checkpoints, llama_deep_head, tmp_path,
     monkeypatch.undo()
     t = tables.load_table(out)
     assert [c["bucket"] for c in t["cells"]] == [96, 64] and [e["name"] for e in t["cells"][1]["ranked"]] == ["plain"]
-    assert {k: t["cells"][0][k] for k in profile.PROVENANCE} == first
+    assert {k: t["cells"][0][k] for k in tables.PROVENANCE} == first
     assert (t["cells"][1]["new_tokens"], t["cells"][1]["repeats"], t["profile"]["new_tokens"]) == (5, 1, 5)
     capsys.readouterr()
     with pytest.raises(SystemExit):  # no head ships for this model
@@ -1246,6 +1246,42 @@ def test_profile_leaves_each_strategys_first_run_untimed(hf_checkpoints, tmp_pat
     measured = {n: (e["runs"], e["tokens_per_s"]) for n, e in ranked.items()}
     assert measured == {"plain": (2, 103.5), "vegas g2 r0.5": (2, 105.0)}
     assert [e["compile_s"] for e in ranked.values()] == [7.0, 7.0]
+
+
+def test_profile_add_keeps_what_it_does_not_measure(hf_checkpoints, tmp_path, monkeypatch):
+    """`--add`: a cell measured again keeps its entries for strategies this run does not measure, each
+    stamped with the run that measured it; what it measures (plain here) is the new run's. Without it
+    the cell is replaced whole. An eagle entry is kept beside another head's of the same strategy."""
+    rate = iter(range(100, 1000, 10))
+    monkeypatch.setattr(profile, "run_once", lambda *args: (float(next(rate)), 1.5, 0.001, 0.0))
+    out = tmp_path / "table.json"
+    flags = ["--model", str(hf_checkpoints["llama"]), "--buckets", "64", "--new", "4", "--repeats", "1",
+             "--samplings", "greedy", "--gammas", "2", "--trees", "--ratios", "0.5", "--out", str(out)]
+    profile.main(flags + ["--methods", "plain,vegas"])
+    first = tables.load_table(out)["cells"][0]
+    before = {e["name"]: e["tokens_per_s"] for e in first["ranked"]}
+    profile.main(flags + ["--methods", "plain,ngram", "--add"])
+    (cell,) = tables.load_table(out)["cells"]
+    ranked = {e["name"]: e for e in cell["ranked"]}
+    assert sorted(ranked) == ["ngram g2", "plain", "vegas g2 r0.5"]
+    assert ranked["vegas g2 r0.5"]["tokens_per_s"] == before["vegas g2 r0.5"]
+    assert ranked["vegas g2 r0.5"]["measured"] == {k: first[k] for k in tables.PROVENANCE}
+    assert ranked["plain"]["tokens_per_s"] != before["plain"] and "measured" not in ranked["plain"]
+    assert "--add" in cell["command"] and [e["tokens_per_s"] for e in cell["ranked"]] == sorted(
+        (e["tokens_per_s"] for e in cell["ranked"]), reverse=True)
+    profile.main(flags + ["--methods", "plain"])
+    assert [e["name"] for e in tables.load_table(out)["cells"][0]["ranked"]] == ["plain"]
+
+    eagle = lambda head, tps: {"strategy": Strategy("eagle", gamma=3).to_json(), "head": head, "tokens_per_s": tps,
+                               "tokens_per_iteration": 2.0, "iteration_s": 0.001}
+    plain = lambda tps: {"strategy": Strategy("plain").to_json(), "tokens_per_s": tps, "tokens_per_iteration": 1.0,
+                         "iteration_s": 0.001}
+    t = {"cells": []}
+    tables.set_cell(t, 1, "greedy", 64, "strict", [plain(100.0), eagle("a", 150.0)], new_tokens=4, date="d1")
+    tables.set_cell(t, 1, "greedy", 64, "strict", [plain(101.0), eagle("b", 160.0)], keep=True, new_tokens=4, date="d2")
+    (cell,) = t["cells"]
+    assert [(e.get("head"), e["tokens_per_s"], e.get("measured", {}).get("date")) for e in cell["ranked"]] == [
+        ("b", 160.0, None), ("a", 150.0, "d1"), (None, 101.0, None)]
 
 
 def test_profile_of_requests_keeps_the_document_cells(hf_checkpoints, tmp_path, capsys):

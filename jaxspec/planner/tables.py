@@ -50,6 +50,7 @@ PROMPT_SHARE = 0.25
 PROMPT_DRAFTERS = ("ngram", "eagle")  # whose cell entries need a prompt like the cell's
 PROMPT_KINDS = ("documents", "requests")  # a cell's calibration prompts (`jaxspec.profile --prompts`)
 DOCUMENTS = PROMPT_KINDS[0]  # the kind of a cell that does not name one
+PROVENANCE = ("new_tokens", "repeats", "date", "command")  # how a cell was measured, kept in the cell
 
 
 def bucket_of(context: int, buckets=BUCKETS) -> int:
@@ -105,16 +106,29 @@ def new_table(cfg: ModelConfig, model_name: str, device: str, backend: str, prof
     }
 
 
-def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str, entries: list[dict], **info) -> None:
+def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str, entries: list[dict],
+             keep: bool = False, **info) -> None:
     """Adds (or replaces) one cell, its entries ranked by tokens_per_s. An entry is {"strategy":
     Strategy.to_json(), "tokens_per_s", "tokens_per_iteration", "iteration_s", ...}. Cells measured
     over different run lengths (`info["new_tokens"]`) are different cells: `lookup` takes the
-    nearest."""
+    nearest. `keep`: the cell it replaces keeps its entries for strategies (and eagle heads) that
+    `entries` lacks, each stamped with how its own run measured it (`measured`: that cell's PROVENANCE),
+    so a new draft head is profiled without measuring every other strategy again."""
     key = (batch, sampling, bucket, precision, info.get("new_tokens"), info.get("prompts", DOCUMENTS))
+    old = [c for c in table["cells"] if _cell_key(c) == key]
+    if keep and old:
+        ids = {_entry_id(e) for e in entries}
+        stamp = {k: old[0].get(k) for k in PROVENANCE}
+        entries = entries + [{"measured": stamp, **e} for e in old[0]["ranked"] if _entry_id(e) not in ids]
     table["cells"] = [c for c in table["cells"] if _cell_key(c) != key]
     ranked = sorted(entries, key=lambda e: -e["tokens_per_s"])
     table["cells"].append({"batch": batch, "sampling": sampling, "bucket": bucket, "precision": precision, **info,
                            "ranked": ranked})
+
+
+def _entry_id(entry: dict) -> tuple:
+    """What an entry measured: its strategy and, for eagle, the head's fingerprint."""
+    return json.dumps(entry["strategy"], sort_keys=True), entry.get("head")
 
 
 def _cell_key(cell: dict) -> tuple:
