@@ -201,11 +201,16 @@ def with_head(params, args, cfg, mesh) -> dict:
 def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner.Plan, SpecConfig, dict]:
     """--method auto: the plan for a run of `run` (`planner.make_plan`'s run arguments), with the head
     of `head_path`, if any, among its strategies; and the spec and params it starts with (the head's
-    config and weights when the plan starts with eagle, the draft weights' copies its candidates need)."""
+    config and weights when the plan starts with eagle, the draft weights' copies its candidates need).
+    A head the table never measured is no candidate: a note on stderr says how to profile it."""
     head = head_config(args, cfg)
     plan, spec = plan_with_head(cfg, planner.tree_bytes(params), spec, head, head and head_path(args),
                                 precisions=planner.allowed_precisions(args.precision), table=args.planner_table,
                                 min_tokens=args.min_tokens, **run)
+    if plan.unmeasured_head:
+        print(f"note: {plan.source.removeprefix('table:')} never measured the draft head {head_path(args)}, so auto "
+              f"plans without it; profile it: python -m jaxspec.profile --methods plain,eagle --draft-model "
+              f"{head_path(args)} --add", file=sys.stderr)
     params = with_draft_model(params, plan.draft_weights, (), mesh, cfg.expert_parallel)
     if plan.first.method == "eagle":
         params = with_head(params, args, cfg, mesh)

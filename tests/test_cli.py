@@ -304,7 +304,8 @@ def test_tensor_parallel_generate_equals_one_device(capsys, hf_checkpoints):
 def test_eagle_draft_model_is_lossless(capsys, tmp_path, hf_checkpoints, llama_deep_head, tp):
     """`--method eagle --draft-model DIR` (a head in the public layout) emits plain's tokens, on one
     device and tensor-parallel over 2 (the head whole on each); so does `--method auto` with the head,
-    given a planner table that measured it (auto then starts with eagle)."""
+    given a planner table that measured it (auto then starts with eagle); a table that measured another
+    head plans plain and says how to profile this one."""
     import jax
 
     from jaxspec.loaders import load_config
@@ -327,10 +328,20 @@ def test_eagle_draft_model_is_lossless(capsys, tmp_path, hf_checkpoints, llama_d
         tables.set_cell(table, 1, "greedy", 1024, "strict", [measured(Strategy(), 100, 1), {
             **measured(Strategy("eagle", gamma=3), 300, 3), "head": head_fingerprint(head)}])
         tables.save_table(tmp_path / "table.json", table)
-        auto = run_json(capsys, *tiny_args(model, "--draft-model", str(head), "--dtype", "float32", "--planner-table",
-                                           str(tmp_path / "table.json")))
+        auto_args = tiny_args(model, "--draft-model", str(head), "--dtype", "float32", "--planner-table",
+                              str(tmp_path / "table.json"))
+        measured_here = generate_here(capsys, *auto_args)
+        auto = json.loads(measured_here.stdout)
         assert auto["stats"]["planned"]["strategy"] == "eagle g3" and auto["stats"]["lossless"]
         assert [r["tokens"] for r in auto["results"]] == [r["tokens"] for r in plain["results"]]
+        assert "never measured the draft head" not in measured_here.stderr
+        # a head the table never measured: auto plans without it and says how to profile it
+        next(e for e in table["cells"][0]["ranked"] if e["strategy"]["method"] == "eagle")["head"] = "eagle3-another"
+        tables.save_table(tmp_path / "table.json", table)
+        unmeasured = generate_here(capsys, *auto_args)
+        assert unmeasured.returncode == 0 and json.loads(unmeasured.stdout)["stats"]["planned"]["strategy"] == "plain"
+        assert f"never measured the draft head {head}" in unmeasured.stderr
+        assert f"--draft-model {head} --add" in unmeasured.stderr
 
 
 def test_method_eagle_finds_the_shipped_head(capsys, hf_checkpoints):

@@ -41,13 +41,15 @@ class Plan:
     predictions came from ("table:<file>" or "cost-model") and the context bucket. `probe_margin`:
     plain is measured while a running speculative strategy does not beat its corrected prediction by
     this much (`refine.decide`); None (a table's plan: its plain rate was measured on this device)
-    never."""
+    never. `unmeasured_head`: the run has a draft head that its table never measured, so eagle is no
+    candidate (the module docstring says why); the caller tells the user how to profile it."""
 
     candidates: tuple[Prediction, ...]
     first: Strategy
     source: str
     bucket: int
     probe_margin: float | None = None
+    unmeasured_head: bool = False  # the run's head has no entry in the table: planned without it
 
     @property
     def draft_weights(self) -> str:
@@ -117,6 +119,7 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     context = prompt_tokens + new_tokens
     path = table or table_path(cfg, device_kind())
     predictions: list[Prediction] = []
+    unmeasured = False  # a head the table never measured
     if table is not None or path.is_file():
         data = load_table(path)
         if data["model"]["fingerprint"] != fingerprint(cfg):
@@ -125,6 +128,7 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
         bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens,
                                      head_id)
         source = f"table:{path}"
+        unmeasured = head_id is not None and all(e.get("head") != head_id for c in data["cells"] for e in c["ranked"])
         if not closed:
             predictions = [dataclasses.replace(p, tokens_per_s=p.tokens_per_s / p.tail, spread=p.spread / p.tail, tail=1.0)
                            for p in predictions]
@@ -140,7 +144,7 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     first = choose(candidates)
     if first.method != "eagle":  # eagle cannot be switched into: its place goes to the next strategy
         candidates = kept([p for p in predictions if p.strategy.method != "eagle"])
-    return Plan(candidates, first, source, bucket, probe_margin(source))
+    return Plan(candidates, first, source, bucket, probe_margin(source), source != "cost-model" and unmeasured)
 
 
 def probe_margin(source: str) -> float | None:
