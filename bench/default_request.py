@@ -13,10 +13,11 @@ config) makes a first run (seed `--first-seed`), then runs with seeds `--first-s
 spread of decode tokens/s; `runner.timed_runs`: the first run carries the program's one-time first
 execution, so it is kept apart; a sampled run's text and acceptance are its seed's, so runs with the
 same seeds are one sample of texts). A row gives its speed over plain's, its first run's over plain's
-first run's (what a fresh `generate` sees), tokens an iteration and acceptance at depths 1-3, so the
-default-run target (>= 1.5x plain on this request) reads off the table; each run records a digest of
-its text (a greedy text that changes between machines shows there), and a greedy row the share of its
-runs whose text is plain's.
+first run's (what a fresh `generate` sees), tokens an iteration (the median, and the mean with its
+standard error over the texts: two heads' sampled rows differ by their texts too) and acceptance at
+depths 1-3, so the default-run target (>= 1.5x plain on this request) reads off the table; each run
+records a digest of its text (a greedy text that changes between machines shows there), and a greedy
+row the share of its runs whose text is plain's.
 Writes DIR/default_request_<device><tag>.json after every row; prints the table last.
 """
 
@@ -106,6 +107,10 @@ def main() -> None:
             plain_texts = plain_texts or [r["text_digest"] for r in runs]
             if sampling_name == "greedy":  # lossless greedy emits plain's text, up to bf16's near-ties
                 row["same_text_as_plain"] = statistics.mean(r["text_digest"] == t for r, t in zip(runs, plain_texts))
+            tokens = [r["tokens_per_iteration"] for r in runs]
+            row["tokens_per_iteration_mean_se"] = (f"{statistics.mean(tokens):.3f} ± "
+                                                   f"{statistics.stdev(tokens) / len(tokens) ** 0.5:.3f}"
+                                                   if len(tokens) > 1 else "")
             depths = range(min(3, *(len(r["acceptance_rate_by_depth"]) for r in runs)))
             row["acceptance_1_3"] = " ".join(
                 f"{statistics.median(r['acceptance_rate_by_depth'][d] for r in runs):.2f}" for d in depths)
@@ -118,6 +123,7 @@ def main() -> None:
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
         ("x plain", "x_plain", ".2f"), ("first run x plain", "first_run_x_plain", ".2f"),
         ("tokens / iteration", "tokens_per_iteration", ".2f"),
+        ("tokens / iteration, mean ± s.e.", "tokens_per_iteration_mean_se", "s"),
         ("acceptance d1-3 (median)", "acceptance_1_3", "s"), ("iteration ms", "iteration_ms", ".2f"),
         ("degeneration", "degeneration", ".2f"), ("greedy text = plain's", "same_text_as_plain", ".2f")]))
 
