@@ -208,9 +208,10 @@ def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner
                                 precisions=planner.allowed_precisions(args.precision), table=args.planner_table,
                                 min_tokens=args.min_tokens, **run)
     if plan.unmeasured_head:
-        print(f"note: {plan.source.removeprefix('table:')} never measured the draft head {head_path(args)}, so auto "
-              f"plans without it; profile it: python -m jaxspec.profile --methods plain,eagle --draft-model "
-              f"{head_path(args)} --add", file=sys.stderr)
+        head_dir = head_path(args)
+        print(f"note: {plan.source.removeprefix('table:')} never measured the draft head {head_dir}, so auto plans "
+              f"without it; profile it: python -m jaxspec.profile --methods plain,eagle --draft-model {head_dir} "
+              "--add, with the cells' settings (docs/development.md, 'Planner tables')", file=sys.stderr)
     params = with_draft_model(params, plan.draft_weights, (), mesh, cfg.expert_parallel)
     if plan.first.method == "eagle":
         params = with_head(params, args, cfg, mesh)
