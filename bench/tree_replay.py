@@ -131,18 +131,19 @@ def replay(texts: dict, trees: list[set], names: list[str], bounds: tuple = (), 
     text's end). Each iteration drafts trees[i], i the number of `bounds` at or below the head's
     confidence there (one tree: a static tree); with `oracle`, the best of `trees` (a ceiling)."""
     tokens = iterations = out = 0
+    depths = [max(len(path) for path in tree) for tree in trees]
     for name in names:
         rk, confidence, first, T = texts[name]
         pending = first
         while pending < T - 1:
             row = pending - 1
             if oracle:
-                tree = max(trees, key=lambda tree: accepted(rk[row], tree))
+                i = max(range(len(trees)), key=lambda i: accepted(rk[row], trees[i]))
             else:
-                tree = trees[int(np.searchsorted(bounds, confidence[row], side="right"))]
-            whole = accepted(rk[row], tree)
+                i = int(np.searchsorted(bounds, confidence[row], side="right"))
+            whole = accepted(rk[row], trees[i])
             k = min(whole, T - 2 - pending)
-            out += k == whole < max(len(path) for path in tree) and rk[row, whole] == OUT
+            out += k == whole < depths[i] and rk[row, whole] == OUT
             tokens, iterations, pending = tokens + k + 1, iterations + 1, pending + k + 1
     return tokens / iterations, out / iterations
 

@@ -115,11 +115,11 @@ def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str
     `entries` lacks, each stamped with how its own run measured it (`measured`: that cell's PROVENANCE),
     so a new draft head is profiled without measuring every other strategy again."""
     key = (batch, sampling, bucket, precision, info.get("new_tokens"), info.get("prompts", DOCUMENTS))
-    old = [c for c in table["cells"] if _cell_key(c) == key]
-    if keep and old:
+    old = next((c for c in table["cells"] if _cell_key(c) == key), None)
+    if keep and old is not None:
         ids = {_entry_id(e) for e in entries}
-        stamp = {k: old[0].get(k) for k in PROVENANCE}
-        entries = entries + [{"measured": stamp, **e} for e in old[0]["ranked"] if _entry_id(e) not in ids]
+        stamp = {k: old.get(k) for k in PROVENANCE}
+        entries = entries + [{"measured": stamp, **e} for e in old["ranked"] if _entry_id(e) not in ids]
     table["cells"] = [c for c in table["cells"] if _cell_key(c) != key]
     ranked = sorted(entries, key=lambda e: -e["tokens_per_s"])
     table["cells"].append({"batch": batch, "sampling": sampling, "bucket": bucket, "precision": precision, **info,

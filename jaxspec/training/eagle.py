@@ -13,8 +13,8 @@ used), with one of `corpus.TASKS` through the chat template when the model has o
 template, a share of the prompts (`chat_share`) are instead short requests the target wrote itself
 (`asker`: it continues its template up to where a user's message starts, as Magpie does; with
 `openers`, the message begun with a question or task opener), so the head also sees the target
-answering ordinary chat. The target continues the prompts with jaxspec's
-batched decoding (temperature 0.7, top-p 0.95) until it stops or the sequence reaches `seq` tokens.
+answering ordinary chat. The target continues the prompts with jaxspec's batched decoding
+(temperature 0.7, top-p 0.95) until it stops or the sequence reaches `seq` tokens.
 Prompt and continuation, concatenated sequence after sequence, are the token stream; training
 windows are random [B, seq] cuts of it. A window may span two sequences: the labels are the target's
 own distributions over that window (teacher-forced), so what the head learns is still the target.
