@@ -2,7 +2,7 @@
 
     python -m jaxspec.train_eagle --model M --out DIR [--tokens N] [--steps S] [--batch B] [--seq T]
         [--ttt K] [--draft-vocab V | --shared-lm-head] [--lr X] [--dtype bfloat16|float32] [--seed N]
-        [--chat-share X] [--cut-loops] [--request-openers] [--init HEAD] [--resume]
+        [--chat-share X] [--cut-loops] [--request-openers] [--data RUN,...] [--init HEAD] [--resume]
 
 Self-distillation (`jaxspec.training.eagle`): the model continues prompts of the training documents,
 then the head learns EAGLE-3's training-time test against the model's own next-token distributions.
@@ -16,6 +16,12 @@ weights: a head trained further on newly generated data (another `--seed`), so t
 pieces, e.g. one GPU session at a time. `--shared-lm-head` drafts through the model's own LM head over
 its whole vocabulary (no token out of the head's reach, and no LM head in the checkpoint); with `--init`
 of a head with its own LM head, its layer goes on through the model's.
+
+The data are the slow part (a decode per token), so they can be pooled: `--steps 0` only generates
+them (DIR gets data.npy and train_log.json, no head), and `--data RUN,...` trains on earlier runs'
+data.npy after this run's new `--tokens` (`--tokens 0`: none new). So a head can see more distinct
+text than one process has time to generate, e.g. two generating runs with other seeds, then one
+training run on both.
 """
 
 from __future__ import annotations
@@ -40,14 +46,15 @@ def log(line: str) -> None:
 
 def parse(argv) -> tuple:
     """(args, Settings), the flags checked before anything is loaded or written."""
-    from jaxspec.training.eagle import Settings
+    from jaxspec.training.eagle import DATA_FILE, Settings
 
     d = Settings()
     p = ArgumentParser(prog="python -m jaxspec.train_eagle", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="smollm2 | a .gguf file | HF directory | orbax checkpoint")
     p.add_argument("--out", type=Path, required=True, help="the head's directory (new, empty, or resumed)")
-    p.add_argument("--tokens", type=int, default=d.tokens, help="self-distilled tokens to train on")
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--tokens", type=int, default=d.tokens,
+                   help="tokens to self-distil (new data; 0: only --data's)")
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps (0: generate the data only)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per training sequence (and longest generation)")
     p.add_argument("--ttt", type=int, default=d.ttt, help="unrolled draft steps of the training-time test")
@@ -70,6 +77,8 @@ def parse(argv) -> tuple:
     p.add_argument("--request-openers", action="store_true",
                    help="begin the model's own requests with question and task openers (why, how does, explain, "
                         "write a, ...): closer to what people ask than its unprompted requests")
+    p.add_argument("--data", type=lambda s: [Path(x) for x in s.split(",")], default=[],
+                   help="earlier runs' directories, comma-separated: their data.npy is trained on too (same model)")
     p.add_argument("--init", type=Path, default=None,
                    help="start from this head (weights, draft vocabulary, config) instead of random weights")
     p.add_argument("--resume", action="store_true", help="continue DIR's saved run")
@@ -79,12 +88,19 @@ def parse(argv) -> tuple:
                         seed=args.seed, chat_share=args.chat_share, cut_loops=args.cut_loops,
                         openers=args.request_openers,
                         shared_lm_head=args.shared_lm_head)
-    if args.seq < 8 or args.batch < 1 or args.steps < 1 or args.ttt < 1 or not 0 < args.lr < math.inf:
-        raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 1, --ttt >= 1 and a finite --lr > 0")
+    if args.seq < 8 or args.batch < 1 or args.steps < 0 or args.ttt < 1 or not 0 < args.lr < math.inf:
+        raise JaxspecError("need --seq >= 8, --batch >= 1, --steps >= 0, --ttt >= 1 and a finite --lr > 0")
     if args.ttt >= args.seq - 1:
         raise JaxspecError(f"--ttt {args.ttt} must be below --seq - 1 ({args.seq - 1})")
-    if args.tokens < 4 * args.seq:
+    if args.tokens == 0 and not args.data:
+        raise JaxspecError("--tokens 0 trains on --data alone: name earlier runs with --data")
+    if args.tokens < 0 or 0 < args.tokens < 4 * args.seq:
         raise JaxspecError(f"--tokens {args.tokens} is fewer than 4 sequences of --seq {args.seq}")
+    if args.steps == 0 and (args.data or args.init or args.resume or args.tokens == 0):
+        raise JaxspecError("--steps 0 only generates new data: no --data, --init or --resume, and --tokens > 0")
+    for run in args.data:
+        if not (run / DATA_FILE).is_file():
+            raise JaxspecError(f"--data {run} has no {DATA_FILE} (a train_eagle run's directory)")
     if not 0 <= args.chat_share <= 1:
         raise JaxspecError(f"--chat-share must be in [0, 1], got {args.chat_share}")
     if args.draft_vocab is not None and args.draft_vocab < 1:
@@ -142,21 +158,36 @@ def main(argv=None) -> None:
                                        or training.default_draft_vocab(cfg.vocab_size))
         ecfg = training.head_config(cfg, settings.draft_vocab, settings.seq, settings.shared_lm_head)
     record = {"model": args.model, "dtype": args.dtype, "settings": dataclasses.asdict(settings),
-              "init": head_fingerprint(args.init) if args.init is not None else None}
+              "init": head_fingerprint(args.init) if args.init is not None else None,
+              "data": [str(run) for run in args.data] or None}
     if args.resume:
         saved = training.read_record(out)
         if isinstance(saved.get("settings"), dict):  # a run saved before a setting existed had its default
             saved["settings"] = {**dataclasses.asdict(training.Settings()), **saved["settings"]}
-        for key in ("model", "dtype", "settings", "init"):
+        for key in ("model", "dtype", "settings", "init", "data"):
             if saved.get(key) != record[key]:
                 raise JaxspecError(f"--resume: {out} was trained with {key} {saved.get(key)}, not {record[key]}")
         stream = training.load_data(out)
     else:
-        rows = min(GENERATION_BATCH, -(-settings.tokens // settings.seq))
-        backend = "pallas" if jax.default_backend() == "gpu" else "reference"  # generate's default
-        stream = training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
-                                       backend, log, settings.chat_share, settings.cut_loops, settings.openers)
+        earlier = [training.load_data(run, cfg.vocab_size) for run in args.data]
+        new = []
+        if settings.tokens:
+            rows = min(GENERATION_BATCH, -(-settings.tokens // settings.seq))
+            backend = "pallas" if jax.default_backend() == "gpu" else "reference"  # generate's default
+            new = [training.self_distill(cfg, target, tokenizer, settings.tokens, settings.seq, rows, settings.seed,
+                                         backend, log, settings.chat_share, settings.cut_loops, settings.openers)]
+        stream = np.concatenate(new + earlier)
+        if len(stream) < 4 * settings.seq:
+            raise JaxspecError(f"the data hold {len(stream)} tokens, fewer than 4 sequences of --seq {settings.seq}")
+        if earlier:
+            log(f"data: {len(stream):,} tokens: {sum(map(len, new)):,} new, "
+                + ", ".join(f"{len(x):,} of {run}" for x, run in zip(earlier, args.data)))
         files.write_file(out / training.DATA_FILE, lambda tmp: training.write_data(tmp, stream))
+        if settings.steps == 0:
+            record.update(step=0, log=[], data_tokens=len(stream), seconds=round(time.perf_counter() - begin, 1))
+            files.write_file(out / "train_log.json", lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
+            log(f"saved {out}: {len(stream):,} tokens of data (--steps 0: no head); train on them with --data {out}")
+            return
     if start is None:
         ids = training.draft_vocabulary(stream, cfg.vocab_size, settings.draft_vocab)
         head = training.init_head(jax.random.key(settings.seed), ecfg, ids)

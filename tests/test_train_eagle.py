@@ -231,6 +231,37 @@ def test_init_grows_a_heads_draft_vocabulary(capsys, tiny_model, tmp_path):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_data_generated_apart_are_trained_on_together(capsys, tiny_model, tmp_path):
+    """--steps 0 writes the data alone; --data trains on earlier runs' data after this run's new tokens, in
+    that order and token for token (a run with --seed 1 generates what the data-only run of seed 1 did)."""
+    a, b, both, more = tmp_path / "a", tmp_path / "b", tmp_path / "both", tmp_path / "more"
+    for out, seed in ((a, 0), (b, 1)):
+        code, err = cli(capsys, "--model", tiny_model, "--out", out, *SMALL, "--steps", 0, "--seed", seed)
+        assert code == 0 and "no head" in err, err
+        assert {p.name for p in out.iterdir()} == {"data.npy", "train_log.json"}
+        assert json.loads((out / "train_log.json").read_text())["data_tokens"] == len(training.load_data(out)) >= 200
+    data_a, data_b = training.load_data(a), training.load_data(b)
+    assert not np.array_equal(data_a[:200], data_b[:200])
+    code, err = cli(capsys, "--model", tiny_model, "--out", both, *SMALL, "--tokens", 0, "--data", f"{a},{b}")
+    assert code == 0 and "data: " in err and "0 new" in err and (both / "config.json").exists(), err
+    np.testing.assert_array_equal(training.load_data(both), np.concatenate([data_a, data_b]))
+    assert json.loads((both / "train_log.json").read_text())["data"] == [str(a), str(b)]
+    code, err = cli(capsys, "--model", tiny_model, "--out", more, *SMALL, "--seed", 1, "--data", a)
+    assert code == 0, err
+    np.testing.assert_array_equal(training.load_data(more), np.concatenate([data_b, data_a]))
+
+
+def test_data_of_another_vocabulary_is_one_line_and_writes_nothing(capsys, tiny_model, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    tokens = np.random.default_rng().integers(0, 400, 500).astype(np.int32)
+    tokens[np.random.default_rng().integers(500)] = 400  # one id past the vocabulary
+    training.write_data(run / training.DATA_FILE, tokens)
+    code, err = cli(capsys, "--model", tiny_model, "--out", tmp_path / "head", *SMALL, "--tokens", 0, "--data", run)
+    assert code == 2 and "outside the model's vocabulary of 400" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "head").exists()
+
+
 def test_shared_lm_head_trains_a_head_without_one_and_goes_on_from_a_heads_layer(capsys, tiny_model, tmp_path):
     """--shared-lm-head: the head drafts over the whole vocabulary through the model's LM head and is
     written without one; with --init of a head with its own LM head, the layer goes on (a learning
@@ -360,6 +391,10 @@ def test_self_distill_cuts_each_continuation_where_loop_cut_says(tiny_model, mon
     (("--chat-share", 1.5), "--chat-share must be in [0, 1]"),
     (("--resume",), "has no train_state"),
     (("--init", "no/such/head"), "is not an EAGLE-3 head"),
+    (("--tokens", 0), "--tokens 0 trains on --data alone"),
+    (("--data", "no/such/run"), "has no data.npy"),
+    (("--steps", 0, "--init", "no/such/head"), "--steps 0 only generates new data"),
+    (("--steps", -1), "--steps >= 0"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(capsys, tiny_model, tmp_path, args, fragment):
     defaults = {"--model": tiny_model, "--out": tmp_path / "head", **dict(zip(SMALL[::2], SMALL[1::2]))}

@@ -393,7 +393,7 @@ class Settings:
     """A training run's settings (`python -m jaxspec.train_eagle`'s flags; the defaults size a
     SmolLM2-135M run on one H200: see checkpoints/README.md)."""
 
-    tokens: int = 6_000_000  # self-distilled tokens (prompts and continuations)
+    tokens: int = 6_000_000  # newly self-distilled tokens (prompts and continuations)
     steps: int = 1500
     batch: int = 16
     seq: int = 2048
@@ -491,9 +491,17 @@ def write_data(path: Path, stream: np.ndarray) -> None:
         np.save(f, stream)
 
 
-def load_data(out: Path) -> np.ndarray:
-    """The token stream of out/data.npy."""
+def load_data(out: Path, vocab_size: int | None = None) -> np.ndarray:
+    """The token stream of out/data.npy; with `vocab_size`, checked to be token ids of a vocabulary that
+    size (a run of another model's is a one-line error, not a wrong head)."""
+    path = out / DATA_FILE
     try:
-        return np.load(out / DATA_FILE).astype(np.int32)
+        stream = np.load(path)
     except (OSError, ValueError) as e:
-        raise JaxspecError(f"cannot read the training data {out / DATA_FILE}: {e}") from None
+        raise JaxspecError(f"cannot read the training data {path}: {e}") from None
+    if stream.ndim != 1 or stream.dtype.kind not in "iu":
+        raise JaxspecError(f"the training data {path} are not a token stream (a 1-D integer array)")
+    if vocab_size is not None and len(stream) and not 0 <= stream.min() <= stream.max() < vocab_size:
+        raise JaxspecError(f"the training data {path} hold token ids outside the model's vocabulary of {vocab_size} "
+                           "(another model's data?)")
+    return stream.astype(np.int32)
