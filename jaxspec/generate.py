@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import threading
 from pathlib import Path
@@ -208,10 +209,11 @@ def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner
                                 precisions=planner.allowed_precisions(args.precision), table=args.planner_table,
                                 min_tokens=args.min_tokens, **run)
     if plan.unmeasured_head:
-        head_dir = head_path(args)
-        print(f"note: {plan.source.removeprefix('table:')} never measured the draft head {head_dir}, so auto plans "
-              f"without it; profile it: python -m jaxspec.profile --methods plain,eagle --draft-model {head_dir} "
-              "--add, with the cells' settings (docs/development.md, 'Planner tables')", file=sys.stderr)
+        head_dir, table = head_path(args), plan.source.removeprefix("table:")
+        command = shlex.join(["--model", str(args.model), "--eagle-cells", "--draft-model", str(head_dir),
+                              "--out", table])
+        print(f"note: {table} never measured the draft head {head_dir}, so auto plans without it; measure it where "
+              f"the table measured another head: python -m jaxspec.profile {command}", file=sys.stderr)
     params = with_draft_model(params, plan.draft_weights, (), mesh, cfg.expert_parallel)
     if plan.first.method == "eagle":
         params = with_head(params, args, cfg, mesh)

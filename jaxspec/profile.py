@@ -11,6 +11,7 @@ the real decode loop over the strategy space and writes the ranked table that `-
         [--trees 3,2,1 dfs:2,2,2] [--ratios 0.03,0.07] [--groups 1,4,8,16] [--precisions strict]
         [--draft-weights exact,int8] [--select-every 1,2] [--balances 1,2] [--draft-model DIR] [--new 256] [--repeats 3]
         [--prompts documents|requests] [--budget SECONDS] [--add] [--out FILE]
+    python -m jaxspec.profile --model smollm2 --eagle-cells [--draft-model DIR] [--budget SECONDS] [--out FILE]
 
 For every sampling mode (greedy first, as generate's default; then T 0.7 top-p 0.95, the headline
 setting), batch size and context bucket: `--repeats` calibration batches of real text (jaxspec.corpus
@@ -43,13 +44,19 @@ the latest run only. A cell measured again is replaced whole, unless `--add`: th
 for what this run does not measure, each stamped with its own run's record (`measured`), as when a new
 draft head is profiled with `--methods plain,eagle` (plain is measured again with the head; a kept
 entry is from another process, which on one device kind agrees within a few percent, under the
-planner's 10% margin). The default file is the shipped table of this model and device kind
+planner's 10% margin; a cell whose run the budget cut after plain is not written: it keeps its own).
+`--eagle-cells` does that for every cell of the table that ranks another
+head's eagle strategies without this head's: each with its own batch, bucket, sampling, prompts, new
+tokens and repeats, and the eagle shapes it ranks (one run per batch and sampling, in one process), so
+a new head answers wherever the head it replaces did; cells done are skipped, so a run cut short goes
+on where it stopped. The default file is the shipped table of this model and device kind
 (`jaxspec/planner/tables/`), which auto finds. A markdown summary is printed last.
 """
 
 from __future__ import annotations
 
 import datetime
+import shlex
 import statistics
 import sys
 import time
@@ -61,6 +68,7 @@ import numpy as np
 
 from jaxspec import corpus
 from jaxspec.decoding.sampling import SamplingConfig
+from jaxspec.decoding.tree import branching_text
 from jaxspec.decoding.spec import METHODS, PRECISIONS, SCORE_METHODS, SPARSE_METHODS, SpecConfig, spec_from_settings, takes_draft_model
 from jaxspec.errors import ArgumentParser, JaxspecError, cli_main
 from jaxspec.models import draft_weights
@@ -158,7 +166,8 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.7, help="of the sample mode")
     p.add_argument("--top-p", type=float, default=0.95, help="of the sample mode")
     p.add_argument("--methods", type=words, default=("plain", "vegas", "stream", "ngram"))
-    p.add_argument("--gammas", type=ints, default=(2, 4, 6))
+    p.add_argument("--gammas", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=(2, 4, 6),
+                   help="eagle and the model drafters' chains (empty: --trees alone)")
     p.add_argument("--trees", nargs="*", default=["3,2,1", "dfs:2,2,2"], metavar="SHAPE",
                    help="e.g. 3,2,1 dfs:2,2,2 5,3+1 (each node its own children)")
     p.add_argument("--ratios", type=floats, default=(0.03, 0.07))
@@ -185,8 +194,46 @@ def parse_args(argv):
     p.add_argument("--add", action="store_true",
                    help="a cell measured again keeps its entries for the strategies (and eagle heads) this run does "
                         "not measure, each recording its own run: profile a new draft head with --methods plain,eagle")
+    p.add_argument("--eagle-cells", action="store_true",
+                   help="measure plain and eagle with --draft-model in every cell of --out that ranks another "
+                        "head's eagle strategies without its own, with each cell's own settings (implies --add)")
     p.add_argument("--out", type=Path, default=None, help="default: the shipped table of this model and device")
     return p.parse_args(argv)
+
+
+# The flags of the grid a run measures: --eagle-cells takes them from the table's cells instead.
+GRID = ("buckets", "batch", "samplings", "methods", "gammas", "trees", "ratios", "groups", "precisions",
+        "draft_weights", "select_every", "balances", "prompts", "new", "repeats")
+
+
+def eagle_cell_runs(table: dict, head_id: str) -> list[list[str]]:
+    """The grid flags of the runs that measure plain and eagle with the head `head_id` in each cell of
+    `table` that ranks another head's eagle strategies without this head's: one run per (sampling, batch,
+    precision, new tokens, repeats, prompts), over its cells' buckets and the eagle shapes (and NSA
+    groups) they rank, so a run measures just those cells. Chat-request cells come first (what a chat
+    user's default run is planned from), then by batch size."""
+    eagle = lambda cell, mine: {Strategy.from_json(e["strategy"]) for e in cell["ranked"]
+                                if e["strategy"]["method"] == "eagle" and (e.get("head") == head_id) == mine}
+    groups = {}
+    for cell in table["cells"]:
+        if eagle(cell, False) - eagle(cell, True):
+            key = (cell["sampling"], cell["batch"], cell["precision"], cell.get("new_tokens"), cell.get("repeats"),
+                   tables.prompt_kind(cell))
+            groups.setdefault(key, []).append(cell)
+    runs = []
+    first = lambda item: (item[0][5] != "requests", item[0][1], item[0])
+    for (sampling, batch, precision, new, repeats, prompts), cells in sorted(groups.items(), key=first):
+        shapes = set().union(*(eagle(c, False) for c in cells))
+        gammas = sorted({s.gamma for s in shapes if s.tree is None})
+        trees = sorted({f"{s.traversal}:{branching_text(s.tree)}" for s in shapes if s.tree is not None})
+        nsa_groups = sorted({s.group for s in shapes if s.group})
+        flags = ["--methods", "plain,eagle", "--samplings", sampling, "--batch", str(batch),
+                 "--buckets", ",".join(str(c["bucket"]) for c in sorted(cells, key=lambda c: c["bucket"])),
+                 "--precisions", "strict" if precision == "strict" else f"strict,{precision}",
+                 "--new", str(new), "--repeats", str(repeats), "--prompts", prompts,
+                 "--gammas", ",".join(map(str, gammas)), "--trees", *trees]
+        runs.append(flags + (["--groups", ",".join(map(str, nsa_groups))] if nsa_groups else []))
+    return runs
 
 
 def check_listed(flag: str, values: tuple, field: str, methods, takers, what: str) -> None:
@@ -233,16 +280,22 @@ def check_args(args) -> None:
 
 @cli_main
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse_args(argv)
     check_args(args)
-    trees = [parse_tree(text) for text in args.trees]
-    samplings = {"greedy": SamplingConfig(), "sample": SamplingConfig(temperature=args.temperature, top_p=args.top_p)}
+    if args.eagle_cells:
+        defaults = parse_args([])
+        given = [name for name in GRID if getattr(args, name) != getattr(defaults, name)]
+        if given:
+            raise JaxspecError(f"--eagle-cells takes each cell's settings from the table: drop "
+                               f"--{given[0].replace('_', '-')}")
 
     from jaxspec.loaders import load_model
     from jaxspec.loaders.eagle import head_fingerprint, load_eagle, shipped_head
 
-    head_dir = (args.draft_model or shipped_head(args.model)) if "eagle" in args.methods else None
-    if "eagle" in args.methods and head_dir is None:
+    eagle = "eagle" in args.methods or args.eagle_cells
+    head_dir = (args.draft_model or shipped_head(args.model)) if eagle else None
+    if eagle and head_dir is None:
         raise JaxspecError(f"--methods eagle needs a draft head: --draft-model DIR (none ships for {args.model})")
     cfg, params, tokenizer = load_model(args.model, dtype=args.dtype)
     head, head_id = None, None
@@ -250,6 +303,43 @@ def main(argv=None):
         head, weights = load_eagle(head_dir, cfg, args.dtype)
         params = {**params, "eagle": jax.device_put(weights)}
         head_id = head_fingerprint(Path(head_dir))
+    out = args.out or tables.table_path(cfg, tables.device_kind())
+    started = time.monotonic()
+    out_of_time = lambda: args.budget is not None and time.monotonic() - started > args.budget
+    measure = lambda run_args, command: profile_grid(run_args, command, cfg, params, tokenizer, head, head_id, out,
+                                                     out_of_time)
+    if not args.eagle_cells:
+        measured = measure(args, argv)
+    else:
+        runs = eagle_cell_runs(tables.load_table(out), head_id) if out.is_file() else []
+        if not runs:
+            print(f"no cell of {out} ranks another head's eagle entries without this head's: nothing to measure")
+            return
+        common = ["--model", args.model, "--dtype", args.dtype, "--backend", args.backend, "--temperature",
+                  str(args.temperature), "--top-p", str(args.top_p), "--draft-model", str(head_dir), "--add",
+                  "--out", str(out)]
+        print(f"--eagle-cells: runs to make for the head {head_id}: {len(runs)} (one per batch and sampling mode)",
+              flush=True)
+        measured = []
+        for flags in runs:
+            if out_of_time():
+                break
+            run_args = parse_args(common + flags)
+            check_args(run_args)
+            measured += measure(run_args, common + flags)
+    if not measured:
+        raise JaxspecError("the budget ran out before the first measurement; nothing written")
+    if out_of_time():
+        print(f"budget of {args.budget:.0f} s spent: stopped early", file=sys.stderr)
+    print(f"\nsaved {len(measured)} cells to {out}\n")
+    print(summary(measured))
+
+
+def profile_grid(args, argv: list[str], cfg, params, tokenizer, head, head_id, out: Path, out_of_time) -> list[dict]:
+    """Measures the grid of `args` (the flags `argv`, recorded in each cell) with the loaded model and
+    head, writing each cell into the table at `out` as it is done; returns the cells measured."""
+    trees = [parse_tree(text) for text in args.trees]
+    samplings = {"greedy": SamplingConfig(), "sample": SamplingConfig(temperature=args.temperature, top_p=args.top_p)}
     precisions = []
     for p in args.precisions:
         if p.endswith("reuse") and (cfg.nsa is None or not cfg.nsa.refresh_layers):
@@ -273,11 +363,10 @@ def main(argv=None):
     base = bases[min(args.balances)]
 
     device = tables.device_kind()
-    out = args.out or tables.table_path(cfg, device)
     profile = {"new_tokens": args.new, "repeats": args.repeats, "max_len": max_len, "dtype": args.dtype,
                "samplings": {k: vars(samplings[k]) for k in args.samplings},
                "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": " ".join(["python -m jaxspec.profile"] + list(sys.argv[1:] if argv is None else argv))}
+               "command": f"python -m jaxspec.profile {shlex.join(argv)}"}  # a command a shell runs again
     table = tables.new_table(cfg, args.model, device, args.backend, profile)
     if out.is_file():
         old = tables.load_table(out)
@@ -289,8 +378,7 @@ def main(argv=None):
     print(f"{len(space)} strategies x {len(args.buckets)} buckets x {len(args.batch)} batch sizes x "
           f"{len(args.samplings)} sampling modes, {args.repeats} calibration batches each; max_len {max_len}", flush=True)
 
-    started, measured = time.monotonic(), []
-    out_of_time = lambda: args.budget is not None and time.monotonic() - started > args.budget
+    measured = []
     for mode in args.samplings:
         for b in args.batch:
             for bucket in args.buckets:
@@ -327,20 +415,19 @@ def main(argv=None):
                           f"{row['tokens_per_iteration']:.2f} tokens/iteration, iteration {row['iteration_s'] * 1e3:.2f} ms",
                           flush=True)
                 prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
+                speculative = any(not s.plain for s in space)
                 for precision, rows in entries.items():
-                    if any(Strategy.from_json(e["strategy"]).plain for e in rows):  # a cell needs its plain entry
+                    plain = [Strategy.from_json(e["strategy"]).plain for e in rows]
+                    # a cell needs its plain entry; with --add, a run the budget cut before anything else adds
+                    # nothing, and the cell keeps its own
+                    if any(plain) and not (args.add and speculative and all(plain)):
                         tables.set_cell(table, b, mode, bucket, precision, rows, keep=args.add,
                                         prompt_tokens=prompt_tokens, prompts=args.prompts,
                                         **{k: profile[k] for k in tables.PROVENANCE})
                         measured.append(table["cells"][-1])
                 if measured:
                     tables.save_table(out, table)
-    if not measured:
-        raise JaxspecError("the budget ran out before the first measurement; nothing written")
-    if out_of_time():
-        print(f"budget of {args.budget:.0f} s spent: stopped early", file=sys.stderr)
-    print(f"\nsaved {len(measured)} cells to {out}\n")
-    print(summary(measured))
+    return measured
 
 
 def summary(cells: list[dict]) -> str:

@@ -341,7 +341,7 @@ def test_eagle_draft_model_is_lossless(capsys, tmp_path, hf_checkpoints, llama_d
         unmeasured = generate_here(capsys, *auto_args)
         assert unmeasured.returncode == 0 and json.loads(unmeasured.stdout)["stats"]["planned"]["strategy"] == "plain"
         assert f"never measured the draft head {head}" in unmeasured.stderr
-        assert f"--draft-model {head} --add, with the cells' settings" in unmeasured.stderr
+        assert f"--eagle-cells --draft-model {head} --out {tmp_path / 'table.json'}" in unmeasured.stderr
 
 
 def test_method_eagle_finds_the_shipped_head(capsys, hf_checkpoints):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 from types import SimpleNamespace
 
 import jax
@@ -1282,6 +1283,90 @@ def test_profile_add_keeps_what_it_does_not_measure(hf_checkpoints, tmp_path, mo
     (cell,) = t["cells"]
     assert [(e.get("head"), e["tokens_per_s"], e.get("measured", {}).get("date")) for e in cell["ranked"]] == [
         ("b", 160.0, None), ("a", 150.0, "d1"), (None, 101.0, None)]
+
+
+def test_profile_eagle_cells_measures_a_new_head_where_the_old_one_answers(hf_checkpoints, llama_deep_head, tmp_path,
+                                                                         monkeypatch, capsys):
+    """`--eagle-cells`: plain and eagle with the new head, in each cell that ranks the old head's eagle
+    entries, with that cell's own settings and eagle shapes, one run per (sampling, batch); the cell keeps
+    its other entries, a cell without eagle entries is left as it was, the command each cell records
+    repeats its run, and a second run finds nothing left to measure. A grid flag beside it is an error."""
+    from jaxspec.loaders.eagle import head_fingerprint, load_eagle, save_eagle
+    from jaxspec.loaders import load_config
+
+    model = str(hf_checkpoints["llama_deep"])
+    ecfg, weights = load_eagle(llama_deep_head, load_config(model, "float32"), "float32")
+    new_head = tmp_path / "new_head"
+    save_eagle(new_head, ecfg, {**weights, "fc": weights["fc"] * np.float32(1.01)})
+    old_id, new_id = head_fingerprint(llama_deep_head), head_fingerprint(new_head)
+    assert old_id != new_id
+    rate = iter(range(100, 100000, 7))
+    calls = []
+
+    def fake(params, cfg, batch, cache, spec, sampling, max_len, new, seed):
+        calls.append((spec.method, "greedy" if sampling.greedy else "sample", batch.ids.shape[0], new))
+        return float(next(rate)), 1.5, 0.001, 0.0
+
+    monkeypatch.setattr(profile, "run_once", fake)
+    out = tmp_path / "table.json"
+    flags = ["--model", model, "--ratios", "0.5", "--out", str(out), "--draft-model", str(llama_deep_head)]
+    profile.main(flags + ["--buckets", "64,80", "--new", "4", "--repeats", "2", "--samplings", "greedy",
+                          "--methods", "plain,vegas,eagle", "--gammas", "2", "--trees", "dfs:2,1"])
+    profile.main(flags + ["--buckets", "64", "--new", "5", "--repeats", "1", "--samplings", "sample", "--batch", "2",
+                          "--methods", "plain,eagle", "--gammas", "", "--trees", "3,1"])
+    profile.main(flags + ["--buckets", "96", "--new", "4", "--repeats", "1", "--samplings", "greedy",
+                          "--methods", "plain,vegas", "--gammas", "3", "--trees"])
+    before = tables.load_table(out)["cells"]
+    calls.clear()
+    capsys.readouterr()
+    profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells"])
+    assert f"the head {new_id}: 2 (one per" in capsys.readouterr().out
+    assert sorted(set(calls)) == [("eagle", "greedy", 1, 4), ("eagle", "sample", 2, 5), ("plain", "greedy", 1, 4),
+                                  ("plain", "sample", 2, 5)]
+    after = tables.load_table(out)["cells"]
+    key = lambda c: (c["sampling"], c["batch"], c["bucket"])
+    assert sorted(map(key, after)) == sorted(map(key, before))
+    for cell in after:
+        old = next(c for c in before if key(c) == key(cell))
+        eagle = lambda c, head: sorted(e["name"] for e in c["ranked"] if e.get("head") == head)
+        if not eagle(old, old_id):
+            assert cell == old
+            continue
+        assert eagle(cell, new_id) == eagle(cell, old_id) == eagle(old, old_id)
+        assert all("measured" in e for e in cell["ranked"] if e["strategy"]["method"] not in ("plain",)
+                   and e.get("head") != new_id)
+        assert (cell["new_tokens"], cell["repeats"]) == (old["new_tokens"], old["repeats"])
+        rerun = profile.parse_args(shlex.split(cell["command"])[3:])
+        assert (rerun.buckets, rerun.batch, rerun.samplings, rerun.new, rerun.methods, rerun.add) == (
+            (64, 80) if cell["sampling"] == "greedy" else (64,), (cell["batch"],), (cell["sampling"],),
+            cell["new_tokens"], ("plain", "eagle"), True)
+    calls.clear()
+    profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells"])
+    assert calls == [] and "nothing to measure" in capsys.readouterr().out
+    assert tables.load_table(out)["cells"] == after
+    t = tables.load_table(out)  # a run cut short inside a cell: the head's entries for some shapes only
+    cell = next(c for c in t["cells"] if c["sampling"] == "greedy" and c["bucket"] == 80)
+    cell["ranked"].remove(next(e for e in cell["ranked"] if e.get("head") == new_id))
+    tables.save_table(out, t)
+    profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells"])
+    assert {c[1:] for c in calls} == {("greedy", 1, 4)} and f"{new_id}: 1 (one per" in capsys.readouterr().out
+    # a budget spent once the first bucket's plain is measured: that cell is not written, it keeps its own
+    t = tables.load_table(out)
+    cell = next(c for c in t["cells"] if c["sampling"] == "greedy" and c["bucket"] == 64)
+    cell["ranked"].remove(next(e for e in cell["ranked"] if e.get("head") == new_id))
+    tables.save_table(out, t)
+    clock = iter([0.0, 0.0, 0.0])  # the run's start, its first group's check, the bucket's check; then spent
+    monkeypatch.setattr(profile, "time", SimpleNamespace(monotonic=lambda: next(clock, 1e9)))
+    calls.clear()
+    with pytest.raises(SystemExit):
+        profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells",
+                      "--budget", "1"])
+    assert [c[0] for c in calls] == ["plain", "plain"] and tables.load_table(out) == t
+    assert "the budget ran out before the first measurement" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile.main(["--model", model, "--out", str(out), "--eagle-cells", "--buckets", "64"])
+    assert capsys.readouterr().err.strip() == (
+        "error: --eagle-cells takes each cell's settings from the table: drop --buckets")
 
 
 def test_profile_of_requests_keeps_the_document_cells(hf_checkpoints, tmp_path, capsys):
