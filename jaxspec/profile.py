@@ -217,11 +217,11 @@ def eagle_cell_runs(table: dict, head_id: str) -> list[list[str]]:
     groups = {}
     for cell in table["cells"]:
         if eagle(cell, False) - eagle(cell, True):
-            key = (cell["sampling"], cell["batch"], cell["precision"], cell.get("new_tokens"), cell.get("repeats"),
-                   tables.prompt_kind(cell))
+            measured = [cell.get(k, table["profile"].get(k)) for k in ("new_tokens", "repeats")]  # older: the header's
+            key = (cell["sampling"], cell["batch"], cell["precision"], *measured, tables.prompt_kind(cell))
             groups.setdefault(key, []).append(cell)
     runs = []
-    first = lambda item: (item[0][5] != "requests", item[0][1], item[0])
+    first = lambda item: (item[0][5] != "requests", item[0][1], str(item[0]))
     for (sampling, batch, precision, new, repeats, prompts), cells in sorted(groups.items(), key=first):
         shapes = set().union(*(eagle(c, False) for c in cells))
         gammas = sorted({s.gamma for s in shapes if s.tree is None})
