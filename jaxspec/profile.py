@@ -311,7 +311,14 @@ def main(argv=None):
     if not args.eagle_cells:
         measured = measure(args, argv)
     else:
-        runs = eagle_cell_runs(tables.load_table(out), head_id) if out.is_file() else []
+        if not out.is_file():
+            raise JaxspecError(f"--eagle-cells: no table at {out} to take the cells from")
+        table = tables.load_table(out)
+        if table["model"]["fingerprint"] != tables.fingerprint(cfg) or table["device"] != tables.device_kind():
+            raise JaxspecError(f"--eagle-cells: {out} is a table of {table['model']['fingerprint']} on "
+                               f"{table['device']}, not of this model ({tables.fingerprint(cfg)}) on this device "
+                               f"({tables.device_kind()})")
+        runs = eagle_cell_runs(table, head_id)
         if not runs:
             print(f"no cell of {out} ranks another head's eagle entries without this head's: nothing to measure")
             return

@@ -1367,6 +1367,13 @@ def test_profile_eagle_cells_measures_a_new_head_where_the_old_one_answers(hf_ch
         profile.main(["--model", model, "--out", str(out), "--eagle-cells", "--buckets", "64"])
     assert capsys.readouterr().err.strip() == (
         "error: --eagle-cells takes each cell's settings from the table: drop --buckets")
+    for table, dtype, fragment in ((tmp_path / "none.json", "float32", "no table at"),
+                                   (out, "bfloat16", "not of this model")):  # another model's: not measured over
+        with pytest.raises(SystemExit):
+            profile.main(["--model", model, "--dtype", dtype, "--out", str(table), "--eagle-cells",
+                          "--draft-model", str(new_head)])
+        assert fragment in capsys.readouterr().err
+    assert tables.load_table(out) == t
 
 
 def test_profile_of_requests_keeps_the_document_cells(hf_checkpoints, tmp_path, capsys):
