@@ -3,7 +3,7 @@ each head and draft shape, in one process.
 
     PYTHONPATH=. python3 bench/default_request.py [--heads checkpoints/eagle3-smollm2,DIR] [--model smollm2]
         [--shapes chain:4,bfs:3,2,1] [--samplings sample,greedy] [--draws sampled,top] [--new 256] [--repeats 3]
-        [--first-seed 0] [--tiny] [--out DIR] [--tag T]
+        [--planner-table FILE] [--first-seed 0] [--tiny] [--out DIR] [--tag T]
 
 The request is the CLI's: DEFAULT_PROMPT through the chat template, batch 1, `--new` (generate's 256)
 new tokens, stopping at EOS. Configs: plain, eagle with each head (default: the model's shipped one)
@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--samplings", default="sample,greedy", help="of bench.common.SAMPLINGS")
     p.add_argument("--draws", default=None, help="eagle's draws when sampling (SpecConfig.draws: sampled, top; "
                                                   "default: eagle's), comma-separated")
+    p.add_argument("--planner-table", type=Path, default=None,
+                   help="auto's table (generate's --planner-table; default: the shipped one of this device)")
     p.add_argument("--first-seed", type=int, default=0,
                    help="the runs' seeds start here (a sampled run's text, and so its acceptance, is its seed's)")
     request_flags(p)
@@ -90,7 +92,8 @@ def main() -> None:
         sampling, plain, plain_texts = common.SAMPLINGS[sampling_name], None, None
         # what the default run does: generate's plan, with the first head
         plan, auto_spec = plan_with_head(cfg, common.tree_bytes(params), plain_spec, loaded[0][0], heads[0], batch=1,
-                                         prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling)
+                                         prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling,
+                                         table=args.planner_table)
         for name, shape, weights, spec, plan_of in [(*c, None) for c in configs] + [
                 ("auto", plan.first.name, draft_weights.with_draft_weights(with_heads[0], plan.draft_weights),
                  auto_spec, plan)]:
