@@ -7,8 +7,6 @@ import contextlib
 import functools
 import sys
 
-import jax
-
 
 class JaxspecError(Exception):
     """A user-facing error: bad model file, bad arguments, unsupported architecture, too-long prompt."""
@@ -25,6 +23,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def out_of_memory_as(message):
     """Turns XLA's RESOURCE_EXHAUSTED inside the block into JaxspecError(message()): a device that runs out of
     memory is sized input (a batch, a length) that this machine cannot hold, told in one line."""
+    import jax  # here, not at the top: importing this module (a CLI's flag checks) stays free of jax
+
     try:
         yield
     except jax.errors.JaxRuntimeError as e:
