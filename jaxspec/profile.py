@@ -217,8 +217,9 @@ def eagle_cell_runs(table: dict, head_id: str) -> list[list[str]]:
     groups = {}
     for cell in table["cells"]:
         if eagle(cell, False) - eagle(cell, True):
-            measured = [cell.get(k, table["profile"].get(k)) for k in ("new_tokens", "repeats")]  # older: the header's
-            key = (cell["sampling"], cell["batch"], cell["precision"], *measured, tables.prompt_kind(cell))
+            measured = tables.provenance(table, cell)
+            key = (cell["sampling"], cell["batch"], cell["precision"], measured["new_tokens"], measured["repeats"],
+                   tables.prompt_kind(cell))
             groups.setdefault(key, []).append(cell)
     runs = []
     first = lambda item: (item[0][5] != "requests", item[0][1], str(item[0]))
@@ -380,8 +381,7 @@ def profile_grid(args, argv: list[str], cfg, params, tokenizer, head, head_id, o
         if old["model"]["fingerprint"] == table["model"]["fingerprint"] and old["device"] == device:
             # the header describes this run alone: a kept cell keeps how it was measured (older tables
             # held that in their header only)
-            header = {k: old["profile"].get(k) for k in tables.PROVENANCE}
-            table["cells"] = [{**header, **cell} for cell in old["cells"]]
+            table["cells"] = [{**tables.provenance(old, cell), **cell} for cell in old["cells"]]
     print(f"{len(space)} strategies x {len(args.buckets)} buckets x {len(args.batch)} batch sizes x "
           f"{len(args.samplings)} sampling modes, {args.repeats} calibration batches each; max_len {max_len}", flush=True)
 

@@ -126,6 +126,12 @@ def set_cell(table: dict, batch: int, sampling: str, bucket: int, precision: str
                            "ranked": ranked})
 
 
+def provenance(table: dict, cell: dict) -> dict:
+    """How a cell was measured (PROVENANCE): its own record, or for a cell written before cells kept
+    one, the table header's (which then described every run)."""
+    return {k: cell.get(k, table["profile"].get(k)) for k in PROVENANCE}
+
+
 def _entry_id(entry: dict) -> tuple:
     """What an entry measured: its strategy and, for eagle, the head's fingerprint."""
     return json.dumps(entry["strategy"], sort_keys=True), entry.get("head")
