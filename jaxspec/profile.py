@@ -44,7 +44,8 @@ the latest run only. A cell measured again is replaced whole, unless `--add`: th
 for what this run does not measure, each stamped with its own run's record (`measured`), as when a new
 draft head is profiled with `--methods plain,eagle` (plain is measured again with the head; a kept
 entry is from another process, which on one device kind agrees within a few percent, under the
-planner's 10% margin; a cell whose run the budget cut after plain is not written: it keeps its own).
+planner's 10% margin; a cell whose first batch the budget cut before every strategy ran is not written:
+it keeps its own, and what it lacks is measured again by the next run).
 `--eagle-cells` does that for every cell of the table that ranks another
 head's eagle strategies without this head's: each with its own batch, bucket, sampling, prompts, new
 tokens and repeats, and the eagle shapes it ranks (one run per batch and sampling, in one process), so
@@ -336,7 +337,7 @@ def main(argv=None):
             check_args(run_args)
             measured += measure(run_args, common + flags)
     if not measured:
-        raise JaxspecError("the budget ran out before the first measurement; nothing written")
+        raise JaxspecError("the budget ran out before a cell was measured; nothing written")
     if out_of_time():
         print(f"budget of {args.budget:.0f} s spent: stopped early", file=sys.stderr)
     print(f"\nsaved {len(measured)} cells to {out}\n")
@@ -422,12 +423,12 @@ def profile_grid(args, argv: list[str], cfg, params, tokenizer, head, head_id, o
                           f"{row['tokens_per_iteration']:.2f} tokens/iteration, iteration {row['iteration_s'] * 1e3:.2f} ms",
                           flush=True)
                 prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
-                speculative = any(not s.plain for s in space)
+                whole = len(runs) == len(space)  # the first batch ran every strategy
                 for precision, rows in entries.items():
                     plain = [Strategy.from_json(e["strategy"]).plain for e in rows]
-                    # a cell needs its plain entry; with --add, a run the budget cut before anything else adds
-                    # nothing, and the cell keeps its own
-                    if any(plain) and not (args.add and speculative and all(plain)):
+                    # a cell needs its plain entry; with --add, a cell the budget cut short adds nothing (its
+                    # kept entries would sit beside a few single runs) and keeps its own
+                    if any(plain) and (whole or not args.add):
                         tables.set_cell(table, b, mode, bucket, precision, rows, keep=args.add,
                                         prompt_tokens=prompt_tokens, prompts=args.prompts,
                                         **{k: profile[k] for k in tables.PROVENANCE})

@@ -1350,19 +1350,22 @@ def test_profile_eagle_cells_measures_a_new_head_where_the_old_one_answers(hf_ch
     tables.save_table(out, t)
     profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells"])
     assert {c[1:] for c in calls} == {("greedy", 1, 4)} and f"{new_id}: 1 (one per" in capsys.readouterr().out
-    # a budget spent once the first bucket's plain is measured: that cell is not written, it keeps its own
+    # a budget spent once the first bucket's plain is measured, or plain and one of its two eagle shapes:
+    # that cell is not written, it keeps its own (its old plain entry is not traded for a single run)
     t = tables.load_table(out)
     cell = next(c for c in t["cells"] if c["sampling"] == "greedy" and c["bucket"] == 64)
     cell["ranked"].remove(next(e for e in cell["ranked"] if e.get("head") == new_id))
     tables.save_table(out, t)
-    clock = iter([0.0, 0.0, 0.0])  # the run's start, its first group's check, the bucket's check; then spent
-    monkeypatch.setattr(profile, "time", SimpleNamespace(monotonic=lambda: next(clock, 1e9)))
-    calls.clear()
-    with pytest.raises(SystemExit):
-        profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells",
-                      "--budget", "1"])
-    assert [c[0] for c in calls] == ["plain", "plain"] and tables.load_table(out) == t
-    assert "the budget ran out before the first measurement" in capsys.readouterr().err
+    # readings in time: the run's start, its first group's check, the bucket's, then one per strategy
+    for in_time, ran in ((3, ["plain", "plain"]), (5, ["plain", "plain", "eagle", "eagle"])):
+        clock = iter([0.0] * in_time)
+        monkeypatch.setattr(profile, "time", SimpleNamespace(monotonic=lambda: next(clock, 1e9)))
+        calls.clear()
+        with pytest.raises(SystemExit):
+            profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells",
+                          "--budget", "1"])
+        assert [c[0] for c in calls] == ran and tables.load_table(out) == t
+        assert "the budget ran out before a cell was measured" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         profile.main(["--model", model, "--out", str(out), "--eagle-cells", "--buckets", "64"])
     assert capsys.readouterr().err.strip() == (
