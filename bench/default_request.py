@@ -14,10 +14,11 @@ spread of decode tokens/s; `runner.timed_runs`: the first run carries the progra
 execution, so it is kept apart; a sampled run's text and acceptance are its seed's, so runs with the
 same seeds are one sample of texts). A row gives its speed over plain's, its first run's over plain's
 first run's (what a fresh `generate` sees), tokens an iteration (the median, and the mean with its
-standard error over the texts: two heads' sampled rows differ by their texts too) and acceptance at
-depths 1-3, so the default-run target (>= 1.5x plain on this request) reads off the table; each run
-records a digest of its text (a greedy text that changes between machines shows there), and a greedy
-row the share of its runs whose text is plain's.
+standard error over the texts: two heads' sampled rows differ by their texts too), acceptance at
+depths 1-3 and the ideal speed-up (tokens an iteration x plain's step floor / the iteration's floor,
+`common.floors`; `of ideal`: the measured share of it), so the default-run target (>= 1.5x plain on
+this request) reads off the table; each run records a digest of its text (a greedy text that changes
+between machines shows there), and a greedy row the share of its runs whose text is plain's.
 Writes DIR/default_request_<device><tag>.json after every row; prints the table last.
 """
 
@@ -88,6 +89,8 @@ def main() -> None:
     device = "cpu" if args.tiny else jax.devices()[0].device_kind.split()[1].lower()
     path = args.out / f"default_request_{device}{args.tag}.json"
     result = common.run_info() | {"prompt_tokens": int(batch.lengths[0]), "new": args.new, "rows": []}
+    rates, weight_bytes = common.measure_rates(args.tiny), common.tree_bytes(params)
+    context = int(batch.lengths[0]) + args.new // 2  # the floors' mean context over the run
     for sampling_name in args.samplings.split(","):
         sampling, plain, plain_texts = common.SAMPLINGS[sampling_name], None, None
         # what the default run does: generate's plan, with the first head
@@ -104,8 +107,14 @@ def main() -> None:
             runs = [common.run_measures(run)[0] | (auto_choices(run) if plan_of else {}) for run in ran]
             row = {"sampling": sampling_name, "config": name, "shape": shape, "runs": runs,
                    **common.median_of_runs(runs), "first_run": common.run_measures(first)[0]}
+            last = ran[0].auto.spec if plan_of else spec  # an auto row's floors: its first run's last strategy
+            row |= common.floors(cfg, weight_bytes, last, 1, context, rates,
+                                 common.tree_bytes(weights["eagle"]) if last.method == "eagle" else None)
             plain = plain or row
             row["x_plain"] = row["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+            row["ideal_x_plain"] = 1.0 if last.method == "plain" else (
+                row["tokens_per_iteration"] * row["plain_floor_s"] / row["iteration_floor_s"])
+            row["of_ideal"] = row["x_plain"] / row["ideal_x_plain"]
             row["first_run_x_plain"] = first_speed(row) / first_speed(plain)
             plain_texts = plain_texts or [r["text_digest"] for r in runs]
             if sampling_name == "greedy":  # lossless greedy emits plain's text, up to bf16's near-ties
@@ -124,8 +133,8 @@ def main() -> None:
     print(common.markdown_table(result["rows"], [
         ("sampling", "sampling", "s"), ("config", "config", "s"), ("shape", "shape", "s"),
         ("tok/s (median)", "decode_tokens_per_s", ".0f"), ("spread", "spread_tokens_per_s", ".0f"),
-        ("x plain", "x_plain", ".2f"), ("first run x plain", "first_run_x_plain", ".2f"),
-        ("tokens / iteration", "tokens_per_iteration", ".2f"),
+        ("x plain", "x_plain", ".2f"), ("ideal x plain", "ideal_x_plain", ".2f"), ("of ideal", "of_ideal", ".2f"),
+        ("first run x plain", "first_run_x_plain", ".2f"), ("tokens / iteration", "tokens_per_iteration", ".2f"),
         ("tokens / iteration, mean ± s.e.", "tokens_per_iteration_mean_se", "s"),
         ("acceptance d1-3 (median)", "acceptance_1_3", "s"), ("iteration ms", "iteration_ms", ".2f"),
         ("degeneration", "degeneration", ".2f"), ("greedy text = plain's", "same_text_as_plain", ".2f")]))
