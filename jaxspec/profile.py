@@ -426,8 +426,8 @@ def profile_grid(args, argv: list[str], cfg, params, tokenizer, head, head_id, o
                 whole = len(runs) == len(space)  # the first batch ran every strategy
                 for precision, rows in entries.items():
                     plain = [Strategy.from_json(e["strategy"]).plain for e in rows]
-                    # a cell needs its plain entry; with --add, a cell the budget cut short adds nothing (its
-                    # kept entries would sit beside a few single runs) and keeps its own
+                    # a cell needs its plain entry; with --add, a cell whose first batch the budget cut short
+                    # adds nothing (its kept entries would sit beside a few single runs) and keeps its own
                     if any(plain) and (whole or not args.add):
                         tables.set_cell(table, b, mode, bucket, precision, rows, keep=args.add,
                                         prompt_tokens=prompt_tokens, prompts=args.prompts,
