@@ -94,7 +94,7 @@ def main() -> None:
     for sampling_name in args.samplings.split(","):
         sampling, plain, plain_texts = common.SAMPLINGS[sampling_name], None, None
         # what the default run does: generate's plan, with the first head
-        plan, auto_spec = plan_with_head(cfg, common.tree_bytes(params), plain_spec, loaded[0][0], heads[0], batch=1,
+        plan, auto_spec = plan_with_head(cfg, weight_bytes, plain_spec, loaded[0][0], heads[0], batch=1,
                                          prompt_tokens=int(batch.lengths[0]), new_tokens=args.new, sampling=sampling,
                                          table=args.planner_table)
         for name, shape, weights, spec, plan_of in [(*c, None) for c in configs] + [
