@@ -44,8 +44,8 @@ the latest run only. A cell measured again is replaced whole, unless `--add`: th
 for what this run does not measure, each stamped with its own run's record (`measured`), as when a new
 draft head is profiled with `--methods plain,eagle` (plain is measured again with the head; a kept
 entry is from another process, which on one device kind agrees within a few percent, under the
-planner's 10% margin; a cell whose first batch the budget cut before every strategy ran is not written:
-it keeps its own, and what it lacks is measured again by the next run).
+planner's 10% margin; a cell the budget cut before every strategy ran on every calibration batch is
+not written: it keeps its own, and what it lacks is measured again by the next run).
 `--eagle-cells` does that for every cell of the table that ranks another
 head's eagle strategies without this head's: each with its own batch, bucket, sampling, prompts, new
 tokens and repeats, and the eagle shapes it ranks (one run per batch and sampling, in one process), so
@@ -423,11 +423,13 @@ def profile_grid(args, argv: list[str], cfg, params, tokenizer, head, head_id, o
                           f"{row['tokens_per_iteration']:.2f} tokens/iteration, iteration {row['iteration_s'] * 1e3:.2f} ms",
                           flush=True)
                 prompt_tokens = int(np.mean([x.lengths.mean() for x in batches]))
-                whole = len(runs) == len(space)  # the first batch ran every strategy
+                # every strategy ran on every calibration batch (later batches run all of the first's, or none)
+                whole = len(runs) == len(space) and all(len(r) == len(batches) for r in runs.values())
                 for precision, rows in entries.items():
                     plain = [Strategy.from_json(e["strategy"]).plain for e in rows]
-                    # a cell needs its plain entry; with --add, a cell whose first batch the budget cut short
-                    # adds nothing (its kept entries would sit beside a few single runs) and keeps its own
+                    # a cell needs its plain entry; with --add, a cell the budget cut short adds nothing (its
+                    # kept entries would sit beside fewer runs, and its plain entry be traded for them) and
+                    # keeps its own
                     if any(plain) and (whole or not args.add):
                         tables.set_cell(table, b, mode, bucket, precision, rows, keep=args.add,
                                         prompt_tokens=prompt_tokens, prompts=args.prompts,

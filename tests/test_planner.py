@@ -1350,14 +1350,16 @@ def test_profile_eagle_cells_measures_a_new_head_where_the_old_one_answers(hf_ch
     tables.save_table(out, t)
     profile.main(["--model", model, "--out", str(out), "--draft-model", str(new_head), "--eagle-cells"])
     assert {c[1:] for c in calls} == {("greedy", 1, 4)} and f"{new_id}: 1 (one per" in capsys.readouterr().out
-    # a budget spent once the first bucket's plain is measured, or plain and one of its two eagle shapes:
-    # that cell is not written, it keeps its own (its old plain entry is not traded for a single run)
+    # a budget spent once the first bucket's plain is measured, plain and one of its two eagle shapes, or its
+    # first batch of two: that cell is not written, it keeps its own (its old plain entry is not traded for
+    # fewer runs)
     t = tables.load_table(out)
     cell = next(c for c in t["cells"] if c["sampling"] == "greedy" and c["bucket"] == 64)
     cell["ranked"].remove(next(e for e in cell["ranked"] if e.get("head") == new_id))
     tables.save_table(out, t)
-    # readings in time: the run's start, its first group's check, the bucket's, then one per strategy
-    for in_time, ran in ((3, ["plain", "plain"]), (5, ["plain", "plain", "eagle", "eagle"])):
+    # readings in time: the run's start, its first group's check, the bucket's, one per strategy, the next batch's
+    for in_time, ran in ((3, ["plain", "plain"]), (5, ["plain", "plain", "eagle", "eagle"]),
+                         (6, ["plain", "plain"] + ["eagle"] * 4)):
         clock = iter([0.0] * in_time)
         monkeypatch.setattr(profile, "time", SimpleNamespace(monotonic=lambda: next(clock, 1e9)))
         calls.clear()
