@@ -23,7 +23,7 @@ from jaxspec.models import decoder, draft_weights
 from jaxspec.models.config import ModelConfig, MoEConfig, NSAConfig
 from jaxspec.models.eagle import EagleConfig
 from jaxspec.planner import cost, refine, tables
-from jaxspec.planner.plan import choose, paid_copies
+from jaxspec.planner.plan import ERRORS, choose, median_error, paid_copies, pessimistic
 from jaxspec.planner.refine import Observation
 from jaxspec.planner.strategy import Prediction, Strategy
 from jaxspec.runner import run_generation, summarize
@@ -825,10 +825,29 @@ def test_choice_discounts_a_noisy_table_win():
     """A speculative entry whose median beats plain but whose spread reaches below plain + MARGIN is
     no win (the shipped SmolLM2 table's greedy 1K bucket: ngram 1,086 +- 562 vs plain 778)."""
     ngram = Strategy("ngram", tree=(3, 2, 1))
-    noisy = (Prediction(ngram, 1086, 1.96, 1.8e-3, spread=562), Prediction(PLAIN, 778, 1.0, 1.29e-3))
+    noisy = (Prediction(ngram, 1086, 1.96, 1.8e-3, spread=562, runs=3), Prediction(PLAIN, 778, 1.0, 1.29e-3))
     assert choose(noisy) == PLAIN
-    steady = (Prediction(ngram, 1010, 1.68, 1.68e-3, spread=83), Prediction(PLAIN, 726, 1.0, 1.38e-3))
+    steady = (Prediction(ngram, 1010, 1.68, 1.68e-3, spread=83, runs=3), Prediction(PLAIN, 726, 1.0, 1.38e-3))
     assert choose(steady) == ngram
+
+
+def test_more_runs_make_a_table_win_surer():
+    """`pessimistic` holds the standard error of an entry's median against it: at 3 runs half their
+    range, as before; two runs' range says less (a 1.2x win with a 200 tok/s range is no win), and 24
+    runs' wider range says more (the same median with a 1,100 tok/s range is one, where half the range
+    would have planned plain). Checked against draws: for normal runs, `median_error` of the mean range
+    is the spread of the median, within 4% for odd runs, at most 15% over for even ones."""
+    eagle, plain = Strategy("eagle", tree=(3, 2, 1), traversal="bfs"), Prediction(PLAIN, 1336, 1.0, 7.5e-4)
+    win = lambda spread, runs: (Prediction(eagle, 1600, 2.0, 1.2e-3, spread=spread, runs=runs), plain)
+    assert pessimistic(win(700, 3)[0]) == pytest.approx(1600 - 700 / 2, rel=2e-3)
+    assert choose(win(700, 3)) == PLAIN and choose(win(1100, 24)) == eagle
+    assert 1600 - 200 / 2 > 1.1 * 1336 and choose(win(200, 2)) == PLAIN
+    draws = np.random.default_rng().normal(size=(20000, 24))
+    for n in (2, 3, 5, 8, 24):
+        x = draws[:, :n]
+        ratio = median_error(float((x.max(1) - x.min(1)).mean()), n) / float(np.median(x, 1).std())
+        assert 0.96 < ratio < (1.04 if n % 2 else 1.15)
+    assert median_error(0.0, 1) == median_error(500.0, 1) == 0.0 and ERRORS > 1
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,7 @@ class Prediction:
     iteration_s: float
     spread: float = 0.0  # of tokens_per_s over a table's repeats (max - min); 0 for the cost model
     iterations: float = 0.0  # decode iterations the table measured it over; 0 for the cost model
+    runs: int = 0  # the table's runs (calibration batches) behind tokens_per_s and spread; 0 for the cost model
     # A table's closed-batch tokens per iteration (its tokens/s times its iteration time, per row)
     # over its mean row's, at most 1: the share of the mean rate its tokens/s kept, a static batch
     # lasting as long as its slowest row (ngram's the lowest: bench/NOTES.md, "the refinement's rates

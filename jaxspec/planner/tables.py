@@ -227,7 +227,7 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
             tail, tps = longer, tps * longer / tail
         predictions.append(Prediction(strategy, batch / b * tps, tpi, float(e["iteration_s"]),
                                       batch / b * float(e.get("spread_tokens_per_s", 0.0)),
-                                      e.get("runs", 0) * measured(c) / tpi, tail))
+                                      e.get("runs", 0) * measured(c) / tpi, runs=e.get("runs", 0), tail=tail))
     return bucket, sorted(predictions, key=lambda p: -p.tokens_per_s)
 
 
