@@ -18,6 +18,7 @@ otherwise its place goes to the next strategy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from statistics import NormalDist
@@ -80,16 +81,21 @@ def allowed_precisions(precision: str) -> tuple[str, ...]:
     return tuple(p for p in PRECISIONS if p == "strict" or set(p.split("+")) <= set(precision.split("+")))
 
 
+@functools.cache
+def expected_range(runs: int) -> float:
+    """d2: the expected range of `runs` standard normal draws, integrated over [-8, 8] (once per count)."""
+    cdf = NormalDist().cdf
+    return sum(1 - cdf(x / 32) ** runs - (1 - cdf(x / 32)) ** runs for x in range(-256, 257)) / 32
+
+
 def median_error(spread: float, runs: int) -> float:
     """The standard error of the median of `runs` runs whose range is `spread`, for normally spread
-    runs: the range over its expected multiple of sigma (d2, integrated: the expected range of `runs`
-    standard normal draws) estimates sigma, and the median's error is sigma sqrt(pi / (2 (runs + 0.5)))
-    (exact to 0.1% for odd runs, up to 12% high for even ones). Without two runs there is no range: 0."""
+    runs: the range over its expected multiple of sigma (`expected_range`) estimates sigma, and the
+    median's error is sigma sqrt(pi / (2 (runs + 0.5))) (exact to 0.1% for odd runs, up to 12% high for
+    even ones). Without two runs there is no range: 0."""
     if runs < 2:
         return 0.0
-    cdf = NormalDist().cdf
-    d2 = sum(1 - cdf(x / 32) ** runs - (1 - cdf(x / 32)) ** runs for x in range(-256, 257)) / 32  # over [-8, 8]
-    return spread / d2 * math.sqrt(math.pi / (2 * (runs + 0.5)))
+    return spread / expected_range(runs) * math.sqrt(math.pi / (2 * (runs + 0.5)))
 
 
 def pessimistic(p: Prediction) -> float:

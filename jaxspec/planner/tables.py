@@ -221,13 +221,14 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     predictions = []
     for c, e in entries:
         strategy, tps, tpi = Strategy.from_json(e["strategy"]), float(e["tokens_per_s"]), float(e["tokens_per_iteration"])
+        runs = e.get("runs", 0)
         tail = min(1.0, tps * float(e["iteration_s"]) / (tpi * b))
         if new_tokens and measured(c) and strategy.kind in ("model", "eagle"):
             longer = run_tail(tail, measured(c), new_tokens)
             tail, tps = longer, tps * longer / tail
         predictions.append(Prediction(strategy, batch / b * tps, tpi, float(e["iteration_s"]),
                                       batch / b * float(e.get("spread_tokens_per_s", 0.0)),
-                                      e.get("runs", 0) * measured(c) / tpi, runs=e.get("runs", 0), tail=tail))
+                                      runs * measured(c) / tpi, runs=runs, tail=tail))
     return bucket, sorted(predictions, key=lambda p: -p.tokens_per_s)
 
 
