@@ -323,6 +323,25 @@ def test_shipped_tables_are_found(smollm2_gguf):
     assert tables.fingerprint(cfg.replace(tp=2)) != tables.fingerprint(cfg)
 
 
+def test_default_request_plans_the_shipped_head_on_every_shipped_table(smollm2_gguf):
+    """Generate's default request (one row, 43 prompt tokens, 256 new) plans eagle with the shipped
+    head on every shipped SmolLM2 table, greedy and sampled: a head shipped before a table holds its
+    entries would plan plain there, since a table's eagle entries count only for the head they measured."""
+    from jaxspec.loaders import gguf
+    from jaxspec.loaders.eagle import head_fingerprint, shipped_head
+
+    reader = gguf._open(smollm2_gguf)
+    cfg = gguf.read_config(gguf.read_metadata(reader), {t.name for t in reader.tensors}, "bfloat16")
+    head_id = head_fingerprint(shipped_head("smollm2"))
+    paths = sorted(tables.TABLES.glob(tables.fingerprint(cfg) + "_*.json"))
+    assert len(paths) >= 2
+    for path in paths:
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.95)):
+            plan = planner.make_plan(cfg, 1, batch=1, prompt_tokens=43, new_tokens=256, sampling=sampling,
+                                     table=path, head_id=head_id)
+            assert plan.first.method == "eagle" and not plan.unmeasured_head, (path.name, sampling, plan.first)
+
+
 def test_non_strict_classes_only_when_allowed(tmp_path):
     nsa = SMOLLM2.replace(model_type="llama-nsa", nsa=NSAConfig(block_size=16, block_counts=16, window_size=128))
     path = tmp_path / "t.json"
