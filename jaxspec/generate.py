@@ -203,7 +203,8 @@ def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner
     """--method auto: the plan for a run of `run` (`planner.make_plan`'s run arguments), with the head
     of `head_path`, if any, among its strategies; and the spec and params it starts with (the head's
     config and weights when the plan starts with eagle, the draft weights' copies its candidates need).
-    A head the table never measured is no candidate: a note on stderr says how to profile it."""
+    A head the table did not measure where it measured another (for runs like this one) is no
+    candidate: a note on stderr says how to profile it."""
     head = head_config(args, cfg)
     plan, spec = plan_with_head(cfg, planner.tree_bytes(params), spec, head, head and head_path(args),
                                 precisions=planner.allowed_precisions(args.precision), table=args.planner_table,
@@ -212,8 +213,9 @@ def plan_auto(args, spec: SpecConfig, cfg, params, mesh, **run) -> tuple[planner
         head_dir, table = head_path(args), plan.source.removeprefix("table:")
         command = shlex.join(["--model", str(args.model), "--eagle-cells", "--draft-model", str(head_dir),
                               "--out", table])
-        print(f"note: {table} never measured the draft head {head_dir}, so auto plans without it; measure it where "
-              f"the table measured another head: python -m jaxspec.profile {command}", file=sys.stderr)
+        print(f"note: {table} measured another draft head than {head_dir} for runs like this one, so auto plans "
+              f"without it; measure it where the table measured another head: python -m jaxspec.profile {command}",
+              file=sys.stderr)
     params = with_draft_model(params, plan.draft_weights, (), mesh, cfg.expert_parallel)
     if plan.first.method == "eagle":
         params = with_head(params, args, cfg, mesh)

@@ -273,7 +273,19 @@ def test_eagle_is_planned_for_its_head_and_only_as_the_first_choice(tmp_path, mo
     assert plan.first == eagle5 and [c.strategy for c in plan.candidates] == [eagle5, NGRAM, VEGAS, PLAIN]
     assert plan.candidates[0].tokens_per_s == 2000 and plan.source == f"table:{path}"
     assert all(c.strategy.method != "eagle" for c in planner.make_plan(SMOLLM2, 1, **run).candidates)  # no head
-    assert planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h3", **run).first == NGRAM  # another head's
+    other = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h3", **run)  # another head's entries only
+    assert other.first == NGRAM and other.unmeasured_head
+    assert not planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h1", **run).unmeasured_head
+    # a head measured in one cell only: a run that another cell answers, one ranking another head, is unmeasured
+    cells = tmp_path / "cells.json"
+    tables.set_cell(t, 1, "greedy", 8192, "strict", [entry(PLAIN, 800, 1), measured(eagle3, 3000, 3, "h2")],
+                    prompt_tokens=7000)
+    tables.set_cell(t, 1, "greedy", 2048, "strict", [entry(PLAIN, 850, 1), entry(NGRAM, 1500, 2)], prompt_tokens=1800)
+    tables.save_table(cells, t)
+    at = lambda prompt_tokens, head_id: planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id=head_id,
+                                                         **{**run, "table": cells, "prompt_tokens": prompt_tokens})
+    assert at(7000, "h1").unmeasured_head and not at(7000, "h2").unmeasured_head
+    assert at(1700, "h3").first == NGRAM and not at(1700, "h3").unmeasured_head  # no head measured there
     short = planner.make_plan(SMOLLM2, 270_000_000, head=head, head_id="h1", **{**run, "prompt_tokens": 150})
     assert short.first == VEGAS  # under a quarter of the cell's prompt: neither eagle's nor ngram's entries
     # without a table: the cost model's eagle (gamma 3 and 5), a candidate only as the first choice

@@ -44,15 +44,16 @@ class Plan:
     predictions came from ("table:<file>" or "cost-model") and the context bucket. `probe_margin`:
     plain is measured while a running speculative strategy does not beat its corrected prediction by
     this much (`refine.decide`); None (a table's plan: its plain rate was measured on this device)
-    never. `unmeasured_head`: the run has a draft head that its table never measured, so eagle is no
-    candidate (the module docstring says why); the caller tells the user how to profile it."""
+    never. `unmeasured_head`: the table's cells for this run measured another draft head's eagle
+    entries but none of the run's head, so eagle is no candidate (the module docstring says why); the
+    caller tells the user how to profile it."""
 
     candidates: tuple[Prediction, ...]
     first: Strategy
     source: str
     bucket: int
     probe_margin: float | None = None
-    unmeasured_head: bool = False  # the run's head has no entry in the table: planned without it
+    unmeasured_head: bool = False  # the run's cells measured another head, not this one: planned without it
 
     @property
     def draft_weights(self) -> str:
@@ -141,16 +142,17 @@ def make_plan(cfg: ModelConfig, weight_bytes: int, *, batch: int, prompt_tokens:
     context = prompt_tokens + new_tokens
     path = table or table_path(cfg, device_kind())
     predictions: list[Prediction] = []
-    unmeasured = False  # a head the table never measured
+    unmeasured = False  # the run's cells measured another head's eagle, not this one's
     if table is not None or path.is_file():
         data = load_table(path)
         if data["model"]["fingerprint"] != fingerprint(cfg):
             raise JaxspecError(
                 f"planner table {path} is for model {data['model']['fingerprint']}, not this one ({fingerprint(cfg)})")
-        bucket, predictions = lookup(data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens,
-                                     head_id)
+        cells = (data, batch, sampling_mode(sampling), context, precisions, prompt_tokens, new_tokens, head_id)
+        bucket, predictions = lookup(*cells)
         source = f"table:{path}"
-        unmeasured = head_id is not None and all(e.get("head") != head_id for c in data["cells"] for e in c["ranked"])
+        has_eagle = lambda ps: any(p.strategy.method == "eagle" for p in ps)
+        unmeasured = head_id is not None and not has_eagle(predictions) and has_eagle(lookup(*cells, any_head=True)[1])
         if not closed:
             predictions = [dataclasses.replace(p, tokens_per_s=p.tokens_per_s / p.tail, spread=p.spread / p.tail, tail=1.0)
                            for p in predictions]

@@ -178,7 +178,7 @@ def load_table(path: Path) -> dict:
 
 def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",),
            prompt_tokens: int | None = None, new_tokens: int | None = None,
-           head: str | None = None) -> tuple[int, list[Prediction]]:
+           head: str | None = None, any_head: bool = False) -> tuple[int, list[Prediction]]:
     """(bucket, predictions ranked best first) of the cells nearest to this run: the sampling mode
     if profiled (else the other), the nearest batch, the kind of calibration prompts (`prompt_kind`)
     of the cell whose prompts are nearest `prompt_tokens` in length (documents or short requests: their
@@ -187,13 +187,14 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     loses more to its slowest row, and how much differs by strategy more than `run_tail` says);
     the entries of every allowed precision class, less ngram's and eagle's where the run's prompt is
     under PROMPT_SHARE of the cell's calibration prompts, and less eagle's but those measured with the
-    run's draft head (`head`: its `loaders.eagle.head_fingerprint`, which an eagle entry records).
+    run's draft head (`head`: its `loaders.eagle.head_fingerprint`, which an eagle entry records;
+    `any_head`: every head's, to tell whether the cells measured another head).
     Empty when no cell has an allowed class, or when the nearest profiled batch or bucket is more than
     a factor of 2 from the run's. A cell of another batch answers at its rate per row (tokens/s and
     spread scaled by batch / its batch): the refinement compares these rates with what the run's own
     rows do, and the choice between them is the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
     those of a run that long (`run_tail`)."""
-    mismatched = lambda e: e["strategy"]["method"] == "eagle" and e.get("head") != head  # another head's acceptance
+    mismatched = lambda e: not any_head and e["strategy"]["method"] == "eagle" and e.get("head") != head
     cells = [c for c in table["cells"] if c["precision"] in precisions]
     if not cells:
         return bucket_of(context), []
