@@ -198,6 +198,9 @@ def parse_args(argv):
     p.add_argument("--eagle-cells", action="store_true",
                    help="measure plain and eagle with --draft-model in every cell of --out that ranks another "
                         "head's eagle strategies without its own, with each cell's own settings (implies --add)")
+    p.add_argument("--replace", action="store_true",
+                   help="with --add or --eagle-cells: a cell measured drops every other head's eagle entries (the "
+                        "head replaces the one the table measured, e.g. a new shipped head)")
     p.add_argument("--out", type=Path, default=None, help="default: the shipped table of this model and device")
     return p.parse_args(argv)
 
@@ -276,6 +279,9 @@ def check_args(args) -> None:
     check_listed("--balances", args.balances, "balance", args.methods, SPARSE_METHODS, "shares the budget of")
     if args.new < 2 or args.repeats < 1 or min(args.batch) < 1 or min(args.buckets) < 1:
         raise JaxspecError("need --new >= 2, --repeats >= 1 and positive --batch and --buckets")
+    if args.replace and not (args.eagle_cells or args.add and "eagle" in args.methods):
+        raise JaxspecError("--replace needs --eagle-cells, or --add with --methods eagle: it drops other heads' "
+                           "eagle entries from the cells those measure")
     if args.budget is not None and not args.budget > 0:  # (NaN too)
         raise JaxspecError(f"--budget must be a positive number of seconds, got {args.budget}")
 
@@ -326,7 +332,7 @@ def main(argv=None):
             return
         common = ["--model", args.model, "--dtype", args.dtype, "--backend", args.backend, "--temperature",
                   str(args.temperature), "--top-p", str(args.top_p), "--draft-model", str(head_dir), "--add",
-                  "--out", str(out)]
+                  "--out", str(out)] + (["--replace"] if args.replace else [])
         print(f"--eagle-cells: runs to make for the head {head_id}: {len(runs)} (one per batch and sampling mode)",
               flush=True)
         measured = []
@@ -434,7 +440,11 @@ def profile_grid(args, argv: list[str], cfg, params, tokenizer, head, head_id, o
                         tables.set_cell(table, b, mode, bucket, precision, rows, keep=args.add,
                                         prompt_tokens=prompt_tokens, prompts=args.prompts,
                                         **{k: profile[k] for k in tables.PROVENANCE})
-                        measured.append(table["cells"][-1])
+                        cell = table["cells"][-1]
+                        if args.replace:  # this head's entries take the place of every other head's
+                            cell["ranked"] = [e for e in cell["ranked"]
+                                              if e["strategy"]["method"] != "eagle" or e.get("head") == head_id]
+                        measured.append(cell)
                 if measured:
                     tables.save_table(out, table)
     return measured

@@ -1429,6 +1429,21 @@ def test_profile_eagle_cells_measures_a_new_head_where_the_old_one_answers(hf_ch
                           "--draft-model", str(new_head)])
         assert fragment in capsys.readouterr().err
     assert tables.load_table(out) == t
+    # --replace: a third head takes the cells' place; every other head's eagle entries go, the rest stay
+    third = tmp_path / "third_head"
+    save_eagle(third, ecfg, {**weights, "fc": weights["fc"] * np.float32(0.99)})
+    profile.main(["--model", model, "--out", str(out), "--draft-model", str(third), "--eagle-cells", "--replace"])
+    replaced = tables.load_table(out)["cells"]
+    assert sorted(map(key, replaced)) == sorted(map(key, before))
+    for cell in replaced:
+        heads = {e.get("head") for e in cell["ranked"] if e["strategy"]["method"] == "eagle"}
+        old = next(c for c in t["cells"] if key(c) == key(cell))
+        assert heads == ({head_fingerprint(third)} if any(e.get("head") for e in old["ranked"]) else set())
+        assert {e["name"] for e in cell["ranked"] if "measured" in e} == {
+            e["name"] for e in old["ranked"] if e["strategy"]["method"] not in ("plain", "eagle")} or cell == old
+    with pytest.raises(SystemExit):
+        profile.main(flags + ["--methods", "plain", "--add", "--replace"])
+    assert "--replace needs --eagle-cells, or --add with --methods eagle" in capsys.readouterr().err
 
 
 def test_profile_of_requests_keeps_the_document_cells(hf_checkpoints, tmp_path, capsys):
