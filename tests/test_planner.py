@@ -336,7 +336,7 @@ def test_shipped_tables_are_found(smollm2_gguf):
 
 
 def test_default_request_plans_the_shipped_head_on_every_shipped_table(smollm2_gguf):
-    """Generate's default request (one row, 43 prompt tokens, 256 new) plans eagle with the shipped
+    """Generate's default request (one row, 47 prompt tokens, 256 new) plans eagle with the shipped
     head on every shipped SmolLM2 table, greedy and sampled: a head shipped before a table holds its
     entries would plan plain there, since a table's eagle entries count only for the head they measured."""
     from jaxspec.loaders import gguf
@@ -349,7 +349,7 @@ def test_default_request_plans_the_shipped_head_on_every_shipped_table(smollm2_g
     assert len(paths) >= 2
     for path in paths:
         for sampling in (SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.95)):
-            plan = planner.make_plan(cfg, 1, batch=1, prompt_tokens=43, new_tokens=256, sampling=sampling,
+            plan = planner.make_plan(cfg, 1, batch=1, prompt_tokens=47, new_tokens=256, sampling=sampling,
                                      table=path, head_id=head_id)
             assert plan.first.method == "eagle" and not plan.unmeasured_head, (path.name, sampling, plan.first)
 
