@@ -355,7 +355,8 @@ def _print_human(results: list[dict], stats: dict) -> None:
     print(f"generated tokens {stats['generated_tokens']}")
     print(f"prefill          {stats['prefill_tokens_per_s']:.1f} tok/s ({stats['prefill_s']:.2f} s)")
     print(f"decode           {stats['decode_tokens_per_s']:.1f} tok/s ({stats['decode_s']:.2f} s)")
-    print(f"compile          {stats['compile_s']:.1f} s (not in the rates above)")
+    print(f"compile          {stats['compile_s']:.1f} s, first calls {stats['load_s'] * 1e3:.0f} ms "
+          "(not in the rates above)")
     memory = next(k for k in stats if k.startswith("peak_"))
     print(f"{memory.removesuffix('_bytes').replace('_', ' '):16} {stats[memory] / 2**20:.0f} MiB")
     print(f"method           {stats['method']} (backend {stats['backend']}, device {stats['device']})")

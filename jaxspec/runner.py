@@ -3,9 +3,10 @@
 Shared by the CLIs (`generate`, `tune`), the tests and the benchmarks. A batch runs as a client of the
 serving scheduler (`serving.scheduler.Scheduler`, one slot per row, every row admitted in one
 prefill), so the CLI and the server decode on one path. Programs are compiled on first use and their
-compile time is reported apart; prefill and decode are timed separately: decode tokens/s counts the
-tokens produced by the decode loop (every generated token but the first, which prefill samples) over
-the decode loop's wall time.
+compile time is reported apart, as is the decode program's first call in the process (a call of no
+iterations, which loads it on the device: `Scheduler.load`); prefill and decode are timed separately:
+decode tokens/s counts the tokens produced by the decode loop (every generated token but the first,
+which prefill samples) over the decode loop's wall time.
 
 `--method auto` is the same run given the planner's plan: it decodes with the planner's choice,
 refines it over the first segments (`planner.Refinement`) and switches strategy in place.
@@ -69,6 +70,7 @@ class Run:
     prefill_s: float
     decode_s: float
     auto: Auto | None = None  # what an auto run chose and switched
+    load_s: float = 0.0  # the decode programs' first calls of no iterations (`Scheduler.load`), apart from decode_s
 
     def generated(self) -> list[np.ndarray]:
         tokens, length, prompt_len = (np.asarray(x) for x in (self.output.tokens, self.output.length, self.output.prompt_len))
@@ -181,7 +183,8 @@ def timed_runs(run: Callable[[int], Run], seeds: Sequence[int]) -> tuple[Run, li
     for a plain 256-token SmolLM2 run, 13-18 ms for an eagle tree's, 4-25% of such a run; bench/NOTES.md,
     "a program's first executions"). Timed, that cost fell on the first seed alone, and with it on that
     seed's text, whose acceptance a sampled comparison samples. A fresh `generate` pays it once: the
-    first run tells what that sees."""
+    first run tells what that sees. Since the decode program's first call of no iterations is timed
+    apart (`Run.load_s`), the first run holds only what that call does not carry."""
     first = run(seeds[0])
     return first, [run(seed) for seed in seeds]
 
@@ -217,12 +220,13 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
         handles.append(scheduler.submit(request, listener(b)))
 
     def timed(work) -> float:
-        """Wall seconds of work(), less the compiling it did."""
-        start, compiled = time.perf_counter(), scheduler.compile_s
+        """Wall seconds of work(), less the compiling and the programs' first calls it did."""
+        start, setup = time.perf_counter(), scheduler.compile_s + scheduler.load_s
         work()
-        return time.perf_counter() - start - (scheduler.compile_s - compiled)
+        return time.perf_counter() - start - (scheduler.compile_s + scheduler.load_s - setup)
 
     prefill_s = timed(lambda: scheduler.admit_waiting(cache))
+    scheduler.load()
 
     def decode():
         while len(last) < B:
@@ -248,7 +252,7 @@ def _run(params, cfg, batch, spec, sampling, max_len, max_new_tokens, stop_ids, 
     if plan is not None:
         r = scheduler.refinement
         auto = Auto(scheduler.spec, plan, r.switches, r.segments, r.lossless)
-    return Run(output, scheduler.compile_s, prefill_s, decode_s, auto)
+    return Run(output, scheduler.compile_s, prefill_s, decode_s, auto, scheduler.load_s)
 
 
 def _draw_progress(generated: int, total: int, done: bool) -> None:
@@ -305,6 +309,7 @@ def summarize(run: Run, batch: Batch, spec: SpecConfig) -> dict:
         "prompt_tokens": int(batch.lengths.sum()),
         "generated_tokens": generated,
         "compile_s": run.compile_s,
+        "load_s": run.load_s,
         "prefill_s": run.prefill_s,
         "decode_s": run.decode_s,
         "prefill_tokens_per_s": float(batch.lengths.sum()) / run.prefill_s,

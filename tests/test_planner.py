@@ -903,6 +903,30 @@ def test_a_program_runs_before_only_when_it_compiles():
     assert calls == ["first"] and seconds > 0 and again == 0
 
 
+def test_a_decode_programs_first_call_is_timed_apart(tiny, monkeypatch):
+    """A run calls its decode program with no iterations first, once a process (the call that loads it
+    on the device), timed apart from decode (`Run.load_s`); a second run of the same shapes makes no
+    such call, and both emit the same tokens."""
+    from jaxspec.serving.scheduler import Scheduler
+
+    cfg, params, batch = tiny
+    common = dict(sampling=SamplingConfig(), max_len=64, max_new_tokens=12, stop_ids=(), spec=SpecConfig())
+    call, empty = Scheduler._call, []
+
+    def counted(self, program, *args, **kw):
+        if program.name == "decode" and args[2] == 0:  # args: params, state, iterations, ...
+            empty.append(program.name)
+        return call(self, program, *args, **kw)
+
+    monkeypatch.setattr(Scheduler, "_call", counted)
+    programs.clear_executables()
+    first = run_generation(params, cfg, batch, **common)
+    again = run_generation(params, cfg, batch, **common)
+    assert empty == ["decode"] and first.load_s > 0 and again.load_s == 0
+    assert [g.tolist() for g in first.generated()] == [g.tolist() for g in again.generated()]
+    assert summarize(first, batch, SpecConfig())["load_s"] == first.load_s
+
+
 def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     """An auto run through vegas -> plain -> vegas selecting every 2nd verification -> ngram (decisions
     scripted) emits plain decoding's tokens, and its stats sum the four strategies' counters."""

@@ -127,6 +127,7 @@ class Scheduler:
         self.metrics = Metrics(depth=depth)
         self.metrics.pool = self.pool
         self.compile_s = 0.0  # spent compiling programs (each shape once a process, on first use)
+        self.load_s = 0.0  # spent on programs' first calls, of no iterations (`_load`)
         self._executables: dict = {}  # this scheduler's, by (program, shape): no signature to form per call
         self._lock = threading.Condition()
         self._waiting: collections.deque[Handle] = collections.deque()
@@ -246,6 +247,17 @@ class Scheduler:
             self._executable(self._replays_program(), self._state, length, ran, shape=self._state.tokens.shape)
         if self.shrink:
             self._warm_up_shrinking()
+
+    def load(self) -> None:
+        """Calls the program the next segment runs with no iterations, unless this process has called
+        it (`_load`): a program's first call loads it on the device (its kernels, XLA's command buffers),
+        a one-time cost a run's decode time should not hold."""
+        if self.refinement is not None and self.refinement.watches_on_device and self.segment is None:
+            program, args = self._watched_call()
+            self._load(program, *args(0, 0), shape=(self.rows,), first=0)
+        else:
+            self._load(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0),
+                       np.zeros((self.rows,), np.int32), first=0)
 
     def _compile_segment(self, state: engine.DecodeState, rows: int) -> None:
         """Compiles a segment's programs (decode, release, report) for `state` of `rows` rows."""
@@ -587,19 +599,7 @@ class Scheduler:
         iteration fall under its look level (the host then judges the call and the device's replays of its
         last window, and decides as its own watch does) or the batch can shrink."""
         r = self.refinement
-        program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
-                                   tuple(s.spec(self.base) for s in r.replayed), self._window(), self.mesh)
-        level = r.look_level(r.own_floor())
-        thresholds = r.thresholds(level)
-        thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
-        level = np.float32(level)
-        until = np.int32(r.watch_until(self._left()))
-
-        def args(iterations: int, floor: int):
-            window = np.int32(r.window)
-            return (self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, level, until,
-                    self._since())
-
+        program, args = self._watched_call()
         self._load(program, *args(0, 0), shape=(self.rows,), first=0)
         before, start = self._last, time.perf_counter()
         floor = self._floor()
@@ -620,6 +620,26 @@ class Scheduler:
             if target is not None:
                 self._switch(target)
         self._shrink_if_few()
+
+    def _watched_call(self):
+        """(`programs.watched` for the running strategy and the refinement's replays, args(iterations,
+        floor): its arguments for a call of at most `iterations` iterations ending once at most `floor`
+        rows run)."""
+        r = self.refinement
+        program = programs.watched(self.cfg, self.spec.compiled(self.max_len), self.sampling, self.max_len,
+                                   tuple(s.spec(self.base) for s in r.replayed), self._window(), self.mesh)
+        level = r.look_level(r.own_floor())
+        thresholds = r.thresholds(level)
+        thresholds = np.asarray([thresholds[s] for s in r.replayed], np.float32)
+        level = np.float32(level)
+        until = np.int32(r.watch_until(self._left()))
+
+        def args(iterations: int, floor: int):
+            window = np.int32(r.window)
+            return (self.params, self._state, np.int32(iterations), np.int32(floor), window, thresholds, level, until,
+                    self._since())
+
+        return program, args
 
     def _floor(self) -> int:
         """A segment's `min_live`: it ends when at most this many rows run, the most that run when the
@@ -918,10 +938,14 @@ class Scheduler:
     def _load(self, program: programs.Program, *args, shape: tuple = (), first: int | None = None) -> None:
         """Calls `program` on `args` (a segment of no iterations; its output's state, or its output's
         `first` item, is the new state) unless this process has called it before: a program's first
-        call loads it on the device, which no observation of a strategy's rate should count."""
+        call loads it on the device, which no observation of a strategy's rate should count; its time goes
+        to `load_s`."""
         if not programs.ran(self._executable(program, *args, shape=shape)):
+            start = time.perf_counter()
             out = self._call(program, *args, shape=shape)
             self._state = out if first is None else out[first]
+            jax.block_until_ready(self._state)
+            self.load_s += time.perf_counter() - start
 
     def _queue(self, program: programs.Program, *args, shape: tuple = (), first: bool = False, keeps: bool = False,
                started: threading.Event | None = None) -> concurrent.futures.Future:
