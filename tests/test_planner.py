@@ -903,22 +903,28 @@ def test_a_program_runs_before_only_when_it_compiles():
     assert calls == ["first"] and seconds > 0 and again == 0
 
 
+def empty_calls(monkeypatch, name: str) -> list[str]:
+    """The schedulers' calls of program `name` with no iterations (the calls that load it), as they are made."""
+    from jaxspec.serving.scheduler import Scheduler
+
+    call, calls = Scheduler._call, []
+
+    def counted(self, program, *args, **kw):
+        if program.name == name and args[2] == 0:  # args: params, state, iterations, ...
+            calls.append(name)
+        return call(self, program, *args, **kw)
+
+    monkeypatch.setattr(Scheduler, "_call", counted)
+    return calls
+
+
 def test_a_decode_programs_first_call_is_timed_apart(tiny, monkeypatch):
     """A run calls its decode program with no iterations first, once a process (the call that loads it
     on the device), timed apart from decode (`Run.load_s`); a second run of the same shapes makes no
     such call, and both emit the same tokens."""
-    from jaxspec.serving.scheduler import Scheduler
-
     cfg, params, batch = tiny
     common = dict(sampling=SamplingConfig(), max_len=64, max_new_tokens=12, stop_ids=(), spec=SpecConfig())
-    call, empty = Scheduler._call, []
-
-    def counted(self, program, *args, **kw):
-        if program.name == "decode" and args[2] == 0:  # args: params, state, iterations, ...
-            empty.append(program.name)
-        return call(self, program, *args, **kw)
-
-    monkeypatch.setattr(Scheduler, "_call", counted)
+    empty = empty_calls(monkeypatch, "decode")
     programs.clear_executables()
     first = run_generation(params, cfg, batch, **common)
     again = run_generation(params, cfg, batch, **common)
@@ -957,18 +963,8 @@ def test_switching_strategies_keeps_greedy_output(tiny, monkeypatch):
     # no segments, no switch; with an ngram candidate it only watches it, on the device (a call to the
     # end, or to each window whose replay crosses its threshold, where the host decides: here never to
     # switch). The watching program's first call in the process, of no iterations, loads it; no later one.
-    from jaxspec.serving import programs
-    from jaxspec.serving.scheduler import Scheduler
-
     monkeypatch.setattr(refine, "decide", lambda candidates, observations, current, **_: (current, "scripted"))
-    call, loads = Scheduler._call, []
-
-    def counted(self, program, *args, **kw):
-        if program.name == "watched" and args[2] == 0:  # args: params, state, iterations, ...
-            loads.append(program.name)
-        return call(self, program, *args, **kw)
-
-    monkeypatch.setattr(Scheduler, "_call", counted)
+    loads = empty_calls(monkeypatch, "watched")
     programs.clear_executables()
     for plain_plan, watched in ((planner.Plan(candidates[:3], PLAIN, "table:t.json", 1024), False),
                                 (planner.Plan(candidates, PLAIN, "table:t.json", 1024), True),
