@@ -301,6 +301,7 @@ def run_measures(run) -> tuple[dict, list[list[int]]]:
         "iterations_mean": float(out.stats.iterations.mean()),
         "steps": int(generated.max()) - 1,
         "decode_s": run.decode_s,
+        "load_s": run.load_s,  # the decode program's first calls, of no iterations: apart from decode_s
         "degeneration": repeated_4gram_share(rows),
         "text_digest": hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:12],
     }, rows

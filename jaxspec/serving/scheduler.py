@@ -62,6 +62,7 @@ log = logging.getLogger("jaxspec.serving")
 MAX_STOP_TOKEN_IDS = 8  # stop token ids a request may add to the model's end-of-sequence ids
 MIN_PROMPT_BUCKET = 64  # prompts are padded to powers of two from here (one admit program per bucket)
 SHRINK_FACTOR = 4  # with `shrink`, the state shrinks once at most 1 / SHRINK_FACTOR of its rows run
+LOAD_CALLS = 2  # a program's first calls, of no iterations (`_load`): XLA runs a command buffer once, then records it
 _STATE = object()  # in `_queue`'s arguments: the state that the work queued before leaves
 
 
@@ -249,15 +250,22 @@ class Scheduler:
             self._warm_up_shrinking()
 
     def load(self) -> None:
-        """Calls the program the next segment runs with no iterations, unless this process has called
-        it (`_load`): a program's first call loads it on the device (its kernels, XLA's command buffers),
-        a one-time cost a run's decode time should not hold."""
+        """Calls the program the next segment runs with no iterations unless this process has (`_load`):
+        one-time costs a run's decode time should not hold. The programs the run calls later (release;
+        report, outside a watch) are compiled first, since XLA drops every other executable's command
+        buffers whenever it loads a new one."""
+        table = self._programs()
+        self._executable(table.release, self._state, np.zeros((self.rows,), bool))
         if self.refinement is not None and self.refinement.watches_on_device and self.segment is None:
             program, args = self._watched_call()
-            self._load(program, *args(0, 0), shape=(self.rows,), first=0)
+            self._load(program, lambda: args(0, 0), shape=(self.rows,), first=0)
         else:
-            self._load(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0),
-                       np.zeros((self.rows,), np.int32), first=0)
+            self._executable(table.report, self._state, np.zeros((self.rows,), np.int32))
+            self._load(table.decode, self._empty_segment, first=0)
+
+    def _empty_segment(self) -> tuple:
+        """The decode program's arguments for a segment of no iterations on the running state."""
+        return self.params, self._state, np.int32(0), np.int32(0), np.zeros((self.rows,), np.int32)
 
     def _compile_segment(self, state: engine.DecodeState, rows: int) -> None:
         """Compiles a segment's programs (decode, release, report) for `state` of `rows` rows."""
@@ -527,8 +535,7 @@ class Scheduler:
                       if watching and self.segment is None else self.segment)
         unobserved = (refining or watching) and self.refinement.current not in self.refinement.observations
         if unobserved and self._watch_from is None:  # load its program unobserved (once a window: it may have begun)
-            self._load(self._programs().decode, self.params, self._state, np.int32(0), np.int32(0),
-                       np.zeros((self.rows,), np.int32), first=0)
+            self._load(self._programs().decode, self._empty_segment, first=0)
         limit = np.int32(np.iinfo(np.int32).max if iterations is None else iterations)
         floor = np.int32(self._floor())
         before, (this, self._pending) = self._last, (self._pending, None)
@@ -600,7 +607,7 @@ class Scheduler:
         last window, and decides as its own watch does) or the batch can shrink."""
         r = self.refinement
         program, args = self._watched_call()
-        self._load(program, *args(0, 0), shape=(self.rows,), first=0)
+        self._load(program, lambda: args(0, 0), shape=(self.rows,), first=0)
         before, start = self._last, time.perf_counter()
         floor = self._floor()
         self._reserve()
@@ -935,17 +942,22 @@ class Scheduler:
         programs.called(executable)
         return executable(*args)
 
-    def _load(self, program: programs.Program, *args, shape: tuple = (), first: int | None = None) -> None:
-        """Calls `program` on `args` (a segment of no iterations; its output's state, or its output's
-        `first` item, is the new state) unless this process has called it before: a program's first
-        call loads it on the device, which no observation of a strategy's rate should count; its time goes
-        to `load_s`."""
-        if not programs.ran(self._executable(program, *args, shape=shape)):
-            start = time.perf_counter()
-            out = self._call(program, *args, shape=shape)
+    def _load(self, program: programs.Program, args: Callable[[], tuple], shape: tuple = (),
+              first: int | None = None) -> None:
+        """Calls `program` LOAD_CALLS times on args() (a segment of no iterations on the running state;
+        its output's state, or its output's `first` item, is the new state) unless this process has called
+        it before. A program's first call loads its kernels, and XLA runs each command buffer op by op at
+        its first execution and records it at the next (`CommandBufferThunk`; those inside a loop's body
+        only once the body runs): one-time costs that no observation of a strategy's rate, nor a run's
+        decode time, should hold. The time goes to `load_s`."""
+        if programs.ran(self._executable(program, *args(), shape=shape)):
+            return
+        start = time.perf_counter()
+        for _ in range(LOAD_CALLS):
+            out = self._call(program, *args(), shape=shape)
             self._state = out if first is None else out[first]
-            jax.block_until_ready(self._state)
-            self.load_s += time.perf_counter() - start
+        jax.block_until_ready(self._state)
+        self.load_s += time.perf_counter() - start
 
     def _queue(self, program: programs.Program, *args, shape: tuple = (), first: bool = False, keeps: bool = False,
                started: threading.Event | None = None) -> concurrent.futures.Future:
