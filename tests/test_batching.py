@@ -539,12 +539,13 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
     """A server warmed up for prompts of up to 128 tokens, refining ngram g3 (it replays ngram g2
     over every segment and watch window), compiles nothing while it serves prompts of 40-90 tokens:
     the replay and both prompt buckets came with the warm-up (in a server a compile is time the
-    waiting requests lose). /v1/models reports the refinement."""
+    waiting requests lose), and it made the segment's first calls (`Scheduler.load`). /v1/models reports
+    the refinement."""
     from starlette.testclient import TestClient
 
     from jaxspec import planner
     from jaxspec.planner import Prediction, Strategy, refine
-    from jaxspec.serving.programs import replays
+    from jaxspec.serving.programs import clear_executables, replays
     from jaxspec.serving.scheduler import Scheduler
     from jaxspec.serving.server import create_app
 
@@ -553,7 +554,9 @@ def test_warm_up_compiles_what_serving_runs(params, monkeypatch):
     plan = planner.Plan(tuple(Prediction(s, 100.0, 2.0, 0.02) for s in (g3, g2, Strategy())), g3, "test", 1024)
     scheduler = Scheduler(params, CFG, None, SpecConfig(min_tokens=32), slots=2, max_len=MAX_LEN, plan=plan,
                           max_top_k=32)
+    clear_executables()  # no program of this process has run: the warm-up makes the first calls
     scheduler.warm_up(128)  # prompts of up to 128 tokens: buckets 64 and 128
+    assert scheduler.load_s > 0
     compiled_s, programs = scheduler.compile_s, set(scheduler._executables)
     assert (replays(CFG, (g2.spec(scheduler.base),), MAX_LEN), scheduler._state.tokens.shape) in programs
     requests = [Request(30 + i, 40 + 25 * i, [40, 12, 36][i], GREEDY) for i in range(3)]  # buckets 64 and 128

@@ -230,7 +230,8 @@ class Scheduler:
     def warm_up(self, prompt_tokens: int = MIN_PROMPT_BUCKET) -> None:
         """Compiles the empty state, the segment, the admissions of prompts of up to `prompt_tokens`
         tokens (every prompt bucket and group size up to `admit_rows`), the refinement's replays, and
-        with `shrink` what shrinking runs (nothing decodes), so the first requests don't wait on it."""
+        with `shrink` what shrinking runs (nothing decodes), so the first requests don't wait on it; then
+        makes the segment's first calls (`load`), so their first segment doesn't either."""
         if self._state is None:
             self._state = self._free_state()
         for width in self._buckets(prompt_tokens):
@@ -248,6 +249,7 @@ class Scheduler:
             self._executable(self._replays_program(), self._state, length, ran, shape=self._state.tokens.shape)
         if self.shrink:
             self._warm_up_shrinking()
+        self.load()
 
     def load(self) -> None:
         """Calls the program the next segment runs with no iterations unless this process has (`_load`):
