@@ -70,7 +70,7 @@ class Run:
     prefill_s: float
     decode_s: float
     auto: Auto | None = None  # what an auto run chose and switched
-    load_s: float = 0.0  # the decode programs' first calls of no iterations (`Scheduler.load`), apart from decode_s
+    load_s: float = 0.0  # the programs' first calls, of no iterations (`Scheduler._load`), apart from decode_s
 
     def generated(self) -> list[np.ndarray]:
         tokens, length, prompt_len = (np.asarray(x) for x in (self.output.tokens, self.output.length, self.output.prompt_len))

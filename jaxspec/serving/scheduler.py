@@ -256,14 +256,13 @@ class Scheduler:
         one-time costs a run's decode time should not hold. The programs the run calls later (release;
         report, outside a watch) are compiled first, since XLA drops every other executable's command
         buffers whenever it loads a new one."""
-        table = self._programs()
-        self._executable(table.release, self._state, np.zeros((self.rows,), bool))
         if self.refinement is not None and self.refinement.watches_on_device and self.segment is None:
+            self._executable(self._programs().release, self._state, np.zeros((self.rows,), bool))
             program, args = self._watched_call()
             self._load(program, lambda: args(0, 0), shape=(self.rows,), first=0)
         else:
-            self._executable(table.report, self._state, np.zeros((self.rows,), np.int32))
-            self._load(table.decode, self._empty_segment, first=0)
+            self._compile_segment(self._state, self.rows)
+            self._load(self._programs().decode, self._empty_segment, first=0)
 
     def _empty_segment(self) -> tuple:
         """The decode program's arguments for a segment of no iterations on the running state."""
