@@ -55,6 +55,18 @@ def test_hf_round_trip_float32(hf_checkpoints, tmp_path, name):
     assert leftovers(tmp_path) == []
 
 
+def test_a_router_saved_major_first_loads_turned(hf_checkpoints, tmp_path):
+    """A checkpoint written before the router took the checkpoint's own [L, E, D] layout holds it [L, D, E]:
+    it loads as the same model."""
+    cfg, params, tokenizer = load_model(str(hf_checkpoints["qwen3_moe"]), "float32")
+    L, E, D = params["layers"]["router"].shape
+    assert E != D
+    old = {**params, "layers": {**params["layers"], "router": jnp.swapaxes(params["layers"]["router"], 1, 2)}}
+    (tmp_path / "old").mkdir()
+    orbax.save(tmp_path / "old", cfg, old, tokenizer)
+    assert_same_model((cfg, params, tokenizer), load_model(str(tmp_path / "old"), "float32"))
+
+
 def test_hf_round_trip_bfloat16(hf_checkpoints, tmp_path):
     src = hf_checkpoints["qwen3"]
     convert(str(src), tmp_path / "ckpt", "bfloat16")

@@ -30,13 +30,13 @@ STOP = jnp.array([-1], jnp.int32)
 @pytest.mark.parametrize("router, norm", [("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", False)])
 def test_route_is_the_routers_rule(router, norm):
     """Qwen3-MoE: softmax over all experts, the top k, renormalised when norm_topk_prob; gpt-oss: the
-    top k logits (with the router's bias), softmaxed over those k."""
+    top k logits (with the router's bias), softmaxed over those k. The router is [E, D], as checkpoints hold it."""
     rng = np.random.default_rng(5)
     cfg = MoEConfig(num_experts=16, top_k=4, expert_size=8, router=router, norm_topk_prob=norm)
-    h, router_w, bias = rng.standard_normal((3, 5, 32)), rng.standard_normal((32, 16)), rng.standard_normal(16)
+    h, router_w, bias = rng.standard_normal((3, 5, 32)), rng.standard_normal((16, 32)), rng.standard_normal(16)
     ids, weights = moe.route(cfg, jnp.asarray(h, jnp.float32), jnp.asarray(router_w, jnp.float32),
                              jnp.asarray(bias, jnp.float32) if router == "topk_softmax" else None)
-    logits = h.reshape(-1, 32) @ router_w + (bias if router == "topk_softmax" else 0)
+    logits = h.reshape(-1, 32) @ router_w.T + (bias if router == "topk_softmax" else 0)
     want_ids = np.argsort(-logits, axis=-1)[:, :4]
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     top = np.take_along_axis(logits, want_ids, axis=-1)

@@ -33,7 +33,7 @@ LAYER_TENSORS = {
     "mlp_norm": (("post_attention_layernorm.weight",), False),
     "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
     "w_down": (("mlp.down_proj.weight",), True),
-    "router": (("mlp.gate.weight",), True),
+    "router": (("mlp.gate.weight",), False),
     "router_bias": (("mlp.router.bias",), False),
     "bo": (("self_attn.o_proj.bias",), False),
     "sinks": (("self_attn.sinks",), False),

@@ -107,16 +107,28 @@ def read_saved_config(path: Path) -> ModelConfig:
         raise JaxspecError(f"cannot read {path / CONFIG_FILE}: {e}") from None
 
 
-def packed_stacks(path: Path) -> tuple[str, ...]:
-    """The layer stacks the checkpoint holds in MXFP4 (gpt-oss's released experts: saved as their
-    bytes and scales, `pallas_kernels.mxfp4.MXFP4`), from orbax's metadata of the saved tree."""
+def saved_layers(path: Path) -> dict:
+    """Orbax's metadata of the saved layer stacks: {name: its leaf's metadata (a dict for an MXFP4
+    stack: its bytes' and scales')}."""
     with _restoring(path):
         with ocp.StandardCheckpointer() as checkpointer:
             metadata = checkpointer.metadata(path.absolute() / PARAMS_DIR).item_metadata
         if metadata is None:  # how orbax reads a damaged tree's metadata
             raise ValueError("the saved tree's metadata is unreadable")
-    layers = metadata.tree.get("layers", {})
+    return metadata.tree.get("layers", {})
+
+
+def packed_stacks(layers: dict) -> tuple[str, ...]:
+    """The layer stacks held in MXFP4 (gpt-oss's released experts: saved as their bytes and scales,
+    `pallas_kernels.mxfp4.MXFP4`)."""
     return tuple(name for name, leaf in layers.items() if isinstance(leaf, dict) and "blocks" in leaf)
+
+
+def router_transposed(layers: dict, shapes: dict) -> bool:
+    """Whether the MoE router was saved [L, D, E], as jaxspec wrote it before 2026-12-07 (now [L, E, D],
+    the checkpoint's own layout: `models.moe.route`); such a checkpoint loads with it turned."""
+    want = shapes["layers"].get("router")
+    return want is not None and want[1] != want[2] and tuple(layers["router"].shape) == (want[0], want[2], want[1])
 
 
 def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
@@ -125,7 +137,11 @@ def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig,
     (no device reads a full copy)."""
     saved = read_saved_config(path)
     shapes = param_shapes(saved)
-    packed = packed_stacks(path)
+    layers = saved_layers(path)
+    packed, turned = packed_stacks(layers), router_transposed(layers, shapes)
+    if turned:
+        L, E, D = shapes["layers"]["router"]
+        shapes["layers"]["router"] = (L, D, E)
     if mesh is not None:
         saved = saved.replace(expert_parallel=sharding.splits_experts(saved, bool(packed), mesh.size))
     for name in packed:
@@ -150,6 +166,8 @@ def load(path: Path, dtype: str, mesh: Mesh | None = None) -> tuple[ModelConfig,
     with _restoring(path):
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(path.absolute() / PARAMS_DIR, target)
+    if turned:
+        params["layers"]["router"] = jnp.swapaxes(params["layers"]["router"], 1, 2)
     cfg = saved.replace(dtype=dtype)
     params = jax.tree.map(lambda x: x if isinstance(x, MXFP4) else x.astype(jnp.dtype(dtype)), params,
                           is_leaf=lambda x: isinstance(x, MXFP4))

@@ -7,7 +7,7 @@ Params layout (x @ W convention; L = num_layers, D = hidden, F = intermediate, D
             bqkv [L, (Hq + 2 Hkv) Dh] (qkv_bias only), bo [L, D] (o_bias only), sinks [L, Hq]
             (sinks only), q_norm/k_norm [L, Dh] (qk_norm only),
             mlp_norm [L, D], w_gate_up [L, D, 2F] (gate then up), w_down [L, F, D];
-            mixture-of-experts models (cfg.moe) have instead router [L, D, E] (router_bias [L, E]) and
+            mixture-of-experts models (cfg.moe) have instead router [L, E, D] (router_bias [L, E]) and
             the experts' moe_gate_up [L, E, D, 2Fe], moe_down [L, E, Fe, D] (either an MXFP4 stack in
             gpt-oss's released form, pallas_kernels.mxfp4.MXFP4; with biases moe_gate_up_bias
             [L, E, 2Fe], moe_down_bias [L, E, D]): `jaxspec.models.moe`.

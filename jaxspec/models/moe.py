@@ -36,15 +36,19 @@ EXPERT_STACKS = ("moe_gate_up", "moe_down", "moe_gate_up_bias", "moe_down_bias")
 def param_shapes(moe: MoEConfig, L: int, D: int) -> dict[str, tuple[int, ...]]:
     """The MoE layer's params (the router scanned with the layer, the experts' stacks read in place)."""
     E, F = moe.num_experts, moe.expert_size
-    shapes = {"router": (L, D, E), "moe_gate_up": (L, E, D, 2 * F), "moe_down": (L, E, F, D)}
+    shapes = {"router": (L, E, D), "moe_gate_up": (L, E, D, 2 * F), "moe_down": (L, E, F, D)}
     if moe.bias:
         shapes.update(router_bias=(L, E), moe_gate_up_bias=(L, E, 2 * F), moe_down_bias=(L, E, D))
     return shapes
 
 
 def route(moe: MoEConfig, h: jax.Array, router: jax.Array, router_bias: jax.Array | None = None):
-    """(expert ids [N, k] int32, weights [N, k] float32) of the rows h [..., D] (N of them)."""
-    logits = jnp.dot(h.reshape(-1, h.shape[-1]), router, preferred_element_type=jnp.float32)
+    """(expert ids [N, k] int32, weights [N, k] float32) of the rows h [..., D] (N of them) and the
+    router [E, D], the checkpoint's own layout. XLA turns a decode step's one-row product into a
+    reduction over D: over the major axis of a [D, E] router only E outputs share the work (gpt-oss-20b's
+    32 took 26 µs a layer on an H100), along the minor axis each output is a row of its own (bench/NOTES.md,
+    "where an MoE plain step goes", "the router in the checkpoint's own layout")."""
+    logits = jnp.einsum("nd,ed->ne", h.reshape(-1, h.shape[-1]), router, preferred_element_type=jnp.float32)
     if router_bias is not None:
         logits = logits + router_bias.astype(jnp.float32)
     if moe.router == "topk_softmax":
