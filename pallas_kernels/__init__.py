@@ -24,6 +24,8 @@ from pallas_kernels.moe import moe_experts_pallas, moe_experts_reference
 from pallas_kernels.moe import supported as moe_supported
 from pallas_kernels.quest_pages import QUEST_PAGE, quest_pages_pallas, quest_pages_reference
 from pallas_kernels.residual_norm import residual_norm_pallas, residual_norm_reference
+from pallas_kernels.router import MAX_EXPERTS as ROUTE_MAX_EXPERTS
+from pallas_kernels.router import route_pallas, route_reference
 from pallas_kernels.rope_write import MAX_PALLAS_ROWS as EPILOGUE_ROWS  # rope_write and residual_norm alike
 from pallas_kernels.rope_write import rope_write_pallas, rope_write_reference, supported as rope_write_supported
 from pallas_kernels.row_matmul import MAX_ROWS as ROW_MATMUL_ROWS
@@ -55,9 +57,10 @@ QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kerne
 # (bench/NOTES.md, "small exact matrices through the row kernel", "the split merge in one kernel").
 ROW_MATMUL_EXACT_ELEMENTS = 1 << 23
 
-__all__ = ["BACKENDS", "Collect", "TreeMask", "moe_experts", "nsa_compressed_attention", "nsa_selected_attention",
-           "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write", "row_matmul", "row_matmul_partials",
-           "row_matmul_reads_exact", "select_topk", "sparse_attention", "top_p_threshold", "verify_attention"]
+__all__ = ["BACKENDS", "Collect", "TreeMask", "moe_experts", "moe_route", "nsa_compressed_attention",
+           "nsa_selected_attention", "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write",
+           "row_matmul", "row_matmul_partials", "row_matmul_reads_exact", "select_topk", "sparse_attention",
+           "top_p_threshold", "verify_attention"]
 
 
 def _is_pallas(backend: str) -> bool:
@@ -115,6 +118,15 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_ga
         return moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer,
                                   interpret=interpret_default(), **options)
     return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, **options)
+
+
+def moe_route(logits, k: int, rule: str, norm: bool, *, backend: str = "reference"):
+    """(expert ids [N, k] int32, weights [N, k] float32): an MoE router's choice from its float32 logits
+    [N, E] by `rule` (pallas_kernels/router.py), the top k in one kernel; more than ROUTE_MAX_EXPERTS
+    experts run the reference."""
+    if _is_pallas(backend) and logits.shape[-1] <= ROUTE_MAX_EXPERTS:
+        return route_pallas(logits, k, rule, norm, interpret=interpret_default())
+    return route_reference(logits, k, rule, norm)
 
 
 def rope_write(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *, num_heads: int,

@@ -30,6 +30,7 @@ from pallas_kernels.quest_pages import quest_pages_pallas
 from pallas_kernels._common import merge_splits_pallas
 from pallas_kernels.residual_norm import residual_norm_pallas
 from pallas_kernels.rope_write import rope_write_pallas
+from pallas_kernels.router import route_pallas
 from pallas_kernels.row_matmul import row_matmul_pallas
 from pallas_kernels.sparse_attention import sparse_attention_pallas
 from pallas_kernels.top_p import top_p_threshold_pallas
@@ -307,6 +308,14 @@ def test_top_p_threshold_lowers(check_cuda, rows, V, dtype):
     """SmolLM2's vocabulary at a batch-128 chain's verification rows, Qwen3's at a draft step (one
     program per row), and the split path (<= 48 rows): SmolLM2 at batch 32, Qwen3 at batch 1."""
     check_cuda(lambda x: top_p_threshold_pallas(x, 1 / 0.7, 0.95), spec((rows, V), dtype))
+
+
+@pytest.mark.parametrize("rows, E, k, rule", [(1, 128, 8, "softmax_topk"), (64, 32, 4, "topk_softmax"),
+                                           (7, 60, 6, "softmax_topk"), (3, 1024, 8, "softmax_topk")])
+def test_moe_route_lowers(check_cuda, rows, E, k, rule):
+    """Qwen3-30B-A3B's router at one row, gpt-oss-20b's at a chunk's rows, a width that is not a power of
+    two, and the most experts a program holds (four warps)."""
+    check_cuda(lambda x: route_pallas(x, k, rule, True), spec((rows, E), jnp.float32))
 
 
 def test_backend_switch():

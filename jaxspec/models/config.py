@@ -16,11 +16,11 @@ import math
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from pallas_kernels.moe import ACTIVATIONS as MOE_ACTIVATIONS
+from pallas_kernels.router import RULES as MOE_ROUTERS
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "llama-nsa")
 MOE_MODEL_TYPES = ("qwen3_moe", "gpt_oss")
-MOE_ROUTERS = ("softmax_topk", "topk_softmax")
-MOE_ACTIVATIONS = ("silu", "gpt_oss")
 NSA_TOPK_RULES = ("nsa1b", "exact")
 MAX_NSA_BLOCK = 128  # compressed blocks tile the cache slots (kvcache.SLOT_ALIGN)
 
