@@ -71,6 +71,28 @@ def test_greedy_tokens_equal_transformers(hf_checkpoints):
     assert np.asarray(out.tokens)[0, 19:35].tolist() == want
 
 
+GPT_OSS_MOE = MoEConfig(num_experts=8, top_k=2, expert_size=64, router="topk_softmax", norm_topk_prob=False,
+                        activation="gpt_oss", bias=True)
+
+
+@pytest.mark.parametrize("moe_cfg", [CFG.moe, dataclasses.replace(CFG.moe, norm_topk_prob=False), GPT_OSS_MOE],
+                         ids=["qwen3", "qwen3 unnormed", "gpt-oss"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_moe_layer_kernels_equal_reference(moe_cfg, T):
+    """The MoE layer through its kernels (the router's choice, the experts; interpret mode) at a decode
+    step's row and at a verify pass's rows: the references' experts, weights and output."""
+    cfg = dataclasses.replace(CFG, moe=moe_cfg)
+    layers = decoder.init_params(cfg, jax.random.key(40 + T), scale=0.08)["layers"]
+    p = {name: layers[name][1] for name in ("router", "router_bias") if name in layers}
+    stacks = {name: a for name, a in layers.items() if name in moe.EXPERT_STACKS}
+    h = jax.random.normal(jax.random.key(50 + T), (2, T, cfg.hidden_size), jnp.float32)
+    routes = [moe.route(moe_cfg, h, p["router"], p.get("router_bias"), backend) for backend in ("reference", "pallas")]
+    np.testing.assert_array_equal(routes[0][0], routes[1][0])
+    np.testing.assert_allclose(routes[0][1], routes[1][1], rtol=1e-6, atol=1e-7)
+    want, got = (moe.experts(cfg, h, p, stacks, jnp.int32(1), backend) for backend in ("reference", "pallas"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def random_model(cfg: ModelConfig, seed: int, lengths: list[int]):
     """(random params of `cfg`, random prompts [B, max(lengths)] of `lengths`, plain decoding's greedy
     tokens of them): what a drafter's output must equal."""
