@@ -442,8 +442,7 @@ def profile_grid(args, argv: list[str], cfg, params, tokenizer, head, head_id, o
                                         **{k: profile[k] for k in tables.PROVENANCE})
                         cell = table["cells"][-1]
                         if args.replace:  # this head's entries take the place of every other head's
-                            cell["ranked"] = [e for e in cell["ranked"]
-                                              if e["strategy"]["method"] != "eagle" or e.get("head") == head_id]
+                            cell["ranked"] = [e for e in cell["ranked"] if not tables.another_head(e, head_id)]
                         measured.append(cell)
                 if measured:
                     tables.save_table(out, table)

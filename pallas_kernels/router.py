@@ -24,10 +24,14 @@ RULES = ("softmax_topk", "topk_softmax")
 MAX_EXPERTS = 1024  # a row's logits in one program's registers; more experts run the reference
 
 
-def route_reference(logits, k: int, rule: str, norm: bool):
-    """(ids [N, k] int32, weights [N, k] float32) of float32 logits [N, E], by `rule` (module docstring)."""
+def _check_rule(rule: str) -> None:
     if rule not in RULES:
         raise ValueError(f"unknown MoE router {rule!r}: expected one of {RULES}")
+
+
+def route_reference(logits, k: int, rule: str, norm: bool):
+    """(ids [N, k] int32, weights [N, k] float32) of float32 logits [N, E], by `rule` (module docstring)."""
+    _check_rule(rule)
     if rule == "topk_softmax":
         top, ids = lax.top_k(logits, k)
         return ids, jax.nn.softmax(top, axis=-1)
@@ -60,8 +64,7 @@ def _kernel(logits_ref, ids_ref, weights_ref, *, k: int, rule: str, norm: bool):
 
 def route_pallas(logits, k: int, rule: str, norm: bool, *, interpret: bool = False):
     """Pallas-Triton kernel: grid (N,), one row a program; E <= MAX_EXPERTS."""
-    if rule not in RULES:
-        raise ValueError(f"unknown MoE router {rule!r}: expected one of {RULES}")
+    _check_rule(rule)
     N, E = logits.shape
     if not 1 <= k <= E <= MAX_EXPERTS:
         raise ValueError(f"route_pallas takes 1 <= k <= E <= {MAX_EXPERTS}, got k {k}, E {E}")

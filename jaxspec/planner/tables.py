@@ -176,6 +176,12 @@ def load_table(path: Path) -> dict:
     return table
 
 
+def another_head(entry: dict, head: str | None) -> bool:
+    """Whether a ranked `entry` is an eagle strategy measured with another draft head than `head` (its
+    `loaders.eagle.head_fingerprint`): another head's acceptance, which says nothing of this one's."""
+    return entry["strategy"]["method"] == "eagle" and entry.get("head") != head
+
+
 def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("strict",),
            prompt_tokens: int | None = None, new_tokens: int | None = None,
            head: str | None = None, any_head: bool = False) -> tuple[int, list[Prediction]]:
@@ -194,7 +200,7 @@ def lookup(table: dict, batch: int, sampling: str, context: int, precisions=("st
     spread scaled by batch / its batch): the refinement compares these rates with what the run's own
     rows do, and the choice between them is the same at any scale. Given the run's `new_tokens`, a model drafter's tokens/s and tail are
     those of a run that long (`run_tail`)."""
-    mismatched = lambda e: not any_head and e["strategy"]["method"] == "eagle" and e.get("head") != head
+    mismatched = lambda e: not any_head and another_head(e, head)
     cells = [c for c in table["cells"] if c["precision"] in precisions]
     if not cells:
         return bucket_of(context), []
