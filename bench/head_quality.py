@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/head_quality.py --heads checkpoints/eagle3-smollm2,DIR [--new 200]
                                                [--window 512] [--texts NAME,...] [--vocab-sizes N,...]
-                                               [--request-openers]
+                                               [--request-openers] [--draws]
                                                [--out bench/results/head_quality_cpu.json]
 
 For each text, the target scores it from position 0 and each head runs EAGLE-3's training-time test
@@ -24,6 +24,8 @@ anything, so heads trained elsewhere compare on one machine. The texts:
   seed 99, chat share 0.8, cut loops, FRESH_TOKENS in windows of `--window`; `--request-openers`: its
   requests begun with `training.eagle.OPENERS`), so a head's figure here against its training log's
   is what it memorised.
+With `--draws` it also gives each depth's chance of acceptance when the target samples, with top draws
+and with sampled draws (`draw_acceptance`): which of eagle's two ways to pick children drafts better.
 It also prints, per text, what a perfect head could reach there with top draws when the target samples
 (`target_bound`): the target's own top-1 probability bounds it, whatever head drafts; and with
 `--vocab-sizes`, how much of the target's argmax draft vocabularies of those sizes would hold
@@ -97,9 +99,32 @@ def texts(params, cfg, tokenizer, new: int, window: int, names: list[str], opene
     return rows
 
 
-def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dict:
+def draw_acceptance(head, ecfg, params, cfg, tokens: jax.Array, outs: list, start: int) -> dict:
+    """The chance a depth's draft is accepted when the target samples at T 0.7, top-p 0.95, at each
+    position >= `start` of `tokens` [N, T] (depths teacher-forced along the text), averaged: with top
+    draws (eagle's default) the target's p of the head's top token; with sampled draws sum min(p, q),
+    q the head's distribution after the same processing (one minus their total variation)."""
+    rules = SamplingConfig(temperature=0.7, top_p=0.95)
+    T = tokens.shape[1]
+    ids = eagle.to_target_ids(head["d2t"], jnp.arange(ecfg.draft_vocab_size))
+    p = jnp.concatenate([process_logits(decoder.score(params, cfg, row[None]), rules) for row in tokens])[..., ids]
+    result = {}
+    for k, out in enumerate(outs):
+        at = np.arange(T - 1) + k + 1
+        rows = (at <= T - 1) & (at >= start)
+        logits = eagle.draft_logits(head, ecfg, params, cfg, out)
+        p_at = p[:, np.minimum(at, T - 1)]  # the target's processed distribution at each depth-k draft
+        top = jnp.take_along_axis(p_at, jnp.argmax(logits, axis=-1)[..., None], axis=-1)[..., 0]
+        sampled = jnp.minimum(p_at, process_logits(logits, rules)).sum(axis=-1)
+        result[f"depth {k + 1} top"] = round(float(np.asarray(top)[:, rows].mean()), 4)
+        result[f"depth {k + 1} sampled"] = round(float(np.asarray(sampled)[:, rows].mean()), 4)
+    return result
+
+
+def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int, draws: bool = False) -> dict:
     """Agreement with the target's argmax over the target's predictions at positions >= `start` of
-    `tokens` [N, T]: the head's top 1 at draft depths 1..DEPTHS, and its top TOP_K at depth 1."""
+    `tokens` [N, T]: the head's top 1 at draft depths 1..DEPTHS, and its top TOP_K at depth 1; with
+    `draws`, also `draw_acceptance`."""
     ecfg, head = load_eagle(head_dir, cfg, dtype="float32")
     tokens = jnp.asarray(tokens)
     target = teacher(params, cfg, ecfg, head["d2t"], tokens)  # the target's features and argmax, as training's
@@ -119,6 +144,8 @@ def accuracy(head_dir: Path, params, cfg, tokens: np.ndarray, start: int) -> dic
             result["positions"] = int(tokens.shape[0] * rows.sum())
     scored = np.asarray(target.in_vocab)[:, max(start, 0):]  # the predictions of positions >= start
     result["in draft vocabulary"] = round(float(scored.mean()), 4)
+    if draws:
+        result["draws"] = draw_acceptance(head, ecfg, params, cfg, tokens, outs, start)
     return result
 
 
@@ -156,6 +183,8 @@ def main(argv=None) -> None:
                    help="also each text's coverage by draft vocabularies of these sizes (vocabulary_coverage)")
     p.add_argument("--request-openers", action="store_true",
                    help="`fresh data` with its requests begun with openers (train_eagle --request-openers)")
+    p.add_argument("--draws", action="store_true",
+                   help="also each depth's acceptance with top and with sampled draws (draw_acceptance)")
     p.add_argument("--out", type=Path, default=common.RESULTS / "head_quality_cpu.json")
     args = p.parse_args(argv)
     names = args.texts.split(",")
@@ -164,14 +193,24 @@ def main(argv=None) -> None:
     cfg, params, tokenizer = load_model(args.model, dtype="float32")
     rows = texts(params, cfg, tokenizer, args.new, args.window, names, args.request_openers)
     heads = [Path(h) for h in args.heads.split(",")]
-    results = {str(h): {name: accuracy(h, params, cfg, t, start) for name, (t, start) in rows.items()} for h in heads}
-    keys = [k for k in results[str(heads[0])][next(iter(rows))] if k != "positions"]
+    results = {str(h): {name: accuracy(h, params, cfg, t, start, args.draws) for name, (t, start) in rows.items()}
+               for h in heads}
+    keys = [k for k in results[str(heads[0])][next(iter(rows))] if k not in ("positions", "draws")]
     print(f"{', '.join(keys)} (the target's argmax among the head's drafts)\n")
     print("| text (positions) | " + " | ".join(h.name or str(h) for h in heads) + " |")
     print("|---|" + "---|" * len(heads))
     for name in rows:
         cells = [" / ".join(f"{results[str(h)][name][k]:.2f}" for k in keys) for h in heads]
         print(f"| {name} ({results[str(heads[0])][name]['positions']}) | " + " | ".join(cells) + " |")
+    if args.draws:
+        print("\nEach depth's acceptance, the target sampling at T 0.7, top-p 0.95: top draws / sampled draws\n")
+        print("| text | head | " + " | ".join(f"depth {k + 1}" for k in range(DEPTHS)) + " |")
+        print("|---|---|" + "---|" * DEPTHS)
+        for name in rows:
+            for h in heads:
+                d = results[str(h)][name]["draws"]
+                print(f"| {name} | {h.name} | " + " | ".join(
+                    f"{d[f'depth {k + 1} top']:.3f} / {d[f'depth {k + 1} sampled']:.3f}" for k in range(DEPTHS)) + " |")
     # The draft vocabularies a head trained on the documents alone would get (training.eagle.draft_vocabulary)
     stream = data.token_stream(tokenizer, data.split_documents()[0]) if args.vocab_sizes else None
     vocabularies = {n: draft_vocabulary(stream, cfg.vocab_size, n) for n in args.vocab_sizes}
