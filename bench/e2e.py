@@ -198,17 +198,18 @@ def share_equal(rows: list, reference: list) -> float:
 
 def draft_label(row: dict) -> str:
     """' int4 skip 2' for a draft model other than the exact one ('' for it), ' DIR' for a head, ' draws
-    top' for top-b children."""
+    top' / ' draws sampled' for draws other than the method's default (`SpecConfig.draw_mode`)."""
     return ((f" {row['draft_weights']}" if row.get("draft_weights", "exact") != "exact" else "")
             + (f" skip {len(row['draft_skip'])}" if row.get("draft_skip") else "")
             + (f" {row['head']}" if row.get("head") else "")
-            + (f" draws {row['draws']}" if row.get("draws") not in (None, "sampled") else ""))
+            + (f" draws {row['draws']}"
+               if row.get("draws") not in (None, SpecConfig(method=row["method"]).draw_mode) else ""))
 
 
 def table(rows: list[dict]) -> str:
     return common.markdown_table(rows, [
         ("B", "batch", "d"), ("sampling", "sampling", "s"), ("method", "method", "s"), ("head", "head", "s"),
-        ("gamma", "gamma", "d"),
+        ("draws", "draws", "s"), ("gamma", "gamma", "d"),
         ("ratio", "ratio", ".2f"), ("balance", "balance", "g"), ("select every", "select_every", "d"), ("metric", "metric", "s"), ("tree", "tree", "s"), ("order", "traversal", "s"), ("rows", "rows", "d"),
         ("group", "group", "d"),
         ("draft weights", "draft_weights", "s"), ("skipped", "skipped_layers", "d"), ("shrink", "shrink", "s"),
