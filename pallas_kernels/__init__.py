@@ -120,13 +120,14 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, layer, *, b_ga
     return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, layer, **options)
 
 
-def moe_route(logits, k: int, rule: str, norm: bool, *, backend: str = "reference"):
+def moe_route(logits, k: int, rule: str, norm: bool, bias=None, layer=None, *, backend: str = "reference"):
     """(expert ids [N, k] int32, weights [N, k] float32): an MoE router's choice from its float32 logits
-    [N, E] by `rule` (pallas_kernels/router.py), the top k in one kernel; more than ROUTE_MAX_EXPERTS
-    experts run the reference."""
+    [N, E] plus, if given, the bias stack [L, E] at `layer` (read in place), by `rule`
+    (pallas_kernels/router.py), the top k in one kernel; more than ROUTE_MAX_EXPERTS experts run the
+    reference."""
     if _is_pallas(backend) and logits.shape[-1] <= ROUTE_MAX_EXPERTS:
-        return route_pallas(logits, k, rule, norm, interpret=interpret_default())
-    return route_reference(logits, k, rule, norm)
+        return route_pallas(logits, k, rule, norm, bias, layer, interpret=interpret_default())
+    return route_reference(logits, k, rule, norm, bias, layer)
 
 
 def rope_write(sums, positions, write_slots, k_pool, v_pool, entry, layer, inv_freq, *, num_heads: int,

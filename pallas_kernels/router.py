@@ -9,6 +9,9 @@ softmax, a copy, a sort for the top k, a second softmax: 6.6 µs a layer on an H
 shapes, 4.2 at gpt-oss-20b's; bench/NOTES.md, "where an MoE plain step goes"). One program a row holds
 its E logits in registers and takes the k largest one at a time (the largest, its lowest id, masked out).
 Softmax is monotonic, so "softmax_topk" picks from the logits too and needs only the k probabilities.
+A router's bias (gpt-oss) is added in the kernel, read in place from its stack [L, E] at the layer: added
+by XLA it was a kernel of its own (1.5 µs a layer on an H100, bench/NOTES.md, "the router's bias in the
+choice kernel"), and its slice passed to the kernel would be copied first.
 """
 import functools
 
@@ -29,9 +32,12 @@ def _check_rule(rule: str) -> None:
         raise ValueError(f"unknown MoE router {rule!r}: expected one of {RULES}")
 
 
-def route_reference(logits, k: int, rule: str, norm: bool):
-    """(ids [N, k] int32, weights [N, k] float32) of float32 logits [N, E], by `rule` (module docstring)."""
+def route_reference(logits, k: int, rule: str, norm: bool, bias=None, layer=None):
+    """(ids [N, k] int32, weights [N, k] float32) of float32 logits [N, E], by `rule` (module docstring);
+    with `bias`, a stack [L, E], the logits plus its entry `layer` (an int32 scalar)."""
     _check_rule(rule)
+    if bias is not None:
+        logits = logits + bias[layer].astype(jnp.float32)
     if rule == "topk_softmax":
         top, ids = lax.top_k(logits, k)
         return ids, jax.nn.softmax(top, axis=-1)
@@ -39,13 +45,16 @@ def route_reference(logits, k: int, rule: str, norm: bool):
     return ids, weights / jnp.sum(weights, axis=-1, keepdims=True) if norm else weights
 
 
-def _kernel(logits_ref, ids_ref, weights_ref, *, k: int, rule: str, norm: bool):
+def _kernel(layer_ref, logits_ref, *refs, k: int, rule: str, norm: bool, biased: bool):
     """Program n: row n's choice."""
+    bias_ref, ids_ref, weights_ref = refs if biased else (None, *refs)
     n = pl.program_id(0)
     E = logits_ref.shape[1]
     width, slots = next_pow2(E), next_pow2(k)
     cols, slot = jnp.arange(width), jnp.arange(slots)
     x = plgpu.load(logits_ref.at[n, pl.ds(0, width)], mask=cols < E, other=-jnp.inf)
+    if biased:
+        x = x + plgpu.load(bias_ref.at[layer_ref[0], pl.ds(0, width)], mask=cols < E, other=0.0).astype(jnp.float32)
     ids, top, left = jnp.zeros((slots,), jnp.int32), jnp.full((slots,), -jnp.inf, jnp.float32), x
     for j in range(k):
         best = jnp.max(left)
@@ -62,16 +71,19 @@ def _kernel(logits_ref, ids_ref, weights_ref, *, k: int, rule: str, norm: bool):
     plgpu.store(weights_ref.at[n, pl.ds(0, slots)], weights, mask=slot < k)
 
 
-def route_pallas(logits, k: int, rule: str, norm: bool, *, interpret: bool = False):
-    """Pallas-Triton kernel: grid (N,), one row a program; E <= MAX_EXPERTS."""
+def route_pallas(logits, k: int, rule: str, norm: bool, bias=None, layer=None, *, interpret: bool = False):
+    """Pallas-Triton kernel: grid (N,), one row a program; E <= MAX_EXPERTS; `bias` [L, E] read in place
+    at `layer`."""
     _check_rule(rule)
     N, E = logits.shape
     if not 1 <= k <= E <= MAX_EXPERTS:
         raise ValueError(f"route_pallas takes 1 <= k <= E <= {MAX_EXPERTS}, got k {k}, E {E}")
+    layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    args = [layer, logits.astype(jnp.float32)] + ([] if bias is None else [bias])
     return pl.pallas_call(
-        functools.partial(_kernel, k=k, rule=rule, norm=norm), grid=(N,),
-        in_specs=[pl.no_block_spec], out_specs=[pl.no_block_spec] * 2,
+        functools.partial(_kernel, k=k, rule=rule, norm=norm, biased=bias is not None), grid=(N,),
+        in_specs=[pl.no_block_spec] * len(args), out_specs=[pl.no_block_spec] * 2,
         out_shape=[jax.ShapeDtypeStruct((N, k), jnp.int32), jax.ShapeDtypeStruct((N, k), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=1 if next_pow2(E) <= 256 else 4, num_stages=1),
         interpret=interpret, name="moe_route",
-    )(logits.astype(jnp.float32))
+    )(*args)

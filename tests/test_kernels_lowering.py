@@ -313,9 +313,13 @@ def test_top_p_threshold_lowers(check_cuda, rows, V, dtype):
 @pytest.mark.parametrize("rows, E, k, rule", [(1, 128, 8, "softmax_topk"), (64, 32, 4, "topk_softmax"),
                                            (7, 60, 6, "softmax_topk"), (3, 1024, 8, "softmax_topk")])
 def test_moe_route_lowers(check_cuda, rows, E, k, rule):
-    """Qwen3-30B-A3B's router at one row, gpt-oss-20b's at a chunk's rows, a width that is not a power of
-    two, and the most experts a program holds (four warps)."""
-    check_cuda(lambda x: route_pallas(x, k, rule, True), spec((rows, E), jnp.float32))
+    """Qwen3-30B-A3B's router at one row, gpt-oss-20b's at a chunk's rows with its bias stack (bf16, read at
+    the layer), a width that is not a power of two, and the most experts a program holds (four warps)."""
+    if rule == "topk_softmax":
+        check_cuda(lambda x, b, layer: route_pallas(x, k, rule, False, b, layer), spec((rows, E), jnp.float32),
+                   spec((24, E), jnp.bfloat16), spec((), jnp.int32))
+    else:
+        check_cuda(lambda x: route_pallas(x, k, rule, True), spec((rows, E), jnp.float32))
 
 
 def test_backend_switch():

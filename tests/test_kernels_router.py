@@ -39,6 +39,21 @@ def test_route_equals_float64(rule, norm, E, k, ties):
         np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("rule,norm", RULES)
+def test_route_adds_the_bias_at_its_layer(rule, norm):
+    """A router's bias stack [L, E], read at the layer: every other layer's entry poisoned."""
+    rng = np.random.default_rng([7, RULES.index((rule, norm))])
+    E, k, layer = 32, 4, 2
+    logits = (rng.standard_normal((5, E)) * 3).astype(np.float32)
+    bias = np.full((4, E), 1e30, np.float32)
+    bias[layer] = rng.standard_normal(E) * 2
+    want_ids, want_weights = choice_float64(logits + bias[layer], k, rule, norm)
+    for route in (route_reference, lambda *a: route_pallas(*a, interpret=True)):
+        ids, weights = route(jnp.asarray(logits), k, rule, norm, jnp.asarray(bias), jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-5, atol=1e-7)
+
+
 def test_route_checks_its_arguments():
     logits = jnp.ones((2, 16), jnp.float32)
     with pytest.raises(ValueError, match="unknown MoE router"):

@@ -30,13 +30,14 @@ STOP = jnp.array([-1], jnp.int32)
 @pytest.mark.parametrize("router, norm", [("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", False)])
 def test_route_is_the_routers_rule(router, norm):
     """Qwen3-MoE: softmax over all experts, the top k, renormalised when norm_topk_prob; gpt-oss: the
-    top k logits (with the router's bias), softmaxed over those k. The router is [E, D], as checkpoints hold it."""
+    top k logits (with the router's bias, its stack's entry), softmaxed over those k. The router is [E, D], as
+    checkpoints hold it."""
     rng = np.random.default_rng(5)
     cfg = MoEConfig(num_experts=16, top_k=4, expert_size=8, router=router, norm_topk_prob=norm)
-    h, router_w, bias = rng.standard_normal((3, 5, 32)), rng.standard_normal((16, 32)), rng.standard_normal(16)
+    h, router_w, bias = rng.standard_normal((3, 5, 32)), rng.standard_normal((16, 32)), rng.standard_normal((3, 16))
     ids, weights = moe.route(cfg, jnp.asarray(h, jnp.float32), jnp.asarray(router_w, jnp.float32),
-                             jnp.asarray(bias, jnp.float32) if router == "topk_softmax" else None)
-    logits = h.reshape(-1, 32) @ router_w.T + (bias if router == "topk_softmax" else 0)
+                             jnp.asarray(bias, jnp.float32) if router == "topk_softmax" else None, jnp.int32(2))
+    logits = h.reshape(-1, 32) @ router_w.T + (bias[2] if router == "topk_softmax" else 0)
     want_ids = np.argsort(-logits, axis=-1)[:, :4]
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     top = np.take_along_axis(logits, want_ids, axis=-1)
@@ -83,10 +84,11 @@ def test_moe_layer_kernels_equal_reference(moe_cfg, T):
     step's row and at a verify pass's rows: the references' experts, weights and output."""
     cfg = dataclasses.replace(CFG, moe=moe_cfg)
     layers = decoder.init_params(cfg, jax.random.key(40 + T), scale=0.08)["layers"]
-    p = {name: layers[name][1] for name in ("router", "router_bias") if name in layers}
-    stacks = {name: a for name, a in layers.items() if name in moe.EXPERT_STACKS}
+    p = {"router": layers["router"][1]}
+    stacks = {name: a for name, a in layers.items() if name in moe.STACKS}
     h = jax.random.normal(jax.random.key(50 + T), (2, T, cfg.hidden_size), jnp.float32)
-    routes = [moe.route(moe_cfg, h, p["router"], p.get("router_bias"), backend) for backend in ("reference", "pallas")]
+    routes = [moe.route(moe_cfg, h, p["router"], stacks.get("router_bias"), jnp.int32(1), backend)
+              for backend in ("reference", "pallas")]
     np.testing.assert_array_equal(routes[0][0], routes[1][0])
     np.testing.assert_allclose(routes[0][1], routes[1][1], rtol=1e-6, atol=1e-7)
     want, got = (moe.experts(cfg, h, p, stacks, jnp.int32(1), backend) for backend in ("reference", "pallas"))

@@ -241,7 +241,7 @@ def forward(
                 or (name in MATRICES and kernels.row_matmul_reads_exact(m, B * T, backend))}
     stacks = {name: layers.get(name) for name in ("bqkv", "q_norm", "k_norm", "mlp_norm", "sinks")}
     stacks["next_norm"] = jnp.concatenate([layers["attn_norm"][1:], params["final_norm"][None]])
-    experts = {name: a for name, a in layers.items() if name in moe.EXPERT_STACKS}  # read in place by the kernel
+    experts = {name: a for name, a in layers.items() if name in moe.STACKS}  # read in place by the kernels
     scanned = {name: a for name, a in layers.items() if name not in in_place and name not in stacks
                and name not in experts and name != "attn_norm"}
     num_entries = layers["attn_norm"].shape[0]
