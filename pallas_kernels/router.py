@@ -45,9 +45,9 @@ def route_reference(logits, k: int, rule: str, norm: bool, bias=None, layer=None
     return ids, weights / jnp.sum(weights, axis=-1, keepdims=True) if norm else weights
 
 
-def _kernel(layer_ref, logits_ref, *refs, k: int, rule: str, norm: bool, biased: bool):
+def _kernel(logits_ref, *refs, k: int, rule: str, norm: bool, biased: bool):
     """Program n: row n's choice."""
-    bias_ref, ids_ref, weights_ref = refs if biased else (None, *refs)
+    layer_ref, bias_ref, ids_ref, weights_ref = refs if biased else (None, None, *refs)
     n = pl.program_id(0)
     E = logits_ref.shape[1]
     width, slots = next_pow2(E), next_pow2(k)
@@ -78,10 +78,10 @@ def route_pallas(logits, k: int, rule: str, norm: bool, bias=None, layer=None, *
     N, E = logits.shape
     if not 1 <= k <= E <= MAX_EXPERTS:
         raise ValueError(f"route_pallas takes 1 <= k <= E <= {MAX_EXPERTS}, got k {k}, E {E}")
-    layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    args = [layer, logits.astype(jnp.float32)] + ([] if bias is None else [bias])
+    biased = [] if bias is None else [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), bias]
+    args = [logits.astype(jnp.float32), *biased]
     return pl.pallas_call(
-        functools.partial(_kernel, k=k, rule=rule, norm=norm, biased=bias is not None), grid=(N,),
+        functools.partial(_kernel, k=k, rule=rule, norm=norm, biased=bool(biased)), grid=(N,),
         in_specs=[pl.no_block_spec] * len(args), out_specs=[pl.no_block_spec] * 2,
         out_shape=[jax.ShapeDtypeStruct((N, k), jnp.int32), jax.ShapeDtypeStruct((N, k), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=1 if next_pow2(E) <= 256 else 4, num_stages=1),

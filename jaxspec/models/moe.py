@@ -36,7 +36,8 @@ STACKS = ("router_bias", "moe_gate_up", "moe_down", "moe_gate_up_bias", "moe_dow
 
 
 def param_shapes(moe: MoEConfig, L: int, D: int) -> dict[str, tuple[int, ...]]:
-    """The MoE layer's params (the router scanned with the layer, the experts' stacks read in place)."""
+    """The MoE layer's params (the router scanned with the layer; its bias and the experts' stacks, STACKS,
+    read in place)."""
     E, F = moe.num_experts, moe.expert_size
     shapes = {"router": (L, E, D), "moe_gate_up": (L, E, D, 2 * F), "moe_down": (L, E, F, D)}
     if moe.bias:
