@@ -7,6 +7,7 @@ SmolLM2 (dense, or converted to NSA as `jaxspec.convert --to-nsa` does) or 1.2B 
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
         [--head-contexts full,selected] [--experts bf16|mxfp4|mxfp4-words|mxfp4-scale-words] [--groups 0,8,1] [--tree bfs:3,2]
+        [--draws sampled,top]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -21,7 +22,8 @@ tail: finished rows stay in the batch until its last row is done). `--balance B`
 drafters with a shared budget over rows that drafted unevenly well (`skewed`). Random bf16 weights
 (timing only; the largest shapes, e.g. Qwen3-30B-A3B at 4 x 128K, need
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97: JAX takes 75% of the GPU by default). `--sampling sample`
-runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration. Writes DIR/NAME.json
+runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration; `--draws sampled,top`
+times the model drafters with each kind of draw (`SpecConfig.draws`). Writes DIR/NAME.json
 (`--name`); prints a summary table last.
 """
 
@@ -182,6 +184,9 @@ def main():
                    help="only these stages (iteration, draft, verify, select); default all")
     p.add_argument("--groups", default=[0], type=lambda s: [int(n) for n in s.split(",")],
                    help="NSA models: the drafters' verification groups (adjacent draft rows per program), each run")
+    p.add_argument("--draws", default=[None], type=lambda s: s.split(","),
+                   help="model drafters' draws when sampling, comma-separated (SpecConfig.draws; default: "
+                        "the method's)")
     p.add_argument("--head-contexts", default=["full"], type=lambda s: s.split(","),
                    help="eagle: the head's context, full and/or selected (--ratio of the context, as vegas selects)")
     p.add_argument("--balance", type=float, default=1.0,
@@ -211,15 +216,16 @@ def main():
     max_len, slots, k_max = common.random_lengths(context)
     result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
-    runs = [(m, w, c, g) for m in args.methods
+    runs = [(m, w, c, g, d) for m in args.methods
             for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
             for c in (args.head_contexts if m == "eagle" else ["full"])
-            for g in (args.groups if cfg.nsa and m != "plain" else [0]) if takes_draft_model(m, w)]
+            for g in (args.groups if cfg.nsa and m != "plain" else [0])
+            for d in (args.draws if m not in ("plain", "ngram") else [None]) if takes_draft_model(m, w)]
     head, head_params = common.random_head(cfg) if "eagle" in args.methods else (None, None)  # timing only
-    for method, weights, head_context, group in runs:
+    for method, weights, head_context, group, draws in runs:
         spec = dataclasses.replace(spec_for(method, tuning, args.backend, k_max=k_max if method != "plain" else None,
                                             eagle=head if method == "eagle" else None),
-                                   draft_weights=weights, head_context=head_context, group=group,
+                                   draft_weights=weights, head_context=head_context, group=group, draws=draws,
                                    balance=args.balance if method in SPARSE_METHODS else 1.0,
                                    select_every=args.select_every if method in SCORE_METHODS else 1)
         if args.tree and method != "plain":
@@ -244,7 +250,8 @@ def main():
                 state = dataclasses.replace(skewed(state, spec.balance), done=jnp.arange(B) >= live)
             summary, state = profile_stage(fn, state, CALLS, args.top, args.sequence, trace=not args.no_trace,
                                            warmup=args.warmup)
-            label = method + ("" if head_context == "full" else f" ({head_context} context)")
+            label = method + ("" if head_context == "full" else f" ({head_context} context)") + (
+                f" draws {draws}" if draws else "")
             row = {"method": label + (f" group {group or 'auto'}" if cfg.nsa and method != "plain" else ""),
                    "draft_weights": weights, "stage": name.removesuffix("_ms") + ("" if live is None else f" live {live}"),
                    "iterations_per_call": per_call} | summary

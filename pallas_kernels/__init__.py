@@ -53,9 +53,11 @@ QUEST_FUSED_MIN_PROGRAMS = 128
 QUEST_FUSED_MAX_ROW = 1 << 15  # page-bound elements a row: below this the kernel runs at any batch
 # Exact layer matrices under this many elements go to the row kernel at decode row counts (one row
 # block): XLA runs small ones as multiply + reduce fusions or padded cuBLAS gemms. That covers
-# SmolLM2's and a 1.2B Llama's q/k/v and o; larger matrices gained nothing and stay with XLA
-# (bench/NOTES.md, "small exact matrices through the row kernel", "the split merge in one kernel").
-ROW_MATMUL_EXACT_ELEMENTS = 1 << 23
+# SmolLM2's and a 1.2B Llama's q/k/v and o, and Qwen3-30B-A3B's (2048 x 5120, 4096 x 2048: its step
+# -6%); gpt-oss-20b's (o 4096 x 2880, q/k/v 2880 x 5120) lost 2.5% and stay with XLA, as do larger
+# ones (bench/NOTES.md, "small exact matrices through the row kernel", "which exact matrices the row
+# kernel takes").
+ROW_MATMUL_EXACT_ELEMENTS = 11 << 20
 
 __all__ = ["BACKENDS", "Collect", "TreeMask", "moe_experts", "moe_route", "nsa_compressed_attention",
            "nsa_selected_attention", "nsa_tree_attention", "quest_pages", "residual_norm", "rope_write",

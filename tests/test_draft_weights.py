@@ -123,6 +123,9 @@ def test_small_exact_matrices_run_the_row_kernel_in_place():
     assert not kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 4096, 6144), jnp.bfloat16), 1, "pallas")
     assert kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 2048, 2304), jnp.bfloat16), 1, "pallas")  # 1.2B q/k/v
     assert not kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 8192, 2048), jnp.bfloat16), 1, "pallas")  # its down
+    assert kernels.row_matmul_reads_exact(jax.ShapeDtypeStruct((3, 2048, 5120), jnp.bfloat16), 1, "pallas")  # Qwen3-30B
+    gpt_oss_o = jax.ShapeDtypeStruct((3, 4096, 2880), jnp.bfloat16)
+    assert not kernels.row_matmul_reads_exact(gpt_oss_o, 1, "pallas")
     params = decoder.init_params(CFG, jax.random.key(6), scale=0.3)
     assert all(kernels.row_matmul_reads_exact(params["layers"][name], 24, "pallas") for name in decoder.MATRICES)
     tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, CFG.vocab_size)
