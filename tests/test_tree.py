@@ -263,21 +263,24 @@ def textbook_accept(key, tree, tokens, draft_probs, target_logits, cfg):
     pytest.param((3, 1, 2, 1), False, "top_p", marks=pytest.mark.slow),
     ((1, 2, 1), False, "mixed"), ((2, 1), True, "mixed"), ((3, 2), True, "top_p"), ((2, 3, 1), True, "mixed"),
     ((3, 2), True, "repeats"), ((3, (1, 0, 1), 2), False, "top_p"), ((3, (2, 0, 1), (1, 0, 1)), True, "mixed"),
+    ((4, 2), False, "support"), ((5, 3), False, "unit"),
 ])
 def test_acceptance_equals_the_textbook_recursion(shape, one_hot, rules):
     """tree_accept tests a level of one drafted child, or of one-hot candidates, at their tokens only
     and forms the residual where a row stopped once, at the end; token for token it equals the
     whole-distribution recursion, for chains and for trees mixing one-child levels with siblings,
     drafted and one-hot candidates (also one-hot siblings repeating a token, as ngram's do where its
-    matches run out), a top-p cutoff and a server's mixed greedy / sampled rows."""
+    matches run out), a top-p cutoff, a server's mixed greedy / sampled rows, and q whose support (2 tokens)
+    runs out before a node's children do."""
     rng = np.random.default_rng(shape_sum(shape) + 10 * one_hot)
     tree, V, rows = TreeShape(shape), 6, 3000
-    tokens, probs, logits, _ = random_problem(rng, tree, rows, V, one_hot=False)
+    support = 2 if rules == "support" else None
+    tokens, probs, logits, _ = random_problem(rng, tree, rows, V, one_hot=False, support=support)
     probs = None if one_hot else probs  # one-hot candidates: q is the drafted token's one-hot
     if rules == "repeats":  # in half the rows every node's second candidate repeats its first
         kids = tree.children[tree.children[:, 1] >= 0]
         tokens[::2, kids[:, 1]] = tokens[::2, kids[:, 0]]
-    cfg = {"unit": SAMPLE, "top_p": SamplingConfig(temperature=0.8, top_p=0.9), "repeats": SAMPLE,
+    cfg = {"unit": SAMPLE, "top_p": SamplingConfig(temperature=0.8, top_p=0.9), "repeats": SAMPLE, "support": SAMPLE,
            "mixed": RowSampling.of([GREEDY if b % 4 == 0 else SAMPLE for b in range(rows)], max_top_k=0)}[rules]
     args = (jax.random.split(jax.random.key(int(rng.integers(1 << 30))), rows), tree, jnp.asarray(tokens),
             None if probs is None else jnp.asarray(probs), jnp.asarray(logits), cfg)

@@ -27,6 +27,11 @@ candidates are tested at once: child i passes iff u_i (1 - p(x_1) - ... - p(x_{i
 first that passes is taken, as trying them in order takes it. The residual of the level where a row
 stopped is formed once, after the walk: such trees touch whole vocabulary rows twice (the cutoff, the
 final draw) instead of several times at every depth. Every test's uniform u is drawn in one call.
+A level of drafted siblings keeps its residual as one scalar C a row: after rejecting x_1..x_i,
+r = max(p - C q, 0) / S, where each rejection adds S / m to C (m: q's mass not yet tried, so q_i =
+q / m off the tried tokens) and S is the new sum. A rejected x_i had r(x_i) <= q_i(x_i), so it is 0
+in every later residual, as removing it from q requires; so a sibling is tested from p and q at its
+token and one sum over the vocabulary, and the residual where a row stopped is formed once.
 """
 
 from __future__ import annotations
@@ -283,21 +288,6 @@ def tree_accept(
         p_x = probs_from_cutoff(target_logits[rows[:, None], r[:, None], x], threshold[rows, r], log_norm[rows, r], cfg)
         return p_x if top is None else jnp.where(greedy, (x == at(top, r)[:, None]).astype(jnp.float32), p_x)
 
-    def sibling(q, x, mass=None):
-        """(q_i [B, V], whether it can be tried [B]): the distribution child token x was drawn from,
-        given the draft's q at its parent with the earlier siblings removed (a greedy row's: one-hot);
-        `mass` [B], q's sum when already known."""
-        # a sibling drawn after q's support ran out is no candidate
-        mass = jnp.sum(q, axis=-1, keepdims=True) if mass is None else mass[:, None]
-        q_i = jnp.where(greedy, jax.nn.one_hot(x, V, dtype=jnp.float32), q / jnp.maximum(mass, 1e-30))
-        return q_i, (mass[:, 0] > 0) | greedy[:, 0]
-
-    def rejected_residual(resid, q_i):
-        """norm(max(r - q_i, 0)); zero mass has probability 0 in exact arithmetic: keep r rather than drawing token 0."""
-        new = jnp.maximum(resid - q_i, 0.0)
-        mass = jnp.sum(new, axis=-1, keepdims=True)
-        return jnp.where(mass > 0, new / jnp.where(mass > 0, mass, 1.0), resid)
-
     final = jnp.zeros((B, V), jnp.float32)  # the stop token's distribution where a level with drafted siblings set it
     token_stop = jnp.zeros((B,), bool)  # stopped at a level tested at its tokens: residual formed once, at the end
     leaf = jnp.zeros((B,), bool)  # reached a node without children above the last depth: the bonus, from its p
@@ -323,21 +313,28 @@ def tree_accept(
             accept = trying & (u[:, d, 0] * q_x < p_x)  # u < p/q: q(x) = 0 accepts iff p(x) > 0
             chosen = jnp.where(accept, kids[:, 0], chosen)
             token_stop |= trying & ~accept
-        else:  # drafted siblings: each later one is tested against the residual the earlier rejections left
-            resid = target(cur)
-            q = at(draft_probs, cur)
+        else:  # drafted siblings: each later one is tested against the residual the earlier rejections left,
+            # max(p - C q, 0) / S with one scalar C a row (module docstring)
+            p_row, q = target(cur), at(draft_probs, cur)
+            x = tokens[rows[:, None], jnp.maximum(kids, 0)]  # [B, n]
+            p_x, q_x = target_at(cur, x), q[rows[:, None], x]
+            g = greedy[:, 0]  # a greedy row's candidates are one-hot: its r stays p, C stays 0
+            c, s = jnp.zeros((B,), jnp.float32), jnp.ones((B,), jnp.float32)  # r = p at first
+            m = jnp.sum(q, axis=-1)  # q's mass not yet tried
             for i in range(kids.shape[1]):
-                kid = kids[:, i]
-                x = at(tokens, jnp.maximum(kid, 0))
-                q_i, usable = sibling(q, x)
-                trying = alive & (chosen < 0) & (kid >= 0) & usable
-                p_x, q_x = resid[rows, x], q_i[rows, x]
-                accept = trying & (u[:, d, i] * q_x < p_x)
-                chosen = jnp.where(accept, kid, chosen)
+                # a sibling drawn after q's support ran out (q 0 at its token) is no candidate
+                trying = alive & (chosen < 0) & (kids[:, i] >= 0) & ((q_x[:, i] > 0) | g)
+                m_i = jnp.maximum(m, jnp.maximum(q_x[:, i], 1e-30))  # q_i = q / m_i off the tried tokens
+                accept = trying & (u[:, d, i] * jnp.where(g, 1.0, q_x[:, i] / m_i) * s
+                                   < jnp.maximum(p_x[:, i] - c * q_x[:, i], 0.0))  # u < r(x) / q_i(x)
+                chosen = jnp.where(accept, kids[:, i], chosen)
                 rejected = trying & ~accept
-                resid = jnp.where(rejected[:, None], rejected_residual(resid, q_i), resid)
-                # the next sibling was drawn without replacement: x is out of its q
-                q = jnp.where(rejected[:, None] & (jnp.arange(V) == x[:, None]), 0.0, q)
+                c_new = jnp.where(g, c, c + s / m_i)
+                s_new = jnp.sum(jnp.maximum(p_row - c_new[:, None] * q, 0.0), axis=-1)
+                moved = rejected & (s_new > 0)  # zero mass has probability 0 in exact arithmetic: keep r
+                c, s = jnp.where(moved, c_new, c), jnp.where(moved, s_new, s)
+                m = jnp.where(rejected, m - q_x[:, i], m)  # the next sibling was drawn without replacement
+            resid = jnp.maximum(p_row - c[:, None] * q, 0.0)  # unnormalised: the draw normalises
             final = jnp.where((alive & (chosen < 0))[:, None], resid, final)
         step = alive & (chosen >= 0)
         emitted = emitted.at[:, d].set(jnp.where(step, at(tokens, jnp.maximum(chosen, 0)), emitted[:, d]))
@@ -354,9 +351,11 @@ def tree_accept(
         out = jnp.any((jnp.arange(V) == x[:, :, None]) & (kids >= 0)[:, :, None], axis=1)
         resid = jnp.where(out, 0.0, p)
         final = jnp.where(token_stop[:, None], jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p), final)
-    elif narrow:
-        q_i, _ = sibling(at(draft_probs, cur), at(tokens, jnp.maximum(kids[:, 0], 0)), at(q_mass, cur))
-        final = jnp.where(token_stop[:, None], rejected_residual(p, q_i), final)
+    elif narrow:  # one drafted child rejected: r = max(p - q / m, 0), unnormalised (a greedy row's: p, its
+        # child not the argmax); zero mass has probability 0 in exact arithmetic: keep p rather than drawing token 0
+        c = jnp.where(greedy[:, 0], 0.0, 1.0 / jnp.maximum(at(q_mass, cur), 1e-30))
+        resid = jnp.maximum(p - c[:, None] * at(draft_probs, cur), 0.0)
+        final = jnp.where(token_stop[:, None], jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p), final)
     final = jnp.where((alive | leaf)[:, None], p, final)
     last = draw(draw_key, final)
     emitted = jnp.where(jnp.arange(D + 1) == num_accepted[:, None], last[:, None], emitted)
