@@ -320,7 +320,7 @@ def tree_accept(
             p_x, q_x = target_at(cur, x), q[rows[:, None], x]
             g = greedy[:, 0]  # a greedy row's candidates are one-hot: its r stays p, C stays 0
             c, s = jnp.zeros((B,), jnp.float32), jnp.ones((B,), jnp.float32)  # r = p at first
-            m = jnp.sum(q, axis=-1)  # q's mass not yet tried
+            m = jnp.sum(q, axis=-1) if q_mass is None else at(q_mass, cur)  # q's mass not yet tried
             for i in range(kids.shape[1]):
                 # a sibling drawn after q's support ran out (q 0 at its token) is no candidate
                 trying = alive & (chosen < 0) & (kids[:, i] >= 0) & ((q_x[:, i] > 0) | g)
