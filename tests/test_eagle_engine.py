@@ -337,12 +337,15 @@ def exact_marginals(params, cfg, prompt, n: int, rules) -> np.ndarray:
 def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules, draws):
     """A chain of 5 reaches draft depths the two-token test above does not: the marginal of each of
     the first six sampled tokens (12,000 identical rows, chi-square over 8 cells each) against the
-    exact one; with eagle's default top draws, and with top-p and sampled draws, where q and p are
-    both filtered."""
+    exact one; with eagle's default top draws, and with top-p and sampled draws, where p is filtered
+    and the head's q is not (eagle's draft rules leave top-p out), and the other drafters' q would be."""
     params, ecfg = with_head(TINY, 11, draft_vocab=6)  # a near-uniform head over 6 of the 8 tokens
     params = {**params, **decoder.init_params(TINY, jax.random.key(11), scale=0.25)}
     prompt = np.random.default_rng(1).integers(0, TINY.vocab_size, 40).astype(np.int32)
     rows, n, spec = 12000, 6, SpecConfig(method="eagle", gamma=5, eagle=ecfg, draws=draws).validate()
+    if draws == "sampled":
+        assert spec.draft_rules(rules) == SamplingConfig(temperature=0.7)
+        assert SpecConfig(method="vegas", draws=draws).validate().draft_rules(rules) == rules
     state = sampled_rows(params, spec, rules, prompt, rows, n, seed=2)
     tokens = np.asarray(state.tokens[:, len(prompt):len(prompt) + n])
     iterations = np.asarray(state.stats.iterations)

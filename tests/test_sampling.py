@@ -188,6 +188,25 @@ def test_row_rules_top_k_bound():
                                rtol=2e-5, atol=1e-7)
 
 
+def test_without_top_p_keeps_the_other_rules_and_runs_no_search(monkeypatch):
+    """`without_top_p` (eagle's draft rules): each row's probabilities are its config's with top-p 1
+    (temperature, top-k and min-p kept; greedy rows one-hot), and row rules then run no nucleus search."""
+    import pallas_kernels
+    from jaxspec.decoding.sampling import without_top_p
+
+    configs = [c for c in CONFIGS if c.top_k <= 64] + [SamplingConfig()]
+    logits = 2.5 * np.random.default_rng(11).normal(size=(len(configs), 2, 257)).astype(np.float32)
+    monkeypatch.setattr(pallas_kernels, "top_p_threshold", lambda *a, **k: pytest.fail("a nucleus search ran"))
+    got = np.asarray(process_logits(jnp.asarray(logits), without_top_p(RowSampling.of(configs, max_top_k=64))))
+    for row, cfg in enumerate(configs):
+        want = np.eye(257)[logits[row].argmax(-1)] if cfg.greedy else reference_probs(
+            logits[row], SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, min_p=cfg.min_p))
+        np.testing.assert_array_equal(got[row] > 0, want > 0, err_msg=str(cfg))
+        np.testing.assert_allclose(got[row], want, rtol=2e-5, atol=1e-7, err_msg=str(cfg))
+    config = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
+    assert without_top_p(config) == SamplingConfig(temperature=0.7, top_k=5)
+
+
 def test_row_keys_make_rows_independent_of_their_neighbours():
     """With one key per row, a row's draw depends on its own key and logits only."""
     logits = jnp.asarray(np.random.default_rng(10).normal(size=(64, 50)), jnp.float32)

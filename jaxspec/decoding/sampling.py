@@ -78,17 +78,19 @@ class SamplingConfig:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["temperature", "top_k", "top_p", "min_p"],
-                   meta_fields=["max_top_k"])
+                   meta_fields=["max_top_k", "nucleus"])
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
     """Each row's own sampling values ([B] arrays, traced), for batches whose rows follow different
-    requests. `max_top_k` (static) is the most top-k candidates any row may ask for (0: no top-k)."""
+    requests. `max_top_k` (static) is the most top-k candidates any row may ask for (0: no top-k);
+    `nucleus` (static) False: no row asks for top-p, so none is searched (`without_top_p`)."""
 
     temperature: jax.Array  # [B] float32, 0 = greedy row
     top_k: jax.Array  # [B] int32, 0 = off
     top_p: jax.Array  # [B] float32, 1 = off
     min_p: jax.Array  # [B] float32, 0 = off
     max_top_k: int = 0
+    nucleus: bool = True
 
     greedy = False  # rows may sample: the program carries distributions
 
@@ -104,6 +106,13 @@ class RowSampling:
 
 
 Rules = SamplingConfig | RowSampling
+
+
+def without_top_p(rules: Rules) -> Rules:
+    """The rules with top-p off on every row (row rules then compile no nucleus search)."""
+    if isinstance(rules, SamplingConfig):
+        return dataclasses.replace(rules, top_p=1.0)
+    return dataclasses.replace(rules, top_p=jnp.ones_like(rules.top_p), nucleus=False)
 
 
 def _rows(value: jax.Array, ndim: int) -> jax.Array:
@@ -140,7 +149,7 @@ def cutoff(logits: jax.Array, rules: Rules, backend: str = "reference") -> tuple
     sorted values); without it, the kernel backend's sort-free nucleus search runs over the whole
     row. Both act on the raw logits, whose order the positive temperature preserves. A config
     compiles only the filters it turns on; row rules compile every filter (min-p 0 keeps all, a row
-    without top_k takes the nucleus search's threshold).
+    without top_k takes the nucleus search's threshold), the nucleus search unless `nucleus` is off.
     """
     per_row = isinstance(rules, RowSampling)
     V = logits.shape[-1]
@@ -167,7 +176,7 @@ def cutoff(logits: jax.Array, rules: Rules, backend: str = "reference") -> tuple
             nucleus = jnp.where(valid & (mass_before < top_p), candidates, jnp.inf)
             kth = jnp.where(top_p < 1, jnp.min(nucleus, axis=-1, keepdims=True), kth)
         threshold = jnp.where(by_candidates, kth, threshold)
-    if per_row or (rules.top_p < 1 and candidates_k == 0):
+    if rules.nucleus if per_row else (rules.top_p < 1 and candidates_k == 0):
         row_values = lambda v: jnp.broadcast_to(v, top.shape).reshape(-1)
         found = pallas_kernels.top_p_threshold(
             logits.reshape(-1, V), row_values(_inverse_temperature(rules, logits.ndim)), row_values(top_p), backend=backend,
