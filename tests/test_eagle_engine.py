@@ -360,15 +360,17 @@ def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules, draws):
         assert p_value > 1e-3, (k, p_value, counts, want[k].round())
 
 
-def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense):
+@pytest.mark.parametrize("draws", [None, "sampled"])
+def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense, draws):
     """The scheduler (row rules, two slots, prompts prefilled 32 positions per round: the head's cache a
     chunk per round too) admits three requests, the third into the slot the shortest one frees while
-    the other runs; each emits what it emits alone (the engine's admission into a one-row batch)."""
+    the other runs; each emits what it emits alone (the engine's admission into a one-row batch); with
+    top draws and with sampled ones (row rules less top-p: no nucleus search compiled)."""
     from jaxspec.serving import scheduler as serving
     from jaxspec.serving.requests import Request
 
     params, ecfg, ids, lengths, _ = dense
-    spec = SpecConfig(method="eagle", gamma=3, eagle=ecfg).validate()
+    spec = SpecConfig(method="eagle", gamma=3, eagle=ecfg, draws=draws).validate()
     eng = engine.Engine(CFG, spec, None, 400)
     hot = SamplingConfig(temperature=0.9, top_p=0.9)  # sampled rows: their tokens depend on their drafts
     rules, max_new = [GREEDY, hot, hot], [8, 24, 12]
