@@ -345,16 +345,15 @@ def tree_accept(
     # cur is now the leaf (alive rows: the bonus draws from its p) or the node where the row stopped.
     p = target(cur)
     kids = children[cur]
-    if one_hot:  # every child of the stop node was tried and rejected: r is p without their tokens (unnormalised:
-        # the draw normalises), or p where that leaves no mass (probability 0 in exact arithmetic)
-        x = tokens[rows[:, None], jnp.maximum(kids, 0)]
-        out = jnp.any((jnp.arange(V) == x[:, :, None]) & (kids >= 0)[:, :, None], axis=1)
-        resid = jnp.where(out, 0.0, p)
-        final = jnp.where(token_stop[:, None], jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p), final)
-    elif narrow:  # one drafted child rejected: r = max(p - q / m, 0), unnormalised (a greedy row's: p, its
-        # child not the argmax); zero mass has probability 0 in exact arithmetic: keep p rather than drawing token 0
-        c = jnp.where(greedy[:, 0], 0.0, 1.0 / jnp.maximum(at(q_mass, cur), 1e-30))
-        resid = jnp.maximum(p - c[:, None] * at(draft_probs, cur), 0.0)
+    if one_hot or narrow:  # a row stopped at a level tested at its tokens: its residual r, unnormalised (the
+        # draw normalises), or p where r has no mass (probability 0 in exact arithmetic: not drawing token 0)
+        if one_hot:  # every child of the stop node was tried and rejected: r is p without their tokens
+            x = tokens[rows[:, None], jnp.maximum(kids, 0)]
+            out = jnp.any((jnp.arange(V) == x[:, :, None]) & (kids >= 0)[:, :, None], axis=1)
+            resid = jnp.where(out, 0.0, p)
+        else:  # one drafted child rejected: r = max(p - q / m, 0) (a greedy row's: p, its child not the argmax)
+            c = jnp.where(greedy[:, 0], 0.0, 1.0 / jnp.maximum(at(q_mass, cur), 1e-30))
+            resid = jnp.maximum(p - c[:, None] * at(draft_probs, cur), 0.0)
         final = jnp.where(token_stop[:, None], jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p), final)
     final = jnp.where((alive | leaf)[:, None], p, final)
     last = draw(draw_key, final)
