@@ -149,7 +149,8 @@ def cutoff(logits: jax.Array, rules: Rules, backend: str = "reference") -> tuple
     sorted values); without it, the kernel backend's sort-free nucleus search runs over the whole
     row. Both act on the raw logits, whose order the positive temperature preserves. A config
     compiles only the filters it turns on; row rules compile every filter (min-p 0 keeps all, a row
-    without top_k takes the nucleus search's threshold), the nucleus search unless `nucleus` is off.
+    without top_k takes the nucleus search's threshold), top-p (over the candidates or the row) unless
+    `nucleus` is off.
     """
     per_row = isinstance(rules, RowSampling)
     V = logits.shape[-1]
@@ -169,7 +170,7 @@ def cutoff(logits: jax.Array, rules: Rules, backend: str = "reference") -> tuple
         candidates = tempered(jax.lax.top_k(logits, candidates_k)[0], rules)  # descending
         k = jnp.clip(top_k, 1, candidates_k)
         kth = jnp.take_along_axis(candidates, jnp.broadcast_to(k - 1, top.shape), axis=-1)
-        if per_row or rules.top_p < 1:
+        if rules.nucleus if per_row else rules.top_p < 1:
             valid = jnp.arange(candidates_k) < k
             probs = jnp.where(valid, jnp.exp(candidates - log_mass(kth)), 0.0)
             mass_before = jnp.cumsum(probs, axis=-1) - probs
