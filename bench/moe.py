@@ -2,15 +2,18 @@
 
     PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128]
         [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--warps 4,8] [--word-columns 32,64]
-        [--one-row-programs 256,512] [--tiles-in-flight 1,2] [--out DIR] [--tiny]
+        [--one-row-programs 256,512] [--tiles-in-flight 1,2] [--fused-columns 32:256,64:256]
+        [--fused-step 4096,8192] [--fused-warps 4,8]
+        [--implementations reference,split_k,fused] [--out DIR] [--tiny]
 
 With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
 experts (random codes and scales, pallas_kernels.mxfp4.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
-experts, 4 routed a row), and T rows with random routing, it times four implementations as the
-decoder's layer scan would call them, at a traced layer of the stacks: the kernel's three forms (row
+experts, 4 routed a row), and T rows with random routing, it times up to five implementations as the
+decoder's layer scan would call them, at a traced layer of the stacks: the kernel's four forms (row
 blocks through the matrix unit; one row at a time in registers; row blocks of wide column blocks with K
-split among programs; `rule` names the one the kernel picks at T) and the reference (lax.ragged_dot;
-MXFP4 dequantized first). The floor is the routed experts' bytes (MXFP4: packed bytes and scales):
+split among programs; float stacks only: gate/up and down in one call, F split among programs; `rule`
+names the one the kernel picks at T) and the reference (lax.ragged_dot; MXFP4 dequantized first). The
+floor is the routed experts' bytes (MXFP4: packed bytes and scales):
 the distinct experts hit times one expert's bytes, over the copy bandwidth measured in the same run.
 Each timed call is one of REPEATS in a scan, each with its own routing and alternating between the two
 layers of the stacks, so no call finds its experts in L2. Every kernel form's outputs are checked
@@ -58,7 +61,7 @@ def routing(key, repeats: int, T: int, E: int, k: int):
 
 
 IMPLEMENTATIONS = {"reference": "XLA", "row_blocks": "row-block kernel", "one_row": "one-row kernel",
-                   "split_k": "split-K kernel"}
+                   "split_k": "split-K kernel", "fused": "fused kernel"}
 
 
 def experts(implementation: str, *args, stages: int = 3, warps: int = 4):
@@ -97,11 +100,13 @@ def random_stacks(fmt: str, shape: dict):
     return stack(jax.random.key(0), D, 2 * F), stack(jax.random.key(1), F, D)
 
 
-def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int, warps: int) -> dict:
-    """One row count's times of each implementation that reads `stacks` (words: all but split K),
-    checked against the reference first."""
-    words = isinstance(stacks[0], MXFP4) and stacks[0].words
-    implementations = tuple(i for i in IMPLEMENTATIONS if not (words and i == "split_k"))
+def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int, warps: int, chosen) -> dict:
+    """One row count's times of each `chosen` implementation that reads `stacks` (MXFP4: not the fused
+    form; words: nor split K), checked against the reference first."""
+    packed = isinstance(stacks[0], MXFP4)
+    words = packed and stacks[0].words
+    implementations = tuple(i for i in IMPLEMENTATIONS if i in chosen + ["reference"]
+                            and not (packed and i == "fused") and not (words and i == "split_k"))
     D, E, k = shape["D"], shape["E"], shape["k"]
     x = jax.random.normal(jax.random.key(T), (T, D), jnp.bfloat16)
     ids, weights = routing(jax.random.key(1000 + T), repeats, T, E, k)
@@ -153,11 +158,24 @@ def main():
                         "(moe.SPLIT_GATE_UP_COLUMNS, moe.SPLIT_DOWN_COLUMNS)")
     p.add_argument("--split-programs", default=str(moe.SPLIT_PROGRAMS), type=ints,
                    help="the split-K form's programs about, comma-separated (moe.SPLIT_PROGRAMS)")
+    p.add_argument("--fused-columns", default=f"{moe.FUSED_COLUMNS}:{moe.FUSED_DOWN_COLUMNS}",
+                   type=lambda s: [tuple(int(n) for n in pair.split(":")) for pair in s.split(",")],
+                   help="the fused form's columns of F a program and down's columns a step, F:D pairs, "
+                        "comma-separated (moe.FUSED_COLUMNS, moe.FUSED_DOWN_COLUMNS)")
+    p.add_argument("--fused-step", default=str(moe.FUSED_STEP_ELEMENTS), type=ints,
+                   help="the fused form's gate weights a loop step, comma-separated (moe.FUSED_STEP_ELEMENTS)")
+    p.add_argument("--fused-warps", default=str(moe.FUSED_WARPS), type=ints,
+                   help="the fused form's warps a program, comma-separated (moe.FUSED_WARPS; --warps: the others')")
+    p.add_argument("--implementations", default=",".join(IMPLEMENTATIONS), type=lambda s: s.split(","),
+                   help=f"which to time, comma-separated, of {', '.join(IMPLEMENTATIONS)} (the reference always: "
+                        "the check)")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: a smoke test of this script")
     args = p.parse_args()
     if unknown := set(args.decodes) - set(DECODES):
         p.error(f"unknown decodes {sorted(unknown)}: {', '.join(DECODES)}")
+    if unknown := set(args.implementations) - set(IMPLEMENTATIONS):
+        p.error(f"unknown implementations {sorted(unknown)}: {', '.join(IMPLEMENTATIONS)}")
     shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
     result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
@@ -172,19 +190,24 @@ def main():
             words = decode in ("words", "words-two", "scale-words")
             timed = tuple(mxfp4.to_words(w, small_scales=decode != "words-two", scale_words=decode == "scale-words")
                           for w in stacks) if words else stacks
-            for columns, stages, warps, programs, in_flight, row_step, split, split_programs in itertools.product(
-                    args.word_columns if words else [None], args.stages, args.warps, args.one_row_programs,
-                    args.tiles_in_flight, args.row_step_elements, args.split_columns, args.split_programs):
+            sweep = itertools.product(args.word_columns if words else [None], args.stages, args.warps,
+                                      args.one_row_programs, args.tiles_in_flight, args.row_step_elements,
+                                      args.split_columns, args.split_programs, args.fused_columns, args.fused_step,
+                                      args.fused_warps)
+            for columns, stages, warps, programs, in_flight, row_step, split, split_programs, *fused in sweep:
                 moe.ONE_ROW_PROGRAMS, moe.ROW_TILES_IN_FLIGHT, moe.ROW_STEP_ELEMENTS = programs, in_flight, row_step
                 (moe.SPLIT_GATE_UP_COLUMNS, moe.SPLIT_DOWN_COLUMNS), moe.SPLIT_PROGRAMS = split, split_programs
+                (moe.FUSED_COLUMNS, moe.FUSED_DOWN_COLUMNS), moe.FUSED_STEP_ELEMENTS, moe.FUSED_WARPS = fused
                 if columns:
                     moe.WORD_MIN_COLUMNS = columns
                 jax.clear_caches()
-                row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages, warps)
+                row = time_rows(T, shape, repeats, timed, result["rates"]["copy_GBps"], stages, warps,
+                                args.implementations)
                 result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages, "warps": warps,
                                        "one_row_programs": programs, "tiles_in_flight": in_flight,
                                        "row_step_elements": row_step, "split_columns": f"{split[0]}:{split[1]}",
-                                       "split_programs": split_programs} | row)
+                                       "split_programs": split_programs, "fused_columns": "{}:{}".format(*fused[0]),
+                                       "fused_step": fused[1], "fused_warps": fused[2]} | row)
                 print(result["rows"][-1], flush=True)
                 common.write_json(path, result)
     print(common.markdown_table(result["rows"], [
@@ -192,6 +215,7 @@ def main():
         ("warps", "warps", "d"), ("one-row programs", "one_row_programs", "d"),
         ("tiles in flight", "tiles_in_flight", "d"), ("row step", "row_step_elements", "d"),
         ("split columns", "split_columns", "s"), ("split programs", "split_programs", "d"),
+        ("fused columns", "fused_columns", "s"), ("fused step", "fused_step", "d"), ("fused warps", "fused_warps", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
           for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],

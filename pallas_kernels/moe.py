@@ -38,9 +38,10 @@ thread loads whole words and decodes 8 codes into its 4 operand registers by rot
 `word_weights`): measured on an H100, row blocks 19-25% faster than the paired decode at 2-128 rows
 (2.3-2.5x the floor at 8-128). A decode step's single row through MXFP4 takes the one-row form of
 both calls (bytes: 3.8x on the H100, the codes' bits placed, `code_values`; words: the row's columns
-read a scale group at a time, `group_view`, so no decoded tile is reordered: 3.0x); up to 128 rows through bf16
-stacks the split-K form, whose programs keep wide column blocks and, for a few rows, divide K
-(`default_form`). The reference decodes the layer's whole stack with the same
+read a scale group at a time, `group_view`, so no decoded tile is reordered: 3.0x); a decode step's
+single row through bf16 stacks the fused form (one call: each program its F columns' gate/up and their
+share of down), up to 128 rows the split-K form, whose programs keep wide column blocks and, for a few
+rows, divide K (`default_form`). The reference decodes the layer's whole stack with the same
 function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
@@ -128,7 +129,23 @@ SPLIT_DOWN_COLUMNS = 256
 # Qwen3-30B-A3B's decode step gets 192 gate/up and 256 down programs (bench/moe.py --split-programs).
 SPLIT_PROGRAMS = TARGET_PROGRAMS
 SPLIT_ROWS = 128
-FORMS = ("row_blocks", "one_row", "split_k")
+# The fused form (`FORMS`, float stacks): a program takes FUSED_COLUMNS of its expert's F (their gate and
+# up columns over all of K, up to FUSED_STEP_ELEMENTS weights of each a loop step, activated in registers) and
+# multiplies them by the same rows of down, all D columns in steps of FUSED_DOWN_COLUMNS, into partial
+# outputs [F / FUSED_COLUMNS, rows, D] that XLA adds up with the combine: one call instead of split K's
+# two and the fusion between them, for the partial outputs' float32 bytes (0.75 MB at one Qwen3-30B-A3B
+# row, beside its routed experts' 75 MB). Float stacks take it up to FUSED_ROWS rows. Measured on an H100
+# at Qwen3-30B-A3B's shapes, six processes (bench/moe.py --implementations split_k,fused): one row 40.7 us
+# against split K's 43.3 (1.61x the bytes floor against 1.72x), two rows 81.0 against 76.8, four 127.7
+# against 122.4. The sweeps before (--fused-columns --fused-step --warps): 64 columns, 8,192 weights a
+# step and 8 warps (96 programs, one an SM at 188 registers) best; 32 or 16 columns (192 or 384 programs,
+# 64- or 32-byte runs of each row of K) 46.5 and 52.4 us (bench/NOTES.md).
+FUSED_COLUMNS = 64
+FUSED_DOWN_COLUMNS = 256
+FUSED_STEP_ELEMENTS = 64 * 128
+FUSED_WARPS = 8
+FUSED_ROWS = 1
+FORMS = ("row_blocks", "one_row", "split_k", "fused")
 
 
 
@@ -356,10 +373,10 @@ def _over_rows(step, K: int, bk: int, first, bm: int, columns: int, w_refs, dtyp
 def default_form(rows: int, packed: bool) -> str:
     """The kernel's form (`FORMS`) for `rows` token rows: through MXFP4 stacks (bytes or words) one row
     (a decode step's) takes the one-row form and more rows row blocks; through float stacks up to
-    SPLIT_ROWS rows split K, more row blocks."""
+    FUSED_ROWS rows the fused form, then up to SPLIT_ROWS rows split K, more row blocks."""
     if packed:
         return "one_row" if rows == 1 else "row_blocks"
-    return "split_k" if rows <= SPLIT_ROWS else "row_blocks"
+    return "fused" if rows <= FUSED_ROWS else "split_k" if rows <= SPLIT_ROWS else "row_blocks"
 
 
 def k_splits(K: int, programs: int, packed: bool) -> int:
@@ -545,6 +562,42 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
     _slot_rows(slots_ref, bm, row if one_row else rows)
 
 
+def _fused_kernel(layer_ref, slots_ref, tokens_ref, x_ref, wg_ref, wd_ref, *refs, bm: int, bk: int, bf: int, bd: int,
+                  activation: str, biased: bool):
+    """y_ref [F / bf, rows, D] float32: program (slot, j)'s share of its rows' outputs, from its expert's F
+    columns [j bf, (j + 1) bf): gate and up over all of K, biased and activated, then times down's
+    same rows, bd columns a step (down's bias is left to `moe_experts_pallas`)."""
+    *b_ref, y_ref = refs
+    j = pl.program_id(1)
+    e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
+    F, D = wd_ref.shape[-2:]
+    gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)  # gate: also the rows of down this program takes
+
+    def rows(start, real):
+        tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
+        load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
+
+        def step(acc, k0, size):
+            return (_product(acc[0], load_x, (wg_ref,), layer, e, k0, size, gate),
+                    _product(acc[1], load_x, (wg_ref,), layer, e, k0, size, up))
+
+        g, u = _over_rows(step, D, bk, 0, bm, bf, (wg_ref,), x_ref.dtype, 2)
+        if biased:
+            g = g + b_ref[0][layer, e, gate].astype(jnp.float32)[None, :]
+            u = u + b_ref[0][layer, e, up].astype(jnp.float32)[None, :]
+        a = activate(g, u, activation).astype(x_ref.dtype)
+
+        def down(c, carry):
+            cols = pl.ds(c * bd, bd)
+            y = jnp.dot(a, wd_ref[layer, e, gate, cols].astype(a.dtype), preferred_element_type=jnp.float32)
+            plgpu.store(y_ref.at[j, pl.ds(start, bm), cols], y, mask=real[:, None])
+            return carry
+
+        lax.fori_loop(0, D // bd, down, 0)
+
+    _slot_rows(slots_ref, bm, rows)
+
+
 def _slots(sizes, num_slots: int):
     """int32 [3, num_slots]: each distinct expert hit (ascending) with its [start, end) in the sorted
     assignments; slots past the distinct experts have start = end = 0."""
@@ -570,7 +623,8 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
                        num_stages: int = 3, form: str | None = None):
     """The kernels' routed experts (the reference's result, summed in another order), float32 [T, D];
     the stacks (float or MXFP4) read in place at `layer` (an int32 scalar). Shapes: `supported`.
-    `form`: one of FORMS (None: `default_form`; bench/moe.py times each)."""
+    `form`: one of FORMS (None: `default_form`; bench/moe.py times each); `num_warps`: every form's but
+    the fused one's (FUSED_WARPS)."""
     T, k = expert_ids.shape
     E, D = w_gate_up.shape[1], x.shape[1]
     F = w_down.shape[-2]
@@ -591,12 +645,31 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         raise ValueError(f"unknown MoE kernel form {form!r}: expected one of {FORMS}")
     if words and form == "split_k":
         raise ValueError("MXFP4 words are read by the row-block and one-row forms, not 'split_k'")
+    if form == "fused" and (gate_up_packed or down_packed):
+        raise ValueError("the 'fused' MoE kernel form reads float stacks, not MXFP4")
     one_row = form == "one_row"
     rows_of = lambda v, words: group_view(v) if one_row and words else v  # the one-row form's x through words
     bm = 1 if one_row else block_rows(N, S)
     tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     call = functools.partial(_slot_call, interpret=interpret)
+
+    def chunk_sums(partial, b):
+        """Split K: the chunks' partial sums [splits, rows, columns] added up, and biased (also the fused
+        form's shares of F)."""
+        total = partial[:, :N].sum(axis=0)
+        return total if b is None else total + b[layer[0], _row_experts(expert_ids, order)].astype(jnp.float32)
+
+    if form == "fused":
+        bf, bd = divisor(F, FUSED_COLUMNS), divisor(D, FUSED_DOWN_COLUMNS)
+        bk = divisor(D, max(BLOCK_K, FUSED_STEP_ELEMENTS // bf))  # no tail steps: their registers spilled
+        y = call(functools.partial(_fused_kernel, bm=bm, bk=bk, bf=bf, bd=bd,
+                                   activation=activation, biased=b_gate_up is not None),
+                 "moe_fused", (S, F // bf), jax.ShapeDtypeStruct((F // bf, N + bm, D), jnp.float32),
+                 [layer, slots, tokens, x], (w_gate_up, w_down), b_gate_up,
+                 params=plgpu.CompilerParams(num_warps=FUSED_WARPS, num_stages=num_stages))
+        return _combine(chunk_sums(y, b_down), position, expert_ids, expert_weights)
+
     word_blocks = lambda words: words and not one_row  # row blocks of words: their own column and warp rules
     params = lambda columns, words: plgpu.CompilerParams(
         num_warps=NARROW_WORD_WARPS if word_blocks(words) and columns < WGMMA_COLUMNS else num_warps,
@@ -615,12 +688,6 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(
         (N + bm, columns) if splits == 1 else (splits, N + bm, columns), dtype if splits == 1 else jnp.float32)
     in_kernel = lambda b, splits: b if splits == 1 else None  # split K: the kernels leave the bias out
-
-    def chunk_sums(partial, b):
-        """Split K: the chunks' partial sums [splits, rows, columns] added up, and biased."""
-        total = partial[:, :N].sum(axis=0)
-        return total if b is None else total + b[layer[0], _row_experts(expert_ids, order)].astype(jnp.float32)
-
     gate_up_bias, down_bias = in_kernel(b_gate_up, gate_up_splits), in_kernel(b_down, down_splits)
     gate_up_step = step(D // gate_up_splits, bf, gate_up_packed, gate_up_words)
     a = call(functools.partial(_gate_up_kernel, bm=bm, bk=gate_up_step, bf=bf, activation=activation,

@@ -61,16 +61,16 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
     return out
 
 
-# The reference, the kernel's three forms, and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
+# The reference, the kernel's four forms (fused: float stacks only), and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
 # interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
 # paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
 # as words (mxfp4.to_words: row blocks through word_weights, its exact form here, and the one-row form
 # through moe.group_view's columns), and as words of small scales (MXFP4.small_scales: one multiply), and
 # with their scales four to a word (mxfp4.pack_scales).
-IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "scaled dot", "paired decode")
+IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "fused", "scaled dot", "paired decode")
 WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row",
                         "scale-word decode", "scale-word one row")
-PACKED_IMPLEMENTATIONS = (*IMPLEMENTATIONS, *WORD_IMPLEMENTATIONS)
+PACKED_IMPLEMENTATIONS = (*(i for i in IMPLEMENTATIONS if i != "fused"), *WORD_IMPLEMENTATIONS)  # fused: floats
 
 
 def run(implementation: str, inputs, activation: str):
@@ -284,6 +284,16 @@ def test_word_weights_equal_decode():
         single[k // 2] = 15 << 4 * (k % 2)
         bits = [bin(int(w)).count("1") for w in np.asarray(mxfp4.pack_words(jnp.asarray(single[None])))[0]]
         assert sorted(bits) == [0, 0, 0, 4], (k, bits)
+
+
+def test_float_stacks_take_the_fused_form_at_one_row_only():
+    """Float stacks: one row (a decode step) through the fused form, up to SPLIT_ROWS split K, more row
+    blocks; MXFP4 stacks through the fused form are an error."""
+    forms = [moe.default_form(rows, False) for rows in (1, 2, moe.SPLIT_ROWS, moe.SPLIT_ROWS + 1)]
+    assert forms == ["fused", "split_k", "split_k", "row_blocks"], forms
+    x, ids, weights, w_gate_up, w_down, *_ = packed_inputs(6, 1, jnp.bfloat16, False)
+    with pytest.raises(ValueError, match="'fused' MoE kernel form reads float stacks"):
+        moe_experts_pallas(x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER), interpret=True, form="fused")
 
 
 def test_words_take_row_blocks_and_the_one_row_form():
