@@ -494,6 +494,21 @@ def _split_chunk(K: int, splits: int):
     return split, split * (K // splits) if splits > 1 else 0, K // splits
 
 
+def _gate_up_sums(x_ref, tokens_ref, w_refs, layer, e, columns, start, real, K: int, bk: int, first, bm: int,
+                  small: bool = False):
+    """Inside a kernel: float32 (gate, up) [bm, columns] of the row block at `start` (real [bm]: its rows
+    inside the slot's range), x's rows gathered by token, over K weights from `first` (`_over_rows`)."""
+    tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
+    load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
+    gate, up = columns
+
+    def step(acc, k0, size):
+        return (_product(acc[0], load_x, w_refs, layer, e, k0, size, gate, small),
+                _product(acc[1], load_x, w_refs, layer, e, k0, size, up, small))
+
+    return _over_rows(step, K, bk, first, bm, gate.size, w_refs, x_ref.dtype, 2)
+
+
 def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk: int, bf: int, activation: str,
                     packed: bool, biased: bool, one_row: bool, splits: int, small: bool):
     """a_ref [rows, F]: the activations; with splits > 1 instead float32 partial gate/up columns
@@ -514,14 +529,7 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
         a_ref[r, pl.ds(j * bf, bf)] = activate(g, u, activation).astype(a_ref.dtype)
 
     def rows(start, real):
-        tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
-        load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
-
-        def step(acc, k0, size):
-            return (_product(acc[0], load_x, w_refs, layer, e, k0, size, gate, small),
-                    _product(acc[1], load_x, w_refs, layer, e, k0, size, up, small))
-
-        g, u = _over_rows(step, K, bk, first, bm, bf, w_refs, x_ref.dtype, 2)
+        g, u = _gate_up_sums(x_ref, tokens_ref, w_refs, layer, e, (gate, up), start, real, K, bk, first, bm, small)
         if splits > 1:
             for cols, h in ((gate, g), (up, u)):
                 plgpu.store(a_ref.at[split, pl.ds(start, bm), cols], h, mask=real[:, None])
@@ -574,14 +582,7 @@ def _fused_kernel(layer_ref, slots_ref, tokens_ref, x_ref, wg_ref, wd_ref, *refs
     gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)  # gate: also the rows of down this program takes
 
     def rows(start, real):
-        tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
-        load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
-
-        def step(acc, k0, size):
-            return (_product(acc[0], load_x, (wg_ref,), layer, e, k0, size, gate),
-                    _product(acc[1], load_x, (wg_ref,), layer, e, k0, size, up))
-
-        g, u = _over_rows(step, D, bk, 0, bm, bf, (wg_ref,), x_ref.dtype, 2)
+        g, u = _gate_up_sums(x_ref, tokens_ref, (wg_ref,), layer, e, (gate, up), start, real, D, bk, 0, bm)
         if biased:
             g = g + b_ref[0][layer, e, gate].astype(jnp.float32)[None, :]
             u = u + b_ref[0][layer, e, up].astype(jnp.float32)[None, :]
