@@ -5,10 +5,10 @@
 
 At gpt-oss-20b's shapes with bench/moe.py's random MXFP4 stacks as words (small scales; `--scale-words`:
 their scales four to a word, `mxfp4.pack_scales`), or at Qwen3-30B-A3B's with bf16 stacks (`--format
-bf16`: at few rows, split K, whose partial sums XLA adds between the two kernels), it runs itself
-under `ncu --set full` (clocks as they are, XLA's command buffers off so that ncu sees each kernel)
-calling the experts kernel twice in its default form for --rows (one row: the one-row form; more: row
-blocks), profiles the second call's two kernels, exports ncu's details page and source page (stall
+bf16`: one row through the fused form's one kernel, a few rows split K, whose partial sums XLA adds
+between its two kernels), it runs itself under `ncu --set full` (clocks as they are, XLA's command
+buffers off so that ncu sees each kernel) calling the experts kernel twice in its default form for
+--rows (MXFP4 one row: the one-row form; more: row blocks), profiles the second call's kernels, exports ncu's details page and source page (stall
 samples per SASS instruction), and writes DIR/ncu_moe_<rows>_rows_<layout>.txt (layout: byte_scales,
 scale_words or bf16): each kernel's duration under the profiler, DRAM throughput, registers,
 occupancy, issue and eligible warps, its stall reasons, and its most sampled instructions with their
@@ -56,12 +56,16 @@ def launch(rows: int, fmt: str, scale_words: bool) -> None:
 
 
 def profile(rows: int, fmt: str, scale_words: bool, folder: Path) -> tuple[Path, Path]:
-    """ncu over `launch`, profiling the second call's two kernels: its details and source exports."""
+    """ncu over `launch`, profiling the second call's kernels (the fused form's one, the others' two):
+    its details and source exports."""
+    from pallas_kernels import moe
+    kernels = 1 if moe.default_form(rows, fmt == "mxfp4") == "fused" else 2
     report = folder / "report"
     argv = [sys.executable, __file__, "--launch", "--rows", str(rows), "--format", fmt] + (
         ["--scale-words"] if scale_words else [])
     env = os.environ | {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
-    subprocess.run(["ncu", "--clock-control", "none", "-k", "regex:moe_", "--launch-skip", "2", "--launch-count", "2",
+    subprocess.run(["ncu", "--clock-control", "none", "-k", "regex:moe_", "--launch-skip", str(kernels),
+                    "--launch-count", str(kernels),
                     "--set", "full", "-f", "-o", str(report), *argv], env=env, check=True, stdout=subprocess.DEVNULL)
     details, source = folder / "details.csv", folder / "source.csv.gz"
     imported = ["ncu", "--import", f"{report}.ncu-rep"]
@@ -104,7 +108,8 @@ def summarize(details: Path, source: Path) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=64, help="token rows (one: the one-row form; more: row blocks)")
+    p.add_argument("--rows", type=int, default=64,
+                   help="token rows (one: the one-row or the fused form; more: row blocks or split K)")
     p.add_argument("--format", choices=("mxfp4", "bf16"), default="mxfp4",
                    help="gpt-oss-20b's MXFP4 experts as words, or Qwen3-30B-A3B's bf16 experts")
     p.add_argument("--scale-words", action="store_true", help="the scales four to a word (mxfp4.pack_scales)")
