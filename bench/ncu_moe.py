@@ -8,11 +8,11 @@ their scales four to a word, `mxfp4.pack_scales`), or at Qwen3-30B-A3B's with bf
 bf16`: one row through the fused form's one kernel, a few rows split K, whose partial sums XLA adds
 between its two kernels), it runs itself under `ncu --set full` (clocks as they are, XLA's command
 buffers off so that ncu sees each kernel) calling the experts kernel twice in its default form for
---rows (MXFP4 one row: the one-row form; more: row blocks), profiles the second call's kernels, exports ncu's details page and source page (stall
-samples per SASS instruction), and writes DIR/ncu_moe_<rows>_rows_<layout>.txt (layout: byte_scales,
-scale_words or bf16): each kernel's duration under the profiler, DRAM throughput, registers,
-occupancy, issue and eligible warps, its stall reasons, and its most sampled instructions with their
-main reason and excessive L2 sectors.
+--rows (MXFP4 one row: the one-row form; more: row blocks), profiles the second call's kernels,
+exports ncu's details page and source page (stall samples per SASS instruction), and writes
+DIR/ncu_moe_<rows>_rows_<layout>.txt (layout: byte_scales, scale_words or bf16): each kernel's duration
+under the profiler, DRAM throughput, registers, occupancy, issue and eligible warps, its stall reasons,
+and its most sampled instructions with their main reason and excessive L2 sectors.
 """
 from __future__ import annotations
 

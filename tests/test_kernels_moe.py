@@ -61,12 +61,12 @@ def loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activati
     return out
 
 
-# The reference, the kernel's four forms (fused: float stacks only), and its row blocks through mxfp4_dot (moe.SCALED_DOT: here its
-# interpret-mode form, so this checks what the kernel hands it, not Triton's conversion) and through
-# paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed). MXFP4 stacks also
-# as words (mxfp4.to_words: row blocks through word_weights, its exact form here, and the one-row form
-# through moe.group_view's columns), and as words of small scales (MXFP4.small_scales: one multiply), and
-# with their scales four to a word (mxfp4.pack_scales).
+# The reference, the kernel's four forms (fused: float stacks only), and its row blocks through mxfp4_dot
+# (moe.SCALED_DOT: here its interpret-mode form, so this checks what the kernel hands it, not Triton's
+# conversion) and through paired_weights (moe.PAIRED_DECODE: likewise its exact form; the products transposed).
+# MXFP4 stacks also as words (mxfp4.to_words: row blocks through word_weights, its exact form here, and the
+# one-row form through moe.group_view's columns), and as words of small scales (MXFP4.small_scales: one
+# multiply), and with their scales four to a word (mxfp4.pack_scales).
 IMPLEMENTATIONS = ("reference", "row_blocks", "one_row", "split_k", "fused", "scaled dot", "paired decode")
 WORD_IMPLEMENTATIONS = ("word decode", "word one row", "small word decode", "small word one row",
                         "scale-word decode", "scale-word one row")
