@@ -1,33 +1,33 @@
 """One MoE layer's routed experts: the Pallas kernel against XLA's grouped product and the bytes floor.
 
-    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--rows 1,8,32,128]
-        [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--warps 4,8] [--word-columns 32,64]
-        [--one-row-programs 256,512] [--tiles-in-flight 1,2] [--fused-columns 32:256,64:256]
-        [--fused-step 4096,8192] [--fused-warps 4,8]
+    PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--model qwen3-30b-a3b|gpt-oss-20b]
+        [--rows 1,8,32,128] [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--warps 4,8]
+        [--word-columns 32,64] [--one-row-programs 256,512] [--tiles-in-flight 1,2]
+        [--fused-columns 32:256,64:256] [--fused-step 4096,8192] [--fused-warps 4,8]
         [--implementations reference,split_k,fused] [--out DIR] [--tiny]
 
-With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4
-experts (random codes and scales, pallas_kernels.mxfp4.MXFP4) at gpt-oss-20b's (D = F = 2880, 32
-experts, 4 routed a row), and T rows with random routing, it times up to five implementations as the
-decoder's layer scan would call them, at a traced layer of the stacks: the kernel's four forms (row
-blocks through the matrix unit; one row at a time in registers; row blocks of wide column blocks with K
-split among programs; float stacks only: gate/up and down in one call, F split among programs; `rule`
-names the one the kernel picks at T) and the reference (lax.ragged_dot; MXFP4 dequantized first). The
-floor is the routed experts' bytes (MXFP4: packed bytes and scales):
-the distinct experts hit times one expert's bytes, over the copy bandwidth measured in the same run.
-Each timed call is one of REPEATS in a scan, each with its own routing and alternating between the two
-layers of the stacks, so no call finds its experts in L2. Every kernel form's outputs are checked
-against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each
-decode of the codes in the kernels (`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits
-placed, exact only where float32 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the
-row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in
-inline PTX; `words`: the stacks re-packed once as `mxfp4.to_words` words, which the row-block and one-row
-forms read, a word's 8 codes into 4 bf16x2 words, one multiply each (the random scales are at most 128:
-`MXFP4.small_scales`); `words-two`: the same with two multiplies, as scales above 128 take;
-`scale-words`: `words` with the scales four to a word, `mxfp4.pack_scales`), in this
-process, the compiled programs dropped between them. Writes DIR/moe.json (mxfp4: moe_mxfp4.json;
---tiny: moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a
-smoke test of this script) and prints a table last.
+With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4 experts
+(random codes and scales, pallas_kernels.mxfp4.MXFP4) at gpt-oss-20b's (D = F = 2880, 32 experts, 4 routed a
+row), or either format at the other model's shapes (`--model`), and T rows with random routing, it times up
+to five implementations as the decoder's layer scan would call them, at a traced layer of the stacks: the
+kernel's four forms (row blocks through the matrix unit; one row at a time in registers; row blocks of wide
+column blocks with K split among programs; float stacks only: gate/up and down in one call, F split among
+programs; `rule` names the one the kernel picks at T) and the reference (lax.ragged_dot; MXFP4 dequantized
+first). The floor is the routed experts' bytes (MXFP4: packed bytes and scales): the distinct experts hit
+times one expert's bytes, over the copy bandwidth measured in the same run. Each timed call is one of
+REPEATS in a scan, each with its own routing and alternating between the two layers of the stacks, so no
+call finds its experts in L2. Every kernel form's outputs are checked against the reference first
+(`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each decode of the codes in the kernels
+(`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits placed, exact only where float32
+subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the row blocks' bf16 products through
+`moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in inline PTX; `words`: the stacks re-packed
+once as `mxfp4.to_words` words, which the row-block and one-row forms read, a word's 8 codes into 4 bf16x2
+words, one multiply each (the random scales are at most 128: `MXFP4.small_scales`); `words-two`: the same
+with two multiplies, as scales above 128 take; `scale-words`: `words` with the scales four to a word,
+`mxfp4.pack_scales`), in this process, the compiled programs dropped between them. Writes DIR/moe.json
+(mxfp4: moe_mxfp4.json; with --model its name after the format's, moe_gpt-oss-20b.json; --tiny:
+moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke test of
+this script) and prints a table last.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ from pallas_kernels.moe import default_form, moe_experts_pallas
 from pallas_kernels.mxfp4 import MXFP4
 
 expert_shape = lambda cfg: dict(D=cfg.hidden_size, F=cfg.moe.expert_size, E=cfg.moe.num_experts, k=cfg.moe.top_k)
-SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}
+MODELS = {"qwen3-30b-a3b": common.QWEN3_30B_A3B, "gpt-oss-20b": common.GPT_OSS_20B}
+SHAPES = {"bf16": expert_shape(common.QWEN3_30B_A3B), "mxfp4": expert_shape(common.GPT_OSS_20B)}  # each format's model
 TINY = dict(D=64, F=32, E=8, k=2)
 LAYERS = 2
 REPEATS = 8
@@ -133,6 +134,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=tuple(SHAPES), default="bf16",
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
+    p.add_argument("--model", choices=tuple(MODELS), default=None,
+                   help="the experts' shapes of this model instead of the format's own (e.g. gpt-oss-20b's unquantized "
+                        "experts: --format bf16 --model gpt-oss-20b)")
     p.add_argument("--rows", default="1,8,32,128", help="token rows T, comma-separated")
     p.add_argument("--decodes", default="paired", type=lambda s: s.split(","),
                    help="MXFP4: the kernels' decodes to time, of placed (mxfp4.PLACED_DECODE), exact, paired "
@@ -176,12 +180,14 @@ def main():
         p.error(f"unknown decodes {sorted(unknown)}: {', '.join(DECODES)}")
     if unknown := set(args.implementations) - set(IMPLEMENTATIONS):
         p.error(f"unknown implementations {sorted(unknown)}: {', '.join(IMPLEMENTATIONS)}")
-    shape, repeats = (TINY, 2) if args.tiny else (SHAPES[args.format], REPEATS)
+    model_shape = expert_shape(MODELS[args.model]) if args.model else SHAPES[args.format]
+    shape, repeats = (TINY, 2) if args.tiny else (model_shape, REPEATS)
     rows = [1, 8] if args.tiny else [int(r) for r in args.rows.split(",")]
     result = common.run_info() | {"format": args.format, "shape": shape, "layers": LAYERS, "repeats": repeats,
                                   "rates": common.measure_rates(args.tiny), "rows": []}
     stacks = random_stacks(args.format, shape)
-    name = "moe" + ("_mxfp4" if args.format == "mxfp4" else "") + ("_tiny" if args.tiny else "")
+    name = ("moe" + ("_mxfp4" if args.format == "mxfp4" else "") + (f"_{args.model}" if args.model else "")
+            + ("_tiny" if args.tiny else ""))
     path = args.out / f"{name}.json"
     decodes = args.decodes if args.format == "mxfp4" else ["exact"]
     for T in rows:
