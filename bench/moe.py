@@ -131,6 +131,7 @@ DECODES = ("exact", "placed", "paired", "words", "words-two", "scale-words")
 
 def main():
     ints = lambda text: [int(n) for n in text.split(",")]  # a comma-separated sweep
+    pairs = lambda text: [tuple(int(n) for n in pair.split(":")) for pair in text.split(",")]  # of a:b pairs
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=tuple(SHAPES), default="bf16",
                    help="the experts' format (and model: bf16 Qwen3-30B-A3B, mxfp4 gpt-oss-20b)")
@@ -157,13 +158,13 @@ def main():
                    help="the one-row form's column blocks' tiles loading ahead, comma-separated "
                         "(moe.ROW_TILES_IN_FLIGHT)")
     p.add_argument("--split-columns", default=f"{moe.SPLIT_GATE_UP_COLUMNS}:{moe.SPLIT_DOWN_COLUMNS}",
-                   type=lambda s: [tuple(int(n) for n in pair.split(":")) for pair in s.split(",")],
+                   type=pairs,
                    help="the split-K form's column blocks, gate/up:down pairs, comma-separated "
                         "(moe.SPLIT_GATE_UP_COLUMNS, moe.SPLIT_DOWN_COLUMNS)")
     p.add_argument("--split-programs", default=str(moe.SPLIT_PROGRAMS), type=ints,
                    help="the split-K form's programs about, comma-separated (moe.SPLIT_PROGRAMS)")
     p.add_argument("--fused-columns", default=f"{moe.FUSED_COLUMNS}:{moe.FUSED_DOWN_COLUMNS}",
-                   type=lambda s: [tuple(int(n) for n in pair.split(":")) for pair in s.split(",")],
+                   type=pairs,
                    help="the fused form's columns of F a program and down's columns a step, F:D pairs, "
                         "comma-separated (moe.FUSED_COLUMNS, moe.FUSED_DOWN_COLUMNS)")
     p.add_argument("--fused-step", default=str(moe.FUSED_STEP_ELEMENTS), type=ints,

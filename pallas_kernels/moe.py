@@ -495,9 +495,10 @@ def _split_chunk(K: int, splits: int):
 
 
 def _gate_up_sums(x_ref, tokens_ref, w_refs, layer, e, columns, start, real, K: int, bk: int, first, bm: int,
-                  small: bool = False):
+                  small: bool = False, bias_ref=None):
     """Inside a kernel: float32 (gate, up) [bm, columns] of the row block at `start` (real [bm]: its rows
-    inside the slot's range), x's rows gathered by token, over K weights from `first` (`_over_rows`)."""
+    inside the slot's range), x's rows gathered by token, over K weights from `first` (`_over_rows`), plus
+    expert e's bias at `layer` from `bias_ref` if one is given."""
     tokens = plgpu.load(tokens_ref.at[pl.ds(start, bm)], mask=real, other=0)
     load_x = lambda cols: x_ref[tokens, cols]  # rows past the range read token 0, are not stored
     gate, up = columns
@@ -506,7 +507,11 @@ def _gate_up_sums(x_ref, tokens_ref, w_refs, layer, e, columns, start, real, K: 
         return (_product(acc[0], load_x, w_refs, layer, e, k0, size, gate, small),
                 _product(acc[1], load_x, w_refs, layer, e, k0, size, up, small))
 
-    return _over_rows(step, K, bk, first, bm, gate.size, w_refs, x_ref.dtype, 2)
+    g, u = _over_rows(step, K, bk, first, bm, gate.size, w_refs, x_ref.dtype, 2)
+    if bias_ref is None:
+        return g, u
+    bias = lambda cols: bias_ref[layer, e, cols].astype(jnp.float32)[None, :]
+    return g + bias(gate), u + bias(up)
 
 
 def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk: int, bf: int, activation: str,
@@ -529,13 +534,12 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
         a_ref[r, pl.ds(j * bf, bf)] = activate(g, u, activation).astype(a_ref.dtype)
 
     def rows(start, real):
-        g, u = _gate_up_sums(x_ref, tokens_ref, w_refs, layer, e, (gate, up), start, real, K, bk, first, bm, small)
+        g, u = _gate_up_sums(x_ref, tokens_ref, w_refs, layer, e, (gate, up), start, real, K, bk, first, bm, small,
+                             b_ref[0] if biased else None)  # split K: never biased here (`moe_experts_pallas`)
         if splits > 1:
             for cols, h in ((gate, g), (up, u)):
                 plgpu.store(a_ref.at[split, pl.ds(start, bm), cols], h, mask=real[:, None])
             return
-        if biased:
-            g, u = g + bias(gate)[None, :], u + bias(up)[None, :]
         a = activate(g, u, activation)
         plgpu.store(a_ref.at[pl.ds(start, bm), pl.ds(j * bf, bf)], a.astype(a_ref.dtype), mask=real[:, None])
 
@@ -582,10 +586,8 @@ def _fused_kernel(layer_ref, slots_ref, tokens_ref, x_ref, wg_ref, wd_ref, *refs
     gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)  # gate: also the rows of down this program takes
 
     def rows(start, real):
-        g, u = _gate_up_sums(x_ref, tokens_ref, (wg_ref,), layer, e, (gate, up), start, real, D, bk, 0, bm)
-        if biased:
-            g = g + b_ref[0][layer, e, gate].astype(jnp.float32)[None, :]
-            u = u + b_ref[0][layer, e, up].astype(jnp.float32)[None, :]
+        g, u = _gate_up_sums(x_ref, tokens_ref, (wg_ref,), layer, e, (gate, up), start, real, D, bk, 0, bm,
+                             bias_ref=b_ref[0] if biased else None)
         a = activate(g, u, activation).astype(x_ref.dtype)
 
         def down(c, carry):
