@@ -118,7 +118,7 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int,
     distinct = float(np.mean([len(np.unique(np.asarray(i))) for i in ids]))
     expert_bytes = sum(a.nbytes for a in jax.tree.leaves(stacks)) / (LAYERS * E)
     floor_us = distinct * expert_bytes / (bw * 1e9) * 1e6
-    rule = default_form(T, isinstance(stacks[0], MXFP4))
+    rule = default_form(T, isinstance(stacks[0], MXFP4), D)
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
     for implementation in implementations:
         us = common.seconds_per_call(layer_fn(implementation, stages, warps), x, ids, weights, *stacks) / repeats * 1e6

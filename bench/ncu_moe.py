@@ -58,8 +58,9 @@ def launch(rows: int, fmt: str, scale_words: bool) -> None:
 def profile(rows: int, fmt: str, scale_words: bool, folder: Path) -> tuple[Path, Path]:
     """ncu over `launch`, profiling the second call's kernels (the fused form's one, the others' two):
     its details and source exports."""
+    from bench import moe as bench_moe
     from pallas_kernels import moe
-    kernels = 1 if moe.default_form(rows, fmt == "mxfp4") == "fused" else 2
+    kernels = 1 if moe.default_form(rows, fmt == "mxfp4", bench_moe.SHAPES[fmt]["D"]) == "fused" else 2
     report = folder / "report"
     argv = [sys.executable, __file__, "--launch", "--rows", str(rows), "--format", fmt] + (
         ["--scale-words"] if scale_words else [])

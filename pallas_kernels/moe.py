@@ -39,10 +39,10 @@ thread loads whole words and decodes 8 codes into its 4 operand registers by rot
 (2.3-2.5x the floor at 8-128). A decode step's single row through MXFP4 takes the one-row form of
 both calls (bytes: 3.8x on the H100, the codes' bits placed, `code_values`; words: the row's columns
 read a scale group at a time, `group_view`, so no decoded tile is reordered: 3.0x); a decode step's
-single row through bf16 stacks the fused form (one call: each program its F columns' gate/up and their
-share of down), up to 128 rows the split-K form, whose programs keep wide column blocks and, for a few
-rows, divide K (`default_form`). The reference decodes the layer's whole stack with the same
-function and runs the float path.
+single row through bf16 stacks the fused form where its steps are whole (one call: each program its F
+columns' gate/up and their share of down), up to 128 rows the split-K form, whose programs keep wide
+column blocks and, for a few rows, divide K (`default_form`). The reference decodes the layer's whole
+stack with the same function and runs the float path.
 
 An assignment of id -1 is dropped (expert parallelism: another device's expert): it sorts after every
 expert's rows, no slot covers it, and its output row counts as zero.
@@ -139,7 +139,9 @@ SPLIT_ROWS = 128
 # against split K's 43.3 (1.61x the bytes floor against 1.72x), two rows 81.0 against 76.8, four 127.7
 # against 122.4. The sweeps before (--fused-columns --fused-step --warps): 64 columns, 8,192 weights a
 # step and 8 warps (96 programs, one an SM at 188 registers) best; 32 or 16 columns (192 or 384 programs,
-# 64- or 32-byte runs of each row of K) 46.5 and 52.4 us (bench/NOTES.md).
+# 64- or 32-byte runs of each row of K) 46.5 and 52.4 us (bench/NOTES.md). Only where those steps are whole:
+# at gpt-oss-20b's D = 2880 (not a multiple of FUSED_DOWN_COLUMNS) they shrink to 64 weights of K and 64
+# columns of down, and split K wins at one row, 83.5 against 88.1-88.3 us (H100, two processes).
 FUSED_COLUMNS = 64
 FUSED_DOWN_COLUMNS = 256
 FUSED_STEP_ELEMENTS = 64 * 128
@@ -370,13 +372,16 @@ def _over_rows(step, K: int, bk: int, first, bm: int, columns: int, w_refs, dtyp
     return tuple(a.T for a in accs) if transposed else accs
 
 
-def default_form(rows: int, packed: bool) -> str:
-    """The kernel's form (`FORMS`) for `rows` token rows: through MXFP4 stacks (bytes or words) one row
-    (a decode step's) takes the one-row form and more rows row blocks; through float stacks up to
-    FUSED_ROWS rows the fused form, then up to SPLIT_ROWS rows split K, more row blocks."""
+def default_form(rows: int, packed: bool, D: int) -> str:
+    """The kernel's form (`FORMS`) for `rows` token rows of width D: through MXFP4 stacks (bytes or
+    words) one row (a decode step's) takes the one-row form and more rows row blocks; through float
+    stacks up to FUSED_ROWS rows the fused form where D takes its whole down steps, then up to
+    SPLIT_ROWS rows split K, more row blocks."""
     if packed:
         return "one_row" if rows == 1 else "row_blocks"
-    return "fused" if rows <= FUSED_ROWS else "split_k" if rows <= SPLIT_ROWS else "row_blocks"
+    if rows <= FUSED_ROWS and D % FUSED_DOWN_COLUMNS == 0:
+        return "fused"
+    return "split_k" if rows <= SPLIT_ROWS else "row_blocks"
 
 
 def k_splits(K: int, programs: int, packed: bool) -> int:
@@ -643,7 +648,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     gate_up_words, down_words = (isinstance(w, MXFP4) and w.words for w in (w_gate_up, w_down))
     small = lambda w: isinstance(w, MXFP4) and w.words and w.small_scales  # one multiply an output
     words = gate_up_words or down_words
-    form = default_form(T, gate_up_packed and down_packed) if form is None else form
+    form = default_form(T, gate_up_packed and down_packed, D) if form is None else form
     if form not in FORMS:
         raise ValueError(f"unknown MoE kernel form {form!r}: expected one of {FORMS}")
     if words and form == "split_k":

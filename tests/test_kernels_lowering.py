@@ -239,7 +239,8 @@ def test_row_matmul_lowers(check_cuda, M, K, N, kind, tiling):
     (1, 128, 2048, 768, 8, "silu", False, None),       # Qwen3-30B-A3B, a decode step: 8 slots, the fused form
     (1, 128, 2048, 768, 8, "silu", False, "split_k"),  # the same with K split
     (1, 128, 2048, 768, 8, "silu", False, "row_blocks"),  # the same as 16-row blocks of narrow columns
-    (1, 32, 2880, 2880, 4, "gpt_oss", False, None),    # gpt-oss-20b's unquantized experts (biases), a decode step
+    (1, 32, 2880, 2880, 4, "gpt_oss", False, None),    # gpt-oss-20b, unquantized (biases), one row: split K
+    (1, 32, 2880, 2880, 4, "gpt_oss", False, "fused"),  # the same row as the fused form, its steps narrowed to 64
     (128, 128, 2048, 768, 8, "silu", False, None),     # a verify pass of 128 rows: wide columns, one chunk of K
     (512, 128, 2048, 768, 8, "silu", False, None),     # a prefill chunk: 64-row blocks
     (64, 32, 2880, 2880, 4, "gpt_oss", False, None),   # gpt-oss-20b (biases), D = F = 45 x 64

@@ -287,10 +287,12 @@ def test_word_weights_equal_decode():
 
 
 def test_float_stacks_take_the_fused_form_at_one_row_only():
-    """Float stacks: one row (a decode step) through the fused form, up to SPLIT_ROWS split K, more row
-    blocks; MXFP4 stacks through the fused form are an error."""
-    forms = [moe.default_form(rows, False) for rows in (1, 2, moe.SPLIT_ROWS, moe.SPLIT_ROWS + 1)]
+    """Float stacks: one row (a decode step) through the fused form where D takes its whole down steps
+    (Qwen3-30B-A3B's 2048; not gpt-oss-20b's 2880: split K), up to SPLIT_ROWS split K, more row blocks;
+    MXFP4 stacks through the fused form are an error."""
+    forms = [moe.default_form(rows, False, 2048) for rows in (1, 2, moe.SPLIT_ROWS, moe.SPLIT_ROWS + 1)]
     assert forms == ["fused", "split_k", "split_k", "row_blocks"], forms
+    assert moe.default_form(1, False, 2880) == "split_k"
     x, ids, weights, w_gate_up, w_down, *_ = packed_inputs(6, 1, jnp.bfloat16, False)
     with pytest.raises(ValueError, match="'fused' MoE kernel form reads float stacks"):
         moe_experts_pallas(x, ids, weights, w_gate_up, w_down, jnp.int32(LAYER), interpret=True, form="fused")
@@ -302,7 +304,7 @@ def test_words_take_row_blocks_and_the_one_row_form():
     group g multiplies columns 32 g + 8 j + 2 t and the next (the pair 4 j + t), at [g, 8 j + 2 t] and
     the next."""
     x, ids, weights, w_gate_up, w_down, *_ = packed_inputs(5, 1, jnp.bfloat16, False)
-    assert moe.default_form(1, True) == "one_row" and moe.default_form(2, True) == "row_blocks"
+    assert moe.default_form(1, True, 2880) == "one_row" and moe.default_form(2, True, 2880) == "row_blocks"
     with pytest.raises(ValueError, match="row-block and one-row forms, not 'split_k'"):
         moe_experts_pallas(x, ids, weights, mxfp4.to_words(w_gate_up), mxfp4.to_words(w_down), jnp.int32(LAYER),
                            interpret=True, form="split_k")
