@@ -198,12 +198,14 @@ def share_equal(rows: list, reference: list) -> float:
 
 def draft_label(row: dict) -> str:
     """' int4 skip 2' for a draft model other than the exact one ('' for it), ' DIR' for a head, ' draws
-    top' / ' draws sampled' for draws other than the method's default (`SpecConfig.draw_mode`)."""
+    top' / ' draws sampled' for draws other than the method's default for its shape (`SpecConfig.draw_mode`)."""
+    shape = TreeShape.parse(row["tree"]) if row.get("tree") else TreeShape.chain(row.get("gamma") or 1)
     return ((f" {row['draft_weights']}" if row.get("draft_weights", "exact") != "exact" else "")
             + (f" skip {len(row['draft_skip'])}" if row.get("draft_skip") else "")
             + (f" {row['head']}" if row.get("head") else "")
             + (f" draws {row['draws']}"
-               if row.get("draws") not in (None, SpecConfig(method=row["method"]).draw_mode) else ""))
+               if row.get("draws") not in (None, SpecConfig(method=row["method"], tree=shape.branching).draw_mode)
+               else ""))
 
 
 def table(rows: list[dict]) -> str:

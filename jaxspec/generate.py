@@ -87,7 +87,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draws", choices=DRAWS, default=None,
                    help="when sampling, a drafter's children: drawn from its distribution (sampled) or its top "
                         "tokens (top), verified as one-hot candidates; lossless either way, top iterates faster. "
-                        "Default: top for eagle, sampled for the others (bench/NOTES.md, \"draws\")")
+                        "Default: top for an eagle tree, sampled for an eagle chain and the other drafters")
     p.add_argument("--draft-skip", default=None,
                    help="layers draft steps leave out: 3,5,10-12 | everyN | calibrated (python -m jaxspec.calibrate_skip) | a calibration file")
     p.add_argument("--planner-table", type=Path, default=None,

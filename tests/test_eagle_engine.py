@@ -333,19 +333,19 @@ def exact_marginals(params, cfg, prompt, n: int, rules) -> np.ndarray:
     return np.stack(marginals)
 
 
-@pytest.mark.parametrize("rules,draws", [(HOT, None), (SamplingConfig(temperature=0.7, top_p=0.9), "sampled")])
+@pytest.mark.parametrize("rules,draws", [(HOT, "top"), (SamplingConfig(temperature=0.7, top_p=0.9), None)])
 def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules, draws):
     """A chain of 5 reaches draft depths the two-token test above does not: the marginal of each of
     the first six sampled tokens (12,000 identical rows, chi-square over 8 cells each) against the
-    exact one; with eagle's default top draws, and with top-p and sampled draws, where p is filtered
+    exact one; with top draws, and with top-p and a chain's default sampled draws, where p is filtered
     and the head's q is not (eagle's draft rules leave top-p out), and the other drafters' q would be."""
     params, ecfg = with_head(TINY, 11, draft_vocab=6)  # a near-uniform head over 6 of the 8 tokens
     params = {**params, **decoder.init_params(TINY, jax.random.key(11), scale=0.25)}
     prompt = np.random.default_rng(1).integers(0, TINY.vocab_size, 40).astype(np.int32)
     rows, n, spec = 12000, 6, SpecConfig(method="eagle", gamma=5, eagle=ecfg, draws=draws).validate()
-    if draws == "sampled":
-        assert spec.draft_rules(rules) == SamplingConfig(temperature=0.7)
-        assert SpecConfig(method="vegas", draws=draws).validate().draft_rules(rules) == rules
+    if draws is None:
+        assert spec.draw_mode == "sampled" and spec.draft_rules(rules) == SamplingConfig(temperature=0.7)
+        assert SpecConfig(method="vegas").validate().draft_rules(rules) == rules
     state = sampled_rows(params, spec, rules, prompt, rows, n, seed=2)
     tokens = np.asarray(state.tokens[:, len(prompt):len(prompt) + n])
     iterations = np.asarray(state.stats.iterations)
@@ -360,7 +360,7 @@ def test_each_of_six_tokens_follows_the_target_with_a_chain_of_5(rules, draws):
         assert p_value > 1e-3, (k, p_value, counts, want[k].round())
 
 
-@pytest.mark.parametrize("draws", [None, "sampled"])
+@pytest.mark.parametrize("draws", ["top", "sampled"])
 def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense, draws):
     """The scheduler (row rules, two slots, prompts prefilled 32 positions per round: the head's cache a
     chunk per round too) admits three requests, the third into the slot the shortest one frees while
@@ -396,6 +396,23 @@ def test_scheduler_admissions_and_chunked_prefill_equal_alone(dense, draws):
     while len(finished) < 3:
         scheduler.step()
     assert finished[0] == 0 and got == {b: alone(b) for b in range(3)}
+
+
+def test_default_draws_follow_the_shape():
+    """When sampling, eagle draws its children on a chain (a tree of widths 1 is one) and takes its top
+    tokens on a tree; the other drafters draw; --draws wins over either default."""
+    hot = SamplingConfig(temperature=0.7, top_p=0.9)
+    cases = [(SpecConfig(method="eagle", gamma=5), "sampled"),
+             (SpecConfig(method="eagle", tree=(1, 1, 1)), "sampled"),
+             (SpecConfig(method="eagle", tree=(5, (3, 1))), "top"),
+             (SpecConfig(method="vegas", tree=(3, 2)), "sampled"),
+             (SpecConfig(method="eagle", tree=(3, 2), draws="sampled"), "sampled"),
+             (SpecConfig(method="eagle", gamma=4, draws="top"), "top")]
+    for spec, mode in cases:
+        spec = spec.validate()
+        assert spec.draw_mode == mode and spec.describe()["draws"] == mode
+        drawn = hot if spec.method == "vegas" else sampling.without_top_p(hot)  # eagle's q: no top-p
+        assert spec.draft_rules(hot) == (SamplingConfig() if mode == "top" else drawn)
 
 
 def test_eagle_needs_a_head_and_no_draft_model():

@@ -97,9 +97,8 @@ class SpecConfig:
     head_context: str = "full"
     # when sampling, a model drafter's children: drawn from its processed distribution q ("sampled"), or
     # its top-b tokens ("top"), verified as one-hot candidates as ngram's are (lossless either way: a
-    # draft x is then accepted with the target's p(x)). "top" skips the draft's top-p and the q it
-    # hands verification (iterations 13-15% shorter for eagle at batch 1-8). None: the method's
-    # default (`draw_mode`)
+    # draft x is then accepted with the target's p(x)). "top" skips the draft's draws and the q it
+    # hands verification. None: the method's default (`draw_mode`)
     draws: str | None = None
 
     def validate(self) -> SpecConfig:
@@ -202,9 +201,15 @@ class SpecConfig:
 
     @property
     def draw_mode(self) -> str:
-        """`draws`, or the method's default: top for eagle (faster in every cell measured, its acceptance
-        about unchanged: bench/NOTES.md, "draws"), sampled for the model's own drafts (not measured)."""
-        return self.draws or ("top" if self.method == "eagle" else "sampled")
+        """`draws`, or the method's default: for eagle, sampled on a chain and top on a tree; sampled for the
+        model's own drafts (not measured). Eagle's sampled draws take q without top-p (`draft_rules`): a
+        chain of 5 on generate's default request then made 1.84 tokens an iteration against top draws'
+        1.61 for 4% more time (1.29x plain against 1.19x), and 2.98 against 2.48 on held-out documents; a
+        tree's siblings already hold the mass a draw would reach, so there top draws are faster (5,3+1:
+        1.59x against 1.50x; H100, bench/NOTES.md "eagle's draft q without top-p")."""
+        if self.draws:
+            return self.draws
+        return "top" if self.method == "eagle" and not self.shape.is_chain else "sampled"
 
     def draft_rules(self, rules: Rules) -> Rules:
         """The rules a drafter picks its children by: greedy ones (its top-b tokens, handed to

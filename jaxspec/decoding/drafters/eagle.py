@@ -15,8 +15,8 @@ A node's children are the head's top-b draft tokens, or b draws without replacem
 after the sampling rules' processing over the draft vocabulary less top-p (`SpecConfig.draft_rules`);
 q, zero outside the draft vocabulary, is what they were drawn from, so verification's exact rejection
 sampling keeps the output the target's.
-With `SpecConfig.draw_mode` "top" (eagle's default) they are the top-b tokens when sampling too,
-verified as one-hot candidates (no q).
+With `SpecConfig.draw_mode` "top" (eagle's default on a tree; a chain draws) they are the top-b
+tokens when sampling too, verified as one-hot candidates (no q).
 The head's weights travel in params["eagle"]; its cache in the model's cache (`KVCache.head`), filled
 over the prompt at prefill (`engine.prefill_chunk`).
 
