@@ -272,11 +272,21 @@ def _over_k(step, acc, K: int, bk: int, first=0):
     return acc
 
 
+def _slot(slots_ref):
+    """Inside a kernel: (expert, start, end) of this program's slot, grid axis 0: a column of `_slots`
+    [3, S], or of a decode step's single row its expert ids [1, k] (slot s is assignment s, empty where
+    the id is -1, dropped): read in the kernel, so that the row's ids need no XLA kernel to become slots."""
+    s = pl.program_id(0)
+    if slots_ref.shape[0] == 1:
+        e = slots_ref[0, s]
+        return jnp.maximum(e, 0), s, s + (e >= 0).astype(jnp.int32)
+    return slots_ref[0, s], slots_ref[1, s], slots_ref[2, s]
+
+
 def _slot_rows(slots_ref, bm: int, body):
     """Inside a kernel: body(start, real) for each row block of this program's slot (real [bm]: the
     block's rows inside the slot's range), nothing for a slot past the distinct experts."""
-    s = pl.program_id(0)
-    lo, hi = slots_ref[1, s], slots_ref[2, s]
+    _, lo, hi = _slot(slots_ref)
 
     @pl.when(hi > lo)
     def _():
@@ -528,7 +538,7 @@ def _gate_up_kernel(layer_ref, slots_ref, tokens_ref, x_ref, *refs, bm: int, bk:
     words of scales between 1 and 128."""
     w_refs, (*b_ref, a_ref) = refs[:1 + packed], refs[1 + packed:]
     j = pl.program_id(1)
-    e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
+    e, layer = _slot(slots_ref)[0], layer_ref[0]
     F = a_ref.shape[-1] // 2 if splits > 1 else a_ref.shape[-1]
     gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)
     split, first, K = _split_chunk(_width(x_ref), splits)
@@ -559,7 +569,7 @@ def _down_kernel(layer_ref, slots_ref, a_ref, *refs, bm: int, bk: int, bd: int, 
     not biased. `small`: words of scales between 1 and 128."""
     w_refs, (*b_ref, y_ref) = refs[:1 + packed], refs[1 + packed:]
     cols = pl.ds(pl.program_id(1) * bd, bd)
-    e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
+    e, layer = _slot(slots_ref)[0], layer_ref[0]
     bias = lambda: b_ref[0][layer, e, cols].astype(jnp.float32)
     split, first, K = _split_chunk(_width(a_ref), splits)
 
@@ -588,7 +598,7 @@ def _fused_kernel(layer_ref, slots_ref, tokens_ref, x_ref, wg_ref, wd_ref, *refs
     same rows, bd columns a step (down's bias is left to `moe_experts_pallas`)."""
     *b_ref, y_ref = refs
     j = pl.program_id(1)
-    e, layer = slots_ref[0, pl.program_id(0)], layer_ref[0]
+    e, layer = _slot(slots_ref)[0], layer_ref[0]
     F, D = wd_ref.shape[-2:]
     gate, up = pl.ds(j * bf, bf), pl.ds(F + j * bf, bf)  # gate: also the rows of down this program takes
 
@@ -639,10 +649,9 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     E, D = w_gate_up.shape[1], x.shape[1]
     F = w_down.shape[-2]
     N, S = T * k, min(E, T * k)
-    if T == 1:  # a decode step: its k experts are distinct, each its own slot (no routing kernels)
+    if T == 1:  # a decode step: its k experts are distinct, each its own slot (no routing kernels, `_slot`)
         order = position = jnp.arange(k, dtype=jnp.int32)
-        mine = expert_ids[0] >= 0  # a dropped expert's slot is empty
-        slots = jnp.stack([jnp.maximum(expert_ids[0], 0).astype(jnp.int32), order, order + mine])
+        slots = expert_ids.astype(jnp.int32)
     else:
         order, position, sizes = _route(expert_ids, E)
         slots = _slots(sizes, S)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import pallas_kernels
 from pallas_kernels import moe, mxfp4
@@ -391,6 +392,28 @@ def test_k_steps_cover_k_in_powers_of_two():
     assert moe.k_steps(2880, 256) == (11, [(2816, 64)])
     assert moe.k_steps(2880, 512) == (5, [(2560, 256), (2816, 64)])
     assert moe.k_steps(96, 64) == (1, [(64, 32)]) and moe.k_steps(2048, 64) == (32, [])
+
+
+def test_a_decode_rows_expert_ids_are_its_slots():
+    """A decode step's row hands the kernels its expert ids [1, k] as they are (`moe._slot`): slot s is
+    assignment s, empty where the id is -1 (its expert is then read by no program); routed slots [3, S]
+    are read as `_slots` wrote them."""
+    def kernel(slots_ref, out_ref):
+        s = pl.program_id(0)
+        for i, v in enumerate(moe._slot(slots_ref)):
+            out_ref[s, i] = v
+
+    def slots_read(slots):
+        return pl.pallas_call(kernel, grid=(slots.shape[1],), in_specs=[pl.no_block_spec], out_specs=pl.no_block_spec,
+                              out_shape=jax.ShapeDtypeStruct((slots.shape[1], 3), jnp.int32), interpret=True)(slots)
+
+    rng = np.random.default_rng()
+    ids = rng.choice(E, 6, replace=False)
+    ids[rng.choice(6, 2, replace=False)] = -1
+    want = [[max(e, 0), s, s + (e >= 0)] for s, e in enumerate(ids)]
+    assert np.asarray(slots_read(jnp.asarray(ids[None], jnp.int32))).tolist() == want
+    routed = moe._slots(jnp.asarray(rng.integers(0, 3, E), jnp.int32), 5)
+    assert np.array_equal(slots_read(routed), np.asarray(routed).T)
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
