@@ -16,7 +16,10 @@ programs; `rule` names the one the kernel picks at T) and the reference (lax.rag
 first). The floor is the routed experts' bytes (MXFP4: packed bytes and scales): the distinct experts hit
 times one expert's bytes, over the copy bandwidth measured in the same run. Each timed call is one of
 REPEATS in a scan, each with its own routing and alternating between the two layers of the stacks, so no
-call finds its experts in L2. Every kernel form's outputs are checked against the reference first
+call finds its experts in L2. On a GPU each timed call is then traced once more: `<form>_kernel_us` is the
+device time of the experts kernels alone (moe_gate_up, moe_down, moe_fused) and `<form>_busy_us` of all the call's
+kernels, a layer each; the wall time also holds the scan's own per-item work and gaps, which a model's layer pays
+once for all its kernels. Every kernel form's outputs are checked against the reference first
 (`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each decode of the codes in the kernels
 (`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits placed, exact only where float32
 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the row blocks' bf16 products through
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import tempfile
 from pathlib import Path
 
 import jax
@@ -41,6 +45,7 @@ import numpy as np
 from jax import lax
 
 from bench import common
+from bench.profile_step import busy_ns, device_events, top
 import pallas_kernels as kernels
 from pallas_kernels import moe, mxfp4
 from pallas_kernels.moe import default_form, moe_experts_pallas
@@ -61,6 +66,7 @@ def routing(key, repeats: int, T: int, E: int, k: int):
     return ids, jax.nn.softmax(jax.random.normal(k2, (repeats, T, k)), axis=-1)
 
 
+KERNELS = ("moe_gate_up", "moe_down", "moe_fused")  # the experts kernels' names in a trace (moe._slot_call)
 IMPLEMENTATIONS = {"reference": "XLA", "row_blocks": "row-block kernel", "one_row": "one-row kernel",
                    "split_k": "split-K kernel", "fused": "fused kernel"}
 
@@ -87,6 +93,20 @@ def layer_fn(implementation: str, stages: int, warps: int):
         return lax.scan(body, jnp.float32(0), (layers, ids, weights))[0]
 
     return run
+
+
+def traced_us(fn, args, repeats: int) -> dict:
+    """{kernel_us, busy_us, kernels}: a timed item's device time in the experts kernels and in all its kernels,
+    and every kernel's (name, µs, count) an item, from one traced call (GPU only: the CPU's trace holds host
+    threads)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(fn(*args))
+        events = [e for line, line_events in device_events(trace_dir).items() if line.startswith("Stream")
+                  for e in line_events]
+    kernel_ns = sum(duration for name, _, duration in events if name.startswith(KERNELS))
+    return {"kernel_us": kernel_ns / repeats / 1e3, "busy_us": busy_ns(events) / repeats / 1e3,
+            "kernels": top(events, repeats, len(events))}
 
 
 def random_stacks(fmt: str, shape: dict):
@@ -121,8 +141,15 @@ def time_rows(T: int, shape: dict, repeats: int, stacks, bw: float, stages: int,
     rule = default_form(T, isinstance(stacks[0], MXFP4), D)
     row = {"rows": T, "distinct_experts": distinct, "floor_us": floor_us, "max_rel_err": max(errors), "rule": rule}
     for implementation in implementations:
-        us = common.seconds_per_call(layer_fn(implementation, stages, warps), x, ids, weights, *stacks) / repeats * 1e6
+        fn, args = layer_fn(implementation, stages, warps), (x, ids, weights, *stacks)
+        us = common.seconds_per_call(fn, *args) / repeats * 1e6
         row |= {f"{implementation}_us": us, f"{implementation}_over_floor": us / floor_us}
+        if jax.default_backend() == "gpu":
+            traced = traced_us(fn, args, repeats)
+            row |= {f"{implementation}_busy_us": traced["busy_us"], f"{implementation}_kernels": traced["kernels"]}
+            if implementation != "reference":  # XLA's grouped product runs no experts kernel
+                row |= {f"{implementation}_kernel_us": traced["kernel_us"],
+                        f"{implementation}_kernel_over_floor": traced["kernel_us"] / floor_us}
     return row
 
 
@@ -225,7 +252,10 @@ def main():
         ("fused columns", "fused_columns", "s"), ("fused step", "fused_step", "d"), ("fused warps", "fused_warps", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),
         *[c for i, name in IMPLEMENTATIONS.items()
-          for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"))],
+          for c in ((f"{name} µs", f"{i}_us", ".1f"), (f"{name} / floor", f"{i}_over_floor", ".2f"),
+                    *([] if i == "reference" else [("its kernels µs", f"{i}_kernel_us", ".1f"),
+                                                   ("kernels / floor", f"{i}_kernel_over_floor", ".2f")]),
+                    ("busy µs", f"{i}_busy_us", ".1f"))],
         ("rule", "rule", "s"), ("max rel err", "max_rel_err", ".1e")]))
 
 

@@ -7,7 +7,7 @@ SmolLM2 (dense, or converted to NSA as `jaxspec.convert --to-nsa` does) or 1.2B 
         [--out DIR] [--name NAME] [--top 12] [--sequence 0] [--no-trace]
         [--stages iteration,draft,verify,select] [--live 128,32,4] [--balance 2] [--select-every 2]
         [--head-contexts full,selected] [--experts bf16|mxfp4|mxfp4-words|mxfp4-scale-words] [--groups 0,8,1] [--tree bfs:3,2]
-        [--draws sampled,top]
+        [--draws sampled,top] [--layers N]
 
 For each method (and each --draft-weights kind of a model drafter) it builds the stages of `bench/throughput.py` (the loop iteration, draft, verify,
 select; each a donating function of one decode state) and runs each under `jax.profiler`. Per stage:
@@ -23,7 +23,11 @@ drafters with a shared budget over rows that drafted unevenly well (`skewed`). R
 (timing only; the largest shapes, e.g. Qwen3-30B-A3B at 4 x 128K, need
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97: JAX takes 75% of the GPU by default). `--sampling sample`
 runs T 0.7, top-p 0.95 (the headline setting) in the draft stage and the iteration; `--draws sampled,top`
-times the model drafters with each kind of draw (`SpecConfig.draws`). Writes DIR/NAME.json
+times the model drafters with each kind of draw (`SpecConfig.draws`). `--layers N` keeps the model's first N
+layers (its sliding-window ones among them): a model whose whole depth does not fit the GPU beside its cache
+(Qwen3-30B-A3B past 1 x 32K on an H100) is timed at two depths, and its whole step is the straight line through
+them (a fit, reported as such: its layers are alike, so a step is a fixed part plus a layer's time per layer).
+Writes DIR/NAME.json
 (`--name`); prints a summary table last.
 """
 
@@ -153,7 +157,8 @@ def default_name(args, context: int) -> str:
     """The JSON's name from the settings that change what is timed."""
     experts = "" if args.experts == "bf16" else f"_{args.experts}"
     sampling = "" if args.sampling == "greedy" else f"_{args.sampling}"
-    return f"profile_{args.model}{experts}_b{args.batch}_{context}{sampling}"
+    layers = "" if args.layers is None else f"_{args.layers}l"
+    return f"profile_{args.model}{experts}{layers}_b{args.batch}_{context}{sampling}"
 
 
 def main():
@@ -196,6 +201,8 @@ def main():
                         "the iteration stage then times groups of N")
     p.add_argument("--live", default=[], type=lambda s: [int(n) for n in s.split(",")],
                    help="also time the iteration with only the first N rows unfinished, for each N")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the model's first N layers only (a model too deep for the GPU, timed at two depths)")
     args = p.parse_args()
 
     from bench.decode import TINY_CFG
@@ -210,11 +217,16 @@ def main():
     context = 256 if args.tiny else args.context
     if args.experts != "bf16" and cfg.moe is None:
         p.error(f"--experts {args.experts} needs an MoE model, not {args.model}")
+    if args.layers is not None:
+        if not 8 <= args.layers <= cfg.num_layers or cfg.nsa:  # an EAGLE-3 head reads layers 2, L // 2, L - 3
+            p.error(f"--layers takes 8 to {cfg.num_layers} of a model without NSA, not {args.layers}")
+        cfg = dataclasses.replace(cfg, num_layers=args.layers,
+                                  sliding_layers=tuple(i for i in cfg.sliding_layers if i < args.layers))
     params = decoder.init_params(cfg, jax.random.key(0))
     if args.experts != "bf16":
         params = common.with_mxfp4_experts(params, args.experts)
     max_len, slots, k_max = common.random_lengths(context)
-    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
+    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "layers": cfg.num_layers, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w, c, g, d) for m in args.methods
             for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
