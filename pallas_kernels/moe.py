@@ -51,6 +51,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -649,8 +650,9 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     E, D = w_gate_up.shape[1], x.shape[1]
     F = w_down.shape[-2]
     N, S = T * k, min(E, T * k)
-    if T == 1:  # a decode step: its k experts are distinct, each its own slot (no routing kernels, `_slot`)
-        order = position = jnp.arange(k, dtype=jnp.int32)
+    if T == 1:  # a decode step: its k experts are distinct, each its own slot (no routing kernels, `_slot`),
+        # in an order known when tracing: NumPy constants, which the program embeds (jnp's iota and pad ran a kernel)
+        order = position = np.arange(k, dtype=np.int32)
         slots = expert_ids.astype(jnp.int32)
     else:
         order, position, sizes = _route(expert_ids, E)
@@ -669,7 +671,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     one_row = form == "one_row"
     rows_of = lambda v, words: group_view(v) if one_row and words else v  # the one-row form's x through words
     bm = 1 if one_row else block_rows(N, S)
-    tokens = jnp.pad(order // k, (0, bm))  # a last row block may run past N: its rows read token 0
+    tokens = (np if T == 1 else jnp).pad(order // k, (0, bm))  # a last row block may run past N: rows of token 0
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     call = functools.partial(_slot_call, interpret=interpret)
 

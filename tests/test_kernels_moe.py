@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.extend.core import jaxprs_in_params
 
 import pallas_kernels
 from pallas_kernels import moe, mxfp4
@@ -414,6 +415,32 @@ def test_a_decode_rows_expert_ids_are_its_slots():
     assert np.asarray(slots_read(jnp.asarray(ids[None], jnp.int32))).tolist() == want
     routed = moe._slots(jnp.asarray(rng.integers(0, 3, E), jnp.int32), 5)
     assert np.array_equal(slots_read(routed), np.asarray(routed).T)
+
+
+def staged_outside_kernels(jaxpr) -> set[str]:
+    """The primitives a jaxpr stages, its nested jaxprs' included, but not the kernels' own."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for sub in jaxprs_in_params(eqn.params):
+                names |= staged_outside_kernels(sub)
+    return names
+
+
+@pytest.mark.parametrize("form", ["fused", "split_k", "one_row"])
+def test_a_decode_rows_order_is_a_constant(form):
+    """A decode step's row needs no routing: its tokens and positions are known when tracing, so the call
+    stages no iota or pad outside its kernels (on a GPU, a pad kernel a layer), and its output is still
+    the float64 definition's."""
+    x, ids, weights, w_gate_up, w_down, _, _ = make_inputs(np.random.default_rng().integers(1 << 30), 1,
+                                                           jnp.float32, False)
+    call = lambda *a: moe_experts_pallas(*a, LAYER, interpret=True, form=form)
+    staged = staged_outside_kernels(jax.make_jaxpr(call)(x, ids, weights, w_gate_up, w_down).jaxpr)
+    data_pads = {"pad"} if form == "split_k" else set()  # split K pads its activations for down's row block
+    assert "pallas_call" in staged and not staged & ({"iota", "pad"} - data_pads)
+    want = loop_float64(x, ids, weights, w_gate_up, w_down, None, None, "silu")
+    assert np.abs(call(x, ids, weights, w_gate_up, w_down) - want).max() < 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
