@@ -104,6 +104,10 @@ ROW_TILES_IN_FLIGHT = 2
 # 52.1 us for 256 (32-column blocks, 360 programs; before that fetch 512 lost, 63.6 against 52.0) on an
 # H100 (bench/moe.py --one-row-programs; bench/NOTES.md).
 ONE_ROW_PROGRAMS = 512
+# Down's programs at least in the one-row form. A down program multiplies one column block where a gate/up
+# program multiplies two (gate's and up's), so at equal targets its loop is half as long and its prologue
+# and epilogue weigh twice as much; its own target lets bench/moe.py sweep it apart (--one-row-down-programs).
+ONE_ROW_DOWN_PROGRAMS = ONE_ROW_PROGRAMS
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `mxfp4.decode`
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
@@ -701,9 +705,9 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         down_splits = k_splits(F, S * (D // bd), down_packed)
     else:
         narrowest = lambda words: WORD_MIN_COLUMNS if word_blocks(words) else MIN_TILE
-        target = ONE_ROW_PROGRAMS if one_row else TARGET_PROGRAMS
-        bf = column_block(F, GATE_UP_COLUMNS, S, narrowest(gate_up_words), target)
-        bd = column_block(D, DOWN_COLUMNS, S, narrowest(down_words), target)
+        targets = (ONE_ROW_PROGRAMS, ONE_ROW_DOWN_PROGRAMS) if one_row else (TARGET_PROGRAMS, TARGET_PROGRAMS)
+        bf = column_block(F, GATE_UP_COLUMNS, S, narrowest(gate_up_words), targets[0])
+        bd = column_block(D, DOWN_COLUMNS, S, narrowest(down_words), targets[1])
         gate_up_splits = down_splits = 1
     step = (lambda K, columns, packed, words: row_step(K, columns)) if one_row else step_rows
     out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(

@@ -417,15 +417,14 @@ def test_a_decode_rows_expert_ids_are_its_slots():
     assert np.array_equal(slots_read(routed), np.asarray(routed).T)
 
 
-def staged_outside_kernels(jaxpr) -> set[str]:
-    """The primitives a jaxpr stages, its nested jaxprs' included, but not the kernels' own."""
-    names = set()
+def staged(jaxpr):
+    """The equations a jaxpr stages, its nested jaxprs' included, but not inside the kernels (a
+    pallas_call is one equation)."""
     for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
+        yield eqn
         if eqn.primitive.name != "pallas_call":
             for sub in jaxprs_in_params(eqn.params):
-                names |= staged_outside_kernels(sub)
-    return names
+                yield from staged(sub)
 
 
 @pytest.mark.parametrize("form", ["fused", "split_k", "one_row"])
@@ -436,11 +435,29 @@ def test_a_decode_rows_order_is_a_constant(form):
     x, ids, weights, w_gate_up, w_down, _, _ = make_inputs(np.random.default_rng().integers(1 << 30), 1,
                                                            jnp.float32, False)
     call = lambda *a: moe_experts_pallas(*a, LAYER, interpret=True, form=form)
-    staged = staged_outside_kernels(jax.make_jaxpr(call)(x, ids, weights, w_gate_up, w_down).jaxpr)
+    names = {eqn.primitive.name for eqn in staged(jax.make_jaxpr(call)(x, ids, weights, w_gate_up, w_down).jaxpr)}
     data_pads = {"pad"} if form == "split_k" else set()  # split K pads its activations for down's row block
-    assert "pallas_call" in staged and not staged & ({"iota", "pad"} - data_pads)
+    assert "pallas_call" in names and not names & ({"iota", "pad"} - data_pads)
     want = loop_float64(x, ids, weights, w_gate_up, w_down, None, None, "silu")
     assert np.abs(call(x, ids, weights, w_gate_up, w_down) - want).max() < 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("down_programs", [1, 512])
+def test_one_row_downs_own_column_blocks(monkeypatch, down_programs):
+    """The one-row form's down call takes its own target of programs (`moe.ONE_ROW_DOWN_PROGRAMS`): with
+    one, its column blocks are wider than gate/up's (32 against 16 columns here), and the output is still
+    the float64 definition's."""
+    monkeypatch.setattr(moe, "ONE_ROW_DOWN_PROGRAMS", down_programs)
+    inputs = make_inputs(np.random.default_rng().integers(1 << 30), 1, jnp.float32, True)
+    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
+    call = lambda *a: moe_experts_pallas(*a, LAYER, b_gate_up=b_gate_up, b_down=b_down, activation="gpt_oss",
+                                         interpret=True, form="one_row")
+    grids = [eqn.params["grid_mapping"].grid for eqn in staged(jax.make_jaxpr(call)(*inputs[:5]).jaxpr)
+             if eqn.primitive.name == "pallas_call"]
+    assert grids == [(K, F // 16, 1), (K, D // (32 if down_programs == 1 else 16), 1)]  # gate/up's, then down's
+    got = call(*inputs[:5])
+    want = loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, "gpt_oss")
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("T", [1, 5, 64])
