@@ -17,9 +17,9 @@ first). The floor is the routed experts' bytes (MXFP4: packed bytes and scales):
 times one expert's bytes, over the copy bandwidth measured in the same run. Each timed call is one of
 REPEATS in a scan, each with its own routing and alternating between the two layers of the stacks, so no
 call finds its experts in L2. On a GPU each timed call is then traced once more: `<form>_kernel_us` is the
-device time of the experts kernels alone (moe_gate_up, moe_down, moe_fused) and `<form>_busy_us` of all the call's
-kernels, a layer each; the wall time also holds the scan's own per-item work and gaps, which a model's layer pays
-once for all its kernels. Every kernel form's outputs are checked against the reference first
+device time of the experts kernels alone (moe_gate_up, moe_down, moe_fused), `<form>_busy_us` of all the call's
+kernels, a layer each, and `<form>_kernels` each kernel's (name, µs, count) a layer; the wall time also holds the
+scan's own per-item work and gaps, which a model's layer pays once for all its kernels. Every kernel form's outputs are checked against the reference first
 (`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each decode of the codes in the kernels
 (`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits placed, exact only where float32
 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the row blocks' bf16 products through
