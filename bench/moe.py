@@ -19,9 +19,9 @@ REPEATS in a scan, each with its own routing and alternating between the two lay
 call finds its experts in L2. On a GPU each timed call is then traced once more: `<form>_kernel_us` is the
 device time of the experts kernels alone (moe_gate_up, moe_down, moe_fused), `<form>_busy_us` of all the call's
 kernels, a layer each, and `<form>_kernels` each kernel's (name, µs, count) a layer; the wall time also holds the
-scan's own per-item work and gaps, which a model's layer pays once for all its kernels. Every kernel form's outputs are checked against the reference first
-(`max_rel_err`). MXFP4's `--decodes`: each row count is timed with each decode of the codes in the kernels
-(`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits placed, exact only where float32
+scan's own per-item work and gaps, which a model's layer pays once for all its kernels. Every kernel form's
+outputs are checked against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count is timed
+with each decode of the codes in the kernels (`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits placed, exact only where float32
 subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the row blocks' bf16 products through
 `moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in inline PTX; `words`: the stacks re-packed
 once as `mxfp4.to_words` words, which the row-block and one-row forms read, a word's 8 codes into 4 bf16x2
