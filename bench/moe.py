@@ -6,31 +6,30 @@
         [--fused-columns 32:256,64:256] [--fused-step 4096,8192] [--fused-warps 4,8]
         [--implementations reference,split_k,fused] [--out DIR] [--tiny]
 
-With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4 experts
-(random codes and scales, pallas_kernels.mxfp4.MXFP4) at gpt-oss-20b's (D = F = 2880, 32 experts, 4 routed a
-row), or either format at the other model's shapes (`--model`), and T rows with random routing, it times up
-to five implementations as the decoder's layer scan would call them, at a traced layer of the stacks: the
-kernel's four forms (row blocks through the matrix unit; one row at a time in registers; row blocks of wide
-column blocks with K split among programs; float stacks only: gate/up and down in one call, F split among
-programs; `rule` names the one the kernel picks at T) and the reference (lax.ragged_dot; MXFP4 dequantized
-first). The floor is the routed experts' bytes (MXFP4: packed bytes and scales): the distinct experts hit
-times one expert's bytes, over the copy bandwidth measured in the same run. Each timed call is one of
-REPEATS in a scan, each with its own routing and alternating between the two layers of the stacks, so no
-call finds its experts in L2. On a GPU each timed call is then traced once more: `<form>_kernel_us` is the
-device time of the experts kernels alone (moe_gate_up, moe_down, moe_fused), `<form>_busy_us` of all the call's
-kernels, a layer each, and `<form>_kernels` each kernel's (name, µs, count) a layer; the wall time also holds the
-scan's own per-item work and gaps, which a model's layer pays once for all its kernels. Every kernel form's
-outputs are checked against the reference first (`max_rel_err`). MXFP4's `--decodes`: each row count is timed
-with each decode of the codes in the kernels (`exact`: `mxfp4.e2m1`; `placed`: `mxfp4.PLACED_DECODE`, the codes' bits placed, exact only where float32
-subnormals are kept: `max_rel_err` tells; `paired`: `placed`, and the row blocks' bf16 products through
-`moe.PAIRED_DECODE`, a byte's two codes into one bf16x2 word in inline PTX; `words`: the stacks re-packed
-once as `mxfp4.to_words` words, which the row-block and one-row forms read, a word's 8 codes into 4 bf16x2
-words, one multiply each (the random scales are at most 128: `MXFP4.small_scales`); `words-two`: the same
-with two multiplies, as scales above 128 take; `scale-words`: `words` with the scales four to a word,
-`mxfp4.pack_scales`), in this process, the compiled programs dropped between them. Writes DIR/moe.json
-(mxfp4: moe_mxfp4.json; with --model its name after the format's, moe_gpt-oss-20b.json; --tiny:
-moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke test of
-this script) and prints a table last.
+With bf16 experts at Qwen3-30B-A3B's shapes (D 2048, F 768, 128 experts, 8 routed a row), or MXFP4 experts (random
+codes and scales, pallas_kernels.mxfp4.MXFP4) at gpt-oss-20b's (D = F = 2880, 32 experts, 4 routed a row), or either
+format at the other model's shapes (`--model`), and T rows with random routing, it times up to five implementations
+as the decoder's layer scan would call them, at a traced layer of the stacks: the kernel's four forms (row blocks
+through the matrix unit; one row at a time in registers; row blocks of wide column blocks with K split among
+programs; float stacks only: gate/up and down in one call, F split among programs; `rule` names the one the kernel
+picks at T) and the reference (lax.ragged_dot; MXFP4 dequantized first). The floor is the routed experts' bytes
+(MXFP4: packed bytes and scales): the distinct experts hit times one expert's bytes, over the copy bandwidth
+measured in the same run. Each timed call is one of REPEATS in a scan, each with its own routing and alternating
+between the two layers of the stacks, so no call finds its experts in L2. On a GPU each timed call is then traced
+once more: `<form>_kernel_us` is the device time of the experts kernels alone (moe_gate_up, moe_down, moe_fused),
+`<form>_busy_us` of all the call's kernels, a layer each, and `<form>_kernels` each kernel's (name, µs, count) a
+layer; the wall time also holds the scan's own per-item work and gaps, which a model's layer pays once for all its
+kernels. Every kernel form's outputs are checked against the reference first (`max_rel_err`). MXFP4's `--decodes`:
+each row count is timed with each decode of the codes in the kernels (`exact`: `mxfp4.e2m1`; `placed`:
+`mxfp4.PLACED_DECODE`, the codes' bits placed, exact only where float32 subnormals are kept: `max_rel_err` tells;
+`paired`: `placed`, and the row blocks' bf16 products through `moe.PAIRED_DECODE`, a byte's two codes into one
+bf16x2 word in inline PTX; `words`: the stacks re-packed once as `mxfp4.to_words` words, which the row-block and
+one-row forms read, a word's 8 codes into 4 bf16x2 words, one multiply each (the random scales are at most 128:
+`MXFP4.small_scales`); `words-two`: the same with two multiplies, as scales above 128 take; `scale-words`: `words`
+with the scales four to a word, `mxfp4.pack_scales`), in this process, the compiled programs dropped between them.
+Writes DIR/moe.json (mxfp4: moe_mxfp4.json; with --model its name after the format's, moe_gpt-oss-20b.json; --tiny:
+moe_tiny.json / moe_mxfp4_tiny.json, small shapes on the CPU, the kernel in interpret mode: a smoke test of this
+script) and prints a table last.
 """
 from __future__ import annotations
 
