@@ -226,7 +226,10 @@ def main():
     if args.experts != "bf16":
         params = common.with_mxfp4_experts(params, args.experts)
     max_len, slots, k_max = common.random_lengths(context)
-    result = common.run_info() | {"xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "layers": cfg.num_layers, "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context, "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
+    result = common.run_info() | {
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "model": args.model, "layers": cfg.num_layers,
+        "experts": args.experts, "sampling": args.sampling, "batch": args.batch, "context": context,
+        "gamma": args.gamma, "tree": args.tree, "ratio": args.ratio, "metric": args.metric, "stages": []}
     tuning = {m: {"gamma": args.gamma, "ratio": args.ratio, "metric": args.metric} for m in args.methods}
     runs = [(m, w, c, g, d) for m in args.methods
             for w in (args.draft_weights if m not in ("plain", "ngram") else ["exact"])
