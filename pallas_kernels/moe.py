@@ -144,9 +144,10 @@ SPLIT_ROWS = 128
 # against split K's 43.3 (1.61x the bytes floor against 1.72x), two rows 81.0 against 76.8, four 127.7
 # against 122.4. The sweeps before (--fused-columns --fused-step --warps): 64 columns, 8,192 weights a
 # step and 8 warps (96 programs, one an SM, then at 188 registers) best; 32 or 16 columns (192 or 384
-# programs, 64- or 32-byte runs of each row of K) 46.5 and 52.4 us (bench/NOTES.md). Under ncu the kernel
-# itself took 32.8 us at one row, 1.31x the floor; the call's other ~8 us were XLA's slots (since read in
-# the kernel, `_slot`) and combine; 3-5 pipeline stages tie (H100). Only where those steps are whole: at
+# programs, 64- or 32-byte runs of each row of K) 46.5 and 52.4 us (bench/NOTES.md). Traced, the kernel
+# itself takes 29.3-29.8 us at one row, 1.16-1.19x the floor; the rest of bench/moe.py's call is small XLA
+# kernels of 1-2 us, some of them the benchmark's own (reading the slots in the kernel, `_slot`, tied);
+# 3-5 pipeline stages tie (H100). Only where those steps are whole: at
 # gpt-oss-20b's D = 2880 (not a multiple of FUSED_DOWN_COLUMNS) they shrink to 64 weights of K and 64
 # columns of down, and split K wins at one row, 83.5 against 88.1-88.3 us (H100, two processes).
 FUSED_COLUMNS = 64
