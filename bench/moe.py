@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 bench/moe.py [--format bf16|mxfp4] [--model qwen3-30b-a3b|gpt-oss-20b]
         [--rows 1,8,32,128] [--decodes paired,words,words-two,scale-words] [--stages 3,4] [--warps 4,8]
-        [--word-columns 32,64] [--one-row-programs 256,512] [--one-row-down-programs 256,512] [--tiles-in-flight 1,2]
+        [--word-columns 32,64] [--one-row-programs 256,512] [--one-row-down-programs 256,512]
+        [--one-row-down-step 8192,16384] [--tiles-in-flight 1,2]
         [--fused-columns 32:256,64:256] [--fused-step 4096,8192] [--fused-warps 4,8]
         [--implementations reference,split_k,fused] [--out DIR] [--tiny]
 
@@ -179,6 +180,9 @@ def main():
                    help="the one-row form's programs at least, comma-separated (moe.ONE_ROW_PROGRAMS)")
     p.add_argument("--one-row-down-programs", default=str(moe.ONE_ROW_DOWN_PROGRAMS), type=ints,
                    help="the one-row form's down programs at least, comma-separated (moe.ONE_ROW_DOWN_PROGRAMS)")
+    p.add_argument("--one-row-down-step", default=str(moe.ONE_ROW_DOWN_STEP_ELEMENTS), type=ints,
+                   help="the one-row form's down weights of a column block a loop step, comma-separated "
+                        "(moe.ONE_ROW_DOWN_STEP_ELEMENTS)")
     p.add_argument("--row-step-elements", default=str(moe.ROW_STEP_ELEMENTS), type=ints,
                    help="the one-row form's weights of a column block a loop step, comma-separated "
                         "(moe.ROW_STEP_ELEMENTS)")
@@ -227,13 +231,14 @@ def main():
                           for w in stacks) if words else stacks
             sweep = itertools.product(args.word_columns if words else [None], args.stages, args.warps,
                                       args.one_row_programs, args.one_row_down_programs, args.tiles_in_flight,
-                                      args.row_step_elements,
+                                      args.row_step_elements, args.one_row_down_step,
                                       args.split_columns, args.split_programs, args.fused_columns, args.fused_step,
                                       args.fused_warps)
-            for columns, stages, warps, programs, down_programs, in_flight, row_step, split, split_programs, *fused \
-                    in sweep:
+            for (columns, stages, warps, programs, down_programs, in_flight, row_step, down_step, split,
+                 split_programs, *fused) in sweep:
                 moe.ONE_ROW_PROGRAMS, moe.ONE_ROW_DOWN_PROGRAMS = programs, down_programs
                 moe.ROW_TILES_IN_FLIGHT, moe.ROW_STEP_ELEMENTS = in_flight, row_step
+                moe.ONE_ROW_DOWN_STEP_ELEMENTS = down_step
                 (moe.SPLIT_GATE_UP_COLUMNS, moe.SPLIT_DOWN_COLUMNS), moe.SPLIT_PROGRAMS = split, split_programs
                 (moe.FUSED_COLUMNS, moe.FUSED_DOWN_COLUMNS), moe.FUSED_STEP_ELEMENTS, moe.FUSED_WARPS = fused
                 if columns:
@@ -244,7 +249,8 @@ def main():
                 result["rows"].append({"decode": decode, "word_columns": columns, "stages": stages, "warps": warps,
                                        "one_row_programs": programs, "one_row_down_programs": down_programs,
                                        "tiles_in_flight": in_flight,
-                                       "row_step_elements": row_step, "split_columns": f"{split[0]}:{split[1]}",
+                                       "row_step_elements": row_step, "one_row_down_step": down_step,
+                                       "split_columns": f"{split[0]}:{split[1]}",
                                        "split_programs": split_programs, "fused_columns": "{}:{}".format(*fused[0]),
                                        "fused_step": fused[1], "fused_warps": fused[2]} | row)
                 print(result["rows"][-1], flush=True)
@@ -254,6 +260,7 @@ def main():
         ("warps", "warps", "d"), ("one-row programs", "one_row_programs", "d"),
         ("one-row down programs", "one_row_down_programs", "d"),
         ("tiles in flight", "tiles_in_flight", "d"), ("row step", "row_step_elements", "d"),
+        ("one-row down step", "one_row_down_step", "d"),
         ("split columns", "split_columns", "s"), ("split programs", "split_programs", "d"),
         ("fused columns", "fused_columns", "s"), ("fused step", "fused_step", "d"), ("fused warps", "fused_warps", "d"),
         ("experts hit", "distinct_experts", ".1f"), ("floor µs", "floor_us", ".1f"),

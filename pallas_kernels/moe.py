@@ -108,6 +108,11 @@ ONE_ROW_PROGRAMS = 512
 # program multiplies two (gate's and up's), so at equal targets its loop is half as long and its prologue
 # and epilogue weigh twice as much; its own target lets bench/moe.py sweep it apart (--one-row-down-programs).
 ONE_ROW_DOWN_PROGRAMS = ONE_ROW_PROGRAMS
+# Down's ROW_STEP_ELEMENTS in the one-row form. For the same reason its loop carries the step's fixed work (the
+# tiles' addresses and x's run) over half the weights: in sm_90 SASS at gpt-oss-20b's one row (scale words, 16
+# columns) the loop takes 6.6 instructions a weight against gate/up's 5.3, and 5.1 at 16,384 (163 registers
+# against 71); bench/moe.py --one-row-down-step sweeps it (bench/NOTES.md).
+ONE_ROW_DOWN_STEP_ELEMENTS = ROW_STEP_ELEMENTS
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `mxfp4.decode`
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
 # rows, 5-6x the bytes floor either way (bench/NOTES.md); tests patch it off to cover the decode.
@@ -412,10 +417,11 @@ def k_splits(K: int, programs: int, packed: bool) -> int:
     return splits
 
 
-def row_step(K: int, columns: int) -> int:
-    """Weights of K per loop step of the one-row kernels for a `columns`-wide block: a power of two
-    (whole MXFP4 groups), the last step masked where it does not divide K (gpt-oss's 2880)."""
-    return min(max(MXFP4_GROUP, ROW_STEP_ELEMENTS // columns), next_pow2(K))
+def row_step(K: int, columns: int, elements: int) -> int:
+    """Weights of K per loop step of the one-row kernels for a `columns`-wide block reading about
+    `elements` weights a step: a power of two (whole MXFP4 groups), the last step masked where it does
+    not divide K (gpt-oss's 2880)."""
+    return min(max(MXFP4_GROUP, elements // columns), next_pow2(K))
 
 
 def group_view(x):
@@ -710,12 +716,15 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
         bf = column_block(F, GATE_UP_COLUMNS, S, narrowest(gate_up_words), targets[0])
         bd = column_block(D, DOWN_COLUMNS, S, narrowest(down_words), targets[1])
         gate_up_splits = down_splits = 1
-    step = (lambda K, columns, packed, words: row_step(K, columns)) if one_row else step_rows
     out_shape = lambda splits, columns, dtype: jax.ShapeDtypeStruct(
         (N + bm, columns) if splits == 1 else (splits, N + bm, columns), dtype if splits == 1 else jnp.float32)
     in_kernel = lambda b, splits: b if splits == 1 else None  # split K: the kernels leave the bias out
     gate_up_bias, down_bias = in_kernel(b_gate_up, gate_up_splits), in_kernel(b_down, down_splits)
-    gate_up_step = step(D // gate_up_splits, bf, gate_up_packed, gate_up_words)
+    if one_row:
+        gate_up_step, down_step = row_step(D, bf, ROW_STEP_ELEMENTS), row_step(F, bd, ONE_ROW_DOWN_STEP_ELEMENTS)
+    else:
+        gate_up_step = step_rows(D // gate_up_splits, bf, gate_up_packed, gate_up_words)
+        down_step = step_rows(F // down_splits, bd, down_packed, down_words)
     a = call(functools.partial(_gate_up_kernel, bm=bm, bk=gate_up_step, bf=bf, activation=activation,
                                packed=gate_up_packed, biased=gate_up_bias is not None, one_row=one_row,
                                splits=gate_up_splits, small=small(w_gate_up)),
@@ -726,7 +735,7 @@ def moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, layer, 
     if gate_up_splits > 1:
         h = chunk_sums(a, b_gate_up)
         a = jnp.pad(activate(h[:, :F], h[:, F:], activation).astype(x.dtype), ((0, bm), (0, 0)))
-    y = call(functools.partial(_down_kernel, bm=bm, bk=step(F // down_splits, bd, down_packed, down_words), bd=bd,
+    y = call(functools.partial(_down_kernel, bm=bm, bk=down_step, bd=bd,
                                packed=down_packed, biased=down_bias is not None, one_row=one_row, splits=down_splits,
                                small=small(w_down)),
              "moe_down", (S, D // bd, down_splits), out_shape(down_splits, D, jnp.float32),

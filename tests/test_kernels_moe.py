@@ -460,6 +460,29 @@ def test_one_row_downs_own_column_blocks(monkeypatch, down_programs):
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("down_step", [512, 8192])
+def test_one_row_downs_own_step(monkeypatch, down_step):
+    """The one-row form's down call takes its own weights a loop step (`moe.ONE_ROW_DOWN_STEP_ELEMENTS`):
+    at 512, 32 of K a step at 16 columns, so down's K of 48 takes a whole step and a masked one where
+    8,192 takes one masked step of 64, and gate/up keeps ROW_STEP_ELEMENTS; the output is the float64
+    definition's either way."""
+    monkeypatch.setattr(moe, "ONE_ROW_DOWN_STEP_ELEMENTS", down_step)
+    steps, row_step = [], moe.row_step
+
+    def recorded(*args):  # each call's (K, columns, elements, step)
+        steps.append((*args, row_step(*args)))
+        return steps[-1][-1]
+
+    monkeypatch.setattr(moe, "row_step", recorded)
+    inputs = make_inputs(np.random.default_rng().integers(1 << 30), 1, jnp.float32, True)
+    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down = inputs
+    got = moe_experts_pallas(*inputs[:5], LAYER, b_gate_up=b_gate_up, b_down=b_down, activation="gpt_oss",
+                             interpret=True, form="one_row")
+    assert steps == [(D, 16, moe.ROW_STEP_ELEMENTS, 128), (F, 16, down_step, 32 if down_step == 512 else 64)]
+    want = loop_float64(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, "gpt_oss")
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("T", [1, 5, 64])
 def test_dropped_assignments_add_nothing(T):
     """An assignment with id -1 (another device's expert) is left out: the output equals the float64
