@@ -107,11 +107,13 @@ ONE_ROW_PROGRAMS = 512
 # Down's programs at least in the one-row form. A down program multiplies one column block where a gate/up
 # program multiplies two (gate's and up's), so at equal targets its loop is half as long and its prologue
 # and epilogue weigh twice as much; its own target lets bench/moe.py sweep it apart (--one-row-down-programs).
+# Measured on an H100 at gpt-oss-20b's one row: 256 (32-column blocks) made down 10% slower (16.2 against 14.8 us).
 ONE_ROW_DOWN_PROGRAMS = ONE_ROW_PROGRAMS
 # Down's ROW_STEP_ELEMENTS in the one-row form. For the same reason its loop carries the step's fixed work (the
 # tiles' addresses and x's run) over half the weights: in sm_90 SASS at gpt-oss-20b's one row (scale words, 16
 # columns) the loop takes 6.6 instructions a weight against gate/up's 5.3, and 5.1 at 16,384 (163 registers
-# against 71); bench/moe.py --one-row-down-step sweeps it (bench/NOTES.md).
+# against 71); bench/moe.py --one-row-down-step sweeps it. Measured on an H100, two processes: at best (16,384 with
+# 256 programs) 14.5 against 14.8 us, so the loop's instructions are not what bounds down (bench/NOTES.md).
 ONE_ROW_DOWN_STEP_ELEMENTS = ROW_STEP_ELEMENTS
 # Row blocks of bf16 rows through MXFP4 stacks: Triton's scaled dot (`mxfp4_dot`) instead of `mxfp4.decode`
 # in registers (float32 rows keep the decode). On an H200 at gpt-oss-20b's shapes 2-10% faster at 7-128
