@@ -184,8 +184,8 @@ def main():
                    help="the one-row form's down weights of a column block a loop step, comma-separated "
                         "(moe.ONE_ROW_DOWN_STEP_ELEMENTS)")
     p.add_argument("--row-step-elements", default=str(moe.ROW_STEP_ELEMENTS), type=ints,
-                   help="the one-row form's weights of a column block a loop step, comma-separated "
-                        "(moe.ROW_STEP_ELEMENTS)")
+                   help="the one-row form's gate/up weights of a column block a loop step, comma-separated "
+                        "(moe.ROW_STEP_ELEMENTS; down's: --one-row-down-step)")
     p.add_argument("--tiles-in-flight", default=str(moe.ROW_TILES_IN_FLIGHT), type=ints,
                    help="the one-row form's column blocks' tiles loading ahead, comma-separated "
                         "(moe.ROW_TILES_IN_FLIGHT)")
@@ -259,7 +259,7 @@ def main():
         ("T", "rows", "d"), ("decode", "decode", "s"), ("word columns", "word_columns", "d"), ("stages", "stages", "d"),
         ("warps", "warps", "d"), ("one-row programs", "one_row_programs", "d"),
         ("one-row down programs", "one_row_down_programs", "d"),
-        ("tiles in flight", "tiles_in_flight", "d"), ("row step", "row_step_elements", "d"),
+        ("tiles in flight", "tiles_in_flight", "d"), ("gate/up row step", "row_step_elements", "d"),
         ("one-row down step", "one_row_down_step", "d"),
         ("split columns", "split_columns", "s"), ("split programs", "split_programs", "d"),
         ("fused columns", "fused_columns", "s"), ("fused step", "fused_step", "d"), ("fused warps", "fused_warps", "d"),

@@ -91,8 +91,8 @@ MAX_ROWS = 64  # rows per row block: an expert's further rows take further block
 # shared memory into its operand layout). Measured on an H200 at gpt-oss-20b's shapes: 82 against
 # 106-110 us for row blocks and 98-102 for split K (131 against 164 before `packed_offset`); with bf16
 # stacks, or more rows, the other forms win (bench/NOTES.md, "the experts kernel's one-row form" and
-# "the floor-division fix"). ROW_STEP_ELEMENTS: the weights of a column block a loop step reads
-# (4K-16K tried: equal).
+# "the floor-division fix"). ROW_STEP_ELEMENTS: the weights of a gate/up column block a loop step reads (down's:
+# ONE_ROW_DOWN_STEP_ELEMENTS); 2,048 or 4,096 took 59.1-59.3 against 48.3 us at 8,192 (H100, bench/NOTES.md).
 ROW_STEP_ELEMENTS = 8192
 # Column blocks' tiles a one-row loop keeps loading while it multiplies a step (`_row_products`): gate/up
 # multiplies two blocks a step, so it loads one step ahead, down one block, so two steps ahead. One step
