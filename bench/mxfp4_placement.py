@@ -8,7 +8,8 @@ shift across two) and one mask (LOP3), 2 instructions a weight before the multip
 whether any packing of 8 codes a word lets every code be placed that way: an exact cover of the words'
 bits by the bit sets those placements read (each code's 4 bits at residues r, r+1, r+2, r+9 mod 32 of the
 words it reads). It also gives the most codes of one word that one rotation each places, and the same for
-the bf16x2 placement of two codes at once (mask 0x81C081C0) that `pallas_kernels.mxfp4.pack_words` uses.
+the bf16x2 placement of two codes at once that `pallas_kernels.mxfp4.pack_words` uses (its WORD_MAGNITUDE
+and WORD_SIGN masks; the float32 placement is their high half).
 
     PYTHONPATH=. python3 bench/mxfp4_placement.py --out bench/results
 """
@@ -17,46 +18,49 @@ import datetime
 import json
 import sys
 
-F32_BITS = (22, 23, 24, 31)  # e1 e0 m, s of a code placed as float32 bits
-BF16X2_BITS = (6, 7, 8, 15, 22, 23, 24, 31)  # two codes placed as a bf16x2 word
+from pallas_kernels.mxfp4 import WORD_MAGNITUDE, WORD_SIGN
+
+BF16X2_MASK = WORD_MAGNITUDE | WORD_SIGN  # two codes placed as a bf16x2 word
+F32_MASK = BF16X2_MASK & 0xFFFF0000  # e1 e0 m, s of one code placed as float32 bits
 
 
-def placements(words: int, bits) -> list[frozenset]:
-    """The source bit sets (over `words` words, bit 32 w + i) one funnel shift of any ordered pair of the
-    words (a rotation where the pair is one word) followed by a mask reads to fill `bits`."""
+def bits_of(mask: int) -> list[int]:
+    """The set bits of `mask`, lowest first."""
+    return [b for b in range(mask.bit_length()) if mask >> b & 1]
+
+
+def placements(words: int, mask: int) -> list[int]:
+    """The source bits (as masks over `words` words, bit 32 w + i) that one funnel shift of any ordered pair
+    of the words (a rotation where the pair is one word) followed by `mask` reads, lowest source first."""
     out = set()
     for lo in range(words):
         for hi in range(words):
             for n in range(32):
-                source = frozenset(32 * lo + k + n if k + n < 32 else 32 * hi + k + n - 32 for k in bits)
-                if len(source) == len(bits):
-                    out.add(source)
-    return sorted(out, key=sorted)
+                source = {32 * lo + k + n if k + n < 32 else 32 * hi + k + n - 32 for k in bits_of(mask)}
+                if len(source) == mask.bit_count():
+                    out.add(sum(1 << b for b in source))
+    return sorted(out, key=lambda m: (m & -m, m))
 
 
-def exact_cover(words: int, bits) -> list | None:
-    """A packing in which every code (or code pair) is placed by one shift and a mask: disjoint
-    placements covering all 32 `words` bits, or None where there is none (exhaustive search)."""
-    total = 32 * words
-    by_bit = {b: [p for p in placements(words, bits) if b in p] for b in range(total)}
+def exact_cover(words: int, mask: int) -> bool:
+    """Whether a packing places every code (or code pair) by one shift and `mask`: disjoint placements
+    covering all 32 `words` bits (exhaustive search)."""
+    full = (1 << 32 * words) - 1
+    options = placements(words, mask)
 
-    def search(covered: int, chosen: list):
-        if covered == (1 << total) - 1:
-            return chosen
-        first = next(b for b in range(total) if not covered >> b & 1)
-        for p in by_bit[first]:
-            if not any(covered >> b & 1 for b in p):
-                found = search(covered | sum(1 << b for b in p), chosen + [sorted(p)])
-                if found:
-                    return found
-        return None
+    def search(covered: int) -> bool:
+        if covered == full:
+            return True
+        first = ~covered & (covered + 1)  # the lowest bit not yet covered
+        return any(search(covered | p) for p in options if p & first and not p & covered)
 
-    return search(0, [])
+    return search(0)
 
 
-def most_placed(bits) -> list[int]:
-    """The most disjoint one-rotation placements in one word: the rotations of a largest such set."""
-    sets = placements(1, bits)
+def most_placed(mask: int) -> list[int]:
+    """The most disjoint one-rotation placements in one word: the lowest source bit of each, of a largest
+    such set."""
+    sets = placements(1, mask)
     best: list = []
 
     def search(covered: int, start: int, chosen: list):
@@ -64,8 +68,8 @@ def most_placed(bits) -> list[int]:
         if len(chosen) > len(best):
             best = chosen
         for i in range(start, len(sets)):
-            if not any(covered >> b & 1 for b in sets[i]):
-                search(covered | sum(1 << b for b in sets[i]), i + 1, chosen + [min(sets[i])])
+            if not sets[i] & covered:
+                search(covered | sets[i], i + 1, chosen + [bits_of(sets[i])[0]])
 
     search(0, 0, [])
     return best
@@ -73,15 +77,14 @@ def most_placed(bits) -> list[int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--words", type=int, default=3, help="largest packing unit searched (words)")
+    parser.add_argument("--words", type=int, default=4, help="largest packing unit searched (words)")
     parser.add_argument("--out", help="folder for mxfp4_placement_cpu.json")
     args = parser.parse_args(argv)
     rows = []
-    for name, bits in (("float32 (one code)", F32_BITS), ("bf16x2 (two codes)", BF16X2_BITS)):
-        per_word = 32 // len(bits)
-        placed = most_placed(bits)
-        covers = {w: exact_cover(w, bits) is not None for w in range(1, args.words + 1)}
-        rows.append(dict(placement=name, mask_bits=list(bits), outputs_a_word=per_word,
+    for name, mask in (("float32 (one code)", F32_MASK), ("bf16x2 (two codes)", BF16X2_MASK)):
+        placed = most_placed(mask)
+        covers = {w: exact_cover(w, mask) for w in range(1, args.words + 1)}
+        rows.append(dict(placement=name, mask_bits=bits_of(mask), outputs_a_word=32 // mask.bit_count(),
                          most_placed_by_one_rotation=len(placed), their_lowest_bits=placed,
                          exact_cover_by_words={str(w): c for w, c in covers.items()}))
     print("| placement | outputs a word | placed by one rotation each (most) | every output by one shift, 1.."
